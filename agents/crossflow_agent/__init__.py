@@ -1,0 +1,1 @@
+"""Crossflow node agent: engine telemetry -> capacity model -> leases on a gRPC stream."""

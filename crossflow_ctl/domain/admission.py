@@ -1,0 +1,299 @@
+"""The admission policy (DESIGN.md §4): Demand, Benefit and Safety, and node choice.
+
+Pure: it is given the request, the prefill pool's load, the candidate nodes' states, the policy
+settings and the time, and returns a :class:`Plan` with every number it used. The broker then
+asks the store to check-and-debit the first choice atomically; the store re-checks Safety against
+the latest lease, so a plan made on a slightly old read can never over-commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import Field
+
+from crossflow_ctl.domain.models import (
+    MAX_TOKENS,
+    Credits,
+    Frozen,
+    NodeId,
+    NodeState,
+    PoolName,
+    PoolSnapshot,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+
+
+class Decision(StrEnum):
+    BORROW = "borrow"
+    NORMAL = "normal"
+
+
+class Reason(StrEnum):
+    BORROWED = "borrowed"
+    NO_DEMAND = "no_demand"
+    POOL_LOAD_MISSING = "pool_load_missing"
+    NO_BENEFIT = "no_benefit"
+    NO_ROOM = "no_room"
+    NO_LEASES = "no_leases"
+    STORE_UNAVAILABLE = "store_unavailable"
+    TIMEOUT = "timeout"
+    SHADOW_MODE = "shadow_mode"
+    DRY_RUN = "dry_run"
+    BORROWING_DISABLED = "borrowing_disabled"
+
+
+class AdmissionRequest(Frozen):
+    request_id: Annotated[str, Field(max_length=256)] = ""
+    uncached_prompt_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)]
+    cached_prefix_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
+    cached_prefix_node_id: NodeId | None = None
+    """Decode node holding the cached prefix; None when it lives in the prefill pool."""
+    expected_output_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
+    candidate_node_ids: Annotated[tuple[NodeId, ...], Field(max_length=1024)] = ()
+    dry_run: bool = False
+    pool: PoolName = "default"
+
+
+class DemandCheck(Frozen):
+    holds: bool
+    pool_wait_ms: float | None
+    threshold_ms: float
+    outstanding_uncached_tokens: int = 0
+    processing_rate_tps: float = 0.0
+    reporting_nodes: int = 0
+
+
+class NormalPath(Frozen):
+    wait_ms: float
+    prefill_ms: float
+    kv_transfer_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.wait_ms + self.prefill_ms + self.kv_transfer_ms
+
+
+class NodeCheck(Frozen):
+    node_id: str
+    verdict: Reason
+    """BORROWED when this node passes Benefit and Safety, else why it does not."""
+    detail: str = ""
+    queue_wait_ms: float = 0.0
+    service_ms: float = 0.0
+    benefit: bool = False
+    safe: bool = False
+    available: Credits = Credits()
+    debit: Credits = Credits()
+    short_credits: tuple[str, ...] = ()
+    lease_epoch: int = 0
+    lease_version: int = 0
+
+    @property
+    def predicted_ttft_ms(self) -> float:
+        return self.queue_wait_ms + self.service_ms
+
+
+class Plan(Frozen):
+    """The policy's verdict before any debit: NORMAL with a reason, or ranked nodes to try."""
+
+    reason: Reason
+    demand: DemandCheck
+    normal_path: NormalPath | None = None
+    nodes: tuple[NodeCheck, ...] = ()
+    ranked: tuple[NodeCheck, ...] = ()
+    """Nodes that pass Benefit and Safety, best (lowest predicted TTFT) first."""
+
+    def summary(self) -> str:
+        d = self.demand
+        if self.reason is Reason.POOL_LOAD_MISSING:
+            return "demand fails: no live load report from the prefill pool"
+        wait = f"{d.pool_wait_ms:.1f}" if d.pool_wait_ms is not None else "?"
+        if not d.holds:
+            return f"demand fails: prefill wait {wait} ms <= threshold {d.threshold_ms:.1f} ms"
+        if self.ranked:
+            best = self.ranked[0]
+            normal = self.normal_path.total_ms if self.normal_path else 0.0
+            return (
+                f"borrow on {best.node_id}: predicted TTFT {best.predicted_ttft_ms:.1f} ms "
+                f"< normal path {normal:.1f} ms"
+            )
+        return f"{self.reason.value}: no node passes both benefit and safety"
+
+
+class Admission(Frozen):
+    """The answer to one Admit, after the store's debit (or the reason there was none)."""
+
+    decision: Decision
+    reason: Reason
+    message: str = ""
+    node_id: str = ""
+    reservation_id: str = ""
+    lease_epoch: int = 0
+    lease_version: int = 0
+    expires_at_ms: int = 0
+    predicted_ttft_ms: float = 0.0
+    normal_ttft_ms: float = 0.0
+    plan: Plan | None = None
+    shadow_decision: Decision | None = None
+
+    @classmethod
+    def normal(cls, reason: Reason, message: str, plan: Plan | None = None) -> Admission:
+        normal = plan.normal_path.total_ms if plan and plan.normal_path else 0.0
+        return cls(
+            decision=Decision.NORMAL,
+            reason=reason,
+            message=message,
+            plan=plan,
+            normal_ttft_ms=normal,
+        )
+
+
+def debit_for(request: AdmissionRequest, node_id: str, settings: PolicySettings) -> Credits:
+    """The credits one borrowed request takes from ``node_id``."""
+    remote_prefix = request.cached_prefix_tokens > 0 and request.cached_prefix_node_id != node_id
+    return Credits(
+        compute_tokens=request.uncached_prompt_tokens,
+        kv_tokens=min(
+            MAX_TOKENS,
+            request.uncached_prompt_tokens
+            + request.cached_prefix_tokens
+            + request.expected_output_tokens,
+        ),
+        kv_transfer_bytes=(
+            request.cached_prefix_tokens * settings.kv_bytes_per_token if remote_prefix else 0
+        ),
+        output_tokens=request.expected_output_tokens,
+        slots=1,
+    )
+
+
+def check_demand(pool: PoolSnapshot | None, settings: PolicySettings) -> DemandCheck:
+    wait = pool.estimated_wait_ms() if pool is not None else None
+    if pool is None or wait is None:
+        return DemandCheck(
+            holds=False, pool_wait_ms=None, threshold_ms=settings.demand_threshold_ms
+        )
+    return DemandCheck(
+        holds=wait > settings.demand_threshold_ms,
+        pool_wait_ms=wait,
+        threshold_ms=settings.demand_threshold_ms,
+        outstanding_uncached_tokens=pool.outstanding_uncached_tokens,
+        processing_rate_tps=pool.processing_rate_tps,
+        reporting_nodes=len(pool.reports),
+    )
+
+
+def estimate_normal_path(
+    request: AdmissionRequest,
+    demand: DemandCheck,
+    pool: PoolSnapshot | None,
+    settings: PolicySettings,
+) -> NormalPath:
+    """Prefill-pool wait + prefill time + KV transfer of the whole prompt to decode."""
+    rate = (pool.prefill_rate_tps if pool else 0.0) or settings.default_prefill_rate_tps
+    prompt = request.uncached_prompt_tokens + request.cached_prefix_tokens
+    return NormalPath(
+        wait_ms=demand.pool_wait_ms or 0.0,
+        prefill_ms=request.uncached_prompt_tokens / rate * 1000.0,
+        kv_transfer_ms=prompt
+        * settings.kv_bytes_per_token
+        / settings.kv_transfer_bytes_per_s
+        * 1000.0,
+    )
+
+
+def check_node(
+    request: AdmissionRequest,
+    node: NodeState,
+    normal: NormalPath,
+    settings: PolicySettings,
+    now_ms: int,
+) -> NodeCheck:
+    """Benefit and Safety on one node."""
+    node_id = node.info.node_id
+    debit = debit_for(request, node_id, settings)
+    stored = node.lease
+    if node.info.cordoned:
+        return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="cordoned", debit=debit)
+    if stored is None:
+        return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="no lease", debit=debit)
+    lease = stored.lease
+    base = {"lease_epoch": lease.epoch, "lease_version": lease.version, "debit": debit}
+    if stored.expired(now_ms):
+        return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="lease expired", **base)
+    if lease.zero_reason is not None:
+        detail = f"zero lease: {lease.zero_reason.value}"
+        return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail=detail, **base)
+    available = node.available(now_ms, settings.borrow_share)
+    short = tuple(available.short_of(debit))
+    rate = lease.borrowed_prefill_rate_tps
+    service_ms = request.uncached_prompt_tokens / rate * 1000.0 if rate > 0 else float("inf")
+    if debit.kv_transfer_bytes:
+        service_ms += debit.kv_transfer_bytes / settings.kv_transfer_bytes_per_s * 1000.0
+    predicted = lease.queue_wait_ms + service_ms
+    benefit = predicted + settings.benefit_margin_ms < normal.total_ms
+    safe = not short
+    if not benefit:
+        verdict, detail = (
+            Reason.NO_BENEFIT,
+            f"predicted {predicted:.1f} ms >= normal {normal.total_ms:.1f} ms",
+        )
+    elif not safe:
+        verdict, detail = Reason.NO_ROOM, "short on " + ", ".join(short)
+    else:
+        verdict, detail = Reason.BORROWED, f"predicted {predicted:.1f} ms"
+    return NodeCheck(
+        node_id=node_id,
+        verdict=verdict,
+        detail=detail,
+        queue_wait_ms=lease.queue_wait_ms,
+        service_ms=service_ms,
+        benefit=benefit,
+        safe=safe,
+        available=available,
+        short_credits=short,
+        **base,
+    )
+
+
+def plan_admission(
+    request: AdmissionRequest,
+    pool: PoolSnapshot | None,
+    nodes: Sequence[NodeState],
+    settings: PolicySettings,
+    now_ms: int,
+) -> Plan:
+    """Demand, then Benefit and Safety on every candidate; rank the nodes that pass both."""
+    demand = check_demand(pool, settings)
+    normal = estimate_normal_path(request, demand, pool, settings)
+    checks = tuple(check_node(request, n, normal, settings, now_ms) for n in nodes)
+    ranked = tuple(
+        sorted(
+            (c for c in checks if c.verdict is Reason.BORROWED),
+            key=lambda c: (c.predicted_ttft_ms, c.node_id),
+        )
+    )
+    if not settings.enabled:
+        reason = Reason.BORROWING_DISABLED
+    elif pool is None or demand.pool_wait_ms is None:
+        reason = Reason.POOL_LOAD_MISSING
+    elif not demand.holds:
+        reason = Reason.NO_DEMAND
+    elif ranked:
+        reason = Reason.BORROWED
+    elif any(c.verdict is Reason.NO_ROOM for c in checks):
+        reason = Reason.NO_ROOM
+    elif any(c.verdict is Reason.NO_BENEFIT for c in checks):
+        reason = Reason.NO_BENEFIT
+    else:
+        reason = Reason.NO_LEASES
+    return Plan(
+        reason=reason,
+        demand=demand,
+        normal_path=normal,
+        nodes=checks,
+        ranked=ranked if reason is Reason.BORROWED else (),
+    )

@@ -1,0 +1,58 @@
+"""One error hierarchy for the whole control plane.
+
+    CrossflowError
+    ├── InvalidArgument        bad input: a field is missing, negative, NaN, absurd or malformed
+    ├── NotFound               an unknown node or reservation
+    ├── FailedPrecondition     valid input the current state refuses
+    │   └── StaleLease         a lease whose (epoch, version) is not newer than the stored one
+    ├── StoreUnavailable       the store errored or timed out (callers fail closed)
+    └── ConfigError            settings refused at start
+
+The broker maps each class to one gRPC status code at the boundary; the client maps the codes
+back to these classes, so callers on both sides handle the same types.
+"""
+
+from __future__ import annotations
+
+
+class CrossflowError(Exception):
+    """Root of every error the control plane raises on purpose."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+class InvalidArgument(CrossflowError):
+    """The input is malformed; nothing was changed."""
+
+
+class NotFound(CrossflowError):
+    """The named node or reservation does not exist (or no longer exists)."""
+
+
+class FailedPrecondition(CrossflowError):
+    """The input is well formed but the current state refuses it; nothing was changed."""
+
+
+class StaleLease(FailedPrecondition):
+    """A lease that is not newer than the stored one."""
+
+    def __init__(
+        self, message: str, *, stored_epoch: int, stored_version: int, field: str | None = None
+    ) -> None:
+        super().__init__(message, field=field)
+        self.stored_epoch = stored_epoch
+        self.stored_version = stored_version
+
+
+class StoreUnavailable(CrossflowError):
+    """The store could not answer in time; admission fails closed to the normal path."""
+
+
+class ConfigError(CrossflowError):
+    """A setting was refused at start."""

@@ -1,0 +1,306 @@
+"""Value models shared by the broker, the agent, the store and the simulator.
+
+Units are in the field names: ``*_tokens``, ``*_bytes``, ``*_ms``, ``*_tps`` (tokens per second).
+Every model is frozen; construction validates, and :func:`validated` turns pydantic's
+ValidationError into :class:`InvalidArgument` naming the field at fault.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from crossflow_ctl.domain.errors import InvalidArgument
+
+# Upper bounds beyond which a value is absurd rather than large. A decode node with more than a
+# billion KV token slots or a petabyte of transfer credit is a bug or an attack, not a lease.
+MAX_TOKENS = 1_000_000_000
+MAX_BYTES = 10**15
+MAX_SLOTS = 100_000
+MAX_TTL_MS = 3_600_000
+MAX_RATE_TPS = 1e9
+MAX_MS = 86_400_000.0
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+MAX_ID_LEN = 128
+
+NodeId = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, pattern=ID_PATTERN)]
+PoolName = Annotated[str, Field(min_length=1, max_length=64, pattern=ID_PATTERN)]
+Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
+Ms = Annotated[float, Field(ge=0.0, le=MAX_MS, allow_inf_nan=False)]
+Tps = Annotated[float, Field(ge=0.0, le=MAX_RATE_TPS, allow_inf_nan=False)]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+
+
+def validated(cls: type[M], /, **data: Any) -> M:
+    """Build ``cls`` or raise InvalidArgument naming the first field at fault."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or cls.__name__
+        raise InvalidArgument(err["msg"], field=field) from None
+
+
+class NodeRole(StrEnum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+class ZeroReason(StrEnum):
+    """Why a lease offers nothing."""
+
+    STARTING = "starting"
+    TELEMETRY_MISSING = "telemetry_missing"
+    TELEMETRY_STALE = "telemetry_stale"
+    TELEMETRY_IMPLAUSIBLE = "telemetry_implausible"
+    ITL_OVER_SLO = "itl_over_slo"
+    CORDONED = "cordoned"
+    DRAINING = "draining"
+    SHUTTING_DOWN = "shutting_down"
+    NO_CAPACITY = "no_capacity"
+
+
+CREDIT_NAMES = ("compute_tokens", "kv_tokens", "kv_transfer_bytes", "output_tokens", "slots")
+
+
+class Credits(Frozen):
+    """The five credits of a lease, each in its own unit."""
+
+    compute_tokens: Tokens = 0
+    """Uncached prompt tokens the node can prefill within the borrow horizon."""
+    kv_tokens: Tokens = 0
+    """KV-cache token slots for borrowed requests (prompt + expected output)."""
+    kv_transfer_bytes: Annotated[int, Field(ge=0, le=MAX_BYTES)] = 0
+    """Bytes of remote cached prefix the node can pull in."""
+    output_tokens: Tokens = 0
+    """Output tokens the node can still decode over the horizon."""
+    slots: Annotated[int, Field(ge=0, le=MAX_SLOTS)] = 0
+    """Borrowed prompts the node will run at once."""
+
+    @classmethod
+    def zero(cls) -> Credits:
+        return cls()
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return (
+            self.compute_tokens,
+            self.kv_tokens,
+            self.kv_transfer_bytes,
+            self.output_tokens,
+            self.slots,
+        )
+
+    @classmethod
+    def from_tuple(cls, values: tuple[int, ...] | list[int]) -> Credits:
+        return cls(**dict(zip(CREDIT_NAMES, (max(0, int(v)) for v in values), strict=True)))
+
+    def is_zero(self) -> bool:
+        return not any(self.as_tuple())
+
+    def short_of(self, debit: Credits) -> list[str]:
+        """Names of the credits on which ``debit`` does not fit in ``self``."""
+        return [
+            name
+            for name, have, need in zip(
+                CREDIT_NAMES, self.as_tuple(), debit.as_tuple(), strict=True
+            )
+            if need > have
+        ]
+
+    def minus(self, other: Credits) -> Credits:
+        """Credit by credit, floored at zero."""
+        return Credits.from_tuple(
+            [a - b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)]
+        )
+
+    def plus(self, other: Credits) -> Credits:
+        return Credits.from_tuple(
+            [a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)]
+        )
+
+    def scaled(self, share: float) -> Credits:
+        """Each credit times ``share`` (0..1), rounded down."""
+        return Credits.from_tuple([int(v * share) for v in self.as_tuple()])
+
+
+class Lease(Frozen):
+    """A versioned, self-expiring offer from one decode node (DESIGN.md §2)."""
+
+    node_id: NodeId
+    epoch: Annotated[int, Field(ge=1, lt=2**63)]
+    version: Annotated[int, Field(ge=1, lt=2**63)]
+    ttl_ms: Annotated[int, Field(gt=0, le=MAX_TTL_MS)]
+    credits: Credits = Credits()
+    zero_reason: ZeroReason | None = None
+    zero_detail: Annotated[str, Field(max_length=512)] = ""
+    queue_wait_ms: Ms = 0.0
+    borrowed_prefill_rate_tps: Tps = 0.0
+    itl_ms: Ms = 0.0
+    itl_slo_ms: Ms = 0.0
+    last_notice_seq: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    """Highest notice sequence the agent had seen when its telemetry snapshot was taken."""
+    snapshot_unix_ms: Annotated[int, Field(ge=0)] = 0
+    """Agent clock at snapshot time; informational, never used for expiry."""
+
+    @model_validator(mode="after")
+    def _zero_lease_has_no_credit(self) -> Lease:
+        if self.zero_reason is not None and not self.credits.is_zero():
+            raise ValueError("a zero lease (zero_reason set) must carry zero credits")
+        return self
+
+    @property
+    def is_zero(self) -> bool:
+        return self.zero_reason is not None or self.credits.is_zero()
+
+    def is_newer_than(self, epoch: int, version: int) -> bool:
+        return (self.epoch, self.version) > (epoch, version)
+
+
+class StoredLease(Frozen):
+    """A lease as the store holds it: with the broker-clock receipt time and expiry."""
+
+    lease: Lease
+    received_at_ms: int
+    expires_at_ms: int
+    """``received_at_ms + min(lease.ttl_ms, max_lease_ttl_ms)``, on the broker's clock."""
+
+    def expired(self, now_ms: int) -> bool:
+        return now_ms >= self.expires_at_ms
+
+    def effective_credits(self, now_ms: int) -> Credits:
+        """Zero once expired or for a zero lease (DESIGN.md §5.5)."""
+        if self.expired(now_ms) or self.lease.zero_reason is not None:
+            return Credits()
+        return self.lease.credits
+
+
+class PoolLoad(Frozen):
+    """One prefill server's load, as its agent reports it."""
+
+    pool: PoolName = "default"
+    node_id: NodeId
+    outstanding_uncached_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS * 100)]
+    processing_rate_tps: Tps
+    """Uncached prompt tokens processed per second, recently."""
+    prefill_rate_tps: Tps = 0.0
+    """Prefill rate one request sees on this server (0 when unknown)."""
+    ttl_ms: Annotated[int, Field(gt=0, le=MAX_TTL_MS)]
+    queued_requests: Annotated[int, Field(ge=0, le=10_000_000)] = 0
+
+
+class StoredPoolLoad(Frozen):
+    load: PoolLoad
+    received_at_ms: int
+    expires_at_ms: int
+
+
+class PoolSnapshot(Frozen):
+    """The live (unexpired) reports of one prefill pool, aggregated."""
+
+    pool: str
+    reports: tuple[PoolLoad, ...] = ()
+
+    @property
+    def outstanding_uncached_tokens(self) -> int:
+        return sum(r.outstanding_uncached_tokens for r in self.reports)
+
+    @property
+    def processing_rate_tps(self) -> float:
+        return sum(r.processing_rate_tps for r in self.reports)
+
+    @property
+    def prefill_rate_tps(self) -> float:
+        """Per-request prefill rate: the mean over servers that know it."""
+        known = [r.prefill_rate_tps for r in self.reports if r.prefill_rate_tps > 0]
+        return sum(known) / len(known) if known else 0.0
+
+    def estimated_wait_ms(self) -> float | None:
+        """Outstanding uncached tokens / recent rate; None when nothing reports."""
+        if not self.reports:
+            return None
+        outstanding = self.outstanding_uncached_tokens
+        if outstanding == 0:
+            return 0.0
+        rate = self.processing_rate_tps
+        if rate <= 0:
+            return MAX_MS
+        return min(MAX_MS, outstanding / rate * 1000.0)
+
+
+class ReservationState(StrEnum):
+    HELD = "held"
+    COMMITTED = "committed"
+    RELEASED = "released"
+    """Released by the router; still counted until a causally later lease arrives (§5.4)."""
+
+
+class Reservation(Frozen):
+    reservation_id: str
+    node_id: NodeId
+    state: ReservationState
+    debit: Credits
+    lease_epoch: int
+    lease_version: int
+    created_at_ms: int
+    expires_at_ms: int
+    grant_seq: int
+    release_seq: int = 0
+    request_id: str = ""
+
+    def counts(self, now_ms: int) -> bool:
+        """Whether this reservation still counts against its node's lease."""
+        return self.expires_at_ms > now_ms
+
+
+class NoticeKind(StrEnum):
+    GRANT = "grant"
+    COMMIT = "commit"
+    RELEASE = "release"
+    EXPIRE = "expire"
+    CORDON = "cordon"
+    UNCORDON = "uncordon"
+
+
+class Notice(Frozen):
+    """A per-node event the broker relays to the node's agent, with a per-node sequence."""
+
+    node_id: NodeId
+    seq: int
+    kind: NoticeKind
+    reservation_id: str = ""
+    debit: Credits = Credits()
+    at_ms: int = 0
+
+
+class NodeInfo(Frozen):
+    """What the store knows of a node besides its lease."""
+
+    node_id: NodeId
+    role: NodeRole = NodeRole.DECODE
+    pool: str = "default"
+    cordoned: bool = False
+    cordon_reason: str = ""
+    labels: dict[str, str] = Field(default_factory=dict)
+    notice_seq: int = 0
+
+
+class NodeState(Frozen):
+    """One node as admission and the admin API see it: lease, open debits, cordon."""
+
+    info: NodeInfo
+    lease: StoredLease | None = None
+    open_debits: Credits = Credits()
+    open_reservations: int = 0
+
+    def available(self, now_ms: int, share: float = 1.0) -> Credits:
+        """Latest lease credit x share, minus open debits (DESIGN.md §5.2)."""
+        if self.lease is None or self.info.cordoned:
+            return Credits()
+        return self.lease.effective_credits(now_ms).scaled(share).minus(self.open_debits)

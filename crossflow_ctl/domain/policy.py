@@ -1,0 +1,69 @@
+"""Policy settings: one validated model, shared by the broker, the CLI and the simulator."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+
+from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.models import Frozen, validated
+
+# GPT-OSS-120B-like: 2 (K and V) x 36 layers x 8 KV heads x 64 head dim x 2 bytes (bf16).
+DEFAULT_KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 64 * 2
+
+
+class PolicySettings(Frozen):
+    """Admission policy knobs (DESIGN.md §4); changed live with ``crossflowctl policy set``."""
+
+    enabled: bool = True
+    """Master switch: false answers NORMAL to every Admit."""
+    shadow_mode: bool = False
+    """Decide and record everything, but always answer NORMAL and debit nothing."""
+    demand_threshold_ms: Annotated[float, Field(ge=0.0, le=600_000.0, allow_inf_nan=False)] = 200.0
+    """Demand holds when the prefill pool's estimated wait is above this."""
+    benefit_margin_ms: Annotated[float, Field(ge=0.0, le=600_000.0, allow_inf_nan=False)] = 0.0
+    """Borrowing must beat the normal path's TTFT by at least this much."""
+    borrow_share: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.5
+    """Cluster-wide borrowing limit, as the share of every decode node's lease that may be lent.
+
+    Applied per node inside the node's own atomic check-and-debit, so the sum of borrowed credit
+    over the whole cluster never exceeds ``borrow_share`` x the sum of leases, without any
+    cross-slot operation (Redis Cluster safe). The rest stays free for requests already coming
+    from the prefill pool."""
+    hold_ttl_ms: Annotated[int, Field(gt=0, le=600_000)] = 2_000
+    """A HELD reservation not committed within this expires."""
+    commit_ttl_ms: Annotated[int, Field(gt=0, le=3_600_000)] = 30_000
+    """A COMMITTED reservation not released within this expires. Must outlast the horizon."""
+    max_lease_ttl_ms: Annotated[int, Field(gt=0, le=60_000)] = 2_000
+    """Cap on a lease's TTL, counted from receipt on the broker's clock."""
+    borrow_horizon_ms: Annotated[int, Field(gt=0, le=600_000)] = 2_000
+    """How long borrowed work may run; agents size compute and output credit over it."""
+    kv_bytes_per_token: Annotated[int, Field(gt=0, le=100_000_000)] = DEFAULT_KV_BYTES_PER_TOKEN
+    """KV bytes per token of the served model, for transfer-time and transfer-credit estimates."""
+    kv_transfer_bytes_per_s: Annotated[float, Field(gt=0.0, le=1e13, allow_inf_nan=False)] = 25e9
+    """Network bandwidth between servers for KV transfer (prefill to decode, remote prefixes)."""
+    default_prefill_rate_tps: Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)] = (
+        20_000.0
+    )
+    """Per-request prefill rate of the prefill pool when its agents do not report one."""
+    candidate_sample: Annotated[int, Field(ge=1, le=64)] = 8
+    """Nodes sampled when the router names no candidates (cost stays flat with fleet size)."""
+    admit_timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 50
+    """Admission answers NORMAL (fail closed) when the store takes longer than this."""
+
+    @model_validator(mode="after")
+    def _commit_outlasts_horizon(self) -> PolicySettings:
+        if self.commit_ttl_ms < self.borrow_horizon_ms:
+            raise ValueError(
+                f"commit_ttl_ms ({self.commit_ttl_ms}) must be at least borrow_horizon_ms "
+                f"({self.borrow_horizon_ms}): an expired committed reservation may still run"
+            )
+        return self
+
+    def updated(self, updates: dict[str, Any]) -> PolicySettings:
+        """A copy with ``updates`` applied and validated; raises InvalidArgument naming the key."""
+        unknown = sorted(set(updates) - set(type(self).model_fields))
+        if unknown:
+            raise InvalidArgument(f"unknown policy setting {unknown[0]!r}", field=unknown[0])
+        return validated(PolicySettings, **{**self.model_dump(), **updates})

@@ -1,0 +1,171 @@
+"""The store interface every implementation honours, and the values it returns.
+
+Semantics (both implementations, proved by tests/store/test_contract.py):
+
+* ``upsert_lease`` refuses a lease whose (epoch, version) is not newer than the stored one and
+  changes nothing (§5.1). An accepted lease replaces the old one (§5.2); its expiry is
+  ``now_ms + min(ttl_ms, max_ttl_ms)`` on the broker's clock (§5.5). It purges reservations that
+  have expired and RELEASED ones whose release notice the agent had seen when its snapshot was
+  taken (``lease.last_notice_seq >= release_seq``, §5.4).
+* ``try_debit`` checks, in one atomic step, that the node is known, not cordoned, has a live
+  non-zero lease, and that ``lease.credits x share - open debits >= debit`` on every credit;
+  then records a HELD reservation and a GRANT notice (§5.3). Otherwise nothing changes.
+* Open debits are the sum of the node's reservations that have not expired and have not been
+  purged (HELD, COMMITTED and RELEASED-but-not-yet-seen).
+* Every grant, commit, release, expiry and cordon change appends a notice with the node's next
+  sequence number; agents' streams relay them (§6).
+* Every method that touches the backend raises :class:`StoreUnavailable` on backend errors.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+from crossflow_ctl.domain.models import (
+    Credits,
+    Frozen,
+    Lease,
+    NodeInfo,
+    NodeRole,
+    NodeState,
+    Notice,
+    PoolLoad,
+    PoolSnapshot,
+    Reservation,
+    StoredLease,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+
+
+class LeaseOutcome(Frozen):
+    accepted: bool
+    stored_epoch: int
+    stored_version: int
+    purged_reservations: int = 0
+
+
+class DebitOutcome(Frozen):
+    granted: bool
+    reservation: Reservation | None = None
+    short_credits: tuple[str, ...] = ()
+    refusal: str = ""
+    """Why nothing was debited: unknown_node, cordoned, no_lease, expired, zero_lease, short."""
+    lease_epoch: int = 0
+    lease_version: int = 0
+
+
+class NodeEvent(Frozen):
+    at_ms: int
+    kind: str
+    message: str
+
+
+class Store(abc.ABC):
+    """Leases, pool load, reservations, notices and the shared policy."""
+
+    # -- agents -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def register_node(
+        self,
+        node_id: str,
+        role: NodeRole,
+        pool: str,
+        labels: dict[str, str],
+        now_ms: int,
+    ) -> NodeInfo:
+        """Create or refresh a node's info on agent Hello; keeps its cordon state."""
+
+    @abc.abstractmethod
+    async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
+        """Store ``lease`` if newer than the stored one (see module docstring)."""
+
+    @abc.abstractmethod
+    async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
+        """Record one prefill server's report; it expires after min(ttl, max_ttl)."""
+
+    # -- admission --------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def admission_view(
+        self, pool: str, node_ids: Sequence[str], sample: int, now_ms: int
+    ) -> tuple[PoolSnapshot | None, list[NodeState]]:
+        """The pool's live reports and the candidates' states, in one round trip.
+
+        With no ``node_ids``, up to ``sample`` random nodes holding a live non-zero lease are
+        taken, so the cost does not grow with the fleet. Unknown ids are left out."""
+
+    @abc.abstractmethod
+    async def try_debit(
+        self,
+        node_id: str,
+        debit: Credits,
+        share: float,
+        now_ms: int,
+        hold_ttl_ms: int,
+        request_id: str = "",
+    ) -> DebitOutcome:
+        """Atomically check room on every credit and record a HELD reservation."""
+
+    @abc.abstractmethod
+    async def commit(self, reservation_id: str, now_ms: int, commit_ttl_ms: int) -> Reservation:
+        """HELD -> COMMITTED (expiry now + commit_ttl). NotFound if unknown or expired;
+        FailedPrecondition if already released. Committing twice is idempotent."""
+
+    @abc.abstractmethod
+    async def release(self, reservation_id: str, now_ms: int) -> Reservation:
+        """HELD/COMMITTED -> RELEASED with a RELEASE notice. NotFound if unknown or expired.
+        Releasing twice is idempotent."""
+
+    # -- operators --------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def set_cordon(self, node_id: str, cordoned: bool, reason: str, now_ms: int) -> NodeInfo:
+        """Cordon or uncordon a known node (NotFound otherwise), with a notice."""
+
+    @abc.abstractmethod
+    async def list_nodes(self, now_ms: int) -> list[NodeState]:
+        """Every known node, sorted by id."""
+
+    @abc.abstractmethod
+    async def get_node(self, node_id: str, now_ms: int) -> NodeState:
+        """One node (NotFound if unknown)."""
+
+    @abc.abstractmethod
+    async def list_reservations(self, node_id: str | None, now_ms: int) -> list[Reservation]:
+        """Open (counting) reservations, of one node or all, sorted by creation."""
+
+    @abc.abstractmethod
+    async def list_pools(self, now_ms: int) -> list[PoolSnapshot]:
+        """Every pool with its live reports."""
+
+    @abc.abstractmethod
+    async def lease_history(self, node_id: str, limit: int) -> list[StoredLease]:
+        """The node's most recent accepted leases, newest first."""
+
+    @abc.abstractmethod
+    async def node_events(self, node_id: str, limit: int) -> list[NodeEvent]:
+        """State changes (lease zeroed or restored, cordon, new epoch), newest first."""
+
+    # -- notices ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def read_notices(
+        self, node_id: str, after_seq: int, limit: int, block_ms: int = 0
+    ) -> list[Notice]:
+        """Notices with seq > after_seq, oldest first; waits up to block_ms when none."""
+
+    # -- policy -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def get_policy(self) -> PolicySettings | None:
+        """The policy shared by all broker replicas, None if never set."""
+
+    @abc.abstractmethod
+    async def set_policy(self, settings: PolicySettings) -> None:
+        """Replace the shared policy."""
+
+    # -- lifecycle --------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def ping(self) -> None:
+        """Raise StoreUnavailable when the backend does not answer."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections."""

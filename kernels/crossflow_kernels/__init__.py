@@ -1,0 +1,1 @@
+"""Triton kernels (with PyTorch references) that calibrate a node's roofline."""
