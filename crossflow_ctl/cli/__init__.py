@@ -1,0 +1,1 @@
+"""Command-line entry points: crossflowctl (operators) and crossflow (demo)."""
