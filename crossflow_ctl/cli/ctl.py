@@ -1,4 +1,4 @@
-"""``crossflowctl``: the kubectl-style operator CLI (Admin and Admission APIs, simulator, planner)."""
+"""``crossflowctl``: the kubectl-style operator CLI (Admin and Admission APIs, simulator)."""
 
 from __future__ import annotations
 
