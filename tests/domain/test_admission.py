@@ -1,0 +1,219 @@
+"""The admission policy, condition by condition, on hand-checkable numbers (DESIGN.md §4)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from crossflow_ctl.domain.admission import (
+    AdmissionRequest,
+    Reason,
+    debit_for,
+    plan_admission,
+)
+from crossflow_ctl.domain.models import (
+    Credits,
+    Lease,
+    NodeInfo,
+    NodeState,
+    PoolLoad,
+    PoolSnapshot,
+    StoredLease,
+    ZeroReason,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+
+NOW = 1_000_000
+# 1 KiB per token over 1,024,000 B/s keeps transfer times easy: 1 token = 1 ms.
+SETTINGS = PolicySettings(
+    demand_threshold_ms=100.0,
+    borrow_share=1.0,
+    kv_bytes_per_token=1024,
+    kv_transfer_bytes_per_s=1_024_000.0,
+    default_prefill_rate_tps=1000.0,
+)
+ROOMY = Credits(
+    compute_tokens=10_000,
+    kv_tokens=100_000,
+    kv_transfer_bytes=10**9,
+    output_tokens=10_000,
+    slots=4,
+)
+
+NO_DEBITS = Credits()
+
+
+def pool(outstanding: int, rate: float, prefill_rate: float = 1000.0) -> PoolSnapshot:
+    load = PoolLoad(
+        node_id="p0",
+        outstanding_uncached_tokens=outstanding,
+        processing_rate_tps=rate,
+        prefill_rate_tps=prefill_rate,
+        ttl_ms=1000,
+    )
+    return PoolSnapshot(pool="default", reports=(load,))
+
+
+def node(
+    node_id: str = "d0",
+    credits: Credits = ROOMY,
+    rate: float = 2000.0,
+    queue_ms: float = 0.0,
+    expires_at: int = NOW + 500,
+    zero: ZeroReason | None = None,
+    cordoned: bool = False,
+    debits: Credits = NO_DEBITS,
+) -> NodeState:
+    lease = Lease(
+        node_id=node_id,
+        epoch=1,
+        version=7,
+        ttl_ms=1000,
+        credits=Credits() if zero else credits,
+        zero_reason=zero,
+        queue_wait_ms=queue_ms,
+        borrowed_prefill_rate_tps=rate,
+    )
+    return NodeState(
+        info=NodeInfo(node_id=node_id, cordoned=cordoned),
+        lease=StoredLease(lease=lease, received_at_ms=NOW - 100, expires_at_ms=expires_at),
+        open_debits=debits,
+    )
+
+
+REQUEST = AdmissionRequest(uncached_prompt_tokens=1000, expected_output_tokens=100)
+
+
+def test_borrow_when_demand_benefit_and_safety_hold() -> None:
+    # Normal: wait 2000 ms (2000 tokens at 1000/s) + prefill 1000 ms + transfer 1000 ms.
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), [node()], SETTINGS, NOW)
+    assert plan.reason is Reason.BORROWED
+    assert plan.normal_path is not None
+    assert plan.normal_path.total_ms == pytest.approx(2000 + 1000 + 1000)
+    best = plan.ranked[0]
+    assert best.node_id == "d0"
+    assert best.predicted_ttft_ms == pytest.approx(500.0)  # 1000 tokens at 2000/s, no queue
+    assert best.lease_version == 7
+
+
+def test_demand_below_threshold_takes_the_normal_path() -> None:
+    plan = plan_admission(REQUEST, pool(50, 1000.0), [node()], SETTINGS, NOW)  # 50 ms wait
+    assert plan.reason is Reason.NO_DEMAND
+    assert not plan.ranked
+
+
+def test_missing_pool_load_fails_demand() -> None:
+    plan = plan_admission(REQUEST, None, [node()], SETTINGS, NOW)
+    assert plan.reason is Reason.POOL_LOAD_MISSING
+    assert not plan.ranked
+
+
+def test_no_benefit_when_the_decode_node_is_slower() -> None:
+    slow = node(rate=100.0)  # 10 s of service against a 4 s normal path
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), [slow], SETTINGS, NOW)
+    assert plan.reason is Reason.NO_BENEFIT
+    assert plan.nodes[0].predicted_ttft_ms == pytest.approx(10_000.0)
+
+
+def test_benefit_is_strict_and_honours_the_margin() -> None:
+    # Normal path total 4000 ms; node predicted 1000 ms queue + 500 ms service = 1500 ms.
+    loaded = node(queue_ms=1000.0)
+    margin = SETTINGS.updated({"benefit_margin_ms": 2500.0})
+    assert plan_admission(REQUEST, pool(2000, 1000.0), [loaded], margin, NOW).reason is (
+        Reason.NO_BENEFIT
+    )
+    margin = SETTINGS.updated({"benefit_margin_ms": 2499.0})
+    assert plan_admission(REQUEST, pool(2000, 1000.0), [loaded], margin, NOW).reason is (
+        Reason.BORROWED
+    )
+
+
+def test_safety_names_the_short_credit() -> None:
+    tight = node(credits=ROOMY.model_copy(update={"output_tokens": 99}))
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), [tight], SETTINGS, NOW)
+    assert plan.reason is Reason.NO_ROOM
+    assert plan.nodes[0].short_credits == ("output_tokens",)
+
+
+def test_open_debits_reduce_room_and_borrow_share_caps_it() -> None:
+    debited = node(debits=Credits(slots=4))
+    assert plan_admission(REQUEST, pool(2000, 1000.0), [debited], SETTINGS, NOW).reason is (
+        Reason.NO_ROOM
+    )
+    half = SETTINGS.updated({"borrow_share": 0.5})
+    small = node(credits=ROOMY.model_copy(update={"compute_tokens": 1999}))
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), [small], half, NOW)
+    assert plan.nodes[0].short_credits == ("compute_tokens",)  # 1999 x 0.5 < 1000
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        node(expires_at=NOW),
+        node(zero=ZeroReason.ITL_OVER_SLO),
+        node(cordoned=True),
+        NodeState(info=NodeInfo(node_id="d0")),
+    ],
+    ids=["expired", "zero", "cordoned", "no-lease"],
+)
+def test_nodes_without_a_live_lease_never_borrow(bad: NodeState) -> None:
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), [bad], SETTINGS, NOW)
+    assert plan.reason is Reason.NO_LEASES
+    assert not plan.ranked
+
+
+def test_best_node_is_the_lowest_predicted_ttft() -> None:
+    nodes = [node("d0", queue_ms=300.0), node("d1", queue_ms=100.0), node("d2", rate=1.0)]
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), nodes, SETTINGS, NOW)
+    assert [c.node_id for c in plan.ranked] == ["d1", "d0"]
+
+
+def test_remote_prefix_costs_transfer_credit_and_time_local_prefix_does_not() -> None:
+    req = AdmissionRequest(
+        uncached_prompt_tokens=1000, cached_prefix_tokens=500, cached_prefix_node_id="d1"
+    )
+    assert debit_for(req, "d0", SETTINGS).kv_transfer_bytes == 500 * 1024
+    assert debit_for(req, "d1", SETTINGS).kv_transfer_bytes == 0
+    assert debit_for(req, "d0", SETTINGS).kv_tokens == 1500
+    plan = plan_admission(req, pool(2000, 1000.0), [node("d0"), node("d1")], SETTINGS, NOW)
+    assert plan.ranked[0].node_id == "d1"
+    by_id = {c.node_id: c for c in plan.nodes}
+    assert by_id["d0"].service_ms == pytest.approx(500.0 + 500.0)  # + 500 tokens x 1 ms
+
+
+def test_disabled_policy_never_borrows() -> None:
+    off = SETTINGS.updated({"enabled": False})
+    assert plan_admission(REQUEST, pool(2000, 1000.0), [node()], off, NOW).reason is (
+        Reason.BORROWING_DISABLED
+    )
+
+
+@given(
+    outstanding=st.integers(0, 10**6),
+    rate=st.floats(0.0, 1e6),
+    compute=st.integers(0, 5000),
+    slots=st.integers(0, 3),
+    uncached=st.integers(0, 5000),
+    output=st.integers(0, 500),
+    queue=st.floats(0.0, 10_000.0),
+)
+def test_a_ranked_node_always_satisfies_all_three_conditions(
+    outstanding: int,
+    rate: float,
+    compute: int,
+    slots: int,
+    uncached: int,
+    output: int,
+    queue: float,
+) -> None:
+    credits = ROOMY.model_copy(update={"compute_tokens": compute, "slots": slots})
+    request = AdmissionRequest(uncached_prompt_tokens=uncached, expected_output_tokens=output)
+    plan = plan_admission(
+        request, pool(outstanding, rate), [node(credits=credits, queue_ms=queue)], SETTINGS, NOW
+    )
+    for check in plan.ranked:
+        assert plan.demand.holds
+        assert plan.normal_path is not None
+        assert check.predicted_ttft_ms < plan.normal_path.total_ms
+        assert not credits.short_of(check.debit)

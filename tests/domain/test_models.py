@@ -1,0 +1,121 @@
+"""Domain models refuse bad input with the field named, and credit arithmetic is exact."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.models import (
+    MAX_TOKENS,
+    Credits,
+    Lease,
+    PoolLoad,
+    PoolSnapshot,
+    StoredLease,
+    ZeroReason,
+    validated,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+
+credit_values = st.integers(min_value=0, max_value=10_000)
+credits = st.builds(
+    Credits,
+    compute_tokens=credit_values,
+    kv_tokens=credit_values,
+    kv_transfer_bytes=credit_values,
+    output_tokens=credit_values,
+    slots=st.integers(0, 100),
+)
+
+
+def lease(**overrides: object) -> Lease:
+    fields: dict[str, object] = {"node_id": "d0", "epoch": 1, "version": 1, "ttl_ms": 1000}
+    fields.update(overrides)
+    return validated(Lease, **fields)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"credits": {"compute_tokens": -1}}, "credits.compute_tokens"),
+        ({"credits": {"kv_tokens": MAX_TOKENS + 1}}, "credits.kv_tokens"),
+        ({"credits": {"slots": 10**9}}, "credits.slots"),
+        ({"queue_wait_ms": math.nan}, "queue_wait_ms"),
+        ({"borrowed_prefill_rate_tps": math.inf}, "borrowed_prefill_rate_tps"),
+        ({"node_id": ""}, "node_id"),
+        ({"node_id": "x" * 129}, "node_id"),
+        ({"node_id": "bad id/with slash"}, "node_id"),
+        ({"epoch": 0}, "epoch"),
+        ({"version": -3}, "version"),
+        ({"ttl_ms": 0}, "ttl_ms"),
+    ],
+)
+def test_bad_lease_fields_are_named(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        lease(**overrides)
+    assert info.value.field == field
+
+
+def test_zero_lease_must_carry_zero_credit() -> None:
+    with pytest.raises(InvalidArgument, match="zero lease"):
+        lease(zero_reason=ZeroReason.ITL_OVER_SLO, credits={"compute_tokens": 5})
+    assert lease(zero_reason=ZeroReason.ITL_OVER_SLO).is_zero
+
+
+def test_lease_ordering_is_epoch_then_version() -> None:
+    newer = lease(epoch=2, version=1)
+    assert newer.is_newer_than(1, 99)
+    assert not newer.is_newer_than(2, 1)
+    assert lease(epoch=2, version=2).is_newer_than(2, 1)
+
+
+def test_expired_or_zero_stored_lease_counts_as_zero() -> None:
+    live = lease(credits={"compute_tokens": 100, "slots": 2})
+    stored = StoredLease(lease=live, received_at_ms=1000, expires_at_ms=2000)
+    assert stored.effective_credits(1999).compute_tokens == 100
+    assert stored.effective_credits(2000).is_zero()
+    zero = StoredLease(
+        lease=lease(zero_reason=ZeroReason.CORDONED), received_at_ms=0, expires_at_ms=10**9
+    )
+    assert zero.effective_credits(5).is_zero()
+
+
+@given(credits, credits)
+def test_short_of_names_exactly_the_credits_that_do_not_fit(have: Credits, need: Credits) -> None:
+    short = have.short_of(need)
+    for name in ("compute_tokens", "kv_tokens", "kv_transfer_bytes", "output_tokens", "slots"):
+        assert (name in short) == (getattr(need, name) > getattr(have, name))
+    if not short:
+        assert have.minus(need).plus(need) == have
+
+
+def test_pool_wait_is_outstanding_over_rate() -> None:
+    reports = (
+        PoolLoad(
+            node_id="p0", outstanding_uncached_tokens=30_000, processing_rate_tps=10_000, ttl_ms=1
+        ),
+        PoolLoad(
+            node_id="p1", outstanding_uncached_tokens=10_000, processing_rate_tps=10_000, ttl_ms=1
+        ),
+    )
+    assert PoolSnapshot(pool="default", reports=reports).estimated_wait_ms() == pytest.approx(
+        2000.0
+    )
+    assert PoolSnapshot(pool="default").estimated_wait_ms() is None
+
+
+def test_policy_updates_are_validated_and_named() -> None:
+    policy = PolicySettings()
+    assert policy.updated({"demand_threshold_ms": "50"}).demand_threshold_ms == 50.0
+    with pytest.raises(InvalidArgument) as info:
+        policy.updated({"borrow_share": "1.5"})
+    assert info.value.field == "borrow_share"
+    with pytest.raises(InvalidArgument) as info:
+        policy.updated({"no_such_knob": "1"})
+    assert info.value.field == "no_such_knob"
+    with pytest.raises(InvalidArgument, match="commit_ttl_ms"):
+        policy.updated({"commit_ttl_ms": 100, "borrow_horizon_ms": 5000})
