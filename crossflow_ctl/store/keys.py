@@ -1,0 +1,97 @@
+"""Every Redis key name, and the reservation id format, built in one place.
+
+Per-node keys share the hash tag ``{<ns>:n:<node_id>}`` so that all of one node's state (info,
+lease, reservations, notice stream, history, events) lives on one Redis Cluster slot and each
+per-node Lua script touches one slot only. Global keys (node index, lender index, pools, policy)
+carry their own tags and are never passed to a per-node script.
+
+Reservation ids are ``<32 hex digits>@<node_id>``, so commit and release find the node's keys
+from the id alone, with no global lookup.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.models import MAX_ID_LEN
+
+_RESERVATION_ID = re.compile(r"^([0-9a-f]{32})@([A-Za-z0-9][A-Za-z0-9._-]*)$")
+
+
+def new_reservation_id(node_id: str, bits: int) -> str:
+    """A reservation id for ``node_id`` from 128 random bits."""
+    return f"{bits & ((1 << 128) - 1):032x}@{node_id}"
+
+
+def node_of_reservation(reservation_id: str) -> str:
+    """The node a reservation id names; InvalidArgument when the id is malformed."""
+    match = _RESERVATION_ID.match(reservation_id) if len(reservation_id) <= 200 else None
+    if match is None or len(match.group(2)) > MAX_ID_LEN:
+        raise InvalidArgument(
+            f"malformed reservation id {reservation_id[:80]!r} (want <32 hex>@<node_id>)",
+            field="reservation_id",
+        )
+    return match.group(2)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeKeys:
+    """The keys of one node; all share one hash tag (one Cluster slot)."""
+
+    info: str
+    """HASH: node info fields, cordon state and the notice sequence (``seq``)."""
+    lease: str
+    """STRING: the stored lease as JSON (lease + received/expires on the broker clock)."""
+    reservations: str
+    """HASH: reservation id -> reservation JSON."""
+    notices: str
+    """STREAM: notices, entry id ``<seq>-0``, capped with MAXLEN ~."""
+    history: str
+    """LIST: recent stored leases as JSON, newest first, capped."""
+    events: str
+    """LIST: recent node events as JSON, newest first, capped."""
+
+    def all(self) -> list[str]:
+        return [self.info, self.lease, self.reservations, self.notices, self.history, self.events]
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    namespace: str
+
+    def node(self, node_id: str) -> NodeKeys:
+        tag = f"{{{self.namespace}:n:{node_id}}}"
+        return NodeKeys(
+            info=f"{tag}:info",
+            lease=f"{tag}:lease",
+            reservations=f"{tag}:res",
+            notices=f"{tag}:notices",
+            history=f"{tag}:history",
+            events=f"{tag}:events",
+        )
+
+    @property
+    def nodes(self) -> str:
+        """SET: every known node id."""
+        return f"{{{self.namespace}:g}}:nodes"
+
+    @property
+    def lenders(self) -> str:
+        """ZSET: nodes with a live non-zero lease and no cordon, scored by lease expiry (ms)."""
+        return f"{{{self.namespace}:g}}:lenders"
+
+    @property
+    def pools(self) -> str:
+        """SET: every pool name that has reported."""
+        return f"{{{self.namespace}:g}}:pools"
+
+    def pool(self, pool: str) -> str:
+        """HASH: prefill node id -> stored pool load JSON (expiry inside)."""
+        return f"{{{self.namespace}:p:{pool}}}:load"
+
+    @property
+    def policy(self) -> str:
+        """STRING: the shared PolicySettings as JSON."""
+        return f"{{{self.namespace}:g}}:policy"

@@ -1,0 +1,406 @@
+"""The in-process store: the embedded default for single-process runs and the simulator.
+
+Clock-free (every method takes ``now_ms``), so the simulator can drive it on a virtual clock.
+All state lives in plain dicts guarded by one :class:`asyncio.Lock`; every mutation is a single
+critical section with no ``await`` inside, so each check-and-debit is atomic (DESIGN.md §5.3).
+It honours exactly the semantics of :mod:`crossflow_ctl.store.base` and passes the same contract
+suite as the Redis store (tests/store/test_contract.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from crossflow_ctl.domain.models import (
+    Credits,
+    Lease,
+    NodeInfo,
+    NodeRole,
+    NodeState,
+    Notice,
+    NoticeKind,
+    PoolLoad,
+    PoolSnapshot,
+    Reservation,
+    ReservationState,
+    StoredLease,
+    StoredPoolLoad,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.store.base import DebitOutcome, LeaseOutcome, NodeEvent, Store
+from crossflow_ctl.store.keys import new_reservation_id, node_of_reservation
+
+HISTORY_CAP = 32
+"""Accepted leases kept per node for ``lease_history``."""
+EVENTS_CAP = 64
+"""State-change events kept per node for ``node_events``."""
+NOTICES_CAP = 10_000
+"""Notices kept per node; an agent further behind than this resumes from the oldest kept."""
+
+
+@dataclass
+class _Node:
+    info: NodeInfo
+    lease: StoredLease | None = None
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    notices: list[Notice] = field(default_factory=list)
+    history: deque[StoredLease] = field(default_factory=lambda: deque(maxlen=HISTORY_CAP))
+    events: deque[NodeEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_CAP))
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def lease_event(old: StoredLease | None, new: Lease, now_ms: int) -> list[NodeEvent]:
+    """State-change events an accepted lease causes (new epoch, zeroed, restored)."""
+    events: list[NodeEvent] = []
+    if old is None or old.lease.epoch != new.epoch:
+        events.append(NodeEvent(at_ms=now_ms, kind="new_epoch", message=f"new epoch {new.epoch}"))
+    was_zero = old is None or old.lease.is_zero or old.expired(now_ms)
+    if new.is_zero and (old is None or not old.lease.is_zero):
+        reason = new.zero_reason.value if new.zero_reason is not None else "no_capacity"
+        events.append(
+            NodeEvent(at_ms=now_ms, kind="lease_zeroed", message=f"lease zeroed: {reason}")
+        )
+    elif not new.is_zero and was_zero and old is not None:
+        events.append(NodeEvent(at_ms=now_ms, kind="lease_restored", message="lease restored"))
+    return events
+
+
+class MemoryStore(Store):
+    """Everything in this process; ``seed`` makes sampling and reservation ids reproducible."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._lock = asyncio.Lock()
+        self._rng = random.Random(seed)
+        self._nodes: dict[str, _Node] = {}
+        self._pools: dict[str, dict[str, StoredPoolLoad]] = {}
+        self._lenders: dict[str, int] = {}
+        """Nodes with a live non-zero lease and no cordon -> lease expiry (for sampling)."""
+        self._policy: PolicySettings | None = None
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _node(self, node_id: str) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        return node
+
+    def _notify(self, node: _Node, kind: NoticeKind, now_ms: int, res: Reservation | None) -> int:
+        seq = node.info.notice_seq + 1
+        node.info = node.info.model_copy(update={"notice_seq": seq})
+        node.notices.append(
+            Notice(
+                node_id=node.info.node_id,
+                seq=seq,
+                kind=kind,
+                reservation_id=res.reservation_id if res else "",
+                debit=res.debit if res else Credits(),
+                at_ms=now_ms,
+            )
+        )
+        if len(node.notices) > 2 * NOTICES_CAP:
+            del node.notices[: len(node.notices) - NOTICES_CAP]
+        node.changed.set()
+        node.changed = asyncio.Event()
+        return seq
+
+    def _purge_expired(self, node: _Node, now_ms: int) -> int:
+        expired = [r for r in node.reservations.values() if r.expires_at_ms <= now_ms]
+        for res in expired:
+            del node.reservations[res.reservation_id]
+            self._notify(node, NoticeKind.EXPIRE, now_ms, res)
+        return len(expired)
+
+    def _update_lender(self, node: _Node, now_ms: int) -> None:
+        node_id = node.info.node_id
+        stored = node.lease
+        if stored is None or node.info.cordoned or stored.lease.is_zero or stored.expired(now_ms):
+            self._lenders.pop(node_id, None)
+        else:
+            self._lenders[node_id] = stored.expires_at_ms
+
+    @staticmethod
+    def _state(node: _Node, now_ms: int) -> NodeState:
+        open_res = [r for r in node.reservations.values() if r.expires_at_ms > now_ms]
+        total = [0, 0, 0, 0, 0]
+        for res in open_res:
+            for i, v in enumerate(res.debit.as_tuple()):
+                total[i] += v
+        return NodeState(
+            info=node.info,
+            lease=node.lease,
+            open_debits=Credits.from_tuple(total),
+            open_reservations=len(open_res),
+        )
+
+    def _reservation(self, reservation_id: str, now_ms: int) -> tuple[_Node, Reservation]:
+        node_id = node_of_reservation(reservation_id)
+        node = self._nodes.get(node_id)
+        res = node.reservations.get(reservation_id) if node is not None else None
+        if node is None or res is None:
+            raise NotFound(f"unknown reservation {reservation_id!r}", field="reservation_id")
+        if res.expires_at_ms <= now_ms:
+            self._purge_expired(node, now_ms)
+            raise NotFound(f"reservation {reservation_id!r} expired", field="reservation_id")
+        return node, res
+
+    # -- agents -----------------------------------------------------------------------------
+    async def register_node(
+        self,
+        node_id: str,
+        role: NodeRole,
+        pool: str,
+        labels: dict[str, str],
+        now_ms: int,
+    ) -> NodeInfo:
+        async with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None:
+                info = NodeInfo(node_id=node_id, role=role, pool=pool, labels=dict(labels))
+                node = self._nodes[node_id] = _Node(info=info)
+            else:
+                node.info = node.info.model_copy(
+                    update={"role": role, "pool": pool, "labels": dict(labels)}
+                )
+            return node.info
+
+    async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
+        async with self._lock:
+            node = self._nodes.get(lease.node_id)
+            if node is None:
+                raise FailedPrecondition(
+                    f"node {lease.node_id!r} is not registered", field="node_id"
+                )
+            old = node.lease
+            if old is not None and not lease.is_newer_than(old.lease.epoch, old.lease.version):
+                return LeaseOutcome(
+                    accepted=False,
+                    stored_epoch=old.lease.epoch,
+                    stored_version=old.lease.version,
+                )
+            purged = self._purge_expired(node, now_ms)
+            seen = [
+                r.reservation_id
+                for r in node.reservations.values()
+                if r.state is ReservationState.RELEASED and r.release_seq <= lease.last_notice_seq
+            ]
+            for rid in seen:
+                del node.reservations[rid]
+            stored = StoredLease(
+                lease=lease,
+                received_at_ms=now_ms,
+                expires_at_ms=now_ms + min(lease.ttl_ms, max_ttl_ms),
+            )
+            node.events.extend(lease_event(old, lease, now_ms))
+            node.lease = stored
+            node.history.append(stored)
+            self._update_lender(node, now_ms)
+            return LeaseOutcome(
+                accepted=True,
+                stored_epoch=lease.epoch,
+                stored_version=lease.version,
+                purged_reservations=purged + len(seen),
+            )
+
+    async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
+        async with self._lock:
+            self._pools.setdefault(load.pool, {})[load.node_id] = StoredPoolLoad(
+                load=load,
+                received_at_ms=now_ms,
+                expires_at_ms=now_ms + min(load.ttl_ms, max_ttl_ms),
+            )
+
+    # -- admission --------------------------------------------------------------------------
+    def _snapshot(self, pool: str, now_ms: int) -> PoolSnapshot:
+        reports = self._pools.get(pool, {})
+        live = [reports[k].load for k in sorted(reports) if reports[k].expires_at_ms > now_ms]
+        return PoolSnapshot(pool=pool, reports=tuple(live))
+
+    def _sample(self, sample: int, now_ms: int) -> list[str]:
+        for node_id in [n for n, exp in self._lenders.items() if exp <= now_ms]:
+            del self._lenders[node_id]
+        ids = list(self._lenders)
+        return self._rng.sample(ids, min(sample, len(ids)))
+
+    async def admission_view(
+        self, pool: str, node_ids: Sequence[str], sample: int, now_ms: int
+    ) -> tuple[PoolSnapshot | None, list[NodeState]]:
+        snapshot = self._snapshot(pool, now_ms)
+        chosen = list(dict.fromkeys(node_ids)) if node_ids else self._sample(sample, now_ms)
+        states = [self._state(self._nodes[n], now_ms) for n in chosen if n in self._nodes]
+        return (snapshot if snapshot.reports else None), states
+
+    async def try_debit(
+        self,
+        node_id: str,
+        debit: Credits,
+        share: float,
+        now_ms: int,
+        hold_ttl_ms: int,
+        request_id: str = "",
+    ) -> DebitOutcome:
+        if not 0.0 <= share <= 1.0:
+            raise InvalidArgument(f"share must be within [0, 1], got {share}", field="share")
+        if hold_ttl_ms <= 0:
+            raise InvalidArgument("hold_ttl_ms must be positive", field="hold_ttl_ms")
+        async with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None:
+                return DebitOutcome(granted=False, refusal="unknown_node")
+            self._purge_expired(node, now_ms)
+            stored = node.lease
+            epoch, version = (stored.lease.epoch, stored.lease.version) if stored else (0, 0)
+
+            def refuse(why: str, short: tuple[str, ...] = ()) -> DebitOutcome:
+                return DebitOutcome(
+                    granted=False,
+                    refusal=why,
+                    short_credits=short,
+                    lease_epoch=epoch,
+                    lease_version=version,
+                )
+
+            if node.info.cordoned:
+                return refuse("cordoned")
+            if stored is None:
+                return refuse("no_lease")
+            if stored.expired(now_ms):
+                return refuse("expired")
+            if stored.lease.is_zero:
+                return refuse("zero_lease")
+            available = stored.lease.credits.scaled(share).minus(
+                self._state(node, now_ms).open_debits
+            )
+            short = tuple(available.short_of(debit))
+            if short:
+                return refuse("short", short)
+            rid = new_reservation_id(node_id, self._rng.getrandbits(128))
+            res = Reservation(
+                reservation_id=rid,
+                node_id=node_id,
+                state=ReservationState.HELD,
+                debit=debit,
+                lease_epoch=epoch,
+                lease_version=version,
+                created_at_ms=now_ms,
+                expires_at_ms=now_ms + hold_ttl_ms,
+                grant_seq=node.info.notice_seq + 1,
+                request_id=request_id,
+            )
+            self._notify(node, NoticeKind.GRANT, now_ms, res)
+            node.reservations[rid] = res
+            return DebitOutcome(
+                granted=True, reservation=res, lease_epoch=epoch, lease_version=version
+            )
+
+    async def commit(self, reservation_id: str, now_ms: int, commit_ttl_ms: int) -> Reservation:
+        if commit_ttl_ms <= 0:
+            raise InvalidArgument("commit_ttl_ms must be positive", field="commit_ttl_ms")
+        async with self._lock:
+            node, res = self._reservation(reservation_id, now_ms)
+            if res.state is ReservationState.RELEASED:
+                raise FailedPrecondition(
+                    f"reservation {reservation_id!r} was released", field="reservation_id"
+                )
+            if res.state is ReservationState.COMMITTED:
+                return res
+            res = res.model_copy(
+                update={
+                    "state": ReservationState.COMMITTED,
+                    "expires_at_ms": now_ms + commit_ttl_ms,
+                }
+            )
+            node.reservations[reservation_id] = res
+            self._notify(node, NoticeKind.COMMIT, now_ms, res)
+            return res
+
+    async def release(self, reservation_id: str, now_ms: int) -> Reservation:
+        async with self._lock:
+            node, res = self._reservation(reservation_id, now_ms)
+            if res.state is ReservationState.RELEASED:
+                return res
+            seq = node.info.notice_seq + 1
+            res = res.model_copy(update={"state": ReservationState.RELEASED, "release_seq": seq})
+            node.reservations[reservation_id] = res
+            self._notify(node, NoticeKind.RELEASE, now_ms, res)
+            return res
+
+    # -- operators --------------------------------------------------------------------------
+    async def set_cordon(self, node_id: str, cordoned: bool, reason: str, now_ms: int) -> NodeInfo:
+        async with self._lock:
+            node = self._node(node_id)
+            changed = node.info.cordoned != cordoned
+            node.info = node.info.model_copy(
+                update={"cordoned": cordoned, "cordon_reason": reason if cordoned else ""}
+            )
+            if changed:
+                kind = NoticeKind.CORDON if cordoned else NoticeKind.UNCORDON
+                self._notify(node, kind, now_ms, None)
+                text = f"cordoned: {reason}" if cordoned else "uncordoned"
+                node.events.append(NodeEvent(at_ms=now_ms, kind=kind.value, message=text))
+            self._update_lender(node, now_ms)
+            return node.info
+
+    async def list_nodes(self, now_ms: int) -> list[NodeState]:
+        return [self._state(self._nodes[n], now_ms) for n in sorted(self._nodes)]
+
+    async def get_node(self, node_id: str, now_ms: int) -> NodeState:
+        return self._state(self._node(node_id), now_ms)
+
+    async def list_reservations(self, node_id: str | None, now_ms: int) -> list[Reservation]:
+        nodes = [self._node(node_id)] if node_id is not None else list(self._nodes.values())
+        found = [r for n in nodes for r in n.reservations.values() if r.expires_at_ms > now_ms]
+        return sorted(found, key=lambda r: (r.created_at_ms, r.node_id, r.grant_seq))
+
+    async def list_pools(self, now_ms: int) -> list[PoolSnapshot]:
+        return [self._snapshot(p, now_ms) for p in sorted(self._pools)]
+
+    async def lease_history(self, node_id: str, limit: int) -> list[StoredLease]:
+        history = self._node(node_id).history
+        return list(reversed(history))[: max(0, limit)]
+
+    async def node_events(self, node_id: str, limit: int) -> list[NodeEvent]:
+        events = self._node(node_id).events
+        return list(reversed(events))[: max(0, limit)]
+
+    # -- notices ----------------------------------------------------------------------------
+    def _notices_after(self, node: _Node, after_seq: int, limit: int) -> list[Notice]:
+        if not node.notices:
+            return []
+        start = max(0, after_seq + 1 - node.notices[0].seq)
+        return node.notices[start : start + max(0, limit)]
+
+    async def read_notices(
+        self, node_id: str, after_seq: int, limit: int, block_ms: int = 0
+    ) -> list[Notice]:
+        node = self._node(node_id)
+        found = self._notices_after(node, after_seq, limit)
+        if found or block_ms <= 0:
+            return found
+        try:
+            async with asyncio.timeout(block_ms / 1000.0):
+                while not found:
+                    await node.changed.wait()
+                    found = self._notices_after(node, after_seq, limit)
+        except TimeoutError:
+            return []
+        return found
+
+    # -- policy -----------------------------------------------------------------------------
+    async def get_policy(self) -> PolicySettings | None:
+        return self._policy
+
+    async def set_policy(self, settings: PolicySettings) -> None:
+        async with self._lock:
+            self._policy = settings
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
