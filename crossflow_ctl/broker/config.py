@@ -1,0 +1,131 @@
+"""Broker settings: ONE pydantic-settings model per process (CONVENTIONS.md, Config).
+
+Sources, lowest to highest priority: defaults, a YAML file (``--config FILE``), environment
+variables ``CROSSFLOW_*`` (nested with ``__``, e.g. ``CROSSFLOW_POLICY__BORROW_SHARE=0.3``),
+then CLI flags. :func:`load_settings` validates once, at start, and raises
+:class:`~crossflow_ctl.domain.errors.ConfigError` naming the field at fault.
+``BrokerSettings.model_json_schema()`` feeds the Helm chart's ``values.schema.json``.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from crossflow_ctl.domain.errors import ConfigError
+from crossflow_ctl.domain.policy import PolicySettings
+
+MiB = 1024 * 1024
+
+
+class BrokerSettings(BaseSettings):
+    """Everything one broker replica needs; the policy here is only the initial one."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CROSSFLOW_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    listen: str = "0.0.0.0:50051"
+    """gRPC listen address, host:port (port 0 picks a free one)."""
+    redis_url: str | None = None
+    """Redis URL of the shared store; None runs the embedded in-process store (one replica)."""
+    redis_namespace: Annotated[str, Field(min_length=1, max_length=64)] = "crossflow"
+    """Key prefix of every Redis key this control plane writes."""
+    broker_id: Annotated[str, Field(max_length=128)] = ""
+    """Name of this replica in Welcome messages and logs; empty picks host:pid."""
+    policy: PolicySettings = PolicySettings()
+    """Initial policy, written to the store only when the store holds none."""
+    policy_refresh_ms: Annotated[int, Field(ge=50, le=60_000)] = 1_000
+    """How often a replica re-reads the shared policy from the store."""
+    max_message_bytes: Annotated[int, Field(ge=64 * 1024, le=64 * MiB)] = 4 * MiB
+    """Largest gRPC message accepted or sent."""
+    stream_grace_s: Annotated[float, Field(ge=0.0, le=300.0)] = 5.0
+    """Time agent streams get to finish on shutdown before they are cancelled."""
+    notice_block_ms: Annotated[int, Field(ge=10, le=30_000)] = 1_000
+    """How long one relay read of the node's notices waits in the store."""
+    notice_batch: Annotated[int, Field(ge=1, le=10_000)] = 256
+    """Most notices relayed per read."""
+    admin_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 2_000
+    """Store deadline for admin, commit, release and lease calls (StoreUnavailable after)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_json: bool = True
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_has_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"listen must be host:port, got {value!r}")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://: {value!r}")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Highest first: init kwargs (CLI flags), environment, then the YAML file.
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+
+_config_file: ContextVar[Path | None] = ContextVar("crossflow_broker_config_file", default=None)
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """The YAML file named by ``--config`` (set through :func:`load_settings`)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # pragma: no cover - __call__ does the work
+
+    def __call__(self) -> dict[str, Any]:
+        path = _config_file.get()
+        if path is None:
+            return {}
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}", field="config") from None
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping", field="config")
+        return data
+
+
+def load_settings(
+    config_file: Path | None = None, overrides: dict[str, Any] | None = None
+) -> BrokerSettings:
+    """Defaults < YAML file < environment (CROSSFLOW_*) < ``overrides`` (CLI flags).
+
+    Validated here, once: a bad value raises ConfigError naming the field.
+    """
+    token = _config_file.set(config_file)
+    try:
+        return BrokerSettings(**(overrides or {}))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "settings"
+        raise ConfigError(f"invalid setting: {err['msg']}", field=field) from None
+    finally:
+        _config_file.reset(token)

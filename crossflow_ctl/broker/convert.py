@@ -1,0 +1,298 @@
+"""Proto <-> domain conversion for every ``crossflow.v1`` message (the one bridge).
+
+Inbound converters validate through the domain models and raise
+:class:`~crossflow_ctl.domain.errors.InvalidArgument` naming the field as the wire spells it
+(``lease.credits.compute_tokens``). ``MIRRORS`` lists each message with a domain mirror and
+``WIRE_ONLY`` each request/response wrapper; tests/broker/test_convert.py fails when a message
+is in neither, so a new message cannot ship without a bridge.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Any, TypeVar
+
+from crossflow_ctl.api.v1 import admin_pb2, common_pb2, lease_pb2
+from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.models import (
+    Credits,
+    Lease,
+    NodeInfo,
+    NodeRole,
+    NodeState,
+    Notice,
+    NoticeKind,
+    PoolLoad,
+    PoolSnapshot,
+    Reservation,
+    ReservationState,
+    StoredLease,
+    ZeroReason,
+    validated,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+
+E = TypeVar("E", bound=Enum)
+
+NO_POOL_WAIT_MS = -1.0
+"""``DemandCheck.pool_wait_ms`` on the wire when no pool reports (proto3 has no null double)."""
+
+
+# -- enums: the proto value name is PREFIX + the domain member name -------------------------
+def enum_to_proto(value: Enum | None, wrapper: Any, prefix: str) -> int:
+    if value is None:
+        return int(wrapper.Value(f"{prefix}UNSPECIFIED"))
+    return int(wrapper.Value(prefix + value.name))
+
+
+def enum_from_proto(number: int, wrapper: Any, prefix: str, cls: type[E], field: str) -> E | None:
+    try:
+        name = wrapper.Name(number)
+    except ValueError:
+        raise InvalidArgument(f"unknown enum value {number}", field=field) from None
+    if name == f"{prefix}UNSPECIFIED":
+        return None
+    return cls[name[len(prefix) :]]
+
+
+def _validated(cls: type[Any], field: str, **data: Any) -> Any:
+    try:
+        return validated(cls, **data)
+    except InvalidArgument as exc:
+        inner = exc.field or ""
+        raise InvalidArgument(exc.message, field=f"{field}.{inner}" if inner else field) from None
+
+
+# -- common ---------------------------------------------------------------------------------
+def credits_to_proto(c: Credits) -> common_pb2.Credits:
+    return common_pb2.Credits(**c.model_dump())
+
+
+def credits_from_proto(msg: common_pb2.Credits, field: str = "credits") -> Credits:
+    data = {
+        "compute_tokens": msg.compute_tokens,
+        "kv_tokens": msg.kv_tokens,
+        "kv_transfer_bytes": msg.kv_transfer_bytes,
+        "output_tokens": msg.output_tokens,
+        "slots": msg.slots,
+    }
+    result: Credits = _validated(Credits, field, **data)
+    return result
+
+
+def lease_to_proto(lease: Lease) -> common_pb2.Lease:
+    return common_pb2.Lease(
+        node_id=lease.node_id,
+        epoch=lease.epoch,
+        version=lease.version,
+        ttl_ms=lease.ttl_ms,
+        credits=credits_to_proto(lease.credits),
+        zero_reason=enum_to_proto(lease.zero_reason, common_pb2.ZeroReason, "ZERO_REASON_"),  # type: ignore[arg-type]
+        zero_detail=lease.zero_detail,
+        queue_wait_ms=lease.queue_wait_ms,
+        borrowed_prefill_rate_tps=lease.borrowed_prefill_rate_tps,
+        itl_ms=lease.itl_ms,
+        itl_slo_ms=lease.itl_slo_ms,
+        last_notice_seq=lease.last_notice_seq,
+        snapshot_unix_ms=lease.snapshot_unix_ms,
+    )
+
+
+def lease_from_proto(msg: common_pb2.Lease, field: str = "lease") -> Lease:
+    credits = credits_from_proto(msg.credits, f"{field}.credits")
+    zero = enum_from_proto(
+        msg.zero_reason, common_pb2.ZeroReason, "ZERO_REASON_", ZeroReason, f"{field}.zero_reason"
+    )
+    result: Lease = _validated(
+        Lease,
+        field,
+        node_id=msg.node_id,
+        epoch=msg.epoch,
+        version=msg.version,
+        ttl_ms=msg.ttl_ms,
+        credits=credits,
+        zero_reason=zero,
+        zero_detail=msg.zero_detail,
+        queue_wait_ms=msg.queue_wait_ms,
+        borrowed_prefill_rate_tps=msg.borrowed_prefill_rate_tps,
+        itl_ms=msg.itl_ms,
+        itl_slo_ms=msg.itl_slo_ms,
+        last_notice_seq=msg.last_notice_seq,
+        snapshot_unix_ms=msg.snapshot_unix_ms,
+    )
+    return result
+
+
+def pool_load_to_proto(load: PoolLoad) -> common_pb2.PoolLoad:
+    return common_pb2.PoolLoad(**load.model_dump())
+
+
+def pool_load_from_proto(msg: common_pb2.PoolLoad, field: str = "pool_load") -> PoolLoad:
+    result: PoolLoad = _validated(
+        PoolLoad,
+        field,
+        pool=msg.pool or "default",
+        node_id=msg.node_id,
+        outstanding_uncached_tokens=msg.outstanding_uncached_tokens,
+        processing_rate_tps=msg.processing_rate_tps,
+        prefill_rate_tps=msg.prefill_rate_tps,
+        ttl_ms=msg.ttl_ms,
+        queued_requests=msg.queued_requests,
+    )
+    return result
+
+
+def role_to_proto(role: NodeRole) -> int:
+    return enum_to_proto(role, common_pb2.NodeRole, "NODE_ROLE_")
+
+
+def role_from_proto(number: int, field: str = "role") -> NodeRole | None:
+    return enum_from_proto(number, common_pb2.NodeRole, "NODE_ROLE_", NodeRole, field)
+
+
+# -- lease stream ---------------------------------------------------------------------------
+def notice_to_proto(notice: Notice) -> lease_pb2.Notice:
+    return lease_pb2.Notice(
+        seq=notice.seq,
+        kind=enum_to_proto(notice.kind, lease_pb2.NoticeKind, "NOTICE_KIND_"),  # type: ignore[arg-type]
+        reservation_id=notice.reservation_id,
+        debit=credits_to_proto(notice.debit),
+        at_unix_ms=notice.at_ms,
+    )
+
+
+def notice_from_proto(msg: lease_pb2.Notice, node_id: str) -> Notice:
+    kind = enum_from_proto(msg.kind, lease_pb2.NoticeKind, "NOTICE_KIND_", NoticeKind, "kind")
+    if kind is None:
+        raise InvalidArgument("notice kind is unspecified", field="kind")
+    return Notice(
+        node_id=node_id,
+        seq=msg.seq,
+        kind=kind,
+        reservation_id=msg.reservation_id,
+        debit=credits_from_proto(msg.debit, "debit"),
+        at_ms=msg.at_unix_ms,
+    )
+
+
+# -- admin ----------------------------------------------------------------------------------
+def reservation_to_proto(r: Reservation) -> admin_pb2.Reservation:
+    return admin_pb2.Reservation(
+        reservation_id=r.reservation_id,
+        node_id=r.node_id,
+        state=enum_to_proto(r.state, admin_pb2.ReservationState, "RESERVATION_STATE_"),  # type: ignore[arg-type]
+        debit=credits_to_proto(r.debit),
+        lease_epoch=r.lease_epoch,
+        lease_version=r.lease_version,
+        created_unix_ms=r.created_at_ms,
+        expires_unix_ms=r.expires_at_ms,
+        grant_seq=r.grant_seq,
+        release_seq=r.release_seq,
+        request_id=r.request_id,
+    )
+
+
+def reservation_from_proto(msg: admin_pb2.Reservation) -> Reservation:
+    state = enum_from_proto(
+        msg.state, admin_pb2.ReservationState, "RESERVATION_STATE_", ReservationState, "state"
+    )
+    return Reservation(
+        reservation_id=msg.reservation_id,
+        node_id=msg.node_id,
+        state=state or ReservationState.HELD,
+        debit=credits_from_proto(msg.debit, "debit"),
+        lease_epoch=msg.lease_epoch,
+        lease_version=msg.lease_version,
+        created_at_ms=msg.created_unix_ms,
+        expires_at_ms=msg.expires_unix_ms,
+        grant_seq=msg.grant_seq,
+        release_seq=msg.release_seq,
+        request_id=msg.request_id,
+    )
+
+
+def node_status_to_proto(node: NodeState, now_ms: int, share: float) -> admin_pb2.NodeStatus:
+    """``available`` is what admission could still lend: lease x ``share`` - open debits."""
+    msg = admin_pb2.NodeStatus(
+        node_id=node.info.node_id,
+        role=role_to_proto(node.info.role),  # type: ignore[arg-type]
+        cordoned=node.info.cordoned,
+        open_debits=credits_to_proto(node.open_debits),
+        available=credits_to_proto(node.available(now_ms, share)),
+        open_reservations=node.open_reservations,
+        labels=dict(node.info.labels),
+        notice_seq=node.info.notice_seq,
+        pool=node.info.pool,
+    )
+    if node.lease is not None:
+        msg.lease.CopyFrom(lease_to_proto(node.lease.lease))
+        msg.lease_received_unix_ms = node.lease.received_at_ms
+        msg.lease_expires_unix_ms = node.lease.expires_at_ms
+        msg.lease_expired = node.lease.expired(now_ms)
+    return msg
+
+
+def node_state_from_proto(msg: admin_pb2.NodeStatus) -> NodeState:
+    lease = None
+    if msg.HasField("lease"):
+        lease = StoredLease(
+            lease=lease_from_proto(msg.lease),
+            received_at_ms=msg.lease_received_unix_ms,
+            expires_at_ms=msg.lease_expires_unix_ms,
+        )
+    info = NodeInfo(
+        node_id=msg.node_id,
+        role=role_from_proto(msg.role) or NodeRole.DECODE,
+        pool=msg.pool or "default",
+        cordoned=msg.cordoned,
+        labels=dict(msg.labels),
+        notice_seq=msg.notice_seq,
+    )
+    return NodeState(
+        info=info,
+        lease=lease,
+        open_debits=credits_from_proto(msg.open_debits, "open_debits"),
+        open_reservations=msg.open_reservations,
+    )
+
+
+def pool_to_proto(pool: PoolSnapshot) -> admin_pb2.PoolStatus:
+    wait = pool.estimated_wait_ms()
+    return admin_pb2.PoolStatus(
+        pool=pool.pool,
+        reports=[pool_load_to_proto(r) for r in pool.reports],
+        outstanding_uncached_tokens=pool.outstanding_uncached_tokens,
+        processing_rate_tps=pool.processing_rate_tps,
+        estimated_wait_ms=NO_POOL_WAIT_MS if wait is None else wait,
+    )
+
+
+def pool_from_proto(msg: admin_pb2.PoolStatus) -> PoolSnapshot:
+    return PoolSnapshot(
+        pool=msg.pool, reports=tuple(pool_load_from_proto(r, "reports") for r in msg.reports)
+    )
+
+
+def policy_to_json(policy: PolicySettings) -> str:
+    return policy.model_dump_json()
+
+
+def policy_from_json(text: str) -> PolicySettings:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"not JSON: {exc}", field="policy_json") from None
+    result: PolicySettings = _validated(PolicySettings, "policy", **data)
+    return result
+
+
+def policy_updates_from_proto(updates: dict[str, str]) -> dict[str, Any]:
+    """Text values to JSON scalars where they parse (``"0.3"`` -> 0.3, ``"true"`` -> True)."""
+    out: dict[str, Any] = {}
+    for key, text in updates.items():
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out

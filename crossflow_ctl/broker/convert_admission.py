@@ -1,0 +1,285 @@
+"""Proto <-> domain conversion for AdmissionService, and the table of mirrors.
+
+``MIRRORS`` names, for every ``crossflow.v1`` message with a domain mirror, the pair of functions
+that converts it; ``WIRE_ONLY`` names the request/response wrappers that carry no domain value of
+their own. tests/broker/test_convert.py fails when a message is in neither.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from crossflow_ctl.api.v1 import admission_pb2
+from crossflow_ctl.broker import convert as c
+from crossflow_ctl.domain.admission import (
+    Admission,
+    AdmissionRequest,
+    Decision,
+    DemandCheck,
+    NodeCheck,
+    NormalPath,
+    Plan,
+    Reason,
+)
+from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.models import MAX_TOKENS
+
+
+def reason_to_proto(reason: Reason) -> int:
+    return c.enum_to_proto(reason, admission_pb2.Reason, "REASON_")
+
+
+def reason_from_proto(number: int) -> Reason:
+    return c.enum_from_proto(number, admission_pb2.Reason, "REASON_", Reason, "reason") or (
+        Reason.STORE_UNAVAILABLE
+    )
+
+
+def decision_to_proto(decision: Decision | None) -> int:
+    return c.enum_to_proto(decision, admission_pb2.Decision, "DECISION_")
+
+
+def decision_from_proto(number: int) -> Decision | None:
+    return c.enum_from_proto(number, admission_pb2.Decision, "DECISION_", Decision, "decision")
+
+
+def admit_request_to_proto(req: AdmissionRequest) -> admission_pb2.AdmitRequest:
+    return admission_pb2.AdmitRequest(
+        request_id=req.request_id,
+        uncached_prompt_tokens=req.uncached_prompt_tokens,
+        cached_prefix_tokens=req.cached_prefix_tokens,
+        cached_prefix_node_id=req.cached_prefix_node_id or "",
+        expected_output_tokens=req.expected_output_tokens,
+        candidate_node_ids=list(req.candidate_node_ids),
+        dry_run=req.dry_run,
+        pool=req.pool,
+    )
+
+
+def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionRequest:
+    result: AdmissionRequest = c._validated(
+        AdmissionRequest,
+        "request",
+        request_id=msg.request_id,
+        uncached_prompt_tokens=msg.uncached_prompt_tokens,
+        cached_prefix_tokens=msg.cached_prefix_tokens,
+        cached_prefix_node_id=msg.cached_prefix_node_id or None,
+        expected_output_tokens=msg.expected_output_tokens,
+        candidate_node_ids=tuple(msg.candidate_node_ids),
+        dry_run=msg.dry_run,
+        pool=msg.pool or "default",
+    )
+    return result
+
+
+def _demand_to_proto(d: DemandCheck) -> admission_pb2.DemandCheck:
+    return admission_pb2.DemandCheck(
+        holds=d.holds,
+        pool_wait_ms=c.NO_POOL_WAIT_MS if d.pool_wait_ms is None else d.pool_wait_ms,
+        threshold_ms=d.threshold_ms,
+        outstanding_uncached_tokens=d.outstanding_uncached_tokens,
+        processing_rate_tps=d.processing_rate_tps,
+        reporting_nodes=d.reporting_nodes,
+    )
+
+
+def _demand_from_proto(msg: admission_pb2.DemandCheck) -> DemandCheck:
+    return DemandCheck(
+        holds=msg.holds,
+        pool_wait_ms=None if msg.pool_wait_ms < 0 else msg.pool_wait_ms,
+        threshold_ms=msg.threshold_ms,
+        outstanding_uncached_tokens=msg.outstanding_uncached_tokens,
+        processing_rate_tps=msg.processing_rate_tps,
+        reporting_nodes=msg.reporting_nodes,
+    )
+
+
+def _node_check_to_proto(n: NodeCheck) -> admission_pb2.NodeCheck:
+    return admission_pb2.NodeCheck(
+        node_id=n.node_id,
+        verdict=reason_to_proto(n.verdict),  # type: ignore[arg-type]
+        detail=n.detail,
+        queue_wait_ms=n.queue_wait_ms,
+        service_ms=n.service_ms,
+        predicted_ttft_ms=n.predicted_ttft_ms,
+        benefit=n.benefit,
+        safe=n.safe,
+        available=c.credits_to_proto(n.available),
+        debit=c.credits_to_proto(n.debit),
+        short_credits=list(n.short_credits),
+        lease_epoch=n.lease_epoch,
+        lease_version=n.lease_version,
+    )
+
+
+def _node_check_from_proto(msg: admission_pb2.NodeCheck) -> NodeCheck:
+    return NodeCheck(
+        node_id=msg.node_id,
+        verdict=reason_from_proto(msg.verdict),
+        detail=msg.detail,
+        queue_wait_ms=msg.queue_wait_ms,
+        service_ms=msg.service_ms,
+        benefit=msg.benefit,
+        safe=msg.safe,
+        available=c.credits_from_proto(msg.available, "available"),
+        debit=c.credits_from_proto(msg.debit, "debit"),
+        short_credits=tuple(msg.short_credits),
+        lease_epoch=msg.lease_epoch,
+        lease_version=msg.lease_version,
+    )
+
+
+def plan_to_proto(plan: Plan) -> admission_pb2.Explanation:
+    msg = admission_pb2.Explanation(
+        demand=_demand_to_proto(plan.demand),
+        nodes=[_node_check_to_proto(n) for n in plan.nodes],
+        summary=plan.summary(),
+    )
+    if plan.normal_path is not None:
+        p = plan.normal_path
+        msg.normal_path.CopyFrom(
+            admission_pb2.NormalPathEstimate(
+                wait_ms=p.wait_ms,
+                prefill_ms=p.prefill_ms,
+                kv_transfer_ms=p.kv_transfer_ms,
+                total_ms=p.total_ms,
+            )
+        )
+    return msg
+
+
+def plan_from_proto(msg: admission_pb2.Explanation, plan_reason: Reason) -> Plan:
+    """The plan behind an explanation; ``ranked`` is rebuilt from the BORROWED verdicts."""
+    nodes = tuple(_node_check_from_proto(n) for n in msg.nodes)
+    ranked = tuple(
+        sorted(
+            (n for n in nodes if n.verdict is Reason.BORROWED),
+            key=lambda n: (n.predicted_ttft_ms, n.node_id),
+        )
+    )
+    normal = None
+    if msg.HasField("normal_path"):
+        p = msg.normal_path
+        normal = NormalPath(
+            wait_ms=p.wait_ms, prefill_ms=p.prefill_ms, kv_transfer_ms=p.kv_transfer_ms
+        )
+    return Plan(
+        reason=plan_reason,
+        demand=_demand_from_proto(msg.demand),
+        normal_path=normal,
+        nodes=nodes,
+        ranked=ranked if plan_reason is Reason.BORROWED else (),
+    )
+
+
+def admission_to_proto(a: Admission) -> admission_pb2.AdmitResponse:
+    msg = admission_pb2.AdmitResponse(
+        decision=decision_to_proto(a.decision),  # type: ignore[arg-type]
+        reason=reason_to_proto(a.reason),  # type: ignore[arg-type]
+        message=a.message,
+        node_id=a.node_id,
+        reservation_id=a.reservation_id,
+        lease_epoch=a.lease_epoch,
+        lease_version=a.lease_version,
+        expires_unix_ms=a.expires_at_ms,
+        predicted_ttft_ms=_finite(a.predicted_ttft_ms),
+        normal_ttft_ms=_finite(a.normal_ttft_ms),
+        shadow_decision=decision_to_proto(a.shadow_decision),  # type: ignore[arg-type]
+    )
+    if a.plan is not None:
+        msg.explanation.CopyFrom(plan_to_proto(a.plan))
+    return msg
+
+
+def _plan_reason(a_reason: Reason, msg: admission_pb2.AdmitResponse) -> Reason:
+    """The plan's own reason: the answer's, unless the answer was overridden after planning."""
+    if a_reason not in (Reason.SHADOW_MODE, Reason.DRY_RUN):
+        return a_reason
+    if not msg.explanation.demand.holds:
+        return Reason.NO_DEMAND
+    verdicts = {reason_from_proto(n.verdict) for n in msg.explanation.nodes}
+    for reason in (Reason.BORROWED, Reason.NO_ROOM, Reason.NO_BENEFIT):
+        if reason in verdicts:
+            return reason
+    return Reason.NO_LEASES
+
+
+def admission_from_proto(msg: admission_pb2.AdmitResponse) -> Admission:
+    reason = reason_from_proto(msg.reason)
+    plan = (
+        plan_from_proto(msg.explanation, _plan_reason(reason, msg))
+        if msg.HasField("explanation")
+        else None
+    )
+    decision = decision_from_proto(msg.decision)
+    if decision is None:
+        raise InvalidArgument("decision is unspecified", field="decision")
+    return Admission(
+        decision=decision,
+        reason=reason,
+        message=msg.message,
+        node_id=msg.node_id,
+        reservation_id=msg.reservation_id,
+        lease_epoch=msg.lease_epoch,
+        lease_version=msg.lease_version,
+        expires_at_ms=msg.expires_unix_ms,
+        predicted_ttft_ms=msg.predicted_ttft_ms,
+        normal_ttft_ms=msg.normal_ttft_ms,
+        plan=plan,
+        shadow_decision=decision_from_proto(msg.shadow_decision),
+    )
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else float(MAX_TOKENS)
+
+
+Converter = Callable[..., Any]
+
+MIRRORS: dict[str, tuple[Converter, Converter]] = {
+    "crossflow.v1.Credits": (c.credits_to_proto, c.credits_from_proto),
+    "crossflow.v1.Lease": (c.lease_to_proto, c.lease_from_proto),
+    "crossflow.v1.PoolLoad": (c.pool_load_to_proto, c.pool_load_from_proto),
+    "crossflow.v1.Notice": (c.notice_to_proto, c.notice_from_proto),
+    "crossflow.v1.Reservation": (c.reservation_to_proto, c.reservation_from_proto),
+    "crossflow.v1.NodeStatus": (c.node_status_to_proto, c.node_state_from_proto),
+    "crossflow.v1.PoolStatus": (c.pool_to_proto, c.pool_from_proto),
+    "crossflow.v1.AdmitRequest": (admit_request_to_proto, admit_request_from_proto),
+    "crossflow.v1.AdmitResponse": (admission_to_proto, admission_from_proto),
+    "crossflow.v1.Explanation": (plan_to_proto, plan_from_proto),
+    "crossflow.v1.DemandCheck": (_demand_to_proto, _demand_from_proto),
+    "crossflow.v1.NodeCheck": (_node_check_to_proto, _node_check_from_proto),
+    "crossflow.v1.NormalPathEstimate": (plan_to_proto, plan_from_proto),
+    "crossflow.v1.GetPolicyResponse": (c.policy_to_json, c.policy_from_json),
+    "crossflow.v1.SetPolicyResponse": (c.policy_to_json, c.policy_from_json),
+}
+
+WIRE_ONLY: dict[str, str] = {
+    "crossflow.v1.Hello": "agent handshake; fields go to Store.register_node",
+    "crossflow.v1.Heartbeat": "keep-alive, no state",
+    "crossflow.v1.ConnectRequest": "oneof envelope",
+    "crossflow.v1.ConnectResponse": "oneof envelope",
+    "crossflow.v1.Welcome": "built from settings and NodeInfo",
+    "crossflow.v1.LeaseAck": "built from LeaseOutcome / StaleLease / InvalidArgument",
+    "crossflow.v1.CommitRequest": "reservation id only",
+    "crossflow.v1.CommitResponse": "reservation id and expiry",
+    "crossflow.v1.ReleaseRequest": "reservation id and outcome",
+    "crossflow.v1.ReleaseResponse": "reservation id only",
+    "crossflow.v1.ListNodesRequest": "filters",
+    "crossflow.v1.ListNodesResponse": "repeated NodeStatus",
+    "crossflow.v1.GetNodeRequest": "node id only",
+    "crossflow.v1.GetNodeResponse": "NodeStatus, Reservation, Lease, LeaseEvent",
+    "crossflow.v1.LeaseEvent": "store NodeEvent, built in the admin servicer",
+    "crossflow.v1.ListReservationsRequest": "node id only",
+    "crossflow.v1.ListReservationsResponse": "repeated Reservation",
+    "crossflow.v1.ListPoolsRequest": "empty",
+    "crossflow.v1.ListPoolsResponse": "repeated PoolStatus",
+    "crossflow.v1.CordonRequest": "node id and reason",
+    "crossflow.v1.CordonResponse": "NodeStatus",
+    "crossflow.v1.UncordonRequest": "node id only",
+    "crossflow.v1.UncordonResponse": "NodeStatus",
+    "crossflow.v1.GetPolicyRequest": "empty",
+    "crossflow.v1.SetPolicyRequest": "key -> text updates, see convert.policy_updates_from_proto",
+}

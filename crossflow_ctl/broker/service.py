@@ -1,0 +1,352 @@
+"""The broker's domain class: admission, reservations, lease ingest and the admin operations.
+
+Given its store, clock and settings; knows nothing of gRPC (the servicers translate). Admission
+fails closed: any store error or a store slower than ``policy.admit_timeout_ms`` answers NORMAL
+with reason STORE_UNAVAILABLE or TIMEOUT, never an error (DESIGN.md §5.6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import structlog
+
+from crossflow_ctl.broker.config import BrokerSettings
+from crossflow_ctl.domain.admission import (
+    Admission,
+    AdmissionRequest,
+    Decision,
+    Plan,
+    Reason,
+    plan_admission,
+)
+from crossflow_ctl.domain.clock import Clock
+from crossflow_ctl.domain.errors import (
+    CrossflowError,
+    InvalidArgument,
+    StaleLease,
+    StoreUnavailable,
+)
+from crossflow_ctl.domain.models import (
+    ID_PATTERN,
+    MAX_ID_LEN,
+    Frozen,
+    Lease,
+    NodeInfo,
+    NodeRole,
+    NodeState,
+    Notice,
+    PoolLoad,
+    PoolSnapshot,
+    Reservation,
+    StoredLease,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
+
+log = structlog.get_logger()
+T = TypeVar("T")
+
+MAX_DEBIT_TRIES = 3
+"""Ranked nodes tried when a concurrent Admit took the room between the read and the debit."""
+MAX_RESERVATION_ID_LEN = 256
+_ID_RE = re.compile(ID_PATTERN)
+
+
+class NodeDetail(Frozen):
+    """One node for ``crossflowctl get node``: state, open reservations, history, events."""
+
+    state: NodeState
+    reservations: tuple[Reservation, ...] = ()
+    recent_leases: tuple[StoredLease, ...] = ()
+    events: tuple[NodeEvent, ...] = ()
+
+
+def check_node_id(node_id: str, field: str = "node_id") -> str:
+    if not node_id:
+        raise InvalidArgument("must not be empty", field=field)
+    if len(node_id) > MAX_ID_LEN:
+        raise InvalidArgument(f"longer than {MAX_ID_LEN} characters", field=field)
+    if not _ID_RE.match(node_id):
+        raise InvalidArgument(f"must match {ID_PATTERN}", field=field)
+    return node_id
+
+
+def check_reservation_id(reservation_id: str) -> str:
+    if not reservation_id:
+        raise InvalidArgument("must not be empty", field="reservation_id")
+    if len(reservation_id) > MAX_RESERVATION_ID_LEN:
+        raise InvalidArgument(
+            f"longer than {MAX_RESERVATION_ID_LEN} characters", field="reservation_id"
+        )
+    return reservation_id
+
+
+def parse_selector(selector: str) -> dict[str, str]:
+    """``"k=v,k2=v2"`` -> {k: v, k2: v2}; InvalidArgument naming ``selector`` otherwise."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in selector.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise InvalidArgument(f"expected k=v, got {part!r}", field="selector")
+        out[key.strip()] = value.strip()
+    return out
+
+
+class Broker:
+    """One replica's view of the control plane; all shared state lives in the store."""
+
+    def __init__(
+        self, store: Store, clock: Clock, settings: BrokerSettings, broker_id: str = ""
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.settings = settings
+        self.broker_id = broker_id or settings.broker_id or "broker"
+        self._policy = settings.policy
+        self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
+        """Count of decisions made in shadow mode, by what they would have been."""
+
+    # -- policy, shared through the store and cached briefly -----------------------------------
+    @property
+    def policy(self) -> PolicySettings:
+        return self._policy
+
+    async def load_policy(self) -> PolicySettings:
+        """Adopt the store's policy, seeding it with the configured one when it holds none."""
+        stored = await self._admin_call(self.store.get_policy())
+        if stored is None:
+            await self._admin_call(self.store.set_policy(self.settings.policy))
+            stored = self.settings.policy
+        self._policy = stored
+        return stored
+
+    async def refresh_policy_forever(self, stop: asyncio.Event) -> None:
+        """Re-read the shared policy every ``policy_refresh_ms`` until ``stop`` is set."""
+        interval = self.settings.policy_refresh_ms / 1000.0
+        while not stop.is_set():
+            try:
+                await self.load_policy()
+            except CrossflowError as exc:
+                log.warning("policy.refresh_failed", error=str(exc))
+            try:
+                async with asyncio.timeout(interval):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+
+    async def get_policy(self) -> PolicySettings:
+        return await self.load_policy()
+
+    async def set_policy(self, updates: dict[str, Any]) -> PolicySettings:
+        if not updates:
+            raise InvalidArgument("no updates given", field="updates")
+        current = await self.load_policy()
+        new = current.updated(updates)
+        await self._admin_call(self.store.set_policy(new))
+        self._policy = new
+        log.info("policy.set", updates=sorted(updates))
+        return new
+
+    # -- admission -------------------------------------------------------------------------------
+    async def admit(self, request: AdmissionRequest) -> Admission:
+        """Always answers; NORMAL with a reason on any doubt (§5.6)."""
+        policy = self._policy
+        with structlog.contextvars.bound_contextvars(request_id=request.request_id):
+            if not policy.enabled:
+                return Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled")
+            try:
+                async with asyncio.timeout(policy.admit_timeout_ms / 1000.0):
+                    return await self._admit(request, policy)
+            except TimeoutError:
+                log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms)
+                return Admission.normal(
+                    Reason.TIMEOUT, f"store slower than {policy.admit_timeout_ms} ms"
+                )
+            except StoreUnavailable as exc:
+                log.warning("admit.store_unavailable", error=str(exc))
+                return Admission.normal(Reason.STORE_UNAVAILABLE, f"store unavailable: {exc}")
+            except Exception as exc:  # fail closed on anything unforeseen, never raise
+                log.exception("admit.failed")
+                return Admission.normal(Reason.STORE_UNAVAILABLE, f"admission failed: {exc!r}")
+
+    async def _admit(self, request: AdmissionRequest, policy: PolicySettings) -> Admission:
+        now = self.clock.now_ms()
+        pool, nodes = await self.store.admission_view(
+            request.pool, request.candidate_node_ids, policy.candidate_sample, now
+        )
+        plan = plan_admission(request, pool, nodes, policy, now)
+        if policy.shadow_mode:
+            return self._shadow(plan)
+        if plan.reason is not Reason.BORROWED:
+            return Admission.normal(plan.reason, plan.summary(), plan)
+        if request.dry_run:
+            best = plan.ranked[0]
+            return Admission(
+                decision=Decision.NORMAL,
+                reason=Reason.DRY_RUN,
+                message=f"dry run: {plan.summary()}",
+                node_id=best.node_id,
+                lease_epoch=best.lease_epoch,
+                lease_version=best.lease_version,
+                predicted_ttft_ms=best.predicted_ttft_ms,
+                normal_ttft_ms=plan.normal_path.total_ms if plan.normal_path else 0.0,
+                plan=plan,
+                shadow_decision=Decision.BORROW,
+            )
+        return await self._debit(request, plan, policy, now)
+
+    def _shadow(self, plan: Plan) -> Admission:
+        would = Decision.BORROW if plan.reason is Reason.BORROWED else Decision.NORMAL
+        self.shadow_decisions[would] += 1
+        best = plan.ranked[0].node_id if plan.ranked else ""
+        log.info("admit.shadow", would=would.value, plan_reason=plan.reason.value, node_id=best)
+        answer = Admission.normal(Reason.SHADOW_MODE, f"shadow mode: {plan.summary()}", plan)
+        return answer.model_copy(update={"shadow_decision": would})
+
+    async def _debit(
+        self, request: AdmissionRequest, plan: Plan, policy: PolicySettings, now: int
+    ) -> Admission:
+        refusals: list[str] = []
+        normal_ms = plan.normal_path.total_ms if plan.normal_path else 0.0
+        for check in plan.ranked[:MAX_DEBIT_TRIES]:
+            outcome = await self.store.try_debit(
+                check.node_id,
+                check.debit,
+                policy.borrow_share,
+                now,
+                policy.hold_ttl_ms,
+                request.request_id,
+            )
+            if outcome.granted and outcome.reservation is not None:
+                res = outcome.reservation
+                log.info("admit.borrow", node_id=check.node_id, reservation_id=res.reservation_id)
+                return Admission(
+                    decision=Decision.BORROW,
+                    reason=Reason.BORROWED,
+                    message=plan.summary(),
+                    node_id=check.node_id,
+                    reservation_id=res.reservation_id,
+                    lease_epoch=outcome.lease_epoch,
+                    lease_version=outcome.lease_version,
+                    expires_at_ms=res.expires_at_ms,
+                    predicted_ttft_ms=check.predicted_ttft_ms,
+                    normal_ttft_ms=normal_ms,
+                    plan=plan,
+                )
+            refusals.append(f"{check.node_id}: {outcome.refusal}")
+        return Admission.normal(
+            Reason.NO_ROOM,
+            "room taken by concurrent admissions (" + "; ".join(refusals) + ")",
+            plan,
+        )
+
+    async def commit(self, reservation_id: str) -> Reservation:
+        check_reservation_id(reservation_id)
+        return await self._admin_call(
+            self.store.commit(reservation_id, self.clock.now_ms(), self._policy.commit_ttl_ms)
+        )
+
+    async def release(self, reservation_id: str, outcome: str = "") -> Reservation:
+        check_reservation_id(reservation_id)
+        res = await self._admin_call(self.store.release(reservation_id, self.clock.now_ms()))
+        log.info("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
+        return res
+
+    # -- agents ----------------------------------------------------------------------------------
+    async def register(
+        self, node_id: str, role: NodeRole, pool: str, labels: dict[str, str]
+    ) -> NodeInfo:
+        check_node_id(node_id, "hello.node_id")
+        check_node_id(pool, "hello.pool")
+        return await self._admin_call(
+            self.store.register_node(node_id, role, pool, labels, self.clock.now_ms())
+        )
+
+    async def ingest_lease(self, lease: Lease) -> LeaseOutcome:
+        """Store a newer lease; StaleLease (changing nothing) when it is not newer (§5.1)."""
+        outcome = await self._admin_call(
+            self.store.upsert_lease(lease, self.clock.now_ms(), self._policy.max_lease_ttl_ms)
+        )
+        if not outcome.accepted:
+            raise StaleLease(
+                f"lease ({lease.epoch}, {lease.version}) is not newer than the stored "
+                f"({outcome.stored_epoch}, {outcome.stored_version})",
+                stored_epoch=outcome.stored_epoch,
+                stored_version=outcome.stored_version,
+                field="lease.version",
+            )
+        return outcome
+
+    async def ingest_pool_load(self, load: PoolLoad) -> None:
+        await self._admin_call(
+            self.store.put_pool_load(load, self.clock.now_ms(), self._policy.max_lease_ttl_ms)
+        )
+
+    async def read_notices(self, node_id: str, after_seq: int, block_ms: int) -> list[Notice]:
+        """The node's notices after ``after_seq``; waits in the store up to ``block_ms``."""
+        limit = self.settings.notice_batch
+        deadline = (block_ms + self.settings.admin_timeout_ms) / 1000.0
+        try:
+            async with asyncio.timeout(deadline):
+                return await self.store.read_notices(node_id, after_seq, limit, block_ms)
+        except TimeoutError:
+            raise StoreUnavailable("store did not answer a notice read in time") from None
+
+    # -- operators -------------------------------------------------------------------------------
+    async def list_nodes(self, role: NodeRole | None = None, selector: str = "") -> list[NodeState]:
+        wanted = parse_selector(selector)
+        nodes = await self._admin_call(self.store.list_nodes(self.clock.now_ms()))
+        return [
+            n
+            for n in nodes
+            if (role is None or n.info.role is role)
+            and all(n.info.labels.get(k) == v for k, v in wanted.items())
+        ]
+
+    async def get_node(self, node_id: str) -> NodeDetail:
+        check_node_id(node_id)
+        now = self.clock.now_ms()
+        state = await self._admin_call(self.store.get_node(node_id, now))
+        reservations = await self._admin_call(self.store.list_reservations(node_id, now))
+        leases = await self._admin_call(self.store.lease_history(node_id, 10))
+        events = await self._admin_call(self.store.node_events(node_id, 20))
+        return NodeDetail(
+            state=state,
+            reservations=tuple(reservations),
+            recent_leases=tuple(leases),
+            events=tuple(events),
+        )
+
+    async def list_reservations(self, node_id: str = "") -> list[Reservation]:
+        if node_id:
+            check_node_id(node_id)
+        return await self._admin_call(
+            self.store.list_reservations(node_id or None, self.clock.now_ms())
+        )
+
+    async def list_pools(self) -> list[PoolSnapshot]:
+        return await self._admin_call(self.store.list_pools(self.clock.now_ms()))
+
+    async def cordon(self, node_id: str, cordoned: bool, reason: str = "") -> NodeState:
+        check_node_id(node_id)
+        if len(reason) > 512:
+            raise InvalidArgument("longer than 512 characters", field="reason")
+        now = self.clock.now_ms()
+        await self._admin_call(self.store.set_cordon(node_id, cordoned, reason, now))
+        log.info("cordon", node_id=node_id, cordoned=cordoned, reason=reason)
+        return await self._admin_call(self.store.get_node(node_id, now))
+
+    # -- helpers ---------------------------------------------------------------------------------
+    async def _admin_call(self, call: Awaitable[T]) -> T:
+        """A store call bounded by ``admin_timeout_ms``; StoreUnavailable when it overruns."""
+        try:
+            async with asyncio.timeout(self.settings.admin_timeout_ms / 1000.0):
+                return await call
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"store did not answer within {self.settings.admin_timeout_ms} ms"
+            ) from None
