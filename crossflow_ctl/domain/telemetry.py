@@ -1,0 +1,79 @@
+"""What an engine's telemetry says at one instant: the input of the capacity model.
+
+An :class:`EngineSnapshot` records what a telemetry source observed, as observed. It does not
+refuse odd values (a negative gauge, used > total, NaN): judging plausibility is the lease
+rules' job (:func:`crossflow_ctl.domain.leasing.implausibility`), which turns such a snapshot
+into a zero lease with its reason instead of a crash or a guess.
+
+Rates and ITL quantiles are computed by the source over the window since its previous scrape
+(counter deltas / elapsed time, ``histogram_quantile`` over bucket deltas); ``None`` means the
+window had no samples (an idle engine, or the first scrape).
+"""
+
+from __future__ import annotations
+
+import math
+
+from crossflow_ctl.domain.models import Frozen
+
+
+class EngineSnapshot(Frozen):
+    """One engine's state at ``taken_at_ms`` (agent wall clock, Unix ms)."""
+
+    taken_at_ms: int
+    source: str = ""
+    """Which source produced it (``sglang``, ``vllm``, ``synthetic``), for logs only."""
+
+    running_requests: int = 0
+    """Requests in the decode batch now."""
+    queued_requests: int = 0
+    """Requests waiting in the engine's queue."""
+    kv_used_tokens: int = 0
+    """KV-cache token slots in use."""
+    kv_total_tokens: int = 0
+    """KV-cache token slots the engine has in all."""
+    decode_context_tokens: int = 0
+    """Sum of the context lengths of the running decode requests (the roofline's ``C``)."""
+
+    generation_rate_tps: float = 0.0
+    """Output tokens generated per second over the last window."""
+    prompt_rate_tps: float = 0.0
+    """Prompt (prefill) tokens processed per second over the last window."""
+    itl_p50_ms: float | None = None
+    """Median inter-token latency over the last window."""
+    itl_p99_ms: float | None = None
+    """99th-percentile inter-token latency over the last window."""
+    kv_transfer_bytes_per_s: float | None = None
+    """Observed KV transfer speed into the node (informational; credit uses the profile)."""
+
+    outstanding_uncached_tokens: int = 0
+    """Uncached prompt tokens queued or in flight (prefill role; borrowed work on decode)."""
+    prefill_processing_rate_tps: float = 0.0
+    """Uncached prompt tokens processed per second recently (prefill role)."""
+
+    window_s: float = 0.0
+    """Length of the window behind the rates and quantiles (0 on a first scrape)."""
+
+    def numbers(self) -> dict[str, float]:
+        """Every numeric field, for plausibility checks (None fields left out)."""
+        out: dict[str, float] = {}
+        for name, value in self.model_dump().items():
+            if isinstance(value, bool) or value is None:
+                continue
+            if isinstance(value, int | float):
+                out[name] = float(value)
+        return out
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return max(0, self.kv_total_tokens - self.kv_used_tokens)
+
+    @property
+    def mean_context_tokens(self) -> float:
+        """Mean context length of a running request (0 when nothing runs)."""
+        if self.running_requests <= 0:
+            return 0.0
+        return self.decode_context_tokens / self.running_requests
+
+    def finite(self) -> bool:
+        return all(math.isfinite(v) for v in self.numbers().values())

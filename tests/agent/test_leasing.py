@@ -1,0 +1,233 @@
+"""The capacity model and zero-lease rules: monotonicity, the SLO edge, hysteresis, reasons."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, StepShape, step_time_s
+from crossflow_ctl.domain.leasing import (
+    ItlGuard,
+    LeaseSettings,
+    compute_capacity,
+    decide,
+    implausibility,
+    pool_load,
+)
+from crossflow_ctl.domain.models import ZeroReason
+from crossflow_ctl.domain.telemetry import EngineSnapshot
+
+MODEL = MODEL_PRESETS["gpt-oss-120b"]
+NODE = NODE_PRESETS["h200"]
+NOW = 1_700_000_000_000
+LS = LeaseSettings(itl_slo_ms=50.0)
+
+
+def snap(
+    running: int = 16, context: int = 16 * 4000, used: int | None = None, **kw
+) -> EngineSnapshot:
+    base = {
+        "taken_at_ms": NOW,
+        "running_requests": running,
+        "decode_context_tokens": context,
+        "kv_used_tokens": context if used is None else used,
+        "kv_total_tokens": 1_000_000,
+        "itl_p50_ms": 20.0,
+        "itl_p99_ms": 25.0,
+    }
+    base.update(kw)
+    return EngineSnapshot(**base)
+
+
+def test_a_quiet_node_offers_every_credit() -> None:
+    cap = compute_capacity(snap(), MODEL, NODE, LS)
+    c = cap.credits
+    assert c.compute_tokens > 0 and c.kv_tokens > 0 and c.slots > 0 and c.output_tokens > 0
+    assert c.kv_transfer_bytes > 0
+    # the chosen chunk respects the budget, and the rate is what the chunk and its step say
+    assert 0 < cap.chunk_step_s <= LS.budget_s
+    assert cap.borrowed_prefill_rate_tps == pytest.approx(cap.chunk_tokens / cap.chunk_step_s)
+    assert c.compute_tokens == int(cap.borrowed_prefill_rate_tps * LS.horizon_s)
+    # kv = free - (5% of total + 256 per running request)
+    assert c.kv_tokens == (1_000_000 - 64_000) - (50_000 + 256 * 16)
+    # transfer: 25 GB/s x 2 s, below the kv credit in bytes
+    assert c.kv_transfer_bytes == int(25e9 * 2.0)
+
+
+def test_outstanding_borrowed_work_lowers_compute_and_sets_queue_wait() -> None:
+    idle = compute_capacity(snap(), MODEL, NODE, LS)
+    busy = compute_capacity(snap(outstanding_uncached_tokens=5000), MODEL, NODE, LS)
+    assert busy.credits.compute_tokens == idle.credits.compute_tokens - 5000
+    assert busy.queue_wait_ms == pytest.approx(5000 / busy.borrowed_prefill_rate_tps * 1000)
+
+
+def test_zero_compute_when_the_decode_step_alone_reaches_the_slo_budget() -> None:
+    # find a context that makes the bare decode step exceed the budget
+    context = 16 * 4000
+    while step_time_s(MODEL, NODE, StepShape(batch=16, context_tokens=context)) <= LS.budget_s:
+        context *= 2
+    cap = compute_capacity(snap(context=context, used=0), MODEL, NODE, LS)
+    assert cap.credits.compute_tokens == 0 and cap.credits.slots == 0
+    d = decide(
+        snap(context=context, used=0),
+        now_ms=NOW,
+        model=MODEL,
+        node=NODE,
+        settings=LS,
+        guard=ItlGuard(),
+    )
+    assert d.zero_reason is ZeroReason.NO_CAPACITY and d.credits.is_zero()
+
+
+def test_observed_itl_at_the_slo_gives_a_zero_lease() -> None:
+    d = decide(
+        snap(itl_p99_ms=50.0), now_ms=NOW, model=MODEL, node=NODE, settings=LS, guard=ItlGuard()
+    )
+    assert d.zero_reason is ZeroReason.ITL_OVER_SLO
+    lease = d.to_lease(node_id="n1", epoch=1, version=1, ttl_ms=600, last_notice_seq=0)
+    assert lease.credits.is_zero() and lease.itl_ms == 50.0 and lease.itl_slo_ms == 50.0
+
+
+def test_itl_hysteresis_does_not_flap() -> None:
+    s = LeaseSettings(itl_slo_ms=50.0, itl_clear_ratio=0.8, itl_clear_after=3)
+    g = ItlGuard().observe(55.0, s)
+    assert g.tripped
+    # just under the SLO but above 40 ms: stays tripped, streak stays 0
+    g = g.observe(45.0, s)
+    assert g.tripped and g.good_streak == 0
+    g = g.observe(30.0, s).observe(30.0, s)
+    assert g.tripped and g.good_streak == 2
+    g2 = g.observe(45.0, s)  # a bad-ish sample resets the streak
+    assert g2.tripped and g2.good_streak == 0
+    g = g.observe(None, s)  # idle window counts as below
+    assert not g.tripped
+    assert not ItlGuard().observe(49.9, s).tripped
+
+
+def test_rule_order_and_reasons() -> None:
+    assert (
+        decide(
+            None,
+            failure="connect refused",
+            now_ms=NOW,
+            model=MODEL,
+            node=NODE,
+            settings=LS,
+            guard=ItlGuard(),
+        ).zero_reason
+        is ZeroReason.TELEMETRY_MISSING
+    )
+    old = snap(taken_at_ms=NOW - 5000)
+    d = decide(old, now_ms=NOW, model=MODEL, node=NODE, settings=LS, guard=ItlGuard())
+    assert d.zero_reason is ZeroReason.TELEMETRY_STALE and "5000 ms" in d.zero_detail
+    bad = snap(used=2_000_000)
+    d = decide(bad, now_ms=NOW, model=MODEL, node=NODE, settings=LS, guard=ItlGuard())
+    assert d.zero_reason is ZeroReason.TELEMETRY_IMPLAUSIBLE and "kv_used_tokens" in d.zero_detail
+    assert (
+        decide(
+            snap(), cordoned=True, now_ms=NOW, model=MODEL, node=NODE, settings=LS, guard=ItlGuard()
+        ).zero_reason
+        is ZeroReason.CORDONED
+    )
+    good = decide(snap(), now_ms=NOW, model=MODEL, node=NODE, settings=LS, guard=ItlGuard())
+    assert good.zero_reason is None and not good.credits.is_zero()
+    lease = good.to_lease(node_id="n1", epoch=7, version=3, ttl_ms=600, last_notice_seq=9)
+    assert lease.credits == good.credits and lease.last_notice_seq == 9
+    assert lease.snapshot_unix_ms == NOW
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("running_requests", -1, "negative"),
+        ("generation_rate_tps", math.nan, "nan"),
+        ("itl_p99_ms", math.inf, "inf"),
+        ("kv_total_tokens", 0, "kv_total_tokens is 0"),
+        ("decode_context_tokens", 10**12, "absurd"),
+    ],
+)
+def test_implausible_snapshots_are_named(field: str, value: float, needle: str) -> None:
+    s = snap().model_copy(update={field: value})
+    assert needle in implausibility(s)
+
+
+def test_decode_throughput_is_sublinear_in_batch() -> None:
+    prev_per_request = math.inf
+    prev_tps = 0.0
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128):
+        cap = compute_capacity(snap(running=batch, context=batch * 4000, used=0), MODEL, NODE, LS)
+        tps = cap.decode_throughput_tps
+        assert tps > prev_tps  # batching still helps ...
+        assert tps / batch < prev_per_request  # ... but each request gets less
+        prev_tps, prev_per_request = tps, tps / batch
+
+
+def test_prefill_pool_load_from_snapshot() -> None:
+    s = snap(
+        running=4,
+        outstanding_uncached_tokens=12_000,
+        prefill_processing_rate_tps=8000.0,
+        queued_requests=3,
+    )
+    load = pool_load(s, now_ms=NOW, node_id="p1", pool="default", ttl_ms=600, settings=LS)
+    assert load is not None
+    assert load.outstanding_uncached_tokens == 12_000 and load.processing_rate_tps == 8000.0
+    assert load.prefill_rate_tps == 2000.0 and load.queued_requests == 3
+    assert pool_load(None, now_ms=NOW, node_id="p1", pool="d", ttl_ms=600, settings=LS) is None
+    stale = snap(taken_at_ms=NOW - 10_000)
+    assert pool_load(stale, now_ms=NOW, node_id="p1", pool="d", ttl_ms=600, settings=LS) is None
+
+
+# -- properties ----------------------------------------------------------------------------------
+
+models = st.sampled_from(sorted(MODEL_PRESETS))
+nodes = st.sampled_from(sorted(NODE_PRESETS))
+running = st.integers(min_value=0, max_value=256)
+per_request_context = st.integers(min_value=1, max_value=32_000)
+slos = st.floats(min_value=5.0, max_value=500.0)
+
+
+def _credits(model: str, node: str, b: int, c: int, slo: float):
+    s = LeaseSettings(itl_slo_ms=slo, max_chunk_tokens=8192)
+    snapshot = snap(running=b, context=c if b else 0, used=0)
+    return compute_capacity(
+        snapshot, MODEL_PRESETS[model], NODE_PRESETS[node], s
+    ).credits.as_tuple()
+
+
+def _le(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return all(x <= y for x, y in zip(a, b, strict=True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(models, nodes, running, st.integers(min_value=1, max_value=64), per_request_context, slos)
+def test_more_running_requests_never_raise_a_credit(model, node, b, extra, ctx, slo) -> None:
+    fewer = _credits(model, node, b, b * ctx, slo)
+    more = _credits(model, node, b + extra, (b + extra) * ctx, slo)
+    assert _le(more, fewer)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    models,
+    nodes,
+    st.integers(min_value=1, max_value=256),
+    per_request_context,
+    st.integers(min_value=1, max_value=10**6),
+    slos,
+)
+def test_longer_contexts_never_raise_a_credit(model, node, b, ctx, longer, slo) -> None:
+    short = _credits(model, node, b, b * ctx, slo)
+    long = _credits(model, node, b, b * ctx + longer, slo)
+    assert _le(long, short)
+
+
+@settings(max_examples=60, deadline=None)
+@given(models, nodes, running, per_request_context, slos, st.floats(min_value=1.0, max_value=4.0))
+def test_a_looser_slo_never_lowers_a_credit(model, node, b, ctx, slo, factor) -> None:
+    tight = _credits(model, node, b, b * ctx, slo)
+    loose = _credits(model, node, b, b * ctx, slo * factor)
+    assert _le(tight, loose)
