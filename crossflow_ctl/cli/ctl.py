@@ -1,14 +1,55 @@
-"""``crossflowctl``: the kubectl-style operator CLI (Admin and Admission APIs, simulator)."""
+"""``crossflowctl``: the kubectl-style operator CLI (Admin and Admission APIs, simulator, planner).
+
+Exit codes are documented in :mod:`crossflow_ctl.cli.exit_codes`; every error prints one line.
+"""
 
 from __future__ import annotations
 
+import sys
+
 import click
 
+from crossflow_ctl.cli.cmd_admit import admit, policy
+from crossflow_ctl.cli.cmd_config import completion, config
+from crossflow_ctl.cli.cmd_get import get
+from crossflow_ctl.cli.cmd_node import cordon, describe, drain, uncordon
+from crossflow_ctl.cli.common import CtlState, run_cli
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def cli() -> None:
+EPILOG = """\b
+Exit codes: 0 ok, 1 error, 2 usage or invalid value, 3 not found,
+4 broker unavailable, 5 timed out (drain --timeout)."""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
+@click.option("--server", "-s", metavar="HOST:PORT", help="Broker address (overrides the context).")
+@click.option(
+    "--context", "context_name", metavar="NAME", help="Context of the config file to use."
+)
+@click.option(
+    "--config",
+    "config_path",
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="Config file (default $CROSSFLOWCTL_CONFIG or ~/.config/crossflow/config.yaml).",
+)
+@click.pass_context
+def cli(
+    ctx: click.Context, server: str | None, context_name: str | None, config_path: str | None
+) -> None:
     """Operate a Crossflow control plane."""
+    ctx.obj = CtlState.create(server=server, context=context_name, config_path=config_path)
+
+
+cli.add_command(get)
+cli.add_command(describe)
+cli.add_command(cordon)
+cli.add_command(uncordon)
+cli.add_command(drain)
+cli.add_command(admit)
+cli.add_command(policy)
+cli.add_command(config)
+cli.add_command(completion)
 
 
 def main() -> None:
-    cli()
+    sys.exit(run_cli(cli, prog_name="crossflowctl"))

@@ -1,0 +1,233 @@
+"""``admit`` (decide and explain, condition by condition) and ``policy get|set``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from crossflow_ctl.cli.common import output_option, run, state
+from crossflow_ctl.cli.exit_codes import CliError, ExitCode
+from crossflow_ctl.cli.output import Column, key_values, render_object, table
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Plan
+from crossflow_ctl.domain.models import validated
+from crossflow_ctl.domain.policy import PolicySettings
+
+NODE_CHECK_COLUMNS = [
+    Column("NODE", "node_id"),
+    Column("VERDICT", "verdict"),
+    Column("PREDICTED-MS", "predicted_ttft_ms"),
+    Column("BENEFIT", "benefit"),
+    Column("SAFE", "safe"),
+    Column("SHORT-ON", "short_credits"),
+    Column("DETAIL", "detail"),
+]
+
+
+def _holds(ok: bool) -> str:
+    return "holds " if ok else "fails "
+
+
+def conditions(plan: Plan) -> list[str]:
+    """Demand, Benefit and Safety, each with the numbers behind it (DESIGN.md §4)."""
+    d = plan.demand
+    lines = []
+    if d.pool_wait_ms is None:
+        lines.append("1. Demand   fails  no live load report from the prefill pool")
+    else:
+        cmp = ">" if d.holds else "<="
+        lines.append(
+            f"1. Demand   {_holds(d.holds)} prefill wait {d.pool_wait_ms:.1f} ms {cmp} threshold "
+            f"{d.threshold_ms:.1f} ms ({d.outstanding_uncached_tokens} outstanding tokens / "
+            f"{d.processing_rate_tps:.0f} tokens/s, {d.reporting_nodes} reporting)"
+        )
+    normal = plan.normal_path
+    normal_text = (
+        f"normal {normal.total_ms:.1f} ms (wait {normal.wait_ms:.1f} + prefill "
+        f"{normal.prefill_ms:.1f} + KV transfer {normal.kv_transfer_ms:.1f})"
+        if normal
+        else "normal path unknown"
+    )
+    with_benefit = [c for c in plan.nodes if c.benefit]
+    best = min(plan.nodes, key=lambda c: c.predicted_ttft_ms, default=None)
+    if best is None:
+        lines.append(f"2. Benefit  fails  no candidate node has a live lease; {normal_text}")
+        lines.append("3. Safety   fails  no candidate node")
+        return lines
+    pick = min(with_benefit, key=lambda c: c.predicted_ttft_ms) if with_benefit else best
+    lines.append(
+        f"2. Benefit  {_holds(bool(with_benefit))} {len(with_benefit)}/{len(plan.nodes)} nodes "
+        f"beat the normal path; best {pick.node_id} predicted {pick.predicted_ttft_ms:.1f} ms "
+        f"(wait {pick.queue_wait_ms:.1f} + service {pick.service_ms:.1f}) vs {normal_text}"
+    )
+    safe = [c for c in with_benefit if c.safe]
+    if safe:
+        node = min(safe, key=lambda c: c.predicted_ttft_ms)
+        need = ", ".join(
+            f"{k} {getattr(node.debit, k)}<={getattr(node.available, k)}"
+            for k in ("compute_tokens", "kv_tokens", "output_tokens", "slots")
+        )
+        lines.append(f"3. Safety   holds  {node.node_id} has room on every credit ({need})")
+    else:
+        shorts = "; ".join(
+            f"{c.node_id} short on {', '.join(c.short_credits) or c.detail}"
+            for c in (with_benefit or list(plan.nodes))[:4]
+        )
+        lines.append(f"3. Safety   fails  {shorts}")
+    return lines
+
+
+def admission_text(a: Admission, explain: bool) -> str:
+    if a.decision is Decision.BORROW:
+        head = [
+            ("Decision", f"BORROW on {a.node_id}"),
+            ("Reservation", a.reservation_id or "<none> (dry run)"),
+            ("Lease", f"{a.lease_epoch}/{a.lease_version}"),
+            ("Predicted TTFT", f"{a.predicted_ttft_ms:.1f} ms"),
+            ("Normal-path TTFT", f"{a.normal_ttft_ms:.1f} ms"),
+        ]
+    else:
+        head = [("Decision", "NORMAL"), ("Normal-path TTFT", f"{a.normal_ttft_ms:.1f} ms")]
+    head.append(("Reason", a.reason.value + (f": {a.message}" if a.message else "")))
+    if a.shadow_decision is not None:
+        head.append(("Shadow decision", a.shadow_decision.value.upper()))
+    parts = [key_values(head)]
+    if explain and a.plan is not None:
+        parts.append("Conditions:\n" + "\n".join("  " + line for line in conditions(a.plan)))
+        rows = [
+            {**c.model_dump(mode="json"), "predicted_ttft_ms": c.predicted_ttft_ms}
+            for c in a.plan.nodes
+        ]
+        if rows:
+            parts.append(
+                "Nodes:\n"
+                + "\n".join(
+                    "  " + line for line in table(rows, NODE_CHECK_COLUMNS, wide=False).splitlines()
+                )
+            )
+    return "\n".join(parts)
+
+
+def admission_data(a: Admission) -> dict[str, Any]:
+    data = a.model_dump(mode="json")
+    if a.plan is not None:
+        data["conditions"] = conditions(a.plan)
+    return data
+
+
+@click.command()
+@click.option(
+    "--uncached", type=click.IntRange(min=0), required=True, help="Uncached prompt tokens."
+)
+@click.option("--cached", type=click.IntRange(min=0), default=0, help="Cached prefix tokens.")
+@click.option(
+    "--output",
+    "output_tokens",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Expected output tokens.",
+)
+@click.option("--prefix-node", default=None, help="Decode node holding the cached prefix.")
+@click.option("--node", "nodes", multiple=True, help="Candidate node (repeatable).")
+@click.option("--pool", default=None, help="Prefill pool (default: the context's).")
+@click.option("--dry-run", is_flag=True, help="Decide and explain, debit nothing.")
+@click.option("--explain", is_flag=True, help="Show each condition with its numbers.")
+@output_option("-o", "--output-format")
+@click.pass_context
+def admit(
+    ctx: click.Context,
+    uncached: int,
+    cached: int,
+    output_tokens: int,
+    prefix_node: str | None,
+    nodes: tuple[str, ...],
+    pool: str | None,
+    dry_run: bool,
+    explain: bool,
+    output_format: str | None,
+) -> None:
+    """Ask the broker whether a request would borrow, and why.
+
+    Without --dry-run a BORROW holds a real reservation until it expires (the hold TTL)."""
+    st = state(ctx)
+    fmt = st.output(output_format)
+    request = validated(
+        AdmissionRequest,
+        request_id="crossflowctl",
+        uncached_prompt_tokens=uncached,
+        cached_prefix_tokens=cached,
+        cached_prefix_node_id=prefix_node,
+        expected_output_tokens=output_tokens,
+        candidate_node_ids=nodes,
+        dry_run=dry_run,
+        pool=st.pool(pool),
+    )
+
+    async def go() -> Admission:
+        async with st.session() as session:
+            return await session.admit(request)
+
+    result = run(go())
+    click.echo(render_object(admission_data(result), fmt, admission_text(result, explain)))
+
+
+@click.group()
+def policy() -> None:
+    """Show or change the admission policy shared by every broker replica."""
+
+
+def _policy_text(p: PolicySettings) -> str:
+    return key_values([(k, v) for k, v in p.model_dump(mode="json").items()])
+
+
+@policy.command("get")
+@output_option()
+@click.pass_context
+def policy_get(ctx: click.Context, output: str | None) -> None:
+    """Print the current policy."""
+    st = state(ctx)
+
+    async def go() -> PolicySettings:
+        async with st.session() as session:
+            return await session.get_policy()
+
+    p = run(go())
+    click.echo(render_object(p.model_dump(mode="json"), st.output(output), _policy_text(p)))
+
+
+def parse_updates(pairs: tuple[str, ...]) -> dict[str, str]:
+    updates: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"expected key=value, got {pair!r}", ExitCode.USAGE)
+        updates[key.strip()] = value.strip()
+    return updates
+
+
+@policy.command("set")
+@click.argument("pairs", nargs=-1, required=True, metavar="KEY=VALUE...")
+@output_option()
+@click.pass_context
+def policy_set(ctx: click.Context, pairs: tuple[str, ...], output: str | None) -> None:
+    """Change policy settings (validated here and by the broker), e.g. borrow_share=0.3."""
+    st = state(ctx)
+    updates = parse_updates(pairs)
+
+    async def go() -> PolicySettings:
+        async with st.session() as session:
+            current = await session.get_policy()
+            current.updated({k: _loose(v) for k, v in updates.items()})  # fail before sending
+            return await session.set_policy(updates)
+
+    p = run(go())
+    click.echo(render_object(p.model_dump(mode="json"), st.output(output), _policy_text(p)))
+
+
+def _loose(text: str) -> Any:
+    """A value as typed: JSON when it parses (numbers, true/false), else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

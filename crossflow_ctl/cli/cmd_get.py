@@ -1,0 +1,196 @@
+"""``crossflowctl get nodes|leases|reservations|pools`` with -o, --watch, -l and --role."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import click
+
+from crossflow_ctl.cli.api import BrokerSession
+from crossflow_ctl.cli.common import output_option, run, state
+from crossflow_ctl.cli.output import OutputFormat, render_list
+from crossflow_ctl.cli.views import (
+    LEASE_COLUMNS,
+    NODE_COLUMNS,
+    POOL_COLUMNS,
+    RESERVATION_COLUMNS,
+    lease_row,
+    matches,
+    node_row,
+    now_ms,
+    pool_row,
+    reservation_row,
+)
+from crossflow_ctl.domain.models import NodeRole
+
+Render = Callable[[BrokerSession], Awaitable[str]]
+CLEAR = "\x1b[H\x1b[2J"
+
+
+async def _nodes_text(
+    session: BrokerSession, fmt: OutputFormat, role: str | None, selector: str, leases: bool
+) -> str:
+    nodes = await session.list_nodes(NodeRole(role) if role else None, selector)
+    nodes = [n for n in nodes if matches(n.info.labels, selector)]
+    if role:
+        nodes = [n for n in nodes if n.info.role.value == role]
+    at = now_ms()
+    if leases:
+        rows = [r for r in (lease_row(n, at) for n in nodes) if r is not None]
+        return render_list(rows, LEASE_COLUMNS, fmt, kind="LeaseList")
+    return render_list([node_row(n, at) for n in nodes], NODE_COLUMNS, fmt, kind="NodeList")
+
+
+async def _watch(
+    session_factory: Callable[[], BrokerSession],
+    render: Render,
+    interval_s: float,
+    watch: bool,
+    count: int,
+) -> None:
+    async with session_factory() as session:
+        shown = 0
+        while True:
+            text = await render(session)
+            if watch and sys.stdout.isatty():
+                click.echo(CLEAR, nl=False)
+            elif shown:
+                click.echo("")
+            click.echo(text)
+            shown += 1
+            if not watch or (count and shown >= count):
+                return
+            await asyncio.sleep(interval_s)
+
+
+def _run_listing(
+    ctx: click.Context, render: Render, watch: bool, interval: float, count: int
+) -> None:
+    st = state(ctx)
+    try:
+        run(_watch(st.session, render, interval, watch, count))
+    except KeyboardInterrupt:
+        if not watch:
+            raise
+        # Ctrl-C is how a watch ends: not an error.
+
+
+def _watch_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = click.option("-w", "--watch", is_flag=True, help="Keep printing as things change.")(func)
+    func = click.option(
+        "--interval",
+        type=click.FloatRange(min=0.05),
+        default=2.0,
+        show_default=True,
+        help="Seconds between refreshes with --watch.",
+    )(func)
+    func = click.option(
+        "--watch-count",
+        type=click.IntRange(min=0),
+        default=0,
+        help="Stop after this many refreshes (0: until Ctrl-C).",
+    )(func)
+    return output_option()(func)
+
+
+def _filter_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = click.option("-l", "--selector", default="", help="Label selector, k=v,k2!=v2.")(func)
+    func = click.option(
+        "--role",
+        type=click.Choice([r.value for r in NodeRole]),
+        default=None,
+        help="Only nodes of this role.",
+    )(func)
+    return func
+
+
+@click.group()
+def get() -> None:
+    """List nodes, leases, reservations or pools."""
+
+
+@get.command("nodes")
+@_watch_options
+@_filter_options
+@click.pass_context
+def get_nodes(
+    ctx: click.Context,
+    output: str | None,
+    watch: bool,
+    interval: float,
+    watch_count: int,
+    selector: str,
+    role: str | None,
+) -> None:
+    """Every node with its status, latest lease and what it has left to lend."""
+    fmt = state(ctx).output(output)
+
+    async def render(session: BrokerSession) -> str:
+        return await _nodes_text(session, fmt, role, selector, leases=False)
+
+    _run_listing(ctx, render, watch, interval, watch_count)
+
+
+@get.command("leases")
+@_watch_options
+@_filter_options
+@click.pass_context
+def get_leases(
+    ctx: click.Context,
+    output: str | None,
+    watch: bool,
+    interval: float,
+    watch_count: int,
+    selector: str,
+    role: str | None,
+) -> None:
+    """The latest lease of every node that sent one."""
+    fmt = state(ctx).output(output)
+
+    async def render(session: BrokerSession) -> str:
+        return await _nodes_text(session, fmt, role, selector, leases=True)
+
+    _run_listing(ctx, render, watch, interval, watch_count)
+
+
+@get.command("reservations")
+@_watch_options
+@click.option("--node", default=None, help="Only this node's reservations.")
+@click.pass_context
+def get_reservations(
+    ctx: click.Context,
+    output: str | None,
+    watch: bool,
+    interval: float,
+    watch_count: int,
+    node: str | None,
+) -> None:
+    """Open reservations (held, committed, released-not-yet-seen)."""
+    fmt = state(ctx).output(output)
+
+    async def render(session: BrokerSession) -> str:
+        items = await session.list_reservations(node)
+        at = now_ms()
+        rows = [reservation_row(r, at) for r in items]
+        return render_list(rows, RESERVATION_COLUMNS, fmt, kind="ReservationList")
+
+    _run_listing(ctx, render, watch, interval, watch_count)
+
+
+@get.command("pools")
+@_watch_options
+@click.pass_context
+def get_pools(
+    ctx: click.Context, output: str | None, watch: bool, interval: float, watch_count: int
+) -> None:
+    """Prefill pools: live load reports, outstanding work and estimated wait."""
+    fmt = state(ctx).output(output)
+
+    async def render(session: BrokerSession) -> str:
+        pools = await session.list_pools()
+        return render_list([pool_row(p) for p in pools], POOL_COLUMNS, fmt, kind="PoolList")
+
+    _run_listing(ctx, render, watch, interval, watch_count)

@@ -1,0 +1,239 @@
+"""``describe node``, ``cordon``, ``uncordon`` and ``drain``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import click
+
+from crossflow_ctl.cli.api import NodeDetail
+from crossflow_ctl.cli.common import output_option, run, state
+from crossflow_ctl.cli.exit_codes import CliError, ExitCode
+from crossflow_ctl.cli.output import Column, cell, key_values, render_object, table
+from crossflow_ctl.cli.views import (
+    RESERVATION_COLUMNS,
+    age,
+    credits_dict,
+    node_row,
+    node_status,
+    now_ms,
+    reservation_row,
+)
+from crossflow_ctl.domain.models import CREDIT_NAMES
+
+CREDIT_COLUMNS = [
+    Column("CREDIT", "credit"),
+    Column("LEASE", "lease"),
+    Column("OPEN-DEBITS", "debits"),
+    Column("AVAILABLE", "available"),
+]
+HISTORY_COLUMNS = [
+    Column("EPOCH/VERSION", "ev"),
+    Column("RECEIVED", "age"),
+    Column("COMPUTE", "compute_tokens"),
+    Column("KV", "kv_tokens"),
+    Column("SLOTS", "slots"),
+    Column("ZERO-REASON", "zero_reason"),
+]
+EVENT_COLUMNS = [Column("AGE", "age"), Column("KIND", "kind"), Column("MESSAGE", "message")]
+
+
+def detail_data(detail: NodeDetail, at: int) -> dict[str, Any]:
+    node = detail.node
+    lease = node.lease.effective_credits(at) if node.lease else None
+    available = node.available(at)
+    credits = [
+        {
+            "credit": name,
+            "lease": getattr(lease, name) if lease is not None else 0,
+            "debits": getattr(node.open_debits, name),
+            "available": getattr(available, name),
+        }
+        for name in CREDIT_NAMES
+    ]
+    return {
+        **node_row(node, at),
+        "credits": credits,
+        "reservations": [reservation_row(r, at) for r in detail.reservations],
+        "recent_leases": [lease.model_dump(mode="json") for lease in detail.recent_leases],
+        "events": [
+            {"at_ms": e.at_ms, "age": age(e.at_ms, at), "kind": e.kind, "message": e.message}
+            for e in detail.events
+        ],
+    }
+
+
+def describe_text(detail: NodeDetail, at: int) -> str:
+    data = detail_data(detail, at)
+    node = detail.node
+    stored = node.lease
+    head = [
+        ("Name", data["name"]),
+        ("Role", data["role"]),
+        ("Pool", data["pool"]),
+        ("Labels", data["labels"]),
+        ("Status", node_status(node, at)),
+        ("Cordoned", f"yes ({node.info.cordon_reason})" if node.info.cordoned else "no"),
+        ("Notice seq", node.info.notice_seq),
+    ]
+    parts = [key_values(head)]
+    if stored is None:
+        parts.append("Latest lease:  <none> (the node's agent has not sent one)")
+    else:
+        lease = stored.lease
+        reason = "<none>"
+        if lease.zero_reason is not None:
+            reason = lease.zero_reason.value + (
+                f": {lease.zero_detail}" if lease.zero_detail else ""
+            )
+        elif stored.expired(at):
+            reason = "expired (counts as zero)"
+        parts.append(
+            "Latest lease:\n"
+            + key_values(
+                [
+                    ("Epoch/version", f"{lease.epoch}/{lease.version}"),
+                    ("Received", f"{age(stored.received_at_ms, at)} ago"),
+                    ("Expires in", f"{max(0, stored.expires_at_ms - at)} ms"),
+                    ("Zero reason", reason),
+                    ("Queue wait", f"{lease.queue_wait_ms:.1f} ms"),
+                    ("Borrowed prefill rate", f"{lease.borrowed_prefill_rate_tps:.0f} tokens/s"),
+                    ("ITL / SLO", f"{lease.itl_ms:.1f} / {lease.itl_slo_ms:.1f} ms"),
+                    ("Last notice seen", lease.last_notice_seq),
+                ],
+                indent=2,
+            )
+        )
+    parts.append("Credits:\n" + _indent(table(data["credits"], CREDIT_COLUMNS, wide=False)))
+    res_rows = data["reservations"]
+    parts.append(
+        "Open reservations:"
+        + (
+            "\n" + _indent(table(res_rows, RESERVATION_COLUMNS, wide=True))
+            if res_rows
+            else "  <none>"
+        )
+    )
+    hist = [
+        {
+            "ev": f"{lease.epoch}/{lease.version}",
+            "age": f"{age(lease.snapshot_unix_ms, at)} ago" if lease.snapshot_unix_ms else "<none>",
+            "zero_reason": lease.zero_reason.value if lease.zero_reason else "",
+            **credits_dict(lease.credits),
+        }
+        for lease in detail.recent_leases
+    ]
+    parts.append(
+        "Recent leases:"
+        + ("\n" + _indent(table(hist, HISTORY_COLUMNS, wide=False)) if hist else "  <none>")
+    )
+    events = data["events"]
+    parts.append(
+        "Events:"
+        + ("\n" + _indent(table(events, EVENT_COLUMNS, wide=False)) if events else "  <none>")
+    )
+    return "\n".join(parts)
+
+
+def _indent(text: str, by: int = 2) -> str:
+    return "\n".join(" " * by + line for line in text.splitlines())
+
+
+@click.group()
+def describe() -> None:
+    """Show everything known about one resource."""
+
+
+@describe.command("node")
+@click.argument("name")
+@output_option()
+@click.pass_context
+def describe_node(ctx: click.Context, name: str, output: str | None) -> None:
+    """Latest lease, credits and debits, zero-lease reason, history, reservations, events."""
+    st = state(ctx)
+    fmt = st.output(output)
+
+    async def go() -> NodeDetail:
+        async with st.session() as session:
+            return await session.describe_node(name)
+
+    detail = run(go())
+    at = now_ms()
+    click.echo(render_object(detail_data(detail, at), fmt, describe_text(detail, at)))
+
+
+@click.command()
+@click.argument("name")
+@click.option("--reason", default="cordoned by crossflowctl", help="Why (shown in describe).")
+@click.pass_context
+def cordon(ctx: click.Context, name: str, reason: str) -> None:
+    """Stop lending from NAME: its lease counts as zero until uncordoned."""
+    st = state(ctx)
+
+    async def go() -> None:
+        async with st.session() as session:
+            await session.cordon(name, reason)
+
+    run(go())
+    click.echo(f"node/{name} cordoned")
+
+
+@click.command()
+@click.argument("name")
+@click.pass_context
+def uncordon(ctx: click.Context, name: str) -> None:
+    """Let NAME lend again."""
+    st = state(ctx)
+
+    async def go() -> None:
+        async with st.session() as session:
+            await session.uncordon(name)
+
+    run(go())
+    click.echo(f"node/{name} uncordoned")
+
+
+@click.command()
+@click.argument("name")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0.0),
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait for open reservations to end (exit 5 after).",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.05),
+    default=0.5,
+    show_default=True,
+    help="Seconds between checks.",
+)
+@click.pass_context
+def drain(ctx: click.Context, name: str, timeout_s: float, interval: float) -> None:
+    """Cordon NAME (its lease counts as zero), then wait until its open reservations are gone."""
+    st = state(ctx)
+
+    async def go() -> int:
+        async with st.session() as session:
+            await session.cordon(name, "drain")
+            click.echo(f"node/{name} cordoned")
+            deadline = time.monotonic() + timeout_s
+            while True:
+                node = await session.get_node(name)
+                if node.open_reservations == 0:
+                    return 0
+                if time.monotonic() >= deadline:
+                    return node.open_reservations
+                await asyncio.sleep(interval)
+
+    left = run(go())
+    if left:
+        raise CliError(
+            f"node/{name} still has {left} open reservation(s) after {cell(timeout_s)} s",
+            ExitCode.TIMEOUT,
+        )
+    click.echo(f"node/{name} drained")

@@ -1,0 +1,117 @@
+"""What every crossflowctl command shares: resolved settings, the broker session, error handling."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from crossflow_ctl.cli.api import BrokerSession, Target
+from crossflow_ctl.cli.config import Context, CtlConfig, CtlSettings, load_config
+from crossflow_ctl.cli.exit_codes import ExitCode, exit_code_for, one_line
+from crossflow_ctl.cli.output import FORMATS, OutputFormat
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass
+class CtlState:
+    """Resolved once per invocation: flags > environment (CROSSFLOWCTL_*) > config file."""
+
+    settings: CtlSettings
+    config_path: Path
+    server_override: str | None
+    context_override: str | None
+
+    @classmethod
+    def create(
+        cls, *, server: str | None, context: str | None, config_path: str | None
+    ) -> CtlState:
+        settings = CtlSettings()
+        path = Path(config_path).expanduser() if config_path else settings.config_path()
+        return cls(
+            settings=settings,
+            config_path=path,
+            server_override=server or settings.server,
+            context_override=context or settings.context,
+        )
+
+    def load(self) -> CtlConfig:
+        return load_config(self.config_path)
+
+    def context(self) -> tuple[str, Context]:
+        return self.load().context(self.context_override)
+
+    def target(self) -> Target:
+        _, ctx = self.context()
+        return Target(
+            server=self.server_override or ctx.server,
+            ca_file=ctx.ca_file,
+            cert_file=ctx.cert_file,
+            key_file=ctx.key_file,
+            timeout_s=ctx.defaults.timeout_s,
+        )
+
+    def output(self, chosen: str | None) -> OutputFormat:
+        if chosen:
+            return OutputFormat(chosen)
+        return self.context()[1].defaults.output
+
+    def pool(self, chosen: str | None) -> str:
+        return chosen or self.context()[1].defaults.pool
+
+    def session(self) -> BrokerSession:
+        return BrokerSession(self.target())
+
+
+def output_option(*names: str) -> Callable[[F], F]:
+    """``-o/--output table|wide|json|yaml`` (other names where --output means something else)."""
+    return click.option(
+        *(names or ("-o", "--output")),
+        type=click.Choice(FORMATS),
+        default=None,
+        help="Output format: table, wide, json or yaml (default: the context's, else table).",
+    )
+
+
+def state(ctx: click.Context) -> CtlState:
+    obj = ctx.find_root().obj
+    assert isinstance(obj, CtlState)
+    return obj
+
+
+def run(coro: Awaitable[T]) -> T:
+    async def _main() -> T:
+        return await coro
+
+    return asyncio.run(_main())
+
+
+def run_cli(group: click.Group, prog_name: str) -> int:
+    """Run a click group; turn every failure into one stderr line and a documented exit code."""
+    try:
+        group.main(prog_name=prog_name, standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("error: aborted", err=True)
+        return 130
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx else prog_name
+        click.echo(f"error: {exc.format_message()} (see '{where} --help')", err=True)
+        return ExitCode.USAGE
+    except click.ClickException as exc:
+        click.echo(f"error: {exc.format_message()}", err=True)
+        return ExitCode.ERROR
+    except KeyboardInterrupt:
+        click.echo("error: interrupted", err=True)
+        return 130
+    except Exception as exc:
+        click.echo(one_line(exc), err=True)
+        return int(exit_code_for(exc))
+    return ExitCode.OK

@@ -1,0 +1,112 @@
+"""crossflowctl's configuration: one settings model (env ``CROSSFLOWCTL_*``) and the contexts file.
+
+The contexts file (``~/.config/crossflow/config.yaml``, or ``$CROSSFLOWCTL_CONFIG``) is kubeconfig
+shaped::
+
+    current-context: local
+    contexts:
+      local:
+        server: 127.0.0.1:50051
+        ca-file: null          # TLS: a CA bundle turns TLS on
+        cert-file: null        # client certificate and key (mutual TLS)
+        key-file: null
+        defaults:              # default settings for commands run in this context
+          output: table
+          pool: default
+          timeout-s: 5.0
+
+``--server`` and ``--context`` on the command line win over the file; the file wins over defaults.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from crossflow_ctl.cli.output import OutputFormat
+from crossflow_ctl.domain.errors import ConfigError
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+DEFAULT_CONFIG_PATH = Path("~/.config/crossflow/config.yaml")
+
+
+class CtlSettings(BaseSettings):
+    """Process settings: where the contexts file is, and overrides from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="CROSSFLOWCTL_", extra="ignore")
+
+    config: Path = DEFAULT_CONFIG_PATH
+    server: str | None = None
+    context: str | None = None
+
+    def config_path(self) -> Path:
+        return self.config.expanduser()
+
+
+class _Kebab(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        alias_generator=lambda name: name.replace("_", "-"),
+    )
+
+
+class ContextDefaults(_Kebab):
+    output: OutputFormat = OutputFormat.TABLE
+    pool: Annotated[str, Field(min_length=1, max_length=64)] = "default"
+    timeout_s: Annotated[float, Field(gt=0.0, le=3600.0)] = 5.0
+    """Deadline of each call to the broker."""
+
+
+class Context(_Kebab):
+    server: Annotated[str, Field(min_length=1)] = DEFAULT_SERVER
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    defaults: ContextDefaults = ContextDefaults()
+
+    @property
+    def tls(self) -> bool:
+        return self.ca_file is not None
+
+
+class CtlConfig(_Kebab):
+    current_context: str = "default"
+    contexts: dict[str, Context] = Field(default_factory=lambda: {"default": Context()})
+
+    def context(self, name: str | None = None) -> tuple[str, Context]:
+        chosen = name or self.current_context
+        if chosen not in self.contexts:
+            known = ", ".join(sorted(self.contexts)) or "none"
+            raise ConfigError(f"no context named {chosen!r} (known: {known})", field="context")
+        return chosen, self.contexts[chosen]
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+def load_config(path: Path) -> CtlConfig:
+    """The contexts file, or the built-in default when it does not exist."""
+    if not path.exists():
+        return CtlConfig()
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    try:
+        return CtlConfig.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(f"{path}: {where}: {err['msg']}") from None
+
+
+def save_config(path: Path, config: CtlConfig) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(config.dump(), sort_keys=False))
+    tmp.replace(path)

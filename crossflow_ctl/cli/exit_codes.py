@@ -1,0 +1,66 @@
+"""Exit codes scripts can rely on, and the one-line error every failure prints.
+
+    0  OK           the command did what it was asked
+    1  ERROR        anything else: a refused state change, an unexpected failure
+    2  USAGE        bad flags or arguments, or a value the server refused as invalid
+    3  NOT_FOUND    the named node or reservation does not exist
+    4  UNAVAILABLE  the broker could not be reached (wrong address, down, TLS refused)
+    5  TIMEOUT      a wait (``drain --timeout``) ran out before the state was reached
+
+Every error is printed to stderr as one line, ``error: <what went wrong>``.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from crossflow_ctl.domain.errors import (
+    ConfigError,
+    InvalidArgument,
+    NotFound,
+    StoreUnavailable,
+)
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    ERROR = 1
+    USAGE = 2
+    NOT_FOUND = 3
+    UNAVAILABLE = 4
+    TIMEOUT = 5
+
+
+class CliError(Exception):
+    """A failure the CLI reports in one line with a chosen exit code."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.ERROR) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    if isinstance(exc, StoreUnavailable | ConnectionError | TimeoutError):
+        return True
+    name = type(exc).__name__.lower()
+    return "unavailable" in name or "connect" in name or "deadline" in name
+
+
+def exit_code_for(exc: BaseException) -> ExitCode:
+    """The documented exit code for an error raised by a command."""
+    if isinstance(exc, CliError):
+        return exc.code
+    if isinstance(exc, NotFound):
+        return ExitCode.NOT_FOUND
+    if isinstance(exc, InvalidArgument | ConfigError):
+        return ExitCode.USAGE
+    if _is_unavailable(exc):
+        return ExitCode.UNAVAILABLE
+    return ExitCode.ERROR
+
+
+def one_line(exc: BaseException) -> str:
+    """The error as a single line of text, never a traceback."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"error: {text}"

@@ -1,0 +1,233 @@
+"""Domain values (as the client library returns them) turned into plain rows for output."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from crossflow_ctl.cli.output import Column
+from crossflow_ctl.domain.models import (
+    Credits,
+    NodeState,
+    PoolSnapshot,
+    Reservation,
+    StoredLease,
+)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def age(ms: int, at_ms: int | None = None) -> str:
+    """kubectl-style age: 5s, 3m, 2h, 4d."""
+    if ms <= 0:
+        return "<none>"
+    seconds = max(0, ((at_ms if at_ms is not None else now_ms()) - ms) // 1000)
+    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def credits_dict(credits: Credits) -> dict[str, int]:
+    return credits.model_dump(mode="json")
+
+
+def node_status(node: NodeState, at_ms: int) -> str:
+    """Ready, Cordoned, NoLease, Expired or Zero(<reason>)."""
+    stored = node.lease
+    if node.info.cordoned:
+        return "Cordoned"
+    if stored is None:
+        return "NoLease"
+    if stored.expired(at_ms):
+        return "Expired"
+    if stored.lease.zero_reason is not None:
+        return f"Zero({stored.lease.zero_reason.value})"
+    return "Ready"
+
+
+def lease_dict(stored: StoredLease, at_ms: int) -> dict[str, Any]:
+    lease = stored.lease
+    return {
+        "epoch": lease.epoch,
+        "version": lease.version,
+        "ttl_ms": lease.ttl_ms,
+        "expired": stored.expired(at_ms),
+        "received_at_ms": stored.received_at_ms,
+        "expires_at_ms": stored.expires_at_ms,
+        "zero_reason": lease.zero_reason.value if lease.zero_reason else None,
+        "zero_detail": lease.zero_detail,
+        "credits": credits_dict(lease.credits),
+        "queue_wait_ms": lease.queue_wait_ms,
+        "borrowed_prefill_rate_tps": lease.borrowed_prefill_rate_tps,
+        "itl_ms": lease.itl_ms,
+        "itl_slo_ms": lease.itl_slo_ms,
+        "last_notice_seq": lease.last_notice_seq,
+    }
+
+
+def node_row(node: NodeState, at_ms: int) -> dict[str, Any]:
+    stored = node.lease
+    available = node.available(at_ms)
+    return {
+        "name": node.info.node_id,
+        "role": node.info.role.value,
+        "pool": node.info.pool,
+        "status": node_status(node, at_ms),
+        "cordoned": node.info.cordoned,
+        "cordon_reason": node.info.cordon_reason,
+        "labels": dict(node.info.labels),
+        "lease": (f"{stored.lease.epoch}/{stored.lease.version}" if stored else None),
+        "lease_age": age(stored.received_at_ms, at_ms) if stored else "<none>",
+        "compute_tokens": available.compute_tokens,
+        "kv_tokens": available.kv_tokens,
+        "kv_transfer_bytes": available.kv_transfer_bytes,
+        "output_tokens": available.output_tokens,
+        "slots": available.slots,
+        "open_reservations": node.open_reservations,
+        "open_debits": credits_dict(node.open_debits),
+        "itl_ms": stored.lease.itl_ms if stored else None,
+        "itl_slo_ms": stored.lease.itl_slo_ms if stored else None,
+        "queue_wait_ms": stored.lease.queue_wait_ms if stored else None,
+        "notice_seq": node.info.notice_seq,
+        "latest_lease": lease_dict(stored, at_ms) if stored else None,
+    }
+
+
+NODE_COLUMNS = [
+    Column("NAME", "name"),
+    Column("ROLE", "role"),
+    Column("STATUS", "status"),
+    Column("LEASE", "lease"),
+    Column("COMPUTE", "compute_tokens"),
+    Column("KV", "kv_tokens"),
+    Column("SLOTS", "slots"),
+    Column("OPEN", "open_reservations"),
+    Column("AGE", "lease_age"),
+    Column("POOL", "pool", wide=True),
+    Column("OUTPUT", "output_tokens", wide=True),
+    Column("KV-XFER", "kv_transfer_bytes", wide=True),
+    Column("ITL-MS", "itl_ms", wide=True),
+    Column("SLO-MS", "itl_slo_ms", wide=True),
+    Column("WAIT-MS", "queue_wait_ms", wide=True),
+    Column("LABELS", "labels", wide=True),
+]
+
+
+def lease_row(node: NodeState, at_ms: int) -> dict[str, Any] | None:
+    stored = node.lease
+    if stored is None:
+        return None
+    row = lease_dict(stored, at_ms)
+    credits = row["credits"]
+    return {
+        "name": node.info.node_id,
+        **row,
+        "epoch_version": f"{stored.lease.epoch}/{stored.lease.version}",
+        "compute_tokens": credits["compute_tokens"],
+        "kv_tokens": credits["kv_tokens"],
+        "output_tokens": credits["output_tokens"],
+        "kv_transfer_bytes": credits["kv_transfer_bytes"],
+        "slots": credits["slots"],
+        "expires_in": _expires_in(stored.expires_at_ms, at_ms),
+    }
+
+
+def _expires_in(expires_at_ms: int, at_ms: int) -> str:
+    left = expires_at_ms - at_ms
+    return "expired" if left <= 0 else f"{left}ms"
+
+
+LEASE_COLUMNS = [
+    Column("NODE", "name"),
+    Column("EPOCH/VERSION", "epoch_version"),
+    Column("COMPUTE", "compute_tokens"),
+    Column("KV", "kv_tokens"),
+    Column("OUTPUT", "output_tokens"),
+    Column("SLOTS", "slots"),
+    Column("ZERO-REASON", "zero_reason"),
+    Column("EXPIRES-IN", "expires_in"),
+    Column("KV-XFER", "kv_transfer_bytes", wide=True),
+    Column("ITL-MS", "itl_ms", wide=True),
+    Column("SLO-MS", "itl_slo_ms", wide=True),
+    Column("RATE-TPS", "borrowed_prefill_rate_tps", wide=True),
+    Column("NOTICE-SEQ", "last_notice_seq", wide=True),
+]
+
+
+def reservation_row(res: Reservation, at_ms: int) -> dict[str, Any]:
+    return {
+        "id": res.reservation_id,
+        "node": res.node_id,
+        "state": res.state.value,
+        "debit": credits_dict(res.debit),
+        "compute_tokens": res.debit.compute_tokens,
+        "kv_tokens": res.debit.kv_tokens,
+        "lease": f"{res.lease_epoch}/{res.lease_version}",
+        "created_at_ms": res.created_at_ms,
+        "expires_at_ms": res.expires_at_ms,
+        "age": age(res.created_at_ms, at_ms),
+        "expires_in": _expires_in(res.expires_at_ms, at_ms),
+        "grant_seq": res.grant_seq,
+        "release_seq": res.release_seq,
+        "request_id": res.request_id,
+    }
+
+
+RESERVATION_COLUMNS = [
+    Column("ID", "id"),
+    Column("NODE", "node"),
+    Column("STATE", "state"),
+    Column("COMPUTE", "compute_tokens"),
+    Column("KV", "kv_tokens"),
+    Column("AGE", "age"),
+    Column("EXPIRES-IN", "expires_in"),
+    Column("LEASE", "lease", wide=True),
+    Column("GRANT-SEQ", "grant_seq", wide=True),
+    Column("RELEASE-SEQ", "release_seq", wide=True),
+    Column("REQUEST", "request_id", wide=True),
+]
+
+
+def pool_row(pool: PoolSnapshot) -> dict[str, Any]:
+    wait = pool.estimated_wait_ms()
+    return {
+        "name": pool.pool,
+        "reporting_nodes": len(pool.reports),
+        "outstanding_uncached_tokens": pool.outstanding_uncached_tokens,
+        "processing_rate_tps": pool.processing_rate_tps,
+        "prefill_rate_tps": pool.prefill_rate_tps,
+        "estimated_wait_ms": wait,
+        "queued_requests": sum(r.queued_requests for r in pool.reports),
+        "reports": [r.model_dump(mode="json") for r in pool.reports],
+    }
+
+
+POOL_COLUMNS = [
+    Column("POOL", "name"),
+    Column("NODES", "reporting_nodes"),
+    Column("OUTSTANDING", "outstanding_uncached_tokens"),
+    Column("RATE-TPS", "processing_rate_tps"),
+    Column("WAIT-MS", "estimated_wait_ms"),
+    Column("QUEUED", "queued_requests", wide=True),
+    Column("PREFILL-TPS", "prefill_rate_tps", wide=True),
+]
+
+
+def matches(labels: Mapping[str, str], selector: str) -> bool:
+    """``k=v,k2!=v2,k3`` (kubectl's equality-based selectors)."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in term:
+            key, value = term.split("=", 1)
+            if labels.get(key.strip().rstrip("=")) != value.strip().lstrip("="):
+                return False
+        elif term not in labels:
+            return False
+    return True
