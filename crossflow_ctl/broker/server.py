@@ -1,0 +1,164 @@
+"""The broker's grpc.aio server: Lease, Admission and Admin services, standard health and
+reflection, message size limits, one supervisor for every background task, staged shutdown.
+
+Shutdown (``BrokerServer.stop``): health NOT_SERVING; stop accepting RPCs; ask agent streams to
+end and give them ``stream_grace_s``; cancel the supervisor's tasks; close the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import os
+import socket
+from collections.abc import Coroutine
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from crossflow_ctl.api.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    admission_pb2,
+    admission_pb2_grpc,
+    lease_pb2,
+    lease_pb2_grpc,
+)
+from crossflow_ctl.broker.config import BrokerSettings
+from crossflow_ctl.broker.service import Broker
+from crossflow_ctl.broker.servicers.admin import AdminServicer
+from crossflow_ctl.broker.servicers.admission import AdmissionServicer
+from crossflow_ctl.broker.streams import LeaseStreamServicer, StreamRegistry
+from crossflow_ctl.domain.clock import Clock, SystemClock
+from crossflow_ctl.domain.errors import ConfigError, CrossflowError
+from crossflow_ctl.store.base import Store
+
+log = structlog.get_logger()
+
+SERVICE_NAMES = (
+    lease_pb2.DESCRIPTOR.services_by_name["LeaseService"].full_name,
+    admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+)
+
+
+class Supervisor:
+    """Owns every background task of the process; ``shutdown`` cancels and awaits them all."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task.failed", task=task.get_name(), error=repr(task.exception()))
+
+    @property
+    def tasks(self) -> frozenset[asyncio.Task[Any]]:
+        return frozenset(self._tasks)
+
+    async def shutdown(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def make_store(settings: BrokerSettings) -> Store:
+    """RedisStore when ``redis_url`` is set, else the embedded in-process store."""
+    if settings.redis_url:
+        # Imported by name so the embedded store runs without the Redis module loaded.
+        module = importlib.import_module("crossflow_ctl.store.redis_store")
+        store: Store = module.RedisStore(settings.redis_url, namespace=settings.redis_namespace)
+        return store
+    from crossflow_ctl.store.memory import MemoryStore
+
+    return MemoryStore()
+
+
+class BrokerServer:
+    """One broker replica: ``await start()``, then ``await stop()`` (or ``serve(stop_event)``)."""
+
+    def __init__(self, settings: BrokerSettings, store: Store, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.store = store
+        broker_id = settings.broker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.broker = Broker(store, clock or SystemClock(), settings, broker_id)
+        self.streams = StreamRegistry()
+        self.supervisor = Supervisor()
+        self.health = health.aio.HealthServicer()
+        self._stop_policy = asyncio.Event()
+        limit = settings.max_message_bytes
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        self.port = 0
+
+    async def start(self) -> int:
+        """Bind, load the shared policy (best effort), start serving; returns the bound port."""
+        server = self._server
+        lease_pb2_grpc.add_LeaseServiceServicer_to_server(
+            LeaseStreamServicer(self.broker, self.streams), server
+        )
+        admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
+            AdmissionServicer(self.broker), server
+        )
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.broker), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        try:
+            self.port = server.add_insecure_port(self.settings.listen)
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"cannot listen on {self.settings.listen}: {exc}", field="listen"
+            ) from None
+        try:
+            await self.broker.load_policy()
+        except CrossflowError as exc:
+            log.warning("policy.initial_load_failed", error=str(exc))
+        await server.start()
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.supervisor.spawn(
+            "policy-refresh", self.broker.refresh_policy_forever(self._stop_policy)
+        )
+        log.info("broker.started", listen=self.settings.listen, port=self.port)
+        return self.port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        grace = self.settings.stream_grace_s if grace_s is None else grace_s
+        log.info("broker.stopping", streams=len(self.streams), grace_s=grace)
+        await self.health.enter_graceful_shutdown()
+        stopping = asyncio.create_task(self._server.stop(grace))
+        self.streams.close_all()
+        drained = await self.streams.wait_idle(grace)
+        await stopping
+        self._stop_policy.set()
+        await self.supervisor.shutdown()
+        with contextlib.suppress(CrossflowError):
+            await self.store.close()
+        log.info("broker.stopped", streams_drained=drained)
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set (signal handlers set it), then shut down in stages."""
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()

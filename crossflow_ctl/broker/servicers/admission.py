@@ -1,0 +1,42 @@
+"""AdmissionService: Admit always answers (NORMAL on any store doubt); Commit and Release map
+domain errors to status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
+from crossflow_ctl.broker.convert_admission import admission_to_proto, admit_request_from_proto
+from crossflow_ctl.broker.service import Broker
+from crossflow_ctl.broker.servicers import maps_errors
+
+
+class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+
+    @maps_errors
+    async def Admit(
+        self, request: admission_pb2.AdmitRequest, context: grpc.aio.ServicerContext
+    ) -> admission_pb2.AdmitResponse:
+        admission = await self._broker.admit(admit_request_from_proto(request))
+        return admission_to_proto(admission)
+
+    @maps_errors
+    async def Commit(
+        self, request: admission_pb2.CommitRequest, context: grpc.aio.ServicerContext
+    ) -> admission_pb2.CommitResponse:
+        res = await self._broker.commit(request.reservation_id)
+        return admission_pb2.CommitResponse(
+            reservation_id=res.reservation_id, expires_unix_ms=res.expires_at_ms
+        )
+
+    @maps_errors
+    async def Release(
+        self, request: admission_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> admission_pb2.ReleaseResponse:
+        outcome = admission_pb2.ReleaseOutcome.Name(request.outcome).removeprefix(
+            "RELEASE_OUTCOME_"
+        )
+        res = await self._broker.release(request.reservation_id, outcome.lower())
+        return admission_pb2.ReleaseResponse(reservation_id=res.reservation_id)

@@ -1,0 +1,220 @@
+"""LeaseService.Connect: one bidirectional stream per node agent.
+
+Hello first (INVALID_ARGUMENT otherwise), the node is registered and answered with a Welcome.
+Then, concurrently: a reader acks each lease (ACCEPTED, STALE with the stored epoch/version, or
+INVALID naming the field; the stream stays up), stores pool load and echoes heartbeats; and a
+relay reads the node's notices from the STORE (after the agent's ``last_notice_seq``) and sends
+them down, so a notice written by any replica reaches the agent wherever it streams (§6).
+One writer (the handler) drains a queue both feed. :class:`StreamRegistry` lets shutdown end
+every stream cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+
+from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
+from crossflow_ctl.broker import convert as c
+from crossflow_ctl.broker.service import Broker
+from crossflow_ctl.broker.servicers import status_for
+from crossflow_ctl.domain.errors import (
+    CrossflowError,
+    InvalidArgument,
+    StaleLease,
+    StoreUnavailable,
+)
+from crossflow_ctl.domain.models import NodeRole
+
+log = structlog.get_logger()
+
+RELAY_RETRY_S = 0.2
+
+
+class _End:
+    """Queue sentinel: the stream is over (``error`` set when it ends with a status)."""
+
+    def __init__(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
+        self.code = code
+        self.message = message
+
+
+class StreamRegistry:
+    """The live agent streams of this replica, so shutdown can end them and wait."""
+
+    def __init__(self) -> None:
+        self._queues: set[asyncio.Queue[Any]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.closing = False
+
+    def add(self, queue: asyncio.Queue[Any]) -> None:
+        self._queues.add(queue)
+        self._idle.clear()
+
+    def discard(self, queue: asyncio.Queue[Any]) -> None:
+        self._queues.discard(queue)
+        if not self._queues:
+            self._idle.set()
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    def close_all(self) -> None:
+        """Ask every stream to end with OK (agents reconnect to another replica)."""
+        self.closing = True
+        for queue in self._queues:
+            queue.put_nowait(_End())
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+
+class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
+    def __init__(self, broker: Broker, registry: StreamRegistry) -> None:
+        self._broker = broker
+        self._registry = registry
+
+    async def Connect(
+        self,
+        request_iterator: AsyncIterator[lease_pb2.ConnectRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[lease_pb2.ConnectResponse]:
+        if self._registry.closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "broker is shutting down")
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("body") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hello: must be sent first")
+            return
+        hello = first.hello
+        try:
+            role = c.role_from_proto(hello.role, "hello.role") or NodeRole.DECODE
+            info = await self._broker.register(
+                hello.node_id, role, hello.pool or "default", dict(hello.labels)
+            )
+        except CrossflowError as exc:
+            await context.abort(status_for(exc), str(exc))
+            return
+        node_id = info.node_id
+        policy = self._broker.policy
+        yield lease_pb2.ConnectResponse(
+            welcome=lease_pb2.Welcome(
+                broker_id=self._broker.broker_id,
+                max_lease_ttl_ms=policy.max_lease_ttl_ms,
+                borrow_horizon_ms=policy.borrow_horizon_ms,
+                cordoned=info.cordoned,
+                notice_seq=info.notice_seq,
+            )
+        )
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._registry.add(queue)
+        after = min(hello.last_notice_seq, info.notice_seq)
+        with structlog.contextvars.bound_contextvars(node_id=node_id):
+            log.info("stream.open", epoch=hello.epoch, resume_after=after)
+            reader = asyncio.create_task(self._read(request_iterator, node_id, queue))
+            relay = asyncio.create_task(self._relay(node_id, after, queue))
+            try:
+                while True:
+                    item = await queue.get()
+                    if isinstance(item, _End):
+                        if item.code is not None:
+                            await context.abort(item.code, item.message)
+                        return
+                    yield item
+            finally:
+                for task in (reader, relay):
+                    task.cancel()
+                for task in (reader, relay):
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                self._registry.discard(queue)
+                log.info("stream.closed")
+
+    async def _read(
+        self,
+        requests: AsyncIterator[lease_pb2.ConnectRequest],
+        node_id: str,
+        queue: asyncio.Queue[Any],
+    ) -> None:
+        try:
+            async for req in requests:
+                body = req.WhichOneof("body")
+                if body == "lease":
+                    queue.put_nowait(await self._ack(req.lease, node_id))
+                elif body == "pool_load":
+                    await self._pool_load(req.pool_load, node_id)
+                elif body == "heartbeat":
+                    now = self._broker.clock.now_ms()
+                    hb = lease_pb2.Heartbeat(sent_unix_ms=now)
+                    queue.put_nowait(lease_pb2.ConnectResponse(heartbeat=hb))
+                elif body == "hello":
+                    code, msg = grpc.StatusCode.INVALID_ARGUMENT, "hello: sent twice"
+                    queue.put_nowait(_End(code, msg))
+                    return
+            queue.put_nowait(_End())
+        except StoreUnavailable as exc:
+            queue.put_nowait(_End(grpc.StatusCode.UNAVAILABLE, str(exc)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the agent went away mid-read
+            log.info("stream.read_ended", error=repr(exc))
+            queue.put_nowait(_End())
+
+    async def _ack(self, msg: Any, node_id: str) -> lease_pb2.ConnectResponse:
+        ack = lease_pb2.LeaseAck(epoch=msg.epoch, version=msg.version)
+        try:
+            lease = c.lease_from_proto(msg)
+            if lease.node_id != node_id:
+                raise InvalidArgument(
+                    f"{lease.node_id!r} is not this stream's node {node_id!r}",
+                    field="lease.node_id",
+                )
+            outcome = await self._broker.ingest_lease(lease)
+            ack.result = lease_pb2.LEASE_RESULT_ACCEPTED
+            ack.stored_epoch, ack.stored_version = outcome.stored_epoch, outcome.stored_version
+        except StaleLease as exc:
+            ack.result = lease_pb2.LEASE_RESULT_STALE
+            ack.stored_epoch, ack.stored_version = exc.stored_epoch, exc.stored_version
+            ack.message = str(exc)
+        except StoreUnavailable:
+            raise
+        except CrossflowError as exc:
+            ack.result = lease_pb2.LEASE_RESULT_INVALID
+            ack.message = str(exc)
+            log.warning("lease.invalid", error=str(exc))
+        return lease_pb2.ConnectResponse(lease_ack=ack)
+
+    async def _pool_load(self, msg: Any, node_id: str) -> None:
+        try:
+            load = c.pool_load_from_proto(msg)
+            if load.node_id != node_id:
+                raise InvalidArgument(
+                    f"{load.node_id!r} is not this stream's node", field="pool_load.node_id"
+                )
+            await self._broker.ingest_pool_load(load)
+        except InvalidArgument as exc:
+            log.warning("pool_load.invalid", error=str(exc))
+
+    async def _relay(self, node_id: str, after_seq: int, queue: asyncio.Queue[Any]) -> None:
+        """Notices from the store, in order, resuming after ``after_seq``; retries on errors."""
+        block_ms = self._broker.settings.notice_block_ms
+        while True:
+            try:
+                notices = await self._broker.read_notices(node_id, after_seq, block_ms)
+            except CrossflowError as exc:
+                log.warning("relay.read_failed", error=str(exc))
+                await asyncio.sleep(RELAY_RETRY_S)
+                continue
+            for notice in notices:
+                queue.put_nowait(lease_pb2.ConnectResponse(notice=c.notice_to_proto(notice)))
+                after_seq = notice.seq

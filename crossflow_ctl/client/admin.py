@@ -1,0 +1,79 @@
+"""Async client of AdminService, for crossflowctl and operators: nodes (with lease and open
+debits), reservations, pools, cordon/uncordon, policy. Errors come back as domain errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+
+from crossflow_ctl.api.v1 import admin_pb2, admin_pb2_grpc
+from crossflow_ctl.broker import convert as c
+from crossflow_ctl.client.admission import _Base
+from crossflow_ctl.client.models import NodeDetailView, NodeEventView, NodeView
+from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
+from crossflow_ctl.domain.policy import PolicySettings
+
+
+def _node_view(msg: admin_pb2.NodeStatus) -> NodeView:
+    return NodeView(
+        state=c.node_state_from_proto(msg),
+        available=c.credits_from_proto(msg.available, "available"),
+        lease_expired=msg.lease_expired,
+    )
+
+
+class AdminClient(_Base):
+    def __init__(
+        self, target: str, *, timeout_s: float = 5.0, channel: grpc.aio.Channel | None = None
+    ) -> None:
+        super().__init__(target, timeout_s=timeout_s, channel=channel)
+        self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
+
+    async def list_nodes(self, role: NodeRole | None = None, selector: str = "") -> list[NodeView]:
+        req = admin_pb2.ListNodesRequest(selector=selector)
+        if role is not None:
+            req.role = c.role_to_proto(role)  # type: ignore[assignment]
+        msg = await self._call(self._stub.ListNodes, req)
+        return [_node_view(n) for n in msg.nodes]
+
+    async def get_node(self, node_id: str) -> NodeDetailView:
+        msg = await self._call(self._stub.GetNode, admin_pb2.GetNodeRequest(node_id=node_id))
+        return NodeDetailView(
+            node=_node_view(msg.node),
+            reservations=tuple(c.reservation_from_proto(r) for r in msg.reservations),
+            recent_leases=tuple(c.lease_from_proto(x) for x in msg.recent_leases),
+            events=tuple(
+                NodeEventView(at_ms=e.at_unix_ms, kind=e.kind, message=e.message)
+                for e in msg.events
+            ),
+        )
+
+    async def list_reservations(self, node_id: str | None = None) -> list[Reservation]:
+        req = admin_pb2.ListReservationsRequest(node_id=node_id or "")
+        msg = await self._call(self._stub.ListReservations, req)
+        return [c.reservation_from_proto(r) for r in msg.reservations]
+
+    async def list_pools(self) -> list[PoolSnapshot]:
+        msg = await self._call(self._stub.ListPools, admin_pb2.ListPoolsRequest())
+        return [c.pool_from_proto(p) for p in msg.pools]
+
+    async def cordon(self, node_id: str, reason: str = "") -> NodeView:
+        req = admin_pb2.CordonRequest(node_id=node_id, reason=reason)
+        msg = await self._call(self._stub.Cordon, req)
+        return _node_view(msg.node)
+
+    async def uncordon(self, node_id: str) -> NodeView:
+        msg = await self._call(self._stub.Uncordon, admin_pb2.UncordonRequest(node_id=node_id))
+        return _node_view(msg.node)
+
+    async def get_policy(self) -> PolicySettings:
+        msg = await self._call(self._stub.GetPolicy, admin_pb2.GetPolicyRequest())
+        return c.policy_from_json(msg.policy_json)
+
+    async def set_policy(self, updates: dict[str, Any]) -> PolicySettings:
+        """Apply ``updates`` (name -> value); the broker validates and answers the new policy."""
+        text = {k: v if isinstance(v, str) else json.dumps(v) for k, v in updates.items()}
+        msg = await self._call(self._stub.SetPolicy, admin_pb2.SetPolicyRequest(updates=text))
+        return c.policy_from_json(msg.policy_json)

@@ -1,0 +1,115 @@
+"""Async client of AdmissionService for routers: Admit, Commit, Release.
+
+With ``fail_closed=True`` an Admit that hits any transport error or its deadline returns a NORMAL
+:class:`Admission` (reason TIMEOUT or STORE_UNAVAILABLE) instead of raising, so a router can call
+it inline. Other calls raise the domain errors of :mod:`crossflow_ctl.client.errors`.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
+from crossflow_ctl.broker.convert_admission import admission_from_proto, admit_request_to_proto
+from crossflow_ctl.client.errors import error_from_rpc
+from crossflow_ctl.client.models import CommitResult
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
+from crossflow_ctl.domain.errors import InvalidArgument, StoreUnavailable
+from crossflow_ctl.domain.models import validated
+
+_RELEASE_OUTCOMES = {
+    "finished": admission_pb2.RELEASE_OUTCOME_FINISHED,
+    "failed": admission_pb2.RELEASE_OUTCOME_FAILED,
+    "cancelled": admission_pb2.RELEASE_OUTCOME_CANCELLED,
+}
+
+
+def channel_options(max_message_bytes: int = 4 * 1024 * 1024) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+class _Base:
+    def __init__(
+        self, target: str, *, timeout_s: float, channel: grpc.aio.Channel | None = None
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._own_channel = channel is None
+        self._channel = channel or grpc.aio.insecure_channel(target, options=channel_options())
+
+    async def close(self) -> None:
+        if self._own_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        except grpc.RpcError as exc:  # pragma: no cover - aio raises AioRpcError
+            raise StoreUnavailable(str(exc)) from None
+
+
+class AdmissionClient(_Base):
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = 0.25,
+        fail_closed: bool = False,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        super().__init__(target, timeout_s=timeout_s, channel=channel)
+        self.fail_closed = fail_closed
+        self._stub = admission_pb2_grpc.AdmissionServiceStub(self._channel)
+
+    async def admit(self, request: AdmissionRequest | None = None, **fields: Any) -> Admission:
+        """Admit one request (an AdmissionRequest, or its fields as keywords)."""
+        req = request if request is not None else validated(AdmissionRequest, **fields)
+        try:
+            msg = await self._stub.Admit(admit_request_to_proto(req), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if not self.fail_closed or code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise error_from_rpc(exc) from None
+            reason = (
+                Reason.TIMEOUT
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED
+                else Reason.STORE_UNAVAILABLE
+            )
+            return Admission.normal(reason, f"broker call failed ({code.name}): {exc.details()}")
+        return admission_from_proto(msg)
+
+    async def commit(self, reservation_id: str) -> CommitResult:
+        msg = await self._call(
+            self._stub.Commit, admission_pb2.CommitRequest(reservation_id=reservation_id)
+        )
+        return CommitResult(reservation_id=msg.reservation_id, expires_at_ms=msg.expires_unix_ms)
+
+    async def release(self, reservation_id: str, outcome: str = "finished") -> str:
+        if outcome not in _RELEASE_OUTCOMES:
+            raise InvalidArgument(f"must be one of {sorted(_RELEASE_OUTCOMES)}", field="outcome")
+        msg = await self._call(
+            self._stub.Release,
+            admission_pb2.ReleaseRequest(
+                reservation_id=reservation_id, outcome=_RELEASE_OUTCOMES[outcome]
+            ),
+        )
+        return str(msg.reservation_id)

@@ -1,0 +1,42 @@
+"""gRPC status codes back to the domain's error classes (the broker maps them the other way).
+
+    INVALID_ARGUMENT     -> InvalidArgument
+    NOT_FOUND            -> NotFound
+    FAILED_PRECONDITION  -> FailedPrecondition
+    UNAVAILABLE, DEADLINE_EXCEEDED, anything else from the transport -> StoreUnavailable
+
+The broker writes ``field: detail``; the field comes back on ``error.field``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+
+from crossflow_ctl.domain.errors import (
+    CrossflowError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    StoreUnavailable,
+)
+
+_CLASS_FOR: dict[grpc.StatusCode, type[CrossflowError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+}
+_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.*)$", re.DOTALL)
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError) -> CrossflowError:
+    code = exc.code()
+    details = exc.details() or code.name
+    cls = _CLASS_FOR.get(code)
+    if cls is None:
+        return StoreUnavailable(f"broker call failed ({code.name}): {details}")
+    match = _FIELD.match(details)
+    if match:
+        return cls(match.group(2), field=match.group(1))
+    return cls(details)
