@@ -5,6 +5,9 @@ lease, reservations, notice stream, history, events) lives on one Redis Cluster 
 per-node Lua script touches one slot only. Global keys (node index, lender index, pools, policy)
 carry their own tags and are never passed to a per-node script.
 
+Every key starts with ``<ns>:`` (before the tag) so one namespace's keys can be found with a
+prefix scan (tests clean up this way); the slot is chosen by the first ``{...}`` only.
+
 Reservation ids are ``<32 hex digits>@<node_id>``, so commit and release find the node's keys
 from the id alone, with no global lookup.
 """
@@ -17,7 +20,20 @@ from dataclasses import dataclass
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import MAX_ID_LEN
 
+HISTORY_CAP = 32
+"""Accepted leases kept per node for ``lease_history``."""
+EVENTS_CAP = 64
+"""State-change events kept per node for ``node_events``."""
+NOTICES_CAP = 10_000
+"""Notices kept per node (about); an agent further behind resumes from the oldest kept."""
+
+_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _RESERVATION_ID = re.compile(r"^([0-9a-f]{32})@([A-Za-z0-9][A-Za-z0-9._-]*)$")
+
+
+def is_node_id(node_id: str) -> bool:
+    """Whether ``node_id`` is well formed (so it can name keys); says nothing of existence."""
+    return len(node_id) <= MAX_ID_LEN and _NODE_ID.match(node_id) is not None
 
 
 def new_reservation_id(node_id: str, bits: int) -> str:
@@ -43,7 +59,8 @@ class NodeKeys:
     info: str
     """HASH: node info fields, cordon state and the notice sequence (``seq``)."""
     lease: str
-    """STRING: the stored lease as JSON (lease + received/expires on the broker clock)."""
+    """HASH: the stored lease: ``json`` (StoredLease), and ``ev``, ``epoch``, ``version``, ``exp``,
+    ``zero``, ``c1``..``c5`` for the scripts."""
     reservations: str
     """HASH: reservation id -> reservation JSON."""
     notices: str
@@ -62,7 +79,7 @@ class Keys:
     namespace: str
 
     def node(self, node_id: str) -> NodeKeys:
-        tag = f"{{{self.namespace}:n:{node_id}}}"
+        tag = f"{self.namespace}:{{{self.namespace}:n:{node_id}}}"
         return NodeKeys(
             info=f"{tag}:info",
             lease=f"{tag}:lease",
@@ -75,23 +92,27 @@ class Keys:
     @property
     def nodes(self) -> str:
         """SET: every known node id."""
-        return f"{{{self.namespace}:g}}:nodes"
+        return f"{self.namespace}:{{{self.namespace}:g}}:nodes"
 
     @property
     def lenders(self) -> str:
         """ZSET: nodes with a live non-zero lease and no cordon, scored by lease expiry (ms)."""
-        return f"{{{self.namespace}:g}}:lenders"
+        return f"{self.namespace}:{{{self.namespace}:g}}:lenders"
 
     @property
     def pools(self) -> str:
         """SET: every pool name that has reported."""
-        return f"{{{self.namespace}:g}}:pools"
+        return f"{self.namespace}:{{{self.namespace}:g}}:pools"
 
     def pool(self, pool: str) -> str:
         """HASH: prefill node id -> stored pool load JSON (expiry inside)."""
-        return f"{{{self.namespace}:p:{pool}}}:load"
+        return f"{self.namespace}:{{{self.namespace}:p:{pool}}}:load"
+
+    def pool_expiries(self, pool: str) -> str:
+        """ZSET: prefill node id scored by its report's expiry (same tag as :meth:`pool`)."""
+        return f"{self.namespace}:{{{self.namespace}:p:{pool}}}:exp"
 
     @property
     def policy(self) -> str:
         """STRING: the shared PolicySettings as JSON."""
-        return f"{{{self.namespace}:g}}:policy"
+        return f"{self.namespace}:{{{self.namespace}:g}}:policy"

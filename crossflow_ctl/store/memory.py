@@ -30,17 +30,17 @@ from crossflow_ctl.domain.models import (
     ReservationState,
     StoredLease,
     StoredPoolLoad,
+    validated,
 )
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.store.base import DebitOutcome, LeaseOutcome, NodeEvent, Store
-from crossflow_ctl.store.keys import new_reservation_id, node_of_reservation
-
-HISTORY_CAP = 32
-"""Accepted leases kept per node for ``lease_history``."""
-EVENTS_CAP = 64
-"""State-change events kept per node for ``node_events``."""
-NOTICES_CAP = 10_000
-"""Notices kept per node; an agent further behind than this resumes from the oldest kept."""
+from crossflow_ctl.store.keys import (
+    EVENTS_CAP,
+    HISTORY_CAP,
+    NOTICES_CAP,
+    new_reservation_id,
+    node_of_reservation,
+)
 
 
 @dataclass
@@ -160,7 +160,9 @@ class MemoryStore(Store):
         async with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
-                info = NodeInfo(node_id=node_id, role=role, pool=pool, labels=dict(labels))
+                info = validated(
+                    NodeInfo, node_id=node_id, role=role, pool=pool, labels=dict(labels)
+                )
                 node = self._nodes[node_id] = _Node(info=info)
             else:
                 node.info = node.info.model_copy(

@@ -1,0 +1,26 @@
+-- HELD/COMMITTED -> RELEASED with a RELEASE notice whose sequence becomes release_seq; the
+-- reservation keeps counting until a lease with last_notice_seq >= release_seq purges it.
+-- KEYS[1] info HASH, KEYS[2] reservations HASH, KEYS[3] notices STREAM.
+-- ARGV[1] now_ms, ARGV[2] reservation id, ARGV[3] notices MAXLEN.
+-- Returns {'not_found'}, {'expired'} (purged with an EXPIRE notice) or {'ok', record}.
+local info, res, notices = KEYS[1], KEYS[2], KEYS[3]
+local now, rid, maxlen = ARGV[1], ARGV[2], ARGV[3]
+
+local rec = redis.call('HGET', res, rid)
+if not rec then
+  return {'not_found'}
+end
+local f = cf_parse(rec)
+if tonumber(f[2]) <= tonumber(now) then
+  cf_purge_expired(info, res, notices, maxlen, now)
+  return {'expired'}
+end
+if f[1] == 'released' then
+  return {'ok', rec}
+end
+local seq = cf_notice(info, notices, maxlen, 'release', rid, f, now)
+f[1] = 'released'
+f[3] = seq
+rec = cf_format(f)
+redis.call('HSET', res, rid, rec)
+return {'ok', rec}

@@ -1,0 +1,56 @@
+-- Store a lease if (epoch, version) is newer than the stored one; purge reservations.
+-- KEYS[1] info HASH, KEYS[2] lease HASH, KEYS[3] reservations HASH, KEYS[4] notices STREAM,
+-- KEYS[5] lease history LIST, KEYS[6] node events LIST (all one node, one hash tag).
+-- ARGV[1] now_ms (broker clock), ARGV[2] ev: "<epoch:020d><version:020d>" (40 digits, compared
+-- as text so 63-bit values stay exact),
+-- ARGV[3] epoch, ARGV[4] version, ARGV[5] expires_at_ms (now + capped ttl),
+-- ARGV[6] zero reason ("" when the lease is not zero; "no_capacity" for all-zero credits),
+-- ARGV[7..11] credits c1..c5, ARGV[12] last_notice_seq, ARGV[13] stored lease JSON,
+-- ARGV[14] history cap, ARGV[15] events cap, ARGV[16] notices MAXLEN.
+-- Returns {-1} for an unregistered node; {0, stored_epoch, stored_version, 0} for a stale lease
+-- (nothing changed); {1, epoch, version, purged, cordoned(0/1)} when stored.
+local info, lease, res, notices, history, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local now, ev, epoch = ARGV[1], ARGV[2], ARGV[3]
+local zero, last_seen, maxlen = ARGV[6], tonumber(ARGV[12]), ARGV[16]
+
+if redis.call('EXISTS', info) == 0 then
+  return {-1}
+end
+local old = redis.call('HMGET', lease, 'ev', 'epoch', 'version', 'exp', 'zero')
+if old[1] and ev <= old[1] then
+  return {0, old[2], old[3], 0}
+end
+
+local purged = cf_purge_expired(info, res, notices, maxlen, now)
+local all = redis.call('HGETALL', res)
+for i = 1, #all, 2 do
+  local f = cf_parse(all[i + 1])
+  if f[1] == 'released' and tonumber(f[3]) <= last_seen then
+    redis.call('HDEL', res, all[i])
+    purged = purged + 1
+  end
+end
+
+local function event(kind, message)
+  redis.call('LPUSH', events, now .. '|' .. kind .. '|' .. message)
+end
+if not old[1] or old[2] ~= epoch then
+  event('new_epoch', 'new epoch ' .. epoch)
+end
+if zero ~= '' and (not old[1] or old[5] == '') then
+  event('lease_zeroed', 'lease zeroed: ' .. zero)
+elseif zero == '' and old[1] and (old[5] ~= '' or tonumber(old[4]) <= tonumber(now)) then
+  event('lease_restored', 'lease restored')
+end
+redis.call('LTRIM', events, 0, tonumber(ARGV[15]) - 1)
+
+redis.call('HSET', lease, 'ev', ev, 'epoch', epoch, 'version', ARGV[4], 'exp', ARGV[5],
+  'zero', zero, 'c1', ARGV[7], 'c2', ARGV[8], 'c3', ARGV[9], 'c4', ARGV[10], 'c5', ARGV[11],
+  'json', ARGV[13])
+redis.call('LPUSH', history, ARGV[13])
+redis.call('LTRIM', history, 0, tonumber(ARGV[14]) - 1)
+local cordoned = 0
+if redis.call('HGET', info, 'cordoned') == '1' then
+  cordoned = 1
+end
+return {1, epoch, ARGV[4], purged, cordoned}

@@ -1,0 +1,449 @@
+"""The Redis store: production state shared by every broker replica (DESIGN.md §3, §6).
+
+Every per-node change (lease upsert, check-and-debit, commit, release, cordon) is one Lua script
+(``lua/*.lua``, EVALSHA with NOSCRIPT fallback) that also appends the node's notice to its
+stream in the same atomic step, so notices and state never disagree.
+
+Redis Cluster compatible by construction: a node's keys share the hash tag ``{<ns>:n:<node>}``
+(see :mod:`crossflow_ctl.store.keys`), so each script touches one slot; the global keys (node
+index, lender index, pools, policy) are only read or written by plain commands, never inside a
+per-node script, and no MULTI spans slots (pipelines are non-transactional). The cluster-wide
+borrowing limit is the ``share`` factor applied inside each node's own check (see
+``PolicySettings.borrow_share``), so it needs no cross-slot operation.
+
+Round trips: ``try_debit``, ``commit``, ``release`` one each; ``admission_view`` one with
+candidates, two without (sample the lender index, then read), flat in fleet size; lease upsert
+and cordon two (the script, then the lender index, which is only a sampling hint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from importlib import resources
+from typing import Any
+
+import structlog
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError
+
+from crossflow_ctl.domain.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    StoreUnavailable,
+)
+from crossflow_ctl.domain.models import (
+    CREDIT_NAMES,
+    Credits,
+    Lease,
+    NodeInfo,
+    NodeRole,
+    NodeState,
+    Notice,
+    PoolLoad,
+    PoolSnapshot,
+    Reservation,
+    ReservationState,
+    StoredLease,
+    StoredPoolLoad,
+    validated,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.store import redis_codec as codec
+from crossflow_ctl.store.base import DebitOutcome, LeaseOutcome, NodeEvent, Store
+from crossflow_ctl.store.keys import (
+    EVENTS_CAP,
+    HISTORY_CAP,
+    NOTICES_CAP,
+    Keys,
+    is_node_id,
+    new_reservation_id,
+    node_of_reservation,
+)
+
+log = structlog.get_logger()
+
+SCRIPTS = ("upsert_lease", "try_debit", "commit", "release", "set_cordon", "put_pool_load")
+
+
+def load_script(name: str) -> str:
+    """A script's source; per-node scripts get the shared helpers of ``_lib.lua`` first."""
+    lua = resources.files("crossflow_ctl.store").joinpath("lua")
+    body = lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    if name == "put_pool_load":
+        return body
+    return lua.joinpath("_lib.lua").read_text(encoding="utf-8") + "\n" + body
+
+
+class RedisStore(Store):
+    """``client``: a ``redis.asyncio.Redis`` (not closed by :meth:`close`) or a URL (owned)."""
+
+    def __init__(
+        self,
+        client: Redis | str,
+        namespace: str = "cf",
+        *,
+        socket_timeout_s: float = 1.0,
+        op_timeout_s: float = 3.0,
+    ) -> None:
+        if isinstance(client, str):
+            client = Redis.from_url(
+                client,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+                retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), retries=1),
+            )
+            self._owned = True
+        else:
+            self._owned = False
+        self._r: Redis = client
+        self._k = Keys(namespace)
+        self._op_timeout_s = op_timeout_s
+        self._block_chunk_ms = max(1, int(socket_timeout_s * 500))
+        self._scripts: dict[str, AsyncScript] = {
+            name: self._r.register_script(load_script(name)) for name in SCRIPTS
+        }
+
+    @contextlib.asynccontextmanager
+    async def _backend(self, what: str, extra_s: float = 0.0) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(self._op_timeout_s + extra_s):
+                yield
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("store_unavailable", op=what, error=repr(exc))
+            raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
+
+    async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return await self._scripts[name](keys=keys, args=args)
+
+    # -- agents -----------------------------------------------------------------------------
+    async def register_node(
+        self,
+        node_id: str,
+        role: NodeRole,
+        pool: str,
+        labels: dict[str, str],
+        now_ms: int,
+    ) -> NodeInfo:
+        validated(NodeInfo, node_id=node_id, role=role, pool=pool, labels=dict(labels))
+        k = self._k.node(node_id)
+        async with self._backend("register_node"):
+            pipe = self._r.pipeline(transaction=False)
+            fields = ["role", role.value, "pool", pool, "labels", json.dumps(labels)]
+            pipe.hset(k.info, items=list(fields))
+            for name in ("cordoned", "cordon_reason", "seq"):
+                pipe.hsetnx(k.info, name, "0" if name != "cordon_reason" else "")
+            pipe.sadd(self._k.nodes, node_id)
+            pipe.hgetall(k.info)
+            out = await pipe.execute()
+        return codec.info_from(node_id, codec.text_map(out[-1]))
+
+    async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
+        k = self._k.node(lease.node_id)
+        expires = now_ms + min(lease.ttl_ms, max_ttl_ms)
+        stored = StoredLease(lease=lease, received_at_ms=now_ms, expires_at_ms=expires)
+        zero = ""
+        if lease.zero_reason is not None:
+            zero = lease.zero_reason.value
+        elif lease.credits.is_zero():
+            zero = "no_capacity"
+        args: list[Any] = [
+            now_ms,
+            f"{lease.epoch:020d}{lease.version:020d}",
+            lease.epoch,
+            lease.version,
+            expires,
+            zero,
+            *lease.credits.as_tuple(),
+            lease.last_notice_seq,
+            stored.model_dump_json(),
+            HISTORY_CAP,
+            EVENTS_CAP,
+            NOTICES_CAP,
+        ]
+        keys = [k.info, k.lease, k.reservations, k.notices, k.history, k.events]
+        async with self._backend("upsert_lease"):
+            out = await self._run("upsert_lease", keys, args)
+            if int(out[0]) == 1:
+                if zero or int(out[4]):
+                    await self._r.zrem(self._k.lenders, lease.node_id)
+                else:
+                    await self._r.zadd(self._k.lenders, {lease.node_id: expires})
+        if int(out[0]) == -1:
+            raise FailedPrecondition(f"node {lease.node_id!r} is not registered", field="node_id")
+        return LeaseOutcome(
+            accepted=int(out[0]) == 1,
+            stored_epoch=int(codec.text(out[1])),
+            stored_version=int(codec.text(out[2])),
+            purged_reservations=int(out[3]),
+        )
+
+    async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
+        expires = now_ms + min(load.ttl_ms, max_ttl_ms)
+        stored = StoredPoolLoad(load=load, received_at_ms=now_ms, expires_at_ms=expires)
+        keys = [self._k.pool(load.pool), self._k.pool_expiries(load.pool)]
+        args: list[str | int] = [now_ms, load.node_id, stored.model_dump_json(), expires]
+        async with self._backend("put_pool_load"):
+            pipe = self._r.pipeline(transaction=False)
+            await self._scripts["put_pool_load"](keys=keys, args=args, client=pipe)
+            pipe.sadd(self._k.pools, load.pool)
+            await pipe.execute()
+
+    # -- admission --------------------------------------------------------------------------
+    def _queue_states(self, pipe: Any, node_ids: Sequence[str]) -> None:
+        for node_id in node_ids:
+            k = self._k.node(node_id)
+            pipe.hgetall(k.info)
+            pipe.hget(k.lease, "json")
+            pipe.hgetall(k.reservations)
+
+    @staticmethod
+    def _states_from(node_ids: Sequence[str], out: Sequence[Any], now_ms: int) -> list[NodeState]:
+        states = []
+        for i, node_id in enumerate(node_ids):
+            info, lease, reservations = out[3 * i : 3 * i + 3]
+            state = codec.node_state_from(node_id, info, lease, reservations, now_ms)
+            if state is not None:
+                states.append(state)
+        return states
+
+    async def admission_view(
+        self, pool: str, node_ids: Sequence[str], sample: int, now_ms: int
+    ) -> tuple[PoolSnapshot | None, list[NodeState]]:
+        ids = [n for n in dict.fromkeys(node_ids) if is_node_id(n)]
+        async with self._backend("admission_view"):
+            if not node_ids and sample > 0:
+                pipe = self._r.pipeline(transaction=False)
+                pipe.zremrangebyscore(self._k.lenders, "-inf", now_ms)
+                pipe.zrandmember(self._k.lenders, sample)
+                ids = [codec.text(n) for n in (await pipe.execute())[1] or []]
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hgetall(self._k.pool(pool))
+            self._queue_states(pipe, ids)
+            out = await pipe.execute()
+        live = codec.live_pool_loads(out[0], now_ms)
+        snapshot = PoolSnapshot(pool=pool, reports=tuple(s.load for s in live)) if live else None
+        return snapshot, self._states_from(ids, out[1:], now_ms)
+
+    async def try_debit(
+        self,
+        node_id: str,
+        debit: Credits,
+        share: float,
+        now_ms: int,
+        hold_ttl_ms: int,
+        request_id: str = "",
+    ) -> DebitOutcome:
+        if not 0.0 <= share <= 1.0:
+            raise InvalidArgument(f"share must be within [0, 1], got {share}", field="share")
+        if hold_ttl_ms <= 0:
+            raise InvalidArgument("hold_ttl_ms must be positive", field="hold_ttl_ms")
+        if not is_node_id(node_id):
+            return DebitOutcome(granted=False, refusal="unknown_node")
+        k = self._k.node(node_id)
+        rid = new_reservation_id(node_id, secrets.randbits(128))
+        expires = now_ms + hold_ttl_ms
+        args = [now_ms, repr(float(share)), expires, rid, request_id, *debit.as_tuple()]
+        async with self._backend("try_debit"):
+            out = await self._run(
+                "try_debit", [k.info, k.lease, k.reservations, k.notices], [*args, NOTICES_CAP]
+            )
+        status = codec.text(out[0])
+        if status == "unknown_node":
+            return DebitOutcome(granted=False, refusal=status)
+        epoch, version = int(codec.text(out[1])), int(codec.text(out[2]))
+        if status != "granted":
+            short: tuple[str, ...] = ()
+            if status == "short":
+                short = tuple(CREDIT_NAMES[int(i) - 1] for i in codec.text(out[3]).split(","))
+            return DebitOutcome(
+                granted=False,
+                refusal=status,
+                short_credits=short,
+                lease_epoch=epoch,
+                lease_version=version,
+            )
+        res = Reservation(
+            reservation_id=rid,
+            node_id=node_id,
+            state=ReservationState.HELD,
+            debit=debit,
+            lease_epoch=epoch,
+            lease_version=version,
+            created_at_ms=now_ms,
+            expires_at_ms=expires,
+            grant_seq=int(out[3]),
+            request_id=request_id,
+        )
+        return DebitOutcome(granted=True, reservation=res, lease_epoch=epoch, lease_version=version)
+
+    async def _change(self, name: str, reservation_id: str, args: list[Any]) -> Reservation:
+        node_id = node_of_reservation(reservation_id)
+        k = self._k.node(node_id)
+        async with self._backend(name):
+            out = await self._run(name, [k.info, k.reservations, k.notices], args)
+        status = codec.text(out[0])
+        if status == "not_found":
+            raise NotFound(f"unknown reservation {reservation_id!r}", field="reservation_id")
+        if status == "expired":
+            raise NotFound(f"reservation {reservation_id!r} expired", field="reservation_id")
+        if status == "released":
+            raise FailedPrecondition(
+                f"reservation {reservation_id!r} was released", field="reservation_id"
+            )
+        return codec.reservation_from(reservation_id, node_id, out[1])
+
+    async def commit(self, reservation_id: str, now_ms: int, commit_ttl_ms: int) -> Reservation:
+        if commit_ttl_ms <= 0:
+            raise InvalidArgument("commit_ttl_ms must be positive", field="commit_ttl_ms")
+        args = [now_ms, reservation_id, now_ms + commit_ttl_ms, NOTICES_CAP]
+        return await self._change("commit", reservation_id, args)
+
+    async def release(self, reservation_id: str, now_ms: int) -> Reservation:
+        return await self._change("release", reservation_id, [now_ms, reservation_id, NOTICES_CAP])
+
+    # -- operators --------------------------------------------------------------------------
+    async def set_cordon(self, node_id: str, cordoned: bool, reason: str, now_ms: int) -> NodeInfo:
+        if not is_node_id(node_id):
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        k = self._k.node(node_id)
+        args = [now_ms, "1" if cordoned else "0", reason, NOTICES_CAP, EVENTS_CAP]
+        async with self._backend("set_cordon"):
+            out = await self._run("set_cordon", [k.info, k.notices, k.events, k.lease], args)
+            if codec.text(out[0]) == "ok":
+                lease_exp, zero = codec.text(out[2]), codec.text(out[3])
+                if not cordoned and lease_exp and not zero and int(lease_exp) > now_ms:
+                    await self._r.zadd(self._k.lenders, {node_id: int(lease_exp)})
+                else:
+                    await self._r.zrem(self._k.lenders, node_id)
+        if codec.text(out[0]) == "not_found":
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        return codec.info_from(node_id, codec.flat_pairs(out[1]))
+
+    async def _node_ids(self) -> list[str]:
+        return sorted(codec.text(n) for n in await self._r.smembers(self._k.nodes))
+
+    async def list_nodes(self, now_ms: int) -> list[NodeState]:
+        async with self._backend("list_nodes"):
+            ids = await self._node_ids()
+            pipe = self._r.pipeline(transaction=False)
+            self._queue_states(pipe, ids)
+            out = await pipe.execute()
+        return self._states_from(ids, out, now_ms)
+
+    async def get_node(self, node_id: str, now_ms: int) -> NodeState:
+        states: list[NodeState] = []
+        if is_node_id(node_id):
+            async with self._backend("get_node"):
+                pipe = self._r.pipeline(transaction=False)
+                self._queue_states(pipe, [node_id])
+                states = self._states_from([node_id], await pipe.execute(), now_ms)
+        if not states:
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        return states[0]
+
+    async def list_reservations(self, node_id: str | None, now_ms: int) -> list[Reservation]:
+        if node_id is not None and not is_node_id(node_id):
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        async with self._backend("list_reservations"):
+            ids = [node_id] if node_id is not None else await self._node_ids()
+            pipe = self._r.pipeline(transaction=False)
+            for n in ids:
+                pipe.exists(self._k.node(n).info)
+                pipe.hgetall(self._k.node(n).reservations)
+            out = await pipe.execute()
+        if node_id is not None and not out[0]:
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        found = [
+            codec.reservation_from(codec.text(rid), n, rec)
+            for n, raw in zip(ids, out[1::2], strict=True)
+            for rid, rec in raw.items()
+        ]
+        return sorted(
+            (r for r in found if r.expires_at_ms > now_ms),
+            key=lambda r: (r.created_at_ms, r.node_id, r.grant_seq),
+        )
+
+    async def list_pools(self, now_ms: int) -> list[PoolSnapshot]:
+        async with self._backend("list_pools"):
+            pools = sorted(codec.text(p) for p in await self._r.smembers(self._k.pools))
+            pipe = self._r.pipeline(transaction=False)
+            for p in pools:
+                pipe.hgetall(self._k.pool(p))
+            out = await pipe.execute()
+        return [
+            PoolSnapshot(pool=p, reports=tuple(s.load for s in codec.live_pool_loads(raw, now_ms)))
+            for p, raw in zip(pools, out, strict=True)
+        ]
+
+    async def _node_list(self, node_id: str, key: str, limit: int) -> list[Any]:
+        if not is_node_id(node_id):
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        k = self._k.node(node_id)
+        async with self._backend("read_list"):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.exists(k.info)
+            pipe.lrange(getattr(k, key), 0, max(0, limit) - 1)
+            exists, items = await pipe.execute()
+        if not exists:
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        return list(items) if limit > 0 else []
+
+    async def lease_history(self, node_id: str, limit: int) -> list[StoredLease]:
+        items = await self._node_list(node_id, "history", limit)
+        return [StoredLease.model_validate_json(i) for i in items]
+
+    async def node_events(self, node_id: str, limit: int) -> list[NodeEvent]:
+        return [codec.event_from(i) for i in await self._node_list(node_id, "events", limit)]
+
+    # -- notices ----------------------------------------------------------------------------
+    async def read_notices(
+        self, node_id: str, after_seq: int, limit: int, block_ms: int = 0
+    ) -> list[Notice]:
+        if not is_node_id(node_id):
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        if limit <= 0:
+            return []
+        key = self._k.node(node_id).notices
+        async with self._backend("read_notices"):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.exists(self._k.node(node_id).info)
+            pipe.xrange(key, min=f"{after_seq + 1}-0", max="+", count=limit)
+            exists, entries = await pipe.execute()
+        if not exists:
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + block_ms / 1000.0
+        while not entries and (left_ms := int((deadline - loop.time()) * 1000)) > 0:
+            chunk = min(left_ms, self._block_chunk_ms)
+            async with self._backend("read_notices", extra_s=chunk / 1000.0):
+                got: Any = await self._r.xread({key: f"{after_seq}-0"}, count=limit, block=chunk)
+            entries = got[0][1] if got else []
+        return [codec.notice_from(node_id, eid, fields) for eid, fields in entries]
+
+    # -- policy -----------------------------------------------------------------------------
+    async def get_policy(self) -> PolicySettings | None:
+        async with self._backend("get_policy"):
+            raw = await self._r.get(self._k.policy)
+        return PolicySettings.model_validate_json(raw) if raw else None
+
+    async def set_policy(self, settings: PolicySettings) -> None:
+        async with self._backend("set_policy"):
+            await self._r.set(self._k.policy, settings.model_dump_json())
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def ping(self) -> None:
+        async with self._backend("ping"):
+            await self._r.ping()
+
+    async def close(self) -> None:
+        if self._owned:
+            with contextlib.suppress(RedisError, OSError):
+                await self._r.aclose()
