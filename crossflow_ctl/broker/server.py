@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import os
 import socket
 from collections.abc import Coroutine
@@ -77,10 +76,9 @@ class Supervisor:
 def make_store(settings: BrokerSettings) -> Store:
     """RedisStore when ``redis_url`` is set, else the embedded in-process store."""
     if settings.redis_url:
-        # Imported by name so the embedded store runs without the Redis module loaded.
-        module = importlib.import_module("crossflow_ctl.store.redis_store")
-        store: Store = module.RedisStore(settings.redis_url, namespace=settings.redis_namespace)
-        return store
+        from crossflow_ctl.store.redis_store import RedisStore
+
+        return RedisStore(settings.redis_url, namespace=settings.redis_namespace)
     from crossflow_ctl.store.memory import MemoryStore
 
     return MemoryStore()

@@ -1,0 +1,100 @@
+"""Broker fixtures: real grpc.aio servers on loopback port 0 over a real store.
+
+``store_kind`` runs each test on the embedded MemoryStore and on RedisStore (real Redis, this
+test's own namespace); ``cluster`` starts one or more broker replicas sharing that store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from crossflow_ctl.broker.config import BrokerSettings
+from crossflow_ctl.broker.server import BrokerServer
+from crossflow_ctl.domain.clock import ManualClock, SystemClock
+from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.store.base import Store
+from crossflow_ctl.store.memory import MemoryStore
+from tests.broker.agents import FakeAgent
+
+HAVE_REDIS_STORE = importlib.util.find_spec("crossflow_ctl.store.redis_store") is not None
+
+TEST_POLICY = PolicySettings(borrow_share=1.0, hold_ttl_ms=2_000, max_lease_ttl_ms=2_000)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "redis" and not HAVE_REDIS_STORE:
+        pytest.skip("crossflow_ctl.store.redis_store has not landed yet")
+    return str(request.param)
+
+
+@pytest.fixture
+def store_factory(store_kind: str, request: pytest.FixtureRequest) -> Callable[[], Store]:
+    """New store handles on ONE shared state (same MemoryStore, or same Redis namespace)."""
+    if store_kind == "memory":
+        shared = MemoryStore(seed=7)
+        return lambda: shared
+    redis_url = request.getfixturevalue("redis_url")
+    namespace = request.getfixturevalue("redis_namespace")
+    module = importlib.import_module("crossflow_ctl.store.redis_store")
+    return lambda: module.RedisStore(redis_url, namespace=namespace)
+
+
+class Cluster:
+    def __init__(self, store_factory: Callable[[], Store], clock: ManualClock) -> None:
+        self.store_factory = store_factory
+        self.clock = clock
+        self.servers: list[BrokerServer] = []
+
+    async def start(self, policy: PolicySettings = TEST_POLICY, **settings: Any) -> BrokerServer:
+        cfg = BrokerSettings(
+            listen="127.0.0.1:0", policy=policy, stream_grace_s=1.0, notice_block_ms=200, **settings
+        )
+        server = BrokerServer(cfg, self.store_factory(), self.clock)
+        await server.start()
+        self.servers.append(server)
+        return server
+
+    async def stop_all(self) -> None:
+        for server in self.servers:
+            await server.stop(grace_s=1.0)
+        self.servers.clear()
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(SystemClock().now_ms())
+
+
+@pytest.fixture
+async def cluster(store_factory: Callable[[], Store], clock: ManualClock) -> AsyncIterator[Cluster]:
+    c = Cluster(store_factory, clock)
+    try:
+        yield c
+    finally:
+        await c.stop_all()
+
+
+def target(server: BrokerServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+async def agents() -> AsyncIterator[Callable[..., Awaitable[FakeAgent]]]:
+    opened: list[FakeAgent] = []
+
+    async def open_agent(server: BrokerServer, node_id: str, **kw: Any) -> FakeAgent:
+        agent = FakeAgent(target(server), node_id, **kw)
+        await agent.connect()
+        opened.append(agent)
+        return agent
+
+    try:
+        yield open_agent
+    finally:
+        await asyncio.gather(*(a.close() for a in opened))

@@ -1,0 +1,177 @@
+"""End to end over loopback gRPC: agents stream leases, a router admits, commits, releases.
+
+Covers DESIGN.md §5.1 (stale refused), §5.2 (replace, never add), §5.4 (causal release, with a
+lease computed before the release notice), §5.5 (expired lease counts as zero) and §6 (notices
+relayed through the store from replica A's Admit to the agent streaming on replica B).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from crossflow_ctl.api.v1 import common_pb2, lease_pb2
+from crossflow_ctl.client import AdminClient, AdmissionClient
+from crossflow_ctl.domain.admission import Decision, Reason
+from crossflow_ctl.domain.models import ReservationState
+from tests.broker.conftest import target
+
+
+async def _setup(cluster: Any, agents: Any, *, slots: int = 4) -> tuple[Any, Any, Any]:
+    server = await cluster.start()
+    decode = await agents(server, "d1")
+    prefill = await agents(server, "p1", role=common_pb2.NODE_ROLE_PREFILL)
+    await prefill.send_pool_load()
+    await prefill.sync()
+    ack = await decode.send_lease(credits={"slots": slots})
+    assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED, ack
+    return server, decode, prefill
+
+
+async def test_admit_commit_release_with_notices(cluster, agents) -> None:
+    server, decode, _ = await _setup(cluster, agents)
+    assert decode.welcome is not None and decode.welcome.max_lease_ttl_ms == 2_000
+    async with AdmissionClient(target(server)) as client, AdminClient(target(server)) as admin:
+        adm = await client.admit(
+            request_id="r1", uncached_prompt_tokens=1_000, expected_output_tokens=100
+        )
+        assert adm.decision is Decision.BORROW, adm.message
+        assert adm.node_id == "d1" and adm.reservation_id
+        assert adm.plan is not None and adm.plan.ranked[0].node_id == "d1"
+        grant = await decode.wait_notice(lambda n: n.kind == lease_pb2.NOTICE_KIND_GRANT)
+        assert grant.reservation_id == adm.reservation_id
+        assert grant.debit.compute_tokens == 1_000 and grant.debit.slots == 1
+
+        committed = await client.commit(adm.reservation_id)
+        assert committed.expires_at_ms > adm.expires_at_ms
+        detail = await admin.get_node("d1")
+        assert [r.state for r in detail.reservations] == [ReservationState.COMMITTED]
+        assert detail.node.state.open_debits.compute_tokens == 1_000
+        assert detail.node.available.compute_tokens == 8_000 - 1_000
+
+        await client.release(adm.reservation_id)
+        await decode.wait_notice(lambda n: n.kind == lease_pb2.NOTICE_KIND_RELEASE)
+        nodes = await admin.list_nodes()
+        assert [n.state.info.node_id for n in nodes] == ["d1", "p1"]
+        pools = await admin.list_pools()
+        assert pools[0].outstanding_uncached_tokens == 200_000
+
+
+async def test_stale_lease_is_refused_and_changes_nothing(cluster, agents) -> None:  # §5.1
+    server, decode, _ = await _setup(cluster, agents)
+    ack = await decode.send_lease()  # version 2
+    assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+    from tests.broker.agents import lease_msg
+
+    stale = lease_msg("d1", 1, 1, credits={"compute_tokens": 1})
+    ack = await decode.send_lease(stale)
+    assert ack.result == lease_pb2.LEASE_RESULT_STALE
+    assert (ack.stored_epoch, ack.stored_version) == (1, 2)
+    async with AdminClient(target(server)) as admin:
+        node = (await admin.get_node("d1")).node
+        assert node.state.lease is not None
+        assert node.state.lease.lease.version == 2
+        assert node.state.lease.lease.credits.compute_tokens == 8_000
+    # A new epoch (agent restart) is newer whatever its version.
+    ack = await decode.send_lease(lease_msg("d1", 2, 1))
+    assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+
+
+async def test_new_lease_replaces_never_adds(cluster, agents) -> None:  # §5.2
+    server, decode, _ = await _setup(cluster, agents, slots=1)
+    async with AdmissionClient(target(server)) as client:
+        first = await client.admit(uncached_prompt_tokens=500)
+        assert first.decision is Decision.BORROW
+        assert (await client.admit(uncached_prompt_tokens=500)).reason is Reason.NO_ROOM
+        # The agent re-offers one slot without having seen the grant: still no room.
+        ack = await decode.send_lease(credits={"slots": 1}, last_notice_seq=0)
+        assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+        assert (await client.admit(uncached_prompt_tokens=500)).reason is Reason.NO_ROOM
+
+
+async def test_causal_release_waits_for_a_lease_that_saw_it(cluster, agents) -> None:  # §5.4
+    server, decode, _ = await _setup(cluster, agents, slots=1)
+    async with AdmissionClient(target(server)) as client:
+        adm = await client.admit(uncached_prompt_tokens=500)
+        assert adm.decision is Decision.BORROW
+        grant = await decode.wait_notice(lambda n: n.kind == lease_pb2.NOTICE_KIND_GRANT)
+        await client.commit(adm.reservation_id)
+        await client.release(adm.reservation_id)
+        release = await decode.wait_notice(lambda n: n.kind == lease_pb2.NOTICE_KIND_RELEASE)
+        # A lease whose snapshot predates the release notice must not free the credit.
+        ack = await decode.send_lease(credits={"slots": 1}, last_notice_seq=grant.seq)
+        assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+        again = await client.admit(uncached_prompt_tokens=500)
+        assert again.decision is Decision.NORMAL and again.reason is Reason.NO_ROOM
+        # Once a lease was computed after the agent saw the release, the credit is free.
+        ack = await decode.send_lease(credits={"slots": 1}, last_notice_seq=release.seq)
+        assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+        assert (await client.admit(uncached_prompt_tokens=500)).decision is Decision.BORROW
+
+
+async def test_expired_lease_counts_as_zero(cluster, agents, clock) -> None:  # §5.5
+    server, decode, prefill = await _setup(cluster, agents)
+    async with AdmissionClient(target(server)) as client:
+        assert (await client.admit(uncached_prompt_tokens=500)).decision is Decision.BORROW
+        # The agent asks for an hour; the broker caps the TTL at max_lease_ttl_ms (2 s).
+        await decode.send_lease(ttl_ms=3_600_000)
+        clock.advance(2_001)
+        await prefill.send_pool_load()
+        await prefill.sync()
+        adm = await client.admit(uncached_prompt_tokens=500, candidate_node_ids=["d1"])
+        assert adm.decision is Decision.NORMAL and adm.reason is Reason.NO_LEASES
+        assert adm.plan is not None and adm.plan.nodes[0].detail == "lease expired"
+
+
+async def test_zero_lease_and_cordon_stop_borrowing(cluster, agents) -> None:
+    server, decode, _ = await _setup(cluster, agents)
+    async with AdmissionClient(target(server)) as client, AdminClient(target(server)) as admin:
+        ack = await decode.send_lease(
+            credits={
+                k: 0
+                for k in (
+                    "compute_tokens",
+                    "kv_tokens",
+                    "kv_transfer_bytes",
+                    "output_tokens",
+                    "slots",
+                )
+            },
+            zero_reason=common_pb2.ZERO_REASON_ITL_OVER_SLO,
+        )
+        assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+        adm = await client.admit(uncached_prompt_tokens=500, candidate_node_ids=["d1"])
+        assert adm.reason is Reason.NO_LEASES and "itl_over_slo" in adm.plan.nodes[0].detail
+
+        await decode.send_lease()
+        assert (await client.admit(uncached_prompt_tokens=500)).decision is Decision.BORROW
+        view = await admin.cordon("d1", reason="maintenance")
+        assert view.state.info.cordoned
+        await decode.wait_notice(lambda n: n.kind == lease_pb2.NOTICE_KIND_CORDON)
+        adm = await client.admit(uncached_prompt_tokens=500, candidate_node_ids=["d1"])
+        assert adm.decision is Decision.NORMAL and adm.reason is Reason.NO_LEASES
+        await admin.uncordon("d1")
+        await decode.wait_notice(lambda n: n.kind == lease_pb2.NOTICE_KIND_UNCORDON)
+        assert (await client.admit(uncached_prompt_tokens=500)).decision is Decision.BORROW
+
+
+async def test_notices_relay_from_replica_a_to_agent_on_replica_b(cluster, agents) -> None:
+    a = await cluster.start()
+    b = await cluster.start()
+    decode = await agents(b, "d1")
+    prefill = await agents(a, "p1", role=common_pb2.NODE_ROLE_PREFILL)
+    await prefill.send_pool_load()
+    await prefill.sync()
+    assert (await decode.send_lease()).result == lease_pb2.LEASE_RESULT_ACCEPTED
+    async with AdmissionClient(target(a)) as client:
+        adm = await client.admit(uncached_prompt_tokens=700)
+        assert adm.decision is Decision.BORROW
+        grant = await decode.wait_notice(lambda n: n.reservation_id == adm.reservation_id)
+        assert grant.kind == lease_pb2.NOTICE_KIND_GRANT
+        await client.release(adm.reservation_id)
+        await decode.wait_notice(lambda n: n.kind == lease_pb2.NOTICE_KIND_RELEASE)
+    # An agent reconnecting to replica A resumes after the last notice it saw.
+    seen = decode.last_notice_seq
+    await decode.close()
+    again = await agents(a, "d1", last_notice_seq=seen - 1)
+    resumed = await again.wait_notice(lambda n: True)
+    assert resumed.seq == seen and resumed.kind == lease_pb2.NOTICE_KIND_RELEASE
