@@ -1,0 +1,102 @@
+"""Simulator settings: one validated model (the CLI builds it from flags)."""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import Field
+
+from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, ModelSpec, NodeProfile
+from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.leasing import LeaseSettings
+from crossflow_ctl.domain.models import Frozen
+from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.sim.prefix_cache import CacheScope
+
+
+class PolicyKind(StrEnum):
+    STATIC = "static"
+    """Every prompt takes the normal path: prefill pool, KV transfer, decode pool."""
+    THRESHOLD = "threshold"
+    """Prefill on a decode node when the uncached prompt is short or the prefill queue is long;
+    no reservation, no lease (the heuristic other routers ship)."""
+    LEASES = "leases"
+    """The broker's admission policy over agents' leases, through the store."""
+
+
+class SimConfig(Frozen):
+    """One simulated cluster and policy. Times in the field names; tokens per node."""
+
+    model: str = "gpt-oss-120b"
+    hardware: str = "h200"
+    prefill_nodes: Annotated[int, Field(ge=1, le=512)] = 2
+    decode_nodes: Annotated[int, Field(ge=1, le=512)] = 4
+    policy: PolicyKind = PolicyKind.STATIC
+    seed: int = 0
+
+    prefill_chunk_tokens: Annotated[int, Field(gt=0, le=1_048_576)] = 8192
+    """Chunked prefill on prefill servers: uncached tokens per engine step."""
+    kv_capacity_tokens: Annotated[int, Field(gt=0, le=1_000_000_000)] = 1_000_000
+    """KV-cache token slots of one decode server (prompt + output are reserved on admission)."""
+    max_batch: Annotated[int, Field(gt=0, le=4096)] = 256
+    max_macro_steps: Annotated[int, Field(gt=0, le=100_000)] = 64
+    """Decode steps advanced as one event while the batch does not change (see cluster.py)."""
+
+    cache_scope: CacheScope = CacheScope.CLUSTER
+    cache_capacity_tokens: Annotated[int, Field(gt=0)] = 16_000_000
+    """Prefix cache size (Mooncake traces only), per node or for the whole pool."""
+
+    ttft_slo_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2000.0
+    lease: LeaseSettings = LeaseSettings()
+    """The agents' lease settings; its ``itl_slo_ms`` is also the ITL SLO of the metrics."""
+    broker_policy: PolicySettings = PolicySettings()
+    agent_period_ms: Annotated[int, Field(gt=0, le=60_000)] = 200
+    lease_ttl_ms: Annotated[int, Field(gt=0, le=60_000)] = 600
+
+    threshold_short_tokens: Annotated[int, Field(ge=0)] = 2048
+    """Threshold heuristic: prompts with fewer uncached tokens go to a decode node."""
+    threshold_queue_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1000.0
+    """Threshold heuristic: ... or any prompt, when the prefill pool's wait is above this."""
+
+    window_s: Annotated[float, Field(gt=0)] = 60.0
+    """Time-series bin, in trace seconds (divided by the load scale in simulated time)."""
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        try:
+            return MODEL_PRESETS[self.model]
+        except KeyError:
+            raise InvalidArgument(
+                f"unknown model {self.model!r}; one of {sorted(MODEL_PRESETS)}", field="model"
+            ) from None
+
+    @property
+    def node_profile(self) -> NodeProfile:
+        try:
+            return NODE_PRESETS[self.hardware]
+        except KeyError:
+            raise InvalidArgument(
+                f"unknown hardware {self.hardware!r}; one of {sorted(NODE_PRESETS)}",
+                field="hardware",
+            ) from None
+
+    @property
+    def split(self) -> str:
+        return f"{self.prefill_nodes}P{self.decode_nodes}D"
+
+    @property
+    def label(self) -> str:
+        return f"{self.split}/{self.policy.value}"
+
+
+_SPLIT = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
+
+
+def parse_split(text: str) -> tuple[int, int]:
+    """``"2P4D"`` -> (2, 4)."""
+    m = _SPLIT.match(text.strip())
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise InvalidArgument(f"split {text!r} is not like 2P4D", field="split")
+    return int(m.group(1)), int(m.group(2))

@@ -1,0 +1,343 @@
+"""Prefill and decode servers whose step times come from the roofline model (capacity.py).
+
+Approximations (stated, not hidden):
+
+* **Prefill servers** run one request at a time, FIFO, in chunks of ``chunk`` uncached tokens;
+  each chunk's step time is ``step_time_s(prefill_tokens=chunk, prefix_tokens=cached + done)``.
+  A chunk never mixes the tail of one prompt with the head of the next, so a request's prefill
+  time is known when it starts and is one event.
+* **Decode servers** run continuous batching. Every step decodes one token for each running
+  request; a step that carries a borrowed prefill chunk P (with prefix X) takes
+  ``step_time_s(B, C, P, X)`` and every running request waits for it. While the batch does not
+  change, up to ``max_macro_steps`` plain steps are advanced as one event, timed at the batch's
+  mid-point context (context grows by B per step); an arrival cuts the macro step at the end of
+  the step in progress, so new work joins at a step boundary as in a real engine.
+* **KV**: a request reserves prompt + output tokens on its decode server when it joins (no
+  preemption); requests that do not fit wait FIFO. Borrowed requests reserve before their first
+  chunk and then stay on the node to decode.
+* The first token is counted when the request joins a decode batch (normal path: after prefill,
+  KV transfer and any wait for KV room; borrowed: at the end of its last prefill chunk).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, StepShape, step_time_s
+
+
+@dataclass(slots=True)
+class Req:
+    """One request in flight (sim-internal, mutable)."""
+
+    rid: int
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    release_s: float
+    measured: bool
+    borrowed: bool = False
+    reservation_id: str = ""
+    prefilled: int = 0
+    kv_reserved: bool = False
+    first_token_s: float = -1.0
+    finish_s: float = -1.0
+    decode_node: int = -1
+    join_step: int = 0
+    kv_waited: bool = False
+
+    @property
+    def uncached_tokens(self) -> int:
+        return self.input_tokens - self.cached_tokens
+
+    @property
+    def kv_need(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+class StepModel:
+    """``step_time_s`` for one model on one server (the same function the agent uses)."""
+
+    def __init__(self, model: ModelSpec, node: NodeProfile) -> None:
+        self.model = model
+        self.node = node
+
+    def step_s(self, batch: int, context: int, prefill: int = 0, prefix: int = 0) -> float:
+        shape = StepShape.model_construct(
+            batch=batch, context_tokens=context, prefill_tokens=prefill, prefix_tokens=prefix
+        )
+        return step_time_s(self.model, self.node, shape)
+
+    def prefill_s(self, uncached: int, cached: int, chunk: int) -> float:
+        total, done = 0.0, 0
+        while done < uncached:
+            p = min(chunk, uncached - done)
+            total += self.step_s(0, 0, p, cached + done)
+            done += p
+        return total
+
+    def transfer_s(self, tokens: int) -> float:
+        return tokens * self.model.kv_bytes_per_token / self.node.network_bytes_per_s
+
+
+class EventQueue:
+    """A time-ordered heap; ties break by insertion order, so runs are deterministic."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, int, int, object]] = []
+        self._seq = 0
+
+    def push(self, t: float, kind: int, target: int, payload: object = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, target, payload))
+
+    def pop(self) -> tuple[float, int, int, object]:
+        t, _, kind, target, payload = heapq.heappop(self._heap)
+        return t, kind, target, payload
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+EV_PREFILL_DONE = 2
+EV_DECODE_STEP = 3
+
+
+@dataclass(slots=True)
+class PrefillServer:
+    idx: int
+    steps: StepModel
+    chunk: int
+    events: EventQueue
+    queue: deque[Req] = field(default_factory=deque)
+    queued_tokens: int = 0
+    current: Req | None = None
+    start_s: float = 0.0
+    end_s: float = 0.0
+    done_tokens: int = 0
+    busy_s: float = 0.0
+
+    def enqueue(self, req: Req, t: float) -> None:
+        self.queue.append(req)
+        self.queued_tokens += req.uncached_tokens
+        if self.current is None:
+            self._start(t)
+
+    def _start(self, t: float) -> None:
+        req = self.queue.popleft()
+        self.queued_tokens -= req.uncached_tokens
+        self.current = req
+        self.start_s = t
+        self.end_s = t + self.steps.prefill_s(req.uncached_tokens, req.cached_tokens, self.chunk)
+        self.events.push(self.end_s, EV_PREFILL_DONE, self.idx)
+
+    def finish(self, t: float) -> Req:
+        req = self.current
+        assert req is not None
+        self.done_tokens += req.uncached_tokens
+        self.busy_s += self.end_s - self.start_s
+        self.current = None
+        if self.queue:
+            self._start(t)
+        return req
+
+    def _current_done(self, t: float) -> float:
+        if self.current is None or self.end_s <= self.start_s:
+            return 0.0
+        share = min(1.0, max(0.0, (t - self.start_s) / (self.end_s - self.start_s)))
+        return self.current.uncached_tokens * share
+
+    def outstanding_tokens(self, t: float) -> int:
+        cur = self.current.uncached_tokens if self.current else 0
+        return int(self.queued_tokens + cur - self._current_done(t))
+
+    def processed_tokens(self, t: float) -> float:
+        return self.done_tokens + self._current_done(t)
+
+    def busy_until(self, t: float) -> float:
+        return self.busy_s + (t - self.start_s if self.current is not None else 0.0)
+
+
+@dataclass(slots=True)
+class DecodeServer:
+    idx: int
+    steps: StepModel
+    events: EventQueue
+    kv_capacity: int
+    max_batch: int
+    max_macro: int
+    borrow_chunk: int
+    running: dict[int, Req] = field(default_factory=dict)
+    finish_heap: list[tuple[int, int]] = field(default_factory=list)
+    steps_done: int = 0
+    ctx_base: int = 0
+    """Sum over running requests of (context at join - steps_done at join)."""
+    kv_used: int = 0
+    waiting: deque[Req] = field(default_factory=deque)
+    borrow_q: deque[Req] = field(default_factory=deque)
+    borrowed_outstanding: int = 0
+    busy: bool = False
+    t0: float = 0.0
+    dt: float = 0.0
+    k: int = 0
+    chunk_now: int = 0
+    gen: int = 0
+    busy_s: float = 0.0
+    tokens_out: int = 0
+    itl_log: deque[tuple[float, float, int]] = field(default_factory=deque)
+    """(step end, step time, token intervals) of recent steps, for the agent's ITL quantiles."""
+    itl_hist: dict[float, int] = field(default_factory=dict)
+    """Rounded step time (0.1 ms) -> token intervals, for the metrics (measured window only)."""
+    measure_from_s: float = 0.0
+    borrow_kv_waits: int = 0
+    finished: list[Req] = field(default_factory=list)
+    borrow_done: list[Req] = field(default_factory=list)
+
+    @property
+    def batch(self) -> int:
+        return len(self.running)
+
+    def context_tokens(self, t: float) -> int:
+        partial = 0
+        if self.busy and self.chunk_now == 0 and self.dt > 0:
+            partial = min(self.k, int((t - self.t0) / self.dt))
+        return self.ctx_base + self.batch * (self.steps_done + partial)
+
+    # -- arrivals ---------------------------------------------------------------------------
+    def arrive_normal(self, req: Req, t: float) -> None:
+        self.waiting.append(req)
+        self._poke(t)
+
+    def arrive_borrowed(self, req: Req, t: float) -> None:
+        self.borrow_q.append(req)
+        self.borrowed_outstanding += req.uncached_tokens - req.prefilled
+        self._poke(t)
+
+    def _poke(self, t: float) -> None:
+        if not self.busy:
+            self._admit(t)
+            self._plan(t)
+        elif self.chunk_now == 0 and self.dt > 0:
+            n = int((t - self.t0) / self.dt)
+            if n + 1 < self.k:
+                self.k = n + 1
+                self.gen += 1
+                self.events.push(self.t0 + self.k * self.dt, EV_DECODE_STEP, self.idx, self.gen)
+
+    # -- stepping ---------------------------------------------------------------------------
+    def step_end(self, t: float, gen: int) -> None:
+        if gen != self.gen or not self.busy:
+            return
+        b, k, dt = self.batch, self.k, self.dt
+        self.steps_done += k
+        self.busy_s += k * dt
+        if b:
+            self.tokens_out += b * k
+            self.itl_log.append((t, dt, b * k))
+            if t >= self.measure_from_s:
+                key = round(dt, 4)
+                self.itl_hist[key] = self.itl_hist.get(key, 0) + b * k
+        heap = self.finish_heap
+        while heap and heap[0][0] <= self.steps_done:
+            _, rid = heapq.heappop(heap)
+            self._finish(self.running.pop(rid), t)
+        if self.chunk_now:
+            head = self.borrow_q[0]
+            head.prefilled += self.chunk_now
+            self.borrowed_outstanding -= self.chunk_now
+            if head.prefilled >= head.uncached_tokens:
+                self.borrow_q.popleft()
+                self.borrow_done.append(head)
+                self._join(head, t)
+        self.busy = False
+        self._admit(t)
+        self._plan(t)
+
+    def _finish(self, req: Req, t: float) -> None:
+        req.finish_s = t
+        self.kv_used -= req.kv_need
+        self.ctx_base -= req.input_tokens + 1 - req.join_step
+        self.finished.append(req)
+
+    def _join(self, req: Req, t: float) -> None:
+        req.first_token_s = t
+        req.decode_node = self.idx
+        remaining = req.output_tokens - 1
+        if remaining <= 0:
+            req.finish_s = t
+            self.kv_used -= req.kv_need
+            self.finished.append(req)
+            return
+        self.running[req.rid] = req
+        req.join_step = self.steps_done
+        heapq.heappush(self.finish_heap, (self.steps_done + remaining, req.rid))
+        self.ctx_base += req.input_tokens + 1 - self.steps_done
+
+    def _fits(self, req: Req) -> bool:
+        return self.batch < self.max_batch and self.kv_used + req.kv_need <= self.kv_capacity
+
+    def _admit(self, t: float) -> None:
+        while self.waiting and self._fits(self.waiting[0]):
+            req = self.waiting.popleft()
+            self.kv_used += req.kv_need
+            self._join(req, t)
+
+    def _plan(self, t: float) -> None:
+        head = self.borrow_q[0] if self.borrow_q else None
+        if head is not None and not head.kv_reserved:
+            if self._fits(head):
+                head.kv_reserved = True
+                self.kv_used += head.kv_need
+            else:
+                if not head.kv_waited:
+                    head.kv_waited = True
+                    self.borrow_kv_waits += 1
+                head = None
+        b = self.batch
+        ctx = self.ctx_base + b * self.steps_done
+        if head is not None:
+            p = min(self.borrow_chunk, head.uncached_tokens - head.prefilled)
+            self.chunk_now, self.k = p, 1
+            self.dt = self.steps.step_s(b, ctx, p, head.cached_tokens + head.prefilled)
+        elif b:
+            self.chunk_now = 0
+            self.k = min(self.max_macro, self.finish_heap[0][0] - self.steps_done)
+            self.dt = self.steps.step_s(b, ctx + b * (self.k - 1) // 2)
+        else:
+            self.busy = False
+            return
+        self.busy = True
+        self.t0 = t
+        self.gen += 1
+        self.events.push(t + self.k * self.dt, EV_DECODE_STEP, self.idx, self.gen)
+
+    # -- telemetry --------------------------------------------------------------------------
+    def recent_itl(self, t: float, window_s: float) -> tuple[float | None, float | None, int]:
+        """(p50 ms, p99 ms, output tokens) over steps that ended in the last ``window_s``."""
+        log = self.itl_log
+        while log and log[0][0] < t - window_s:
+            log.popleft()
+        if not log:
+            return None, None, 0
+        items = sorted((dt, w) for _, dt, w in log)
+        total = sum(w for _, w in items)
+        return (
+            _weighted_quantile(items, total, 0.5) * 1000.0,
+            _weighted_quantile(items, total, 0.99) * 1000.0,
+            total,
+        )
+
+    def busy_until(self, t: float) -> float:
+        return self.busy_s + (min(t - self.t0, self.k * self.dt) if self.busy else 0.0)
+
+
+def _weighted_quantile(items: list[tuple[float, int]], total: int, q: float) -> float:
+    target = q * total
+    acc = 0
+    for value, weight in items:
+        acc += weight
+        if acc >= target:
+            return value
+    return items[-1][0]
