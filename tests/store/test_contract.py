@@ -1,0 +1,386 @@
+"""The store contract (store/base.py, DESIGN.md §5), run on MemoryStore and RedisStore alike."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from crossflow_ctl.domain.models import (
+    CREDIT_NAMES,
+    Credits,
+    NodeRole,
+    NoticeKind,
+    PoolLoad,
+    ReservationState,
+    ZeroReason,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.store.base import Store
+from tests.store.helpers import MAX_TTL, NOW, credits, lease, register
+
+
+async def snapshot(store: Store, node_id: str = "d1") -> tuple[object, ...]:
+    """Everything observable about one node, to show that a refused call changed nothing."""
+    return (
+        await store.get_node(node_id, NOW),
+        await store.list_reservations(node_id, NOW),
+        await store.read_notices(node_id, 0, 1000),
+        await store.lease_history(node_id, 100),
+        await store.node_events(node_id, 100),
+    )
+
+
+# -- §5.1 monotonic leases --------------------------------------------------------------------
+async def test_stale_lease_is_refused_and_changes_nothing(store: Store) -> None:
+    await register(store, "d1")
+    assert (await store.upsert_lease(lease(version=5, value=80), NOW, MAX_TTL)).accepted
+    granted = await store.try_debit("d1", credits(10), 1.0, NOW, 1_000)
+    assert granted.granted
+    before = await snapshot(store)
+    for stale in (lease(version=5, value=500), lease(version=4, value=500, last_notice_seq=99)):
+        outcome = await store.upsert_lease(stale, NOW + 1, MAX_TTL)
+        assert not outcome.accepted
+        assert (outcome.stored_epoch, outcome.stored_version) == (1, 5)
+    assert await snapshot(store) == before
+
+
+async def test_new_epoch_is_newer_whatever_its_version(store: Store) -> None:
+    await register(store, "d1")
+    await store.upsert_lease(lease(epoch=1, version=9), NOW, MAX_TTL)
+    outcome = await store.upsert_lease(lease(epoch=2, version=1, value=7), NOW, MAX_TTL)
+    assert outcome.accepted and (outcome.stored_epoch, outcome.stored_version) == (2, 1)
+    assert not (await store.upsert_lease(lease(epoch=1, version=99), NOW, MAX_TTL)).accepted
+    node = await store.get_node("d1", NOW)
+    assert node.lease is not None and node.lease.lease.credits == credits(7)
+
+
+async def test_large_epochs_compare_exactly(store: Store) -> None:
+    """63-bit epochs (e.g. random) must not lose precision anywhere (Lua numbers are doubles)."""
+    await register(store, "d1")
+    big = 2**62 + 1
+    await store.upsert_lease(lease(epoch=big, version=2), NOW, MAX_TTL)
+    assert not (await store.upsert_lease(lease(epoch=big - 1, version=3), NOW, MAX_TTL)).accepted
+    assert not (await store.upsert_lease(lease(epoch=big, version=2), NOW, MAX_TTL)).accepted
+    outcome = await store.upsert_lease(lease(epoch=big, version=3), NOW, MAX_TTL)
+    assert outcome.accepted and outcome.stored_epoch == big
+    debit = await store.try_debit("d1", credits(1), 1.0, NOW, 1_000)
+    assert debit.reservation is not None and debit.reservation.lease_epoch == big
+
+
+# -- §5.2 replace, never add ------------------------------------------------------------------
+async def test_new_lease_replaces_credit_never_adds(store: Store) -> None:
+    await register(store, "d1")
+    await store.upsert_lease(lease(version=1, value=100), NOW, MAX_TTL)
+    assert (await store.try_debit("d1", credits(60), 1.0, NOW, 5_000)).granted
+    await store.upsert_lease(lease(version=2, value=100), NOW + 10, MAX_TTL)
+    node = await store.get_node("d1", NOW + 10)
+    assert node.available(NOW + 10) == credits(40)
+    refused = await store.try_debit("d1", credits(41), 1.0, NOW + 10, 5_000)
+    assert refused.refusal == "short" and set(refused.short_credits) == set(CREDIT_NAMES)
+    assert (await store.try_debit("d1", credits(40), 1.0, NOW + 10, 5_000)).granted
+    # A smaller lease leaves no room at all while the old debits are open.
+    await store.upsert_lease(lease(version=3, value=50), NOW + 20, MAX_TTL)
+    assert not (await store.try_debit("d1", credits(1), 1.0, NOW + 20, 5_000)).granted
+
+
+# -- §5.5 expiry --------------------------------------------------------------------------------
+async def test_lease_expires_on_store_clock_with_capped_ttl(store: Store) -> None:
+    await register(store, "d1")
+    await store.upsert_lease(lease(ttl_ms=60_000), NOW, MAX_TTL)
+    node = await store.get_node("d1", NOW)
+    assert node.lease is not None and node.lease.expires_at_ms == NOW + MAX_TTL
+    assert (await store.try_debit("d1", credits(1), 1.0, NOW + MAX_TTL - 1, 10)).granted
+    late = await store.try_debit("d1", credits(1), 1.0, NOW + MAX_TTL, 10)
+    assert (late.granted, late.refusal) == (False, "expired")
+    short_ttl = lease(version=2, ttl_ms=300)
+    await store.upsert_lease(short_ttl, NOW + MAX_TTL, MAX_TTL)
+    node = await store.get_node("d1", NOW)
+    assert node.lease is not None and node.lease.expires_at_ms == NOW + MAX_TTL + 300
+
+
+@pytest.mark.parametrize("zero", ["reason", "credits"])
+async def test_zero_lease_allows_no_debit(store: Store, zero: str) -> None:
+    await register(store, "d1")
+    if zero == "reason":
+        z = lease(zero_reason=ZeroReason.ITL_OVER_SLO, zero_detail="itl 60 > 50")
+    else:
+        z = lease(credits=Credits())
+    await store.upsert_lease(z, NOW, MAX_TTL)
+    outcome = await store.try_debit("d1", Credits(), 1.0, NOW, 1_000)
+    assert (outcome.granted, outcome.refusal) == (False, "zero_lease")
+    assert await store.read_notices("d1", 0, 10) == []
+
+
+async def test_refusals_name_their_cause(store: Store) -> None:
+    assert (await store.try_debit("ghost", credits(1), 1.0, NOW, 100)).refusal == "unknown_node"
+    assert (await store.try_debit("bad id!", credits(1), 1.0, NOW, 100)).refusal == "unknown_node"
+    await register(store, "d1")
+    assert (await store.try_debit("d1", credits(1), 1.0, NOW, 100)).refusal == "no_lease"
+
+
+async def test_cordon_blocks_debits_until_uncordoned(store: Store) -> None:
+    await register(store, "d1")
+    await store.upsert_lease(lease(), NOW, MAX_TTL)
+    info = await store.set_cordon("d1", True, "maintenance", NOW)
+    assert info.cordoned and info.cordon_reason == "maintenance"
+    outcome = await store.try_debit("d1", credits(1), 1.0, NOW, 100)
+    assert (outcome.granted, outcome.refusal) == (False, "cordoned")
+    # Re-registering (agent reconnect) keeps the cordon.
+    info = await store.register_node("d1", NodeRole.DECODE, "default", {"zone": "a"}, NOW)
+    assert info.cordoned and info.labels == {"zone": "a"}
+    await store.set_cordon("d1", False, "", NOW + 1)
+    assert (await store.try_debit("d1", credits(1), 1.0, NOW + 1, 100)).granted
+    kinds = [n.kind for n in await store.read_notices("d1", 0, 10)]
+    assert kinds == [NoticeKind.CORDON, NoticeKind.UNCORDON, NoticeKind.GRANT]
+
+
+# -- §5.3 safety per credit, share ----------------------------------------------------------------
+@pytest.mark.parametrize("short", CREDIT_NAMES)
+async def test_debit_refused_when_one_credit_is_short(store: Store, short: str) -> None:
+    await register(store, "d1")
+    await store.upsert_lease(lease(value=10), NOW, MAX_TTL)
+    outcome = await store.try_debit("d1", credits(10, **{short: 11}), 1.0, NOW, 100)
+    assert (outcome.granted, outcome.refusal, outcome.short_credits) == (False, "short", (short,))
+    assert (outcome.lease_epoch, outcome.lease_version) == (1, 1)
+    assert await store.list_reservations("d1", NOW) == []
+    assert await store.read_notices("d1", 0, 10) == []
+    assert (await store.try_debit("d1", credits(10), 1.0, NOW, 100)).granted
+
+
+async def test_share_limits_what_is_lent(store: Store) -> None:
+    await register(store, "d1")
+    await store.upsert_lease(lease(value=10), NOW, MAX_TTL)
+    # floor(10 x 0.25) = 2 on every credit
+    assert (await store.try_debit("d1", credits(2), 0.25, NOW, 100)).granted
+    assert (await store.try_debit("d1", credits(1), 0.25, NOW, 100)).short_credits == CREDIT_NAMES
+    assert (await store.try_debit("d1", credits(3), 0.5, NOW, 100)).granted
+    assert not (await store.try_debit("d1", credits(1), 0.5, NOW, 100)).granted
+    assert (await store.try_debit("d1", credits(5), 1.0, NOW, 100)).granted
+    assert not (await store.try_debit("d1", credits(0, slots=1), 1.0, NOW, 100)).granted
+    with pytest.raises(InvalidArgument) as err:
+        await store.try_debit("d1", credits(1), 1.5, NOW, 100)
+    assert err.value.field == "share"
+
+
+# -- reservations -----------------------------------------------------------------------------------
+async def test_reservation_lifecycle(store: Store) -> None:
+    await register(store, "d1")
+    await store.upsert_lease(lease(), NOW, MAX_TTL)
+    outcome = await store.try_debit("d1", credits(5), 1.0, NOW, 100, request_id="req|1")
+    res = outcome.reservation
+    assert res is not None and res.state is ReservationState.HELD
+    assert (res.expires_at_ms, res.request_id, res.grant_seq) == (NOW + 100, "req|1", 1)
+    assert await store.list_reservations("d1", NOW) == [res]
+    committed = await store.commit(res.reservation_id, NOW + 50, 10_000)
+    assert committed.state is ReservationState.COMMITTED
+    assert committed.expires_at_ms == NOW + 10_050
+    assert await store.commit(res.reservation_id, NOW + 60, 99_999) == committed
+    released = await store.release(res.reservation_id, NOW + 70)
+    assert released.state is ReservationState.RELEASED and released.release_seq == 3
+    assert await store.release(res.reservation_id, NOW + 80) == released
+    with pytest.raises(FailedPrecondition):
+        await store.commit(res.reservation_id, NOW + 90, 1_000)
+    assert await store.list_reservations(None, NOW + 90) == [released]
+    kinds = [n.kind for n in await store.read_notices("d1", 0, 10)]
+    assert kinds == [NoticeKind.GRANT, NoticeKind.COMMIT, NoticeKind.RELEASE]
+
+
+async def test_held_and_committed_reservations_expire(store: Store) -> None:
+    await register(store, "d1")
+    await store.upsert_lease(lease(value=10, ttl_ms=60_000), NOW, 60_000)
+    held = (await store.try_debit("d1", credits(10), 1.0, NOW, 100)).reservation
+    assert held is not None
+    assert (await store.get_node("d1", NOW + 99)).open_reservations == 1
+    assert (await store.get_node("d1", NOW + 100)).open_debits == Credits()
+    with pytest.raises(NotFound) as err:
+        await store.commit(held.reservation_id, NOW + 100, 1_000)
+    assert err.value.field == "reservation_id"
+    expire = (await store.read_notices("d1", 1, 10))[0]
+    assert (expire.kind, expire.reservation_id, expire.debit) == (
+        NoticeKind.EXPIRE,
+        held.reservation_id,
+        credits(10),
+    )
+    second = (await store.try_debit("d1", credits(10), 1.0, NOW + 200, 100)).reservation
+    assert second is not None
+    await store.commit(second.reservation_id, NOW + 250, 500)
+    assert not (await store.try_debit("d1", credits(1), 1.0, NOW + 749, 100)).granted
+    assert (await store.try_debit("d1", credits(10), 1.0, NOW + 750, 100)).granted
+    with pytest.raises(NotFound):
+        await store.release(second.reservation_id, NOW + 751)
+
+
+# -- §5.4 causal release ------------------------------------------------------------------------
+async def test_released_credit_returns_only_with_a_causally_later_lease(store: Store) -> None:
+    await register(store, "d1")
+    await store.upsert_lease(lease(version=1, value=100, ttl_ms=60_000), NOW, 60_000)
+    res = (await store.try_debit("d1", credits(60), 1.0, NOW, 1_000)).reservation  # seq 1
+    assert res is not None
+    await store.commit(res.reservation_id, NOW + 1, 30_000)  # seq 2
+    released = await store.release(res.reservation_id, NOW + 2)  # seq 3
+    assert released.release_seq == 3
+    # Still counts right after the release...
+    assert not (await store.try_debit("d1", credits(50), 1.0, NOW + 3, 1_000)).granted
+    # ...and after a lease whose snapshot predates the release notice.
+    before = await store.upsert_lease(lease(version=2, last_notice_seq=2), NOW + 4, 60_000)
+    assert before.accepted and before.purged_reservations == 0
+    assert not (await store.try_debit("d1", credits(50), 1.0, NOW + 5, 1_000)).granted
+    assert [r.reservation_id for r in await store.list_reservations("d1", NOW + 5)] == [
+        res.reservation_id
+    ]
+    after = await store.upsert_lease(lease(version=3, last_notice_seq=3), NOW + 6, 60_000)
+    assert after.purged_reservations == 1
+    assert await store.list_reservations("d1", NOW + 6) == []
+    assert (await store.try_debit("d1", credits(100), 1.0, NOW + 7, 1_000)).granted
+    with pytest.raises(NotFound):
+        await store.release(res.reservation_id, NOW + 8)
+
+
+# -- notices ------------------------------------------------------------------------------------------
+async def test_notices_carry_a_gapless_per_node_sequence(store: Store) -> None:
+    await register(store, "d1", "d2")
+    for node in ("d1", "d2"):
+        await store.upsert_lease(lease(node), NOW, MAX_TTL)
+    ids = []
+    for _ in range(4):
+        res = (await store.try_debit("d1", credits(1), 1.0, NOW, 1_000)).reservation
+        assert res is not None
+        ids.append(res.reservation_id)
+    await store.release(ids[0], NOW)
+    await store.try_debit("d2", credits(1), 1.0, NOW, 1_000)
+    d1 = await store.read_notices("d1", 0, 100)
+    assert [n.seq for n in d1] == [1, 2, 3, 4, 5]
+    assert [n.reservation_id for n in d1] == [*ids, ids[0]]
+    assert d1[-1].kind is NoticeKind.RELEASE and d1[-1].debit == credits(1)
+    assert [n.seq for n in await store.read_notices("d1", 2, 2)] == [3, 4]
+    assert await store.read_notices("d1", 5, 10) == []
+    assert [n.seq for n in await store.read_notices("d2", 0, 10)] == [1]
+    assert (await store.get_node("d1", NOW)).info.notice_seq == 5
+    with pytest.raises(NotFound):
+        await store.read_notices("ghost", 0, 10)
+
+
+async def test_blocking_read_wakes_on_a_new_notice(store: Store) -> None:
+    await register(store, "d1")
+    await store.upsert_lease(lease(), NOW, MAX_TTL)
+    assert await store.read_notices("d1", 0, 10, block_ms=20) == []
+    reader = asyncio.create_task(store.read_notices("d1", 0, 10, block_ms=10_000))
+    await asyncio.sleep(0.05)
+    assert not reader.done()
+    granted = await store.try_debit("d1", credits(1), 1.0, NOW, 1_000)
+    notices = await asyncio.wait_for(reader, timeout=10)
+    assert granted.reservation is not None
+    assert [(n.seq, n.reservation_id) for n in notices] == [(1, granted.reservation.reservation_id)]
+
+
+# -- admission view ---------------------------------------------------------------------------------
+async def test_admission_view_samples_only_live_lenders(store: Store) -> None:
+    nodes = [f"d{i:02d}" for i in range(12)]
+    await register(store, *nodes)
+    for i, node in enumerate(nodes):
+        if i < 5:
+            await store.upsert_lease(lease(node, ttl_ms=5_000), NOW, 5_000)
+        elif i < 7:
+            await store.upsert_lease(lease(node, zero_reason=ZeroReason.STARTING), NOW, 5_000)
+        elif i == 7:
+            await store.upsert_lease(lease(node), NOW, 5_000)
+            await store.set_cordon(node, True, "ops", NOW)
+        elif i == 8:
+            await store.upsert_lease(lease(node, ttl_ms=100), NOW, 5_000)
+    live = set(nodes[:5])
+    pool, states = await store.admission_view("default", [], 8, NOW + 200)
+    assert pool is None
+    assert {s.info.node_id for s in states} == live
+    _, three = await store.admission_view("default", [], 3, NOW + 200)
+    assert len({s.info.node_id for s in three}) == 3 <= len(live)
+    assert {s.info.node_id for s in three} <= live
+    # Named candidates come back as asked (unknown ids left out), lease and debits included.
+    await store.try_debit("d01", credits(7), 1.0, NOW + 200, 1_000)
+    _, named = await store.admission_view("default", ["d01", "ghost", "d06", "d01"], 8, NOW + 200)
+    assert [s.info.node_id for s in named] == ["d01", "d06"]
+    assert named[0].open_debits == credits(7) and named[0].open_reservations == 1
+    assert named[1].lease is not None and named[1].lease.lease.zero_reason is ZeroReason.STARTING
+
+
+async def test_pool_load_reports_expire(store: Store) -> None:
+    for node, ttl in (("p1", 1_000), ("p2", 100)):
+        load = PoolLoad(
+            node_id=node, outstanding_uncached_tokens=1_000, processing_rate_tps=10.0, ttl_ms=ttl
+        )
+        await store.put_pool_load(load, NOW, 500)
+    pool, _ = await store.admission_view("default", [], 0, NOW + 50)
+    assert pool is not None and [r.node_id for r in pool.reports] == ["p1", "p2"]
+    assert pool.outstanding_uncached_tokens == 2_000
+    pool, _ = await store.admission_view("default", [], 0, NOW + 100)
+    assert pool is not None and [r.node_id for r in pool.reports] == ["p1"]
+    assert (await store.admission_view("default", [], 0, NOW + 500))[0] is None
+    assert (await store.admission_view("other", [], 0, NOW))[0] is None
+    pools = await store.list_pools(NOW + 100)
+    assert [(p.pool, len(p.reports)) for p in pools] == [("default", 1)]
+
+
+# -- operators -----------------------------------------------------------------------------------------
+async def test_list_get_history_and_events(store: Store) -> None:
+    await register(store, "d2", "d1")
+    assert [s.info.node_id for s in await store.list_nodes(NOW)] == ["d1", "d2"]
+    with pytest.raises(NotFound):
+        await store.get_node("ghost", NOW)
+    for version in range(1, 5):
+        await store.upsert_lease(lease(version=version, value=version), NOW + version, MAX_TTL)
+    history = await store.lease_history("d1", 3)
+    assert [h.lease.version for h in history] == [4, 3, 2]
+    assert history[0].received_at_ms == NOW + 4
+    await store.upsert_lease(lease(version=5, zero_reason=ZeroReason.ITL_OVER_SLO), NOW, MAX_TTL)
+    await store.upsert_lease(lease(version=6), NOW, MAX_TTL)
+    await store.set_cordon("d1", True, "disk", NOW + 9)
+    await store.upsert_lease(lease(epoch=2, version=1), NOW + 10, MAX_TTL)
+    events = await store.node_events("d1", 10)
+    assert [(e.kind, e.message) for e in events] == [
+        ("new_epoch", "new epoch 2"),
+        ("cordon", "cordoned: disk"),
+        ("lease_restored", "lease restored"),
+        ("lease_zeroed", "lease zeroed: itl_over_slo"),
+        ("new_epoch", "new epoch 1"),
+    ]
+    assert events[0].at_ms == NOW + 10
+    assert len(await store.node_events("d1", 2)) == 2
+    for read in (store.lease_history, store.node_events):
+        with pytest.raises(NotFound):
+            await read("ghost", 10)
+    d1 = (await store.list_nodes(NOW + 10))[0]
+    assert d1.info.cordoned and d1.lease is not None and d1.lease.lease.epoch == 2
+
+
+async def test_policy_round_trip(store: Store) -> None:
+    assert await store.get_policy() is None
+    policy = PolicySettings().updated({"borrow_share": 0.3, "hold_ttl_ms": 1234})
+    await store.set_policy(policy)
+    assert await store.get_policy() == policy
+    await store.ping()
+
+
+# -- §5.7 bad input ----------------------------------------------------------------------------
+async def test_bad_input_is_refused(store: Store) -> None:
+    await register(store, "d1")
+    with pytest.raises(NotFound) as nf:
+        await store.commit(f"{'0' * 32}@d1", NOW, 1_000)
+    assert nf.value.field == "reservation_id"
+    with pytest.raises(NotFound):
+        await store.release(f"{'a' * 32}@ghost", NOW)
+    for bad in ("", "nope", "xyz@d1", f"{'0' * 32}@", f"{'0' * 32}@bad id", "0" * 32):
+        with pytest.raises(InvalidArgument) as err:
+            await store.release(bad, NOW)
+        assert err.value.field == "reservation_id"
+    with pytest.raises(NotFound) as nf:
+        await store.set_cordon("ghost", True, "x", NOW)
+    assert nf.value.field == "node_id"
+    with pytest.raises(FailedPrecondition):
+        await store.upsert_lease(lease("unregistered"), NOW, MAX_TTL)
+    with pytest.raises(NotFound):
+        await store.list_reservations("ghost", NOW)
+    with pytest.raises(InvalidArgument) as err:
+        await store.register_node("bad id", NodeRole.DECODE, "default", {}, NOW)
+    assert err.value.field == "node_id"
+    assert [s.info.node_id for s in await store.list_nodes(NOW)] == ["d1"]
