@@ -32,7 +32,7 @@ async def snapshot(store: Store, node_id: str = "d1") -> tuple[object, ...]:
     )
 
 
-# -- §5.1 monotonic leases --------------------------------------------------------------------
+# -- §5.1 monotonic leases ---------------------------------------------------------------------
 async def test_stale_lease_is_refused_and_changes_nothing(store: Store) -> None:
     await register(store, "d1")
     assert (await store.upsert_lease(lease(version=5, value=80), NOW, MAX_TTL)).accepted
@@ -69,7 +69,7 @@ async def test_large_epochs_compare_exactly(store: Store) -> None:
     assert debit.reservation is not None and debit.reservation.lease_epoch == big
 
 
-# -- §5.2 replace, never add ------------------------------------------------------------------
+# -- §5.2 replace, never add -------------------------------------------------------------------
 async def test_new_lease_replaces_credit_never_adds(store: Store) -> None:
     await register(store, "d1")
     await store.upsert_lease(lease(version=1, value=100), NOW, MAX_TTL)
@@ -85,7 +85,7 @@ async def test_new_lease_replaces_credit_never_adds(store: Store) -> None:
     assert not (await store.try_debit("d1", credits(1), 1.0, NOW + 20, 5_000)).granted
 
 
-# -- §5.5 expiry --------------------------------------------------------------------------------
+# -- §5.5 expiry -------------------------------------------------------------------------------
 async def test_lease_expires_on_store_clock_with_capped_ttl(store: Store) -> None:
     await register(store, "d1")
     await store.upsert_lease(lease(ttl_ms=60_000), NOW, MAX_TTL)
@@ -136,7 +136,7 @@ async def test_cordon_blocks_debits_until_uncordoned(store: Store) -> None:
     assert kinds == [NoticeKind.CORDON, NoticeKind.UNCORDON, NoticeKind.GRANT]
 
 
-# -- §5.3 safety per credit, share ----------------------------------------------------------------
+# -- §5.3 safety per credit, share -------------------------------------------------------------
 @pytest.mark.parametrize("short", CREDIT_NAMES)
 async def test_debit_refused_when_one_credit_is_short(store: Store, short: str) -> None:
     await register(store, "d1")
@@ -164,7 +164,7 @@ async def test_share_limits_what_is_lent(store: Store) -> None:
     assert err.value.field == "share"
 
 
-# -- reservations -----------------------------------------------------------------------------------
+# -- reservations ------------------------------------------------------------------------------
 async def test_reservation_lifecycle(store: Store) -> None:
     await register(store, "d1")
     await store.upsert_lease(lease(), NOW, MAX_TTL)
@@ -212,7 +212,7 @@ async def test_held_and_committed_reservations_expire(store: Store) -> None:
         await store.release(second.reservation_id, NOW + 751)
 
 
-# -- §5.4 causal release ------------------------------------------------------------------------
+# -- §5.4 causal release -----------------------------------------------------------------------
 async def test_released_credit_returns_only_with_a_causally_later_lease(store: Store) -> None:
     await register(store, "d1")
     await store.upsert_lease(lease(version=1, value=100, ttl_ms=60_000), NOW, 60_000)
@@ -238,7 +238,7 @@ async def test_released_credit_returns_only_with_a_causally_later_lease(store: S
         await store.release(res.reservation_id, NOW + 8)
 
 
-# -- notices ------------------------------------------------------------------------------------------
+# -- notices -----------------------------------------------------------------------------------
 async def test_notices_carry_a_gapless_per_node_sequence(store: Store) -> None:
     await register(store, "d1", "d2")
     for node in ("d1", "d2"):
@@ -275,7 +275,7 @@ async def test_blocking_read_wakes_on_a_new_notice(store: Store) -> None:
     assert [(n.seq, n.reservation_id) for n in notices] == [(1, granted.reservation.reservation_id)]
 
 
-# -- admission view ---------------------------------------------------------------------------------
+# -- admission view ----------------------------------------------------------------------------
 async def test_admission_view_samples_only_live_lenders(store: Store) -> None:
     nodes = [f"d{i:02d}" for i in range(12)]
     await register(store, *nodes)
@@ -321,7 +321,7 @@ async def test_pool_load_reports_expire(store: Store) -> None:
     assert [(p.pool, len(p.reports)) for p in pools] == [("default", 1)]
 
 
-# -- operators -----------------------------------------------------------------------------------------
+# -- operators ---------------------------------------------------------------------------------
 async def test_list_get_history_and_events(store: Store) -> None:
     await register(store, "d2", "d1")
     assert [s.info.node_id for s in await store.list_nodes(NOW)] == ["d1", "d2"]
