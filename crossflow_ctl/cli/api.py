@@ -1,16 +1,24 @@
 """The CLI's one door to the broker: a session over the public client library.
 
-Commands call these methods and get domain values back; nothing here knows gRPC.
+Commands call these methods and get the client library's domain values back. The only transport
+detail here is building a TLS channel when the context names a CA bundle.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
+import grpc
+
+from crossflow_ctl.cli.exit_codes import CliError, ExitCode
+from crossflow_ctl.client import AdminClient, AdmissionClient, NodeDetailView, NodeView
+from crossflow_ctl.client.admission import channel_options
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest
-from crossflow_ctl.domain.models import Lease, NodeRole, NodeState, PoolSnapshot, Reservation
+from crossflow_ctl.domain.errors import StoreUnavailable
+from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
 from crossflow_ctl.domain.policy import PolicySettings
 
 
@@ -23,29 +31,43 @@ class Target:
     timeout_s: float = 5.0
 
 
-@dataclass(frozen=True)
-class NodeEventView:
-    at_ms: int
-    kind: str
-    message: str
+def _read(path: Path | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.expanduser().read_bytes()
+    except OSError as exc:
+        raise CliError(f"cannot read {what} {path}: {exc.strerror}", ExitCode.USAGE) from None
 
 
-@dataclass(frozen=True)
-class NodeDetail:
-    node: NodeState
-    reservations: list[Reservation] = field(default_factory=list)
-    recent_leases: list[Lease] = field(default_factory=list)
-    events: list[NodeEventView] = field(default_factory=list)
+def _channel(target: Target) -> grpc.aio.Channel:
+    if target.ca_file is None:
+        return grpc.aio.insecure_channel(target.server, options=channel_options())
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_read(target.ca_file, "CA file"),
+        private_key=_read(target.key_file, "key file"),
+        certificate_chain=_read(target.cert_file, "certificate file"),
+    )
+    return grpc.aio.secure_channel(target.server, creds, options=channel_options())
 
 
 class BrokerSession:
-    """Admin and Admission clients on one target, opened with ``async with``."""
+    """Admin and Admission clients on one channel, opened with ``async with``."""
 
     def __init__(self, target: Target) -> None:
         self.target = target
+        self._channel: grpc.aio.Channel | None = None
+        self._admin: AdminClient | None = None
+        self._admission: AdmissionClient | None = None
 
     async def __aenter__(self) -> BrokerSession:
-        raise NotImplementedError("client library not wired yet")
+        self._channel = _channel(self.target)
+        timeout = self.target.timeout_s
+        self._admin = AdminClient(self.target.server, timeout_s=timeout, channel=self._channel)
+        self._admission = AdmissionClient(
+            self.target.server, timeout_s=timeout, channel=self._channel
+        )
+        return self
 
     async def __aexit__(
         self,
@@ -53,34 +75,62 @@ class BrokerSession:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        return None
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = self._admin = self._admission = None
 
-    async def list_nodes(self, role: NodeRole | None, selector: str) -> list[NodeState]:
-        raise NotImplementedError
+    @property
+    def admin(self) -> AdminClient:
+        if self._admin is None:
+            raise RuntimeError("BrokerSession used outside 'async with'")
+        return self._admin
 
-    async def get_node(self, name: str) -> NodeState:
-        raise NotImplementedError
+    async def _call(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except StoreUnavailable as exc:
+            raise CliError(
+                f"broker at {self.target.server} unavailable: {exc}", ExitCode.UNAVAILABLE
+            ) from None
 
-    async def describe_node(self, name: str) -> NodeDetail:
-        raise NotImplementedError
+    async def list_nodes(self, role: NodeRole | None, selector: str) -> list[NodeView]:
+        result: list[NodeView] = await self._call(self.admin.list_nodes(role, selector))
+        return result
+
+    async def get_node(self, name: str) -> NodeView:
+        detail: NodeDetailView = await self._call(self.admin.get_node(name))
+        return detail.node
+
+    async def describe_node(self, name: str) -> NodeDetailView:
+        result: NodeDetailView = await self._call(self.admin.get_node(name))
+        return result
 
     async def list_reservations(self, node: str | None) -> list[Reservation]:
-        raise NotImplementedError
+        result: list[Reservation] = await self._call(self.admin.list_reservations(node))
+        return result
 
     async def list_pools(self) -> list[PoolSnapshot]:
-        raise NotImplementedError
+        result: list[PoolSnapshot] = await self._call(self.admin.list_pools())
+        return result
 
-    async def cordon(self, name: str, reason: str) -> NodeState:
-        raise NotImplementedError
+    async def cordon(self, name: str, reason: str) -> NodeView:
+        result: NodeView = await self._call(self.admin.cordon(name, reason))
+        return result
 
-    async def uncordon(self, name: str) -> NodeState:
-        raise NotImplementedError
+    async def uncordon(self, name: str) -> NodeView:
+        result: NodeView = await self._call(self.admin.uncordon(name))
+        return result
 
     async def get_policy(self) -> PolicySettings:
-        raise NotImplementedError
+        result: PolicySettings = await self._call(self.admin.get_policy())
+        return result
 
     async def set_policy(self, updates: dict[str, str]) -> PolicySettings:
-        raise NotImplementedError
+        result: PolicySettings = await self._call(self.admin.set_policy(dict(updates)))
+        return result
 
     async def admit(self, request: AdmissionRequest) -> Admission:
-        raise NotImplementedError
+        if self._admission is None:
+            raise RuntimeError("BrokerSession used outside 'async with'")
+        result: Admission = await self._call(self._admission.admit(request))
+        return result

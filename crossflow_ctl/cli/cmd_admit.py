@@ -10,7 +10,7 @@ import click
 from crossflow_ctl.cli.common import output_option, run, state
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, key_values, render_object, table
-from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Plan
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Plan, Reason
 from crossflow_ctl.domain.models import validated
 from crossflow_ctl.domain.policy import PolicySettings
 
@@ -78,8 +78,20 @@ def conditions(plan: Plan) -> list[str]:
     return lines
 
 
+def would_borrow(a: Admission) -> bool:
+    """A dry run answers NORMAL (nothing debited) but names the node it would have used."""
+    return a.decision is Decision.BORROW or (a.reason is Reason.DRY_RUN and bool(a.node_id))
+
+
 def admission_text(a: Admission, explain: bool) -> str:
-    if a.decision is Decision.BORROW:
+    if a.decision is not Decision.BORROW and would_borrow(a):
+        head = [
+            ("Decision", f"would BORROW on {a.node_id} (dry run: nothing debited)"),
+            ("Lease", f"{a.lease_epoch}/{a.lease_version}"),
+            ("Predicted TTFT", f"{a.predicted_ttft_ms:.1f} ms"),
+            ("Normal-path TTFT", f"{a.normal_ttft_ms:.1f} ms"),
+        ]
+    elif a.decision is Decision.BORROW:
         head = [
             ("Decision", f"BORROW on {a.node_id}"),
             ("Reservation", a.reservation_id or "<none> (dry run)"),
@@ -111,6 +123,7 @@ def admission_text(a: Admission, explain: bool) -> str:
 
 def admission_data(a: Admission) -> dict[str, Any]:
     data = a.model_dump(mode="json")
+    data["would_borrow"] = would_borrow(a)
     if a.plan is not None:
         data["conditions"] = conditions(a.plan)
     return data
@@ -178,7 +191,7 @@ def policy() -> None:
 
 
 def _policy_text(p: PolicySettings) -> str:
-    return key_values([(k, v) for k, v in p.model_dump(mode="json").items()])
+    return key_values([(k, json.dumps(v)) for k, v in p.model_dump(mode="json").items()])
 
 
 @policy.command("get")

@@ -34,9 +34,9 @@ async def _nodes_text(
     session: BrokerSession, fmt: OutputFormat, role: str | None, selector: str, leases: bool
 ) -> str:
     nodes = await session.list_nodes(NodeRole(role) if role else None, selector)
-    nodes = [n for n in nodes if matches(n.info.labels, selector)]
+    nodes = [n for n in nodes if matches(n.state.info.labels, selector)]
     if role:
-        nodes = [n for n in nodes if n.info.role.value == role]
+        nodes = [n for n in nodes if n.state.info.role.value == role]
     at = now_ms()
     if leases:
         rows = [r for r in (lease_row(n, at) for n in nodes) if r is not None]

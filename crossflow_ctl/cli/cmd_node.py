@@ -8,7 +8,6 @@ from typing import Any
 
 import click
 
-from crossflow_ctl.cli.api import NodeDetail
 from crossflow_ctl.cli.common import output_option, run, state
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, cell, key_values, render_object, table
@@ -21,6 +20,7 @@ from crossflow_ctl.cli.views import (
     now_ms,
     reservation_row,
 )
+from crossflow_ctl.client import NodeDetailView
 from crossflow_ctl.domain.models import CREDIT_NAMES
 
 CREDIT_COLUMNS = [
@@ -40,10 +40,11 @@ HISTORY_COLUMNS = [
 EVENT_COLUMNS = [Column("AGE", "age"), Column("KIND", "kind"), Column("MESSAGE", "message")]
 
 
-def detail_data(detail: NodeDetail, at: int) -> dict[str, Any]:
-    node = detail.node
+def detail_data(detail: NodeDetailView, at: int) -> dict[str, Any]:
+    view = detail.node
+    node = view.state
     lease = node.lease.effective_credits(at) if node.lease else None
-    available = node.available(at)
+    available = view.available
     credits = [
         {
             "credit": name,
@@ -54,7 +55,7 @@ def detail_data(detail: NodeDetail, at: int) -> dict[str, Any]:
         for name in CREDIT_NAMES
     ]
     return {
-        **node_row(node, at),
+        **node_row(view, at),
         "credits": credits,
         "reservations": [reservation_row(r, at) for r in detail.reservations],
         "recent_leases": [lease.model_dump(mode="json") for lease in detail.recent_leases],
@@ -65,17 +66,17 @@ def detail_data(detail: NodeDetail, at: int) -> dict[str, Any]:
     }
 
 
-def describe_text(detail: NodeDetail, at: int) -> str:
+def describe_text(detail: NodeDetailView, at: int) -> str:
     data = detail_data(detail, at)
-    node = detail.node
+    node = detail.node.state
     stored = node.lease
     head = [
         ("Name", data["name"]),
         ("Role", data["role"]),
         ("Pool", data["pool"]),
         ("Labels", data["labels"]),
-        ("Status", node_status(node, at)),
-        ("Cordoned", f"yes ({node.info.cordon_reason})" if node.info.cordoned else "no"),
+        ("Status", node_status(detail.node, at)),
+        ("Cordoned", _cordon_text(detail)),
         ("Notice seq", node.info.notice_seq),
     ]
     parts = [key_values(head)]
@@ -137,6 +138,16 @@ def describe_text(detail: NodeDetail, at: int) -> str:
     return "\n".join(parts)
 
 
+def _cordon_text(detail: NodeDetailView) -> str:
+    info = detail.node.state.info
+    if not info.cordoned:
+        return "no"
+    reason = info.cordon_reason or next(
+        (e.message.removeprefix("cordoned: ") for e in detail.events if e.kind == "cordon"), ""
+    )
+    return f"yes ({reason})" if reason else "yes"
+
+
 def _indent(text: str, by: int = 2) -> str:
     return "\n".join(" " * by + line for line in text.splitlines())
 
@@ -155,7 +166,7 @@ def describe_node(ctx: click.Context, name: str, output: str | None) -> None:
     st = state(ctx)
     fmt = st.output(output)
 
-    async def go() -> NodeDetail:
+    async def go() -> NodeDetailView:
         async with st.session() as session:
             return await session.describe_node(name)
 
@@ -224,10 +235,10 @@ def drain(ctx: click.Context, name: str, timeout_s: float, interval: float) -> N
             deadline = time.monotonic() + timeout_s
             while True:
                 node = await session.get_node(name)
-                if node.open_reservations == 0:
+                if node.state.open_reservations == 0:
                     return 0
                 if time.monotonic() >= deadline:
-                    return node.open_reservations
+                    return node.state.open_reservations
                 await asyncio.sleep(interval)
 
     left = run(go())

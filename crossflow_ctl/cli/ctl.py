@@ -14,6 +14,7 @@ from crossflow_ctl.cli.cmd_config import completion, config
 from crossflow_ctl.cli.cmd_get import get
 from crossflow_ctl.cli.cmd_node import cordon, describe, drain, uncordon
 from crossflow_ctl.cli.common import CtlState, run_cli
+from crossflow_ctl.cli.sim_cmds import plan, sim
 
 EPILOG = """\b
 Exit codes: 0 ok, 1 error, 2 usage or invalid value, 3 not found,
@@ -49,6 +50,8 @@ cli.add_command(admit)
 cli.add_command(policy)
 cli.add_command(config)
 cli.add_command(completion)
+cli.add_command(sim)
+cli.add_command(plan)
 
 
 def main() -> None:

@@ -7,13 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from crossflow_ctl.cli.output import Column
-from crossflow_ctl.domain.models import (
-    Credits,
-    NodeState,
-    PoolSnapshot,
-    Reservation,
-    StoredLease,
-)
+from crossflow_ctl.client import NodeView
+from crossflow_ctl.domain.models import Credits, PoolSnapshot, Reservation, StoredLease
 
 
 def now_ms() -> int:
@@ -35,14 +30,15 @@ def credits_dict(credits: Credits) -> dict[str, int]:
     return credits.model_dump(mode="json")
 
 
-def node_status(node: NodeState, at_ms: int) -> str:
+def node_status(view: NodeView, at_ms: int) -> str:
     """Ready, Cordoned, NoLease, Expired or Zero(<reason>)."""
+    node = view.state
     stored = node.lease
     if node.info.cordoned:
         return "Cordoned"
     if stored is None:
         return "NoLease"
-    if stored.expired(at_ms):
+    if view.lease_expired or stored.expired(at_ms):
         return "Expired"
     if stored.lease.zero_reason is not None:
         return f"Zero({stored.lease.zero_reason.value})"
@@ -69,14 +65,16 @@ def lease_dict(stored: StoredLease, at_ms: int) -> dict[str, Any]:
     }
 
 
-def node_row(node: NodeState, at_ms: int) -> dict[str, Any]:
+def node_row(view: NodeView, at_ms: int) -> dict[str, Any]:
+    """One node; ``available`` is what the broker says is left to lend (lease x share - debits)."""
+    node = view.state
     stored = node.lease
-    available = node.available(at_ms)
+    available = view.available
     return {
         "name": node.info.node_id,
         "role": node.info.role.value,
         "pool": node.info.pool,
-        "status": node_status(node, at_ms),
+        "status": node_status(view, at_ms),
         "cordoned": node.info.cordoned,
         "cordon_reason": node.info.cordon_reason,
         "labels": dict(node.info.labels),
@@ -117,7 +115,8 @@ NODE_COLUMNS = [
 ]
 
 
-def lease_row(node: NodeState, at_ms: int) -> dict[str, Any] | None:
+def lease_row(view: NodeView, at_ms: int) -> dict[str, Any] | None:
+    node = view.state
     stored = node.lease
     if stored is None:
         return None

@@ -1,0 +1,227 @@
+"""The real crossflowctl binary against a real broker process on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+
+import yaml
+
+from crossflow_ctl.client import AdmissionClient
+from crossflow_ctl.domain.admission import Decision
+from tests.cli.conftest import Ctl, Fleet
+
+
+async def test_get_nodes_table_json_yaml(ctl: Ctl, fleet: Fleet) -> None:
+    table = await ctl("get", "nodes")
+    assert table.rc == 0, table.err
+    lines = table.out.splitlines()
+    assert lines[0].split()[:4] == ["NAME", "ROLE", "STATUS", "LEASE"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert rows["decode-1"][1:3] == ["decode", "Ready"]
+    assert rows["prefill-1"][1] == "prefill"
+
+    as_json = await ctl("get", "nodes", "-o", "json")
+    assert as_json.rc == 0
+    items = {i["name"]: i for i in json.loads(as_json.out)["items"]}
+    assert items["decode-2"]["labels"] == {"zone": "b"}
+    # borrow_share 0.5 of the fake lease's 8000 compute tokens, nothing debited yet
+    assert items["decode-1"]["compute_tokens"] == 4000
+    assert items["decode-1"]["latest_lease"]["credits"]["compute_tokens"] == 8000
+
+    as_yaml = await ctl("get", "nodes", "-o", "yaml", "-l", "zone=a")
+    assert as_yaml.rc == 0
+    doc = yaml.safe_load(as_yaml.out)
+    assert doc["kind"] == "NodeList"
+    assert [i["name"] for i in doc["items"]] == ["decode-1"]
+
+    wide = await ctl("get", "nodes", "-o", "wide", "--role", "decode")
+    assert "LABELS" in wide.out.splitlines()[0]
+    assert "prefill-1" not in wide.out
+
+    pools = await ctl("get", "pools", "-o", "json")
+    (pool,) = json.loads(pools.out)["items"]
+    assert pool["outstanding_uncached_tokens"] == 200_000
+    assert pool["estimated_wait_ms"] == 10_000.0
+
+
+async def test_admit_explains_each_condition(ctl: Ctl, fleet: Fleet) -> None:
+    res = await ctl(
+        "admit", "--uncached", "2000", "--cached", "0", "--output", "100", "--dry-run", "--explain"
+    )
+    assert res.rc == 0, res.err
+    assert "would BORROW on decode-" in res.out
+    assert "1. Demand   holds  prefill wait 10000.0 ms > threshold 200.0 ms" in res.out
+    assert "2. Benefit  holds" in res.out
+    assert "3. Safety   holds" in res.out
+    data = json.loads((await ctl("admit", "--uncached", "2000", "--dry-run", "-o", "json")).out)
+    assert (data["decision"], data["reason"], data["would_borrow"]) == ("normal", "dry_run", True)
+    assert data["reservation_id"] == ""  # dry run: nothing debited
+    too_big = await ctl("admit", "--uncached", "9000", "--dry-run", "--explain")
+    assert "NORMAL" in too_big.out
+    assert "3. Safety   fails" in too_big.out and "compute_tokens" in too_big.out
+
+
+async def test_cordon_stops_borrowing_and_uncordon_restores(ctl: Ctl, fleet: Fleet) -> None:
+    res = await ctl("cordon", "decode-1", "--reason", "maintenance")
+    assert (res.rc, res.out.strip()) == (0, "node/decode-1 cordoned")
+    nodes = {
+        i["name"]: i for i in json.loads((await ctl("get", "nodes", "-o", "json")).out)["items"]
+    }
+    assert nodes["decode-1"]["status"] == "Cordoned"
+    assert nodes["decode-1"]["compute_tokens"] == 0
+    admit = await ctl(
+        "admit", "--uncached", "1000", "--node", "decode-1", "--dry-run", "-o", "json"
+    )
+    assert json.loads(admit.out)["would_borrow"] is False
+    described = await ctl("describe", "node", "decode-1")
+    assert "Cordoned:" in described.out and "yes (maintenance)" in described.out
+
+    assert (await ctl("uncordon", "decode-1")).rc == 0
+    admit = await ctl(
+        "admit", "--uncached", "1000", "--node", "decode-1", "--dry-run", "-o", "json"
+    )
+    assert json.loads(admit.out)["would_borrow"] is True
+
+
+async def test_drain_waits_for_open_reservations(ctl: Ctl, fleet: Fleet) -> None:
+    async with AdmissionClient(ctl.server, timeout_s=5) as client:
+        granted = await client.admit(uncached_prompt_tokens=1000, candidate_node_ids=("decode-2",))
+        assert granted.decision is Decision.BORROW and granted.node_id == "decode-2"
+        await client.commit(granted.reservation_id)
+
+        proc = await ctl.start("drain", "decode-2", "--timeout", "20", "--interval", "0.1")
+        # The drain has cordoned the node and is waiting on the committed reservation.
+        for _ in range(100):
+            described = json.loads((await ctl("describe", "node", "decode-2", "-o", "json")).out)
+            if described["cordoned"]:
+                break
+            await asyncio.sleep(0.1)
+        assert described["cordoned"] and len(described["reservations"]) == 1
+        assert proc.returncode is None
+        await client.release(granted.reservation_id)
+        async with asyncio.timeout(20):
+            out, err = await proc.communicate()
+    assert proc.returncode == 0, err
+    assert out.decode().splitlines() == ["node/decode-2 cordoned", "node/decode-2 drained"]
+    reservations = await ctl("get", "reservations", "--node", "decode-2", "-o", "json")
+    assert json.loads(reservations.out)["items"] == []
+
+
+async def test_drain_timeout_exits_5_with_one_line(ctl: Ctl, fleet: Fleet) -> None:
+    async with AdmissionClient(ctl.server, timeout_s=5) as client:
+        granted = await client.admit(uncached_prompt_tokens=500, candidate_node_ids=("decode-1",))
+        await client.commit(granted.reservation_id)
+        res = await ctl("drain", "decode-1", "--timeout", "0.3", "--interval", "0.1")
+        await client.release(granted.reservation_id)
+    assert res.rc == 5
+    assert res.err.splitlines() == [
+        "error: node/decode-1 still has 1 open reservation(s) after 0.3 s"
+    ]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_wrong_server_one_clear_line_exit_4(ctl: Ctl) -> None:
+    ctl.server = f"127.0.0.1:{_closed_port()}"
+    res = await ctl("get", "nodes")
+    assert res.rc == 4
+    assert res.out == ""
+    (line,) = res.err.splitlines()
+    assert line.startswith(f"error: broker at {ctl.server} unavailable: ")
+
+
+async def test_exit_codes_not_found_and_usage(ctl: Ctl, fleet: Fleet) -> None:
+    missing = await ctl("describe", "node", "nope")
+    assert (missing.rc, missing.err.strip()) == (3, "error: node_id: unknown node 'nope'")
+    assert (await ctl("cordon", "nope")).rc == 3
+    bad_format = await ctl("get", "nodes", "-o", "xml")
+    assert bad_format.rc == 2 and len(bad_format.err.splitlines()) == 1
+    bad_value = await ctl("policy", "set", "borrow_share=2")
+    assert bad_value.rc == 2
+    assert bad_value.err.startswith("error: borrow_share: ")
+    unknown = await ctl("policy", "set", "nonsense=1")
+    assert (unknown.rc, unknown.err.strip()) == (
+        2,
+        "error: nonsense: unknown policy setting 'nonsense'",
+    )
+    assert (await ctl("policy", "set", "novalue")).rc == 2
+    policy = json.loads((await ctl("policy", "get", "-o", "json")).out)
+    assert policy["borrow_share"] == 0.5  # nothing changed
+    changed = await ctl(
+        "policy", "set", "borrow_share=0.25", "demand_threshold_ms=150", "-o", "yaml"
+    )
+    assert changed.rc == 0
+    assert yaml.safe_load(changed.out)["borrow_share"] == 0.25
+
+
+async def test_describe_node_shows_credits_debits_history(ctl: Ctl, fleet: Fleet) -> None:
+    async with AdmissionClient(ctl.server, timeout_s=5) as client:
+        granted = await client.admit(uncached_prompt_tokens=1500, candidate_node_ids=("decode-1",))
+        assert granted.decision is Decision.BORROW
+        text = (await ctl("describe", "node", "decode-1")).out
+        data = json.loads((await ctl("describe", "node", "decode-1", "-o", "json")).out)
+        await client.release(granted.reservation_id)
+    for section in ("Latest lease:", "Credits:", "Open reservations:", "Recent leases:", "Events:"):
+        assert section in text
+    credits = {c["credit"]: c for c in data["credits"]}
+    assert credits["compute_tokens"] == {
+        "credit": "compute_tokens",
+        "lease": 8000,
+        "debits": 1500,
+        "available": 2500,
+    }
+    assert [r["id"] for r in data["reservations"]] == [granted.reservation_id]
+    assert data["recent_leases"], "lease history is shown"
+
+
+async def test_contexts_file_drives_the_server(ctl: Ctl, fleet: Fleet) -> None:
+    res = await ctl(
+        "config",
+        "set-context",
+        "local",
+        "--server",
+        ctl.server,
+        "--default-output",
+        "json",
+        "--use",
+        server=False,
+    )
+    assert res.rc == 0, res.err
+    nodes = await ctl("get", "nodes", server=False)  # server and -o json come from the context
+    assert {i["name"] for i in json.loads(nodes.out)["items"]} >= {"decode-1", "decode-2"}
+    view = yaml.safe_load((await ctl("config", "view", server=False)).out)
+    assert view["current-context"] == "local"
+    assert view["contexts"]["local"]["server"] == ctl.server
+    assert (await ctl("config", "use-context", "missing", server=False)).rc == 3
+    assert (await ctl("config", "use-context", "default", server=False)).rc == 0
+    contexts = (await ctl("config", "get-contexts", server=False)).out
+    assert any(line.startswith("*") and "default" in line for line in contexts.splitlines())
+    # --server still wins over the context
+    assert (await ctl("--context", "local", "get", "nodes", server=False)).rc == 0
+
+
+async def test_watch_refreshes_and_ctrl_c_exits_0(ctl: Ctl, fleet: Fleet) -> None:
+    res = await ctl("get", "leases", "--watch", "--interval", "0.1", "--watch-count", "2")
+    assert res.rc == 0
+    assert res.out.count("EPOCH/VERSION") == 2
+    proc = await ctl.start("get", "nodes", "--watch", "--interval", "0.1")
+    assert proc.stdout is not None
+    async with asyncio.timeout(20):
+        assert (await proc.stdout.readline()).startswith(b"NAME")
+    proc.send_signal(signal.SIGINT)
+    async with asyncio.timeout(20):
+        _, err = await proc.communicate()
+    assert proc.returncode == 0, err
+
+
+async def test_completion_scripts(ctl: Ctl) -> None:
+    for shell, marker in (("bash", "complete -o"), ("zsh", "compdef"), ("fish", "complete")):
+        res = await ctl("completion", shell, server=False)
+        assert res.rc == 0 and "_CROSSFLOWCTL_COMPLETE" in res.out and marker in res.out
