@@ -1,0 +1,232 @@
+"""The lease loop: every period, scrape -> lease rules -> lease (or pool load) on the stream.
+
+Per period (fixed schedule on the monotonic clock; a late tick skips missed ones):
+
+1. read the highest notice sequence seen so far (before the scrape: the snapshot is then known
+   to be taken after every notice up to it, DESIGN.md §5.4);
+2. scrape the engine (bounded by the scrape timeout);
+3. decode role: apply the zero-lease rules and the capacity model
+   (:func:`crossflow_ctl.domain.leasing.decide`), stamp node, epoch, next version, TTL and the
+   notice sequence, and send it; prefill role: send the pool load and a heartbeat.
+
+A cordon/uncordon directive or a new session wakes the loop at once. On stop, a last zero lease
+(SHUTTING_DOWN) is sent if connected and the stream is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import structlog
+
+from crossflow_agent.settings import AgentSettings
+from crossflow_agent.sources.base import ScrapeError, TelemetrySource
+from crossflow_agent.stream import LeaseStream
+from crossflow_agent.wire import (
+    heartbeat_request,
+    hello_request,
+    lease_request,
+    pool_load_request,
+)
+from crossflow_ctl.api.v1 import lease_pb2
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile
+from crossflow_ctl.domain.clock import Clock, SystemClock
+from crossflow_ctl.domain.leasing import ItlGuard, LeaseDecision, decide, pool_load
+from crossflow_ctl.domain.models import Credits, Lease, NodeRole, ZeroReason
+from crossflow_ctl.domain.telemetry import EngineSnapshot
+from crossflow_ctl.observability import AgentMetrics
+
+log = structlog.get_logger()
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        source: TelemetrySource,
+        model: ModelSpec,
+        node: NodeProfile,
+        *,
+        metrics: AgentMetrics | None = None,
+        clock: Clock | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.source = source
+        self.model, self.node = model, node
+        self.metrics = metrics or AgentMetrics.noop()
+        self.clock = clock or SystemClock()
+        self.epoch = epoch if epoch is not None else self.clock.now_ms()
+        """New at every process start: the start time in ms (DESIGN.md §2)."""
+        self.version = 0
+        self.guard = ItlGuard()
+        self.last_lease: Lease | None = None
+        self.last_snapshot: EngineSnapshot | None = None
+        self._wake = asyncio.Event()
+        self.stream = LeaseStream(
+            endpoints=settings.brokers,
+            hello=self._hello,
+            metrics=self.metrics,
+            connect_timeout_s=settings.connect_timeout_ms / 1000,
+            backoff_initial_s=settings.backoff_initial_ms / 1000,
+            backoff_max_s=settings.backoff_max_ms / 1000,
+            stall_timeout_s=max(1.0, 10 * settings.period_ms / 1000),
+            max_message_bytes=settings.max_message_bytes,
+            on_change=self._wake.set,
+        )
+
+    def _hello(self, last_notice_seq: int) -> lease_pb2.ConnectRequest:
+        s = self.settings
+        return hello_request(
+            node_id=s.node_id,
+            role=s.role,
+            epoch=self.epoch,
+            pool=s.pool,
+            labels=dict(s.labels),
+            last_notice_seq=last_notice_seq,
+        )
+
+    # -- one period ----------------------------------------------------------------------------
+
+    async def observe(self) -> tuple[EngineSnapshot | None, str]:
+        """One bounded scrape: (snapshot, "") or (None, why it failed)."""
+        started = time.perf_counter()
+        timeout_s = self.settings.scrape_timeout_ms / 1000
+        try:
+            async with asyncio.timeout(timeout_s):
+                snapshot = await self.source.scrape()
+        except ScrapeError as exc:
+            self.metrics.record_scrape(time.perf_counter() - started, failure=exc.kind)
+            return None, f"{exc.kind}: {exc}"
+        except TimeoutError:
+            self.metrics.record_scrape(time.perf_counter() - started, failure="timeout")
+            return None, f"timeout: scrape took over {timeout_s:g} s"
+        self.metrics.record_scrape(time.perf_counter() - started)
+        return snapshot, ""
+
+    def _next_version(self) -> int:
+        s = self.stream.state
+        if s.stale_epoch > self.epoch:
+            log.warning(
+                "lease.epoch_behind",
+                epoch=self.epoch,
+                stored_epoch=s.stale_epoch,
+                hint="the clock went back, or another agent runs for this node",
+            )
+            self.epoch, self.version = s.stale_epoch + 1, 0
+        elif s.stale_epoch == self.epoch and s.stale_version > self.version:
+            self.version = s.stale_version
+        self.version += 1
+        return self.version
+
+    def lease_for(self, decision: LeaseDecision, last_notice_seq: int) -> Lease:
+        return decision.to_lease(
+            node_id=self.settings.node_id,
+            epoch=self.epoch,
+            version=self._next_version(),
+            ttl_ms=self.settings.ttl_ms,
+            last_notice_seq=last_notice_seq,
+        )
+
+    async def tick(self) -> Lease | None:
+        """One period's work; the lease sent (decode role) or None (prefill role)."""
+        seq = self.stream.state.last_notice_seq  # read BEFORE the snapshot is taken
+        snapshot, failure = await self.observe()
+        self.last_snapshot = snapshot
+        now_ms = self.clock.now_ms()
+        s = self.settings
+        if s.role is NodeRole.PREFILL:
+            load = pool_load(
+                snapshot,
+                now_ms=now_ms,
+                node_id=s.node_id,
+                pool=s.pool,
+                ttl_ms=s.ttl_ms,
+                settings=s.lease,
+            )
+            if load is not None:
+                self.stream.send(pool_load_request(load))
+            self.stream.send(heartbeat_request(now_ms))
+            return None
+        decision = decide(
+            snapshot,
+            now_ms=now_ms,
+            model=self.model,
+            node=self.node,
+            settings=s.lease,
+            guard=self.guard,
+            cordoned=self.stream.state.cordoned,
+            failure=failure,
+        )
+        self.guard = decision.guard
+        lease = self.lease_for(decision, seq)
+        self.last_lease = lease
+        if self.stream.send(lease_request(lease)):
+            self.metrics.record_lease_sent(lease.credits, lease.zero_reason)
+        if lease.zero_reason is not None and lease.zero_reason is not ZeroReason.NO_CAPACITY:
+            log.debug("lease.zero", reason=lease.zero_reason.value, detail=lease.zero_detail)
+        return lease
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick every period until ``stop``; then the staged shutdown."""
+        period_s = self.settings.period_ms / 1000
+        stream_task = asyncio.create_task(self.stream.run(), name="lease-stream")
+        log.info(
+            "agent.started",
+            node_id=self.settings.node_id,
+            epoch=self.epoch,
+            role=self.settings.role.value,
+            source=self.source.name,
+        )
+        try:
+            next_at = time.monotonic()
+            while not stop.is_set():
+                self._wake.clear()
+                await self.tick()
+                next_at += period_s
+                now = time.monotonic()
+                if next_at < now:  # late: skip the missed ticks
+                    next_at = now + period_s
+                await _wait_any(stop, self._wake, timeout_s=next_at - time.monotonic())
+        finally:
+            await self._shutdown(stream_task)
+
+    async def _shutdown(self, stream_task: asyncio.Task[None]) -> None:
+        final = None
+        if self.stream.state.connected and self.settings.role is NodeRole.DECODE:
+            lease = LeaseDecision(
+                zero_reason=ZeroReason.SHUTTING_DOWN,
+                zero_detail="agent stopping",
+                itl_slo_ms=self.settings.lease.itl_slo_ms,
+            ).to_lease(
+                node_id=self.settings.node_id,
+                epoch=self.epoch,
+                version=self._next_version(),
+                ttl_ms=self.settings.ttl_ms,
+                last_notice_seq=self.stream.state.last_notice_seq,
+            )
+            final = lease_request(lease)
+            self.metrics.record_lease_sent(Credits(), ZeroReason.SHUTTING_DOWN)
+        acked = await self.stream.close(final, self.settings.shutdown_grace_ms / 1000)
+        stream_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stream_task
+        log.info("agent.stopped", final_lease_acked=acked)
+
+
+async def _wait_any(a: asyncio.Event, b: asyncio.Event, *, timeout_s: float) -> None:
+    if timeout_s <= 0 or a.is_set() or b.is_set():
+        return
+    waiters = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        for w in waiters:
+            with contextlib.suppress(asyncio.CancelledError):
+                await w

@@ -1,0 +1,231 @@
+"""``crossflow-agent``: run the node agent, inspect what it would publish, serve a fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from crossflow_agent.settings import AgentSettings, SourceKind, json_schema, load_settings
+from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
+from crossflow_ctl.domain.errors import ConfigError
+from crossflow_ctl.domain.models import NodeRole
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Crossflow node agent: engine telemetry -> capacity model -> leases."""
+
+
+def _settings_options(f: Any) -> Any:
+    """The flags ``run`` and ``inspect`` share; each overrides its setting when given."""
+    options = [
+        click.option(
+            "--config",
+            "config_file",
+            type=click.Path(path_type=Path, dir_okay=False),
+            help="YAML settings file (below env CROSSFLOW_AGENT_* and flags).",
+        ),
+        click.option("--node-id", help="This node's id."),
+        click.option("--role", type=click.Choice([r.value for r in NodeRole])),
+        click.option("--pool", help="Prefill pool this node belongs to or feeds."),
+        click.option("--source", type=click.Choice([s.value for s in SourceKind])),
+        click.option("--metrics-url", help="The engine's Prometheus /metrics URL."),
+        click.option("--model", type=click.Choice(sorted(MODEL_PRESETS))),
+        click.option("--node", "node_preset", type=click.Choice(sorted(NODE_PRESETS))),
+        click.option(
+            "--profile",
+            "profile_file",
+            type=click.Path(path_type=Path, dir_okay=False),
+            help="Calibrated NodeProfile JSON file (version 1).",
+        ),
+        click.option("--slo-ms", "itl_slo_ms", type=float, help="Decode ITL SLO."),
+        click.option("--horizon-ms", type=int, help="Borrow horizon."),
+        click.option("--period-ms", type=int, help="Lease period."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _load(config_file: Path | None, flags: dict[str, Any]) -> AgentSettings:
+    lease = {k: flags.pop(k) for k in ("itl_slo_ms", "horizon_ms") if k in flags}
+    overrides = {k: v for k, v in flags.items() if v is not None and v != ()}
+    lease = {k: v for k, v in lease.items() if v is not None}
+    if lease:
+        overrides["lease"] = lease
+    try:
+        return load_settings(config_file, overrides)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@cli.command()
+@_settings_options
+@click.option("--broker", "brokers", multiple=True, help="Broker host:port (repeatable).")
+@click.option("--metrics-listen", help="host:port of the agent's own /metrics endpoint.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-json/--log-text", "log_json", default=None)
+def run(config_file: Path | None, **flags: Any) -> None:
+    """Publish leases (decode) or pool load (prefill) to the brokers until SIGINT/SIGTERM."""
+    from crossflow_agent.runner import run_agent
+    from crossflow_ctl.observability import setup_logging
+
+    flags["brokers"] = list(flags["brokers"]) or None
+    settings = _load(config_file, flags)
+    setup_logging(json=settings.log_json, level=settings.log_level)
+    try:
+        asyncio.run(run_agent(settings))
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@cli.command()
+@_settings_options
+@click.option(
+    "--window-ms",
+    type=click.IntRange(0, 60_000),
+    default=1000,
+    show_default=True,
+    help="Scrape twice this far apart, so rates and ITL quantiles have a window.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def inspect(config_file: Path | None, window_ms: int, as_json: bool, **flags: Any) -> None:
+    """Scrape once; print the snapshot, step-time predictions and the lease, arithmetic shown."""
+    from crossflow_agent.inspect import inspect_once, render_text
+
+    if flags.get("node_id") is None:
+        flags["node_id"] = "inspect"
+    settings = _load(config_file, flags)
+    try:
+        report = asyncio.run(inspect_once(settings, window_s=window_ms / 1000))
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+    else:
+        click.echo(render_text(report))
+
+
+@cli.command("fake-engine")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="0 picks a free port (printed, and written to --port-file).",
+)
+@click.option(
+    "--port-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Write the bound port here once serving.",
+)
+@click.option(
+    "--model", type=click.Choice(sorted(MODEL_PRESETS)), default="gpt-oss-120b", show_default=True
+)
+@click.option(
+    "--node",
+    "node_preset",
+    type=click.Choice(sorted(NODE_PRESETS)),
+    default="h200",
+    show_default=True,
+)
+@click.option(
+    "--model-name", default="synthetic", show_default=True, help="model_name label on the metrics."
+)
+@click.option("--kv-total-tokens", type=int, default=400_000, show_default=True)
+@click.option("--max-running", type=int, default=256, show_default=True)
+@click.option("--chunk-tokens", type=int, default=2048, show_default=True)
+@click.option(
+    "--background-rps",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Steady background arrivals per second.",
+)
+@click.option("--background-prompt-tokens", type=int, default=2000, show_default=True)
+@click.option("--background-cached-tokens", type=int, default=0, show_default=True)
+@click.option("--background-output-tokens", type=int, default=300, show_default=True)
+def fake_engine(
+    host: str,
+    port: int,
+    port_file: Path | None,
+    model: str,
+    node_preset: str,
+    model_name: str,
+    kv_total_tokens: int,
+    max_running: int,
+    chunk_tokens: int,
+    background_rps: float,
+    background_prompt_tokens: int,
+    background_cached_tokens: int,
+    background_output_tokens: int,
+) -> None:
+    """Serve a synthetic engine: SGLang-format GET /metrics, POST /requests, POST /control."""
+    from pydantic import ValidationError
+
+    from crossflow_agent.fake_engine import FakeEngineServer
+    from crossflow_agent.sources.synthetic import EngineRequest, EngineScript, SyntheticEngine
+    from crossflow_ctl.observability import setup_logging
+
+    try:
+        script = EngineScript(
+            kv_total_tokens=kv_total_tokens,
+            max_running=max_running,
+            chunk_tokens=chunk_tokens,
+            background_rps=background_rps,
+            background=EngineRequest(
+                prompt_tokens=background_prompt_tokens,
+                cached_tokens=background_cached_tokens,
+                output_tokens=background_output_tokens,
+            ),
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise click.UsageError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    setup_logging(json=True, level="warning")
+    engine = SyntheticEngine(
+        MODEL_PRESETS[model], NODE_PRESETS[node_preset], script, model_name=model_name
+    )
+    asyncio.run(_serve_fake_engine(FakeEngineServer(engine, host, port), port_file))
+
+
+async def _serve_fake_engine(server: Any, port_file: Path | None) -> None:
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+    except OSError as exc:
+        raise click.UsageError(f"cannot listen: {exc}") from None
+    try:
+        if port_file is not None:
+            tmp = port_file.with_name(port_file.name + ".tmp")
+            tmp.write_text(f"{server.port}\n")
+            tmp.replace(port_file)
+        click.echo(f"fake engine serving {server.url}/metrics", file=sys.stdout)
+        sys.stdout.flush()
+        await stop.wait()
+    finally:
+        await server.close()
+
+
+@cli.command()
+def schema() -> None:
+    """Print the JSON schema of the agent's settings (for the Helm chart)."""
+    click.echo(json.dumps(json_schema(), indent=2))
+
+
+# Further commands register below, one line each (``calibrate`` lives in calibrate.py).
+
+
+def main() -> None:
+    cli()

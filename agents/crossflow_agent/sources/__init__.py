@@ -1,0 +1,1 @@
+"""Telemetry sources: SGLang and vLLM Prometheus endpoints, and a synthetic engine."""

@@ -1,0 +1,96 @@
+"""SGLang's ``/metrics`` (python/sglang/srt/metrics/collector.py) -> EngineSnapshot.
+
+Gauges (summed over data-parallel ranks): ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``
+(+ the PD decode ``..._prealloc_queue_reqs`` / ``..._transfer_queue_reqs``),
+``sglang:num_used_tokens``, ``sglang:max_total_num_tokens``, ``sglang:decode_sum_seq_lens``,
+``sglang:kv_transfer_speed_gb_s``, ``sglang:cache_hit_rate``, ``sglang:gen_throughput``.
+Counters, as rates over the window: ``sglang:generation_tokens_total``,
+``sglang:prompt_tokens_total``, ``sglang:realtime_tokens_total{mode="prefill_compute"}``
+(uncached prompt tokens), ``sglang:num_requests_total``. Histogram:
+``sglang:inter_token_latency_seconds`` (p50/p99 of the window's observations).
+
+SGLang exports no queued-token gauge, so the outstanding uncached prompt tokens of a prefill
+server are estimated as ``queued requests x mean uncached prompt tokens per request`` (the mean
+from the counters' deltas, remembered across windows with no new request).
+"""
+
+from __future__ import annotations
+
+from crossflow_agent.sources.base import ScrapeError
+from crossflow_agent.sources.prom import Exposition, Window, counter_delta, rate, window_quantiles
+from crossflow_ctl.domain.telemetry import EngineSnapshot
+
+ITL = "sglang:inter_token_latency_seconds"
+REQUIRED = ("sglang:num_running_reqs", "sglang:num_used_tokens", "sglang:max_total_num_tokens")
+
+
+class SGLangReader:
+    name = "sglang"
+
+    def read(
+        self,
+        now: Exposition,
+        before: Exposition | None,
+        window: Window,
+        window_s: float,
+        taken_at_ms: int,
+    ) -> EngineSnapshot:
+        missing = [n for n in REQUIRED if not now.has(n)]
+        if missing:
+            raise ScrapeError("parse", "not an SGLang exposition: missing " + ", ".join(missing))
+
+        def gauge(name: str) -> float:
+            return now.total(name) or 0.0
+
+        queued = (
+            gauge("sglang:num_queue_reqs")
+            + gauge("sglang:num_decode_prealloc_queue_reqs")
+            + gauge("sglang:num_decode_transfer_queue_reqs")
+        )
+        gen = rate(now, before, window_s, "sglang:generation_tokens_total")
+        if gen is None:
+            gen = rate(now, before, window_s, "sglang:realtime_tokens_total", mode="decode")
+        if gen is None:
+            gen = gauge("sglang:gen_throughput")
+        prompt = rate(now, before, window_s, "sglang:prompt_tokens_total") or 0.0
+        uncached = rate(
+            now, before, window_s, "sglang:realtime_tokens_total", mode="prefill_compute"
+        )
+        if uncached is None:
+            uncached = prompt * (1.0 - min(1.0, max(0.0, gauge("sglang:cache_hit_rate"))))
+        p50, p99 = window_quantiles(now, before, ITL, 0.5, 0.99)
+        speed = now.total("sglang:kv_transfer_speed_gb_s")
+        mean_uncached = _mean_uncached_per_request(now, before, window, uncached, window_s)
+        return EngineSnapshot(
+            taken_at_ms=taken_at_ms,
+            source=self.name,
+            running_requests=round(gauge("sglang:num_running_reqs")),
+            queued_requests=round(queued),
+            kv_used_tokens=round(gauge("sglang:num_used_tokens")),
+            kv_total_tokens=round(gauge("sglang:max_total_num_tokens")),
+            decode_context_tokens=round(gauge("sglang:decode_sum_seq_lens")),
+            generation_rate_tps=gen,
+            prompt_rate_tps=prompt,
+            itl_p50_ms=None if p50 is None else p50 * 1000.0,
+            itl_p99_ms=None if p99 is None else p99 * 1000.0,
+            kv_transfer_bytes_per_s=None if speed is None else speed * 1e9,
+            outstanding_uncached_tokens=round(gauge("sglang:num_queue_reqs") * mean_uncached),
+            prefill_processing_rate_tps=uncached,
+            window_s=window_s,
+        )
+
+
+def _mean_uncached_per_request(
+    now: Exposition,
+    before: Exposition | None,
+    window: Window,
+    uncached_tps: float,
+    window_s: float,
+) -> float:
+    new_requests = counter_delta(
+        now.total("sglang:num_requests_total"),
+        None if before is None else before.total("sglang:num_requests_total"),
+    )
+    if new_requests and new_requests > 0 and window_s > 0:
+        window.memo["mean_uncached"] = uncached_tps * window_s / new_requests
+    return window.memo.get("mean_uncached", 0.0)

@@ -1,0 +1,107 @@
+"""vLLM (v1 engine) ``/metrics`` -> EngineSnapshot.
+
+Gauges: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+(a 0..1 fraction; ``vllm:gpu_cache_usage_perc`` on older releases) and the info gauge
+``vllm:cache_config_info`` whose labels give ``num_gpu_blocks`` x ``block_size`` = KV token
+slots (or ``kv_cache_size_tokens`` where present). Counters, as rates:
+``vllm:generation_tokens_total``, ``vllm:prompt_tokens_total``, ``vllm:prefix_cache_queries_total``
+/ ``vllm:prefix_cache_hits_total`` (uncached share of prompt tokens). Histograms:
+``vllm:inter_token_latency_seconds`` (``vllm:time_per_output_token_seconds`` on older
+releases) for ITL, ``vllm:request_prompt_tokens`` for the mean prompt length.
+
+vLLM exports no sum of decode context lengths; the KV tokens in use stand for it (the running
+requests' contexts are what occupies the cache; shared prefixes make it an underestimate).
+"""
+
+from __future__ import annotations
+
+from crossflow_agent.sources.base import ScrapeError
+from crossflow_agent.sources.prom import Exposition, Window, counter_delta, rate, window_quantiles
+from crossflow_ctl.domain.telemetry import EngineSnapshot
+
+ITL_NAMES = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+CACHE_INFO = "vllm:cache_config_info"
+
+
+def _kv_total_tokens(now: Exposition) -> int:
+    for labels in now.labels_of(CACHE_INFO):
+        try:
+            if labels.get("kv_cache_size_tokens", "").isdigit():
+                return int(labels["kv_cache_size_tokens"])
+            return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        except (KeyError, ValueError):
+            continue
+    raise ScrapeError("parse", f"{CACHE_INFO} has no num_gpu_blocks/block_size labels")
+
+
+class VLLMReader:
+    name = "vllm"
+
+    def read(
+        self,
+        now: Exposition,
+        before: Exposition | None,
+        window: Window,
+        window_s: float,
+        taken_at_ms: int,
+    ) -> EngineSnapshot:
+        usage = now.first(*USAGE_NAMES)
+        running = now.total("vllm:num_requests_running")
+        if usage is None or running is None:
+            raise ScrapeError("parse", "not a vLLM exposition: no running/KV usage gauges")
+        total = _kv_total_tokens(now)
+        used = round(usage * total)
+        waiting = now.total("vllm:num_requests_waiting") or 0.0
+        gen = rate(now, before, window_s, "vllm:generation_tokens_total") or 0.0
+        prompt = rate(now, before, window_s, "vllm:prompt_tokens_total") or 0.0
+        uncached_share = self._uncached_share(now, before, window)
+        itl = next((n for n in ITL_NAMES if now.has(f"{n}_bucket")), ITL_NAMES[0])
+        p50, p99 = window_quantiles(now, before, itl, 0.5, 0.99)
+        mean_prompt = self._mean_prompt(now, before, window)
+        return EngineSnapshot(
+            taken_at_ms=taken_at_ms,
+            source=self.name,
+            running_requests=round(running),
+            queued_requests=round(waiting),
+            kv_used_tokens=used,
+            kv_total_tokens=total,
+            decode_context_tokens=used if running > 0 else 0,
+            generation_rate_tps=gen,
+            prompt_rate_tps=prompt,
+            itl_p50_ms=None if p50 is None else p50 * 1000.0,
+            itl_p99_ms=None if p99 is None else p99 * 1000.0,
+            outstanding_uncached_tokens=round(waiting * mean_prompt * uncached_share),
+            prefill_processing_rate_tps=prompt * uncached_share,
+            window_s=window_s,
+        )
+
+    @staticmethod
+    def _uncached_share(now: Exposition, before: Exposition | None, window: Window) -> float:
+        if before is not None:
+            queries = counter_delta(
+                now.total("vllm:prefix_cache_queries_total"),
+                before.total("vllm:prefix_cache_queries_total"),
+            )
+            hits = counter_delta(
+                now.total("vllm:prefix_cache_hits_total"),
+                before.total("vllm:prefix_cache_hits_total"),
+            )
+            if queries and hits is not None and queries > 0:
+                window.memo["uncached_share"] = max(0.0, 1.0 - hits / queries)
+        return window.memo.get("uncached_share", 1.0)
+
+    @staticmethod
+    def _mean_prompt(now: Exposition, before: Exposition | None, window: Window) -> float:
+        if before is not None:
+            total = counter_delta(
+                now.total("vllm:request_prompt_tokens_sum"),
+                before.total("vllm:request_prompt_tokens_sum"),
+            )
+            count = counter_delta(
+                now.total("vllm:request_prompt_tokens_count"),
+                before.total("vllm:request_prompt_tokens_count"),
+            )
+            if total is not None and count:
+                window.memo["mean_prompt"] = total / count
+        return window.memo.get("mean_prompt", 0.0)

@@ -1,0 +1,282 @@
+"""The agent's gRPC stream to a broker (LeaseService.Connect), with reconnects.
+
+One session at a time: Hello (node, role, epoch, last notice seq seen) -> Welcome, then a writer
+drains the outbox (leases / pool load / heartbeats, newest kept when the outbox is full) while a
+reader takes acks and notices. A session ends when the broker closes the stream, the call fails,
+or nothing has come back for ``stall_timeout_s`` while writes went unanswered (the broker acks
+every lease and echoes every heartbeat). Then the next endpoint of the list is tried after a
+jittered exponential backoff; a Welcome resets the backoff.
+
+What the broker tells the agent is kept in :class:`StreamState`: the highest notice sequence
+seen (DESIGN.md §5.4; the lease loop reads it *before* each scrape), the cordon directive, and
+the (epoch, version) a STALE ack reported, so the loop can move past it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
+from crossflow_ctl.observability import AgentMetrics
+
+log = structlog.get_logger()
+
+OUTBOX_SIZE = 32
+
+
+class SessionError(Exception):
+    """A session that ended for a reason other than a gRPC status."""
+
+
+@dataclass
+class StreamState:
+    last_notice_seq: int = 0
+    """Highest notice sequence received (on any session)."""
+    cordoned: bool = False
+    connected: bool = False
+    broker_id: str = ""
+    endpoint: str = ""
+    max_lease_ttl_ms: int = 0
+    stale_epoch: int = 0
+    stale_version: int = 0
+    """The stored (epoch, version) of the last STALE ack."""
+    acked: int = 0
+    refused: int = 0
+    sessions: int = 0
+
+
+class LeaseStream:
+    def __init__(
+        self,
+        *,
+        endpoints: list[str],
+        hello: Callable[[int], lease_pb2.ConnectRequest],
+        metrics: AgentMetrics,
+        connect_timeout_s: float = 1.0,
+        backoff_initial_s: float = 0.1,
+        backoff_max_s: float = 2.0,
+        stall_timeout_s: float = 3.0,
+        max_message_bytes: int = 4 * 1024 * 1024,
+        on_change: Callable[[], None] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("at least one broker endpoint is needed")
+        self.endpoints = list(endpoints)
+        self.state = StreamState()
+        self._hello = hello
+        self._metrics = metrics
+        self._connect_timeout_s = connect_timeout_s
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._stall_s = stall_timeout_s
+        self._options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.enable_retries", 0),
+        ]
+        self._on_change = on_change or (lambda: None)
+        self._rng = rng or random.Random()
+        self._outbox: asyncio.Queue[lease_pb2.ConnectRequest] | None = None
+        self._closing = asyncio.Event()
+        self._unanswered_since: float | None = None
+        self._await_ack: tuple[int, int] | None = None
+        self._acked = asyncio.Event()
+
+    # -- API for the lease loop ----------------------------------------------------------------
+
+    def send(self, request: lease_pb2.ConnectRequest) -> bool:
+        """Queue ``request`` on the live session; False (dropped) when there is none."""
+        box = self._outbox
+        if box is None:
+            return False
+        if box.full():  # keep the newest: an old lease is worth less than a fresh one
+            box.get_nowait()
+        box.put_nowait(request)
+        return True
+
+    async def close(self, final: lease_pb2.ConnectRequest | None, grace_s: float) -> bool:
+        """Send ``final`` (if connected), wait up to ``grace_s`` for its ack, end the session.
+
+        True when the final message was acknowledged.
+        """
+        acked = False
+        if final is not None and final.WhichOneof("body") == "lease":
+            self._await_ack = (final.lease.epoch, final.lease.version)
+            self._acked.clear()
+            if self.send(final):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(grace_s):
+                        await self._acked.wait()
+                    acked = True
+        self._closing.set()
+        return acked
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keep a session up until :meth:`close`; cancel-safe."""
+        index = 0
+        backoff = self._backoff[0]
+        while not self._closing.is_set():
+            target = self.endpoints[index % len(self.endpoints)]
+            welcomed = False
+            try:
+                welcomed = await self._session(target)
+            except (grpc.aio.AioRpcError, TimeoutError, SessionError, OSError) as exc:
+                log.info("stream.session_failed", endpoint=target, error=_brief(exc))
+            if self._closing.is_set():
+                break
+            if welcomed:
+                backoff = self._backoff[0]
+                self._metrics.stream_disconnected(reconnecting=True)
+            index += 1
+            delay = backoff * self._rng.uniform(0.5, 1.0)
+            backoff = min(self._backoff[1], backoff * 2)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._closing.wait()
+
+    async def _session(self, target: str) -> bool:
+        """One connection to ``target``; True once it had been welcomed."""
+        channel = grpc.aio.insecure_channel(target, options=self._options)
+        call = lease_pb2_grpc.LeaseServiceStub(channel).Connect()
+        welcomed = False
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                await call.write(self._hello(self.state.last_notice_seq))
+                first = await call.read()
+            if first is grpc.aio.EOF or first.WhichOneof("body") != "welcome":
+                raise SessionError("no welcome from the broker")
+            self._welcome(first.welcome, target)
+            welcomed = True
+            await self._pump(call)
+        finally:
+            self._outbox = None
+            if self.state.connected:
+                self.state.connected = False
+                log.info("stream.disconnected", endpoint=target)
+                self._on_change()
+            call.cancel()
+            await channel.close(grace=None)
+        return welcomed
+
+    def _welcome(self, welcome: lease_pb2.Welcome, target: str) -> None:
+        s = self.state
+        s.connected, s.endpoint, s.broker_id = True, target, welcome.broker_id
+        s.max_lease_ttl_ms = welcome.max_lease_ttl_ms
+        s.cordoned = welcome.cordoned
+        s.sessions += 1
+        self._unanswered_since = None
+        self._outbox = asyncio.Queue(maxsize=OUTBOX_SIZE)
+        self._metrics.stream_connected()
+        log.info(
+            "stream.connected",
+            endpoint=target,
+            broker_id=welcome.broker_id,
+            cordoned=welcome.cordoned,
+            notice_seq=welcome.notice_seq,
+            resume_after=s.last_notice_seq,
+        )
+        self._on_change()
+
+    async def _pump(self, call: grpc.aio.StreamStreamCall) -> None:
+        box = self._outbox
+        assert box is not None
+        tasks = {
+            asyncio.create_task(self._write(call, box), name="stream-write"),
+            asyncio.create_task(self._read(call), name="stream-read"),
+            asyncio.create_task(self._watchdog(), name="stream-watchdog"),
+            asyncio.create_task(self._closing.wait(), name="stream-closing"),
+        }
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._closing.is_set():
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                async with asyncio.timeout(0.5):
+                    await call.done_writing()
+            return
+        for task in done:
+            task.result()  # re-raise what ended the session
+
+    async def _write(
+        self, call: grpc.aio.StreamStreamCall, box: asyncio.Queue[lease_pb2.ConnectRequest]
+    ) -> None:
+        while True:
+            request = await box.get()
+            await call.write(request)
+            if self._unanswered_since is None:
+                self._unanswered_since = time.monotonic()
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                raise SessionError("the broker ended the stream")
+            self._unanswered_since = None
+            body = response.WhichOneof("body")
+            if body == "notice":
+                self._notice(response.notice)
+            elif body == "lease_ack":
+                self._ack(response.lease_ack)
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(self._stall_s / 4)
+            since = self._unanswered_since
+            if since is not None and time.monotonic() - since > self._stall_s:
+                raise SessionError(f"no answer from the broker for {self._stall_s:g} s")
+
+    def _notice(self, notice: lease_pb2.Notice) -> None:
+        s = self.state
+        if notice.seq > s.last_notice_seq:
+            s.last_notice_seq = notice.seq
+        if notice.kind == lease_pb2.NOTICE_KIND_CORDON:
+            if not s.cordoned:
+                log.warning("stream.cordoned", seq=notice.seq)
+            s.cordoned = True
+            self._on_change()
+        elif notice.kind == lease_pb2.NOTICE_KIND_UNCORDON:
+            if s.cordoned:
+                log.info("stream.uncordoned", seq=notice.seq)
+            s.cordoned = False
+            self._on_change()
+
+    def _ack(self, ack: lease_pb2.LeaseAck) -> None:
+        s = self.state
+        if ack.result == lease_pb2.LEASE_RESULT_ACCEPTED:
+            s.acked += 1
+        else:
+            s.refused += 1
+            if ack.result == lease_pb2.LEASE_RESULT_STALE:
+                s.stale_epoch, s.stale_version = ack.stored_epoch, ack.stored_version
+            log.warning(
+                "lease.refused",
+                result=lease_pb2.LeaseResult.Name(ack.result),
+                epoch=ack.epoch,
+                version=ack.version,
+                stored_epoch=ack.stored_epoch,
+                stored_version=ack.stored_version,
+                message=ack.message,
+            )
+        if self._await_ack == (ack.epoch, ack.version):
+            self._acked.set()
+
+
+def _brief(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
