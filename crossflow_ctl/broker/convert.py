@@ -61,7 +61,8 @@ def _validated(cls: type[Any], field: str, **data: Any) -> Any:
         return validated(cls, **data)
     except InvalidArgument as exc:
         inner = exc.field or ""
-        raise InvalidArgument(exc.message, field=f"{field}.{inner}" if inner else field) from None
+        named = ".".join(part for part in (field, inner) if part) or None
+        raise InvalidArgument(exc.message, field=named) from None
 
 
 # -- common ---------------------------------------------------------------------------------

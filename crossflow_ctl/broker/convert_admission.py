@@ -61,7 +61,7 @@ def admit_request_to_proto(req: AdmissionRequest) -> admission_pb2.AdmitRequest:
 def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionRequest:
     result: AdmissionRequest = c._validated(
         AdmissionRequest,
-        "request",
+        "",
         request_id=msg.request_id,
         uncached_prompt_tokens=msg.uncached_prompt_tokens,
         cached_prefix_tokens=msg.cached_prefix_tokens,

@@ -3,6 +3,7 @@
     INVALID_ARGUMENT     -> InvalidArgument
     NOT_FOUND            -> NotFound
     FAILED_PRECONDITION  -> FailedPrecondition
+    RESOURCE_EXHAUSTED   -> InvalidArgument (a message over the size limit)
     UNAVAILABLE, DEADLINE_EXCEEDED, anything else from the transport -> StoreUnavailable
 
 The broker writes ``field: detail``; the field comes back on ``error.field``.
@@ -26,6 +27,7 @@ _CLASS_FOR: dict[grpc.StatusCode, type[CrossflowError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,  # message over the size limit
 }
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.*)$", re.DOTALL)
 

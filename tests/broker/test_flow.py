@@ -30,7 +30,10 @@ async def _setup(cluster: Any, agents: Any, *, slots: int = 4) -> tuple[Any, Any
 async def test_admit_commit_release_with_notices(cluster, agents) -> None:
     server, decode, _ = await _setup(cluster, agents)
     assert decode.welcome is not None and decode.welcome.max_lease_ttl_ms == 2_000
-    async with AdmissionClient(target(server)) as client, AdminClient(target(server)) as admin:
+    async with (
+        AdmissionClient(target(server), timeout_s=5) as client,
+        AdminClient(target(server)) as admin,
+    ):
         adm = await client.admit(
             request_id="r1", uncached_prompt_tokens=1_000, expected_output_tokens=100
         )
@@ -78,7 +81,7 @@ async def test_stale_lease_is_refused_and_changes_nothing(cluster, agents) -> No
 
 async def test_new_lease_replaces_never_adds(cluster, agents) -> None:  # §5.2
     server, decode, _ = await _setup(cluster, agents, slots=1)
-    async with AdmissionClient(target(server)) as client:
+    async with AdmissionClient(target(server), timeout_s=5) as client:
         first = await client.admit(uncached_prompt_tokens=500)
         assert first.decision is Decision.BORROW
         assert (await client.admit(uncached_prompt_tokens=500)).reason is Reason.NO_ROOM
@@ -90,7 +93,7 @@ async def test_new_lease_replaces_never_adds(cluster, agents) -> None:  # §5.2
 
 async def test_causal_release_waits_for_a_lease_that_saw_it(cluster, agents) -> None:  # §5.4
     server, decode, _ = await _setup(cluster, agents, slots=1)
-    async with AdmissionClient(target(server)) as client:
+    async with AdmissionClient(target(server), timeout_s=5) as client:
         adm = await client.admit(uncached_prompt_tokens=500)
         assert adm.decision is Decision.BORROW
         grant = await decode.wait_notice(lambda n: n.kind == lease_pb2.NOTICE_KIND_GRANT)
@@ -110,7 +113,7 @@ async def test_causal_release_waits_for_a_lease_that_saw_it(cluster, agents) -> 
 
 async def test_expired_lease_counts_as_zero(cluster, agents, clock) -> None:  # §5.5
     server, decode, prefill = await _setup(cluster, agents)
-    async with AdmissionClient(target(server)) as client:
+    async with AdmissionClient(target(server), timeout_s=5) as client:
         assert (await client.admit(uncached_prompt_tokens=500)).decision is Decision.BORROW
         # The agent asks for an hour; the broker caps the TTL at max_lease_ttl_ms (2 s).
         await decode.send_lease(ttl_ms=3_600_000)
@@ -124,7 +127,10 @@ async def test_expired_lease_counts_as_zero(cluster, agents, clock) -> None:  # 
 
 async def test_zero_lease_and_cordon_stop_borrowing(cluster, agents) -> None:
     server, decode, _ = await _setup(cluster, agents)
-    async with AdmissionClient(target(server)) as client, AdminClient(target(server)) as admin:
+    async with (
+        AdmissionClient(target(server), timeout_s=5) as client,
+        AdminClient(target(server)) as admin,
+    ):
         ack = await decode.send_lease(
             credits={
                 k: 0
@@ -162,7 +168,7 @@ async def test_notices_relay_from_replica_a_to_agent_on_replica_b(cluster, agent
     await prefill.send_pool_load()
     await prefill.sync()
     assert (await decode.send_lease()).result == lease_pb2.LEASE_RESULT_ACCEPTED
-    async with AdmissionClient(target(a)) as client:
+    async with AdmissionClient(target(a), timeout_s=5) as client:
         adm = await client.admit(uncached_prompt_tokens=700)
         assert adm.decision is Decision.BORROW
         grant = await decode.wait_notice(lambda n: n.reservation_id == adm.reservation_id)

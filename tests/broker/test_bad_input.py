@@ -1,0 +1,242 @@
+"""DESIGN.md §5.7: bad input is refused with a status naming the field, and nothing changes.
+
+(The store's own refusals are proved by the store contract suite; these go through the wire.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc, common_pb2, lease_pb2
+from crossflow_ctl.client import AdminClient, AdmissionClient
+from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from crossflow_ctl.domain.models import MAX_BYTES, MAX_SLOTS, MAX_TOKENS
+from tests.broker.agents import FakeAgent, lease_msg
+from tests.broker.conftest import target
+
+
+@pytest.fixture
+async def node(cluster, agents) -> tuple[Any, FakeAgent]:
+    server = await cluster.start()
+    agent = await agents(server, "d1")
+    assert (await agent.send_lease()).result == lease_pb2.LEASE_RESULT_ACCEPTED
+    return server, agent
+
+
+async def _stored_version(server: Any) -> tuple[int, int]:
+    async with AdminClient(target(server)) as admin:
+        lease = (await admin.get_node("d1")).node.state.lease
+        assert lease is not None
+        return lease.lease.version, lease.lease.credits.compute_tokens
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"credits": {"compute_tokens": -1}}, "lease.credits.compute_tokens"),
+        ({"credits": {"kv_tokens": MAX_TOKENS + 1}}, "lease.credits.kv_tokens"),
+        ({"credits": {"kv_transfer_bytes": 2**62}}, "lease.credits.kv_transfer_bytes"),
+        ({"credits": {"slots": -5}}, "lease.credits.slots"),
+        ({"queue_wait_ms": math.nan}, "lease.queue_wait_ms"),
+        ({"borrowed_prefill_rate_tps": math.inf}, "lease.borrowed_prefill_rate_tps"),
+        ({"ttl_ms": 0}, "lease.ttl_ms"),
+        ({"ttl_ms": -10}, "lease.ttl_ms"),
+    ],
+)
+async def test_bad_lease_is_acked_invalid_and_stream_stays_up(node, fields, named) -> None:
+    server, agent = node
+    before = await _stored_version(server)
+    ack = await agent.send_lease(lease_msg("d1", 1, 99, **fields))
+    assert ack.result == lease_pb2.LEASE_RESULT_INVALID
+    assert ack.message.startswith(named), ack.message
+    assert await _stored_version(server) == before
+    # The stream is still up: the next good lease is accepted.
+    assert (await agent.send_lease()).result == lease_pb2.LEASE_RESULT_ACCEPTED
+
+
+async def test_lease_for_another_node_or_empty_id_is_invalid(node) -> None:
+    server, agent = node
+    ack = await agent.send_lease(lease_msg("d2", 1, 50))
+    assert ack.result == lease_pb2.LEASE_RESULT_INVALID and "lease.node_id" in ack.message
+    ack = await agent.send_lease(lease_msg("", 1, 50))
+    assert ack.result == lease_pb2.LEASE_RESULT_INVALID and "lease.node_id" in ack.message
+    assert (await _stored_version(server))[0] == 1
+
+
+async def test_version_regression_is_stale_with_stored_version(node) -> None:
+    server, agent = node
+    ack = await agent.send_lease(lease_msg("d1", 1, 1, credits={"compute_tokens": 5}))
+    assert ack.result == lease_pb2.LEASE_RESULT_STALE
+    assert (ack.stored_epoch, ack.stored_version) == (1, 1)
+    assert "lease.version" in ack.message
+    assert await _stored_version(server) == (1, 8_000)
+
+
+async def test_hello_must_come_first(cluster) -> None:
+    server = await cluster.start()
+    async with grpc.aio.insecure_channel(target(server)) as channel:
+        from crossflow_ctl.api.v1 import lease_pb2_grpc
+
+        call = lease_pb2_grpc.LeaseServiceStub(channel).Connect()
+        await call.write(lease_pb2.ConnectRequest(lease=lease_msg("d1", 1, 1)))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call.read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "hello" in (err.value.details() or "")
+
+        call = lease_pb2_grpc.LeaseServiceStub(channel).Connect()
+        await call.write(lease_pb2.ConnectRequest(hello=lease_pb2.Hello(node_id="bad id!")))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call.read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith("hello.node_id")
+    async with AdminClient(target(server)) as admin:
+        assert await admin.list_nodes() == []
+
+
+async def test_admit_bad_input_is_invalid_argument(cluster) -> None:
+    server = await cluster.start()
+    async with grpc.aio.insecure_channel(target(server)) as channel:
+        stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+        for request, named in [
+            (admission_pb2.AdmitRequest(uncached_prompt_tokens=-1), "uncached_prompt_tokens"),
+            (
+                admission_pb2.AdmitRequest(uncached_prompt_tokens=MAX_TOKENS + 1),
+                "uncached_prompt_tokens",
+            ),
+            (
+                admission_pb2.AdmitRequest(
+                    uncached_prompt_tokens=1, candidate_node_ids=["x" * 200]
+                ),
+                "candidate_node_ids.0",
+            ),
+            (admission_pb2.AdmitRequest(uncached_prompt_tokens=1, pool="no spaces"), "pool"),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Admit(request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (err.value.details() or "").startswith(named), err.value.details()
+
+
+async def test_oversized_message_is_refused(cluster) -> None:
+    server = await cluster.start(max_message_bytes=64 * 1024)
+    async with AdmissionClient(target(server), timeout_s=5) as client:
+        with pytest.raises(InvalidArgument):
+            await client.admit(
+                request_id="",
+                uncached_prompt_tokens=1,
+                candidate_node_ids=[f"n{i:0100d}" for i in range(1000)],
+            )
+
+
+async def test_reservation_and_node_errors(node) -> None:
+    server, _ = node
+    async with (
+        AdmissionClient(target(server), timeout_s=5) as client,
+        AdminClient(target(server)) as admin,
+    ):
+        with pytest.raises(NotFound):
+            await client.commit("0" * 32 + "@d1")
+        with pytest.raises(NotFound):
+            await client.release("0" * 32 + "@d1")
+        with pytest.raises(InvalidArgument) as bad:
+            await client.commit("")
+        assert bad.value.field == "reservation_id"
+        with pytest.raises(InvalidArgument) as bad:
+            await client.release("r" * 300)
+        assert bad.value.field == "reservation_id"
+        with pytest.raises(NotFound):
+            await admin.get_node("nobody")
+        with pytest.raises(NotFound):
+            await admin.cordon("nobody")
+        for node_id in ("", "x" * 129, "bad id"):
+            with pytest.raises(InvalidArgument) as bad:
+                await admin.get_node(node_id)
+            assert bad.value.field == "node_id"
+        with pytest.raises(InvalidArgument) as bad:
+            await admin.list_nodes(selector="novalue")
+        assert bad.value.field == "selector"
+        assert await admin.list_reservations() == []
+
+
+async def test_bad_policy_update_is_refused_and_policy_unchanged(cluster) -> None:
+    server = await cluster.start()
+    async with AdminClient(target(server)) as admin:
+        before = await admin.get_policy()
+        for updates, named in [
+            ({"borrow_share": 1.5}, "borrow_share"),
+            ({"borrow_share": "NaN"}, "borrow_share"),
+            ({"no_such_knob": 1}, "no_such_knob"),
+            ({"commit_ttl_ms": 10}, ""),
+        ]:
+            with pytest.raises(InvalidArgument) as bad:
+                await admin.set_policy(updates)
+            if named:
+                assert bad.value.field is not None and named in bad.value.field, bad.value
+        assert await admin.get_policy() == before
+        after = await admin.set_policy({"borrow_share": 0.25, "shadow_mode": True})
+        assert after.borrow_share == 0.25 and after.shadow_mode
+
+
+async def test_commit_after_release_fails_precondition(node, agents) -> None:
+    server, _ = node
+    prefill = await agents(server, "p1", role=common_pb2.NODE_ROLE_PREFILL)
+    await prefill.send_pool_load()
+    await prefill.sync()
+    async with AdmissionClient(target(server), timeout_s=5) as client:
+        adm = await client.admit(uncached_prompt_tokens=100)
+        assert adm.reservation_id, adm.message
+        await client.release(adm.reservation_id)
+        await client.release(adm.reservation_id)  # idempotent
+        with pytest.raises(FailedPrecondition):
+            await client.commit(adm.reservation_id)
+
+
+credit_values = st.one_of(
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.integers(min_value=-3, max_value=3),
+    st.sampled_from([MAX_TOKENS, MAX_TOKENS + 1, MAX_BYTES, MAX_SLOTS + 1]),
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    credits=st.fixed_dictionaries(
+        {
+            "compute_tokens": credit_values,
+            "kv_tokens": credit_values,
+            "kv_transfer_bytes": credit_values,
+            "output_tokens": credit_values,
+            "slots": credit_values,
+        }
+    )
+)
+async def test_any_credit_is_stored_iff_valid(node, credits: dict[str, int]) -> None:
+    server, agent = node
+    limits = {
+        "compute_tokens": MAX_TOKENS,
+        "kv_tokens": MAX_TOKENS,
+        "output_tokens": MAX_TOKENS,
+        "kv_transfer_bytes": MAX_BYTES,
+        "slots": MAX_SLOTS,
+    }
+    bad = [k for k, v in credits.items() if not 0 <= v <= limits[k]]
+    before = await _stored_version(server)
+    ack = await agent.send_lease(credits=credits)
+    if bad:
+        assert ack.result == lease_pb2.LEASE_RESULT_INVALID
+        assert ack.message.startswith(f"lease.credits.{bad[0]}") or any(
+            ack.message.startswith(f"lease.credits.{b}") for b in bad
+        )
+        assert await _stored_version(server) == before
+    else:
+        assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+        assert await _stored_version(server) == (agent.version, credits["compute_tokens"])
