@@ -58,6 +58,10 @@ class BrokerSettings(BaseSettings):
     """Store deadline for admin, commit, release and lease calls (StoreUnavailable after)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_json: bool = True
+    metrics_listen: str | None = None
+    """host:port of the replica's Prometheus /metrics endpoint (port 0 picks one); None: none."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC endpoint for traces (needs opentelemetry-exporter-otlp-proto-grpc); None: none."""
 
     @field_validator("listen")
     @classmethod
