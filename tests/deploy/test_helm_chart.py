@@ -1,0 +1,385 @@
+"""The Helm chart: lint, render with realistic values, validate every manifest offline, refuse
+bad values through values.schema.json, and keep the schema and values.yaml in step."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "crossflow"
+VALUES_DIR = Path(__file__).resolve().parent / "values"
+VALUE_FILES = sorted(p.name for p in VALUES_DIR.glob("*.yaml"))
+SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
+# The chart's kubeVersion floor, and the version the bundled helm's client speaks.
+K8S_VERSIONS = ("1.27.0", "1.35.0")
+
+
+def helm_binary() -> str | None:
+    local = ROOT / ".ci-tools" / "bin" / "helm"
+    return str(local) if local.exists() else shutil.which("helm")
+
+
+HELM = helm_binary()
+needs_helm = pytest.mark.skipif(
+    HELM is None, reason="helm not found on PATH or in .ci-tools/bin (scripts/install_tools.sh)"
+)
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    assert HELM is not None
+    return subprocess.run(
+        [HELM, *args], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@cache
+def render(*args: str) -> tuple[dict[str, Any], ...]:
+    result = helm("template", "cf", str(CHART), "--namespace", "serving", *args)
+    assert result.returncode == 0, result.stderr
+    return tuple(d for d in yaml.safe_load_all(result.stdout) if d)
+
+
+def values_args(name: str | None) -> tuple[str, ...]:
+    return ("-f", str(VALUES_DIR / name)) if name else ()
+
+
+def find(docs: tuple[dict[str, Any], ...], kind: str, name: str | None = None) -> dict[str, Any]:
+    matches = [
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
+    assert len(matches) == 1, f"{len(matches)} {kind} {name or ''} in {[d['kind'] for d in docs]}"
+    return matches[0]
+
+
+def kinds(docs: tuple[dict[str, Any], ...]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def check_service_monitor(doc: dict[str, Any]) -> None:
+    """No offline schema for the operator's CRD: check the fields Prometheus relies on."""
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+    spec = doc["spec"]
+    assert spec["selector"]["matchLabels"]
+    for endpoint in spec["endpoints"]:
+        assert endpoint["port"] == "metrics"
+        assert endpoint["path"] == "/metrics"
+
+
+# -- lint and validate ----------------------------------------------------------------------
+
+
+@needs_helm
+@pytest.mark.parametrize("values", [None, *VALUE_FILES])
+def test_helm_lint(values: str | None) -> None:
+    result = helm("lint", "--strict", str(CHART), *values_args(values))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_helm
+@pytest.mark.parametrize("values", [None, *VALUE_FILES])
+def test_every_rendered_manifest_is_valid_kubernetes(values: str | None) -> None:
+    docs = render(*values_args(values), "--api-versions", SERVICE_MONITOR_API)
+    assert docs
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            check_service_monitor(doc)
+            continue
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} on {version}: {exc}")
+
+
+# -- what the defaults render ----------------------------------------------------------------
+
+
+@needs_helm
+def test_defaults_render_the_whole_control_plane() -> None:
+    docs = render()
+    assert kinds(docs) == [
+        "ConfigMap", "ConfigMap", "DaemonSet", "DaemonSet", "Deployment", "NetworkPolicy",
+        "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "Service", "Service", "Service",
+        "ServiceAccount", "StatefulSet",
+    ]  # fmt: skip
+    deploy = find(docs, "Deployment", "cf-crossflow-broker")
+    spec = deploy["spec"]["template"]["spec"]
+    [broker] = spec["containers"]
+    assert deploy["spec"]["replicas"] == 2
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert broker["securityContext"]["readOnlyRootFilesystem"] is True
+    assert broker["securityContext"]["runAsUser"] != 0
+    assert broker["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert broker[probe]["grpc"]["port"] == 50051
+    assert "preferredDuringSchedulingIgnoredDuringExecution" in spec["affinity"]["podAntiAffinity"]
+    assert env_of(broker)["CROSSFLOW_REDIS_URL"]["value"] == "redis://cf-crossflow-redis:6379/0"
+    assert find(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    service = find(docs, "Service", "cf-crossflow-broker")
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "grpc": 50051,
+        "metrics": 9464,
+    }
+    # No ServiceMonitor unless the cluster serves the CRD.
+    assert "ServiceMonitor" not in kinds(docs)
+
+
+@needs_helm
+def test_config_checksum_follows_the_configmap() -> None:
+    def checksum_and_config(*args: str) -> tuple[str, str]:
+        docs = render(*args)
+        cm = find(docs, "ConfigMap", "cf-crossflow-broker")
+        deploy = find(docs, "Deployment")
+        annotation = deploy["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+        return annotation, cm["data"]["broker.yaml"]
+
+    a, config_a = checksum_and_config()
+    b, config_b = checksum_and_config("--set", "broker.config.policy.shadow_mode=true")
+    assert a != b
+    assert yaml.safe_load(config_b)["policy"] == {"shadow_mode": True}
+    assert "policy" not in yaml.safe_load(config_a)
+    for digest in (a, b):
+        assert len(digest) == 64 and int(digest, 16) >= 0
+    assert hashlib.sha256(b"").hexdigest() not in (a, b)
+
+
+@needs_helm
+def test_agents_one_daemonset_per_role_on_labelled_gpu_nodes() -> None:
+    docs = render()
+    for role in ("decode", "prefill"):
+        ds = find(docs, "DaemonSet", f"cf-crossflow-agent-{role}")
+        spec = ds["spec"]["template"]["spec"]
+        assert spec["nodeSelector"] == {
+            "crossflow.io/role": role,
+            "nvidia.com/gpu.present": "true",
+        }
+        assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert "hostNetwork" not in spec
+        [agent] = spec["containers"]
+        env = env_of(agent)
+        assert env["CROSSFLOW_AGENT_ROLE"]["value"] == role
+        assert env["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+        assert env["CROSSFLOW_AGENT_METRICS_URL"]["value"] == ("http://$(NODE_IP):8000/metrics")
+        assert agent["readinessProbe"]["httpGet"]["path"] == "/healthz"
+        assert agent["securityContext"]["readOnlyRootFilesystem"] is True
+    config = yaml.safe_load(find(docs, "ConfigMap", "cf-crossflow-agent")["data"]["agent.yaml"])
+    assert config["brokers"] == ["cf-crossflow-broker.serving.svc:50051"]
+    assert config["source"] == "sglang"
+
+
+@needs_helm
+def test_external_redis_takes_the_password_from_a_secret() -> None:
+    docs = render(*values_args("external-redis.yaml"))
+    assert "StatefulSet" not in kinds(docs)
+    assert "Secret" not in kinds(docs)  # existingSecret: the chart creates none
+    deploy = find(docs, "Deployment")
+    [broker] = deploy["spec"]["template"]["spec"]["containers"]
+    env = env_of(broker)
+    ref = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "crossflow-redis", "key": "redis-password"}
+    assert env["CROSSFLOW_REDIS_URL"]["value"] == (
+        "rediss://:$(REDIS_PASSWORD)@redis-master.data.svc:6380/0"
+    )
+    names = list(env)
+    assert names.index("REDIS_PASSWORD") < names.index("CROSSFLOW_REDIS_URL")  # expansion order
+    config = yaml.safe_load(find(docs, "ConfigMap", "cf-crossflow-broker")["data"]["broker.yaml"])
+    assert config["otlp_endpoint"] == "http://otel-collector.monitoring:4317"
+    assert config["log_level"] == "debug"
+    assert config["policy"]["borrow_share"] == 0.3
+    affinity = deploy["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in affinity
+    policy = find(docs, "NetworkPolicy", "cf-crossflow-broker")
+    assert policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"]
+
+
+@needs_helm
+def test_bundled_redis_with_password_and_volume() -> None:
+    docs = render(*values_args("bundled-redis.yaml"))
+    secret = find(docs, "Secret")
+    assert secret["data"]["password"] == "dHJpYWwtcGFzc3dvcmQ="  # base64 of trial-password
+    sts = find(docs, "StatefulSet")
+    [redis] = sts["spec"]["template"]["spec"]["containers"]
+    assert "--requirepass" in redis["args"][0]
+    assert "--appendonly yes" in redis["args"][0]
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast-ssd"
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "DaemonSet"] == [
+        "cf-crossflow-agent-decode"
+    ]
+    assert "PodDisruptionBudget" not in kinds(docs)
+    redis_policy = find(docs, "NetworkPolicy", "cf-crossflow-redis")
+    peer = redis_policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert peer["app.kubernetes.io/component"] == "broker"
+
+
+@needs_helm
+def test_host_network_agents_and_service_monitors() -> None:
+    docs = render(*values_args("hostnetwork-agents.yaml"), "--api-versions", SERVICE_MONITOR_API)
+    ds = find(docs, "DaemonSet", "cf-crossflow-agent-decode")
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] is True
+    assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert spec["nodeSelector"] == {"crossflow.io/role": "decode", "node-pool": "gpu-h200"}
+    # NetworkPolicies do not apply to host-network pods: no agent policy is rendered.
+    assert "cf-crossflow-agent" not in [
+        d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"
+    ]
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert sorted(m["metadata"]["name"] for m in monitors) == [
+        "cf-crossflow-agent-metrics",
+        "cf-crossflow-broker",
+    ]
+    for monitor in monitors:
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+        assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
+        # Each monitor selects a Service that exists and exposes a port named metrics.
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        services = [
+            d
+            for d in docs
+            if d["kind"] == "Service" and selector.items() <= d["metadata"]["labels"].items()
+        ]
+        assert len(services) == 1
+        assert "metrics" in [p["name"] for p in services[0]["spec"]["ports"]]
+
+
+@needs_helm
+def test_minimal_values_render_the_broker_only() -> None:
+    docs = render(*values_args("minimal.yaml"))
+    assert kinds(docs) == [
+        "ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service", "StatefulSet",
+    ]  # fmt: skip
+    spec = find(docs, "Deployment")["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "llm-serving"
+    assert "affinity" not in spec
+
+
+# -- values and the schema -----------------------------------------------------------------
+
+
+INVALID_VALUES = [
+    ("broker.replicas=0", "replicas"),
+    ("broker.config.policy.borrow_share=2", "borrow_share"),
+    ("broker.config.no_such_setting=1", "no_such_setting"),
+    ("broker.config.listen=0.0.0.0:1", "listen"),
+    ("no_such_value=1", "no_such_value"),
+    ("redis.mode=cluster", "mode"),
+    ("redis.mode=external", "url"),
+    ("redis.external.url=redis://:secret@host:6379/0", "url"),
+    ("agent.roles={gpu}", "roles"),
+    ("agent.engineMetricsUrl=ftp://node/metrics", "engineMetricsUrl"),
+    ("observability.logLevel=verbose", "logLevel"),
+    ("observability.serviceMonitor.interval=often", "interval"),
+    ("broker.grpcPort=70000", "grpcPort"),
+    ("securityContext.runAsUser=0", "runAsUser"),
+    ("broker.antiAffinity=always", "antiAffinity"),
+]
+
+
+@needs_helm
+@pytest.mark.parametrize(("setting", "named"), INVALID_VALUES)
+def test_invalid_values_are_refused_by_the_schema(setting: str, named: str) -> None:
+    result = helm("template", "cf", str(CHART), "--set", setting)
+    assert result.returncode != 0, f"{setting} was accepted"
+    assert "schema" in result.stderr or "required" in result.stderr, result.stderr
+    assert named in result.stderr, result.stderr
+
+
+def test_schema_is_generated_from_the_current_models() -> None:
+    result = subprocess.run(
+        [sys.executable, "scripts/gen_helm_schema.py", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_values_yaml_is_the_models_defaults() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gen_helm_schema
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    values = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    assert gen_helm_schema.ChartValues().model_dump(mode="json") == values
+    for name in VALUE_FILES:
+        gen_helm_schema.ChartValues.model_validate(
+            yaml.safe_load((VALUES_DIR / name).read_text(encoding="utf-8"))
+        )
+
+
+def test_values_yaml_documents_every_value() -> None:
+    lines = (CHART / "values.yaml").read_text(encoding="utf-8").splitlines()
+    undocumented = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "- ")) or ":" not in stripped:
+            continue
+        indent = len(line) - len(line.lstrip())
+        above = lines[i - 1].strip() if i else ""
+        parent_is_list_item = i and lines[i - 1].lstrip().startswith("- ")
+        if parent_is_list_item or (indent and lines[i - 1].strip().startswith("- ")):
+            continue
+        if not above.startswith("#"):
+            undocumented.append(stripped.split(":")[0])
+    # Entries inside default lists/maps (tolerations, resource quantities) are examples, not
+    # values of their own; every key at a values level needs its comment.
+    allowed = {"key", "operator", "effect", "cpu", "memory", "nvidia.com/gpu.present"}
+    assert [k for k in undocumented if k not in allowed] == []
+
+
+@needs_helm
+def test_broker_configmap_loads_with_the_broker_settings(tmp_path: Path) -> None:
+    from crossflow_ctl.broker.config import load_settings
+
+    for values in (None, *VALUE_FILES):
+        docs = render(*values_args(values))
+        cms = [d for d in docs if d["kind"] == "ConfigMap" and "broker.yaml" in d["data"]]
+        config = tmp_path / "broker.yaml"
+        config.write_text(cms[0]["data"]["broker.yaml"], encoding="utf-8")
+        settings = load_settings(config, {"redis_url": "redis://127.0.0.1:6379/0"})
+        assert settings.listen == "0.0.0.0:50051"
+
+
+@needs_helm
+def test_agent_configmap_loads_with_the_agent_settings(tmp_path: Path) -> None:
+    from crossflow_agent.settings import load_settings
+
+    for values in (None, *VALUE_FILES):
+        docs = render(*values_args(values))
+        cms = [d for d in docs if d["kind"] == "ConfigMap" and "agent.yaml" in d["data"]]
+        if not cms:
+            continue
+        config = tmp_path / "agent.yaml"
+        config.write_text(cms[0]["data"]["agent.yaml"], encoding="utf-8")
+        # What the DaemonSet's environment adds per node.
+        settings = load_settings(config, {"node_id": "gpu-node-1", "role": "decode"})
+        assert settings.metrics_listen == "0.0.0.0:9465"
+        assert settings.brokers == ["cf-crossflow-broker.serving.svc:50051"]
+
+
+@needs_helm
+def test_broker_command_is_what_the_broker_cli_accepts() -> None:
+    from crossflow_ctl.broker.__main__ import parse_args
+
+    [broker] = find(render(), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert broker["command"][0] == "crossflow-broker"
+    args = parse_args(broker["command"][1:])
+    assert args.command == "serve"
+    assert str(args.config) == "/etc/crossflow/broker.yaml"
