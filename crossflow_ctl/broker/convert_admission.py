@@ -197,7 +197,10 @@ def _plan_reason(a_reason: Reason, msg: admission_pb2.AdmitResponse) -> Reason:
     """The plan's own reason: the answer's, unless the answer was overridden after planning."""
     if a_reason not in (Reason.SHADOW_MODE, Reason.DRY_RUN):
         return a_reason
-    if not msg.explanation.demand.holds:
+    demand = msg.explanation.demand
+    if demand.pool_wait_ms < 0:
+        return Reason.POOL_LOAD_MISSING
+    if not demand.holds:
         return Reason.NO_DEMAND
     verdicts = {reason_from_proto(n.verdict) for n in msg.explanation.nodes}
     for reason in (Reason.BORROWED, Reason.NO_ROOM, Reason.NO_BENEFIT):

@@ -1,0 +1,68 @@
+"""BrokerSettings: defaults < YAML < CROSSFLOW_* env < CLI flags; refused values name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from crossflow_ctl.broker.__main__ import overrides_from, parse_args
+from crossflow_ctl.broker.config import BrokerSettings, load_settings
+from crossflow_ctl.domain.errors import ConfigError
+
+
+def test_sources_layer_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "b.yaml"
+    cfg.write_text(
+        "listen: 127.0.0.1:7000\nredis_url: redis://file:6379/0\n"
+        "policy:\n  borrow_share: 0.3\n  demand_threshold_ms: 10\n"
+    )
+    monkeypatch.setenv("CROSSFLOW_POLICY__BORROW_SHARE", "0.4")
+    monkeypatch.setenv("CROSSFLOW_REDIS_URL", "redis://env:6379/0")
+    args = parse_args(["serve", "--config", str(cfg), "--listen", "127.0.0.1:0"])
+    s = load_settings(args.config, overrides_from(args))
+    assert s.listen == "127.0.0.1:0"  # flag beats file
+    assert s.redis_url == "redis://env:6379/0"  # env beats file
+    assert s.policy.borrow_share == 0.4  # nested env beats nested file
+    assert s.policy.demand_threshold_ms == 10  # file beats default, merged not replaced
+    embedded = load_settings(None, overrides_from(parse_args(["serve", "--embedded-store"])))
+    assert embedded.redis_url is None
+
+
+@pytest.mark.parametrize(
+    ("env", "field"),
+    [
+        ({"CROSSFLOW_POLICY__BORROW_SHARE": "2"}, "policy.borrow_share"),
+        ({"CROSSFLOW_LISTEN": "nowhere"}, "listen"),
+        ({"CROSSFLOW_REDIS_URL": "http://x"}, "redis_url"),
+        (
+            {"CROSSFLOW_POLICY__COMMIT_TTL_MS": "5", "CROSSFLOW_POLICY__BORROW_HORIZON_MS": "10"},
+            "policy",
+        ),
+        ({"CROSSFLOW_MAX_MESSAGE_BYTES": "-1"}, "max_message_bytes"),
+    ],
+)
+def test_refused_settings_name_the_field(env, field, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    assert err.value.field is not None and err.value.field.startswith(field), err.value
+
+
+def test_unreadable_or_unknown_config(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(tmp_path / "missing.yaml")
+    assert err.value.field == "config"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("no_such_setting: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(bad)
+    assert err.value.field == "no_such_setting"
+
+
+def test_json_schema_for_helm() -> None:
+    schema = BrokerSettings.model_json_schema()
+    assert {"listen", "redis_url", "policy", "max_message_bytes"} <= set(schema["properties"])
+    policy = schema["$defs"]["PolicySettings"]["properties"]
+    assert policy["borrow_share"]["maximum"] == 1.0

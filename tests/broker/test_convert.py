@@ -1,0 +1,201 @@
+"""The proto <-> domain bridge: every crossflow.v1 message has a mirror or is declared wire-only,
+and every mirrored value survives a round trip."""
+
+from __future__ import annotations
+
+from crossflow_ctl.api.v1 import admin_pb2, admission_pb2, common_pb2, lease_pb2
+from crossflow_ctl.broker import convert as c
+from crossflow_ctl.broker import convert_admission as ca
+from crossflow_ctl.domain.admission import (
+    Admission,
+    AdmissionRequest,
+    Decision,
+    Reason,
+    plan_admission,
+)
+from crossflow_ctl.domain.models import (
+    Credits,
+    Lease,
+    NodeInfo,
+    NodeRole,
+    NodeState,
+    Notice,
+    NoticeKind,
+    PoolLoad,
+    PoolSnapshot,
+    Reservation,
+    ReservationState,
+    StoredLease,
+    ZeroReason,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+
+NOW = 1_700_000_000_000
+CREDITS = Credits(compute_tokens=1, kv_tokens=2, kv_transfer_bytes=3, output_tokens=4, slots=5)
+LEASE = Lease(
+    node_id="d1",
+    epoch=3,
+    version=9,
+    ttl_ms=1500,
+    credits=CREDITS,
+    queue_wait_ms=1.5,
+    borrowed_prefill_rate_tps=9000.0,
+    itl_ms=20.0,
+    itl_slo_ms=40.0,
+    last_notice_seq=7,
+    snapshot_unix_ms=NOW,
+)
+ZERO = Lease(
+    node_id="d1",
+    epoch=3,
+    version=10,
+    ttl_ms=1500,
+    zero_reason=ZeroReason.CORDONED,
+    zero_detail="ops",
+)
+LOAD = PoolLoad(
+    pool="p",
+    node_id="p1",
+    outstanding_uncached_tokens=50_000,
+    processing_rate_tps=10_000.0,
+    prefill_rate_tps=5_000.0,
+    ttl_ms=2_000,
+    queued_requests=3,
+)
+
+
+def test_every_message_has_a_mirror_or_is_wire_only() -> None:
+    names = {
+        d.full_name
+        for module in (common_pb2, lease_pb2, admin_pb2, admission_pb2)
+        for d in module.DESCRIPTOR.message_types_by_name.values()
+    }
+    missing = names - set(ca.MIRRORS) - set(ca.WIRE_ONLY)
+    assert not missing, f"messages without a mirror: {sorted(missing)}"
+    assert not (set(ca.MIRRORS) & set(ca.WIRE_ONLY))
+    assert not (set(ca.MIRRORS) | set(ca.WIRE_ONLY)) - names, "stale entries"
+
+
+def test_every_enum_value_maps_both_ways() -> None:
+    pairs = [
+        (common_pb2.ZeroReason, "ZERO_REASON_", ZeroReason),
+        (common_pb2.NodeRole, "NODE_ROLE_", NodeRole),
+        (lease_pb2.NoticeKind, "NOTICE_KIND_", NoticeKind),
+        (admin_pb2.ReservationState, "RESERVATION_STATE_", ReservationState),
+        (admission_pb2.Reason, "REASON_", Reason),
+        (admission_pb2.Decision, "DECISION_", Decision),
+    ]
+    for wrapper, prefix, cls in pairs:
+        wire = {n[len(prefix) :] for n in wrapper.keys()} - {"UNSPECIFIED"}  # noqa: SIM118
+        assert wire == {m.name for m in cls}, cls
+        for member in cls:
+            number = c.enum_to_proto(member, wrapper, prefix)
+            assert c.enum_from_proto(number, wrapper, prefix, cls, "f") is member
+
+
+def test_common_and_admin_round_trips() -> None:
+    assert c.credits_from_proto(c.credits_to_proto(CREDITS)) == CREDITS
+    for lease in (LEASE, ZERO):
+        assert c.lease_from_proto(c.lease_to_proto(lease)) == lease
+    assert c.pool_load_from_proto(c.pool_load_to_proto(LOAD)) == LOAD
+    notice = Notice(
+        node_id="d1", seq=4, kind=NoticeKind.RELEASE, reservation_id="r", debit=CREDITS, at_ms=NOW
+    )
+    assert c.notice_from_proto(c.notice_to_proto(notice), "d1") == notice
+    res = Reservation(
+        reservation_id="r@d1",
+        node_id="d1",
+        state=ReservationState.RELEASED,
+        debit=CREDITS,
+        lease_epoch=3,
+        lease_version=9,
+        created_at_ms=NOW,
+        expires_at_ms=NOW + 5,
+        grant_seq=4,
+        release_seq=6,
+        request_id="q",
+    )
+    assert c.reservation_from_proto(c.reservation_to_proto(res)) == res
+    state = NodeState(
+        info=NodeInfo(
+            node_id="d1",
+            role=NodeRole.DECODE,
+            pool="p",
+            cordoned=True,
+            labels={"zone": "a"},
+            notice_seq=6,
+        ),
+        lease=StoredLease(lease=LEASE, received_at_ms=NOW, expires_at_ms=NOW + 1500),
+        open_debits=CREDITS,
+        open_reservations=2,
+    )
+    assert c.node_state_from_proto(c.node_status_to_proto(state, NOW, 1.0)) == state
+    bare = NodeState(info=NodeInfo(node_id="d2"))
+    assert c.node_state_from_proto(c.node_status_to_proto(bare, NOW, 1.0)) == bare
+    pool = PoolSnapshot(pool="p", reports=(LOAD,))
+    assert c.pool_from_proto(c.pool_to_proto(pool)) == pool
+    policy = PolicySettings(borrow_share=0.3, shadow_mode=True)
+    assert c.policy_from_json(c.policy_to_json(policy)) == policy
+
+
+def test_admission_round_trips() -> None:
+    req = AdmissionRequest(
+        request_id="q",
+        uncached_prompt_tokens=100,
+        cached_prefix_tokens=50,
+        cached_prefix_node_id="d1",
+        expected_output_tokens=10,
+        candidate_node_ids=("d1", "d2"),
+        dry_run=True,
+        pool="p",
+    )
+    assert ca.admit_request_from_proto(ca.admit_request_to_proto(req)) == req
+    policy = PolicySettings(borrow_share=1.0)
+    nodes = [
+        NodeState(
+            info=NodeInfo(node_id="d1"),
+            lease=StoredLease(
+                lease=LEASE.model_copy(
+                    update={
+                        "credits": Credits(
+                            compute_tokens=10_000,
+                            kv_tokens=10_000,
+                            kv_transfer_bytes=10**9,
+                            output_tokens=1_000,
+                            slots=4,
+                        )
+                    }
+                ),
+                received_at_ms=NOW,
+                expires_at_ms=NOW + 1500,
+            ),
+        ),
+        NodeState(info=NodeInfo(node_id="d2")),
+    ]
+    for pool in (PoolSnapshot(pool="p", reports=(LOAD,)), None):
+        plan = plan_admission(req, pool, nodes, policy, NOW)
+        borrow = Admission(
+            decision=Decision.BORROW,
+            reason=Reason.BORROWED,
+            message="m",
+            node_id="d1",
+            reservation_id="r@d1",
+            lease_epoch=3,
+            lease_version=9,
+            expires_at_ms=NOW,
+            predicted_ttft_ms=5.0,
+            normal_ttft_ms=9.0,
+            plan=plan,
+        )
+        normal = Admission.normal(plan.reason, plan.summary(), plan)
+        shadow = Admission.normal(Reason.SHADOW_MODE, "s", plan).model_copy(
+            update={"shadow_decision": Decision.BORROW}
+        )
+        failed = Admission.normal(Reason.STORE_UNAVAILABLE, "down")
+        answers = [normal, shadow, failed]
+        if pool is not None:
+            assert plan.reason is Reason.BORROWED
+            answers.append(borrow)
+        for adm in answers:
+            back = ca.admission_from_proto(ca.admission_to_proto(adm))
+            assert back == adm, adm.reason
