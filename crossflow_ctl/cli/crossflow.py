@@ -1,0 +1,151 @@
+"""``crossflow``: the one-command local cluster (``crossflow demo``)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import click
+
+from crossflow_ctl.cli.common import run_cli
+from crossflow_ctl.cli.exit_codes import CliError, ExitCode
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Crossflow: decode nodes lend spare room to prompt work through revocable leases."""
+
+
+@cli.command()
+@click.option(
+    "--prefill",
+    type=click.IntRange(1, 16),
+    default=2,
+    show_default=True,
+    help="Prefill servers (fake engines).",
+)
+@click.option(
+    "--decode",
+    type=click.IntRange(1, 32),
+    default=4,
+    show_default=True,
+    help="Decode servers (fake engines), each with its agent.",
+)
+@click.option(
+    "--redis",
+    "redis_url",
+    metavar="URL",
+    default=None,
+    help="Use this Redis as the store (own key prefix) instead of the embedded one.",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="A trace file (../shared/traces); default: bundled synthetic.",
+)
+@click.option(
+    "--max-requests",
+    type=click.IntRange(1, 100_000),
+    default=400,
+    show_default=True,
+    help="Requests read from --trace.",
+)
+@click.option(
+    "--sessions",
+    type=click.IntRange(1, 10_000),
+    default=24,
+    show_default=True,
+    help="Top-level sessions of the synthetic trace.",
+)
+@click.option("--seed", type=int, default=7, show_default=True, help="Synthetic trace seed.")
+@click.option(
+    "--load",
+    type=click.FloatRange(min=0.05, max=20.0),
+    default=2.0,
+    show_default=True,
+    help="Synthetic trace: prompt tokens x this.",
+)
+@click.option(
+    "--duration-s",
+    type=click.FloatRange(min=0.5),
+    default=None,
+    help="Stop after this many seconds (default: when the trace is done).",
+)
+@click.option(
+    "--speed",
+    type=click.FloatRange(min=0.01, max=1000.0),
+    default=1.0,
+    show_default=True,
+    help="Trace seconds per wall second.",
+)
+@click.option(
+    "--prefill-slowdown",
+    type=click.FloatRange(min=0.01, max=1000.0),
+    default=4.0,
+    show_default=True,
+    help="Step-time multiplier of the fake prefill engines.",
+)
+@click.option(
+    "--view",
+    type=click.Choice(["auto", "live", "plain", "none"]),
+    default="auto",
+    show_default=True,
+    help="live: redraw in place; plain: print frames; none: summary.",
+)
+@click.option(
+    "--log-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Keep the children's logs here (default: a temporary folder).",
+)
+def demo(
+    prefill: int,
+    decode: int,
+    redis_url: str | None,
+    trace_path: Path | None,
+    max_requests: int,
+    sessions: int,
+    seed: int,
+    load: float,
+    duration_s: float | None,
+    speed: float,
+    prefill_slowdown: float,
+    view: str,
+    log_dir: Path | None,
+) -> None:
+    """Run a whole cluster on loopback and replay a trace through it.
+
+    Broker, fake engines and real agents start as child processes; a router replays the trace
+    through the Admission API and a live view shows nodes, credits and borrowing. Ctrl-C stops
+    everything cleanly; the summary compares the run with the same trace on static P/D."""
+    from crossflow_ctl.demo.run import Demo, DemoOptions
+    from crossflow_ctl.demo.trace import load_trace, synthetic_agentic
+
+    trace = (
+        load_trace(trace_path, max_requests)
+        if trace_path is not None
+        else synthetic_agentic(sessions=sessions, seed=seed, scale=load)
+    )
+    live = view == "live" or (view == "auto" and sys.stdout.isatty())
+    opts = DemoOptions(
+        trace=trace,
+        prefill=prefill,
+        decode=decode,
+        redis_url=redis_url,
+        duration_s=duration_s,
+        speed=speed,
+        live=live,
+        quiet=view == "none",
+        prefill_slowdown=prefill_slowdown,
+        log_dir=log_dir,
+    )
+    code = asyncio.run(Demo(opts).run())
+    if code:
+        raise CliError("demo failed", ExitCode.ERROR)
+
+
+def main() -> None:
+    sys.exit(run_cli(cli, prog_name="crossflow"))

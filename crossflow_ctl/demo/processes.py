@@ -1,0 +1,105 @@
+"""Child processes of the demo: the broker, fake engines and node agents, on loopback.
+
+Each child runs in its own session (so a terminal's Ctrl-C reaches only the demo, which then
+stops them in order), logs to a file in the demo's log folder, and is stopped with SIGTERM, then
+SIGKILL after a grace period. Ports are chosen by the children themselves (port 0) and read back
+from the line each prints once serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from crossflow_ctl.domain.errors import CrossflowError
+
+STOP_GRACE_S = 5.0
+
+
+class DemoError(CrossflowError):
+    """A part of the local cluster failed to start or went away."""
+
+
+def executable(name: str) -> str:
+    """A console script of this install (next to the interpreter, else on PATH)."""
+    beside = Path(sys.executable).with_name(name)
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise DemoError(f"{name} is not installed (pip install -e .)")
+    return found
+
+
+@dataclass
+class Child:
+    name: str
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    address: str = ""
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(text[-lines:])
+
+
+@dataclass
+class Children:
+    """Every child of the demo, stopped in reverse start order."""
+
+    log_dir: Path
+    started: list[Child] = field(default_factory=list)
+
+    async def spawn(self, name: str, argv: list[str], ready_prefix: str, timeout_s: float) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        with log_path.open("wb") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+                stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        child = Child(name, proc, log_path)
+        self.started.append(child)
+        if not ready_prefix:
+            return child
+        assert proc.stdout is not None
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    line = (await proc.stdout.readline()).decode(errors="replace")
+                    if not line:
+                        raise DemoError(f"{name} exited before serving: {child.log_tail()}")
+                    if line.startswith(ready_prefix):
+                        child.address = line.removeprefix(ready_prefix).strip()
+                        return child
+        except TimeoutError:
+            raise DemoError(f"{name} did not start within {timeout_s:.0f} s") from None
+
+    def dead(self) -> list[Child]:
+        return [c for c in self.started if c.proc.returncode is not None]
+
+    async def stop(self, names: list[str] | None = None) -> None:
+        """SIGTERM, wait, SIGKILL what is left; newest first."""
+        targets = [c for c in reversed(self.started) if names is None or c.name in names]
+        for child in targets:
+            if child.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
+        for child in targets:
+            try:
+                async with asyncio.timeout(STOP_GRACE_S):
+                    await child.proc.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.kill()
+                await child.proc.wait()

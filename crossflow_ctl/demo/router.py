@@ -1,0 +1,251 @@
+"""The demo's router: replays a trace through the Admission API and drives the fake engines.
+
+For each released turn it calls Admit. BORROW: Commit, send the whole request to the chosen
+decode node's engine (its prompt marked borrowed), Release when the router's model says the
+borrowed prefill is done. NORMAL: send the prompt to the least-busy prefill engine, then the
+decode to a decode engine. TTFT comes from :mod:`crossflow_ctl.demo.model`; a session's next turn
+is released when this one finished plus its think time (closed loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import structlog
+
+from crossflow_ctl.client import AdmissionClient
+from crossflow_ctl.demo.model import ClusterModel, ModelParams, Release, first_releases
+from crossflow_ctl.demo.trace import Trace, Turn
+from crossflow_ctl.domain.admission import Admission, Decision, Reason
+from crossflow_ctl.domain.errors import CrossflowError
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class Engine:
+    node_id: str
+    url: str
+
+
+@dataclass
+class RouterStats:
+    released: int = 0
+    finished: int = 0
+    borrowed: int = 0
+    admit_errors: int = 0
+    engine_errors: int = 0
+    ttft_ms: list[float] = field(default_factory=list)
+    ttft_by_request: dict[tuple[str, int], float] = field(default_factory=dict)
+    borrowed_ttft_ms: list[float] = field(default_factory=list)
+    borrowed_by_node: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, int] = field(default_factory=dict)
+    uncached_tokens: int = 0
+    borrowed_uncached_tokens: int = 0
+
+    @property
+    def borrowed_share(self) -> float:
+        return self.borrowed / self.released if self.released else 0.0
+
+
+class Router:
+    def __init__(
+        self,
+        trace: Trace,
+        admission: AdmissionClient,
+        prefill: list[Engine],
+        decode: list[Engine],
+        params: ModelParams,
+        *,
+        speed: float = 1.0,
+    ) -> None:
+        self.trace = trace
+        self.admission = admission
+        self.prefill = prefill
+        self.decode = {e.node_id: e for e in decode}
+        self.params = params
+        self.speed = speed
+        self.model = ClusterModel(params)
+        self.stats = RouterStats()
+        self.open_reservations: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._heap: list[tuple[float, int, Release]] = []
+        self._seq = itertools.count()
+        self._decode_rr = itertools.cycle(sorted(self.decode))
+        self._wake = asyncio.Event()
+        self._t0 = 0.0
+        self._http = httpx.AsyncClient(timeout=2.0)
+
+    def now_s(self) -> float:
+        """Trace seconds since the replay began."""
+        return (time.monotonic() - self._t0) * self.speed
+
+    def _push(self, at_s: float, release: Release) -> None:
+        heapq.heappush(self._heap, (at_s, next(self._seq), release))
+        self._wake.set()
+
+    @property
+    def done(self) -> bool:
+        return not self._heap and not self._tasks
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Replay until the trace is done or ``stop`` is set."""
+        self._t0 = time.monotonic()
+        for r in first_releases(self.trace, self.params):
+            self._push(r.at_s, r)
+        try:
+            while not stop.is_set() and not self.done:
+                if not self._heap:
+                    self._wake.clear()
+                    await _wait_any(stop, self._wake, timeout_s=0.5)
+                    continue
+                at_s, _, rel = self._heap[0]
+                delay = (at_s - self.now_s()) / self.speed
+                if delay > 0:
+                    self._wake.clear()
+                    await _wait_any(stop, self._wake, timeout_s=min(delay, 0.5))
+                    continue
+                heapq.heappop(self._heap)
+                self._spawn(self._handle(rel))
+        finally:
+            await self.close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Cancel what is in flight, release every reservation still open, close HTTP."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for rid in list(self.open_reservations):
+            with contextlib.suppress(CrossflowError):
+                await self.admission.release(rid, "cancelled")
+            self.open_reservations.discard(rid)
+        await self._http.aclose()
+
+    async def _handle(self, rel: Release) -> None:
+        turn = rel.session.turns[rel.index]
+        arrival = self.now_s()
+        self.stats.released += 1
+        self.stats.uncached_tokens += turn.uncached_tokens
+        try:
+            admission = await self.admission.admit(
+                request_id=f"{rel.session.session_id}/{rel.index}",
+                uncached_prompt_tokens=turn.uncached_tokens,
+                cached_prefix_tokens=turn.cached_tokens,
+                expected_output_tokens=turn.output_tokens,
+            )
+        except CrossflowError as exc:
+            self.stats.admit_errors += 1
+            log.warning("demo.admit_failed", error=str(exc))
+            admission = Admission.normal(Reason.STORE_UNAVAILABLE, str(exc))
+        self.stats.reasons[admission.reason.value] = (
+            self.stats.reasons.get(admission.reason.value, 0) + 1
+        )
+        if admission.decision is Decision.BORROW and admission.node_id in self.decode:
+            ttft_s = await self._borrow(turn, admission, arrival)
+        else:
+            ttft_s = await self._normal(turn, arrival)
+        self.stats.ttft_ms.append(ttft_s * 1000.0)
+        self.stats.ttft_by_request[(rel.session.session_id, rel.index)] = ttft_s * 1000.0
+        finish = arrival + ttft_s + self.model.decode_s(turn)
+        await self._sleep_until(finish)
+        self.stats.finished += 1
+        if rel.index + 1 < len(rel.session.turns):
+            nxt = rel.session.turns[rel.index + 1]
+            self._push(finish + nxt.think_s, Release(0.0, rel.session, rel.index + 1))
+
+    async def _borrow(self, turn: Turn, a: Admission, arrival: float) -> float:
+        rid = a.reservation_id
+        self.open_reservations.add(rid)
+        try:
+            await self.admission.commit(rid)
+        except CrossflowError:
+            # Expired or refused between Admit and Commit: take the normal path instead.
+            self.open_reservations.discard(rid)
+            return await self._normal(turn, arrival)
+        self.stats.borrowed += 1
+        self.stats.borrowed_uncached_tokens += turn.uncached_tokens
+        self.stats.borrowed_by_node[a.node_id] = self.stats.borrowed_by_node.get(a.node_id, 0) + 1
+        service_ms = a.predicted_ttft_ms
+        if a.plan is not None:
+            for check in a.plan.nodes:
+                if check.node_id == a.node_id:
+                    service_ms = check.service_ms
+        ttft_s = self.model.borrowed(arrival, a.node_id, service_ms / 1000.0)
+        self.stats.borrowed_ttft_ms.append(ttft_s * 1000.0)
+        await self._post(self.decode[a.node_id], turn, borrowed=True)
+        self._spawn(self._release_at(rid, arrival + ttft_s))
+        return ttft_s
+
+    async def _release_at(self, rid: str, at_s: float) -> None:
+        await self._sleep_until(at_s)
+        try:
+            await self.admission.release(rid, "finished")
+        except CrossflowError as exc:
+            log.warning("demo.release_failed", reservation_id=rid, error=str(exc))
+        self.open_reservations.discard(rid)
+
+    async def _normal(self, turn: Turn, arrival: float) -> float:
+        idx, ttft_s = self.model.normal(arrival, turn)
+        await self._post(self.prefill[idx % len(self.prefill)], turn, prefill_only=True)
+        self._spawn(self._decode_after(turn, arrival + ttft_s))
+        return ttft_s
+
+    async def _decode_after(self, turn: Turn, at_s: float) -> None:
+        await self._sleep_until(at_s)
+        await self._post(self.decode[next(self._decode_rr)], turn, kv_arrived=True)
+
+    async def _post(
+        self,
+        engine: Engine,
+        turn: Turn,
+        *,
+        borrowed: bool = False,
+        prefill_only: bool = False,
+        kv_arrived: bool = False,
+    ) -> None:
+        prompt = max(1, turn.uncached_tokens + turn.cached_tokens)
+        body = {
+            "prompt_tokens": prompt,
+            # The normal path's decode arrives with its KV: no prompt work left on the node.
+            "cached_tokens": prompt if kv_arrived else min(turn.cached_tokens, prompt),
+            "output_tokens": 1 if prefill_only else max(1, turn.output_tokens),
+            "borrowed": borrowed,
+        }
+        try:
+            resp = await self._http.post(f"{engine.url}/requests", json=body)
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            self.stats.engine_errors += 1
+            log.warning("demo.engine_post_failed", engine=engine.node_id, error=str(exc))
+
+    async def _sleep_until(self, at_s: float) -> None:
+        delay = (at_s - self.now_s()) / self.speed
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+async def _wait_any(stop: asyncio.Event, wake: asyncio.Event, timeout_s: float) -> None:
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(wake.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        for w in waiters:
+            with contextlib.suppress(asyncio.CancelledError):
+                await w

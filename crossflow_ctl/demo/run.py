@@ -1,0 +1,282 @@
+"""``crossflow demo``: a whole Crossflow cluster on loopback, one command.
+
+Starts the broker (embedded store, or ``--redis``), fake engines (SGLang-format /metrics), one
+real ``crossflow-agent run`` per engine streaming to the broker over gRPC, then replays a trace
+through the Admission API while a live view polls the Admin API. Ends on its own when the trace
+is done (or ``--duration-s`` passed), or on Ctrl-C/SIGTERM; stops every child and prints a
+summary comparing the run with the same trace on static P/D.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from crossflow_ctl.client import AdminClient, AdmissionClient
+from crossflow_ctl.demo.model import ModelParams, replay_static
+from crossflow_ctl.demo.processes import Children, DemoError, executable
+from crossflow_ctl.demo.router import Engine, Router
+from crossflow_ctl.demo.trace import Trace
+from crossflow_ctl.demo.view import CLEAR, Observations, frame, summary
+from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, StepShape, step_time_s
+from crossflow_ctl.domain.models import NodeRole
+
+START_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    trace: Trace
+    prefill: int = 2
+    decode: int = 4
+    redis_url: str | None = None
+    duration_s: float | None = None
+    speed: float = 1.0
+    refresh_s: float = 1.0
+    live: bool = True
+    """Redraw the view in place (a terminal); otherwise print a frame every few refreshes."""
+    quiet: bool = False
+    model: str = "gpt-oss-120b"
+    node: str = "h200"
+    prefill_slowdown: float = 1.0
+    """Step-time multiplier of the fake prefill engines (1: same hardware as decode)."""
+    period_ms: int = 200
+    log_dir: Path | None = None
+
+
+def prefill_rate_tps(opts: DemoOptions, chunk_tokens: int = 8192) -> float:
+    """What one fake prefill engine processes per second (same roofline as the engine)."""
+    dt = step_time_s(
+        MODEL_PRESETS[opts.model], NODE_PRESETS[opts.node], StepShape(prefill_tokens=chunk_tokens)
+    )
+    return chunk_tokens / (dt * opts.prefill_slowdown)
+
+
+class Demo:
+    def __init__(self, opts: DemoOptions, out: TextIO = sys.stdout) -> None:
+        self.opts = opts
+        self.out = out
+        self.stop = asyncio.Event()
+        self.children: Children | None = None
+        self.obs = Observations()
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop.set)
+        with contextlib.ExitStack() as stack:
+            log_dir = self.opts.log_dir or Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="crossflow-demo-"))
+            )
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.children = Children(log_dir)
+            try:
+                return await self._run()
+            finally:
+                await self.children.stop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    async def _run(self) -> int:
+        assert self.children is not None
+        o = self.opts
+        split = f"{o.prefill}P{o.decode}D"
+        self.say(
+            f"crossflow demo: {split} on loopback, trace {o.trace.name} "
+            f"({o.trace.requests} requests), logs in {self.children.log_dir}"
+        )
+        broker = await self._start_broker()
+        prefill, decode = await self._start_engines()
+        await self._start_agents(broker, prefill, decode)
+        async with AdminClient(broker, timeout_s=2.0) as admin:
+            await self._wait_ready(admin, len(prefill), len(decode))
+            if self.stop.is_set():
+                return 0
+            params = ModelParams(
+                prefill_servers=o.prefill,
+                decode_servers=o.decode,
+                prefill_rate_tps=prefill_rate_tps(o),
+            )
+            async with AdmissionClient(broker, timeout_s=1.0, fail_closed=True) as admission:
+                router = Router(o.trace, admission, prefill, decode, params, speed=o.speed)
+                started = time.monotonic()
+                await self._replay(router, admin, started)
+                elapsed = time.monotonic() - started
+            static = replay_static(o.trace, params)
+        self.say(summary(o.trace.name, split, elapsed, router.stats, static, self.obs))
+        return 0
+
+    async def _start_broker(self) -> str:
+        assert self.children is not None
+        argv = [executable("crossflow-broker"), "serve", "--listen", "127.0.0.1:0"]
+        if self.opts.redis_url:
+            argv += [
+                "--redis-url",
+                self.opts.redis_url,
+                "--redis-namespace",
+                f"crossflow-demo-{uuid.uuid4().hex[:8]}",
+            ]
+        else:
+            argv += ["--embedded-store"]
+        child = await self.children.spawn("broker", argv, "listening on ", START_TIMEOUT_S)
+        return child.address
+
+    async def _start_engines(self) -> tuple[list[Engine], list[Engine]]:
+        assert self.children is not None
+        o = self.opts
+        names = [(f"prefill-{i + 1}", NodeRole.PREFILL) for i in range(o.prefill)]
+        names += [(f"decode-{i + 1}", NodeRole.DECODE) for i in range(o.decode)]
+        argv = [
+            executable("crossflow-agent"),
+            "fake-engine",
+            "--port",
+            "0",
+            "--model",
+            o.model,
+            "--node",
+            o.node,
+        ]
+        spawned = await asyncio.gather(
+            *(
+                self.children.spawn(
+                    f"engine-{name}",
+                    [*argv, "--model-name", name],
+                    "fake engine serving ",
+                    START_TIMEOUT_S,
+                )
+                for name, _ in names
+            )
+        )
+        engines = [
+            (Engine(name, child.address.removesuffix("/metrics")), role)
+            for (name, role), child in zip(names, spawned, strict=True)
+        ]
+        prefill = [e for e, role in engines if role is NodeRole.PREFILL]
+        if o.prefill_slowdown != 1.0:
+            import httpx
+
+            async with httpx.AsyncClient(timeout=5.0) as http:
+                for e in prefill:
+                    resp = await http.post(
+                        f"{e.url}/control", json={"slowdown": o.prefill_slowdown}
+                    )
+                    resp.raise_for_status()
+        return prefill, [e for e, role in engines if role is NodeRole.DECODE]
+
+    async def _start_agents(self, broker: str, prefill: list[Engine], decode: list[Engine]) -> None:
+        assert self.children is not None
+        o = self.opts
+        base = [
+            executable("crossflow-agent"),
+            "run",
+            "--broker",
+            broker,
+            "--source",
+            "sglang",
+            "--model",
+            o.model,
+            "--node",
+            o.node,
+            "--period-ms",
+            str(o.period_ms),
+            "--log-level",
+            "warning",
+        ]
+        jobs = []
+        for role, engines in ((NodeRole.PREFILL, prefill), (NodeRole.DECODE, decode)):
+            for e in engines:
+                argv = [
+                    *base,
+                    "--node-id",
+                    e.node_id,
+                    "--role",
+                    role.value,
+                    "--metrics-url",
+                    f"{e.url}/metrics",
+                ]
+                jobs.append(self.children.spawn(f"agent-{e.node_id}", argv, "", START_TIMEOUT_S))
+        await asyncio.gather(*jobs)
+
+    async def _wait_ready(self, admin: AdminClient, prefill: int, decode: int) -> None:
+        """Until every decode node has a lease and every prefill server reports load."""
+        assert self.children is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.stop.is_set():
+            dead = self.children.dead()
+            if dead:
+                raise DemoError(f"{dead[0].name} exited: {dead[0].log_tail()}")
+            with contextlib.suppress(Exception):
+                nodes = await admin.list_nodes()
+                pools = await admin.list_pools()
+                leased = sum(
+                    1
+                    for n in nodes
+                    if n.state.info.role is NodeRole.DECODE and n.state.lease is not None
+                )
+                reporting = sum(len(p.reports) for p in pools)
+                if leased >= decode and reporting >= prefill:
+                    self.say(
+                        f"cluster ready: {leased} decode nodes leasing, "
+                        f"{reporting} prefill servers reporting"
+                    )
+                    return
+            if time.monotonic() > deadline:
+                raise DemoError(
+                    f"the cluster was not ready after {START_TIMEOUT_S:.0f} s "
+                    f"(logs in {self.children.log_dir})"
+                )
+            await asyncio.sleep(0.2)
+
+    async def _replay(self, router: Router, admin: AdminClient, started: float) -> None:
+        o = self.opts
+        replay = asyncio.create_task(router.run(self.stop))
+        frames = 0
+        try:
+            while not replay.done():
+                done, _ = await asyncio.wait({replay}, timeout=o.refresh_s)
+                if done:
+                    break
+                elapsed = time.monotonic() - started
+                if o.duration_s is not None and elapsed >= o.duration_s:
+                    self.stop.set()
+                await self._tick(router, admin, elapsed, frames)
+                frames += 1
+        finally:
+            self.stop.set()
+            await replay
+
+    async def _tick(self, router: Router, admin: AdminClient, elapsed: float, frames: int) -> None:
+        try:
+            nodes = await admin.list_nodes()
+            pools = await admin.list_pools()
+        except Exception as exc:  # the view must not end the demo
+            self.say(f"(live view: admin call failed: {exc})")
+            return
+        self.obs.observe(nodes, int(time.time() * 1000))
+        if self.opts.quiet:
+            return
+        text = frame(
+            "crossflow demo",
+            elapsed,
+            router.stats,
+            nodes,
+            pools,
+            self.obs,
+            self.opts.trace.requests,
+        )
+        if self.opts.live:
+            self.out.write(CLEAR + text + "\n")
+            self.out.flush()
+        elif frames % 3 == 0:
+            self.say(text + "\n")

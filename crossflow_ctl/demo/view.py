@@ -1,0 +1,159 @@
+"""The demo's live view and final summary, as plain text (redrawn in place on a terminal)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from crossflow_ctl.client import NodeView
+from crossflow_ctl.demo.model import StaticResult, mean, percentile
+from crossflow_ctl.demo.router import RouterStats
+from crossflow_ctl.domain.models import NodeRole, PoolSnapshot
+
+CLEAR = "\x1b[H\x1b[2J"
+
+
+@dataclass
+class Observations:
+    """What the view saw over the run, from the Admin API."""
+
+    polls: int = 0
+    leases_seen: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
+    itl_ms: list[float] = field(default_factory=list)
+    over_commits: list[str] = field(default_factory=list)
+    max_open_reservations: int = 0
+    zero_leases: int = 0
+
+    def observe(self, nodes: list[NodeView], now_ms: int) -> None:
+        self.polls += 1
+        open_total = 0
+        for view in nodes:
+            node = view.state
+            stored = node.lease
+            if node.info.role is not NodeRole.DECODE or stored is None:
+                continue
+            lease = stored.lease
+            self.leases_seen.setdefault(node.info.node_id, set()).add((lease.epoch, lease.version))
+            open_total += node.open_reservations
+            if stored.expired(now_ms) or lease.zero_reason is not None:
+                self.zero_leases += 1
+                continue
+            if lease.itl_ms > 0:
+                self.itl_ms.append(lease.itl_ms)
+            # Invariant 3: open debits never exceed the node's live lease, credit by credit.
+            over = lease.credits.short_of(node.open_debits)
+            if over:
+                self.over_commits.append(f"{node.info.node_id}: {', '.join(over)}")
+        self.max_open_reservations = max(self.max_open_reservations, open_total)
+
+    @property
+    def lease_updates(self) -> int:
+        return sum(len(v) for v in self.leases_seen.values())
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.1f}%"
+
+
+def frame(
+    title: str,
+    elapsed_s: float,
+    stats: RouterStats,
+    nodes: list[NodeView],
+    pools: list[PoolSnapshot],
+    obs: Observations,
+    total_requests: int,
+) -> str:
+    lines = [
+        f"{title}   t={elapsed_s:5.1f}s   requests {stats.released}/{total_requests} released, "
+        f"{stats.finished} done",
+        f"borrowed {stats.borrowed} ({_pct(stats.borrowed_share)} of prompts, "
+        f"{_pct(stats.borrowed_uncached_tokens / max(1, stats.uncached_tokens))} of uncached "
+        f"tokens)   TTFT mean {mean(stats.ttft_ms):.0f} ms p99 {percentile(stats.ttft_ms, 99):.0f} "
+        f"ms   ITL mean {mean(obs.itl_ms):.1f} ms (leases)",
+    ]
+    for pool in pools:
+        wait = pool.estimated_wait_ms()
+        lines.append(
+            f"prefill pool {pool.pool}: {len(pool.reports)} servers, "
+            f"{pool.outstanding_uncached_tokens} tokens outstanding, "
+            f"{pool.processing_rate_tps:.0f} tokens/s, wait "
+            + (f"{wait:.0f} ms" if wait is not None else "?")
+        )
+    lines.append("")
+    header = f"{'NODE':<10} {'ROLE':<8} {'STATUS':<22} {'LEASE':>8} {'COMPUTE':>8} {'KV':>8} "
+    header += f"{'SLOTS':>5} {'OPEN':>4} {'BORROWED':>8} {'ITL-MS':>7}"
+    lines.append(header)
+    for view in nodes:
+        node = view.state
+        stored = node.lease
+        status = "Ready"
+        if node.info.cordoned:
+            status = "Cordoned"
+        elif stored is None:
+            status = "NoLease" if node.info.role is NodeRole.DECODE else "-"
+        elif view.lease_expired:
+            status = "Expired"
+        elif stored.lease.zero_reason is not None:
+            status = f"Zero({stored.lease.zero_reason.value})"
+        lease = f"v{stored.lease.version}" if stored else "-"
+        a = view.available
+        itl = f"{stored.lease.itl_ms:.1f}" if stored else "-"
+        lines.append(
+            f"{node.info.node_id:<10} {node.info.role.value:<8} {status:<22} {lease:>8} "
+            f"{a.compute_tokens:>8} {a.kv_tokens:>8} {a.slots:>5} {node.open_reservations:>4} "
+            f"{stats.borrowed_by_node.get(node.info.node_id, 0):>8} {itl:>7}"
+        )
+    return "\n".join(lines)
+
+
+def summary(
+    trace_name: str,
+    split: str,
+    elapsed_s: float,
+    stats: RouterStats,
+    static: StaticResult,
+    obs: Observations,
+) -> str:
+    # Compare the same requests: those the run finished admitting (all of them when the trace
+    # ran to its end), looked up by session and turn in the static replay.
+    common = [key for key in stats.ttft_by_request if key in static.ttft_by_request]
+    ttft = [stats.ttft_by_request[key] for key in common]
+    base = [static.ttft_by_request[key] for key in common]
+    m, bm = mean(ttft), mean(base)
+    p50, bp50 = percentile(ttft, 50), percentile(base, 50)
+    p99, bp99 = percentile(ttft, 99), percentile(base, 99)
+
+    def change(new: float, old: float) -> str:
+        return f"{100.0 * (new - old) / old:+.1f}%" if old > 0 else "n/a"
+
+    rows = [
+        ("", "leases (this run)", f"static {split} (same requests)", "change"),
+        ("requests", str(len(ttft)), str(len(base)), ""),
+        ("borrowed prompts", f"{stats.borrowed} ({_pct(stats.borrowed_share)})", "0", ""),
+        ("TTFT mean (ms)", f"{m:.0f}", f"{bm:.0f}", change(m, bm)),
+        ("TTFT p50 (ms)", f"{p50:.0f}", f"{bp50:.0f}", change(p50, bp50)),
+        ("TTFT p99 (ms)", f"{p99:.0f}", f"{bp99:.0f}", change(p99, bp99)),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    table = "\n".join(
+        "  " + "   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+    verdict = (
+        "none"
+        if not obs.over_commits
+        else f"{len(obs.over_commits)} (" + "; ".join(obs.over_commits[:3]) + ")"
+    )
+    itl = f"{mean(obs.itl_ms):.1f} ms mean, {max(obs.itl_ms, default=0.0):.1f} ms max"
+    return "\n".join(
+        [
+            f"Summary: {trace_name} on {split}, {elapsed_s:.1f} s",
+            table,
+            f"  leases: {obs.lease_updates} distinct lease versions seen from "
+            f"{len(obs.leases_seen)} decode nodes; over-committed nodes seen: {verdict}",
+            f"  decode ITL reported in leases: {itl}",
+            "  admission reasons: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items())),
+            "  (TTFT on both sides comes from the demo router's queueing model of this cluster;"
+            " the static column replays the same requests with nothing borrowed.)",
+        ]
+    )
