@@ -40,8 +40,8 @@ LEASE_RESULTS = frozenset({"accepted", "stale", "invalid"})
 RESERVATION_EVENTS = frozenset({"commit", "release", "expire"})
 STORE_OPERATIONS = frozenset(
     {
-        "admit", "debit", "commit", "release", "lease", "pool_load", "register", "read",
-        "policy", "notices", "cordon", "expire",
+        "admit", "admission_view", "debit", "commit", "release", "lease", "pool_load",
+        "register", "read", "policy", "notices", "cordon", "expire", "admin", "list_nodes",
     }
 )  # fmt: skip
 SCRAPE_FAILURES = frozenset({"unreachable", "timeout", "http_error", "parse", "implausible"})

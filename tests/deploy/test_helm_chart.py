@@ -383,3 +383,15 @@ def test_broker_command_is_what_the_broker_cli_accepts() -> None:
     args = parse_args(broker["command"][1:])
     assert args.command == "serve"
     assert str(args.config) == "/etc/crossflow/broker.yaml"
+
+
+@needs_helm
+def test_agent_command_is_what_the_agent_cli_accepts() -> None:
+    from crossflow_agent.cli import cli
+
+    ds = find(render(), "DaemonSet", "cf-crossflow-agent-decode")
+    [agent] = ds["spec"]["template"]["spec"]["containers"]
+    assert agent["command"][:2] == ["crossflow-agent", "run"]
+    run = cli.commands["run"]
+    ctx = run.make_context("run", list(agent["command"][2:]))
+    assert str(ctx.params["config_file"]) == "/etc/crossflow/agent.yaml"

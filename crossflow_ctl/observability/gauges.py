@@ -1,0 +1,78 @@
+"""The broker's state gauges, refreshed from the store on a period.
+
+Open reservations, borrowed tokens and per-node available credit are shared state (every replica
+sees the same store), so each replica polls the store rather than counting its own grants:
+:func:`refresh_node_gauges` once, :func:`poll_node_gauges` until a stop event. The caller passes
+a function listing the nodes (``Broker.list_nodes``), so this module needs no broker import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import structlog
+
+from crossflow_ctl.domain.errors import CrossflowError
+from crossflow_ctl.domain.models import NodeRole, NodeState
+from crossflow_ctl.observability.instruments import BrokerMetrics
+
+log = structlog.get_logger(__name__)
+
+ListNodes = Callable[[], Awaitable[Sequence[NodeState]]]
+
+
+class NodeGauges:
+    """Pushes a node listing into the gauges and forgets nodes that disappeared."""
+
+    def __init__(self, metrics: BrokerMetrics, now_ms: Callable[[], int], share: float = 1.0):
+        self.metrics = metrics
+        self.now_ms = now_ms
+        self.share = share
+        self._known: set[str] = set()
+
+    def update(self, nodes: Sequence[NodeState]) -> None:
+        now = self.now_ms()
+        open_reservations = 0
+        borrowed_tokens = 0
+        seen: set[str] = set()
+        for node in nodes:
+            open_reservations += node.open_reservations
+            borrowed_tokens += node.open_debits.compute_tokens
+            if node.info.role is not NodeRole.DECODE:
+                continue
+            seen.add(node.info.node_id)
+            self.metrics.set_node_credits(node.info.node_id, node.available(now, self.share))
+        for gone in self._known - seen:
+            self.metrics.forget_node(gone)
+        self._known = seen
+        self.metrics.set_open_reservations(open_reservations)
+        self.metrics.set_borrowed_tokens(borrowed_tokens)
+
+
+async def refresh_node_gauges(gauges: NodeGauges, list_nodes: ListNodes) -> bool:
+    """One refresh; False (and a store error counted) when the listing failed."""
+    started = time.perf_counter()
+    try:
+        nodes = await list_nodes()
+    except CrossflowError as exc:
+        gauges.metrics.record_store_operation("list_nodes", time.perf_counter() - started, ok=False)
+        log.warning("metrics.node_refresh_failed", error=str(exc))
+        return False
+    gauges.metrics.record_store_operation("list_nodes", time.perf_counter() - started)
+    gauges.update(nodes)
+    return True
+
+
+async def poll_node_gauges(
+    gauges: NodeGauges, list_nodes: ListNodes, interval_s: float, stop: asyncio.Event
+) -> None:
+    """Refresh every ``interval_s`` until ``stop`` is set (run it under the supervisor)."""
+    while not stop.is_set():
+        await refresh_node_gauges(gauges, list_nodes)
+        try:
+            async with asyncio.timeout(interval_s):
+                await stop.wait()
+        except TimeoutError:
+            pass
