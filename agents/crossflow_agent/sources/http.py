@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import httpx
@@ -41,6 +42,7 @@ class PrometheusSource:
         timeout_s: float = 1.0,
         clock: Clock | None = None,
         client: httpx.AsyncClient | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url = url
         self.name = reader.name
@@ -49,6 +51,7 @@ class PrometheusSource:
         self._own_client = client is None
         self._client = client or httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._window = Window()
+        self._monotonic = monotonic
 
     async def fetch(self) -> str:
         try:
@@ -66,7 +69,7 @@ class PrometheusSource:
     async def scrape(self) -> EngineSnapshot:
         text = await self.fetch()
         taken_at_ms = self._clock.now_ms()
-        return read_text(self._reader, self._window, text, taken_at_ms, time.monotonic())
+        return read_text(self._reader, self._window, text, taken_at_ms, self._monotonic())
 
     async def aclose(self) -> None:
         if self._own_client:

@@ -1,0 +1,259 @@
+"""The agent loop and its stream against real brokers (gRPC on loopback) over real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from crossflow_agent.agent import Agent
+from crossflow_agent.settings import AgentSettings
+from crossflow_agent.sources.http import PrometheusSource
+from crossflow_agent.sources.sglang import SGLangReader
+from crossflow_ctl.broker.config import BrokerSettings
+from crossflow_ctl.broker.server import BrokerServer, make_store
+from crossflow_ctl.client.admin import AdminClient
+from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
+from crossflow_ctl.domain.models import Lease, ZeroReason
+from crossflow_ctl.domain.telemetry import EngineSnapshot
+from tests.agent.conftest import MetricsServer, fixture_text
+
+pytestmark = pytest.mark.redis
+
+MODEL, NODE = MODEL_PRESETS["gpt-oss-120b"], NODE_PRESETS["h200"]
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], what: str, limit_s: float = 10.0) -> Any:
+    """Poll ``check`` until it returns something truthy (the limit only stops a hang)."""
+    async with asyncio.timeout(limit_s):
+        while True:
+            value = await check()
+            if value:
+                return value
+            await asyncio.sleep(0.02)
+    raise AssertionError(what)  # pragma: no cover
+
+
+class Brokers:
+    def __init__(self, redis_url: str, namespace: str) -> None:
+        self.redis_url, self.namespace = redis_url, namespace
+        self.servers: list[BrokerServer] = []
+
+    async def start(self) -> str:
+        settings = BrokerSettings(
+            listen="127.0.0.1:0",
+            redis_url=self.redis_url,
+            redis_namespace=self.namespace,
+            notice_block_ms=100,
+            stream_grace_s=0.5,
+        )
+        server = BrokerServer(settings, make_store(settings))
+        port = await server.start()
+        self.servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    async def stop(self, server: BrokerServer) -> None:
+        if server in self.servers:
+            self.servers.remove(server)
+            await server.stop(grace_s=0.5)
+
+
+@pytest.fixture
+async def brokers(redis_url: str, redis_namespace: str) -> AsyncIterator[Brokers]:
+    b = Brokers(redis_url, redis_namespace)
+    try:
+        yield b
+    finally:
+        for server in list(b.servers):
+            await b.stop(server)
+
+
+class Running:
+    def __init__(self, agent: Agent, task: asyncio.Task[None], stop: asyncio.Event) -> None:
+        self.agent, self.task, self.stop_event = agent, task, stop
+
+    async def stop(self) -> None:
+        self.stop_event.set()
+        await self.task
+
+
+@contextlib.asynccontextmanager
+async def running_agent(
+    metrics_server: MetricsServer, targets: list[str], **kw: Any
+) -> AsyncIterator[Running]:
+    settings = AgentSettings(
+        node_id=kw.pop("node_id", "n1"),
+        brokers=targets,
+        metrics_url=metrics_server.url,
+        period_ms=50,
+        backoff_initial_ms=20,
+        backoff_max_ms=100,
+        shutdown_grace_ms=1000,
+    )
+    source = PrometheusSource(settings.metrics_url, SGLangReader())
+    agent = Agent(settings, source, MODEL, NODE, **kw)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    run = Running(agent, task, stop)
+    try:
+        yield run
+    finally:
+        if not task.done():
+            await run.stop()
+        await source.aclose()
+
+
+async def stored(admin: AdminClient, node_id: str = "n1") -> Lease | None:
+    view = await admin.get_node(node_id)
+    return None if view.node.state.lease is None else view.node.state.lease.lease
+
+
+async def test_leases_reach_the_broker_and_cordon_zeroes_them(brokers, metrics_server) -> None:
+    metrics_server.text = fixture_text("sglang_t0.prom")
+    target = await brokers.start()
+    async with AdminClient(target) as admin, running_agent(metrics_server, [target]) as run:
+
+        async def live_credit() -> Lease | None:
+            with contextlib.suppress(Exception):
+                lease = await stored(admin)
+                if lease is not None and not lease.credits.is_zero():
+                    return lease
+            return None
+
+        first = await eventually(live_credit, "a lease with credit")
+        assert first.epoch == run.agent.epoch and first.zero_reason is None
+        assert first.itl_slo_ms == 50.0 and first.ttl_ms == 150
+
+        await admin.cordon("n1", reason="test")
+
+        async def cordoned_lease() -> Lease | None:
+            lease = await stored(admin)
+            return lease if lease and lease.zero_reason is ZeroReason.CORDONED else None
+
+        zero = await eventually(cordoned_lease, "a CORDONED zero lease")
+        assert zero.credits.is_zero() and zero.version > first.version
+        # the agent had seen the cordon notice before the snapshot behind this lease
+        assert zero.last_notice_seq >= 1 and run.agent.stream.state.cordoned
+
+        await admin.uncordon("n1")
+        again = await eventually(live_credit, "credit after uncordon")
+        assert again.version > zero.version and again.last_notice_seq > zero.last_notice_seq
+
+        await run.stop()
+        final = await stored(admin)
+        assert final is not None and final.zero_reason is ZeroReason.SHUTTING_DOWN
+
+
+async def test_scrape_failure_gives_a_zero_lease_at_the_next_period(
+    brokers, metrics_server
+) -> None:
+    metrics_server.text = fixture_text("sglang_t0.prom")
+    target = await brokers.start()
+    async with AdminClient(target) as admin, running_agent(metrics_server, [target]) as run:
+        await eventually(lambda: _has_credit(admin), "a lease with credit")
+        await metrics_server.close()  # the engine's metrics server goes away
+        # the first lease computed after the failure is zero, whatever the clock says
+        before = run.agent.version
+
+        async def zero() -> Lease | None:
+            lease = await stored(admin)
+            if lease and lease.zero_reason is ZeroReason.TELEMETRY_MISSING:
+                return lease
+            return None
+
+        lease = await eventually(zero, "a TELEMETRY_MISSING lease")
+        assert lease.version <= before + 2
+        assert "unreachable" in lease.zero_detail
+
+
+async def _has_credit(admin: AdminClient) -> bool:
+    with contextlib.suppress(Exception):
+        lease = await stored(admin)
+        return lease is not None and not lease.credits.is_zero()
+    return False
+
+
+async def test_reconnects_to_the_next_broker_and_the_lease_stays_current(
+    brokers, metrics_server
+) -> None:
+    metrics_server.text = fixture_text("sglang_t0.prom")
+    first, second = await brokers.start(), await brokers.start()
+    async with AdminClient(second) as admin, running_agent(metrics_server, [first, second]) as run:
+        await eventually(lambda: _has_credit(admin), "a lease via the first broker")
+        assert run.agent.stream.state.endpoint == first
+        await brokers.stop(brokers.servers[0])
+
+        async def moved() -> bool:
+            return run.agent.stream.state.connected and run.agent.stream.state.endpoint == second
+
+        await eventually(moved, "a session on the second broker")
+        version = run.agent.version
+
+        async def newer() -> bool:
+            lease = await stored(admin)
+            return bool(lease and lease.version > version and not lease.credits.is_zero())
+
+        await eventually(newer, "a newer lease through the second broker")
+        assert run.agent.stream.state.sessions == 2
+
+
+async def test_a_stale_epoch_or_version_is_moved_past(brokers, metrics_server) -> None:
+    metrics_server.text = fixture_text("sglang_t0.prom")
+    target = await brokers.start()
+    async with AdminClient(target) as admin:
+        async with running_agent(metrics_server, [target]) as run:
+            await eventually(lambda: _has_credit(admin), "a lease")
+            epoch = run.agent.epoch
+        old = await stored(admin)
+        assert old is not None and old.epoch == epoch
+        # a process whose clock went back starts with an older epoch: refused as stale,
+        # then it moves past the stored epoch rather than stay refused forever
+        async with running_agent(metrics_server, [target], epoch=epoch - 10_000) as run:
+
+            async def recovered() -> Lease | None:
+                lease = await stored(admin)
+                ok = lease and lease.epoch == epoch + 1 and not lease.credits.is_zero()
+                return lease if ok else None
+
+            await eventually(recovered, "a lease in epoch + 1")
+            assert run.agent.stream.state.refused >= 1
+
+
+class SeqBumpingSource:
+    """A source during whose scrape a notice arrives (the stream state moves on)."""
+
+    name = "test"
+
+    def __init__(self, agent_ref: list[Agent], snapshot: EngineSnapshot) -> None:
+        self.agent_ref, self.snapshot = agent_ref, snapshot
+
+    async def scrape(self) -> EngineSnapshot:
+        self.agent_ref[0].stream.state.last_notice_seq += 5
+        return self.snapshot.model_copy(update={"taken_at_ms": self.agent_ref[0].clock.now_ms()})
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_lease_carries_the_notice_seq_seen_before_its_snapshot() -> None:
+    settings = AgentSettings(node_id="n1", brokers=["127.0.0.1:1"])
+    snapshot = EngineSnapshot(
+        taken_at_ms=0,
+        running_requests=4,
+        kv_used_tokens=1000,
+        kv_total_tokens=100_000,
+        decode_context_tokens=1000,
+    )
+    ref: list[Agent] = []
+    agent = Agent(settings, SeqBumpingSource(ref, snapshot), MODEL, NODE)
+    ref.append(agent)
+    agent.stream.state.last_notice_seq = 7
+    lease = await agent.tick()
+    assert lease is not None and lease.zero_reason is None
+    assert lease.last_notice_seq == 7  # not 12: notice 8..12 may postdate the snapshot
+    assert agent.stream.state.last_notice_seq == 12
+    second = await agent.tick()
+    assert second is not None and second.last_notice_seq == 12 and second.version == 2
