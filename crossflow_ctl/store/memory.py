@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from crossflow_ctl.domain.models import (
+    CREDIT_NAMES,
     Credits,
     Lease,
     NodeInfo,
@@ -274,10 +275,17 @@ class MemoryStore(Store):
                 return refuse("expired")
             if stored.lease.is_zero:
                 return refuse("zero_lease")
-            available = stored.lease.credits.scaled(share).minus(
-                self._state(node, now_ms).open_debits
+            # Not Credits.minus: it floors at zero, and open debits above a shrunken lease
+            # must leave no room, not zero room (a zero debit would then pass).
+            open_debits = self._state(node, now_ms).open_debits.as_tuple()
+            limit = stored.lease.credits.as_tuple()
+            short = tuple(
+                name
+                for name, have, used, need in zip(
+                    CREDIT_NAMES, limit, open_debits, debit.as_tuple(), strict=True
+                )
+                if need > int(have * share) - used
             )
-            short = tuple(available.short_of(debit))
             if short:
                 return refuse("short", short)
             rid = new_reservation_id(node_id, self._rng.getrandbits(128))

@@ -83,6 +83,8 @@ async def test_new_lease_replaces_credit_never_adds(store: Store) -> None:
     # A smaller lease leaves no room at all while the old debits are open.
     await store.upsert_lease(lease(version=3, value=50), NOW + 20, MAX_TTL)
     assert not (await store.try_debit("d1", credits(1), 1.0, NOW + 20, 5_000)).granted
+    # Open debits above the new lease leave less than no room: even an empty debit is refused.
+    assert (await store.try_debit("d1", Credits(), 1.0, NOW + 20, 5_000)).refusal == "short"
 
 
 # -- §5.5 expiry -------------------------------------------------------------------------------
