@@ -14,6 +14,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -167,7 +168,7 @@ def load_settings(
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "settings"
         raise ConfigError(f"invalid setting: {err['msg']}", field=field) from None
-    except (OSError, ValueError) as exc:  # an unreadable or malformed YAML file
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # an unreadable or malformed YAML file
         raise ConfigError(f"cannot read config file {config_file}: {exc}", field="config") from None
     finally:
         _config_file.reset(token)
