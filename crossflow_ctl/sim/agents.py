@@ -44,6 +44,7 @@ class DecodeAgent:
         self.last_tokens = 0
         self.zero_leases = 0
         self.leases = 0
+        self.zero_reasons: dict[str, int] = {}
 
     def snapshot(self, t: float, now_ms: int) -> EngineSnapshot:
         s = self.server
@@ -90,7 +91,10 @@ class DecodeAgent:
             last_notice_seq=self.last_notice_seq,
         )
         self.leases += 1
-        self.zero_leases += lease.zero_reason is not None
+        if lease.zero_reason is not None:
+            self.zero_leases += 1
+            why = lease.zero_reason.value
+            self.zero_reasons[why] = self.zero_reasons.get(why, 0) + 1
         await broker.ingest_lease(lease)
 
 

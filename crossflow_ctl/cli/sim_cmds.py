@@ -1,0 +1,291 @@
+"""``crossflowctl sim`` (trace-driven simulation report) and ``crossflowctl plan`` (sizing)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+
+from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
+from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.sizing import (
+    SizingPlan,
+    plan_from_ratios,
+    plan_sizing,
+    recommend_split,
+    rho_from_model,
+)
+from crossflow_ctl.sim.config import PolicyKind, SimConfig, parse_split
+from crossflow_ctl.sim.metrics import RunRecord, summarize
+from crossflow_ctl.sim.prefix_cache import CacheScope
+from crossflow_ctl.sim.ratios import trace_ratios
+from crossflow_ctl.sim.report import write_report
+from crossflow_ctl.sim.sweep import RunSpec, plan_runs, run_sweep
+from crossflow_ctl.sim.synthetic import AgenticSpec, generate_agentic
+from crossflow_ctl.sim.traces import Trace, load_trace
+
+FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+
+
+def _floats(text: str, field: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgument(
+            f"{text!r} is not a comma-separated list of numbers", field=field
+        ) from None
+    if not values or any(v <= 0 for v in values):
+        raise InvalidArgument("give positive numbers", field=field)
+    return values
+
+
+def _splits(text: str) -> list[tuple[int, int]]:
+    return [parse_split(x) for x in text.split(",") if x.strip()]
+
+
+def _policies(text: str) -> list[PolicyKind]:
+    try:
+        return [PolicyKind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgument(
+            f"policies are {[p.value for p in PolicyKind]}", field="policies"
+        ) from None
+
+
+def _quiet_logs() -> None:
+    """The broker domain class logs every grant at info; a simulation wants warnings only."""
+    from crossflow_ctl.observability.logs import setup_logging
+
+    setup_logging(json=False, level="warning")
+
+
+@click.command("sim")
+@click.option("--trace", "traces", multiple=True, type=FILE, help="Trace file (repeatable).")
+@click.option("--synthetic", is_flag=True, help="Add the synthetic agentic generator.")
+@click.option("--synthetic-duration-s", default=3600.0, show_default=True)
+@click.option("--load", "loads", default="1,4,16", show_default=True, help="Time compression.")
+@click.option(
+    "--splits",
+    default="1P5D,2P4D,3P3D,4P2D,5P1D",
+    show_default=True,
+    help="Splits for the static policy.",
+)
+@click.option(
+    "--borrow-splits",
+    default="2P4D,4P2D",
+    show_default=True,
+    help="Splits for the threshold and leases policies.",
+)
+@click.option("--policies", default="static,threshold,leases", show_default=True)
+@click.option("--warmup-s", default=300.0, show_default=True, help="Trace seconds not measured.")
+@click.option("--limit", type=int, help="Only the first N requests of each trace.")
+@click.option(
+    "--model", type=click.Choice(sorted(MODEL_PRESETS)), default="gpt-oss-120b", show_default=True
+)
+@click.option(
+    "--hardware", type=click.Choice(sorted(NODE_PRESETS)), default="h200", show_default=True
+)
+@click.option("--kv-capacity-tokens", default=1_000_000, show_default=True)
+@click.option(
+    "--cache-scope",
+    type=click.Choice([c.value for c in CacheScope]),
+    default="cluster",
+    show_default=True,
+)
+@click.option("--session-rate", type=float, help="Top-level sessions per second (session traces).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--jobs", default=min(2, os.cpu_count() or 1), show_default=True)
+@click.option("--redis", "redis_url", help="Run on a RedisStore at this URL (one job).")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Output folder (default ./reports/sim-<UTC time>).",
+)
+def sim(
+    traces: Sequence[Path],
+    synthetic: bool,
+    synthetic_duration_s: float,
+    loads: str,
+    splits: str,
+    borrow_splits: str,
+    policies: str,
+    warmup_s: float,
+    limit: int | None,
+    model: str,
+    hardware: str,
+    kv_capacity_tokens: int,
+    cache_scope: str,
+    session_rate: float | None,
+    seed: int,
+    jobs: int,
+    redis_url: str | None,
+    out: Path | None,
+) -> None:
+    """Replay traces through a simulated P/D cluster; write a markdown report with plots."""
+    if not traces and not synthetic:
+        raise click.UsageError("give --trace FILE and/or --synthetic")
+    _quiet_logs()
+    loaded: list[Trace] = []
+    for path in traces:
+        trace = load_trace(path, limit=limit, seed=seed)
+        if session_rate is not None and trace.closed_loop:
+            from crossflow_ctl.sim.traces import load_sessions
+
+            trace = load_sessions(path, session_rate_per_s=session_rate, seed=seed, limit=limit)
+        loaded.append(trace.with_warmup(warmup_s))
+    if synthetic:
+        spec = AgenticSpec(duration_s=synthetic_duration_s)
+        trace = generate_agentic(spec, seed=seed)
+        if limit is not None:
+            trace = trace.head(limit)
+        loaded.append(trace.with_warmup(warmup_s))
+    base = SimConfig(
+        model=model,
+        hardware=hardware,
+        kv_capacity_tokens=kv_capacity_tokens,
+        cache_scope=CacheScope(cache_scope),
+        seed=seed,
+    )
+    runs = plan_runs(
+        loaded,
+        _floats(loads, "load"),
+        base,
+        _splits(splits),
+        _splits(borrow_splits),
+        _policies(policies),
+    )
+    out_dir = out or Path("reports") / datetime.now(UTC).strftime("sim-%Y%m%d-%H%M%S")
+    started = time.perf_counter()
+    total = sum(len(r.trace.requests) for r in runs)
+    click.echo(f"{len(runs)} runs, {total:,} simulated requests, {jobs} job(s)", err=True)
+    with click.progressbar(length=total, label="simulating", file=sys.stderr) as bar:
+
+        def done(rec: RunRecord) -> None:
+            bar.update(next(len(r.trace.requests) for r in runs if r.trace.name == rec.trace))
+
+        if redis_url:
+            records = asyncio.run(_run_on_redis(runs, redis_url, done))
+        else:
+            records = run_sweep(runs, jobs=jobs, on_done=done)
+    wall = time.perf_counter() - started
+    command = "crossflowctl " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    path = write_report(out_dir, records, base, command=command, show_wall=True)
+    for s in (summarize(r) for r in records):
+        click.echo(
+            f"{s.trace} {s.scale:g}x {s.label}: TTFT mean {s.ttft_mean_ms:.0f} ms, "
+            f"out {s.output_tps:.0f} tok/s, borrowed {s.borrowed_share * 100:.1f} %, "
+            f"over-commit {s.overcommits}"
+        )
+    click.echo(f"report: {path} ({len(runs)} runs in {wall:.1f} s)")
+
+
+async def _run_on_redis(runs: Sequence[RunSpec], url: str, done: object) -> list[RunRecord]:
+    from redis.asyncio import Redis
+
+    from crossflow_ctl.sim.cluster import simulate
+    from crossflow_ctl.store.redis_store import RedisStore
+
+    records = []
+    client = Redis.from_url(url)
+    try:
+        for spec in runs:
+            namespace = f"crossflow-sim-{uuid.uuid4().hex[:12]}"
+            store = RedisStore(client, namespace)
+            try:
+                rec = await simulate(spec.trace, spec.config, store)
+            finally:
+                await store.close()
+                keys = [k async for k in client.scan_iter(match=f"{namespace}*", count=1000)]
+                if keys:
+                    await client.delete(*keys)
+            rec.scale = spec.load
+            records.append(rec)
+            if callable(done):
+                done(rec)
+    finally:
+        await client.aclose()
+    return records
+
+
+# -- plan ------------------------------------------------------------------------------------
+
+
+def _p(x: float) -> str:
+    return f"{x * 100:.1f}"
+
+
+def format_plan(plan: SizingPlan, fleet: int) -> list[str]:
+    advice = recommend_split(plan, fleet)
+    covered = "covered" if plan.leases_cover_peak else "NOT covered: leases cannot carry the peak"
+    return [
+        f"rho                         = {plan.rho:.4g}",
+        f"R p5 / p50 / p95            = {plan.r_p5:.1f} / {plan.r_p50:.1f} / {plan.r_p95:.1f}",
+        f"f = rho R / (1 + rho R)     = {_p(plan.f_p5)} / {_p(plan.f_p50)} / {_p(plan.f_p95)} %",
+        f"static purchase             = {_p(plan.static_purchase)} %"
+        f"  (prefill at f(p95) {_p(plan.f_p95)} % + decode at 1 - f(p5) {_p(1 - plan.f_p5)} %)",
+        f"leased purchase             = {_p(plan.leased_purchase)} %"
+        f"  (prefill at f(p50) {_p(plan.f_p50)} % + decode at 1 - f(p5) {_p(1 - plan.f_p5)} %)",
+        f"idle points                 = {_p(plan.static_idle_points)} -> "
+        f"{_p(plan.leased_idle_points)} points",
+        f"stranded capacity           = {_p(plan.static_stranded)} -> "
+        f"{_p(plan.leased_stranded)} % of what is bought",
+        f"at the prefill peak         : prefill short {_p(plan.borrow_need_points)} points, "
+        f"decode free {_p(plan.decode_free_points)} points ({covered})",
+        f"recommended split ({fleet} nodes): static "
+        f"{advice.label(advice.static_prefill_nodes)}, with leases "
+        f"{advice.label(advice.leased_prefill_nodes)}",
+    ]
+
+
+@click.command("plan")
+@click.option("--rho", type=float, help="Decode / prefill per-token throughput (default: model).")
+@click.option("--r-p5", type=float)
+@click.option("--r-p50", type=float)
+@click.option("--r-p95", type=float)
+@click.option("--trace", type=FILE, help="Take R per window (or per session) from a trace.")
+@click.option("--window-s", default=60.0, show_default=True)
+@click.option("--fleet", default=6, show_default=True, help="Servers, for the split advice.")
+@click.option(
+    "--model", type=click.Choice(sorted(MODEL_PRESETS)), default="gpt-oss-120b", show_default=True
+)
+@click.option(
+    "--hardware", type=click.Choice(sorted(NODE_PRESETS)), default="h200", show_default=True
+)
+def plan(
+    rho: float | None,
+    r_p5: float | None,
+    r_p50: float | None,
+    r_p95: float | None,
+    trace: Path | None,
+    window_s: float,
+    fleet: int,
+    model: str,
+    hardware: str,
+) -> None:
+    """Size prefill and decode pools, static and with leases (f = rho R / (1 + rho R))."""
+    if rho is None:
+        est = rho_from_model(MODEL_PRESETS[model], NODE_PRESETS[hardware])
+        rho = est.rho
+        click.echo(
+            f"rho from the model ({model} on {hardware}): decode {est.decode_tps:,.0f} tok/s at "
+            f"batch {est.decode_batch} x {est.context_tokens} context / prefill "
+            f"{est.prefill_tps:,.0f} tok/s"
+        )
+    if trace is not None:
+        ratios = trace_ratios(load_trace(trace), window_s)
+        click.echo(f"R from {trace.name}: {len(ratios)} windows")
+        sizing = plan_from_ratios(rho, ratios)
+    else:
+        if r_p5 is None or r_p50 is None or r_p95 is None:
+            raise click.UsageError("give --r-p5, --r-p50 and --r-p95, or --trace FILE")
+        sizing = plan_sizing(rho, r_p5, r_p50, r_p95)
+    for line in format_plan(sizing, fleet):
+        click.echo(line)

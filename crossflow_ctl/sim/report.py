@@ -1,0 +1,243 @@
+"""The simulator's report: markdown tables and PNG plots in one folder.
+
+matplotlib is imported lazily (``sim`` or ``dev`` extra); without it the report has its tables
+and says the plots were skipped. Nothing here reads the clock: the same records give the same
+report, byte for byte (wall times are shown only when ``show_wall`` is set).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from crossflow_ctl.sim.config import SimConfig
+from crossflow_ctl.sim.metrics import RunRecord, Summary, summarize
+from crossflow_ctl.sim.sweep import Comparison, rel
+
+
+def _f(x: float, digits: int = 0) -> str:
+    return "n/a" if not math.isfinite(x) else f"{x:,.{digits}f}"
+
+
+def _pct(x: float) -> str:
+    return "n/a" if not math.isfinite(x) else f"{x * 100:+.1f} %"
+
+
+def runs_table(summaries: Sequence[Summary], show_wall: bool = False) -> list[str]:
+    head = (
+        "| trace | load | config | TTFT mean / p50 / p99 (ms) | ITL mean / p99 (ms) "
+        "| in tok/s | out tok/s | SLO ok | stranded | borrowed | over-commit |"
+    )
+    lines = [head + (" wall s |" if show_wall else "")]
+    lines.append("|---" * (11 + show_wall) + "|")
+    for s in summaries:
+        row = (
+            f"| {s.trace} | {s.scale:g}x | {s.label} "
+            f"| {_f(s.ttft_mean_ms)} / {_f(s.ttft_p50_ms)} / {_f(s.ttft_p99_ms)} "
+            f"| {_f(s.itl_mean_ms, 1)} / {_f(s.itl_p99_ms, 1)} "
+            f"| {_f(s.input_tps)} | {_f(s.output_tps)} | {s.slo_attainment * 100:.1f} % "
+            f"| {s.stranded * 100:.1f} % | {s.borrowed_share * 100:.1f} % | {s.overcommits} |"
+        )
+        lines.append(row + (f" {s.wall_s:.1f} |" if show_wall else ""))
+    return lines
+
+
+def key_table(summaries: Sequence[Summary]) -> list[str]:
+    """Leases and the heuristic on 2P4D / 4P2D against the best static split."""
+    cmp = Comparison(summaries)
+    lines = [
+        "| trace | load | best static | config | in tok/s vs best | out tok/s vs best "
+        "| TTFT mean vs best | ITL mean vs best | SLO ok (best static) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for trace, load in cmp.groups():
+        best = cmp.best_static(trace, load)
+        if best is None:
+            continue
+        for label in ("2P4D/leases", "4P2D/leases", "2P4D/threshold", "4P2D/threshold"):
+            s = cmp.find(trace, load, label)
+            if s is None:
+                continue
+            lines.append(
+                f"| {trace} | {load:g}x | {best.label} | {label} "
+                f"| {_pct(rel(s.input_tps, best.input_tps))} "
+                f"| {_pct(rel(s.output_tps, best.output_tps))} "
+                f"| {_pct(rel(s.ttft_mean_ms, best.ttft_mean_ms))} "
+                f"| {_pct(rel(s.itl_mean_ms, best.itl_mean_ms))} "
+                f"| {s.slo_attainment * 100:.1f} % ({best.slo_attainment * 100:.1f} %) |"
+            )
+    return lines
+
+
+DEFINITIONS = """\
+Definitions: TTFT is release to first token (the request joins a decode batch); ITL is per
+token (step times weighted by the batch), after the warm-up; throughput is tokens of measured
+requests over the span from the first measured release to the last measured finish; SLO ok is
+the share of requests with TTFT <= the TTFT SLO and mean ITL <= the ITL SLO; stranded is the
+share of server-seconds not spent stepping; borrowed is the share of prompts prefilled on a
+decode node; over-commit counts granted debits after which a node's open debits exceeded its
+lease x borrow share (must be 0). Best static: highest output throughput, then lowest mean
+TTFT among splits within 1 % of it."""
+
+
+def write_report(
+    out_dir: Path,
+    records: Sequence[RunRecord],
+    config: SimConfig,
+    *,
+    title: str = "Crossflow simulation",
+    command: str = "",
+    show_wall: bool = False,
+    plots: bool = True,
+) -> Path:
+    """Write ``report.md`` (and PNGs) into ``out_dir``; returns the report's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summaries = [summarize(r) for r in records]
+    lines = [f"# {title}", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    lines += [
+        f"Model {config.model} on {config.hardware}; decode KV {config.kv_capacity_tokens:,} "
+        f"tokens per server; ITL SLO {config.lease.itl_slo_ms:g} ms, TTFT SLO "
+        f"{config.ttft_slo_ms:g} ms; agent period {config.agent_period_ms} ms; "
+        f"prefix cache {config.cache_scope.value} ({config.cache_capacity_tokens:,} tokens); "
+        f"seed {config.seed}.",
+        "",
+        "## Leases and the heuristic against the best static split",
+        "",
+        *key_table(summaries),
+        "",
+        "## Every run",
+        "",
+        *runs_table(summaries, show_wall),
+        "",
+        DEFINITIONS,
+        "",
+    ]
+    total_oc = sum(s.overcommits for s in summaries)
+    lines += [f"Over-commit count over all runs: **{total_oc}** (must be 0).", ""]
+    reasons = [r for r in records if r.admit_reasons]
+    if reasons:
+        lines += ["## Admission reasons (leases runs)", ""]
+        for r in reasons:
+            parts = ", ".join(f"{k} {v}" for k, v in sorted(r.admit_reasons.items()))
+            lines.append(f"- {r.trace} {r.scale:g}x {r.label}: {parts}")
+        lines.append("")
+    if plots:
+        lines += _plots(out_dir, records, summaries)
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def _plots(out_dir: Path, records: Sequence[RunRecord], summaries: Sequence[Summary]) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["(plots skipped: matplotlib is not installed; pip install 'crossflow[sim]')", ""]
+    out = ["## Plots", ""]
+    for name, drawer in (
+        ("timeseries.png", _timeseries),
+        ("ttft_cdf.png", _ttft_cdf),
+        ("itl_cdf.png", _itl_cdf),
+        ("sweep.png", _sweep),
+    ):
+        fig = drawer(plt, records, summaries)
+        if fig is None:
+            continue
+        fig.savefig(out_dir / name, dpi=90, metadata={"Software": None})
+        plt.close(fig)
+        out += [f"![{name}]({name})", ""]
+    return out
+
+
+def _leases_records(records: Sequence[RunRecord]) -> list[RunRecord]:
+    return [r for r in records if r.label.endswith("/leases")] or list(records)
+
+
+def _timeseries(plt: Any, records: Sequence[RunRecord], _s: Sequence[Summary]) -> Any:
+    chosen = _leases_records(records)[:6]
+    if not chosen or not chosen[0].windows:
+        return None
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=False)
+    for r in chosen:
+        xs = [w[0] * r.scale / 60.0 for w in r.windows]
+        ax1.plot(xs, [w[1] for w in r.windows], label=f"{r.trace} {r.scale:g}x")
+        ax2.plot(xs, [w[2] * 100 for w in r.windows], label=f"{r.trace} {r.scale:g}x {r.label}")
+    ax1.set_ylabel("R = uncached in / out")
+    ax2.set_ylabel("borrowed share (%)")
+    ax2.set_xlabel("trace minute")
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
+    xs = sorted(values)
+    n = len(xs)
+    return xs, [(i + 1) / n for i in range(n)]
+
+
+def _ttft_cdf(plt: Any, records: Sequence[RunRecord], _s: Sequence[Summary]) -> Any:
+    loads = sorted({r.scale for r in records})
+    fig, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 4), squeeze=False)
+    for ax, load in zip(axes[0], loads, strict=True):
+        for r in records:
+            if r.scale == load and r.ttft_s and r.trace == records[0].trace:
+                xs, ys = _cdf([t * 1000 for t in r.ttft_s])
+                ax.plot(xs, ys, label=r.label)
+        ax.set_xscale("log")
+        ax.set_title(f"TTFT CDF, {records[0].trace} {load:g}x")
+        ax.set_xlabel("ms")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    return fig
+
+
+def _itl_cdf(plt: Any, records: Sequence[RunRecord], _s: Sequence[Summary]) -> Any:
+    loads = sorted({r.scale for r in records})
+    fig, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 4), squeeze=False)
+    for ax, load in zip(axes[0], loads, strict=True):
+        for r in records:
+            if r.scale == load and r.itl_hist and r.trace == records[0].trace:
+                keys = sorted(r.itl_hist)
+                total = sum(r.itl_hist.values())
+                acc, ys = 0, []
+                for k in keys:
+                    acc += r.itl_hist[k]
+                    ys.append(acc / total)
+                ax.plot([k * 1000 for k in keys], ys, label=r.label)
+        ax.set_title(f"ITL CDF (per token), {records[0].trace} {load:g}x")
+        ax.set_xlabel("ms")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    return fig
+
+
+def _sweep(plt: Any, _r: Sequence[RunRecord], summaries: Sequence[Summary]) -> Any:
+    groups = Comparison(summaries).groups()
+    if not groups:
+        return None
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 4), squeeze=False)
+    for ax, (trace, load) in zip(axes[0], groups, strict=True):
+        rows = [s for s in summaries if s.trace == trace and s.scale == load]
+        for policy in ("static", "threshold", "leases"):
+            pts = sorted(
+                (int(s.label.split("P")[0]), s.output_tps)
+                for s in rows
+                if s.label.endswith("/" + policy)
+            )
+            if pts:
+                ax.plot([p for p, _ in pts], [v for _, v in pts], "o-", label=policy)
+        ax.set_title(f"{trace[:18]} {load:g}x", fontsize=8)
+        ax.set_xlabel("prefill servers")
+        ax.set_ylabel("output tok/s")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    return fig
