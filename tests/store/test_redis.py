@@ -1,0 +1,170 @@
+"""RedisStore beyond the contract: concurrent routers and agents, a dead or silent Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from redis.asyncio import Redis
+
+from crossflow_ctl.domain.errors import StoreUnavailable
+from crossflow_ctl.domain.models import CREDIT_NAMES, Credits, NoticeKind
+from crossflow_ctl.store.base import Store
+from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import free_port
+from tests.store.helpers import NOW, credits, lease, register
+
+SHARE = 0.5
+
+
+async def race(
+    stores: list[RedisStore], lease_values: list[int], debits: int, seed: int
+) -> tuple[list[Credits], int]:
+    """``debits`` concurrent try_debit calls over ``stores`` while leases keep changing."""
+    rng = random.Random(seed)
+    asks = [
+        Credits.from_tuple([rng.randint(1, 60) for _ in CREDIT_NAMES[:4]] + [1])
+        for _ in range(debits)
+    ]
+
+    async def agent() -> int:
+        accepted = 0
+        for version, value in enumerate(lease_values, start=2):
+            offer = lease(version=version, value=value, ttl_ms=60_000)
+            accepted += (
+                await stores[version % len(stores)].upsert_lease(offer, NOW, 60_000)
+            ).accepted
+            await asyncio.sleep(0)
+        return accepted
+
+    async def router(i: int, ask: Credits) -> Credits | None:
+        out = await stores[i % len(stores)].try_debit("d1", ask, SHARE, NOW, 60_000)
+        return out.reservation.debit if out.reservation else None
+
+    results = await asyncio.gather(agent(), *(router(i, a) for i, a in enumerate(asks)))
+    granted = [r for r in results[1:] if isinstance(r, Credits)]
+    accepted = results[0]
+    assert isinstance(accepted, int)
+    return granted, accepted
+
+
+@pytest.fixture
+async def clients(redis_url: str, redis_namespace: str) -> AsyncIterator[list[RedisStore]]:
+    stores = [RedisStore(redis_url, namespace=redis_namespace) for _ in range(4)]
+    try:
+        yield stores
+    finally:
+        for s in stores:
+            await s.close()
+
+
+@pytest.mark.parametrize("varying", [False, True], ids=["steady-lease", "changing-lease"])
+async def test_concurrent_debits_never_over_commit(
+    clients: list[RedisStore], varying: bool
+) -> None:
+    await register(clients[0], "d1")
+    await clients[0].upsert_lease(lease(version=1, value=1_000, ttl_ms=60_000), NOW, 60_000)
+    rng = random.Random(5)
+    values = [rng.randint(600, 1_000) if varying else 1_000 for _ in range(30)]
+    granted, accepted = await race(clients, values, debits=300, seed=11)
+    total = [sum(col) for col in zip(*(g.as_tuple() for g in granted), strict=True)]
+    bound = credits(max([1_000, *values])).scaled(SHARE).as_tuple()
+    print(
+        f"\n{'changing' if varying else 'steady'} lease: {len(granted)}/300 debits granted, "
+        f"{accepted} lease updates raced, granted totals {total} <= bound {list(bound)}"
+    )
+    assert all(t <= b for t, b in zip(total, bound, strict=True))
+    assert granted, "the race must grant something to prove anything"
+    # Every grant has its notice, on a gapless per-node sequence, and is open in the store.
+    notices = await clients[1].read_notices("d1", 0, 10_000)
+    assert [n.seq for n in notices] == list(range(1, len(granted) + 1))
+    assert all(n.kind is NoticeKind.GRANT for n in notices)
+    node = await clients[2].get_node("d1", NOW)
+    assert list(node.open_debits.as_tuple()) == total
+    assert node.open_reservations == len(granted)
+
+
+async def test_a_caller_supplied_client_with_decoded_responses(
+    redis_url: str, redis_namespace: str
+) -> None:
+    client = Redis.from_url(redis_url, decode_responses=True)
+    store = RedisStore(client, namespace=redis_namespace)
+    try:
+        await register(store, "d1")
+        await store.upsert_lease(lease(), NOW, 2_000)
+        res = (await store.try_debit("d1", credits(3), 1.0, NOW, 100)).reservation
+        assert res is not None
+        assert (await store.release(res.reservation_id, NOW)).release_seq == 2
+        assert [n.kind for n in await store.read_notices("d1", 0, 10)] == [
+            NoticeKind.GRANT,
+            NoticeKind.RELEASE,
+        ]
+        assert (await store.node_events("d1", 5))[0].kind == "new_epoch"
+    finally:
+        await store.close()
+        await client.aclose()
+
+
+async def test_blocking_read_longer_than_the_socket_timeout(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """XREAD BLOCK runs in chunks under the socket timeout, so long waits are not errors."""
+    store = RedisStore(redis_url, namespace=redis_namespace, socket_timeout_s=0.1)
+    try:
+        await register(store, "d1")
+        await store.upsert_lease(lease(), NOW, 2_000)
+        assert await store.read_notices("d1", 0, 10, block_ms=300) == []
+        reader = asyncio.create_task(store.read_notices("d1", 0, 10, block_ms=5_000))
+        await asyncio.sleep(0.25)
+        assert not reader.done()
+        await store.try_debit("d1", credits(1), 1.0, NOW, 100)
+        assert [n.seq for n in await asyncio.wait_for(reader, 10)] == [1]
+    finally:
+        await store.close()
+
+
+async def every_call_is_unavailable(store: Store) -> None:
+    calls: list[Callable[[], Awaitable[object]]] = [
+        store.ping,
+        lambda: store.try_debit("d1", credits(1), 1.0, NOW, 100),
+        lambda: store.admission_view("default", [], 8, NOW),
+        lambda: store.upsert_lease(lease(), NOW, 2_000),
+        lambda: store.release(f"{'0' * 32}@d1", NOW),
+        lambda: store.read_notices("d1", 0, 10, block_ms=100),
+        store.get_policy,
+        lambda: store.list_nodes(NOW),
+    ]
+    for call in calls:
+        with pytest.raises(StoreUnavailable):
+            async with asyncio.timeout(30):  # a hang guard, not a latency assertion
+                await call()
+
+
+async def test_closed_port_is_unavailable_not_a_redis_error() -> None:
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=0.2)
+    try:
+        await every_call_is_unavailable(store)
+    finally:
+        await store.close()
+
+
+async def test_silent_server_times_out_as_unavailable() -> None:
+    """A peer that accepts connections and never answers: socket timeouts, not a hang."""
+    peers: list[asyncio.StreamWriter] = []
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.append(writer)
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", socket_timeout_s=0.1)
+    try:
+        await every_call_is_unavailable(store)
+    finally:
+        await store.close()
+        server.close()
+        for writer in peers:
+            writer.close()
+        await server.wait_closed()
