@@ -84,7 +84,7 @@ def cli() -> None:
 @click.option(
     "--prefill-slowdown",
     type=click.FloatRange(min=0.01, max=1000.0),
-    default=4.0,
+    default=1.0,
     show_default=True,
     help="Step-time multiplier of the fake prefill engines.",
 )
@@ -101,6 +101,12 @@ def cli() -> None:
     default=None,
     help="Keep the children's logs here (default: a temporary folder).",
 )
+@click.option(
+    "--summary-json",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Also write the summary's figures here as JSON.",
+)
 def demo(
     prefill: int,
     decode: int,
@@ -115,6 +121,7 @@ def demo(
     prefill_slowdown: float,
     view: str,
     log_dir: Path | None,
+    summary_json: Path | None,
 ) -> None:
     """Run a whole cluster on loopback and replay a trace through it.
 
@@ -141,6 +148,7 @@ def demo(
         quiet=view == "none",
         prefill_slowdown=prefill_slowdown,
         log_dir=log_dir,
+        summary_json=summary_json,
     )
     code = asyncio.run(Demo(opts).run())
     if code:

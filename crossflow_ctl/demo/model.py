@@ -56,9 +56,11 @@ class ClusterModel:
         )
         return idx, done + transfer - now_s
 
-    def borrowed(self, now_s: float, node_id: str, service_s: float) -> float:
-        """Run ``turn``'s prompt on decode node ``node_id``: TTFT seconds."""
-        start = max(now_s, self.borrow_free_s.get(node_id, 0.0))
+    def borrowed(
+        self, now_s: float, node_id: str, service_s: float, queue_wait_s: float = 0.0
+    ) -> float:
+        """Run a prompt on decode node ``node_id`` after the node's own queue: TTFT seconds."""
+        start = max(now_s + queue_wait_s, self.borrow_free_s.get(node_id, 0.0))
         done = start + service_s
         self.borrow_free_s[node_id] = done
         return done - now_s

@@ -180,12 +180,12 @@ class Router:
         self.stats.borrowed += 1
         self.stats.borrowed_uncached_tokens += turn.uncached_tokens
         self.stats.borrowed_by_node[a.node_id] = self.stats.borrowed_by_node.get(a.node_id, 0) + 1
-        service_ms = a.predicted_ttft_ms
+        service_ms, wait_ms = a.predicted_ttft_ms, 0.0
         if a.plan is not None:
             for check in a.plan.nodes:
                 if check.node_id == a.node_id:
-                    service_ms = check.service_ms
-        ttft_s = self.model.borrowed(arrival, a.node_id, service_ms / 1000.0)
+                    service_ms, wait_ms = check.service_ms, check.queue_wait_ms
+        ttft_s = self.model.borrowed(arrival, a.node_id, service_ms / 1000.0, wait_ms / 1000.0)
         self.stats.borrowed_ttft_ms.append(ttft_s * 1000.0)
         await self._post(self.decode[a.node_id], turn, borrowed=True)
         self._spawn(self._release_at(rid, arrival + ttft_s))

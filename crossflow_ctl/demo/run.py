@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from crossflow_ctl.demo.model import ModelParams, replay_static
 from crossflow_ctl.demo.processes import Children, DemoError, executable
 from crossflow_ctl.demo.router import Engine, Router
 from crossflow_ctl.demo.trace import Trace
-from crossflow_ctl.demo.view import CLEAR, Observations, frame, summary
+from crossflow_ctl.demo.view import CLEAR, Observations, frame, summary, summary_data
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, StepShape, step_time_s
 from crossflow_ctl.domain.models import NodeRole
 
@@ -50,6 +51,7 @@ class DemoOptions:
     """Step-time multiplier of the fake prefill engines (1: same hardware as decode)."""
     period_ms: int = 200
     log_dir: Path | None = None
+    summary_json: Path | None = None
 
 
 def prefill_rate_tps(opts: DemoOptions, chunk_tokens: int = 8192) -> float:
@@ -67,6 +69,12 @@ class Demo:
         self.stop = asyncio.Event()
         self.children: Children | None = None
         self.obs = Observations()
+        self.interrupted = False
+
+    def _interrupt(self) -> None:
+        """Signal handler: only sets the stop event (the run shuts down in order)."""
+        self.interrupted = True
+        self.stop.set()
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -74,7 +82,7 @@ class Demo:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.stop.set)
+            loop.add_signal_handler(sig, self._interrupt)
         with contextlib.ExitStack() as stack:
             log_dir = self.opts.log_dir or Path(
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="crossflow-demo-"))
@@ -115,6 +123,14 @@ class Demo:
                 elapsed = time.monotonic() - started
             static = replay_static(o.trace, params)
         self.say(summary(o.trace.name, split, elapsed, router.stats, static, self.obs))
+        if o.summary_json is not None:
+            data = summary_data(router.stats, static, self.obs) | {
+                "elapsed_s": elapsed,
+                "interrupted": self.interrupted,
+                "trace": o.trace.name,
+                "split": split,
+            }
+            o.summary_json.write_text(json.dumps(data, indent=2))
         return 0
 
     async def _start_broker(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from crossflow_ctl.client import NodeView
 from crossflow_ctl.demo.model import StaticResult, mean, percentile
@@ -104,6 +105,35 @@ def frame(
             f"{stats.borrowed_by_node.get(node.info.node_id, 0):>8} {itl:>7}"
         )
     return "\n".join(lines)
+
+
+def summary_data(stats: RouterStats, static: StaticResult, obs: Observations) -> dict[str, Any]:
+    """The summary's figures, for ``--summary-json`` (tests and scripts)."""
+    common = [key for key in stats.ttft_by_request if key in static.ttft_by_request]
+    ttft = [stats.ttft_by_request[key] for key in common]
+    base = [static.ttft_by_request[key] for key in common]
+    return {
+        "requests": stats.released,
+        "finished": stats.finished,
+        "borrowed": stats.borrowed,
+        "borrowed_share": stats.borrowed_share,
+        "borrowed_by_node": stats.borrowed_by_node,
+        "reasons": stats.reasons,
+        "admit_errors": stats.admit_errors,
+        "engine_errors": stats.engine_errors,
+        "lease_versions_seen": obs.lease_updates,
+        "decode_nodes_leasing": len(obs.leases_seen),
+        "polls": obs.polls,
+        "over_commits": obs.over_commits,
+        "compared_requests": len(common),
+        "ttft_ms": {"mean": mean(ttft), "p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+        "static_ttft_ms": {
+            "mean": mean(base),
+            "p50": percentile(base, 50),
+            "p99": percentile(base, 99),
+        },
+        "itl_ms_from_leases": {"mean": mean(obs.itl_ms), "max": max(obs.itl_ms, default=0.0)},
+    }
 
 
 def summary(
