@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,8 +60,8 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _check_summary(path: Path) -> dict:
-    data = json.loads(path.read_text())
+def _check_summary(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
     assert data["decode_nodes_leasing"] == 2
     assert data["lease_versions_seen"] >= 4, "leases flowed from the agents through the broker"
     assert data["borrowed"] > 0, data["reasons"]
@@ -104,7 +105,7 @@ def test_demo_stops_everything_on_sigint(tmp_path: Path) -> None:
     )
     try:
         assert proc.stdout is not None
-        lines = []
+        lines: list[str] = []
         deadline = time.monotonic() + 60
         # Wait for the cluster, then for the first live frame that shows borrowing.
         while time.monotonic() < deadline:
