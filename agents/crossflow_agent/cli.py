@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ def run(config_file: Path | None, **flags: Any) -> None:
     flags["brokers"] = list(flags["brokers"]) or None
     settings = _load(config_file, flags)
     setup_logging(json=settings.log_json, level=settings.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
     try:
         asyncio.run(run_agent(settings))
     except ConfigError as exc:
