@@ -102,6 +102,12 @@ async def stored(admin: AdminClient) -> Lease | None:
     return None if view.node.state.lease is None else view.node.state.lease.lease
 
 
+async def stored_version(admin: AdminClient) -> int:
+    lease = await stored(admin)
+    assert lease is not None
+    return lease.version
+
+
 async def stale_ack_for(target: str, epoch: int, version: int) -> lease_pb2.LeaseAck:
     """Send one lease of (epoch, version) on a raw stream and return the broker's ack."""
     async with grpc.aio.insecure_channel(target) as channel:
@@ -124,7 +130,8 @@ async def stale_ack_for(target: str, epoch: int, version: int) -> lease_pb2.Leas
             msg = await call.read()
             if msg.WhichOneof("body") == "lease_ack":
                 call.cancel()
-                return msg.lease_ack
+                ack: lease_pb2.LeaseAck = msg.lease_ack
+                return ack
 
 
 async def test_agent_processes_against_brokers_on_redis(procs, redis_url, redis_namespace) -> None:
@@ -180,7 +187,7 @@ async def test_agent_processes_against_brokers_on_redis(procs, redis_url, redis_
 
         # kill the broker the agent streams to: it reconnects to the second, lease current again
         await procs.stop(b1, signal.SIGKILL)
-        at_kill = (await stored(admin)).version
+        at_kill = await stored_version(admin)
 
         async def current_again() -> bool:
             view = await admin.get_node(NODE)
@@ -211,7 +218,7 @@ async def test_agent_processes_against_brokers_on_redis(procs, redis_url, redis_
 
         # kill the engine's metrics server: a zero lease within two periods (versions)
         await procs.stop(engine, signal.SIGKILL)
-        at_kill = (await stored(admin)).version
+        at_kill = await stored_version(admin)
 
         async def missing() -> Lease | None:
             lease = await stored(admin)
