@@ -40,6 +40,11 @@ def cli() -> None:
     help="Use this Redis as the store (own key prefix) instead of the embedded one.",
 )
 @click.option(
+    "--redis-namespace",
+    default=None,
+    help="Key prefix in --redis (default: a fresh one); its keys are deleted at the end.",
+)
+@click.option(
     "--trace",
     "trace_path",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -111,6 +116,7 @@ def demo(
     prefill: int,
     decode: int,
     redis_url: str | None,
+    redis_namespace: str | None,
     trace_path: Path | None,
     max_requests: int,
     sessions: int,
@@ -149,6 +155,7 @@ def demo(
         prefill_slowdown=prefill_slowdown,
         log_dir=log_dir,
         summary_json=summary_json,
+        redis_namespace=redis_namespace,
     )
     code = asyncio.run(Demo(opts).run())
     if code:

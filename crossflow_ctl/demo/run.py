@@ -52,6 +52,7 @@ class DemoOptions:
     period_ms: int = 200
     log_dir: Path | None = None
     summary_json: Path | None = None
+    redis_namespace: str | None = None
 
 
 def prefill_rate_tps(opts: DemoOptions, chunk_tokens: int = 8192) -> float:
@@ -62,6 +63,21 @@ def prefill_rate_tps(opts: DemoOptions, chunk_tokens: int = 8192) -> float:
     return chunk_tokens / (dt * opts.prefill_slowdown)
 
 
+async def forget_namespace(redis_url: str, namespace: str) -> None:
+    """Delete the demo's own keys (its namespace only; never a flush)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        keys = [key async for key in client.scan_iter(match=f"{namespace}*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+    except Exception as exc:  # cleanup must not hide the run's outcome
+        print(f"crossflow demo: could not delete keys {namespace}*: {exc}", file=sys.stderr)
+    finally:
+        await client.aclose()
+
+
 class Demo:
     def __init__(self, opts: DemoOptions, out: TextIO = sys.stdout) -> None:
         self.opts = opts
@@ -70,6 +86,7 @@ class Demo:
         self.children: Children | None = None
         self.obs = Observations()
         self.interrupted = False
+        self.namespace = opts.redis_namespace or f"crossflow-demo-{uuid.uuid4().hex[:8]}"
 
     def _interrupt(self) -> None:
         """Signal handler: only sets the stop event (the run shuts down in order)."""
@@ -93,6 +110,8 @@ class Demo:
                 return await self._run()
             finally:
                 await self.children.stop()
+                if self.opts.redis_url:
+                    await forget_namespace(self.opts.redis_url, self.namespace)
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
 
@@ -137,12 +156,7 @@ class Demo:
         assert self.children is not None
         argv = [executable("crossflow-broker"), "serve", "--listen", "127.0.0.1:0"]
         if self.opts.redis_url:
-            argv += [
-                "--redis-url",
-                self.opts.redis_url,
-                "--redis-namespace",
-                f"crossflow-demo-{uuid.uuid4().hex[:8]}",
-            ]
+            argv += ["--redis-url", self.opts.redis_url, "--redis-namespace", self.namespace]
         else:
             argv += ["--embedded-store"]
         child = await self.children.spawn("broker", argv, "listening on ", START_TIMEOUT_S)

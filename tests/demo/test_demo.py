@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 pytestmark = pytest.mark.slow
 
@@ -95,10 +96,23 @@ def test_demo_runs_and_exits_0_on_its_own(tmp_path: Path) -> None:
     assert not data["interrupted"]
 
 
-def test_demo_stops_everything_on_sigint(tmp_path: Path) -> None:
+def test_demo_on_redis_stops_everything_on_sigint(
+    tmp_path: Path, redis_url: str, redis_namespace: str
+) -> None:
     summary = tmp_path / "summary.json"
     proc = subprocess.Popen(
-        [_binary(), *ARGS, "--summary-json", str(summary), "--log-dir", str(tmp_path / "logs")],
+        [
+            _binary(),
+            *ARGS,
+            "--summary-json",
+            str(summary),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--redis",
+            redis_url,
+            "--redis-namespace",
+            redis_namespace,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -127,3 +141,8 @@ def test_demo_stops_everything_on_sigint(tmp_path: Path) -> None:
     data = _check_summary(summary)
     assert data["interrupted"]
     assert not [pid for pid in children if _alive(pid)], "every child process was stopped"
+    keys = redis.Redis.from_url(redis_url)
+    try:
+        assert list(keys.scan_iter(match=f"{redis_namespace}*")) == [], "the demo cleans up"
+    finally:
+        keys.close()
