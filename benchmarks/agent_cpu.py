@@ -18,6 +18,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -53,7 +54,9 @@ async def start_engine() -> tuple[asyncio.subprocess.Process, str]:
     return proc, line[len(prefix) :].strip()
 
 
-async def paced(n: int, hz: float, work) -> tuple[float, list[float]]:
+async def paced(
+    n: int, hz: float, work: Callable[[], Awaitable[None]]
+) -> tuple[float, list[float]]:
     """Run ``work`` n times at ``hz``; (process CPU seconds per iteration, wall per call)."""
     period = 1.0 / hz
     walls: list[float] = []
