@@ -43,7 +43,6 @@ EV_AGENT = 6
 EV_POOL = 7
 
 CLOCK_BASE_MS = 1_700_000_000_000
-BORROW_CHUNK_TOKENS = 2048
 
 
 class Simulation:
@@ -67,7 +66,7 @@ class Simulation:
                 kv_capacity=config.kv_capacity_tokens,
                 max_batch=config.max_batch,
                 max_macro=config.max_macro_steps,
-                borrow_chunk=BORROW_CHUNK_TOKENS,
+                borrow_chunk=config.borrow_chunk_tokens,
                 measure_from_s=warm,
             )
             for i in range(config.decode_nodes)

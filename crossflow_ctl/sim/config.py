@@ -40,6 +40,8 @@ class SimConfig(Frozen):
     """Chunked prefill on prefill servers: uncached tokens per engine step."""
     kv_capacity_tokens: Annotated[int, Field(gt=0, le=1_000_000_000)] = 1_000_000
     """KV-cache token slots of one decode server (prompt + output are reserved on admission)."""
+    borrow_chunk_tokens: Annotated[int, Field(gt=0, le=1_048_576)] = 2048
+    """Borrowed prefill tokens a decode server adds to one decode step (its chunk size)."""
     max_batch: Annotated[int, Field(gt=0, le=4096)] = 256
     max_macro_steps: Annotated[int, Field(gt=0, le=100_000)] = 64
     """Decode steps advanced as one event while the batch does not change (see cluster.py)."""

@@ -27,7 +27,8 @@ from crossflow_ctl.sim.traces import Trace, TraceRequest
 
 class AgenticSpec(Frozen):
     duration_s: Annotated[float, Field(gt=0, le=86_400)] = 3600.0
-    sessions_per_min: Annotated[float, Field(gt=0, le=10_000)] = 2.0
+    sessions_per_min: Annotated[float, Field(gt=0, le=10_000)] = 6.0
+    """Mean session starts per minute (6: a moderately loaded 2P4D H200 cluster at 1x)."""
     drift_sigma: Annotated[float, Field(ge=0, le=3)] = 0.35
     """Per-minute step of the log-rate random walk."""
     drift_revert: Annotated[float, Field(ge=0, le=1)] = 0.1
