@@ -8,7 +8,7 @@ from typing import Any
 
 from crossflow_ctl.cli.output import Column
 from crossflow_ctl.client import NodeView
-from crossflow_ctl.domain.models import Credits, PoolSnapshot, Reservation, StoredLease
+from crossflow_ctl.domain.models import Credits, NodeRole, PoolSnapshot, Reservation, StoredLease
 
 
 def now_ms() -> int:
@@ -37,7 +37,7 @@ def node_status(view: NodeView, at_ms: int) -> str:
     if node.info.cordoned:
         return "Cordoned"
     if stored is None:
-        return "NoLease"
+        return "NoLease" if node.info.role is NodeRole.DECODE else "-"
     if view.lease_expired or stored.expired(at_ms):
         return "Expired"
     if stored.lease.zero_reason is not None:

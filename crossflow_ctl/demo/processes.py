@@ -57,13 +57,14 @@ class Children:
 
     log_dir: Path
     started: list[Child] = field(default_factory=list)
+    _drains: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def spawn(self, name: str, argv: list[str], ready_prefix: str, timeout_s: float) -> Child:
         log_path = self.log_dir / f"{name}.log"
         with log_path.open("wb") as log:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
-                stdout=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE if ready_prefix else log,
                 stderr=log,
                 stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True,
@@ -81,6 +82,7 @@ class Children:
                         raise DemoError(f"{name} exited before serving: {child.log_tail()}")
                     if line.startswith(ready_prefix):
                         child.address = line.removeprefix(ready_prefix).strip()
+                        self._drains.add(asyncio.create_task(_drain(proc.stdout, log_path)))
                         return child
         except TimeoutError:
             raise DemoError(f"{name} did not start within {timeout_s:.0f} s") from None
@@ -103,3 +105,18 @@ class Children:
                 with contextlib.suppress(ProcessLookupError):
                     child.proc.kill()
                 await child.proc.wait()
+        if names is None:
+            for task in self._drains:
+                task.cancel()
+            for task in self._drains:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            self._drains.clear()
+
+
+async def _drain(stream: asyncio.StreamReader, log_path: Path) -> None:
+    """Copy what a child prints after its ready line to its log, so its pipe never fills."""
+    with log_path.open("ab") as log:
+        while line := await stream.readline():
+            log.write(line)
+            log.flush()

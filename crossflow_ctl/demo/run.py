@@ -124,6 +124,7 @@ class Demo:
             f"({o.trace.requests} requests), logs in {self.children.log_dir}"
         )
         broker = await self._start_broker()
+        self.say(f"broker on {broker}: try `crossflowctl --server {broker} get nodes -w`")
         prefill, decode = await self._start_engines()
         await self._start_agents(broker, prefill, decode)
         async with AdminClient(broker, timeout_s=2.0) as admin:

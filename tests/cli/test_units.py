@@ -1,0 +1,106 @@
+"""Pure pieces of crossflowctl: rendering, selectors, the contexts file, exit-code mapping."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from crossflow_ctl.cli.config import Context, CtlConfig, load_config, save_config
+from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
+from crossflow_ctl.cli.output import Column, OutputFormat, render_list, table
+from crossflow_ctl.cli.views import age, matches
+from crossflow_ctl.domain.errors import (
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    StoreUnavailable,
+)
+
+COLUMNS = [Column("NAME", "name"), Column("SLOTS", "slots"), Column("POOL", "pool", wide=True)]
+ROWS = [{"name": "decode-1", "slots": 4, "pool": "a"}, {"name": "d2", "slots": 0, "pool": ""}]
+
+
+def test_table_is_aligned_and_wide_adds_columns() -> None:
+    assert table(ROWS, COLUMNS, wide=False).splitlines() == [
+        "NAME       SLOTS",
+        "decode-1   4",
+        "d2         0",
+    ]
+    assert table(ROWS, COLUMNS, wide=True).splitlines()[2] == "d2         0       <none>"
+
+
+def test_json_and_yaml_wrap_lists_kubectl_style() -> None:
+    as_json = json.loads(render_list(ROWS, COLUMNS, OutputFormat.JSON, kind="NodeList"))
+    as_yaml = yaml.safe_load(render_list(ROWS, COLUMNS, OutputFormat.YAML, kind="NodeList"))
+    assert as_json == as_yaml == {"kind": "NodeList", "items": ROWS}
+    assert render_list([], COLUMNS, OutputFormat.TABLE, kind="NodeList") == "No resources found."
+
+
+@pytest.mark.parametrize(
+    ("selector", "expected"),
+    [
+        ("", True),
+        ("zone=a", True),
+        ("zone=b", False),
+        ("zone!=a", False),
+        ("gpu", True),
+        ("zone=a,gpu=h200", True),
+        ("zone=a,gpu!=h200", False),
+        ("missing", False),
+    ],
+)
+def test_label_selectors(selector: str, expected: bool) -> None:
+    assert matches({"zone": "a", "gpu": "h200"}, selector) is expected
+
+
+def test_age_is_kubectl_like() -> None:
+    assert [age(1_000, 6_000), age(1_000, 181_000), age(1, 7_300_000), age(0, 5)] == [
+        "5s",
+        "3m",
+        "2h",
+        "<none>",
+    ]
+
+
+def test_contexts_file_round_trips_and_refuses_bad_values(tmp_path: Path) -> None:
+    path = tmp_path / "cfg" / "config.yaml"
+    assert load_config(path) == CtlConfig()  # no file: the built-in default context
+    cfg = CtlConfig(current_context="prod", contexts={"prod": Context(server="broker:443")})
+    save_config(path, cfg)
+    assert load_config(path) == cfg
+    assert "current-context: prod" in path.read_text()
+    with pytest.raises(ConfigError, match="no context named 'dev'"):
+        cfg.context("dev")
+    path.write_text("contexts: {x: {server: a:1, defaults: {output: xml}}}\n")
+    with pytest.raises(ConfigError, match=r"contexts\.x\.defaults\.output"):
+        load_config(path)
+    path.write_text("contexts: [oops\n")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (NotFound("unknown node 'x'", field="node_id"), ExitCode.NOT_FOUND),
+        (InvalidArgument("bad", field="borrow_share"), ExitCode.USAGE),
+        (ConfigError("bad file"), ExitCode.USAGE),
+        (StoreUnavailable("down"), ExitCode.UNAVAILABLE),
+        (FailedPrecondition("released"), ExitCode.ERROR),
+        (CliError("late", ExitCode.TIMEOUT), ExitCode.TIMEOUT),
+        (RuntimeError("boom"), ExitCode.ERROR),
+    ],
+)
+def test_every_error_has_its_documented_exit_code(error: Exception, code: ExitCode) -> None:
+    assert exit_code_for(error) == code
+
+
+def test_errors_print_as_one_line() -> None:
+    assert one_line(InvalidArgument("must be\n  <= 1", field="borrow_share")) == (
+        "error: borrow_share: must be <= 1"
+    )
+    assert one_line(RuntimeError()) == "error: RuntimeError"
