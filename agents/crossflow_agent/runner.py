@@ -22,7 +22,7 @@ from crossflow_agent.sources.sglang import SGLangReader
 from crossflow_agent.sources.synthetic import SyntheticEngine, SyntheticSource
 from crossflow_agent.sources.vllm import VLLMReader
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, ModelSpec, NodeProfile
-from crossflow_ctl.observability import AgentMetrics, parse_listen, setup_metrics
+from crossflow_ctl.observability import AgentMetrics, parse_listen, setup_metrics, setup_tracing
 
 log = structlog.get_logger()
 
@@ -47,6 +47,7 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event | None = None) 
     """Run until ``stop`` is set or SIGINT/SIGTERM arrives."""
     stop = stop or asyncio.Event()
     model, node = resolve_model(settings)
+    tracer = setup_tracing(settings.otlp_endpoint, service_name="crossflow-agent")
     endpoint = None
     if settings.metrics_listen:
         endpoint = await setup_metrics(
@@ -69,3 +70,5 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event | None = None) 
         await source.aclose()
         if endpoint is not None:
             await endpoint.close()
+        if tracer is not None:
+            tracer.shutdown()

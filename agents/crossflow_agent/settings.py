@@ -90,7 +90,9 @@ class AgentSettings(BaseSettings):
     max_message_bytes: Annotated[int, Field(ge=64 * 1024, le=64 * 1024 * 1024)] = 4 * 1024 * 1024
 
     metrics_listen: str | None = None
-    """host:port of the agent's own Prometheus endpoint; None serves none."""
+    """host:port of the agent's own Prometheus endpoint (and /healthz); None serves none."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC endpoint for traces; None exports none."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_json: bool = True
 

@@ -257,3 +257,36 @@ async def test_a_lease_carries_the_notice_seq_seen_before_its_snapshot() -> None
     assert agent.stream.state.last_notice_seq == 12
     second = await agent.tick()
     assert second is not None and second.last_notice_seq == 12 and second.version == 2
+
+
+async def test_a_prefill_agent_reports_pool_load(brokers, metrics_server) -> None:
+    metrics_server.text = fixture_text("sglang_t0.prom")
+    target = await brokers.start()
+    settings = AgentSettings(
+        node_id="p1",
+        role="prefill",
+        pool="pool-a",
+        brokers=[target],
+        metrics_url=metrics_server.url,
+        period_ms=50,
+    )
+    source = PrometheusSource(settings.metrics_url, SGLangReader())
+    agent = Agent(settings, source, MODEL, NODE)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    try:
+        async with AdminClient(target) as admin:
+
+            async def reported() -> Any:
+                pools = await admin.list_pools()
+                return [r for p in pools if p.pool == "pool-a" for r in p.reports]
+
+            [report] = await eventually(reported, "a pool load report")
+            assert report.node_id == "p1" and report.queued_requests == 3 + 1 + 1
+            assert report.ttl_ms == 150
+            view = await admin.get_node("p1")
+            assert view.node.state.lease is None  # prefill agents send no leases
+    finally:
+        stop.set()
+        await task
+        await source.aclose()
