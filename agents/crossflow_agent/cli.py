@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from crossflow_agent.calibrate import calibrate
 from crossflow_agent.settings import AgentSettings, SourceKind, json_schema, load_settings
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.errors import ConfigError
@@ -227,6 +228,7 @@ def schema() -> None:
 
 
 # Further commands register below, one line each (``calibrate`` lives in calibrate.py).
+cli.add_command(calibrate)
 
 
 def main() -> None:
