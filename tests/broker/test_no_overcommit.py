@@ -1,0 +1,192 @@
+"""DESIGN.md §5.3, no over-commit, as a property over SEVERAL broker processes on one Redis.
+
+Three ``crossflow-broker serve`` processes share one Redis namespace. For each generated scenario,
+decode agents stream to different replicas and keep replacing their leases (random credits) while
+hundreds of concurrent Admits race over all replicas. Afterwards, reading the store: ordering each
+node's reservations by grant sequence (the order the atomic check-and-debit ran in), every grant
+plus all grants before it fits in ``borrow_share`` x the lease it was granted against, credit by
+credit. Reservations never expire or get released here, so every earlier grant was still open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from crossflow_ctl.api.v1 import common_pb2, lease_pb2
+from crossflow_ctl.client import AdminClient, AdmissionClient
+from crossflow_ctl.domain.admission import Decision
+from crossflow_ctl.domain.models import CREDIT_NAMES, Credits
+from tests.broker.agents import FakeAgent
+
+REPLICAS = 3
+SHARE = 0.75
+
+pytestmark = pytest.mark.slow
+
+
+class Replicas:
+    def __init__(self) -> None:
+        self.addrs: list[str] = []
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.admissions = 0
+        self.borrowed = 0
+        self.lease_updates = 0
+        self.examples = itertools.count()
+
+
+@pytest.fixture
+async def replicas(redis_url: str, redis_namespace: str) -> AsyncIterator[Replicas]:
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "CROSSFLOW_POLICY__BORROW_SHARE": str(SHARE),
+        "CROSSFLOW_POLICY__HOLD_TTL_MS": "60000",
+        "CROSSFLOW_POLICY__COMMIT_TTL_MS": "60000",
+        "CROSSFLOW_POLICY__MAX_LEASE_TTL_MS": "60000",
+        "CROSSFLOW_POLICY__ADMIT_TIMEOUT_MS": "5000",
+        "CROSSFLOW_LOG_LEVEL": "warning",
+    }
+    r = Replicas()
+    cmd = [
+        sys.executable,
+        "-m",
+        "crossflow_ctl.broker",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--redis-url",
+        redis_url,
+        "--redis-namespace",
+        redis_namespace,
+    ]
+    try:
+        for _ in range(REPLICAS):
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, env=env, stdout=asyncio.subprocess.PIPE
+            )
+            r.procs.append(proc)
+        for proc in r.procs:
+            assert proc.stdout is not None
+            line = (await asyncio.wait_for(proc.stdout.readline(), timeout=30)).decode()
+            assert line.startswith("listening on "), line
+            r.addrs.append(line.split()[-1])
+        prefill = FakeAgent(r.addrs[0], "prefill-0", role=common_pb2.NODE_ROLE_PREFILL)
+        await prefill.connect()
+        try:
+            await prefill.send_pool_load(ttl_ms=60_000)
+            await prefill.sync()
+            yield r
+        finally:
+            await prefill.close()
+        # The race must be real: some admissions won room and some found it taken.
+        assert 0 < r.borrowed < r.admissions, (r.borrowed, r.admissions)
+        print(
+            f"\n§5.3: {r.admissions} concurrent admissions over {REPLICAS} broker processes, "
+            f"{r.borrowed} borrowed, {r.lease_updates} racing lease updates"
+        )
+    finally:
+        for proc in r.procs:
+            if proc.returncode is None:
+                proc.terminate()
+        for proc in r.procs:
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+credits_st = st.builds(
+    Credits,
+    compute_tokens=st.integers(2_000, 30_000),
+    kv_tokens=st.integers(5_000, 80_000),
+    kv_transfer_bytes=st.integers(10**7, 10**9),
+    output_tokens=st.integers(500, 8_000),
+    slots=st.integers(1, 16),
+)
+request_st = st.tuples(
+    st.integers(1, 1_500), st.integers(0, 1_000), st.integers(0, 300), st.booleans()
+)
+
+
+@settings(
+    max_examples=4,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    leases=st.lists(st.lists(credits_st, min_size=2, max_size=6), min_size=2, max_size=3),
+    requests=st.lists(request_st, min_size=100, max_size=160),
+)
+async def test_open_debits_never_exceed_the_lease(
+    replicas: Replicas, leases: list[list[Credits]], requests: list[Any]
+) -> None:
+    example = next(replicas.examples)
+    nodes = [f"e{example}-d{i}" for i in range(len(leases))]
+    agents = [FakeAgent(replicas.addrs[i % REPLICAS], n) for i, n in enumerate(nodes)]
+    granted_against: dict[tuple[str, int], Credits] = {}
+    for agent, seq in zip(agents, leases, strict=True):
+        await agent.connect()
+        ack = await agent.send_lease(credits=seq[0].model_dump(), last_notice_seq=0)
+        assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+        granted_against[(agent.node_id, agent.version)] = seq[0]
+    clients = [AdmissionClient(a, timeout_s=30) for a in replicas.addrs]
+
+    async def update_leases(agent: FakeAgent, seq: list[Credits]) -> None:
+        for credits in seq[1:]:
+            await asyncio.sleep(0.002)
+            ack = await agent.send_lease(credits=credits.model_dump(), last_notice_seq=0)
+            assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+            granted_against[(agent.node_id, agent.version)] = credits
+            replicas.lease_updates += 1
+
+    async def admit(i: int, req: Any) -> Any:
+        uncached, cached, output, remote = req
+        return await clients[i % REPLICAS].admit(
+            request_id=f"e{example}-{i}",
+            uncached_prompt_tokens=uncached,
+            cached_prefix_tokens=cached,
+            cached_prefix_node_id=None if remote else nodes[i % len(nodes)],
+            expected_output_tokens=output,
+            candidate_node_ids=nodes,
+        )
+
+    try:
+        results = await asyncio.gather(
+            *(admit(i, r) for i, r in enumerate(requests)),
+            *(update_leases(a, s) for a, s in zip(agents, leases, strict=True)),
+        )
+    finally:
+        await asyncio.gather(*(a.close() for a in agents), *(c.close() for c in clients))
+    answers = results[: len(requests)]
+    replicas.admissions += len(answers)
+    borrowed = {a.reservation_id for a in answers if a.decision is Decision.BORROW}
+    replicas.borrowed += len(borrowed)
+
+    async with AdminClient(replicas.addrs[-1]) as admin:
+        for node in nodes:
+            reservations = sorted(await admin.list_reservations(node), key=lambda r: r.grant_seq)
+            open_debits = Credits()
+            for r in reservations:
+                lease = granted_against[(node, r.lease_version)]
+                open_debits = open_debits.plus(r.debit)
+                limit = lease.scaled(SHARE)
+                over = [
+                    name
+                    for name, have, used in zip(
+                        CREDIT_NAMES, limit.as_tuple(), open_debits.as_tuple(), strict=True
+                    )
+                    if used > have
+                ]
+                assert not over, (node, r.reservation_id, over, open_debits, limit)
+            borrowed -= {r.reservation_id for r in reservations}
+    assert not borrowed, f"BORROW answers without a stored reservation: {borrowed}"
