@@ -90,8 +90,8 @@ class Agent:
 
     # -- one period ----------------------------------------------------------------------------
 
-    async def observe(self) -> tuple[EngineSnapshot | None, str]:
-        """One bounded scrape: (snapshot, "") or (None, why it failed)."""
+    async def observe(self) -> tuple[EngineSnapshot | None, str, ZeroReason]:
+        """One bounded scrape: (snapshot, "", _) or (None, why it failed, the zero reason)."""
         started = time.perf_counter()
         timeout_s = self.settings.scrape_timeout_ms / 1000
         try:
@@ -99,12 +99,17 @@ class Agent:
                 snapshot = await self.source.scrape()
         except ScrapeError as exc:
             self.metrics.record_scrape(time.perf_counter() - started, failure=exc.kind)
-            return None, f"{exc.kind}: {exc}"
+            reason = (
+                ZeroReason.TELEMETRY_IMPLAUSIBLE
+                if exc.kind == "implausible"
+                else ZeroReason.TELEMETRY_MISSING
+            )
+            return None, f"{exc.kind}: {exc}", reason
         except TimeoutError:
             self.metrics.record_scrape(time.perf_counter() - started, failure="timeout")
-            return None, f"timeout: scrape took over {timeout_s:g} s"
+            return None, f"timeout: scrape took over {timeout_s:g} s", ZeroReason.TELEMETRY_MISSING
         self.metrics.record_scrape(time.perf_counter() - started)
-        return snapshot, ""
+        return snapshot, "", ZeroReason.TELEMETRY_MISSING
 
     def _next_version(self) -> int:
         s = self.stream.state
@@ -133,7 +138,7 @@ class Agent:
     async def tick(self) -> Lease | None:
         """One period's work; the lease sent (decode role) or None (prefill role)."""
         seq = self.stream.state.last_notice_seq  # read BEFORE the snapshot is taken
-        snapshot, failure = await self.observe()
+        snapshot, failure, failure_reason = await self.observe()
         self.last_snapshot = snapshot
         now_ms = self.clock.now_ms()
         s = self.settings
@@ -159,6 +164,7 @@ class Agent:
             guard=self.guard,
             cordoned=self.stream.state.cordoned,
             failure=failure,
+            failure_reason=failure_reason,
         )
         self.guard = decision.guard
         lease = self.lease_for(decision, seq)
@@ -186,7 +192,11 @@ class Agent:
             next_at = time.monotonic()
             while not stop.is_set():
                 self._wake.clear()
-                await self.tick()
+                try:
+                    await self.tick()
+                except Exception as exc:  # a bug must not leave the last credit standing
+                    log.exception("agent.tick_failed")
+                    self._send_zero(ZeroReason.TELEMETRY_IMPLAUSIBLE, f"agent error: {exc!r}")
                 next_at += period_s
                 now = time.monotonic()
                 if next_at < now:  # late: skip the missed ticks
@@ -195,21 +205,29 @@ class Agent:
         finally:
             await self._shutdown(stream_task)
 
+    def _zero_lease(self, reason: ZeroReason, detail: str) -> Lease:
+        return LeaseDecision(
+            zero_reason=reason, zero_detail=detail, itl_slo_ms=self.settings.lease.itl_slo_ms
+        ).to_lease(
+            node_id=self.settings.node_id,
+            epoch=self.epoch,
+            version=self._next_version(),
+            ttl_ms=self.settings.ttl_ms,
+            last_notice_seq=self.stream.state.last_notice_seq,
+        )
+
+    def _send_zero(self, reason: ZeroReason, detail: str) -> None:
+        if self.settings.role is not NodeRole.DECODE:
+            return
+        lease = self._zero_lease(reason, detail)
+        self.last_lease = lease
+        if self.stream.send(lease_request(lease)):
+            self.metrics.record_lease_sent(Credits(), reason)
+
     async def _shutdown(self, stream_task: asyncio.Task[None]) -> None:
         final = None
         if self.stream.state.connected and self.settings.role is NodeRole.DECODE:
-            lease = LeaseDecision(
-                zero_reason=ZeroReason.SHUTTING_DOWN,
-                zero_detail="agent stopping",
-                itl_slo_ms=self.settings.lease.itl_slo_ms,
-            ).to_lease(
-                node_id=self.settings.node_id,
-                epoch=self.epoch,
-                version=self._next_version(),
-                ttl_ms=self.settings.ttl_ms,
-                last_notice_seq=self.stream.state.last_notice_seq,
-            )
-            final = lease_request(lease)
+            final = lease_request(self._zero_lease(ZeroReason.SHUTTING_DOWN, "agent stopping"))
             self.metrics.record_lease_sent(Credits(), ZeroReason.SHUTTING_DOWN)
         acked = await self.stream.close(final, self.settings.shutdown_grace_ms / 1000)
         stream_task.cancel()

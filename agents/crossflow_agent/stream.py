@@ -132,6 +132,8 @@ class LeaseStream:
                 welcomed = await self._session(target)
             except (grpc.aio.AioRpcError, TimeoutError, SessionError, OSError) as exc:
                 log.info("stream.session_failed", endpoint=target, error=_brief(exc))
+            except Exception:  # never let the stream die: reconnect after the backoff
+                log.exception("stream.session_crashed", endpoint=target)
             if self._closing.is_set():
                 break
             if welcomed:

@@ -353,17 +353,19 @@ def decide(
     guard: ItlGuard,
     cordoned: bool = False,
     failure: str = "",
+    failure_reason: ZeroReason = ZeroReason.TELEMETRY_MISSING,
 ) -> LeaseDecision:
     """Apply the zero-lease rules in order, then the capacity model.
 
-    Order: no snapshot (scrape failed: ``failure`` says why) -> stale -> implausible ->
-    cordoned -> ITL over SLO (hysteresis) -> no capacity. The ITL guard advances only on
-    fresh, plausible snapshots.
+    Order: no snapshot (the scrape failed: ``failure`` says why; ``failure_reason`` is
+    TELEMETRY_MISSING, or TELEMETRY_IMPLAUSIBLE for values no snapshot can hold) -> stale ->
+    implausible -> cordoned -> ITL over SLO (hysteresis) -> no capacity. The ITL guard
+    advances only on fresh, plausible snapshots.
     """
     slo = settings.itl_slo_ms
     if snapshot is None:
         return LeaseDecision(
-            zero_reason=ZeroReason.TELEMETRY_MISSING,
+            zero_reason=failure_reason,
             zero_detail=failure or "no telemetry snapshot",
             itl_slo_ms=slo,
             guard=guard,

@@ -156,3 +156,33 @@ def test_parse_sums_series_and_filters_labels() -> None:
     assert expo.total("sglang:num_running_reqs", dp_rank="1") == 6
     assert expo.total("sglang:realtime_tokens_total", mode="decode") == 50_000
     assert expo.total("sglang:nope") is None
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (("sglang:num_running_reqs{", "NaN"), "sglang:num_running_reqs is nan"),
+        (("sglang:num_running_reqs{", "-20.0"), "running_requests is negative (-14)"),
+        (("sglang:num_used_tokens{", "900000.0"), "kv_used_tokens 920000 > kv_total_tokens"),
+    ],
+)
+async def test_odd_engine_values_give_implausible_zero_leases(metrics_server, edit, needle) -> None:
+    from crossflow_agent.agent import Agent
+    from crossflow_agent.settings import AgentSettings
+    from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
+    from crossflow_ctl.domain.models import ZeroReason
+
+    prefix, value = edit
+    lines = fixture_text("sglang_t0.prom").splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(prefix))
+    lines[first] = lines[first].rsplit(" ", 1)[0] + " " + value  # the dp_rank 0 series
+    metrics_server.text = "\n".join(lines) + "\n"
+    settings = AgentSettings(node_id="n1", brokers=["127.0.0.1:1"], metrics_url=metrics_server.url)
+    source = PrometheusSource(settings.metrics_url, SGLangReader())
+    agent = Agent(settings, source, MODEL_PRESETS["gpt-oss-120b"], NODE_PRESETS["h200"])
+    try:
+        lease = await agent.tick()
+    finally:
+        await source.aclose()
+    assert lease is not None and lease.credits.is_zero()
+    assert lease.zero_reason is ZeroReason.TELEMETRY_IMPLAUSIBLE and needle in lease.zero_detail

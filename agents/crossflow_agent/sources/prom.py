@@ -71,6 +71,16 @@ def parse(text: str) -> Exposition:
     return Exposition(series=dict(series))
 
 
+def count(value: float, name: str) -> int:
+    """A gauge that counts things, as an int; NaN or infinite is ScrapeError("implausible").
+
+    Negative or over-large counts pass through: the lease rules judge those, with a reason.
+    """
+    if not math.isfinite(value):
+        raise ScrapeError("implausible", f"{name} is {value}")
+    return round(value)
+
+
 def counter_delta(now: float | None, before: float | None) -> float | None:
     """Increase of a counter between two scrapes; a drop means a reset (as rate() treats it)."""
     if now is None or before is None:

@@ -17,7 +17,14 @@ from the counters' deltas, remembered across windows with no new request).
 from __future__ import annotations
 
 from crossflow_agent.sources.base import ScrapeError
-from crossflow_agent.sources.prom import Exposition, Window, counter_delta, rate, window_quantiles
+from crossflow_agent.sources.prom import (
+    Exposition,
+    Window,
+    count,
+    counter_delta,
+    rate,
+    window_quantiles,
+)
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 ITL = "sglang:inter_token_latency_seconds"
@@ -42,6 +49,9 @@ class SGLangReader:
         def gauge(name: str) -> float:
             return now.total(name) or 0.0
 
+        def counted(name: str) -> int:
+            return count(gauge(name), name)
+
         queued = (
             gauge("sglang:num_queue_reqs")
             + gauge("sglang:num_decode_prealloc_queue_reqs")
@@ -64,17 +74,19 @@ class SGLangReader:
         return EngineSnapshot(
             taken_at_ms=taken_at_ms,
             source=self.name,
-            running_requests=round(gauge("sglang:num_running_reqs")),
-            queued_requests=round(queued),
-            kv_used_tokens=round(gauge("sglang:num_used_tokens")),
-            kv_total_tokens=round(gauge("sglang:max_total_num_tokens")),
-            decode_context_tokens=round(gauge("sglang:decode_sum_seq_lens")),
+            running_requests=counted("sglang:num_running_reqs"),
+            queued_requests=count(queued, "sglang:num_queue_reqs"),
+            kv_used_tokens=counted("sglang:num_used_tokens"),
+            kv_total_tokens=counted("sglang:max_total_num_tokens"),
+            decode_context_tokens=counted("sglang:decode_sum_seq_lens"),
             generation_rate_tps=gen,
             prompt_rate_tps=prompt,
             itl_p50_ms=None if p50 is None else p50 * 1000.0,
             itl_p99_ms=None if p99 is None else p99 * 1000.0,
             kv_transfer_bytes_per_s=None if speed is None else speed * 1e9,
-            outstanding_uncached_tokens=round(gauge("sglang:num_queue_reqs") * mean_uncached),
+            outstanding_uncached_tokens=count(
+                gauge("sglang:num_queue_reqs") * mean_uncached, "outstanding_uncached_tokens"
+            ),
             prefill_processing_rate_tps=uncached,
             window_s=window_s,
         )

@@ -16,7 +16,14 @@ requests' contexts are what occupies the cache; shared prefixes make it an under
 from __future__ import annotations
 
 from crossflow_agent.sources.base import ScrapeError
-from crossflow_agent.sources.prom import Exposition, Window, counter_delta, rate, window_quantiles
+from crossflow_agent.sources.prom import (
+    Exposition,
+    Window,
+    count,
+    counter_delta,
+    rate,
+    window_quantiles,
+)
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 ITL_NAMES = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
@@ -51,7 +58,7 @@ class VLLMReader:
         if usage is None or running is None:
             raise ScrapeError("parse", "not a vLLM exposition: no running/KV usage gauges")
         total = _kv_total_tokens(now)
-        used = round(usage * total)
+        used = count(usage * total, "vllm:kv_cache_usage_perc")
         waiting = now.total("vllm:num_requests_waiting") or 0.0
         gen = rate(now, before, window_s, "vllm:generation_tokens_total") or 0.0
         prompt = rate(now, before, window_s, "vllm:prompt_tokens_total") or 0.0
@@ -62,8 +69,8 @@ class VLLMReader:
         return EngineSnapshot(
             taken_at_ms=taken_at_ms,
             source=self.name,
-            running_requests=round(running),
-            queued_requests=round(waiting),
+            running_requests=count(running, "vllm:num_requests_running"),
+            queued_requests=count(waiting, "vllm:num_requests_waiting"),
             kv_used_tokens=used,
             kv_total_tokens=total,
             decode_context_tokens=used if running > 0 else 0,
@@ -71,7 +78,9 @@ class VLLMReader:
             prompt_rate_tps=prompt,
             itl_p50_ms=None if p50 is None else p50 * 1000.0,
             itl_p99_ms=None if p99 is None else p99 * 1000.0,
-            outstanding_uncached_tokens=round(waiting * mean_prompt * uncached_share),
+            outstanding_uncached_tokens=count(
+                waiting * mean_prompt * uncached_share, "outstanding_uncached_tokens"
+            ),
             prefill_processing_rate_tps=prompt * uncached_share,
             window_s=window_s,
         )
