@@ -285,16 +285,20 @@ class ItlGuard(Frozen):
 
     Trips when the observed ITL reaches the SLO; clears only after ``itl_clear_after``
     consecutive observations below ``itl_slo_ms * itl_clear_ratio``. A window with no ITL
-    samples (nothing decoded) counts as below: an idle decode batch cannot miss its SLO.
+    samples says nothing when requests are running (a step longer than the window), so it
+    leaves the state as it is; with nothing running (``idle``) it counts as below: an idle
+    decode batch cannot miss its SLO.
     """
 
     tripped: bool = False
     good_streak: int = 0
 
-    def observe(self, itl_ms: float | None, settings: LeaseSettings) -> ItlGuard:
+    def observe(
+        self, itl_ms: float | None, settings: LeaseSettings, *, idle: bool = False
+    ) -> ItlGuard:
         if itl_ms is not None and itl_ms >= settings.itl_slo_ms:
             return ItlGuard(tripped=True, good_streak=0)
-        if not self.tripped:
+        if not self.tripped or (itl_ms is None and not idle):
             return self
         below = itl_ms is None or itl_ms < settings.itl_slo_ms * settings.itl_clear_ratio
         streak = self.good_streak + 1 if below else 0
@@ -385,7 +389,7 @@ def decide(
             update={"zero_reason": ZeroReason.TELEMETRY_IMPLAUSIBLE, "zero_detail": why}
         )
     itl = observed_itl_ms(snapshot, settings)
-    guard = guard.observe(itl, settings)
+    guard = guard.observe(itl, settings, idle=snapshot.running_requests == 0)
     capacity = compute_capacity(snapshot, model, node, settings)
     fields = {
         "guard": guard,

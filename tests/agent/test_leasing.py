@@ -102,7 +102,8 @@ def test_itl_hysteresis_does_not_flap() -> None:
     assert g.tripped and g.good_streak == 2
     g2 = g.observe(45.0, s)  # a bad-ish sample resets the streak
     assert g2.tripped and g2.good_streak == 0
-    g = g.observe(None, s)  # idle window counts as below
+    assert g.observe(None, s) == g  # no samples while requests run: no information
+    g = g.observe(None, s, idle=True)  # nothing running counts as below
     assert not g.tripped
     assert not ItlGuard().observe(49.9, s).tripped
 

@@ -17,6 +17,7 @@ from crossflow_ctl.broker.config import BrokerSettings
 from crossflow_ctl.broker.server import BrokerServer, make_store
 from crossflow_ctl.client.admin import AdminClient
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
+from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import Lease, ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from tests.agent.conftest import MetricsServer, fixture_text
@@ -107,7 +108,10 @@ async def running_agent(
 
 
 async def stored(admin: AdminClient, node_id: str = "n1") -> Lease | None:
-    view = await admin.get_node(node_id)
+    try:
+        view = await admin.get_node(node_id)
+    except NotFound:  # the agent has not said hello yet
+        return None
     return None if view.node.state.lease is None else view.node.state.lease.lease
 
 
@@ -290,3 +294,57 @@ async def test_a_prefill_agent_reports_pool_load(brokers, metrics_server) -> Non
         stop.set()
         await task
         await source.aclose()
+
+
+AGENT_TASK_NAMES = {
+    "lease-stream",
+    "stream-write",
+    "stream-read",
+    "stream-watchdog",
+    "stream-closing",
+}
+
+
+def agent_tasks() -> set[str]:
+    return {t.get_name() for t in asyncio.all_tasks() if not t.done()} & AGENT_TASK_NAMES
+
+
+async def test_itl_over_slo_zeroes_the_lease_and_recovers_with_hysteresis(brokers) -> None:
+    from crossflow_agent.sources.synthetic import (
+        EngineRequest,
+        EngineScript,
+        SyntheticEngine,
+        SyntheticSource,
+    )
+
+    target = await brokers.start()
+    engine = SyntheticEngine(MODEL, NODE, EngineScript(kv_total_tokens=2_000_000))
+    for _ in range(8):
+        engine.submit(EngineRequest(prompt_tokens=500, output_tokens=200_000))
+    settings = AgentSettings(node_id="n1", brokers=[target], period_ms=50)
+    agent = Agent(settings, SyntheticSource(engine), MODEL, NODE)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    try:
+        async with AdminClient(target) as admin:
+
+            async def reason_is(reason: ZeroReason | None) -> Lease | None:
+                lease = await stored(admin)
+                if lease is None or lease.zero_reason is not reason:
+                    return None
+                return lease if reason is not None or not lease.credits.is_zero() else None
+
+            await eventually(lambda: reason_is(None), "credit at normal speed")
+            engine.advance()
+            engine.slowdown = 20.0  # ~100 ms steps against a 50 ms SLO
+            over = await eventually(lambda: reason_is(ZeroReason.ITL_OVER_SLO), "ITL zero lease")
+            assert over.itl_ms >= 50.0 and "slo 50" in over.zero_detail
+            engine.advance()
+            engine.slowdown = 1.0
+            back = await eventually(lambda: reason_is(None), "credit after recovery")
+            assert back.version >= over.version + settings.lease.itl_clear_after
+            assert back.itl_ms < 50.0 * settings.lease.itl_clear_ratio
+    finally:
+        stop.set()
+        await task
+    assert agent_tasks() == set()  # the loop leaves no task behind
