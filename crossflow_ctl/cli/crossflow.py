@@ -84,7 +84,7 @@ def cli() -> None:
     type=click.FloatRange(min=0.01, max=1000.0),
     default=1.0,
     show_default=True,
-    help="Trace seconds per wall second.",
+    help="Time compression: arrivals and think times / this (more load, same servers).",
 )
 @click.option(
     "--prefill-slowdown",

@@ -81,8 +81,9 @@ class Release:
     index: int
 
 
-def first_releases(trace: Trace, params: ModelParams) -> list[Release]:
-    """Start times of sessions: their own, their parent's + offset, or a Poisson draw."""
+def first_releases(trace: Trace, params: ModelParams, speed: float = 1.0) -> list[Release]:
+    """Start times of sessions: their own, their parent's + offset, or a Poisson draw; all
+    divided by ``speed`` (time compression: more load on the same servers)."""
     import random
 
     rng = random.Random(1)
@@ -100,7 +101,7 @@ def first_releases(trace: Trace, params: ModelParams) -> list[Release]:
         starts[s.session_id] = start
         out.append(Release(start, s, 0))
     base = min((r.at_s for r in out), default=0.0)
-    return [Release(r.at_s - base, r.session, 0) for r in out]
+    return [Release((r.at_s - base) / speed, r.session, 0) for r in out]
 
 
 @dataclass
@@ -111,12 +112,14 @@ class StaticResult:
     ttft_by_request: dict[tuple[str, int], float] = field(default_factory=dict)
 
 
-def replay_static(trace: Trace, params: ModelParams, until_s: float | None = None) -> StaticResult:
+def replay_static(
+    trace: Trace, params: ModelParams, until_s: float | None = None, speed: float = 1.0
+) -> StaticResult:
     """The same trace, closed loop, with every prompt on the prefill pool (static P/D)."""
     model = ClusterModel(params)
     heap: list[tuple[float, int, Release]] = []
     n = 0
-    for r in first_releases(trace, params):
+    for r in first_releases(trace, params, speed):
         heapq.heappush(heap, (r.at_s, n, r))
         n += 1
     ttfts: list[float] = []
@@ -134,7 +137,8 @@ def replay_static(trace: Trace, params: ModelParams, until_s: float | None = Non
         end = max(end, finish)
         if rel.index + 1 < len(rel.session.turns):
             nxt = rel.session.turns[rel.index + 1]
-            heapq.heappush(heap, (finish + nxt.think_s, n, Release(0, rel.session, rel.index + 1)))
+            nxt_at = finish + nxt.think_s / speed
+            heapq.heappush(heap, (nxt_at, n, Release(0, rel.session, rel.index + 1)))
             n += 1
     return StaticResult(
         requests=len(ttfts), ttft_ms=ttfts, makespan_s=end, ttft_by_request=by_request

@@ -4,7 +4,8 @@ For each released turn it calls Admit. BORROW: Commit, send the whole request to
 decode node's engine (its prompt marked borrowed), Release when the router's model says the
 borrowed prefill is done. NORMAL: send the prompt to the least-busy prefill engine, then the
 decode to a decode engine. TTFT comes from :mod:`crossflow_ctl.demo.model`; a session's next turn
-is released when this one finished plus its think time (closed loop).
+is released when this one finished plus its think time (closed loop). ``speed`` compresses
+arrivals and think times (more load on the same servers), never service times.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class Router:
         self._http = httpx.AsyncClient(timeout=2.0)
 
     def now_s(self) -> float:
-        """Trace seconds since the replay began."""
-        return (time.monotonic() - self._t0) * self.speed
+        """Seconds since the replay began (the model and the engines share this clock)."""
+        return time.monotonic() - self._t0
 
     def _push(self, at_s: float, release: Release) -> None:
         heapq.heappush(self._heap, (at_s, next(self._seq), release))
@@ -99,7 +100,7 @@ class Router:
     async def run(self, stop: asyncio.Event) -> None:
         """Replay until the trace is done or ``stop`` is set."""
         self._t0 = time.monotonic()
-        for r in first_releases(self.trace, self.params):
+        for r in first_releases(self.trace, self.params, self.speed):
             self._push(r.at_s, r)
         try:
             while not stop.is_set() and not self.done:
@@ -108,7 +109,7 @@ class Router:
                     await _wait_any(stop, self._wake, timeout_s=0.5)
                     continue
                 at_s, _, rel = self._heap[0]
-                delay = (at_s - self.now_s()) / self.speed
+                delay = at_s - self.now_s()
                 if delay > 0:
                     self._wake.clear()
                     await _wait_any(stop, self._wake, timeout_s=min(delay, 0.5))
@@ -166,7 +167,7 @@ class Router:
         self.stats.finished += 1
         if rel.index + 1 < len(rel.session.turns):
             nxt = rel.session.turns[rel.index + 1]
-            self._push(finish + nxt.think_s, Release(0.0, rel.session, rel.index + 1))
+            self._push(finish + nxt.think_s / self.speed, Release(0.0, rel.session, rel.index + 1))
 
     async def _borrow(self, turn: Turn, a: Admission, arrival: float) -> float:
         rid = a.reservation_id
@@ -234,7 +235,7 @@ class Router:
             log.warning("demo.engine_post_failed", engine=engine.node_id, error=str(exc))
 
     async def _sleep_until(self, at_s: float) -> None:
-        delay = (at_s - self.now_s()) / self.speed
+        delay = at_s - self.now_s()
         if delay > 0:
             await asyncio.sleep(delay)
 

@@ -141,7 +141,7 @@ class Demo:
                 started = time.monotonic()
                 await self._replay(router, admin, started)
                 elapsed = time.monotonic() - started
-            static = replay_static(o.trace, params)
+            static = replay_static(o.trace, params, speed=o.speed)
         self.say(summary(o.trace.name, split, elapsed, router.stats, static, self.obs))
         if o.summary_json is not None:
             data = summary_data(router.stats, static, self.obs) | {
