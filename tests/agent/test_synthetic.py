@@ -50,6 +50,15 @@ def test_state_evolves_with_time_and_requests() -> None:
     assert s["kv_used_tokens"] == 0 and s["kv_reserved_tokens"] == 0
 
 
+def test_a_fully_cached_request_goes_straight_to_decode() -> None:
+    e, mono = engine()
+    e.submit(EngineRequest(prompt_tokens=4000, cached_tokens=4000, output_tokens=20))
+    assert e.state()["running_requests"] == 1 and e.state()["prefilling_requests"] == 0
+    mono.now = 5.0
+    s = e.state()
+    assert s["counters"]["requests"] == 1 and s["counters"]["prefill_compute"] == 0
+
+
 def test_kv_use_never_exceeds_total_and_the_queue_waits() -> None:
     e, mono = engine(EngineScript(kv_total_tokens=10_000, max_running=64))
     for _ in range(10):

@@ -193,7 +193,10 @@ class SyntheticEngine:
             self.reserved_kv += head.kv_reserved
             self.counters["prompt"] += head.spec.prompt_tokens
             self.counters["prefill_cache"] += head.spec.cached_tokens
-            self.prefilling.append(head)
+            if head.uncached_left > 0:
+                self.prefilling.append(head)
+            else:  # fully cached (or its KV arrived with it): straight to decode
+                self.running.append(head)
 
     def _step(self) -> float:
         batch = len(self.running)
