@@ -223,7 +223,7 @@ class Broker:
             )
             if outcome.granted and outcome.reservation is not None:
                 res = outcome.reservation
-                log.info("admit.borrow", node_id=check.node_id, reservation_id=res.reservation_id)
+                log.debug("admit.borrow", node_id=check.node_id, reservation_id=res.reservation_id)
                 return Admission(
                     decision=Decision.BORROW,
                     reason=Reason.BORROWED,
@@ -253,7 +253,7 @@ class Broker:
     async def release(self, reservation_id: str, outcome: str = "") -> Reservation:
         check_reservation_id(reservation_id)
         res = await self._admin_call(self.store.release(reservation_id, self.clock.now_ms()))
-        log.info("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
+        log.debug("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
         return res
 
     # -- agents ----------------------------------------------------------------------------------

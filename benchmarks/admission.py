@@ -1,0 +1,221 @@
+"""Admission latency and throughput over gRPC with Redis, next to two floors from the same run.
+
+    python benchmarks/admission.py [--redis-url redis://127.0.0.1:6379/0] [--seconds 2]
+
+Starts one ``crossflow-broker serve`` process on a loopback port over Redis (its own key
+namespace, deleted afterwards), streams one decode lease and one prefill pool load to it, then
+measures, each sequentially (latency) and with ``--concurrency`` callers (throughput):
+
+* ``admit``   : AdmissionService.Admit that borrows (view + plan + atomic debit in Redis)
+* ``grpc``    : grpc.health.v1.Health/Check on the same broker (the bare grpc.aio unary floor)
+* ``evalsha`` : EVALSHA of a trivial Lua script on the same Redis (the bare Redis floor)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from crossflow_ctl.api.v1 import (
+    admission_pb2,
+    admission_pb2_grpc,
+    common_pb2,
+    lease_pb2,
+    lease_pb2_grpc,
+)
+
+
+async def start_broker(
+    redis_url: str, namespace: str, hold_ttl_ms: int
+) -> tuple[asyncio.subprocess.Process, str]:
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "CROSSFLOW_POLICY__BORROW_SHARE": "1.0",
+        "CROSSFLOW_POLICY__HOLD_TTL_MS": str(hold_ttl_ms),
+        "CROSSFLOW_POLICY__MAX_LEASE_TTL_MS": "60000",
+        "CROSSFLOW_POLICY__ADMIT_TIMEOUT_MS": "1000",
+        "CROSSFLOW_LOG_LEVEL": "warning",
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "crossflow_ctl.broker",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--redis-url",
+        redis_url,
+        "--redis-namespace",
+        namespace,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), timeout=30)).decode()
+    if not line.startswith("listening on "):
+        raise SystemExit(f"broker did not start: {line!r}")
+    return proc, line.split()[-1]
+
+
+async def feed(channel: grpc.aio.Channel) -> list[Any]:
+    """One decode node with a large lease and one prefill server with a long queue."""
+    stub = lease_pb2_grpc.LeaseServiceStub(channel)
+    calls = []
+    for node_id, role in (
+        ("bench-d1", common_pb2.NODE_ROLE_DECODE),
+        ("bench-p1", common_pb2.NODE_ROLE_PREFILL),
+    ):
+        call = stub.Connect()
+        await call.write(
+            lease_pb2.ConnectRequest(hello=lease_pb2.Hello(node_id=node_id, role=role))
+        )
+        await call.read()  # Welcome
+        calls.append(call)
+    credits = common_pb2.Credits(
+        compute_tokens=10**9,
+        kv_tokens=10**9,
+        kv_transfer_bytes=10**15,
+        output_tokens=10**9,
+        slots=100_000,
+    )
+    lease = common_pb2.Lease(
+        node_id="bench-d1",
+        epoch=1,
+        version=1,
+        ttl_ms=60_000,
+        credits=credits,
+        queue_wait_ms=1.0,
+        borrowed_prefill_rate_tps=50_000.0,
+    )
+    await calls[0].write(lease_pb2.ConnectRequest(lease=lease))
+    ack = await calls[0].read()
+    assert ack.lease_ack.result == lease_pb2.LEASE_RESULT_ACCEPTED, ack
+    load = common_pb2.PoolLoad(
+        node_id="bench-p1",
+        outstanding_uncached_tokens=500_000,
+        processing_rate_tps=20_000.0,
+        ttl_ms=60_000,
+    )
+    await calls[1].write(lease_pb2.ConnectRequest(pool_load=load))
+    await calls[1].write(lease_pb2.ConnectRequest(heartbeat=lease_pb2.Heartbeat()))
+    await calls[1].read()  # heartbeat echo: the pool load is stored
+    return calls
+
+
+async def measure(
+    call: Callable[[], Awaitable[Any]], seconds: float, concurrency: int
+) -> dict[str, float]:
+    for _ in range(50):  # warm up
+        await call()
+    latencies: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        await call()
+        latencies.append(time.perf_counter() - t0)
+    done = 0
+
+    async def worker(stop: float) -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            await call()
+            done += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(t0 + seconds) for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    q = statistics.quantiles(latencies, n=100)
+    return {
+        "p50_ms": q[49] * 1e3,
+        "p99_ms": q[98] * 1e3,
+        "n": len(latencies),
+        "ops_per_s": done / elapsed,
+    }
+
+
+async def main(args: argparse.Namespace) -> None:
+    namespace = f"bench-{uuid.uuid4().hex[:10]}"
+    proc, addr = await start_broker(args.redis_url, namespace, args.hold_ttl_ms)
+    r = aioredis.Redis.from_url(args.redis_url)
+    channel = grpc.aio.insecure_channel(addr)
+    feeds: list[Any] = []
+    try:
+        feeds = await feed(channel)
+        admission = admission_pb2_grpc.AdmissionServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        request = admission_pb2.AdmitRequest(uncached_prompt_tokens=512, expected_output_tokens=64)
+        first = await admission.Admit(request, timeout=5)
+        if first.decision != admission_pb2.DECISION_BORROW:
+            raise SystemExit(f"admission did not borrow: {first.message}")
+
+        async def admit() -> None:
+            reply = await admission.Admit(request, timeout=5)
+            assert reply.decision == admission_pb2.DECISION_BORROW, reply.message
+
+        async def check() -> None:
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+        script = r.register_script("return 1")
+
+        async def evalsha() -> None:
+            await script(keys=[f"{namespace}:bench"])
+
+        rows = [
+            ("admit (gRPC + Redis)", await measure(admit, args.seconds, args.concurrency)),
+            ("floor: grpc.aio health Check", await measure(check, args.seconds, args.concurrency)),
+            (
+                "floor: Redis EVALSHA 'return 1'",
+                await measure(evalsha, args.seconds, args.concurrency),
+            ),
+        ]
+        print(
+            f"loopback, broker pid {proc.pid}, {args.seconds:.1f} s per phase, "
+            f"throughput with {args.concurrency} concurrent callers, hold TTL {args.hold_ttl_ms} ms"
+        )
+        print(f"{'call':34} {'p50 ms':>8} {'p99 ms':>8} {'seq n':>7} {'ops/s':>9}")
+        for name, m in rows:
+            print(
+                f"{name:34} {m['p50_ms']:8.3f} {m['p99_ms']:8.3f} {m['n']:7.0f} "
+                f"{m['ops_per_s']:9.0f}"
+            )
+        admit_p50, grpc_p50, redis_p50 = (m["p50_ms"] for _, m in rows)
+        print(
+            f"admit p50 over floors: {admit_p50 / grpc_p50:.1f}x gRPC, "
+            f"{admit_p50 / redis_p50:.1f}x EVALSHA"
+        )
+    finally:
+        for call in feeds:
+            call.cancel()
+        await channel.close()
+        proc.terminate()
+        await proc.wait()
+        keys = [k async for k in r.scan_iter(match=f"{namespace}*", count=1000)]
+        if keys:
+            await r.delete(*keys)
+        await r.aclose()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--hold-ttl-ms",
+        type=int,
+        default=100,
+        help="HELD reservations expire after this; open reservations ~ rate x TTL",
+    )
+    asyncio.run(main(parser.parse_args()))
