@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,32 +30,8 @@ from crossflow_ctl.domain.calibration import CalibrationFit, TimingSample, fit_n
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, ModelSpec
 from crossflow_ctl.domain.errors import InvalidArgument
 
-
-@dataclass(frozen=True, slots=True)
-class SweepPlan:
-    """What to time: every decode shape, every chunk, and mixes of the two."""
-
-    batches: tuple[int, ...]
-    contexts: tuple[int, ...]
-    """Context tokens per request (each batch is ragged around this mean)."""
-    chunks: tuple[int, ...]
-    """Prefill chunk sizes (GEMM rows)."""
-    hidden: int | None
-    """GEMM hidden and out size; None takes q_heads * head_dim of the model."""
-    max_heads: int | None
-    """Cap on query heads (keeps CPU runs short); the GQA ratio is kept."""
-    page_size: int
-    warmup: int
-    repeats: int
-
-
-PLANS: dict[tuple[str, str], SweepPlan] = {
-    ("cuda", "full"): SweepPlan((1, 8, 32, 128), (512, 4096, 16384), (256, 1024, 4096),
-                                None, None, 16, 3, 10),
-    ("cuda", "quick"): SweepPlan((1, 16, 64), (1024, 8192), (256, 2048), None, None, 16, 2, 5),
-    ("cpu", "full"): SweepPlan((1, 4, 16), (256, 1024, 4096), (128, 512), 1024, 8, 16, 2, 7),
-    ("cpu", "quick"): SweepPlan((1, 4), (128, 512), (256, 512), 512, 4, 16, 2, 5),
-}  # fmt: skip
+TIMINGS_FORMAT_VERSION = 1
+"""The version of ``crossflow_kernels.sweep``'s timings document this module reads and writes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,91 +39,6 @@ class Measured:
     kind: str
     label: str
     sample: TimingSample
-
-
-def _ragged(batch: int, mean: int) -> list[int]:
-    """Context lengths spread +-50% around ``mean`` (deterministic), summing to batch * mean."""
-    if batch == 1:
-        return [mean]
-    lens = [max(1, round(mean * (0.5 + i / (batch - 1)))) for i in range(batch)]
-    lens[-1] += batch * mean - sum(lens)
-    return [max(1, n) for n in lens]
-
-
-def _heads(model: ModelSpec, cap: int | None) -> tuple[int, int]:
-    q, kv = model.q_heads, model.kv_heads
-    if cap is not None and q > cap:
-        kv = max(1, kv * cap // q)
-        q = kv * (model.q_heads // model.kv_heads)
-    return q, kv
-
-
-def run_sweep(
-    plan: SweepPlan, device: str, dtype_name: str, model: ModelSpec
-) -> Iterator[Measured]:
-    """Time every shape of ``plan`` on ``device`` (lazy torch/kernels imports)."""
-    import torch
-
-    from crossflow_kernels import costs, reference, workloads
-    from crossflow_kernels.timing import time_call
-
-    ops: Any = reference
-    if device == "cuda":
-        from crossflow_kernels import triton_ops
-
-        ops = triton_ops
-    else:
-        # One intra-op thread: on a shared CPU, spinning worker threads turn a 100 us call into
-        # a 50 ms one whenever another process holds a core, and the fit would chase that.
-        torch.set_num_threads(1)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    dev = torch.device(device)
-    q_heads, kv_heads = _heads(model, plan.max_heads)
-    hidden = plan.hidden or model.q_heads * model.head_dim
-    attn_inputs = {
-        (b, c): workloads.attention_inputs(
-            _ragged(b, c), q_heads=q_heads, kv_heads=kv_heads, head_dim=model.head_dim,
-            page_size=plan.page_size, dtype=dtype, device=dev, seed=b * 7919 + c,
-        )
-        for b in plan.batches
-        for c in plan.contexts
-    }  # fmt: skip
-    gemms = {p: workloads.gemm_inputs(p, hidden, hidden, dtype=dtype, device=dev, seed=p)
-             for p in plan.chunks}  # fmt: skip
-
-    def attn_cost(inp: workloads.AttentionInputs) -> costs.KernelCost:
-        return costs.attention_cost(inp.shape, blocks_read=inp.pages_used)
-
-    def timed(kind: str, label: str, fn: Callable[[], object], cost: costs.KernelCost) -> Measured:
-        t = time_call(fn, dev, warmup=plan.warmup, repeats=plan.repeats)
-        sample = TimingSample(
-            flops=cost.flops, bytes_moved=cost.bytes_moved, seconds=t.median_s, kind=kind
-        )
-        return Measured(kind, label, sample)
-
-    for (b, c), inp in attn_inputs.items():
-        attn = partial(ops.paged_decode_attention, *inp.args())
-        yield timed("decode", f"batch={b} ctx={c}", attn, attn_cost(inp))
-    for p, (a, w, shape) in gemms.items():
-        gemm = partial(ops.prefill_gemm, a, w)
-        yield timed("prefill", f"chunk={p} hidden={hidden}", gemm, costs.gemm_cost(shape))
-    for b in plan.batches[1:]:
-        for c in plan.contexts:
-            inp = attn_inputs[(b, c)]
-            for p, (a, w, shape) in gemms.items():
-                mixed = partial(ops.mixed_step, *inp.args(), a, w)
-                cost = attn_cost(inp) + costs.gemm_cost(shape)
-                yield timed("mixed", f"batch={b} ctx={c} chunk={p}", mixed, cost)
-
-
-def device_name(device: str) -> str:
-    import platform
-
-    import torch
-
-    if device == "cuda":
-        return str(torch.cuda.get_device_name(0))
-    return f"cpu:{platform.processor() or platform.machine()}"
 
 
 def resolve_device(choice: str) -> str:
@@ -165,38 +55,40 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
-TIMINGS_FORMAT_VERSION = 1
-
-
 def measure_node(
-    *, device: str, sweep: str, dtype: str, model: ModelSpec, echo: Callable[[str], None]
-) -> tuple[list[Measured], str]:
-    """Run the sweep, printing each timing with its achieved rates."""
-    measured: list[Measured] = []
-    for m in run_sweep(PLANS[(device, sweep)], device, dtype, model):
-        measured.append(m)
-        s = m.sample
-        echo(
-            f"{m.kind:8s} {m.label:32s} {s.seconds * 1e6:11.1f} us "
-            f"{s.bytes_moved / s.seconds / 1e9:9.2f} GB/s {s.flops / s.seconds / 1e12:9.4f} TFLOP/s"
-        )
-    return measured, device_name(device)
+    *,
+    device: str,
+    sweep: str,
+    dtype: str,
+    model: ModelSpec,
+    echo: Callable[[str], None],
+    save_timings: Path | None = None,
+) -> tuple[list[Measured], str, dict[str, Any]]:
+    """Run the kernels' sweep, printing each timing; optionally save the raw timings."""
+    from crossflow_kernels import sweep as kernel_sweep
 
-
-def save_timings_file(
-    path: Path, measured: list[Measured], dev_name: str, meta: dict[str, Any]
-) -> None:
-    """Raw timings, so a profile can be re-fitted later (``--from-timings``) without the GPU."""
-    doc = {
-        "version": TIMINGS_FORMAT_VERSION,
-        "device": dev_name,
-        "calibration": meta,
-        "timings": [{"label": m.label, **m.sample.model_dump()} for m in measured],
-    }
-    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    heads = kernel_sweep.Heads(model.q_heads, model.kv_heads, model.head_dim)
+    timings = []
+    for t in kernel_sweep.run_sweep(kernel_sweep.PLANS[(device, sweep)], device, dtype, heads):
+        echo(kernel_sweep.format_timing(t))
+        timings.append(t)
+    measured = [
+        Measured(t.kind, t.label, TimingSample(
+            flops=t.flops, bytes_moved=t.bytes_moved, seconds=t.seconds, kind=t.kind))
+        for t in timings
+    ]  # fmt: skip
+    dev_name = kernel_sweep.device_name(device)
+    backend = "triton" if device == "cuda" else "torch-reference"
+    meta: dict[str, Any] = {"backend": backend, "sweep": sweep, "dtype": dtype,
+                            "model": model.name}  # fmt: skip
+    if save_timings is not None:
+        doc = kernel_sweep.timings_document(timings, dev_name, meta)
+        kernel_sweep.write_timings(save_timings, doc)
+    return measured, dev_name, meta
 
 
 def load_timings(path: Path) -> tuple[list[Measured], str, dict[str, Any]]:
+    """Read a timings document (written by ``--save-timings`` or ``crossflow_kernels.sweep``)."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
         if doc.get("version") != TIMINGS_FORMAT_VERSION:
@@ -293,14 +185,11 @@ def calibrate(
         echo(f"fitting {len(measured)} timings from {from_timings} ({dev_name})")
     else:
         dev = resolve_device(device)
-        backend = "triton" if dev == "cuda" else "torch-reference"
-        echo(f"calibrating on {dev} ({backend}), sweep={sweep}, dtype={dtype}, model={model}")
-        measured, dev_name = measure_node(
-            device=dev, sweep=sweep, dtype=dtype, model=MODEL_PRESETS[model], echo=echo
-        )
-        meta = {"backend": backend, "sweep": sweep, "dtype": dtype, "model": model}
-        if save_timings is not None:
-            save_timings_file(save_timings, measured, dev_name, meta)
+        echo(f"calibrating on {dev}, sweep={sweep}, dtype={dtype}, model={model}")
+        measured, dev_name, meta = measure_node(
+            device=dev, sweep=sweep, dtype=dtype, model=MODEL_PRESETS[model], echo=echo,
+            save_timings=save_timings,
+        )  # fmt: skip
     meta["kinds"] = {
         k: sum(1 for m in measured if m.kind == k) for k in ("decode", "prefill", "mixed")
     }

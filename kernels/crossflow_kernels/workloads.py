@@ -37,26 +37,30 @@ def attention_inputs(
 ) -> AttentionInputs:
     """A paged KV pool holding ``context_lens`` (one entry per request), pages shuffled.
 
+    Values are drawn on ``device`` (a device generator: the same seed gives different values on
+    CPU and GPU, the same values on reruns).
+
     Each request's pages are scattered through the pool in random order (non-contiguous block
     tables), the pool has ``spare_pages`` unused pages, and table entries past a request's last
     page point at page 0 (a valid id the kernels must ignore).
     """
     if not context_lens or min(context_lens) < 1:
         raise ValueError("context_lens: need at least one request, each with context >= 1")
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     pages_per = [-(-n // page_size) for n in context_lens]
     used = sum(pages_per)
     total = used + spare_pages
-    order = torch.randperm(total, generator=gen)[:used].to(torch.int32)
+    order = torch.randperm(total, generator=gen, device=device)[:used].to(torch.int32).cpu()
     table = torch.zeros((len(context_lens), max(pages_per)), dtype=torch.int32)
     start = 0
     for row, n in enumerate(pages_per):
         table[row, :n] = order[start : start + n]
         start += n
     pool = (total, page_size, kv_heads, head_dim)
-    k = torch.randn(pool, generator=gen).to(dtype)
-    v = torch.randn(pool, generator=gen).to(dtype)
-    q = torch.randn((len(context_lens), q_heads, head_dim), generator=gen).to(dtype)
+    k = torch.randn(pool, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(pool, generator=gen, device=device, dtype=dtype)
+    q = torch.randn((len(context_lens), q_heads, head_dim), generator=gen, device=device,
+                    dtype=dtype)  # fmt: skip
     shape = AttentionShape(
         batch=len(context_lens),
         context_tokens=sum(context_lens),
@@ -67,9 +71,9 @@ def attention_inputs(
         dtype_bytes=torch.finfo(dtype).bits // 8,
     )
     return AttentionInputs(
-        q=q.to(device),
-        k_cache=k.to(device),
-        v_cache=v.to(device),
+        q=q,
+        k_cache=k,
+        v_cache=v,
         block_tables=table.to(device),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
         shape=shape,
@@ -87,8 +91,8 @@ def gemm_inputs(
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, GemmShape]:
     """``a [tokens, hidden]`` and ``w [hidden, out]`` scaled so outputs stay near unit size."""
-    gen = torch.Generator().manual_seed(seed)
-    a = torch.randn((tokens, hidden), generator=gen).to(dtype)
-    w = (torch.randn((hidden, out), generator=gen) * hidden**-0.5).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn((tokens, hidden), generator=gen, device=device).to(dtype)
+    w = (torch.randn((hidden, out), generator=gen, device=device) * hidden**-0.5).to(dtype)
     shape = GemmShape(m=tokens, k=hidden, n=out, dtype_bytes=torch.finfo(dtype).bits // 8)
-    return a.to(device), w.to(device), shape
+    return a, w, shape

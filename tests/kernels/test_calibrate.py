@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from crossflow_agent.calibrate import PLANS, save_timings_file
 from crossflow_agent.cli import cli
 from crossflow_agent.profile import load_profile
 from crossflow_ctl.domain.calibration import TimingSample, roofline_time_s
@@ -25,6 +24,7 @@ def test_cpu_sweep_in_a_real_process_times_every_shape(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="the sweep needs the .[kernels] extra (torch)")
     pytest.importorskip("triton", reason="the sweep needs the .[kernels] extra (triton)")
     from crossflow_kernels.costs import gemm_cost
+    from crossflow_kernels.sweep import PLANS
     from crossflow_kernels.workloads import gemm_inputs
 
     profile_file, timings_file = tmp_path / "node.json", tmp_path / "timings.json"
@@ -50,6 +50,12 @@ def test_cpu_sweep_in_a_real_process_times_every_shape(tmp_path: Path) -> None:
         _, _, shape = gemm_inputs(chunk, plan.hidden or 0, plan.hidden or 0, dtype=_fp16())
         assert t["flops"] == gemm_cost(shape).flops
         assert t["bytes_moved"] == gemm_cost(shape).bytes_moved
+    # the kernels' timings file is what --from-timings reads: a re-fit gives the same profile
+    refit_file = tmp_path / "refit.json"
+    refit = CliRunner().invoke(
+        cli, ["calibrate", "--from-timings", str(timings_file), "--out", str(refit_file)]
+    )
+    assert refit.exit_code == proc.returncode, refit.output
     # a shared CPU is noisy: the fit may refuse (it says why), or it wrote a loadable profile
     if proc.returncode != 0:
         assert "fit refused" in proc.stderr and "straddle" in proc.stderr, proc.stderr
@@ -62,6 +68,7 @@ def test_cpu_sweep_in_a_real_process_times_every_shape(tmp_path: Path) -> None:
     assert doc["fit"]["samples"] == len(kinds)
     assert doc["fit"]["rmse_s"] >= 0 and doc["fit"]["max_rel_error"] >= 0
     assert profile.flops_per_s > 0 and profile.hbm_bytes_per_s > 0
+    assert load_profile(refit_file) == profile
 
 
 def _fp16():
@@ -94,12 +101,17 @@ def _synthetic_timings(true: NodeProfile) -> list[TimingSample]:
     ]  # fmt: skip
 
 
-def test_refit_round_trips_through_the_file_and_changes_the_lease(tmp_path: Path) -> None:
-    from crossflow_agent.calibrate import Measured
+def _write_timings(path: Path, samples: list[TimingSample], device: str) -> None:
+    """The timings document of crossflow_kernels.sweep, written by hand."""
+    rows = [{"label": f"t{i}", **s.model_dump()} for i, s in enumerate(samples)]
+    doc = {"version": 1, "device": device, "calibration": {"backend": "synthetic"}, "timings": rows}
+    path.write_text(json.dumps(doc))
 
+
+def test_refit_round_trips_through_the_file_and_changes_the_lease(tmp_path: Path) -> None:
     timings_file, profile_file = tmp_path / "t.json", tmp_path / "p.json"
-    measured = [Measured(s.kind, "", s) for s in _synthetic_timings(SLOW_NODE)]
-    save_timings_file(timings_file, measured, "synthetic-gpu", {"backend": "synthetic"})
+    measured = _synthetic_timings(SLOW_NODE)
+    _write_timings(timings_file, measured, "synthetic-gpu")
     result = CliRunner().invoke(
         cli,
         ["calibrate", "--from-timings", str(timings_file), "--out", str(profile_file),
@@ -132,11 +144,9 @@ def test_refit_round_trips_through_the_file_and_changes_the_lease(tmp_path: Path
 
 
 def test_refit_of_a_one_sided_sweep_fails_with_the_reason(tmp_path: Path) -> None:
-    from crossflow_agent.calibrate import Measured
-
     decode_only = [s for s in _synthetic_timings(SLOW_NODE) if s.kind == "decode"]
     timings_file = tmp_path / "t.json"
-    save_timings_file(timings_file, [Measured(s.kind, "", s) for s in decode_only], "x", {})
+    _write_timings(timings_file, decode_only, "x")
     out = tmp_path / "p.json"
     result = CliRunner().invoke(
         cli, ["calibrate", "--from-timings", str(timings_file), "--out", str(out)]
