@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from crossflow_ctl.cli.common import output_option, run, state
+from crossflow_ctl.cli.common import complete_node, output_option, run, state
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, cell, key_values, render_object, table
 from crossflow_ctl.cli.views import (
@@ -31,7 +31,7 @@ CREDIT_COLUMNS = [
 ]
 HISTORY_COLUMNS = [
     Column("EPOCH/VERSION", "ev"),
-    Column("RECEIVED", "age"),
+    Column("SNAPSHOT", "age"),
     Column("COMPUTE", "compute_tokens"),
     Column("KV", "kv_tokens"),
     Column("SLOTS", "slots"),
@@ -158,7 +158,7 @@ def describe() -> None:
 
 
 @describe.command("node")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_node)
 @output_option()
 @click.pass_context
 def describe_node(ctx: click.Context, name: str, output: str | None) -> None:
@@ -176,7 +176,7 @@ def describe_node(ctx: click.Context, name: str, output: str | None) -> None:
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", shell_complete=complete_node)
 @click.option("--reason", default="cordoned by crossflowctl", help="Why (shown in describe).")
 @click.pass_context
 def cordon(ctx: click.Context, name: str, reason: str) -> None:
@@ -192,7 +192,7 @@ def cordon(ctx: click.Context, name: str, reason: str) -> None:
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", shell_complete=complete_node)
 @click.pass_context
 def uncordon(ctx: click.Context, name: str) -> None:
     """Let NAME lend again."""
@@ -207,7 +207,7 @@ def uncordon(ctx: click.Context, name: str) -> None:
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", shell_complete=complete_node)
 @click.option(
     "--timeout",
     "timeout_s",

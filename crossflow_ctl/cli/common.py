@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from click.shell_completion import CompletionItem
 
 from crossflow_ctl.cli.api import BrokerSession, Target
 from crossflow_ctl.cli.config import Context, CtlConfig, CtlSettings, load_config
@@ -83,6 +84,28 @@ def state(ctx: click.Context) -> CtlState:
     obj = ctx.find_root().obj
     assert isinstance(obj, CtlState)
     return obj
+
+
+def complete_node(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[CompletionItem]:
+    """Shell completion of node names: asks the broker, quietly gives nothing on any failure."""
+    params = ctx.find_root().params
+    try:
+        st = CtlState.create(
+            server=params.get("server"),
+            context=params.get("context_name"),
+            config_path=params.get("config_path"),
+        )
+
+        async def names() -> list[str]:
+            async with st.session() as session:
+                return [n.state.info.node_id for n in await session.list_nodes(None, "")]
+
+        found = asyncio.run(asyncio.wait_for(names(), timeout=1.0))
+    except Exception:
+        return []
+    return [CompletionItem(n) for n in found if n.startswith(incomplete)]
 
 
 def run(coro: Awaitable[T]) -> T:

@@ -67,17 +67,25 @@ class Ctl:
         self.env = {**os.environ, "CROSSFLOWCTL_CONFIG": str(config)}
         self.env.pop("CROSSFLOWCTL_SERVER", None)
 
-    async def start(self, *args: str, server: bool = True) -> asyncio.subprocess.Process:
+    async def start(
+        self, *args: str, server: bool = True, env: dict[str, str] | None = None
+    ) -> asyncio.subprocess.Process:
         argv = [self.binary, *(["--server", self.server] if server else []), *args]
         return await asyncio.create_subprocess_exec(
             *argv,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env=self.env,
+            env={**self.env, **(env or {})},
         )
 
-    async def __call__(self, *args: str, server: bool = True, timeout_s: float = 30) -> Result:
-        proc = await self.start(*args, server=server)
+    async def __call__(
+        self,
+        *args: str,
+        server: bool = True,
+        timeout_s: float = 30,
+        env: dict[str, str] | None = None,
+    ) -> Result:
+        proc = await self.start(*args, server=server, env=env)
         try:
             async with asyncio.timeout(timeout_s):
                 out, err = await proc.communicate()

@@ -225,3 +225,10 @@ async def test_completion_scripts(ctl: Ctl) -> None:
     for shell, marker in (("bash", "complete -o"), ("zsh", "compdef"), ("fish", "complete")):
         res = await ctl("completion", shell, server=False)
         assert res.rc == 0 and "_CROSSFLOWCTL_COMPLETE" in res.out and marker in res.out
+
+
+async def test_node_names_complete_from_the_broker(ctl: Ctl, fleet: Fleet) -> None:
+    words = f"crossflowctl --server {ctl.server} cordon decode-"
+    env = {"_CROSSFLOWCTL_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": "4"}
+    res = await ctl(server=False, env=env)
+    assert res.out.split() == ["plain,decode-1", "plain,decode-2"]
