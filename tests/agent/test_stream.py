@@ -224,6 +224,18 @@ async def test_a_stale_epoch_or_version_is_moved_past(brokers, metrics_server) -
 
             await eventually(recovered, "a lease in epoch + 1")
             assert run.agent.stream.state.refused >= 1
+        # the same epoch again (two starts in one millisecond): versions move past the stored one
+        held = await stored(admin)
+        assert held is not None
+        async with running_agent(metrics_server, [target], epoch=held.epoch) as run:
+
+            async def past() -> Lease | None:
+                lease = await stored(admin)
+                ok = lease and lease.epoch == held.epoch and lease.version > held.version
+                return lease if ok and not lease.credits.is_zero() else None
+
+            await eventually(past, "a newer version in the same epoch")
+            assert run.agent.stream.state.refused >= 1
 
 
 class SeqBumpingSource:
