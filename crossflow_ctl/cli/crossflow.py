@@ -112,6 +112,13 @@ def cli() -> None:
     default=None,
     help="Also write the summary's figures here as JSON.",
 )
+@click.option(
+    "--sim/--no-sim",
+    "simulate",
+    default=True,
+    show_default=True,
+    help="Also replay the trace in the simulator, static and with leases, for the summary.",
+)
 def demo(
     prefill: int,
     decode: int,
@@ -128,6 +135,7 @@ def demo(
     view: str,
     log_dir: Path | None,
     summary_json: Path | None,
+    simulate: bool,
 ) -> None:
     """Run a whole cluster on loopback and replay a trace through it.
 
@@ -135,6 +143,9 @@ def demo(
     through the Admission API and a live view shows nodes, credits and borrowing. Ctrl-C stops
     everything cleanly; the summary compares the run with the same trace on static P/D."""
     from crossflow_ctl.demo.run import Demo, DemoOptions
+    from crossflow_ctl.observability import setup_logging
+
+    setup_logging(json=False, level="warning")
     from crossflow_ctl.demo.trace import load_trace, synthetic_agentic
 
     trace = (
@@ -156,6 +167,7 @@ def demo(
         log_dir=log_dir,
         summary_json=summary_json,
         redis_namespace=redis_namespace,
+        simulate=simulate,
     )
     code = asyncio.run(Demo(opts).run())
     if code:

@@ -52,6 +52,8 @@ class DemoOptions:
     period_ms: int = 200
     log_dir: Path | None = None
     summary_json: Path | None = None
+    simulate: bool = True
+    """Also run the project's simulator on the same trace, static and with leases."""
     redis_namespace: str | None = None
 
 
@@ -142,13 +144,24 @@ class Demo:
                 await self._replay(router, admin, started)
                 elapsed = time.monotonic() - started
             static = replay_static(o.trace, params, speed=o.speed)
+        await self.children.stop()  # the simulator below should not compete with them
         self.say(summary(o.trace.name, split, elapsed, router.stats, static, self.obs))
+        sim = None
+        if o.simulate:
+            from crossflow_ctl.demo.simcompare import sim_lines, simulate_both
+
+            sim = await simulate_both(o.trace, params, o.model, o.node, o.speed)
+            self.say(
+                "Simulator (crossflow_ctl.sim: real policy, store and lease rules on a modelled "
+                "cluster), same trace:\n" + "\n".join(sim_lines(sim, split))
+            )
         if o.summary_json is not None:
             data = summary_data(router.stats, static, self.obs) | {
                 "elapsed_s": elapsed,
                 "interrupted": self.interrupted,
                 "trace": o.trace.name,
                 "split": split,
+                "simulator": {k: v.model_dump(mode="json") for k, v in (sim or {}).items()},
             }
             o.summary_json.write_text(json.dumps(data, indent=2))
         return 0

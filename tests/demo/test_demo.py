@@ -68,6 +68,8 @@ def _check_summary(path: Path) -> dict[str, Any]:
     assert data["borrowed"] > 0, data["reasons"]
     assert data["over_commits"] == []
     assert data["admit_errors"] == 0 and data["engine_errors"] == 0
+    sim = data["simulator"]
+    assert sim["leases"]["overcommits"] == 0 and sim["static"]["borrowed_share"] == 0.0
     return data
 
 
