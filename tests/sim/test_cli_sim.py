@@ -1,0 +1,58 @@
+"""``crossflowctl sim`` end to end, as a real process: a report with tables and PNG plots."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+CTL = "from crossflow_ctl.cli.ctl import main; main()"
+
+
+def _ctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", CTL, *args], capture_output=True, text=True, timeout=100
+    )
+
+
+def test_sim_writes_a_report_with_plots(traces_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    result = _ctl(
+        "sim",
+        "--trace", str(traces_dir / "mooncake_conversation_trace.jsonl"),
+        "--limit", "80",
+        "--load", "4",
+        "--splits", "2P4D",
+        "--borrow-splits", "2P4D",
+        "--warmup-s", "0",
+        "--jobs", "1",
+        "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "simulating" in result.stderr  # the progress bar
+    text = (out / "report.md").read_text()
+    assert "| mooncake_conversation_trace | 4x | 2P4D/leases |" in text
+    assert "| mooncake_conversation_trace | 4x | 2P4D/static | 2P4D/threshold |" in text
+    assert "Over-commit count over all runs: **0**" in text
+    for png in ("timeseries.png", "ttft_cdf.png", "itl_cdf.png", "sweep.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in text
+
+
+def test_sim_without_a_trace_is_a_usage_error(tmp_path: Path) -> None:
+    result = _ctl("sim", "--out", str(tmp_path / "x"))
+    assert result.returncode == 2
+    assert "--trace" in result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_sim_refuses_a_malformed_session_file(tmp_path: Path) -> None:
+    bad = tmp_path / "s.jsonl"
+    bad.write_text(
+        '{"session_id": "a", "seq": 0, "parent_session_id": null, "offset_s": null,'
+        ' "think_time_s": 0, "input_length": 5, "cached_prefix_tokens": 9,'
+        ' "output_length": 1}\n'
+    )
+    result = _ctl("sim", "--trace", str(bad), "--out", str(tmp_path / "x"))
+    assert result.returncode != 0
+    assert "line 1" in result.stderr and "cached_prefix_tokens" in result.stderr
