@@ -19,7 +19,9 @@ class AttentionInputs:
     shape: AttentionShape
     pages_used: int
 
-    def args(self) -> tuple[torch.Tensor, ...]:
+    def args(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return (self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens)
 
 
