@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.client import AdminClient, AdmissionClient
 from crossflow_ctl.domain.admission import Decision, Reason
+from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import ReservationState
 from tests.broker.conftest import target
 
@@ -181,3 +184,18 @@ async def test_notices_relay_from_replica_a_to_agent_on_replica_b(cluster, agent
     again = await agents(a, "d1", last_notice_seq=seen - 1)
     resumed = await again.wait_notice(lambda n: True)
     assert resumed.seq == seen and resumed.kind == lease_pb2.NOTICE_KIND_RELEASE
+
+
+async def test_reservations_expire_and_free_their_credit(cluster, agents, clock) -> None:  # §5.5
+    server, decode, prefill = await _setup(cluster, agents, slots=1)
+    async with AdmissionClient(target(server), timeout_s=5) as client:
+        held = await client.admit(uncached_prompt_tokens=500)
+        assert held.decision is Decision.BORROW
+        assert (await client.admit(uncached_prompt_tokens=500)).reason is Reason.NO_ROOM
+        clock.advance(2_001)  # past hold_ttl_ms: never committed
+        await decode.send_lease(credits={"slots": 1})
+        await prefill.send_pool_load()
+        await prefill.sync()
+        with pytest.raises(NotFound):
+            await client.commit(held.reservation_id)
+        assert (await client.admit(uncached_prompt_tokens=500)).decision is Decision.BORROW

@@ -54,8 +54,8 @@ async def test_health_reflection_and_staged_shutdown_leak_nothing() -> None:
 
         stopping = asyncio.create_task(server.stop())
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
-        await stopping
         watch.cancel()
+        await stopping
     await agent.close()
     assert agent.ended == grpc.StatusCode.OK, "shutdown ends agent streams cleanly"
     assert len(server.streams) == 0 and not server.supervisor.tasks
