@@ -9,9 +9,9 @@ the prefill GEMM's output tiles and the decode-attention programs side by side, 
 schedules them together and the measured time includes their interference.
 
 The interpreter (``TRITON_INTERPRET=1``) keeps bf16 as raw uint16 and multiplies it as integers
-inside ``tl.dot``; the GEMM therefore widens its tiles to fp32 before the dot when ``WIDEN`` is
-set (the launcher sets it only when interpreting bf16). That is exact (a bf16 x bf16 product fits
-fp32) and changes nothing on a GPU.
+inside ``tl.dot``; both bodies therefore widen their tiles to fp32 before each dot when ``WIDEN``
+is set (the launchers set it only when interpreting bf16). That is exact (a bf16 x bf16 product
+fits fp32) and changes nothing on a GPU.
 """
 
 import triton
@@ -48,8 +48,16 @@ def _attend(
     BLOCK_T: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
-    """One request ``b``, one KV head ``h``: all ``group`` query heads that share it."""
+    """One request ``b``, one KV head ``h``: all ``group`` query heads that share it.
+
+    The group's query rows (padded to ``BLOCK_G`` >= 16 so both products run on tensor cores)
+    meet ``BLOCK_T`` context tokens at a time, gathered through the block table; an online
+    softmax keeps a running max and sum in fp32. Products take fp16/bf16 inputs with fp32
+    accumulation; the probabilities are rounded to the value dtype for ``p @ v``, as
+    FlashAttention does.
+    """
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_t = tl.arange(0, BLOCK_T)
@@ -58,7 +66,9 @@ def _attend(
     heads = h * group + offs_g
     q_off = b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     qd_mask = mask_g[:, None] & mask_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=qd_mask, other=0.0).to(tl.float32) * sm_scale
+    q = tl.load(q_ptr + q_off, mask=qd_mask, other=0.0)
+    if WIDEN:
+        q = q.to(tl.float32)
     ctx = tl.load(cl_ptr + b)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -71,16 +81,20 @@ def _attend(
         page = page.to(tl.int64)
         kv_mask = mask_t[:, None] & mask_d[None, :]
         k_off = page[:, None] * stride_kp + slot[:, None] * stride_ks + h * stride_kh
-        k = tl.load(k_ptr + k_off + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, T]
+        k = tl.load(k_ptr + k_off + offs_d[None, :], mask=kv_mask, other=0.0)
+        if WIDEN:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [G, T], fp32
         s = tl.where(mask_t[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = page[:, None] * stride_vp + slot[:, None] * stride_vs + h * stride_vh
-        v = tl.load(v_ptr + v_off + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        v = tl.load(v_ptr + v_off + offs_d[None, :], mask=kv_mask, other=0.0)
+        if WIDEN:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / l_i[:, None]
     o_off = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -148,14 +162,14 @@ def _attention_kernel(
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_btb, stride_ob, stride_oh,
     sm_scale, page_size, group, head_dim, kv_heads,
-    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, WIDEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     _attend(
         pid // kv_heads, pid % kv_heads, q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, o_ptr,
         stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         stride_btb, stride_ob, stride_oh, sm_scale, page_size, group, head_dim,
-        BLOCK_T, BLOCK_G, BLOCK_D,
+        BLOCK_T, BLOCK_G, BLOCK_D, WIDEN,
     )
 
 
@@ -200,5 +214,5 @@ def _mixed_kernel(
             rest // kv_heads, rest % kv_heads, q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, o_ptr,
             stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
             stride_vh, stride_btb, stride_ob, stride_oh, sm_scale, page_size, group, head_dim,
-            BLOCK_T, BLOCK_G, BLOCK_D,
+            BLOCK_T, BLOCK_G, BLOCK_D, WIDEN,
         )

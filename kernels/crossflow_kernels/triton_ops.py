@@ -77,12 +77,18 @@ def _attention_args(
     )  # fmt: skip
 
 
-def _attention_meta(q: torch.Tensor, kv_heads: int, tiles: TileConfig) -> dict[str, int]:
+def _widen(dtype: torch.dtype) -> bool:
+    """Widen bf16 tiles to fp32 before ``tl.dot`` in the interpreter (see ``triton_jit``)."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+def _attention_meta(q: torch.Tensor, kv_heads: int, tiles: TileConfig) -> dict[str, int | bool]:
     group = q.shape[1] // kv_heads
     return {
         "BLOCK_T": tiles.attn_tokens,
-        "BLOCK_G": max(triton.next_power_of_2(group), 1),
-        "BLOCK_D": triton.next_power_of_2(q.shape[2]),
+        "BLOCK_G": max(triton.next_power_of_2(group), 16),  # tl.dot needs 16 rows
+        "BLOCK_D": max(triton.next_power_of_2(q.shape[2]), 16),
+        "WIDEN": _widen(q.dtype),
     }
 
 
@@ -105,7 +111,7 @@ def _gemm_meta(a: torch.Tensor, tiles: TileConfig) -> dict[str, int | bool]:
         "BLOCK_N": tiles.gemm_n,
         "BLOCK_K": tiles.gemm_k,
         "GROUP_M": tiles.group_m,
-        "WIDEN": interpreting() and a.dtype == torch.bfloat16,
+        "WIDEN": _widen(a.dtype),
     }
 
 
@@ -162,6 +168,8 @@ def mixed_step(
     tiles: TileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention and a prefill GEMM chunk in one launch (see the module docstring)."""
+    if a.dtype != q.dtype:
+        raise ValueError("a: the prefill chunk and the decode batch must share one dtype")
     cfg = tiles or default_tiles()
     out = torch.empty_like(q)
     c = torch.empty((a.shape[0], w.shape[1]), dtype=a.dtype, device=a.device)
@@ -173,8 +181,7 @@ def mixed_step(
         *attn_args,
         *gemm_args,
         gemm_programs,
-        **_attention_meta(q, k_cache.shape[2], cfg),
-        **_gemm_meta(a, cfg),
+        **{**_attention_meta(q, k_cache.shape[2], cfg), **_gemm_meta(a, cfg)},
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
