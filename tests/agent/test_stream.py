@@ -134,13 +134,15 @@ async def test_leases_reach_the_broker_and_cordon_zeroes_them(brokers, metrics_s
         await admin.cordon("n1", reason="test")
 
         async def cordoned_lease() -> Lease | None:
+            # the first CORDONED lease may still carry seq 0: the notice can land during the
+            # scrape, after the seq was read; later ones carry the cordon notice's seq
             lease = await stored(admin)
-            return lease if lease and lease.zero_reason is ZeroReason.CORDONED else None
+            ok = lease and lease.zero_reason is ZeroReason.CORDONED and lease.last_notice_seq
+            return lease if ok else None
 
-        zero = await eventually(cordoned_lease, "a CORDONED zero lease")
+        zero = await eventually(cordoned_lease, "a CORDONED zero lease after the notice")
         assert zero.credits.is_zero() and zero.version > first.version
-        # the agent had seen the cordon notice before the snapshot behind this lease
-        assert zero.last_notice_seq >= 1 and run.agent.stream.state.cordoned
+        assert run.agent.stream.state.cordoned
 
         await admin.uncordon("n1")
         again = await eventually(live_credit, "credit after uncordon")
