@@ -52,9 +52,11 @@ class SweepPlan:
 
 
 PLANS: dict[tuple[str, str], SweepPlan] = {
-    ("cuda", "full"): SweepPlan((1, 8, 32, 128), (512, 4096, 16384), (256, 1024, 4096),
+    # GPU batches start at 16: one program per (request, KV head) and no split over the context,
+    # so smaller batches leave most SMs idle, which is not what the roofline describes.
+    ("cuda", "full"): SweepPlan((16, 64, 256), (1024, 4096, 16384), (256, 1024, 4096),
                                 None, None, 16, 3, 10),
-    ("cuda", "quick"): SweepPlan((1, 16, 64), (1024, 8192), (256, 2048), None, None, 16, 2, 5),
+    ("cuda", "quick"): SweepPlan((16, 64), (2048, 8192), (512, 2048), None, None, 16, 2, 5),
     ("cpu", "full"): SweepPlan((1, 4, 16), (256, 1024, 4096), (128, 512), 1024, 8, 16, 2, 7),
     ("cpu", "quick"): SweepPlan((1, 4), (128, 512), (256, 512), 512, 4, 16, 2, 5),
 }  # fmt: skip
