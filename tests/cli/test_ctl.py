@@ -165,6 +165,7 @@ async def test_describe_node_shows_credits_debits_history(ctl: Ctl, fleet: Fleet
     async with AdmissionClient(ctl.server, timeout_s=5) as client:
         granted = await client.admit(uncached_prompt_tokens=1500, candidate_node_ids=("decode-1",))
         assert granted.decision is Decision.BORROW
+        await client.commit(granted.reservation_id)  # outlives slow CLI starts on a busy machine
         text = (await ctl("describe", "node", "decode-1")).out
         data = json.loads((await ctl("describe", "node", "decode-1", "-o", "json")).out)
         await client.release(granted.reservation_id)
