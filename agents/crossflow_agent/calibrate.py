@@ -10,7 +10,15 @@ reads.
 On a CUDA device the kernels are the compiled Triton ones; without a GPU the PyTorch references
 run on the CPU (a CPU profile describes the CPU, which is only useful for trying the pipeline).
 torch and triton are the optional extra ``crossflow[kernels]`` and are imported only when the
-command runs, so the agent installs and starts without them.
+command measures, so the agent installs and starts without them.
+
+The measuring (``crossflow_kernels.sweep``) and the fitting are separable: ``--save-timings``
+keeps the raw timings and ``--from-timings`` fits saved ones without torch, e.g. timings taken
+by ``kernels/gpu_check.sh`` on a GPU box that lacks pydantic.
+
+The fitted overhead is that of one kernel launch; an engine step launches many kernels and
+samples, so ``--step-overhead-s`` writes the engine's own per-step overhead into the profile
+instead (the fitted value stays in the file as ``calibration.kernel_overhead_s``).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from crossflow_agent.profile import save_profile
+from crossflow_agent.profile import profile_document, save_profile
 from crossflow_ctl.domain.calibration import CalibrationFit, TimingSample, fit_node_profile
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, ModelSpec
 from crossflow_ctl.domain.errors import InvalidArgument
@@ -210,7 +218,7 @@ def calibrate(
     save_profile(out_file, fit.profile, **extras)
     p, f = fit.profile, fit.fit
     if as_json:
-        click.echo(json.dumps({"profile": p.model_dump(), **extras}, indent=2))
+        click.echo(json.dumps(profile_document(p, **extras), indent=2))
         return
     echo(
         f"fit: flops_per_s={p.flops_per_s:.4g} hbm_bytes_per_s={p.hbm_bytes_per_s:.4g} "
