@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 import socket
+from pathlib import Path
 
 import yaml
 
@@ -233,3 +234,26 @@ async def test_node_names_complete_from_the_broker(ctl: Ctl, fleet: Fleet) -> No
     env = {"_CROSSFLOWCTL_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": "4"}
     res = await ctl(server=False, env=env)
     assert res.out.split() == ["plain,decode-1", "plain,decode-2"]
+
+
+async def test_tls_context_with_unreadable_ca_is_a_usage_error(ctl: Ctl, tmp_path: Path) -> None:
+    missing = tmp_path / "missing-ca.pem"
+    res = await ctl(
+        "config",
+        "set-context",
+        "tls",
+        "--server",
+        ctl.server,
+        "--ca-file",
+        str(missing),
+        "--use",
+        server=False,
+    )
+    assert res.rc == 0
+    view = yaml.safe_load((await ctl("config", "view", server=False)).out)
+    assert view["contexts"]["tls"]["ca-file"] == str(missing)
+    res = await ctl("get", "nodes", server=False)
+    assert res.rc == 2
+    assert res.err.splitlines() == [
+        f"error: cannot read CA file {missing}: No such file or directory"
+    ]
