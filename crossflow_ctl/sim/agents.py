@@ -30,9 +30,11 @@ class DecodeAgent:
         settings: LeaseSettings,
         period_s: float,
         ttl_ms: int,
+        follow_chunk: bool = True,
     ) -> None:
         self.server = server
         self.node_id = node_id
+        self.follow_chunk = follow_chunk
         self.model = model
         self.node = node
         self.settings = settings
@@ -82,6 +84,11 @@ class DecodeAgent:
             guard=self.guard,
         )
         self.guard = decision.guard
+        if self.follow_chunk:
+            # The engine runs borrowed prefill in the chunk the capacity model sized for the ITL
+            # budget (the smallest grid chunk while the lease is zero, to finish work in hand).
+            chunk = decision.capacity.chunk_tokens if decision.capacity is not None else 0
+            self.server.borrow_chunk = chunk or self.settings.chunk_step_tokens
         self.version += 1
         lease = decision.to_lease(
             node_id=self.node_id,

@@ -93,6 +93,7 @@ class Simulation:
                 config.lease,
                 period,
                 config.lease_ttl_ms,
+                follow_chunk=config.lease_sized_chunks,
             )
             for s in self.decode
         ]
@@ -265,6 +266,11 @@ class Simulation:
         reasons = self.record.admit_reasons
         reasons[answer.reason.value] = reasons.get(answer.reason.value, 0) + 1
         if answer.decision is not Decision.BORROW:
+            if answer.plan is not None and answer.reason.value == "no_room":
+                short = self.record.short_credits
+                for check in answer.plan.nodes:
+                    for name in check.short_credits:
+                        short[name] = short.get(name, 0) + 1
             return None
         await self._check_overcommit(answer.node_id, t)
         try:

@@ -42,6 +42,10 @@ class SimConfig(Frozen):
     """KV-cache token slots of one decode server (prompt + output are reserved on admission)."""
     borrow_chunk_tokens: Annotated[int, Field(gt=0, le=1_048_576)] = 2048
     """Borrowed prefill tokens a decode server adds to one decode step (its chunk size)."""
+    lease_sized_chunks: bool = True
+    """Leases policy: decode servers run borrowed prefill in the chunk their agent's capacity
+    model sized for the ITL budget (the lease's borrowed-prefill rate assumes that chunk);
+    ``borrow_chunk_tokens`` then applies only to the threshold heuristic."""
     max_batch: Annotated[int, Field(gt=0, le=4096)] = 256
     max_macro_steps: Annotated[int, Field(gt=0, le=100_000)] = 64
     """Decode steps advanced as one event while the batch does not change (see cluster.py)."""

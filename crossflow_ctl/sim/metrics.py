@@ -48,6 +48,8 @@ class RunRecord:
     borrow_kv_waits: int = 0
     release_failures: int = 0
     admit_reasons: dict[str, int] = field(default_factory=dict)
+    short_credits: dict[str, int] = field(default_factory=dict)
+    """On NO_ROOM answers: how often each credit was short, over the candidate nodes."""
     windows: list[tuple[float, float, float, float]] = field(default_factory=list)
     """Per window: (start, R = uncached in / out, borrowed share, mean TTFT s)."""
     sim_events: int = 0

@@ -28,17 +28,18 @@ def _pct(x: float) -> str:
 def runs_table(summaries: Sequence[Summary], show_wall: bool = False) -> list[str]:
     head = (
         "| trace | load | config | TTFT mean / p50 / p99 (ms) | ITL mean / p99 (ms) "
-        "| in tok/s | out tok/s | SLO ok | stranded | borrowed | over-commit |"
+        "| in tok/s | out tok/s | SLO ok | stranded | borrowed | KV waits | over-commit |"
     )
     lines = [head + (" wall s |" if show_wall else "")]
-    lines.append("|---" * (11 + show_wall) + "|")
+    lines.append("|---" * (12 + show_wall) + "|")
     for s in summaries:
         row = (
             f"| {s.trace} | {s.scale:g}x | {s.label} "
             f"| {_f(s.ttft_mean_ms)} / {_f(s.ttft_p50_ms)} / {_f(s.ttft_p99_ms)} "
             f"| {_f(s.itl_mean_ms, 1)} / {_f(s.itl_p99_ms, 1)} "
             f"| {_f(s.input_tps)} | {_f(s.output_tps)} | {s.slo_attainment * 100:.1f} % "
-            f"| {s.stranded * 100:.1f} % | {s.borrowed_share * 100:.1f} % | {s.overcommits} |"
+            f"| {s.stranded * 100:.1f} % | {s.borrowed_share * 100:.1f} % | {s.borrow_kv_waits} "
+            f"| {s.overcommits} |"
         )
         lines.append(row + (f" {s.wall_s:.1f} |" if show_wall else ""))
     return lines
@@ -77,9 +78,10 @@ token (step times weighted by the batch), after the warm-up; throughput is token
 requests over the span from the first measured release to the last measured finish; SLO ok is
 the share of requests with TTFT <= the TTFT SLO and mean ITL <= the ITL SLO; stranded is the
 share of server-seconds not spent stepping; borrowed is the share of prompts prefilled on a
-decode node; over-commit counts granted debits after which a node's open debits exceeded its
-lease x borrow share (must be 0). Best static: highest output throughput, then lowest mean
-TTFT among splits within 1 % of it."""
+decode node; KV waits counts borrowed prompts that found no KV room on their node when they
+got there (the lease had promised it); over-commit counts granted debits after which a node's
+open debits exceeded its lease x borrow share (must be 0). Best static: highest output
+throughput, then lowest mean TTFT among splits within 1 % of it."""
 
 
 def write_report(
@@ -123,7 +125,9 @@ def write_report(
         lines += ["## Admission reasons (leases runs)", ""]
         for r in reasons:
             parts = ", ".join(f"{k} {v}" for k, v in sorted(r.admit_reasons.items()))
-            lines.append(f"- {r.trace} {r.scale:g}x {r.label}: {parts}")
+            short = ", ".join(f"{k} {v}" for k, v in sorted(r.short_credits.items()))
+            extra = f" (short credits on candidate nodes: {short})" if short else ""
+            lines.append(f"- {r.trace} {r.scale:g}x {r.label}: {parts}{extra}")
         lines.append("")
     if plots:
         lines += _plots(out_dir, records, summaries)
