@@ -88,6 +88,7 @@ class Demo:
         self.children: Children | None = None
         self.obs = Observations()
         self.interrupted = False
+        self.share = 1.0
         self.namespace = opts.redis_namespace or f"crossflow-demo-{uuid.uuid4().hex[:8]}"
 
     def _interrupt(self) -> None:
@@ -131,6 +132,7 @@ class Demo:
         await self._start_agents(broker, prefill, decode)
         async with AdminClient(broker, timeout_s=2.0) as admin:
             await self._wait_ready(admin, len(prefill), len(decode))
+            self.share = (await admin.get_policy()).borrow_share
             if self.stop.is_set():
                 return 0
             params = ModelParams(
@@ -302,11 +304,17 @@ class Demo:
 
     async def _tick(self, router: Router, admin: AdminClient, elapsed: float, frames: int) -> None:
         try:
+            reservations = await admin.list_reservations()  # before the leases: see check_grants
+            history = {
+                node_id: list((await admin.get_node(node_id)).recent_leases)
+                for node_id in sorted({r.node_id for r in reservations})
+            }
             nodes = await admin.list_nodes()
             pools = await admin.list_pools()
         except Exception as exc:  # the view must not end the demo
             self.say(f"(live view: admin call failed: {exc})")
             return
+        self.obs.check_grants(reservations, history, self.share)
         self.obs.observe(nodes, int(time.time() * 1000))
         if self.opts.quiet:
             return

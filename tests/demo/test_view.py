@@ -1,0 +1,51 @@
+"""The demo's outside check of DESIGN.md §5.3: open debits vs the lease they were granted on."""
+
+from __future__ import annotations
+
+from crossflow_ctl.demo.view import Observations
+from crossflow_ctl.domain.models import Credits, Lease, Reservation, ReservationState
+
+
+def _lease(version: int, compute: int) -> Lease:
+    return Lease(
+        node_id="d1",
+        epoch=1,
+        version=version,
+        ttl_ms=1000,
+        credits=Credits(compute_tokens=compute, kv_tokens=10**6, slots=8, output_tokens=10**6),
+    )
+
+
+def _res(rid: str, version: int, compute: int) -> Reservation:
+    return Reservation(
+        reservation_id=rid,
+        node_id="d1",
+        state=ReservationState.COMMITTED,
+        debit=Credits(compute_tokens=compute, kv_tokens=10, slots=1),
+        lease_epoch=1,
+        lease_version=version,
+        created_at_ms=0,
+        expires_at_ms=10**12,
+        grant_seq=1,
+    )
+
+
+def test_debits_within_share_of_the_granting_lease_pass() -> None:
+    obs = Observations()
+    history = {"d1": [_lease(3, 1_000), _lease(2, 10_000)]}
+    # granted on v2 (share 0.5 of 10k = 5k): 3k + 2k fits, although v3 is far smaller
+    obs.check_grants([_res("a", 2, 3_000), _res("b", 2, 2_000)], history, share=0.5)
+    assert (obs.over_commits, obs.checked) == ([], 1)
+
+
+def test_debits_beyond_the_granting_lease_are_flagged() -> None:
+    obs = Observations()
+    history = {"d1": [_lease(2, 10_000)]}
+    obs.check_grants([_res("a", 2, 3_000), _res("b", 2, 2_500)], history, share=0.5)
+    assert obs.over_commits == ["d1: compute_tokens"]
+
+
+def test_lease_out_of_history_is_not_judged() -> None:
+    obs = Observations()
+    obs.check_grants([_res("a", 9, 10**6)], {"d1": [_lease(2, 10)]}, share=1.0)
+    assert (obs.over_commits, obs.checked) == ([], 0)
