@@ -178,7 +178,8 @@ async def test_scrape_failure_gives_a_zero_lease_at_the_next_period(
 
         lease = await eventually(zero, "a TELEMETRY_MISSING lease")
         assert lease.version <= before + 2
-        assert "unreachable" in lease.zero_detail
+        # refused, or accepted by the closing socket and never answered
+        assert lease.zero_detail.startswith(("unreachable", "timeout"))
 
 
 async def _has_credit(admin: AdminClient) -> bool:
