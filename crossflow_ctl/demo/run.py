@@ -296,6 +296,12 @@ class Demo:
                 elapsed = time.monotonic() - started
                 if o.duration_s is not None and elapsed >= o.duration_s:
                     self.stop.set()
+                assert self.children is not None
+                dead = self.children.dead()
+                if dead:
+                    self.stop.set()
+                    await replay
+                    raise DemoError(f"{dead[0].name} exited during the run: {dead[0].log_tail()}")
                 await self._tick(router, admin, elapsed, frames)
                 frames += 1
         finally:
