@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from crossflow_ctl.domain.models import (
@@ -36,23 +34,10 @@ from crossflow_ctl.domain.models import (
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.store.base import DebitOutcome, LeaseOutcome, NodeEvent, Store
 from crossflow_ctl.store.keys import (
-    EVENTS_CAP,
-    HISTORY_CAP,
-    NOTICES_CAP,
     new_reservation_id,
     node_of_reservation,
 )
-
-
-@dataclass
-class _Node:
-    info: NodeInfo
-    lease: StoredLease | None = None
-    reservations: dict[str, Reservation] = field(default_factory=dict)
-    notices: list[Notice] = field(default_factory=list)
-    history: deque[StoredLease] = field(default_factory=lambda: deque(maxlen=HISTORY_CAP))
-    events: deque[NodeEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_CAP))
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+from crossflow_ctl.store.ledger import NodeLedger
 
 
 def lease_event(old: StoredLease | None, new: Lease, now_ms: int) -> list[NodeEvent]:
@@ -77,75 +62,42 @@ class MemoryStore(Store):
     def __init__(self, seed: int | None = None) -> None:
         self._lock = asyncio.Lock()
         self._rng = random.Random(seed)
-        self._nodes: dict[str, _Node] = {}
+        self._nodes: dict[str, NodeLedger] = {}
         self._pools: dict[str, dict[str, StoredPoolLoad]] = {}
         self._lenders: dict[str, int] = {}
         """Nodes with a live non-zero lease and no cordon -> lease expiry (for sampling)."""
         self._policy: PolicySettings | None = None
 
     # -- helpers ----------------------------------------------------------------------------
-    def _node(self, node_id: str) -> _Node:
+    def _node(self, node_id: str) -> NodeLedger:
         node = self._nodes.get(node_id)
         if node is None:
             raise NotFound(f"unknown node {node_id!r}", field="node_id")
         return node
 
-    def _notify(self, node: _Node, kind: NoticeKind, now_ms: int, res: Reservation | None) -> int:
-        seq = node.info.notice_seq + 1
-        node.info = node.info.model_copy(update={"notice_seq": seq})
-        node.notices.append(
-            Notice(
-                node_id=node.info.node_id,
-                seq=seq,
-                kind=kind,
-                reservation_id=res.reservation_id if res else "",
-                debit=res.debit if res else Credits(),
-                at_ms=now_ms,
-            )
-        )
-        if len(node.notices) > 2 * NOTICES_CAP:
-            del node.notices[: len(node.notices) - NOTICES_CAP]
-        node.changed.set()
-        node.changed = asyncio.Event()
-        return seq
-
-    def _purge_expired(self, node: _Node, now_ms: int) -> int:
-        expired = [r for r in node.reservations.values() if r.expires_at_ms <= now_ms]
-        for res in expired:
-            del node.reservations[res.reservation_id]
-            self._notify(node, NoticeKind.EXPIRE, now_ms, res)
-        return len(expired)
-
-    def _update_lender(self, node: _Node, now_ms: int) -> None:
-        node_id = node.info.node_id
+    def _update_lender(self, node: NodeLedger, now_ms: int) -> None:
+        node_id = node.node_id
         stored = node.lease
-        if stored is None or node.info.cordoned or stored.lease.is_zero or stored.expired(now_ms):
+        if stored is None or node.cordoned or stored.lease.is_zero or stored.expired(now_ms):
             self._lenders.pop(node_id, None)
         else:
             self._lenders[node_id] = stored.expires_at_ms
 
     @staticmethod
-    def _state(node: _Node, now_ms: int) -> NodeState:
-        open_res = [r for r in node.reservations.values() if r.expires_at_ms > now_ms]
-        total = [0, 0, 0, 0, 0]
-        for res in open_res:
-            for i, v in enumerate(res.debit.as_tuple()):
-                total[i] += v
+    def _state(node: NodeLedger, now_ms: int) -> NodeState:
+        debits, count = node.open_debits(now_ms)
         return NodeState(
-            info=node.info,
-            lease=node.lease,
-            open_debits=Credits.from_tuple(total),
-            open_reservations=len(open_res),
+            info=node.info, lease=node.lease, open_debits=debits, open_reservations=count
         )
 
-    def _reservation(self, reservation_id: str, now_ms: int) -> tuple[_Node, Reservation]:
+    def _reservation(self, reservation_id: str, now_ms: int) -> tuple[NodeLedger, Reservation]:
         node_id = node_of_reservation(reservation_id)
         node = self._nodes.get(node_id)
         res = node.reservations.get(reservation_id) if node is not None else None
         if node is None or res is None:
             raise NotFound(f"unknown reservation {reservation_id!r}", field="reservation_id")
         if res.expires_at_ms <= now_ms:
-            self._purge_expired(node, now_ms)
+            node.purge_expired(now_ms)
             raise NotFound(f"reservation {reservation_id!r} expired", field="reservation_id")
         return node, res
 
@@ -164,7 +116,7 @@ class MemoryStore(Store):
                 info = validated(
                     NodeInfo, node_id=node_id, role=role, pool=pool, labels=dict(labels)
                 )
-                node = self._nodes[node_id] = _Node(info=info)
+                node = self._nodes[node_id] = NodeLedger(info=info)
             else:
                 node.info = node.info.model_copy(
                     update={"role": role, "pool": pool, "labels": dict(labels)}
@@ -185,14 +137,7 @@ class MemoryStore(Store):
                     stored_epoch=old.lease.epoch,
                     stored_version=old.lease.version,
                 )
-            purged = self._purge_expired(node, now_ms)
-            seen = [
-                r.reservation_id
-                for r in node.reservations.values()
-                if r.state is ReservationState.RELEASED and r.release_seq <= lease.last_notice_seq
-            ]
-            for rid in seen:
-                del node.reservations[rid]
+            purged = node.purge_expired(now_ms) + node.purge_released(lease.last_notice_seq)
             stored = StoredLease(
                 lease=lease,
                 received_at_ms=now_ms,
@@ -206,7 +151,7 @@ class MemoryStore(Store):
                 accepted=True,
                 stored_epoch=lease.epoch,
                 stored_version=lease.version,
-                purged_reservations=purged + len(seen),
+                purged_reservations=purged,
             )
 
     async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
@@ -254,7 +199,7 @@ class MemoryStore(Store):
             node = self._nodes.get(node_id)
             if node is None:
                 return DebitOutcome(granted=False, refusal="unknown_node")
-            self._purge_expired(node, now_ms)
+            node.purge_expired(now_ms)
             stored = node.lease
             epoch, version = (stored.lease.epoch, stored.lease.version) if stored else (0, 0)
 
@@ -267,7 +212,7 @@ class MemoryStore(Store):
                     lease_version=version,
                 )
 
-            if node.info.cordoned:
+            if node.cordoned:
                 return refuse("cordoned")
             if stored is None:
                 return refuse("no_lease")
@@ -277,7 +222,7 @@ class MemoryStore(Store):
                 return refuse("zero_lease")
             # Not Credits.minus: it floors at zero, and open debits above a shrunken lease
             # must leave no room, not zero room (a zero debit would then pass).
-            open_debits = self._state(node, now_ms).open_debits.as_tuple()
+            open_debits = node.open_totals()
             limit = stored.lease.credits.as_tuple()
             short = tuple(
                 name
@@ -298,11 +243,11 @@ class MemoryStore(Store):
                 lease_version=version,
                 created_at_ms=now_ms,
                 expires_at_ms=now_ms + hold_ttl_ms,
-                grant_seq=node.info.notice_seq + 1,
+                grant_seq=node.seq + 1,
                 request_id=request_id,
             )
-            self._notify(node, NoticeKind.GRANT, now_ms, res)
-            node.reservations[rid] = res
+            node.notify(NoticeKind.GRANT, now_ms, res)
+            node.put(res)
             return DebitOutcome(
                 granted=True, reservation=res, lease_epoch=epoch, lease_version=version
             )
@@ -324,8 +269,8 @@ class MemoryStore(Store):
                     "expires_at_ms": now_ms + commit_ttl_ms,
                 }
             )
-            node.reservations[reservation_id] = res
-            self._notify(node, NoticeKind.COMMIT, now_ms, res)
+            node.put(res)
+            node.notify(NoticeKind.COMMIT, now_ms, res)
             return res
 
     async def release(self, reservation_id: str, now_ms: int) -> Reservation:
@@ -333,23 +278,23 @@ class MemoryStore(Store):
             node, res = self._reservation(reservation_id, now_ms)
             if res.state is ReservationState.RELEASED:
                 return res
-            seq = node.info.notice_seq + 1
+            seq = node.seq + 1
             res = res.model_copy(update={"state": ReservationState.RELEASED, "release_seq": seq})
-            node.reservations[reservation_id] = res
-            self._notify(node, NoticeKind.RELEASE, now_ms, res)
+            node.put(res)
+            node.notify(NoticeKind.RELEASE, now_ms, res)
             return res
 
     # -- operators --------------------------------------------------------------------------
     async def set_cordon(self, node_id: str, cordoned: bool, reason: str, now_ms: int) -> NodeInfo:
         async with self._lock:
             node = self._node(node_id)
-            changed = node.info.cordoned != cordoned
+            changed = node.cordoned != cordoned
             node.info = node.info.model_copy(
                 update={"cordoned": cordoned, "cordon_reason": reason if cordoned else ""}
             )
             if changed:
                 kind = NoticeKind.CORDON if cordoned else NoticeKind.UNCORDON
-                self._notify(node, kind, now_ms, None)
+                node.notify(kind, now_ms)
                 text = f"cordoned: {reason}" if cordoned else "uncordoned"
                 node.events.append(NodeEvent(at_ms=now_ms, kind=kind.value, message=text))
             self._update_lender(node, now_ms)
@@ -378,24 +323,18 @@ class MemoryStore(Store):
         return list(reversed(events))[: max(0, limit)]
 
     # -- notices ----------------------------------------------------------------------------
-    def _notices_after(self, node: _Node, after_seq: int, limit: int) -> list[Notice]:
-        if not node.notices:
-            return []
-        start = max(0, after_seq + 1 - node.notices[0].seq)
-        return node.notices[start : start + max(0, limit)]
-
     async def read_notices(
         self, node_id: str, after_seq: int, limit: int, block_ms: int = 0
     ) -> list[Notice]:
         node = self._node(node_id)
-        found = self._notices_after(node, after_seq, limit)
+        found = node.notices_after(after_seq, limit)
         if found or block_ms <= 0:
             return found
         try:
             async with asyncio.timeout(block_ms / 1000.0):
                 while not found:
-                    await node.changed.wait()
-                    found = self._notices_after(node, after_seq, limit)
+                    await node.changed().wait()
+                    found = node.notices_after(after_seq, limit)
         except TimeoutError:
             return []
         return found

@@ -106,7 +106,7 @@ class RedisStore(Store):
         self._r: Redis = client
         self._k = Keys(namespace)
         self._op_timeout_s = op_timeout_s
-        self._block_chunk_ms = max(1, int(socket_timeout_s * 500))
+        self._block_chunk_ms = max(1, int(socket_timeout_s * 250))  # 3/4 of the timeout as slack
         self._scripts: dict[str, AsyncScript] = {
             name: self._r.register_script(load_script(name)) for name in SCRIPTS
         }

@@ -111,13 +111,13 @@ async def test_blocking_read_longer_than_the_socket_timeout(
     redis_url: str, redis_namespace: str
 ) -> None:
     """XREAD BLOCK runs in chunks under the socket timeout, so long waits are not errors."""
-    store = RedisStore(redis_url, namespace=redis_namespace, socket_timeout_s=0.1)
+    store = RedisStore(redis_url, namespace=redis_namespace, socket_timeout_s=0.4)
     try:
         await register(store, "d1")
         await store.upsert_lease(lease(), NOW, 2_000)
-        assert await store.read_notices("d1", 0, 10, block_ms=300) == []
-        reader = asyncio.create_task(store.read_notices("d1", 0, 10, block_ms=5_000))
-        await asyncio.sleep(0.25)
+        assert await store.read_notices("d1", 0, 10, block_ms=900) == []
+        reader = asyncio.create_task(store.read_notices("d1", 0, 10, block_ms=10_000))
+        await asyncio.sleep(0.9)
         assert not reader.done()
         await store.try_debit("d1", credits(1), 1.0, NOW, 100)
         assert [n.seq for n in await asyncio.wait_for(reader, 10)] == [1]

@@ -1,0 +1,159 @@
+"""One node's books for the in-process store: reservations with running totals, notices.
+
+The simulator calls the store hundreds of thousands of times, so nothing here scans all of a
+node's reservations on the hot path: open debits are a running total, expiries sit in a heap
+(lazily invalidated), and released reservations queue in release order, which is also
+``release_seq`` order, so a causal purge stops at the first one the agent has not seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections import deque
+
+from crossflow_ctl.domain.models import (
+    Credits,
+    NodeInfo,
+    Notice,
+    NoticeKind,
+    Reservation,
+    ReservationState,
+    StoredLease,
+)
+from crossflow_ctl.store.base import NodeEvent
+from crossflow_ctl.store.keys import EVENTS_CAP, HISTORY_CAP, NOTICES_CAP
+
+
+class NodeLedger:
+    """Mutated only under the store's lock, and never across an ``await``."""
+
+    def __init__(self, info: NodeInfo) -> None:
+        self._info = info
+        self.seq = info.notice_seq
+        self.lease: StoredLease | None = None
+        self.reservations: dict[str, Reservation] = {}
+        self.notices: list[Notice] = []
+        self.history: deque[StoredLease] = deque(maxlen=HISTORY_CAP)
+        self.events: deque[NodeEvent] = deque(maxlen=EVENTS_CAP)
+        self._totals = [0, 0, 0, 0, 0]
+        self._expiries: list[tuple[int, int, str]] = []  # (expires_at_ms, grant_seq, id)
+        self._released: deque[tuple[int, str]] = deque()  # (release_seq, id)
+        self._changed: asyncio.Event | None = None
+
+    # -- info ---------------------------------------------------------------------------------
+    @property
+    def info(self) -> NodeInfo:
+        if self._info.notice_seq != self.seq:
+            self._info = self._info.model_copy(update={"notice_seq": self.seq})
+        return self._info
+
+    @info.setter
+    def info(self, info: NodeInfo) -> None:
+        self._info = info.model_copy(update={"notice_seq": self.seq})
+
+    @property
+    def node_id(self) -> str:
+        return self._info.node_id
+
+    @property
+    def cordoned(self) -> bool:
+        """Without building an up-to-date :attr:`info` (hot path)."""
+        return self._info.cordoned
+
+    # -- notices ------------------------------------------------------------------------------
+    def notify(self, kind: NoticeKind, now_ms: int, res: Reservation | None = None) -> int:
+        """Append a notice with the next sequence number; wake blocked readers."""
+        self.seq += 1
+        self.notices.append(
+            Notice(
+                node_id=self._info.node_id,
+                seq=self.seq,
+                kind=kind,
+                reservation_id=res.reservation_id if res else "",
+                debit=res.debit if res else Credits(),
+                at_ms=now_ms,
+            )
+        )
+        if len(self.notices) > 2 * NOTICES_CAP:
+            del self.notices[: len(self.notices) - NOTICES_CAP]
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+        return self.seq
+
+    def notices_after(self, after_seq: int, limit: int) -> list[Notice]:
+        if not self.notices:
+            return []
+        start = max(0, after_seq + 1 - self.notices[0].seq)
+        return self.notices[start : start + max(0, limit)]
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the next notice."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    # -- reservations -------------------------------------------------------------------------
+    def put(self, res: Reservation) -> None:
+        """Add ``res``, or replace it after a state change (commit, release)."""
+        rid = res.reservation_id
+        old = self.reservations.get(rid)
+        if old is None:
+            for i, v in enumerate(res.debit.as_tuple()):
+                self._totals[i] += v
+        self.reservations[rid] = res
+        if old is None or old.expires_at_ms != res.expires_at_ms:
+            heapq.heappush(self._expiries, (res.expires_at_ms, res.grant_seq, rid))
+        if res.state is ReservationState.RELEASED and (old is None or old.release_seq == 0):
+            self._released.append((res.release_seq, rid))
+
+    def _drop(self, rid: str) -> None:
+        res = self.reservations.pop(rid)
+        for i, v in enumerate(res.debit.as_tuple()):
+            self._totals[i] -= v
+
+    def _next_expiry(self) -> int | None:
+        heap = self._expiries
+        while heap:
+            exp, _, rid = heap[0]
+            res = self.reservations.get(rid)
+            if res is not None and res.expires_at_ms == exp:
+                return exp
+            heapq.heappop(heap)
+        return None
+
+    def purge_expired(self, now_ms: int) -> int:
+        """Drop every reservation expired at ``now_ms``, each with an EXPIRE notice."""
+        expired: list[Reservation] = []
+        while (exp := self._next_expiry()) is not None and exp <= now_ms:
+            _, _, rid = heapq.heappop(self._expiries)
+            expired.append(self.reservations[rid])
+            self._drop(rid)
+        for res in sorted(expired, key=lambda r: r.grant_seq):
+            self.notify(NoticeKind.EXPIRE, now_ms, res)
+        return len(expired)
+
+    def purge_released(self, last_notice_seq: int) -> int:
+        """Drop RELEASED reservations whose release notice the agent had seen (§5.4)."""
+        purged = 0
+        while self._released and self._released[0][0] <= last_notice_seq:
+            release_seq, rid = self._released.popleft()
+            res = self.reservations.get(rid)
+            if res is not None and res.release_seq == release_seq:
+                self._drop(rid)
+                purged += 1
+        return purged
+
+    def open_debits(self, now_ms: int) -> tuple[Credits, int]:
+        """Sum and count of the reservations still counting at ``now_ms``."""
+        nxt = self._next_expiry()
+        if nxt is None or nxt > now_ms:
+            return Credits.from_tuple(self._totals), len(self.reservations)
+        live = [r for r in self.reservations.values() if r.expires_at_ms > now_ms]
+        totals = [sum(col) for col in zip(*(r.debit.as_tuple() for r in live), strict=True)]
+        return Credits.from_tuple(totals or [0] * 5), len(live)
+
+    def open_totals(self) -> list[int]:
+        """Running totals of every held reservation; exact right after :meth:`purge_expired`."""
+        return self._totals
