@@ -5,7 +5,8 @@ drains the outbox (leases / pool load / heartbeats, newest kept when the outbox 
 reader takes acks and notices. A session ends when the broker closes the stream, the call fails,
 or nothing has come back for ``stall_timeout_s`` while writes went unanswered (the broker acks
 every lease and echoes every heartbeat). Then the next endpoint of the list is tried after a
-jittered exponential backoff; a Welcome resets the backoff.
+jittered exponential backoff; a session that had a lease accepted resets the backoff (one that
+is welcomed and then fails at once, say on a broken store, keeps backing off).
 
 What the broker tells the agent is kept in :class:`StreamState`: the highest notice sequence
 seen (DESIGN.md §5.4; the lease loop reads it *before* each scrape), the cordon directive, and
@@ -49,6 +50,7 @@ class StreamState:
     stale_version: int = 0
     """The stored (epoch, version) of the last STALE ack."""
     acked: int = 0
+    """Leases accepted (and, for prefill agents, heartbeats echoed)."""
     refused: int = 0
     sessions: int = 0
 
@@ -128,6 +130,7 @@ class LeaseStream:
         while not self._closing.is_set():
             target = self.endpoints[index % len(self.endpoints)]
             welcomed = False
+            acked_before = self.state.acked
             try:
                 welcomed = await self._session(target)
             except (grpc.aio.AioRpcError, TimeoutError, SessionError, OSError) as exc:
@@ -137,8 +140,9 @@ class LeaseStream:
             if self._closing.is_set():
                 break
             if welcomed:
-                backoff = self._backoff[0]
                 self._metrics.stream_disconnected(reconnecting=True)
+            if self.state.acked > acked_before:  # it worked for a while: start over quickly
+                backoff = self._backoff[0]
             index += 1
             delay = backoff * self._rng.uniform(0.5, 1.0)
             backoff = min(self._backoff[1], backoff * 2)
@@ -234,6 +238,8 @@ class LeaseStream:
                 self._notice(response.notice)
             elif body == "lease_ack":
                 self._ack(response.lease_ack)
+            elif body == "heartbeat":
+                self.state.acked += 1
 
     async def _watchdog(self) -> None:
         while True:
