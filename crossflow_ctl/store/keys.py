@@ -57,7 +57,8 @@ class NodeKeys:
     """The keys of one node; all share one hash tag (one Cluster slot)."""
 
     info: str
-    """HASH: node info fields, cordon state and the notice sequence (``seq``)."""
+    """HASH: node info fields, cordon state, the notice sequence (``seq``) and running totals of
+    the stored reservations' debits (``open``: "c1,c2,c3,c4,c5,count")."""
     lease: str
     """HASH: the stored lease: ``json`` (StoredLease), and ``ev``, ``epoch``, ``version``, ``exp``,
     ``zero``, ``c1``..``c5`` for the scripts."""
@@ -70,8 +71,8 @@ class NodeKeys:
     events: str
     """LIST: recent node events as JSON, newest first, capped."""
 
-    def all(self) -> list[str]:
-        return [self.info, self.lease, self.reservations, self.notices, self.history, self.events]
+    expiries: str
+    """ZSET: reservation id scored by its expiry (ms), to purge without a scan."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,7 @@ class Keys:
             notices=f"{tag}:notices",
             history=f"{tag}:history",
             events=f"{tag}:events",
+            expiries=f"{tag}:exp",
         )
 
     @property

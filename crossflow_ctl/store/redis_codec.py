@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from crossflow_ctl.domain.models import (
     Credits,
@@ -66,30 +67,16 @@ def reservation_from(reservation_id: str, node_id: str, record: Raw) -> Reservat
     )
 
 
-def node_state_from(
-    node_id: str,
-    info: Mapping[Raw, Raw],
-    lease_json: Raw | None,
-    reservations: Mapping[Raw, Raw],
-    now_ms: int,
-) -> NodeState | None:
-    """The node's state, or None when it is unknown (no info hash)."""
-    if not info:
+def node_state_from_view(node_id: str, raw: Sequence[Any]) -> NodeState | None:
+    """A ``node_view.lua`` reply as a NodeState; None for an unknown node (empty reply)."""
+    if not raw:
         return None
-    lease = StoredLease.model_validate_json(lease_json) if lease_json else None
-    totals = [0, 0, 0, 0, 0]
-    count = 0
-    for rid, record in reservations.items():
-        res = reservation_from(text(rid), node_id, record)
-        if res.expires_at_ms > now_ms:
-            count += 1
-            for i, v in enumerate(res.debit.as_tuple()):
-                totals[i] += v
+    lease_json = text(raw[1])
     return NodeState(
-        info=info_from(node_id, text_map(info)),
-        lease=lease,
-        open_debits=Credits.from_tuple(totals),
-        open_reservations=count,
+        info=info_from(node_id, flat_pairs(raw[0])),
+        lease=StoredLease.model_validate_json(lease_json) if lease_json else None,
+        open_debits=Credits.from_tuple([int(text(v)) for v in raw[2:7]]),
+        open_reservations=int(text(raw[7])),
     )
 
 

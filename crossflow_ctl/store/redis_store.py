@@ -31,7 +31,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from crossflow_ctl.domain.errors import (
     FailedPrecondition,
@@ -70,7 +70,15 @@ from crossflow_ctl.store.keys import (
 
 log = structlog.get_logger()
 
-SCRIPTS = ("upsert_lease", "try_debit", "commit", "release", "set_cordon", "put_pool_load")
+SCRIPTS = (
+    "upsert_lease",
+    "try_debit",
+    "commit",
+    "release",
+    "set_cordon",
+    "node_view",
+    "put_pool_load",
+)
 
 
 def load_script(name: str) -> str:
@@ -168,7 +176,7 @@ class RedisStore(Store):
             EVENTS_CAP,
             NOTICES_CAP,
         ]
-        keys = [k.info, k.lease, k.reservations, k.notices, k.history, k.events]
+        keys = [k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries]
         async with self._backend("upsert_lease"):
             out = await self._run("upsert_lease", keys, args)
             if int(out[0]) == 1:
@@ -197,22 +205,35 @@ class RedisStore(Store):
             await pipe.execute()
 
     # -- admission --------------------------------------------------------------------------
-    def _queue_states(self, pipe: Any, node_ids: Sequence[str]) -> None:
-        for node_id in node_ids:
-            k = self._k.node(node_id)
-            pipe.hgetall(k.info)
-            pipe.hget(k.lease, "json")
-            pipe.hgetall(k.reservations)
+    async def _views(
+        self, node_ids: Sequence[str], now_ms: int, pool: str | None = None
+    ) -> tuple[Any, list[NodeState]]:
+        """One round trip: the pool's reports (when asked) and one read-only script per node.
 
-    @staticmethod
-    def _states_from(node_ids: Sequence[str], out: Sequence[Any], now_ms: int) -> list[NodeState]:
-        states = []
-        for i, node_id in enumerate(node_ids):
-            info, lease, reservations = out[3 * i : 3 * i + 3]
-            state = codec.node_state_from(node_id, info, lease, reservations, now_ms)
-            if state is not None:
-                states.append(state)
-        return states
+        EVALSHA goes straight into the pipeline (redis-py would add a SCRIPT EXISTS round trip
+        for pipelined Script objects); on NOSCRIPT the script is loaded and the read retried."""
+        script = self._scripts["node_view"]
+        for attempt in range(2):
+            pipe = self._r.pipeline(transaction=False)
+            if pool is not None:
+                pipe.hgetall(self._k.pool(pool))
+            for node_id in node_ids:
+                k = self._k.node(node_id)
+                pipe.evalsha(script.sha, 4, k.info, k.lease, k.reservations, k.expiries, now_ms)
+            try:
+                out = await pipe.execute()
+                break
+            except NoScriptError:
+                if attempt:
+                    raise
+                await self._r.script_load(script.script)
+        views = out[1:] if pool is not None else out
+        states = [
+            state
+            for node_id, raw in zip(node_ids, views, strict=True)
+            if (state := codec.node_state_from_view(node_id, raw)) is not None
+        ]
+        return (out[0] if pool is not None else None), states
 
     async def admission_view(
         self, pool: str, node_ids: Sequence[str], sample: int, now_ms: int
@@ -224,13 +245,10 @@ class RedisStore(Store):
                 pipe.zremrangebyscore(self._k.lenders, "-inf", now_ms)
                 pipe.zrandmember(self._k.lenders, sample)
                 ids = [codec.text(n) for n in (await pipe.execute())[1] or []]
-            pipe = self._r.pipeline(transaction=False)
-            pipe.hgetall(self._k.pool(pool))
-            self._queue_states(pipe, ids)
-            out = await pipe.execute()
-        live = codec.live_pool_loads(out[0], now_ms)
+            reports, states = await self._views(ids, now_ms, pool)
+        live = codec.live_pool_loads(reports, now_ms)
         snapshot = PoolSnapshot(pool=pool, reports=tuple(s.load for s in live)) if live else None
-        return snapshot, self._states_from(ids, out[1:], now_ms)
+        return snapshot, states
 
     async def try_debit(
         self,
@@ -253,7 +271,9 @@ class RedisStore(Store):
         args = [now_ms, repr(float(share)), expires, rid, request_id, *debit.as_tuple()]
         async with self._backend("try_debit"):
             out = await self._run(
-                "try_debit", [k.info, k.lease, k.reservations, k.notices], [*args, NOTICES_CAP]
+                "try_debit",
+                [k.info, k.lease, k.reservations, k.notices, k.expiries],
+                [*args, NOTICES_CAP],
             )
         status = codec.text(out[0])
         if status == "unknown_node":
@@ -288,7 +308,7 @@ class RedisStore(Store):
         node_id = node_of_reservation(reservation_id)
         k = self._k.node(node_id)
         async with self._backend(name):
-            out = await self._run(name, [k.info, k.reservations, k.notices], args)
+            out = await self._run(name, [k.info, k.reservations, k.notices, k.expiries], args)
         status = codec.text(out[0])
         if status == "not_found":
             raise NotFound(f"unknown reservation {reservation_id!r}", field="reservation_id")
@@ -332,19 +352,14 @@ class RedisStore(Store):
 
     async def list_nodes(self, now_ms: int) -> list[NodeState]:
         async with self._backend("list_nodes"):
-            ids = await self._node_ids()
-            pipe = self._r.pipeline(transaction=False)
-            self._queue_states(pipe, ids)
-            out = await pipe.execute()
-        return self._states_from(ids, out, now_ms)
+            _, states = await self._views(await self._node_ids(), now_ms)
+        return states
 
     async def get_node(self, node_id: str, now_ms: int) -> NodeState:
         states: list[NodeState] = []
         if is_node_id(node_id):
             async with self._backend("get_node"):
-                pipe = self._r.pipeline(transaction=False)
-                self._queue_states(pipe, [node_id])
-                states = self._states_from([node_id], await pipe.execute(), now_ms)
+                _, states = await self._views([node_id], now_ms)
         if not states:
             raise NotFound(f"unknown node {node_id!r}", field="node_id")
         return states[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -12,7 +13,7 @@ from redis.asyncio import Redis
 from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import CREDIT_NAMES, Credits, NoticeKind
 from crossflow_ctl.store.base import Store
-from crossflow_ctl.store.redis_store import RedisStore
+from crossflow_ctl.store.redis_store import RedisStore, load_script
 from tests.conftest import free_port
 from tests.store.helpers import NOW, credits, lease, register
 
@@ -168,3 +169,20 @@ async def test_silent_server_times_out_as_unavailable() -> None:
         for writer in peers:
             writer.close()
         await server.wait_closed()
+
+
+async def test_node_view_loads_its_script_when_redis_does_not_know_it(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Pipelined EVALSHA falls back to SCRIPT LOAD on NOSCRIPT (e.g. after a Redis restart)."""
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    try:
+        await register(store, "d1")
+        await store.upsert_lease(lease(), NOW, 2_000)
+        # The same script under a SHA this server has never seen.
+        fresh = f"{load_script('node_view')}\n-- {uuid.uuid4().hex}\n"
+        store._scripts["node_view"] = store._r.register_script(fresh)
+        _, states = await store.admission_view("default", ["d1"], 8, NOW)
+        assert [s.info.node_id for s in states] == ["d1"]
+    finally:
+        await store.close()

@@ -7,6 +7,8 @@
 --   state|expires_at_ms|release_seq|c1|c2|c3|c4|c5|created_at_ms|grant_seq|epoch|version|request_id
 -- where c1..c5 are the debit (compute, kv, kv_transfer, output, slots) and request_id comes last
 -- so it may contain any character. Numbers that Lua only copies are kept as strings.
+-- Each reservation's expiry is also a member of the node's expiry ZSET (score expires_at_ms),
+-- and the info HASH keeps running totals, so a debit never scans the reservations.
 
 local function cf_parse(rec)
   local f = {}
@@ -40,34 +42,75 @@ local function cf_notice(info_key, notices_key, maxlen, kind, rid, f, now)
   return seq
 end
 
--- Drop every reservation whose expiry has passed, with an EXPIRE notice each; returns the count.
-local function cf_purge_expired(info_key, res_key, notices_key, maxlen, now)
-  local all = redis.call('HGETALL', res_key)
-  local purged = 0
-  local now_n = tonumber(now)
-  for i = 1, #all, 2 do
-    local f = cf_parse(all[i + 1])
-    if tonumber(f[2]) <= now_n then
-      redis.call('HDEL', res_key, all[i])
-      cf_notice(info_key, notices_key, maxlen, 'expire', all[i], f, now)
-      purged = purged + 1
+-- Open-debit totals of the node's stored reservations (expired-but-unpurged included), kept in
+-- the info HASH field 'open' as "c1,c2,c3,c4,c5,count".
+local function cf_totals(info_key)
+  local t = {0, 0, 0, 0, 0, 0}
+  local raw = redis.call('HGET', info_key, 'open')
+  if raw then
+    local i = 1
+    for v in string.gmatch(raw, '[^,]+') do
+      t[i] = tonumber(v)
+      i = i + 1
     end
   end
-  return purged
+  return t
 end
 
--- Sum of the debits of the reservations still counting at now (after a purge: all of them).
-local function cf_open_debits(res_key, now)
-  local sums = {0, 0, 0, 0, 0}
-  local all = redis.call('HVALS', res_key)
-  local now_n = tonumber(now)
-  for i = 1, #all do
-    local f = cf_parse(all[i])
-    if tonumber(f[2]) > now_n then
-      for c = 1, 5 do
-        sums[c] = sums[c] + tonumber(f[3 + c])
-      end
+-- Add (sign 1) or remove (sign -1) one reservation record's debit to/from the totals.
+local function cf_count(info_key, f, sign)
+  local t = cf_totals(info_key)
+  for c = 1, 5 do
+    t[c] = t[c] + sign * tonumber(f[3 + c])
+  end
+  t[6] = t[6] + sign
+  local out = {}
+  for i = 1, 6 do
+    out[i] = cf_int(t[i])
+  end
+  redis.call('HSET', info_key, 'open', table.concat(out, ','))
+end
+
+-- Store a new reservation (or a changed one: commit, release) with its expiry.
+local function cf_put(info_key, res_key, exp_key, rid, f, is_new)
+  redis.call('HSET', res_key, rid, cf_format(f))
+  redis.call('ZADD', exp_key, f[2], rid)
+  if is_new then
+    cf_count(info_key, f, 1)
+  end
+end
+
+-- Forget one reservation (purged).
+local function cf_drop(info_key, res_key, exp_key, rid, f)
+  redis.call('HDEL', res_key, rid)
+  redis.call('ZREM', exp_key, rid)
+  cf_count(info_key, f, -1)
+end
+
+-- The records of the reservations expired at now, oldest grant first.
+local function cf_expired(res_key, exp_key, now)
+  local ids = redis.call('ZRANGEBYSCORE', exp_key, '-inf', now)
+  local out = {}
+  for i = 1, #ids do
+    local rec = redis.call('HGET', res_key, ids[i])
+    if rec then
+      local f = cf_parse(rec)
+      f.id = ids[i]
+      out[#out + 1] = f
     end
   end
-  return sums
+  table.sort(out, function(a, b) return tonumber(a[10]) < tonumber(b[10]) end)
+  return out
+end
+
+-- Drop every reservation expired at now, with an EXPIRE notice each; returns the count.
+local function cf_purge_expired(info_key, res_key, exp_key, notices_key, maxlen, now)
+  local expired = cf_expired(res_key, exp_key, now)
+  for i = 1, #expired do
+    local f = expired[i]
+    cf_drop(info_key, res_key, exp_key, f.id, f)
+    cf_notice(info_key, notices_key, maxlen, 'expire', f.id, f, now)
+  end
+  redis.call('ZREMRANGEBYSCORE', exp_key, '-inf', now)
+  return #expired
 end

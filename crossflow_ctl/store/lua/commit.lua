@@ -1,9 +1,10 @@
 -- HELD -> COMMITTED with a new expiry and a COMMIT notice; committing twice changes nothing.
--- KEYS[1] info HASH, KEYS[2] reservations HASH, KEYS[3] notices STREAM.
+-- KEYS[1] info HASH, KEYS[2] reservations HASH, KEYS[3] notices STREAM,
+-- KEYS[4] reservation expiries ZSET.
 -- ARGV[1] now_ms, ARGV[2] reservation id, ARGV[3] commit expires_at_ms, ARGV[4] notices MAXLEN.
 -- Returns {'not_found'}, {'expired'} (the reservation is purged with an EXPIRE notice),
 -- {'released', record} or {'ok', record} (the record as stored after the call).
-local info, res, notices = KEYS[1], KEYS[2], KEYS[3]
+local info, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local now, rid, maxlen = ARGV[1], ARGV[2], ARGV[4]
 
 local rec = redis.call('HGET', res, rid)
@@ -12,7 +13,7 @@ if not rec then
 end
 local f = cf_parse(rec)
 if tonumber(f[2]) <= tonumber(now) then
-  cf_purge_expired(info, res, notices, maxlen, now)
+  cf_purge_expired(info, res, exp, notices, maxlen, now)
   return {'expired'}
 end
 if f[1] == 'released' then
@@ -24,6 +25,6 @@ end
 f[1] = 'committed'
 f[2] = ARGV[3]
 rec = cf_format(f)
-redis.call('HSET', res, rid, rec)
+cf_put(info, res, exp, rid, f, false)
 cf_notice(info, notices, maxlen, 'commit', rid, f, now)
 return {'ok', rec}

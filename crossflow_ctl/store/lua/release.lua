@@ -1,9 +1,10 @@
 -- HELD/COMMITTED -> RELEASED with a RELEASE notice whose sequence becomes release_seq; the
 -- reservation keeps counting until a lease with last_notice_seq >= release_seq purges it.
--- KEYS[1] info HASH, KEYS[2] reservations HASH, KEYS[3] notices STREAM.
+-- KEYS[1] info HASH, KEYS[2] reservations HASH, KEYS[3] notices STREAM,
+-- KEYS[4] reservation expiries ZSET.
 -- ARGV[1] now_ms, ARGV[2] reservation id, ARGV[3] notices MAXLEN.
 -- Returns {'not_found'}, {'expired'} (purged with an EXPIRE notice) or {'ok', record}.
-local info, res, notices = KEYS[1], KEYS[2], KEYS[3]
+local info, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local now, rid, maxlen = ARGV[1], ARGV[2], ARGV[3]
 
 local rec = redis.call('HGET', res, rid)
@@ -12,7 +13,7 @@ if not rec then
 end
 local f = cf_parse(rec)
 if tonumber(f[2]) <= tonumber(now) then
-  cf_purge_expired(info, res, notices, maxlen, now)
+  cf_purge_expired(info, res, exp, notices, maxlen, now)
   return {'expired'}
 end
 if f[1] == 'released' then
@@ -22,5 +23,5 @@ local seq = cf_notice(info, notices, maxlen, 'release', rid, f, now)
 f[1] = 'released'
 f[3] = seq
 rec = cf_format(f)
-redis.call('HSET', res, rid, rec)
+cf_put(info, res, exp, rid, f, false)
 return {'ok', rec}

@@ -1,6 +1,7 @@
 -- Store a lease if (epoch, version) is newer than the stored one; purge reservations.
 -- KEYS[1] info HASH, KEYS[2] lease HASH, KEYS[3] reservations HASH, KEYS[4] notices STREAM,
--- KEYS[5] lease history LIST, KEYS[6] node events LIST (all one node, one hash tag).
+-- KEYS[5] lease history LIST, KEYS[6] node events LIST, KEYS[7] reservation expiries ZSET
+-- (all one node, one hash tag).
 -- ARGV[1] now_ms (broker clock), ARGV[2] ev: "<epoch:020d><version:020d>" (40 digits, compared
 -- as text so 63-bit values stay exact),
 -- ARGV[3] epoch, ARGV[4] version, ARGV[5] expires_at_ms (now + capped ttl),
@@ -10,6 +11,7 @@
 -- Returns {-1} for an unregistered node; {0, stored_epoch, stored_version, 0} for a stale lease
 -- (nothing changed); {1, epoch, version, purged, cordoned(0/1)} when stored.
 local info, lease, res, notices, history, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local exp = KEYS[7]
 local now, ev, epoch = ARGV[1], ARGV[2], ARGV[3]
 local zero, last_seen, maxlen = ARGV[6], tonumber(ARGV[12]), ARGV[16]
 
@@ -21,12 +23,12 @@ if old[1] and ev <= old[1] then
   return {0, old[2], old[3], 0}
 end
 
-local purged = cf_purge_expired(info, res, notices, maxlen, now)
+local purged = cf_purge_expired(info, res, exp, notices, maxlen, now)
 local all = redis.call('HGETALL', res)
 for i = 1, #all, 2 do
   local f = cf_parse(all[i + 1])
   if f[1] == 'released' and tonumber(f[3]) <= last_seen then
-    redis.call('HDEL', res, all[i])
+    cf_drop(info, res, exp, all[i], f)
     purged = purged + 1
   end
 end

@@ -1,0 +1,24 @@
+-- Read one node as admission sees it (read only): info, stored lease, open debits at now.
+-- KEYS[1] info HASH, KEYS[2] lease HASH, KEYS[3] reservations HASH,
+-- KEYS[4] reservation expiries ZSET.
+-- ARGV[1] now_ms.
+-- Returns {} for an unknown node, else {info fields as a flat HGETALL list, stored lease JSON or
+-- '', c1, c2, c3, c4, c5, count}: the debits and number of reservations counting at now
+-- (running totals less the expired ones no write has purged yet).
+local info, lease, res, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+if redis.call('EXISTS', info) == 0 then
+  return {}
+end
+local t = cf_totals(info)
+local expired = cf_expired(res, exp, ARGV[1])
+for i = 1, #expired do
+  for c = 1, 5 do
+    t[c] = t[c] - tonumber(expired[i][3 + c])
+  end
+  t[6] = t[6] - 1
+end
+local out = {redis.call('HGETALL', info), redis.call('HGET', lease, 'json') or ''}
+for i = 1, 6 do
+  out[#out + 1] = cf_int(t[i])
+end
+return out
