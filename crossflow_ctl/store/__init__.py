@@ -1,6 +1,6 @@
 """The store: one interface (:class:`~crossflow_ctl.store.base.Store`), two implementations.
 
 ``memory.MemoryStore`` is the embedded default for single-process runs and the simulator;
-``redis.RedisStore`` is production (Lua scripts make every check-and-debit atomic). Both pass
-the same contract suite (tests/store/).
+``redis_store.RedisStore`` is production (Lua scripts make every check-and-debit atomic). Both
+pass the same contract suite (tests/store/).
 """
