@@ -288,23 +288,28 @@ class ItlGuard(Frozen):
     samples says nothing when requests are running (a step longer than the window), so it
     leaves the state as it is; with nothing running (``idle``) it counts as below: an idle
     decode batch cannot miss its SLO.
+
+    ``last_itl_ms`` remembers the latest ITL a window did measure, so a lease built on a window
+    without samples still reports the node's recent ITL (0 once it is idle).
     """
 
     tripped: bool = False
     good_streak: int = 0
+    last_itl_ms: float = 0.0
 
     def observe(
         self, itl_ms: float | None, settings: LeaseSettings, *, idle: bool = False
     ) -> ItlGuard:
+        last = itl_ms if itl_ms is not None else (0.0 if idle else self.last_itl_ms)
         if itl_ms is not None and itl_ms >= settings.itl_slo_ms:
-            return ItlGuard(tripped=True, good_streak=0)
+            return ItlGuard(tripped=True, good_streak=0, last_itl_ms=last)
         if not self.tripped or (itl_ms is None and not idle):
-            return self
+            return self.model_copy(update={"last_itl_ms": last})
         below = itl_ms is None or itl_ms < settings.itl_slo_ms * settings.itl_clear_ratio
         streak = self.good_streak + 1 if below else 0
         if streak >= settings.itl_clear_after:
-            return ItlGuard()
-        return ItlGuard(tripped=True, good_streak=streak)
+            return ItlGuard(last_itl_ms=last)
+        return ItlGuard(tripped=True, good_streak=streak, last_itl_ms=last)
 
 
 class LeaseDecision(Frozen):
@@ -390,6 +395,7 @@ def decide(
         )
     itl = observed_itl_ms(snapshot, settings)
     guard = guard.observe(itl, settings, idle=snapshot.running_requests == 0)
+    itl = guard.last_itl_ms  # this window's ITL, or the last one measured while busy
     capacity = compute_capacity(snapshot, model, node, settings)
     fields = {
         "guard": guard,

@@ -108,6 +108,16 @@ def test_itl_hysteresis_does_not_flap() -> None:
     assert not ItlGuard().observe(49.9, s).tripped
 
 
+def test_a_window_without_samples_reports_the_last_measured_itl() -> None:
+    busy = snap(itl_p50_ms=None, itl_p99_ms=None)
+    g = ItlGuard().observe(30.0, LS)
+    d = decide(busy, now_ms=NOW, model=MODEL, node=NODE, settings=LS, guard=g)
+    assert d.itl_ms == 30.0 and d.guard.last_itl_ms == 30.0
+    idle = snap(running=0, context=0, used=0, itl_p50_ms=None, itl_p99_ms=None)
+    d = decide(idle, now_ms=NOW, model=MODEL, node=NODE, settings=LS, guard=g)
+    assert d.itl_ms == 0.0
+
+
 def test_rule_order_and_reasons() -> None:
     assert (
         decide(
