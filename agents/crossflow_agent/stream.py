@@ -53,6 +53,11 @@ class StreamState:
     """Leases accepted (and, for prefill agents, heartbeats echoed)."""
     refused: int = 0
     sessions: int = 0
+    """Sessions welcomed by a broker."""
+    attempts: int = 0
+    """Sessions tried (welcomed or not)."""
+    last_delay_s: float = 0.0
+    """The jittered backoff before the latest retry."""
 
 
 class LeaseStream:
@@ -146,6 +151,8 @@ class LeaseStream:
             index += 1
             delay = backoff * self._rng.uniform(0.5, 1.0)
             backoff = min(self._backoff[1], backoff * 2)
+            self.state.attempts += 1
+            self.state.last_delay_s = delay
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await self._closing.wait()

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from itertools import pairwise
 from typing import Any
 
+import grpc
 import pytest
 
 from crossflow_agent.agent import Agent
 from crossflow_agent.settings import AgentSettings
 from crossflow_agent.sources.http import PrometheusSource
 from crossflow_agent.sources.sglang import SGLangReader
+from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
 from crossflow_ctl.broker.config import BrokerSettings
 from crossflow_ctl.broker.server import BrokerServer, make_store
 from crossflow_ctl.client.admin import AdminClient
@@ -376,3 +379,46 @@ async def test_itl_over_slo_zeroes_the_lease_and_recovers_with_hysteresis(broker
         stop.set()
         await task
     assert agent_tasks() == set()  # the loop leaves no task behind
+
+
+class WelcomeThenFail(lease_pb2_grpc.LeaseServiceServicer):
+    """A broker whose store is broken: it welcomes, then ends the stream on the first lease."""
+
+    def __init__(self) -> None:
+        self.hellos: list[int] = []
+
+    async def Connect(self, request_iterator, context):
+        first = await anext(aiter(request_iterator))
+        self.hellos.append(first.hello.last_notice_seq)
+        yield lease_pb2.ConnectResponse(welcome=lease_pb2.Welcome(broker_id="broken"))
+        yield lease_pb2.ConnectResponse(
+            notice=lease_pb2.Notice(seq=len(self.hellos) + 40, kind=lease_pb2.NOTICE_KIND_GRANT)
+        )
+        await anext(aiter(request_iterator))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "store unavailable")
+
+
+async def test_failing_sessions_keep_backing_off_and_resume_notices(metrics_server) -> None:
+    metrics_server.text = fixture_text("sglang_t0.prom")
+    servicer = WelcomeThenFail()
+    server = grpc.aio.server()
+    lease_pb2_grpc.add_LeaseServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with running_agent(metrics_server, [f"127.0.0.1:{port}"]) as run:
+            state = run.agent.stream.state
+
+            async def several() -> bool:
+                return state.attempts >= 4
+
+            await eventually(several, "several failed sessions")
+            # welcomed but never accepted: the backoff grew instead of resetting each time
+            assert state.last_delay_s >= 0.5 * 100 / 1000  # reached the 100 ms cap (x jitter)
+            assert state.acked == 0 and state.sessions >= 4
+            # each Hello resumed after the highest notice seen so far
+            assert servicer.hellos[0] == 0
+            assert all(b > a for a, b in pairwise(servicer.hellos[1:]))
+            assert servicer.hellos[1] >= 41
+    finally:
+        await server.stop(None)
