@@ -23,15 +23,13 @@ import contextlib
 import json
 import secrets
 from collections.abc import AsyncIterator, Sequence
-from importlib import resources
 from typing import Any
 
 import structlog
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from crossflow_ctl.domain.errors import (
     FailedPrecondition,
@@ -67,27 +65,9 @@ from crossflow_ctl.store.keys import (
     new_reservation_id,
     node_of_reservation,
 )
+from crossflow_ctl.store.redis_scripts import Scripts
 
 log = structlog.get_logger()
-
-SCRIPTS = (
-    "upsert_lease",
-    "try_debit",
-    "commit",
-    "release",
-    "set_cordon",
-    "node_view",
-    "put_pool_load",
-)
-
-
-def load_script(name: str) -> str:
-    """A script's source; per-node scripts get the shared helpers of ``_lib.lua`` first."""
-    lua = resources.files("crossflow_ctl.store").joinpath("lua")
-    body = lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-    if name == "put_pool_load":
-        return body
-    return lua.joinpath("_lib.lua").read_text(encoding="utf-8") + "\n" + body
 
 
 class RedisStore(Store):
@@ -115,9 +95,7 @@ class RedisStore(Store):
         self._k = Keys(namespace)
         self._op_timeout_s = op_timeout_s
         self._block_chunk_ms = max(1, int(socket_timeout_s * 250))  # 3/4 of the timeout as slack
-        self._scripts: dict[str, AsyncScript] = {
-            name: self._r.register_script(load_script(name)) for name in SCRIPTS
-        }
+        self._scripts = Scripts(client)
 
     @contextlib.asynccontextmanager
     async def _backend(self, what: str, extra_s: float = 0.0) -> AsyncIterator[None]:
@@ -128,8 +106,40 @@ class RedisStore(Store):
             log.warning("store_unavailable", op=what, error=repr(exc))
             raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
 
+    async def _index_lender(self, node_id: str, lease_expires_ms: int | None) -> None:
+        """Add or drop ``node_id`` in the lender index, best effort.
+
+        The index only steers sampling (admission re-checks the node's real state, and entries
+        leave by score once their lease expires), so a failure here must not turn a change
+        that is already stored into an error for the caller."""
+        try:
+            async with asyncio.timeout(self._op_timeout_s):
+                if lease_expires_ms is None:
+                    await self._r.zrem(self._k.lenders, node_id)
+                else:
+                    await self._r.zadd(self._k.lenders, {node_id: lease_expires_ms})
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("lender_index_update_failed", node_id=node_id, error=repr(exc))
+
     async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return await self._scripts[name](keys=keys, args=args)
+        return await self._scripts.run(name, keys, args)
+
+    async def _views(
+        self, node_ids: Sequence[str], now_ms: int, pool: str | None = None
+    ) -> tuple[Any, list[NodeState]]:
+        """One round trip: the pool's reports (when asked) and each node's ``node_view``."""
+        before = [] if pool is None else [("HGETALL", self._k.pool(pool))]
+        view_keys = [
+            [k.info, k.lease, k.reservations, k.expiries] for k in map(self._k.node, node_ids)
+        ]
+        out = await self._scripts.views(before, view_keys, now_ms)
+        views = out[len(before) :]
+        states = [
+            state
+            for node_id, raw in zip(node_ids, views, strict=True)
+            if (state := codec.node_state_from_view(node_id, raw)) is not None
+        ]
+        return (out[0] if pool is not None else None), states
 
     # -- agents -----------------------------------------------------------------------------
     async def register_node(
@@ -179,11 +189,9 @@ class RedisStore(Store):
         keys = [k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries]
         async with self._backend("upsert_lease"):
             out = await self._run("upsert_lease", keys, args)
-            if int(out[0]) == 1:
-                if zero or int(out[4]):
-                    await self._r.zrem(self._k.lenders, lease.node_id)
-                else:
-                    await self._r.zadd(self._k.lenders, {lease.node_id: expires})
+        if int(out[0]) == 1:
+            lends = not zero and not int(out[4])
+            await self._index_lender(lease.node_id, expires if lends else None)
         if int(out[0]) == -1:
             raise FailedPrecondition(f"node {lease.node_id!r} is not registered", field="node_id")
         return LeaseOutcome(
@@ -200,41 +208,11 @@ class RedisStore(Store):
         args: list[str | int] = [now_ms, load.node_id, stored.model_dump_json(), expires]
         async with self._backend("put_pool_load"):
             pipe = self._r.pipeline(transaction=False)
-            await self._scripts["put_pool_load"](keys=keys, args=args, client=pipe)
+            await self._scripts.queue("put_pool_load", keys, args, pipe)
             pipe.sadd(self._k.pools, load.pool)
             await pipe.execute()
 
     # -- admission --------------------------------------------------------------------------
-    async def _views(
-        self, node_ids: Sequence[str], now_ms: int, pool: str | None = None
-    ) -> tuple[Any, list[NodeState]]:
-        """One round trip: the pool's reports (when asked) and one read-only script per node.
-
-        EVALSHA goes straight into the pipeline (redis-py would add a SCRIPT EXISTS round trip
-        for pipelined Script objects); on NOSCRIPT the script is loaded and the read retried."""
-        script = self._scripts["node_view"]
-        for attempt in range(2):
-            pipe = self._r.pipeline(transaction=False)
-            if pool is not None:
-                pipe.hgetall(self._k.pool(pool))
-            for node_id in node_ids:
-                k = self._k.node(node_id)
-                pipe.evalsha(script.sha, 4, k.info, k.lease, k.reservations, k.expiries, now_ms)
-            try:
-                out = await pipe.execute()
-                break
-            except NoScriptError:
-                if attempt:
-                    raise
-                await self._r.script_load(script.script)
-        views = out[1:] if pool is not None else out
-        states = [
-            state
-            for node_id, raw in zip(node_ids, views, strict=True)
-            if (state := codec.node_state_from_view(node_id, raw)) is not None
-        ]
-        return (out[0] if pool is not None else None), states
-
     async def admission_view(
         self, pool: str, node_ids: Sequence[str], sample: int, now_ms: int
     ) -> tuple[PoolSnapshot | None, list[NodeState]]:
@@ -337,14 +315,11 @@ class RedisStore(Store):
         args = [now_ms, "1" if cordoned else "0", reason, NOTICES_CAP, EVENTS_CAP]
         async with self._backend("set_cordon"):
             out = await self._run("set_cordon", [k.info, k.notices, k.events, k.lease], args)
-            if codec.text(out[0]) == "ok":
-                lease_exp, zero = codec.text(out[2]), codec.text(out[3])
-                if not cordoned and lease_exp and not zero and int(lease_exp) > now_ms:
-                    await self._r.zadd(self._k.lenders, {node_id: int(lease_exp)})
-                else:
-                    await self._r.zrem(self._k.lenders, node_id)
         if codec.text(out[0]) == "not_found":
             raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        lease_exp, zero = codec.text(out[2]), codec.text(out[3])
+        lends = not cordoned and lease_exp and not zero and int(lease_exp) > now_ms
+        await self._index_lender(node_id, int(lease_exp) if lends else None)
         return codec.info_from(node_id, codec.flat_pairs(out[1]))
 
     async def _node_ids(self) -> list[str]:

@@ -13,7 +13,8 @@ from redis.asyncio import Redis
 from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import CREDIT_NAMES, Credits, NoticeKind
 from crossflow_ctl.store.base import Store
-from crossflow_ctl.store.redis_store import RedisStore, load_script
+from crossflow_ctl.store.redis_scripts import load_script
+from crossflow_ctl.store.redis_store import RedisStore
 from tests.conftest import free_port
 from tests.store.helpers import NOW, credits, lease, register
 
@@ -181,7 +182,7 @@ async def test_node_view_loads_its_script_when_redis_does_not_know_it(
         await store.upsert_lease(lease(), NOW, 2_000)
         # The same script under a SHA this server has never seen.
         fresh = f"{load_script('node_view')}\n-- {uuid.uuid4().hex}\n"
-        store._scripts["node_view"] = store._r.register_script(fresh)
+        store._scripts.by_name["node_view"] = store._r.register_script(fresh)
         _, states = await store.admission_view("default", ["d1"], 8, NOW)
         assert [s.info.node_id for s in states] == ["d1"]
     finally:

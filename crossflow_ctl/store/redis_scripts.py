@@ -1,0 +1,76 @@
+"""The Lua scripts of the Redis store: loaded from the package, registered once per client.
+
+Each ``lua/<name>.lua`` starts with a header naming its KEYS, ARGV and return value. Per-node
+scripts are prefixed with ``lua/_lib.lua`` (shared helpers) when loaded. Calls go out as EVALSHA;
+on NOSCRIPT (a restarted or flushed Redis) the script is loaded and the call retried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
+
+PER_NODE = ("upsert_lease", "try_debit", "commit", "release", "set_cordon", "node_view")
+"""Scripts over one node's keys (one hash tag); they share ``_lib.lua``."""
+GLOBAL = ("put_pool_load",)
+"""Scripts over one pool's keys."""
+
+
+def load_script(name: str) -> str:
+    """A script's source, with the shared helpers first for per-node scripts."""
+    lua = resources.files("crossflow_ctl.store").joinpath("lua")
+    body = lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    if name not in PER_NODE:
+        return body
+    return lua.joinpath("_lib.lua").read_text(encoding="utf-8") + "\n" + body
+
+
+class Scripts:
+    """Every script, registered on one client (``register_script``: EVALSHA, NOSCRIPT fallback)."""
+
+    def __init__(self, client: Redis) -> None:
+        self._r = client
+        self.by_name: dict[str, AsyncScript] = {
+            name: client.register_script(load_script(name)) for name in (*PER_NODE, *GLOBAL)
+        }
+
+    async def run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """One EVALSHA round trip (two, once, after NOSCRIPT)."""
+        return await self.by_name[name](keys=list(keys), args=list(args))
+
+    async def queue(
+        self, name: str, keys: Sequence[str], args: Sequence[Any], pipe: Pipeline
+    ) -> None:
+        """Queue the script on ``pipe`` (redis-py checks SCRIPT EXISTS at execute)."""
+        await self.by_name[name](keys=list(keys), args=list(args), client=pipe)
+
+    async def views(
+        self,
+        before: Sequence[tuple[Any, ...]],
+        node_keys: Sequence[Sequence[str]],
+        now_ms: int,
+    ) -> list[Any]:
+        """Plain commands ``before``, then ``node_view`` per node, in ONE pipeline round trip.
+
+        EVALSHA goes straight into the pipeline (redis-py would add a SCRIPT EXISTS round trip
+        for pipelined Script objects); on NOSCRIPT the script is loaded and the read retried."""
+        script = self.by_name["node_view"]
+        for attempt in range(2):
+            pipe = self._r.pipeline(transaction=False)
+            for command in before:
+                pipe.execute_command(*command)
+            for keys in node_keys:
+                pipe.evalsha(script.sha, len(keys), *keys, now_ms)
+            try:
+                return list(await pipe.execute())
+            except NoScriptError:
+                if attempt:
+                    raise
+                await self._r.script_load(script.script)
+        raise AssertionError("unreachable")
