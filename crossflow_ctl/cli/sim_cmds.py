@@ -16,6 +16,8 @@ import click
 
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.leasing import LeaseSettings
+from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.sizing import (
     SizingPlan,
     plan_from_ratios,
@@ -94,6 +96,9 @@ def _quiet_logs() -> None:
     "--hardware", type=click.Choice(sorted(NODE_PRESETS)), default="h200", show_default=True
 )
 @click.option("--kv-capacity-tokens", default=1_000_000, show_default=True)
+@click.option("--itl-slo-ms", default=50.0, show_default=True, help="Agents' ITL SLO.")
+@click.option("--horizon-ms", default=2000, show_default=True, help="Borrow horizon.")
+@click.option("--borrow-share", default=0.5, show_default=True, help="Cluster-wide borrow limit.")
 @click.option(
     "--cache-scope",
     type=click.Choice([c.value for c in CacheScope]),
@@ -122,6 +127,9 @@ def sim(
     model: str,
     hardware: str,
     kv_capacity_tokens: int,
+    itl_slo_ms: float,
+    horizon_ms: int,
+    borrow_share: float,
     cache_scope: str,
     session_rate: float | None,
     seed: int,
@@ -147,12 +155,19 @@ def sim(
         if limit is not None:
             trace = trace.head(limit)
         loaded.append(trace.with_warmup(warmup_s))
+    policy = PolicySettings(
+        borrow_share=borrow_share,
+        borrow_horizon_ms=horizon_ms,
+        commit_ttl_ms=max(30_000, 2 * horizon_ms),
+    )
     base = SimConfig(
         model=model,
         hardware=hardware,
         kv_capacity_tokens=kv_capacity_tokens,
         cache_scope=CacheScope(cache_scope),
         seed=seed,
+        lease=LeaseSettings(itl_slo_ms=itl_slo_ms, horizon_ms=horizon_ms),
+        broker_policy=policy,
     )
     runs = plan_runs(
         loaded,

@@ -104,6 +104,8 @@ def write_report(
         f"Model {config.model} on {config.hardware}; decode KV {config.kv_capacity_tokens:,} "
         f"tokens per server; ITL SLO {config.lease.itl_slo_ms:g} ms, TTFT SLO "
         f"{config.ttft_slo_ms:g} ms; agent period {config.agent_period_ms} ms; "
+        f"borrow horizon {config.lease.horizon_ms} ms, borrow share "
+        f"{config.broker_policy.borrow_share:g}; "
         f"prefix cache {config.cache_scope.value} ({config.cache_capacity_tokens:,} tokens); "
         f"seed {config.seed}.",
         "",
