@@ -1,0 +1,71 @@
+"""Key layout and script hygiene: what keeps the Redis store Cluster-compatible by construction."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import pytest
+from redis.crc import key_slot
+
+from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.store.keys import Keys, is_node_id, new_reservation_id, node_of_reservation
+from crossflow_ctl.store.redis_scripts import GLOBAL, PER_NODE
+
+
+def slots(*keys: str) -> set[int]:
+    return {key_slot(k.encode()) for k in keys}
+
+
+@pytest.mark.parametrize("node_id", ["d1", "decode-7.rack_3", "x" * 128])
+def test_a_nodes_keys_share_one_slot(node_id: str) -> None:
+    k = Keys("cf").node(node_id)
+    keys = [k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries]
+    assert len(set(keys)) == len(keys)
+    assert len(slots(*keys)) == 1
+    assert all(key.startswith("cf:") for key in keys)  # prefix scans find a namespace
+
+
+def test_nodes_spread_and_pool_keys_share_a_slot() -> None:
+    keys = Keys("cf")
+    node_slots = slots(*(keys.node(f"d{i}").info for i in range(64)))
+    assert len(node_slots) > 32  # nodes spread over the cluster, not one hot slot
+    assert len(slots(keys.pool("default"), keys.pool_expiries("default"))) == 1
+    assert Keys("a").node("d1").info != Keys("b").node("d1").info
+
+
+def test_reservation_ids_name_their_node() -> None:
+    rid = new_reservation_id("d-1.x", 2**128 - 1)
+    assert rid == "f" * 32 + "@d-1.x"
+    assert node_of_reservation(rid) == "d-1.x"
+    assert node_of_reservation(new_reservation_id("d1", 5)) == "d1"
+    for bad in ("", "@d1", "g" * 32 + "@d1", "0" * 31 + "@d1", "0" * 32 + "@-d1", "0" * 32):
+        with pytest.raises(InvalidArgument):
+            node_of_reservation(bad)
+    with pytest.raises(InvalidArgument):
+        node_of_reservation("0" * 32 + "@" + "x" * 129)
+    assert is_node_id("d1") and not is_node_id("d 1") and not is_node_id("{d1}")
+
+
+@pytest.mark.parametrize("name", [*PER_NODE, *GLOBAL, "_lib"])
+def test_every_script_states_its_keys_args_and_return(name: str) -> None:
+    text = resources.files("crossflow_ctl.store").joinpath(f"lua/{name}.lua").read_text()
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("--"):
+            break
+        header.append(line)
+    joined = "\n".join(header)
+    assert header and "KEYS" in joined and "ARGV" in joined and "Returns" in joined
+
+
+@pytest.mark.parametrize("name", [*PER_NODE, *GLOBAL, "_lib"])
+def test_scripts_touch_only_the_keys_they_are_given(name: str) -> None:
+    """Cluster routes a script by its KEYS; a key name built inside Lua could cross slots."""
+    text = resources.files("crossflow_ctl.store").joinpath(f"lua/{name}.lua").read_text()
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
+    assert "KEYS[" in code or name == "_lib"
+    for call in code.split("redis.call(")[1:]:
+        args = call.split(")")[0]
+        assert "'" in args.split(",")[0], f"command name must be a literal: {args}"
+        key = args.split(",")[1].strip() if "," in args else ""
+        assert ".." not in key and ":" not in key, f"{name}: key built in Lua: {args}"
