@@ -28,7 +28,7 @@ from typing import Any
 import structlog
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from crossflow_ctl.domain.errors import (
@@ -71,7 +71,12 @@ log = structlog.get_logger()
 
 
 class RedisStore(Store):
-    """``client``: a ``redis.asyncio.Redis`` (not closed by :meth:`close`) or a URL (owned)."""
+    """``client``: a ``redis.asyncio.Redis`` (not closed by :meth:`close`) or a URL (owned).
+
+    A URL gets socket timeouts of ``socket_timeout_s`` and no client-side retries; a supplied
+    client keeps its own settings (give it timeouts, and no retry on timeout, for the same
+    guarantees). With Redis Cluster, pass a cluster-aware client; every script already stays
+    on one slot."""
 
     def __init__(
         self,
@@ -86,7 +91,9 @@ class RedisStore(Store):
                 client,
                 socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s,
-                retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), retries=1),
+                # No client-side retry: a debit script retried after a lost reply would grant
+                # twice. One failure is StoreUnavailable and admission fails closed (§5.6).
+                retry=Retry(NoBackoff(), retries=0),
             )
             self._owned = True
         else:
