@@ -75,8 +75,8 @@ class RedisStore(Store):
 
     A URL gets socket timeouts of ``socket_timeout_s`` and no client-side retries; a supplied
     client keeps its own settings (give it timeouts, and no retry on timeout, for the same
-    guarantees). With Redis Cluster, pass a cluster-aware client; every script already stays
-    on one slot."""
+    guarantees). The key layout and scripts are slot-safe for Redis Cluster (module docstring);
+    running with a cluster client (``redis.asyncio.RedisCluster``) is not yet wired or tested."""
 
     def __init__(
         self,
