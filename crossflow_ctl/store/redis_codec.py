@@ -26,6 +26,8 @@ from crossflow_ctl.domain.models import (
 from crossflow_ctl.store.base import NodeEvent
 
 Raw = bytes | str
+VIEW_INFO_FIELDS = ("role", "pool", "labels", "cordoned", "cordon_reason", "seq")
+"""The info fields ``node_view.lua`` returns, in order."""
 
 
 def text(value: Raw | int) -> str:
@@ -41,12 +43,12 @@ def text_map(raw: Mapping[Raw, Raw]) -> dict[str, str]:
 def info_from(node_id: str, fields: Mapping[str, str]) -> NodeInfo:
     return NodeInfo(
         node_id=node_id,
-        role=NodeRole(fields.get("role", NodeRole.DECODE.value)),
-        pool=fields.get("pool", "default"),
+        role=NodeRole(fields.get("role") or NodeRole.DECODE.value),
+        pool=fields.get("pool") or "default",
         cordoned=fields.get("cordoned") == "1",
-        cordon_reason=fields.get("cordon_reason", ""),
-        labels=json.loads(fields.get("labels", "{}")),
-        notice_seq=int(fields.get("seq", "0")),
+        cordon_reason=fields.get("cordon_reason") or "",
+        labels=json.loads(fields.get("labels") or "{}"),
+        notice_seq=int(fields.get("seq") or "0"),
     )
 
 
@@ -73,7 +75,7 @@ def node_state_from_view(node_id: str, raw: Sequence[Any]) -> NodeState | None:
         return None
     lease_json = text(raw[1])
     return NodeState(
-        info=info_from(node_id, flat_pairs(raw[0])),
+        info=info_from(node_id, dict(zip(VIEW_INFO_FIELDS, map(text, raw[0]), strict=True))),
         lease=StoredLease.model_validate_json(lease_json) if lease_json else None,
         open_debits=Credits.from_tuple([int(text(v)) for v in raw[2:7]]),
         open_reservations=int(text(raw[7])),

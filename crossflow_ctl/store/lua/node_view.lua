@@ -2,8 +2,8 @@
 -- KEYS[1] info HASH, KEYS[2] lease HASH, KEYS[3] reservations HASH,
 -- KEYS[4] reservation expiries ZSET.
 -- ARGV[1] now_ms.
--- Returns {} for an unknown node, else {info fields as a flat HGETALL list, stored lease JSON or
--- '', c1, c2, c3, c4, c5, count}: the debits and number of reservations counting at now
+-- Returns {} for an unknown node, else {{role, pool, labels, cordoned, cordon_reason, seq} (info
+-- fields in this order, HMGET), stored lease JSON or '', c1, c2, c3, c4, c5, count}: the debits and number of reservations counting at now
 -- (running totals less the expired ones no write has purged yet).
 local info, lease, res, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if redis.call('EXISTS', info) == 0 then
@@ -17,7 +17,11 @@ for i = 1, #expired do
   end
   t[6] = t[6] - 1
 end
-local out = {redis.call('HGETALL', info), redis.call('HGET', lease, 'json') or ''}
+local fields = redis.call('HMGET', info, 'role', 'pool', 'labels', 'cordoned', 'cordon_reason', 'seq')
+for i = 1, 6 do
+  fields[i] = fields[i] or ''
+end
+local out = {fields, redis.call('HGET', lease, 'json') or ''}
 for i = 1, 6 do
   out[#out + 1] = cf_int(t[i])
 end
