@@ -5,14 +5,16 @@ Every per-node change (lease upsert, check-and-debit, commit, release, cordon) i
 stream in the same atomic step, so notices and state never disagree.
 
 Redis Cluster compatible by construction: a node's keys share the hash tag ``{<ns>:n:<node>}``
-(see :mod:`crossflow_ctl.store.keys`), so each script touches one slot; the global keys (node
-index, lender index, pools, policy) are only read or written by plain commands, never inside a
-per-node script, and no MULTI spans slots (pipelines are non-transactional). The cluster-wide
+(see :mod:`crossflow_ctl.store.keys`), so each script touches one slot and only keys passed in
+KEYS; the global keys (node index, lender index, pool index, policy) are only read or written by
+plain commands, never inside a per-node script; a pool's reports have their own tag and script;
+no MULTI spans slots (pipelines are non-transactional). The cluster-wide
 borrowing limit is the ``share`` factor applied inside each node's own check (see
 ``PolicySettings.borrow_share``), so it needs no cross-slot operation.
 
 Round trips: ``try_debit``, ``commit``, ``release`` one each; ``admission_view`` one with
-candidates, two without (sample the lender index, then read), flat in fleet size; lease upsert
+candidates (pool reports + a read-only ``node_view`` script per node, pipelined), two without
+(sample the lender index, then read), flat in fleet size; lease upsert
 and cordon two (the script, then the lender index, which is only a sampling hint).
 """
 
