@@ -8,6 +8,7 @@ the latest lease, so a plan made on a slightly old read can never over-commit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated
@@ -151,8 +152,28 @@ class Admission(Frozen):
         )
 
 
-def debit_for(request: AdmissionRequest, node_id: str, settings: PolicySettings) -> Credits:
-    """The credits one borrowed request takes from ``node_id``."""
+def horizon_output_tokens(
+    request: AdmissionRequest, itl_ms: float, settings: PolicySettings
+) -> int:
+    """Output tokens the request can decode within the borrow horizon at ``itl_ms`` per token.
+
+    The lease's output credit counts tokens over the horizon, so the debit must too: a request
+    expecting 2,000 output tokens on a node stepping every 20 ms takes 100 tokens of a 2 s
+    horizon's output credit, not 2,000. Unknown ITL (0) debits the whole expected output.
+    """
+    if itl_ms <= 0:
+        return request.expected_output_tokens
+    per_horizon = math.ceil(settings.borrow_horizon_ms / itl_ms)
+    return min(request.expected_output_tokens, per_horizon)
+
+
+def debit_for(
+    request: AdmissionRequest, node_id: str, settings: PolicySettings, itl_ms: float = 0.0
+) -> Credits:
+    """The credits one borrowed request takes from ``node_id`` (whose ITL is ``itl_ms``).
+
+    KV space is for the whole request (prompt and expected output); compute, output and
+    transfer are counted over the borrow horizon, in the lease's units."""
     remote_prefix = request.cached_prefix_tokens > 0 and request.cached_prefix_node_id != node_id
     return Credits(
         compute_tokens=request.uncached_prompt_tokens,
@@ -165,7 +186,7 @@ def debit_for(request: AdmissionRequest, node_id: str, settings: PolicySettings)
         kv_transfer_bytes=(
             request.cached_prefix_tokens * settings.kv_bytes_per_token if remote_prefix else 0
         ),
-        output_tokens=request.expected_output_tokens,
+        output_tokens=horizon_output_tokens(request, itl_ms, settings),
         slots=1,
     )
 
@@ -214,8 +235,11 @@ def check_node(
 ) -> NodeCheck:
     """Benefit and Safety on one node."""
     node_id = node.info.node_id
-    debit = debit_for(request, node_id, settings)
     stored = node.lease
+    itl_ms = 0.0
+    if stored is not None:
+        itl_ms = stored.lease.itl_ms or stored.lease.itl_slo_ms
+    debit = debit_for(request, node_id, settings, itl_ms)
     if node.info.cordoned:
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="cordoned", debit=debit)
     if stored is None:

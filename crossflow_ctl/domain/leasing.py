@@ -7,11 +7,11 @@ The arithmetic (B = running requests, C = sum of their contexts, ``t(b, c, P)`` 
 step time of :func:`crossflow_ctl.domain.capacity.step_time_s`, H = borrow horizon in seconds):
 
 * **budget** ``= itl_slo_ms / 1000 * slo_margin``: the longest step the node may run.
-* **compute**: a step that carries a borrowed prefill chunk of P uncached tokens takes
-  ``t(B, C, P)``, and every decode request waits for it, so P is feasible when
-  ``t(B, C, P) <= budget``. Among feasible chunk sizes on a fixed grid (multiples of
-  ``chunk_step_tokens`` up to ``max_chunk_tokens``) the agent picks the one with the highest
-  borrowed-prefill rate ``P / t(B, C, P)`` (tokens/s); attention is quadratic in P, so the
+* **compute**: a step that carries a borrowed prefill chunk of P uncached tokens over an assumed
+  cached prefix X (``borrowed_prefix_tokens``) takes ``t(B, C, P; X)``, and every decode request
+  waits for it, so P is feasible when ``t(B, C, P; X) <= budget``. Among feasible chunk sizes
+  on a fixed grid (multiples of ``chunk_step_tokens`` up to ``max_chunk_tokens``) the agent
+  picks the one with the highest borrowed-prefill rate ``P / t(B, C, P)`` (tokens/s); attention is quadratic in P, so the
   largest chunk is not always the fastest. ``compute_tokens = rate * H - outstanding`` where
   outstanding is borrowed prompt work already queued on the node.
   ``queue_wait_ms = outstanding / rate``.
@@ -80,6 +80,9 @@ class LeaseSettings(Frozen):
     kv_growth_tokens_per_request: Annotated[int, Field(ge=0, le=1_000_000)] = 256
     borrowed_context_tokens: Annotated[int, Field(gt=0, le=10_000_000)] = 4_096
     """Assumed context length of a borrowed request once it decodes on the node."""
+    borrowed_prefix_tokens: Annotated[int, Field(ge=0, le=10_000_000)] = 8_192
+    """Assumed cached prefix a borrowed prompt's chunk attends to. Chunk sizing ignoring it
+    under-predicts the step (the simulator saw 5-14k-token prefixes push ITL past the SLO)."""
     max_slots: Annotated[int, Field(gt=0, le=256)] = 8
     kv_transfer_share: Fraction = 1.0
     """Share of the node's network bandwidth borrowed requests may use for KV pulls."""
@@ -137,7 +140,7 @@ class CapacityBreakdown(Frozen):
             f" = {self.budget_s * 1e3:.2f} ms",
             f"decode step t(B={self.batch}, C={self.context_tokens}, P=0)"
             f" = {self.base_step_s * 1e3:.2f} ms -> {self.decode_throughput_tps:.0f} tok/s",
-            f"chunk P = {self.chunk_tokens} (best P/t(B,C,P) with t <= budget),"
+            f"chunk P = {self.chunk_tokens} (best P/t(B,C,P;X) with t <= budget),"
             f" t = {self.chunk_step_s * 1e3:.2f} ms"
             f" -> borrowed prefill rate {self.borrowed_prefill_rate_tps:.0f} tok/s",
             f"compute = rate x horizon {h:g} s - outstanding {self.outstanding_tokens}"
@@ -152,10 +155,16 @@ class CapacityBreakdown(Frozen):
         ]
 
 
-def _t(model: ModelSpec, node: NodeProfile, batch: int, context: int, chunk: int) -> float:
-    return step_time_s(
-        model, node, StepShape(batch=batch, context_tokens=context, prefill_tokens=chunk)
+def _t(
+    model: ModelSpec, node: NodeProfile, batch: int, context: int, chunk: int, prefix: int = 0
+) -> float:
+    shape = StepShape(
+        batch=batch,
+        context_tokens=context,
+        prefill_tokens=chunk,
+        prefix_tokens=prefix if chunk else 0,
     )
+    return step_time_s(model, node, shape)
 
 
 def _best_chunk(
@@ -166,7 +175,7 @@ def _best_chunk(
     budget = settings.budget_s
     step = settings.chunk_step_tokens
     for chunk in range(step, settings.max_chunk_tokens + 1, step):
-        t = _t(model, node, batch, context, chunk)
+        t = _t(model, node, batch, context, chunk, settings.borrowed_prefix_tokens)
         if t > budget:
             break  # step time rises with the chunk: no larger chunk fits either
         rate = chunk / t
