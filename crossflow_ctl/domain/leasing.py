@@ -11,10 +11,10 @@ step time of :func:`crossflow_ctl.domain.capacity.step_time_s`, H = borrow horiz
   cached prefix X (``borrowed_prefix_tokens``) takes ``t(B, C, P; X)``, and every decode request
   waits for it, so P is feasible when ``t(B, C, P; X) <= budget``. Among feasible chunk sizes
   on a fixed grid (multiples of ``chunk_step_tokens`` up to ``max_chunk_tokens``) the agent
-  picks the one with the highest borrowed-prefill rate ``P / t(B, C, P)`` (tokens/s); attention is quadratic in P, so the
-  largest chunk is not always the fastest. ``compute_tokens = rate * H - outstanding`` where
-  outstanding is borrowed prompt work already queued on the node.
-  ``queue_wait_ms = outstanding / rate``.
+  picks the one with the highest borrowed-prefill rate ``P / t`` (tokens/s); attention is
+  quadratic in P, so the largest chunk is not always the fastest.
+  ``compute_tokens = rate * H - outstanding`` where outstanding is borrowed prompt work already
+  queued on the node. ``queue_wait_ms = outstanding / rate``.
 * **kv**: ``free - reserve`` with ``free = total - used`` and
   ``reserve = kv_reserve_fraction * total + kv_growth_tokens_per_request * B`` (room kept for
   the running requests' next output tokens).
