@@ -20,7 +20,6 @@ import grpc
 import structlog
 
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
-from crossflow_ctl.broker import convert as c
 from crossflow_ctl.broker.service import Broker
 from crossflow_ctl.broker.servicers import status_for
 from crossflow_ctl.domain.errors import (
@@ -30,6 +29,7 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import NodeRole
+from crossflow_ctl.wire import convert as c
 
 log = structlog.get_logger()
 

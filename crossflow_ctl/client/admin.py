@@ -9,11 +9,11 @@ from typing import Any
 import grpc
 
 from crossflow_ctl.api.v1 import admin_pb2, admin_pb2_grpc
-from crossflow_ctl.broker import convert as c
 from crossflow_ctl.client.admission import _Base
 from crossflow_ctl.client.models import NodeDetailView, NodeEventView, NodeView
 from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.wire import convert as c
 
 
 def _node_view(msg: admin_pb2.NodeStatus) -> NodeView:

@@ -13,12 +13,12 @@ from typing import Any
 import grpc
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
-from crossflow_ctl.broker.convert_admission import admission_from_proto, admit_request_to_proto
 from crossflow_ctl.client.errors import error_from_rpc
 from crossflow_ctl.client.models import CommitResult
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
 from crossflow_ctl.domain.errors import InvalidArgument, StoreUnavailable
 from crossflow_ctl.domain.models import validated
+from crossflow_ctl.wire.convert_admission import admission_from_proto, admit_request_to_proto
 
 _RELEASE_OUTCOMES = {
     "finished": admission_pb2.RELEASE_OUTCOME_FINISHED,

@@ -4,8 +4,6 @@ and every mirrored value survives a round trip."""
 from __future__ import annotations
 
 from crossflow_ctl.api.v1 import admin_pb2, admission_pb2, common_pb2, lease_pb2
-from crossflow_ctl.broker import convert as c
-from crossflow_ctl.broker import convert_admission as ca
 from crossflow_ctl.domain.admission import (
     Admission,
     AdmissionRequest,
@@ -29,6 +27,8 @@ from crossflow_ctl.domain.models import (
     ZeroReason,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.wire import convert as c
+from crossflow_ctl.wire import convert_admission as ca
 
 NOW = 1_700_000_000_000
 CREDITS = Credits(compute_tokens=1, kv_tokens=2, kv_transfer_bytes=3, output_tokens=4, slots=5)

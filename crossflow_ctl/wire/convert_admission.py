@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 from crossflow_ctl.api.v1 import admission_pb2
-from crossflow_ctl.broker import convert as c
 from crossflow_ctl.domain.admission import (
     Admission,
     AdmissionRequest,
@@ -25,6 +24,7 @@ from crossflow_ctl.domain.admission import (
 )
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import MAX_TOKENS
+from crossflow_ctl.wire import convert as c
 
 
 def reason_to_proto(reason: Reason) -> int:
