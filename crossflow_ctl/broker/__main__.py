@@ -1,78 +1,81 @@
 """``crossflow-broker serve [--config FILE] [--listen ADDR] [--redis-url URL | --embedded-store]``.
 
-The entry point: the only place that configures structlog and installs signal handlers (which
+The entry point: the only place that configures logging and installs signal handlers (which
 only set the stop event). Prints ``listening on HOST:PORT`` once serving, so a supervisor or a
-test can read the bound port when ``--listen`` asks for port 0.
+test can read the bound port when ``--listen`` asks for port 0. A refused setting exits 2 (a
+usage error) naming the field.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import logging
+import json
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
-import structlog
+import click
 
 from crossflow_ctl.broker.config import BrokerSettings, load_settings
 from crossflow_ctl.broker.server import BrokerServer, make_store
 from crossflow_ctl.domain.errors import ConfigError
+from crossflow_ctl.observability import setup_logging
 
 
-def configure_logging(settings: BrokerSettings) -> None:
-    level = getattr(logging, settings.log_level.upper())
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if settings.log_json
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Crossflow broker: admission over the decode servers' leases."""
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="crossflow-broker")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run one broker replica")
-    serve.add_argument("--config", type=Path, help="YAML settings file")
-    serve.add_argument("--listen", help="host:port (port 0 picks a free one)")
-    store = serve.add_mutually_exclusive_group()
-    store.add_argument("--redis-url", help="shared Redis store")
-    store.add_argument(
-        "--embedded-store", action="store_true", help="in-process store (one replica only)"
-    )
-    serve.add_argument("--redis-namespace", help="key prefix in Redis")
-    sub.add_parser("schema", help="print the settings JSON schema")
-    return parser.parse_args(argv)
-
-
-def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+def overrides_from(
+    *, listen: str | None, redis_url: str | None, embedded_store: bool, redis_namespace: str | None
+) -> dict[str, Any]:
+    """The settings the flags given override (flags beat env, file and defaults)."""
+    if redis_url and embedded_store:
+        raise click.UsageError("--redis-url and --embedded-store are mutually exclusive")
     out: dict[str, Any] = {}
-    if args.listen:
-        out["listen"] = args.listen
-    if args.redis_url:
-        out["redis_url"] = args.redis_url
-    if args.embedded_store:
+    if listen:
+        out["listen"] = listen
+    if redis_url:
+        out["redis_url"] = redis_url
+    if embedded_store:
         out["redis_url"] = None
-    if args.redis_namespace:
-        out["redis_namespace"] = args.redis_namespace
+    if redis_namespace:
+        out["redis_namespace"] = redis_namespace
     return out
 
 
-async def serve(settings: BrokerSettings) -> None:
+@cli.command()
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="YAML settings file (below env CROSSFLOW_* and flags).",
+)
+@click.option("--listen", help="host:port (port 0 picks a free one).")
+@click.option("--redis-url", help="Shared Redis store.")
+@click.option("--embedded-store", is_flag=True, help="In-process store (one replica only).")
+@click.option("--redis-namespace", help="Key prefix in Redis.")
+def serve(config_file: Path | None, **flags: Any) -> None:
+    """Run one broker replica until SIGINT/SIGTERM."""
+    try:
+        settings = load_settings(config_file, overrides_from(**flags))
+    except ConfigError as exc:
+        raise click.UsageError(f"invalid configuration: {exc}") from None
+    setup_logging(json=settings.log_json, level=settings.log_level)
+    try:
+        asyncio.run(_serve(settings))
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@cli.command()
+def schema() -> None:
+    """Print the JSON schema of the broker's settings (for the Helm chart)."""
+    click.echo(json.dumps(BrokerSettings.model_json_schema(), indent=2))
+
+
+async def _serve(settings: BrokerSettings) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -80,31 +83,15 @@ async def serve(settings: BrokerSettings) -> None:
     server = BrokerServer(settings, make_store(settings))
     await server.start()
     host = settings.listen.rpartition(":")[0]
-    print(f"listening on {host}:{server.port}", flush=True)
+    click.echo(f"listening on {host}:{server.port}")
     try:
         await stop.wait()
     finally:
         await server.stop()
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.command == "schema":
-        import json
-
-        print(json.dumps(BrokerSettings.model_json_schema(), indent=2))
-        return
-    try:
-        settings = load_settings(args.config, overrides_from(args))
-    except ConfigError as exc:
-        print(f"crossflow-broker: invalid configuration: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    configure_logging(settings)
-    try:
-        asyncio.run(serve(settings))
-    except ConfigError as exc:
-        print(f"crossflow-broker: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+def main() -> None:
+    cli(prog_name="crossflow-broker")
 
 
 if __name__ == "__main__":

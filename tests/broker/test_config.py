@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-from crossflow_ctl.broker.__main__ import overrides_from, parse_args
+from crossflow_ctl.broker.__main__ import cli, overrides_from, serve
 from crossflow_ctl.broker.config import BrokerSettings, load_settings
 from crossflow_ctl.domain.errors import ConfigError
+
+
+def _flags(*argv: str) -> tuple[Path | None, dict[str, object]]:
+    """What ``crossflow-broker serve ARGV`` parses: the config file and the flag overrides."""
+    params = serve.make_context("serve", list(argv)).params
+    return params.pop("config_file"), overrides_from(**params)
 
 
 def test_sources_layer_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -19,13 +27,12 @@ def test_sources_layer_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     )
     monkeypatch.setenv("CROSSFLOW_POLICY__BORROW_SHARE", "0.4")
     monkeypatch.setenv("CROSSFLOW_REDIS_URL", "redis://env:6379/0")
-    args = parse_args(["serve", "--config", str(cfg), "--listen", "127.0.0.1:0"])
-    s = load_settings(args.config, overrides_from(args))
+    s = load_settings(*_flags("--config", str(cfg), "--listen", "127.0.0.1:0"))
     assert s.listen == "127.0.0.1:0"  # flag beats file
     assert s.redis_url == "redis://env:6379/0"  # env beats file
     assert s.policy.borrow_share == 0.4  # nested env beats nested file
     assert s.policy.demand_threshold_ms == 10  # file beats default, merged not replaced
-    embedded = load_settings(None, overrides_from(parse_args(["serve", "--embedded-store"])))
+    embedded = load_settings(*_flags("--embedded-store"))
     assert embedded.redis_url is None
 
 
@@ -66,3 +73,13 @@ def test_json_schema_for_helm() -> None:
     assert {"listen", "redis_url", "policy", "max_message_bytes"} <= set(schema["properties"])
     policy = schema["$defs"]["PolicySettings"]["properties"]
     assert policy["borrow_share"]["maximum"] == 1.0
+
+
+def test_cli_refuses_conflicting_flags_and_bad_settings_with_exit_2() -> None:
+    runner = CliRunner()
+    both = runner.invoke(cli, ["serve", "--redis-url", "redis://x:1/0", "--embedded-store"])
+    assert both.exit_code == 2 and "mutually exclusive" in both.output
+    bad = runner.invoke(cli, ["serve", "--listen", "nowhere"])
+    assert bad.exit_code == 2 and "listen" in bad.output and "invalid configuration" in bad.output
+    schema = runner.invoke(cli, ["schema"])
+    assert schema.exit_code == 0 and "redis_url" in json.loads(schema.output)["properties"]

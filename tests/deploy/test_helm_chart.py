@@ -376,13 +376,12 @@ def test_agent_configmap_loads_with_the_agent_settings(tmp_path: Path) -> None:
 
 @needs_helm
 def test_broker_command_is_what_the_broker_cli_accepts() -> None:
-    from crossflow_ctl.broker.__main__ import parse_args
+    from crossflow_ctl.broker.__main__ import cli
 
     [broker] = find(render(), "Deployment")["spec"]["template"]["spec"]["containers"]
-    assert broker["command"][0] == "crossflow-broker"
-    args = parse_args(broker["command"][1:])
-    assert args.command == "serve"
-    assert str(args.config) == "/etc/crossflow/broker.yaml"
+    assert broker["command"][:2] == ["crossflow-broker", "serve"]
+    ctx = cli.commands["serve"].make_context("serve", list(broker["command"][2:]))
+    assert str(ctx.params["config_file"]) == "/etc/crossflow/broker.yaml"
 
 
 @needs_helm
