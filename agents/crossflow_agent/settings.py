@@ -2,32 +2,26 @@
 
 Sources, lowest to highest priority: defaults, a YAML file (``--config FILE``), environment
 variables ``CROSSFLOW_AGENT_*`` (nested with ``__``, e.g. ``CROSSFLOW_AGENT_LEASE__ITL_SLO_MS=40``),
-then CLI flags. :func:`load_settings` validates once, at start, and raises
+then CLI flags (the layering is crossflow_ctl.settings_sources, shared with the broker).
+:func:`load_settings` validates once, at start, and raises
 :class:`~crossflow_ctl.domain.errors.ConfigError` naming the field at fault.
 ``AgentSettings.model_json_schema()`` (``crossflow-agent schema``) feeds the Helm chart.
 """
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    YamlConfigSettingsSource,
-)
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from crossflow_agent.sources.synthetic import EngineScript
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
-from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.domain.leasing import LeaseSettings
 from crossflow_ctl.domain.models import ID_PATTERN, MAX_ID_LEN, NodeRole
+from crossflow_ctl.settings_sources import LayeredSettings, load_layered
 
 
 class SourceKind(StrEnum):
@@ -44,7 +38,7 @@ def _host_port(value: str) -> str:
     return value
 
 
-class AgentSettings(BaseSettings):
+class AgentSettings(LayeredSettings):
     """Everything one node agent needs."""
 
     model_config = SettingsConfigDict(
@@ -134,25 +128,6 @@ class AgentSettings(BaseSettings):
     def ttl_ms(self) -> int:
         return self.period_ms * self.ttl_periods
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Highest first: init kwargs (CLI flags), environment, then the YAML file.
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = _config_file.get()
-        if path is not None:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
-        return tuple(sources)
-
-
-_config_file: ContextVar[Path | None] = ContextVar("crossflow_agent_config_file", default=None)
-
 
 def load_settings(
     config_file: Path | None = None, overrides: dict[str, Any] | None = None
@@ -161,19 +136,7 @@ def load_settings(
 
     Validated here, once: a bad value raises ConfigError naming the field.
     """
-    if config_file is not None and not config_file.is_file():
-        raise ConfigError(f"config file {config_file} does not exist", field="config")
-    token = _config_file.set(config_file)
-    try:
-        return AgentSettings(**(overrides or {}))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "settings"
-        raise ConfigError(f"invalid setting: {err['msg']}", field=field) from None
-    except (OSError, ValueError, yaml.YAMLError) as exc:  # an unreadable or malformed YAML file
-        raise ConfigError(f"cannot read config file {config_file}: {exc}", field="config") from None
-    finally:
-        _config_file.reset(token)
+    return load_layered(AgentSettings, config_file, overrides)
 
 
 def json_schema() -> dict[str, Any]:

@@ -2,29 +2,27 @@
 
 Sources, lowest to highest priority: defaults, a YAML file (``--config FILE``), environment
 variables ``CROSSFLOW_*`` (nested with ``__``, e.g. ``CROSSFLOW_POLICY__BORROW_SHARE=0.3``),
-then CLI flags. :func:`load_settings` validates once, at start, and raises
+then CLI flags (the layering is crossflow_ctl.settings_sources, shared with the agent).
+:func:`load_settings` validates once, at start, and raises
 :class:`~crossflow_ctl.domain.errors.ConfigError` naming the field at fault.
 ``BrokerSettings.model_json_schema()`` feeds the Helm chart's ``values.schema.json``.
 """
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import Field, ValidationError, field_validator
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import SettingsConfigDict
 
-from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.settings_sources import LayeredSettings, load_layered
 
 MiB = 1024 * 1024
 
 
-class BrokerSettings(BaseSettings):
+class BrokerSettings(LayeredSettings):
     """Everything one broker replica needs; the policy here is only the initial one."""
 
     model_config = SettingsConfigDict(
@@ -80,42 +78,6 @@ class BrokerSettings(BaseSettings):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://: {value!r}")
         return value
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Highest first: init kwargs (CLI flags), environment, then the YAML file.
-        return (init_settings, env_settings, _YamlSource(settings_cls))
-
-
-_config_file: ContextVar[Path | None] = ContextVar("crossflow_broker_config_file", default=None)
-
-
-class _YamlSource(PydanticBaseSettingsSource):
-    """The YAML file named by ``--config`` (set through :func:`load_settings`)."""
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False  # pragma: no cover - __call__ does the work
-
-    def __call__(self) -> dict[str, Any]:
-        path = _config_file.get()
-        if path is None:
-            return {}
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}", field="config") from None
-        if data is None:
-            return {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping", field="config")
-        return data
-
 
 def load_settings(
     config_file: Path | None = None, overrides: dict[str, Any] | None = None
@@ -124,12 +86,4 @@ def load_settings(
 
     Validated here, once: a bad value raises ConfigError naming the field.
     """
-    token = _config_file.set(config_file)
-    try:
-        return BrokerSettings(**(overrides or {}))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "settings"
-        raise ConfigError(f"invalid setting: {err['msg']}", field=field) from None
-    finally:
-        _config_file.reset(token)
+    return load_layered(BrokerSettings, config_file, overrides)

@@ -1,0 +1,92 @@
+"""Layered settings, one implementation for every process (CONVENTIONS.md, Config).
+
+Each process keeps its own pydantic-settings model (``BrokerSettings``, ``AgentSettings``) and
+subclasses :class:`LayeredSettings`, whose sources are, lowest to highest priority: defaults, a
+YAML file, the environment (the model's ``env_prefix``, nested with ``__``), then ``overrides``
+(the CLI flags). Nested mappings merge across sources. :func:`load_layered` validates once, at
+start, and raises :class:`~crossflow_ctl.domain.errors.ConfigError` naming the field at fault
+(``policy.borrow_share``), or ``config`` when the file cannot be read or holds no mapping.
+
+Usage::
+
+    class BrokerSettings(LayeredSettings):
+        model_config = SettingsConfigDict(env_prefix="CROSSFLOW_", env_nested_delimiter="__")
+        ...
+
+    settings = load_layered(BrokerSettings, Path("broker.yaml"), {"listen": "127.0.0.1:0"})
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
+from crossflow_ctl.domain.errors import ConfigError
+
+S = TypeVar("S", bound=BaseSettings)
+
+_config_file: ContextVar[Path | None] = ContextVar("crossflow_config_file", default=None)
+
+
+def _read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """The mapping a YAML settings file holds (an empty file holds none); ConfigError else."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}", field="config") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping", field="config")
+    return data
+
+
+class YamlFileSource(PydanticBaseSettingsSource):
+    """The YAML file :func:`load_layered` was given; nothing when settings are built directly."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # pragma: no cover - __call__ does the work
+
+    def __call__(self) -> dict[str, Any]:
+        path = _config_file.get()
+        return {} if path is None else _read_yaml_mapping(path)
+
+
+class LayeredSettings(BaseSettings):
+    """A process's settings model: defaults < YAML file < environment < init kwargs (flags)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Highest first: init kwargs (CLI flags), environment, then the YAML file.
+        return (init_settings, env_settings, YamlFileSource(settings_cls))
+
+
+def load_layered(
+    cls: type[S], config_file: Path | None = None, overrides: dict[str, Any] | None = None
+) -> S:
+    """Build ``cls`` from defaults < ``config_file`` < environment < ``overrides``, validated.
+
+    A refused value raises ConfigError naming the field (dotted for nested ones).
+    """
+    token = _config_file.set(config_file)
+    try:
+        return cls(**(overrides or {}))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "settings"
+        raise ConfigError(f"invalid setting: {err['msg']}", field=field) from None
+    finally:
+        _config_file.reset(token)

@@ -1,0 +1,66 @@
+"""The shared layering every process's settings use: defaults < YAML < env < overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+from pydantic import BaseModel, Field
+from pydantic_settings import SettingsConfigDict
+
+from crossflow_ctl.domain.errors import ConfigError
+from crossflow_ctl.settings_sources import LayeredSettings, load_layered
+
+
+class _Inner(BaseModel):
+    a_ms: Annotated[int, Field(ge=0)] = 1
+    b_ms: int = 2
+
+
+class _Settings(LayeredSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="CROSSFLOW_TEST_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    name: str = "default"
+    inner: _Inner = _Inner()
+
+
+def test_layers_in_priority_order_and_nested_values_merge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("name: file\ninner:\n  a_ms: 10\n  b_ms: 20\n")
+    assert load_layered(_Settings, cfg).name == "file"
+    monkeypatch.setenv("CROSSFLOW_TEST_INNER__A_MS", "30")
+    s = load_layered(_Settings, cfg, {"name": "flag"})
+    assert (s.name, s.inner.a_ms, s.inner.b_ms) == ("flag", 30, 20)
+    # The file applies only inside load_layered; settings built directly never see it.
+    assert _Settings().name == "default" and _Settings().inner.a_ms == 30
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("inner:\n  a_ms: -1\n", "inner.a_ms"),
+        ("colour: red\n", "colour"),
+        ("- a list\n", "config"),
+        ("name: [unclosed\n", "config"),
+    ],
+)
+def test_refusals_name_the_field(tmp_path: Path, text: str, field: str) -> None:
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_layered(_Settings, cfg)
+    assert err.value.field == field
+
+
+def test_missing_file_is_refused_and_an_empty_one_is_defaults(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_layered(_Settings, tmp_path / "missing.yaml")
+    assert err.value.field == "config" and "missing.yaml" in str(err.value)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_layered(_Settings, empty) == _Settings()
