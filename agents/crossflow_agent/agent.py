@@ -24,21 +24,44 @@ import structlog
 from crossflow_agent.settings import AgentSettings
 from crossflow_agent.sources.base import ScrapeError, TelemetrySource
 from crossflow_agent.stream import LeaseStream
-from crossflow_agent.wire import (
-    heartbeat_request,
-    hello_request,
-    lease_request,
-    pool_load_request,
-)
-from crossflow_ctl.api.v1 import lease_pb2
+from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile
 from crossflow_ctl.domain.clock import Clock, SystemClock
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseDecision, decide, pool_load
 from crossflow_ctl.domain.models import Credits, Lease, NodeRole, ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.observability import AgentMetrics
+from crossflow_ctl.wire.convert import lease_to_proto, pool_load_to_proto, role_to_proto
 
 log = structlog.get_logger()
+
+AGENT_VERSION = "crossflow-agent/0.1.0"
+
+
+def hello_request(
+    *,
+    node_id: str,
+    role: NodeRole,
+    epoch: int,
+    pool: str,
+    labels: dict[str, str],
+    last_notice_seq: int,
+) -> lease_pb2.ConnectRequest:
+    """The first message of every session (and of every resumed one)."""
+    hello = lease_pb2.Hello(
+        node_id=node_id,
+        role=common_pb2.NodeRole.ValueType(role_to_proto(role)),
+        epoch=epoch,
+        pool=pool,
+        labels=labels,
+        last_notice_seq=last_notice_seq,
+        agent_version=AGENT_VERSION,
+    )
+    return lease_pb2.ConnectRequest(hello=hello)
+
+
+def lease_request(lease: Lease) -> lease_pb2.ConnectRequest:
+    return lease_pb2.ConnectRequest(lease=lease_to_proto(lease))
 
 
 class Agent:
@@ -152,8 +175,9 @@ class Agent:
                 settings=s.lease,
             )
             if load is not None:
-                self.stream.send(pool_load_request(load))
-            self.stream.send(heartbeat_request(now_ms))
+                self.stream.send(lease_pb2.ConnectRequest(pool_load=pool_load_to_proto(load)))
+            heartbeat = lease_pb2.Heartbeat(sent_unix_ms=now_ms)
+            self.stream.send(lease_pb2.ConnectRequest(heartbeat=heartbeat))
             return None
         decision = decide(
             snapshot,

@@ -18,7 +18,7 @@ import grpc
 import httpx
 import pytest
 
-from crossflow_agent.wire import hello_request, lease_request
+from crossflow_agent.agent import hello_request, lease_request
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
 from crossflow_ctl.client.admin import AdminClient
 from crossflow_ctl.domain.models import Lease, NodeRole, ZeroReason
