@@ -16,6 +16,7 @@ from crossflow_ctl.broker.service import Broker
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseSettings, decide, pool_load
+from crossflow_ctl.domain.models import CREDIT_NAMES
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.sim.servers import DecodeServer, PrefillServer
 
@@ -47,6 +48,10 @@ class DecodeAgent:
         self.zero_leases = 0
         self.leases = 0
         self.zero_reasons: dict[str, int] = {}
+        self.credit_sums: dict[str, float] = dict.fromkeys(CREDIT_NAMES, 0.0)
+        """Sum of each credit over the non-zero leases (for the report's mean lease)."""
+        self.chunk_sum = 0
+        """Sum of the sized borrowed chunk over the non-zero leases."""
 
     def snapshot(self, t: float, now_ms: int) -> EngineSnapshot:
         s = self.server
@@ -102,6 +107,11 @@ class DecodeAgent:
             self.zero_leases += 1
             why = lease.zero_reason.value
             self.zero_reasons[why] = self.zero_reasons.get(why, 0) + 1
+        else:
+            for name, value in zip(CREDIT_NAMES, lease.credits.as_tuple(), strict=True):
+                self.credit_sums[name] += value
+            if decision.capacity is not None:
+                self.chunk_sum += decision.capacity.chunk_tokens
         await broker.ingest_lease(lease)
 
 

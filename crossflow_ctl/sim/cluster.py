@@ -356,6 +356,13 @@ class Simulation:
         )
         rec.capacity_s = end * (len(self.prefill) + len(self.decode))
         rec.borrow_kv_waits = sum(d.borrow_kv_waits for d in self.decode)
+        for agent in self.decode_agents if self.cfg.policy is PolicyKind.LEASES else ():
+            rec.leases += agent.leases
+            rec.lease_chunk_sum += agent.chunk_sum
+            for why, n in agent.zero_reasons.items():
+                rec.zero_reasons[why] = rec.zero_reasons.get(why, 0) + n
+            for name, v in agent.credit_sums.items():
+                rec.lease_credit_sums[name] = rec.lease_credit_sums.get(name, 0.0) + v
         for d in self.decode:
             for k, w in d.itl_hist.items():
                 rec.itl_hist[k] = rec.itl_hist.get(k, 0) + w

@@ -50,6 +50,14 @@ class RunRecord:
     admit_reasons: dict[str, int] = field(default_factory=dict)
     short_credits: dict[str, int] = field(default_factory=dict)
     """On NO_ROOM answers: how often each credit was short, over the candidate nodes."""
+    leases: int = 0
+    """Leases the decode agents published (zero or not)."""
+    zero_reasons: dict[str, int] = field(default_factory=dict)
+    """Zero leases by reason, over every decode agent."""
+    lease_credit_sums: dict[str, float] = field(default_factory=dict)
+    """Sum of each credit over the non-zero leases (divide by the count for the mean)."""
+    lease_chunk_sum: int = 0
+    """Sum of the agents' sized borrowed chunk over the non-zero leases."""
     windows: list[tuple[float, float, float, float]] = field(default_factory=list)
     """Per window: (start, R = uncached in / out, borrowed share, mean TTFT s)."""
     sim_events: int = 0

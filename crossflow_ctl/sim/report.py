@@ -72,6 +72,37 @@ def key_table(summaries: Sequence[Summary]) -> list[str]:
     return lines
 
 
+def _mean(sums: dict[str, float], name: str, count: int, digits: int = 0) -> str:
+    return _f(sums.get(name, 0.0) / count, digits) if count else "n/a"
+
+
+def lease_table(records: Sequence[RunRecord]) -> list[str]:
+    """Per leases run: the share of zero leases by reason, and the mean non-zero lease."""
+    lines = [
+        "| trace | load | config | leases | zero | zero reasons | mean non-zero lease: compute "
+        "/ output / kv tokens, slots, chunk |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if not r.leases:
+            continue
+        zero = sum(r.zero_reasons.values())
+        why = ", ".join(
+            f"{k} {v / r.leases * 100:.1f} %"
+            for k, v in sorted(r.zero_reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+        )
+        live = r.leases - zero
+        sums = r.lease_credit_sums
+        chunk = _f(r.lease_chunk_sum / live) if live else "n/a"
+        lines.append(
+            f"| {r.trace} | {r.scale:g}x | {r.label} | {r.leases:,} "
+            f"| {zero / r.leases * 100:.1f} % | {why or '-'} "
+            f"| {_mean(sums, 'compute_tokens', live)} / {_mean(sums, 'output_tokens', live)} "
+            f"/ {_mean(sums, 'kv_tokens', live)}, {_mean(sums, 'slots', live, 1)}, {chunk} |"
+        )
+    return lines
+
+
 DEFINITIONS = """\
 Definitions: TTFT is release to first token (the request joins a decode batch); ITL is per
 token (step times weighted by the batch), after the warm-up; throughput is tokens of measured
@@ -130,7 +161,7 @@ def write_report(
             short = ", ".join(f"{k} {v}" for k, v in sorted(r.short_credits.items()))
             extra = f" (short credits on candidate nodes: {short})" if short else ""
             lines.append(f"- {r.trace} {r.scale:g}x {r.label}: {parts}{extra}")
-        lines.append("")
+        lines += ["", "## Decode agents' leases (leases runs)", "", *lease_table(reasons), ""]
     if plots:
         lines += _plots(out_dir, records, summaries)
     path = out_dir / "report.md"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,37 @@ async def test_leases_on_the_redis_store(redis_url: str, redis_namespace: str) -
     assert rec.borrowed > 0
     assert rec.overcommits == 0
     assert rec.completed == 40
+
+
+async def test_record_counts_zero_leases_by_reason_and_the_mean_live_lease(
+    tmp_path: Path,
+) -> None:
+    """The report says why leases were zero and what a live lease offered on average."""
+    zero_cfg = LEASES.model_copy(update={"lease": LeaseSettings(itl_slo_ms=1.0)})
+    zero = await Simulation(_burst(60, 0.02), zero_cfg).run()
+    assert zero.leases > 0
+    assert sum(zero.zero_reasons.values()) == zero.leases
+    assert not any(zero.lease_credit_sums.values())
+
+    sim = Simulation(_burst(60, 0.02), LEASES)
+    live = await sim.run()
+    assert live.leases == sum(a.leases for a in sim.decode_agents)
+    assert live.zero_reasons == _merged(a.zero_reasons for a in sim.decode_agents)
+    live_leases = live.leases - sum(live.zero_reasons.values())
+    assert live_leases > 0
+    assert live.lease_credit_sums["compute_tokens"] > 0 and live.lease_chunk_sum > 0
+
+    text = write_report(tmp_path, [zero, live], LEASES, plots=False).read_text()
+    section = text.split("## Decode agents' leases", 1)[1]
+    rows = [line for line in section.splitlines() if line.startswith("| hand | 1x | 1P2D/leases")]
+    assert len(rows) == 2
+    assert f"| {zero.leases:,} | 100.0 % |" in rows[0]  # every lease of the first run was zero
+    assert "| 100.0 % |" not in rows[1]
+
+
+def _merged(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
