@@ -6,6 +6,7 @@ YAML file, the environment (the model's ``env_prefix``, nested with ``__``), the
 (the CLI flags). Nested mappings merge across sources. :func:`load_layered` validates once, at
 start, and raises :class:`~crossflow_ctl.domain.errors.ConfigError` naming the field at fault
 (``policy.borrow_share``), or ``config`` when the file cannot be read or holds no mapping.
+:func:`host_port` is the one check of the ``host:port`` addresses these models hold.
 
 Usage::
 
@@ -45,6 +46,18 @@ def _read_yaml_mapping(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping", field="config")
     return data
+
+
+def host_port(value: str, *, port_zero: bool = False) -> str:
+    """``value`` when it is ``host:port`` (port 0, "pick a free one", only where ``port_zero``).
+
+    For field validators: raises ValueError, which pydantic reports under the field's name.
+    """
+    host, sep, port = value.rpartition(":")
+    lowest = 0 if port_zero else 1
+    if not sep or not host or not port.isdigit() or not lowest <= int(port) <= 65535:
+        raise ValueError(f"must be host:port, got {value!r}")
+    return value
 
 
 class YamlFileSource(PydanticBaseSettingsSource):

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
 from crossflow_ctl.domain.errors import ConfigError
-from crossflow_ctl.settings_sources import LayeredSettings, load_layered
+from crossflow_ctl.settings_sources import LayeredSettings, host_port, load_layered
 
 
 class _Inner(BaseModel):
@@ -64,3 +64,25 @@ def test_missing_file_is_refused_and_an_empty_one_is_defaults(tmp_path: Path) ->
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert load_layered(_Settings, empty) == _Settings()
+
+
+@pytest.mark.parametrize(
+    ("value", "port_zero", "ok"),
+    [
+        ("127.0.0.1:50051", False, True),
+        ("broker.svc:1", False, True),
+        ("[::1]:7000", False, True),
+        ("127.0.0.1:0", False, False),
+        ("127.0.0.1:0", True, True),
+        ("127.0.0.1:65536", True, False),
+        ("nohost", True, False),
+        (":50051", True, False),
+        ("host:port", True, False),
+    ],
+)
+def test_host_port(value: str, port_zero: bool, ok: bool) -> None:
+    if ok:
+        assert host_port(value, port_zero=port_zero) == value
+    else:
+        with pytest.raises(ValueError, match="host:port"):
+            host_port(value, port_zero=port_zero)

@@ -21,7 +21,7 @@ from crossflow_agent.sources.synthetic import EngineScript
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.leasing import LeaseSettings
 from crossflow_ctl.domain.models import ID_PATTERN, MAX_ID_LEN, NodeRole
-from crossflow_ctl.settings_sources import LayeredSettings, load_layered
+from crossflow_ctl.settings_sources import LayeredSettings, host_port, load_layered
 
 
 class SourceKind(StrEnum):
@@ -29,13 +29,6 @@ class SourceKind(StrEnum):
     VLLM = "vllm"
     SYNTHETIC = "synthetic"
     """An in-process synthetic engine (no HTTP); see ``synthetic``."""
-
-
-def _host_port(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"must be host:port, got {value!r}")
-    return value
 
 
 class AgentSettings(LayeredSettings):
@@ -93,7 +86,7 @@ class AgentSettings(LayeredSettings):
     @field_validator("brokers")
     @classmethod
     def _brokers_host_port(cls, value: list[str]) -> list[str]:
-        return [_host_port(v) for v in value]
+        return [host_port(v) for v in value]
 
     @field_validator("metrics_url")
     @classmethod

@@ -17,7 +17,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from crossflow_ctl.domain.policy import PolicySettings
-from crossflow_ctl.settings_sources import LayeredSettings, load_layered
+from crossflow_ctl.settings_sources import LayeredSettings, host_port, load_layered
 
 MiB = 1024 * 1024
 
@@ -64,10 +64,7 @@ class BrokerSettings(LayeredSettings):
     @field_validator("listen")
     @classmethod
     def _listen_has_port(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError(f"listen must be host:port, got {value!r}")
-        return value
+        return host_port(value, port_zero=True)
 
     @field_validator("redis_url")
     @classmethod
