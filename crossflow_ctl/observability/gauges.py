@@ -26,14 +26,21 @@ ListNodes = Callable[[], Awaitable[Sequence[NodeState]]]
 class NodeGauges:
     """Pushes a node listing into the gauges and forgets nodes that disappeared."""
 
-    def __init__(self, metrics: BrokerMetrics, now_ms: Callable[[], int], share: float = 1.0):
+    def __init__(
+        self,
+        metrics: BrokerMetrics,
+        now_ms: Callable[[], int],
+        share: Callable[[], float] = lambda: 1.0,
+    ) -> None:
         self.metrics = metrics
         self.now_ms = now_ms
         self.share = share
+        """The live borrowing share (``lambda: broker.policy.borrow_share``)."""
         self._known: set[str] = set()
 
     def update(self, nodes: Sequence[NodeState]) -> None:
         now = self.now_ms()
+        share = self.share()
         open_reservations = 0
         borrowed_tokens = 0
         seen: set[str] = set()
@@ -43,7 +50,7 @@ class NodeGauges:
             if node.info.role is not NodeRole.DECODE:
                 continue
             seen.add(node.info.node_id)
-            self.metrics.set_node_credits(node.info.node_id, node.available(now, self.share))
+            self.metrics.set_node_credits(node.info.node_id, node.available(now, share))
         for gone in self._known - seen:
             self.metrics.forget_node(gone)
         self._known = seen
