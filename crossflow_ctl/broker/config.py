@@ -60,6 +60,8 @@ class BrokerSettings(LayeredSettings):
     """host:port of the replica's Prometheus /metrics endpoint (port 0 picks one); None: none."""
     otlp_endpoint: str | None = None
     """OTLP/gRPC endpoint for traces (needs opentelemetry-exporter-otlp-proto-grpc); None: none."""
+    metrics_refresh_ms: Annotated[int, Field(ge=50, le=300_000)] = 5_000
+    """How often the state gauges (open reservations, node credit) are re-read from the store."""
 
     @field_validator("listen")
     @classmethod
