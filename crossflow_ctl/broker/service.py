@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -45,6 +46,7 @@ from crossflow_ctl.domain.models import (
     StoredLease,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.observability import BrokerMetrics, annotate_decision
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
@@ -100,11 +102,19 @@ class Broker:
     """One replica's view of the control plane; all shared state lives in the store."""
 
     def __init__(
-        self, store: Store, clock: Clock, settings: BrokerSettings, broker_id: str = ""
+        self,
+        store: Store,
+        clock: Clock,
+        settings: BrokerSettings,
+        broker_id: str = "",
+        metrics: BrokerMetrics | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.settings = settings
+        self.metrics = metrics or BrokerMetrics.noop()
+        self._zero_reasons: dict[str, str] = {}
+        """Last zero-lease reason per node ("" once it lends again), for state-change logs."""
         self.broker_id = broker_id or settings.broker_id or "broker"
         self._policy = settings.policy
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
@@ -153,7 +163,24 @@ class Broker:
 
     # -- admission -------------------------------------------------------------------------------
     async def admit(self, request: AdmissionRequest) -> Admission:
-        """Always answers; NORMAL with a reason on any doubt (§5.6)."""
+        """Always answers; NORMAL with a reason on any doubt (§5.6). Counted, timed, logged."""
+        started = time.perf_counter()
+        answer = await self._decide(request)
+        shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
+        self.metrics.record_admission(
+            answer.decision, answer.reason, time.perf_counter() - started, shadow_decision=shadow
+        )
+        annotate_decision(answer.decision, answer.reason, answer.node_id)
+        log.debug(
+            "admit.decided",
+            request_id=request.request_id,
+            decision=answer.decision.value,
+            reason=answer.reason.value,
+            node_id=answer.node_id,
+        )
+        return answer
+
+    async def _decide(self, request: AdmissionRequest) -> Admission:
         policy = self._policy
         with structlog.contextvars.bound_contextvars(request_id=request.request_id):
             if not policy.enabled:
@@ -175,8 +202,11 @@ class Broker:
 
     async def _admit(self, request: AdmissionRequest, policy: PolicySettings) -> Admission:
         now = self.clock.now_ms()
-        pool, nodes = await self.store.admission_view(
-            request.pool, request.candidate_node_ids, policy.candidate_sample, now
+        pool, nodes = await self._timed(
+            "admission_view",
+            self.store.admission_view(
+                request.pool, request.candidate_node_ids, policy.candidate_sample, now
+            ),
         )
         plan = plan_admission(request, pool, nodes, policy, now)
         if policy.shadow_mode:
@@ -213,13 +243,16 @@ class Broker:
         refusals: list[str] = []
         normal_ms = plan.normal_path.total_ms if plan.normal_path else 0.0
         for check in plan.ranked[:MAX_DEBIT_TRIES]:
-            outcome = await self.store.try_debit(
-                check.node_id,
-                check.debit,
-                policy.borrow_share,
-                now,
-                policy.hold_ttl_ms,
-                request.request_id,
+            outcome = await self._timed(
+                "debit",
+                self.store.try_debit(
+                    check.node_id,
+                    check.debit,
+                    policy.borrow_share,
+                    now,
+                    policy.hold_ttl_ms,
+                    request.request_id,
+                ),
             )
             if outcome.granted and outcome.reservation is not None:
                 res = outcome.reservation
@@ -279,7 +312,20 @@ class Broker:
                 stored_version=outcome.stored_version,
                 field="lease.version",
             )
+        self._note_zero(lease)
         return outcome
+
+    def _note_zero(self, lease: Lease) -> None:
+        """Log (info) when a node's lease turns zero, changes zero reason, or lends again."""
+        reason = lease.zero_reason.value if lease.zero_reason is not None else ""
+        before = self._zero_reasons.get(lease.node_id, "")
+        if reason == before:
+            return
+        self._zero_reasons[lease.node_id] = reason
+        if reason:
+            log.info("lease.zeroed", node_id=lease.node_id, reason=reason, detail=lease.zero_detail)
+        else:
+            log.info("lease.lending", node_id=lease.node_id, was=before)
 
     async def ingest_pool_load(self, load: PoolLoad) -> None:
         await self._admin_call(
@@ -341,11 +387,22 @@ class Broker:
         return await self._admin_call(self.store.get_node(node_id, now))
 
     # -- helpers ---------------------------------------------------------------------------------
+    async def _timed(self, operation: str, call: Awaitable[T]) -> T:
+        """A store call with its latency (and failure) recorded under ``operation``."""
+        started = time.perf_counter()
+        try:
+            result = await call
+        except BaseException:
+            self.metrics.record_store_operation(operation, time.perf_counter() - started, ok=False)
+            raise
+        self.metrics.record_store_operation(operation, time.perf_counter() - started)
+        return result
+
     async def _admin_call(self, call: Awaitable[T]) -> T:
         """A store call bounded by ``admin_timeout_ms``; StoreUnavailable when it overruns."""
         try:
             async with asyncio.timeout(self.settings.admin_timeout_ms / 1000.0):
-                return await call
+                return await self._timed("admin", call)
         except TimeoutError:
             raise StoreUnavailable(
                 f"store did not answer within {self.settings.admin_timeout_ms} ms"
