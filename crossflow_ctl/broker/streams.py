@@ -29,6 +29,7 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import NodeRole
+from crossflow_ctl.observability import span
 from crossflow_ctl.wire import convert as c
 
 log = structlog.get_logger()
@@ -118,6 +119,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         )
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._registry.add(queue)
+        self._broker.metrics.stream_opened()
         after = min(hello.last_notice_seq, info.notice_seq)
         with structlog.contextvars.bound_contextvars(node_id=node_id):
             log.info("stream.open", epoch=hello.epoch, resume_after=after)
@@ -138,6 +140,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
                 self._registry.discard(queue)
+                self._broker.metrics.stream_closed()
                 log.info("stream.closed")
 
     async def _read(
@@ -150,7 +153,8 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             async for req in requests:
                 body = req.WhichOneof("body")
                 if body == "lease":
-                    queue.put_nowait(await self._ack(req.lease, node_id))
+                    with span("crossflow.lease_batch", {"crossflow.node_id": node_id}):
+                        queue.put_nowait(await self._ack(req.lease, node_id))
                 elif body == "pool_load":
                     await self._pool_load(req.pool_load, node_id)
                 elif body == "heartbeat":
@@ -180,15 +184,18 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                     field="lease.node_id",
                 )
             outcome = await self._broker.ingest_lease(lease)
+            self._broker.metrics.record_lease("accepted", lease.zero_reason)
             ack.result = lease_pb2.LEASE_RESULT_ACCEPTED
             ack.stored_epoch, ack.stored_version = outcome.stored_epoch, outcome.stored_version
         except StaleLease as exc:
+            self._broker.metrics.record_lease("stale")
             ack.result = lease_pb2.LEASE_RESULT_STALE
             ack.stored_epoch, ack.stored_version = exc.stored_epoch, exc.stored_version
             ack.message = str(exc)
         except StoreUnavailable:
             raise
         except CrossflowError as exc:
+            self._broker.metrics.record_lease("invalid")
             ack.result = lease_pb2.LEASE_RESULT_INVALID
             ack.message = str(exc)
             log.warning("lease.invalid", error=str(exc))
