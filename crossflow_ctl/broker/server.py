@@ -34,6 +34,8 @@ from crossflow_ctl.broker.servicers.admission import AdmissionServicer
 from crossflow_ctl.broker.streams import LeaseStreamServicer, StreamRegistry
 from crossflow_ctl.domain.clock import Clock, SystemClock
 from crossflow_ctl.domain.errors import ConfigError, CrossflowError
+from crossflow_ctl.observability import BrokerMetrics, TracingInterceptor
+from crossflow_ctl.observability.gauges import NodeGauges, poll_node_gauges
 from crossflow_ctl.store.base import Store
 
 log = structlog.get_logger()
@@ -87,17 +89,25 @@ def make_store(settings: BrokerSettings) -> Store:
 class BrokerServer:
     """One broker replica: ``await start()``, then ``await stop()`` (or ``serve(stop_event)``)."""
 
-    def __init__(self, settings: BrokerSettings, store: Store, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        store: Store,
+        clock: Clock | None = None,
+        metrics: BrokerMetrics | None = None,
+    ) -> None:
         self.settings = settings
         self.store = store
         broker_id = settings.broker_id or f"{socket.gethostname()}:{os.getpid()}"
-        self.broker = Broker(store, clock or SystemClock(), settings, broker_id)
+        self._metrics_enabled = metrics is not None
+        self.broker = Broker(store, clock or SystemClock(), settings, broker_id, metrics)
         self.streams = StreamRegistry()
         self.supervisor = Supervisor()
         self.health = health.aio.HealthServicer()
         self._stop_policy = asyncio.Event()
         limit = settings.max_message_bytes
         self._server = grpc.aio.server(
+            interceptors=[TracingInterceptor()],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -107,7 +117,7 @@ class BrokerServer:
                 ("grpc.keepalive_timeout_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ]
+            ],
         )
         self.port = 0
 
@@ -141,6 +151,16 @@ class BrokerServer:
         self.supervisor.spawn(
             "policy-refresh", self.broker.refresh_policy_forever(self._stop_policy)
         )
+        if self._metrics_enabled:
+            broker = self.broker
+            gauges = NodeGauges(
+                broker.metrics, broker.clock.now_ms, lambda: broker.policy.borrow_share
+            )
+            interval_s = self.settings.metrics_refresh_ms / 1000.0
+            self.supervisor.spawn(
+                "metrics-gauges",
+                poll_node_gauges(gauges, broker.list_nodes, interval_s, self._stop_policy),
+            )
         log.info("broker.started", listen=self.settings.listen, port=self.port)
         return self.port
 
