@@ -19,7 +19,13 @@ import click
 from crossflow_ctl.broker.config import BrokerSettings, load_settings
 from crossflow_ctl.broker.server import BrokerServer, make_store
 from crossflow_ctl.domain.errors import ConfigError
-from crossflow_ctl.observability import setup_logging
+from crossflow_ctl.observability import (
+    BrokerMetrics,
+    parse_listen,
+    setup_logging,
+    setup_metrics,
+    setup_tracing,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -80,14 +86,26 @@ async def _serve(settings: BrokerSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = BrokerServer(settings, make_store(settings))
-    await server.start()
-    host = settings.listen.rpartition(":")[0]
-    click.echo(f"listening on {host}:{server.port}")
+    tracer = setup_tracing(settings.otlp_endpoint, service_name="crossflow-broker")
+    endpoint = None
+    if settings.metrics_listen:
+        host, port = parse_listen(settings.metrics_listen)
+        endpoint = await setup_metrics(host, port, service_name="crossflow-broker")
     try:
-        await stop.wait()
+        metrics = BrokerMetrics(endpoint.meter_provider) if endpoint else None
+        server = BrokerServer(settings, make_store(settings), metrics=metrics)
+        await server.start()
+        host = settings.listen.rpartition(":")[0]
+        click.echo(f"listening on {host}:{server.port}")
+        try:
+            await stop.wait()
+        finally:
+            await server.stop()
     finally:
-        await server.stop()
+        if endpoint is not None:
+            await endpoint.close()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.shutdown)  # flushes the last spans
 
 
 def main() -> None:
