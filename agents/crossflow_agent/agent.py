@@ -24,6 +24,7 @@ import structlog
 from crossflow_agent.settings import AgentSettings
 from crossflow_agent.sources.base import ScrapeError, TelemetrySource
 from crossflow_agent.stream import LeaseStream
+from crossflow_ctl.aio import wait_any
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile
 from crossflow_ctl.domain.clock import Clock, SystemClock
@@ -225,7 +226,7 @@ class Agent:
                 now = time.monotonic()
                 if next_at < now:  # late: skip the missed ticks
                     next_at = now + period_s
-                await _wait_any(stop, self._wake, timeout_s=next_at - time.monotonic())
+                await wait_any(stop, self._wake, timeout_s=next_at - time.monotonic())
         finally:
             await self._shutdown(stream_task)
 
@@ -258,17 +259,3 @@ class Agent:
         with contextlib.suppress(asyncio.CancelledError):
             await stream_task
         log.info("agent.stopped", final_lease_acked=acked)
-
-
-async def _wait_any(a: asyncio.Event, b: asyncio.Event, *, timeout_s: float) -> None:
-    if timeout_s <= 0 or a.is_set() or b.is_set():
-        return
-    waiters = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
-    try:
-        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
-        for w in waiters:
-            with contextlib.suppress(asyncio.CancelledError):
-                await w

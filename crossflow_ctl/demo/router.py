@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import structlog
 
+from crossflow_ctl.aio import wait_any
 from crossflow_ctl.client import AdmissionClient
 from crossflow_ctl.demo.model import ClusterModel, ModelParams, Release, first_releases
 from crossflow_ctl.demo.trace import Trace, Turn
@@ -106,13 +107,13 @@ class Router:
             while not stop.is_set() and not self.done:
                 if not self._heap:
                     self._wake.clear()
-                    await _wait_any(stop, self._wake, timeout_s=0.5)
+                    await wait_any(stop, self._wake, timeout_s=0.5)
                     continue
                 at_s, _, rel = self._heap[0]
                 delay = at_s - self.now_s()
                 if delay > 0:
                     self._wake.clear()
-                    await _wait_any(stop, self._wake, timeout_s=min(delay, 0.5))
+                    await wait_any(stop, self._wake, timeout_s=min(delay, 0.5))
                     continue
                 heapq.heappop(self._heap)
                 self._spawn(self._handle(rel))
@@ -238,15 +239,3 @@ class Router:
         delay = at_s - self.now_s()
         if delay > 0:
             await asyncio.sleep(delay)
-
-
-async def _wait_any(stop: asyncio.Event, wake: asyncio.Event, timeout_s: float) -> None:
-    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(wake.wait())]
-    try:
-        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
-        for w in waiters:
-            with contextlib.suppress(asyncio.CancelledError):
-                await w
