@@ -73,11 +73,18 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
+def present(samples: Samples, name: str, **labels: str) -> bool:
+    want = set(labels.items())
+    return any(n == name and want <= ls for n, ls in samples)
+
+
 async def wait_scrape(url: str, name: str, minimum: float, **labels: str) -> Samples:
+    """Scrape until the series exists with at least ``minimum`` (the caller then asserts)."""
     deadline = time.monotonic() + WAIT_S
     while True:
         samples = await scrape(url)
-        if total(samples, name, **labels) >= minimum or time.monotonic() > deadline:
+        ready = present(samples, name, **labels) and total(samples, name, **labels) >= minimum
+        if ready or time.monotonic() > deadline:
             return samples
         await asyncio.sleep(0.1)
 
@@ -144,9 +151,8 @@ async def test_metrics_and_trace_ids_end_to_end(
 
     # The agents' streams are up and the decode node's lease reached the broker and its gauges.
     await wait_scrape(broker_url, "crossflow_broker_leases_received_total", 2, result="accepted")
-    samples = await wait_scrape(
-        broker_url, "crossflow_broker_node_available_credits", 0, node="e2e-decode-0"
-    )
+    await wait_scrape(broker_url, "crossflow_broker_stream_connections", 2)
+    await wait_scrape(broker_url, "crossflow_broker_node_available_credits", 0, node="e2e-decode-0")
 
     async with grpc.aio.insecure_channel(broker.address) as channel:
         stub = admission_pb2_grpc.AdmissionServiceStub(channel)
@@ -192,6 +198,7 @@ async def test_metrics_and_trace_ids_end_to_end(
     a = await wait_scrape(decode_url, "crossflow_agent_leases_sent_total", 2)
     assert total(a, "crossflow_agent_leases_sent_total") >= 2
     for url in agent_urls:
+        await wait_scrape(url, "crossflow_agent_stream_connected", 1)
         a = await wait_scrape(url, "crossflow_agent_scrape_duration_seconds_count", 2)
         assert total(a, "crossflow_agent_scrape_duration_seconds_count") >= 2
         assert total(a, "crossflow_agent_scrape_failures_total") == 0
