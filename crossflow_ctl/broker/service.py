@@ -46,7 +46,7 @@ from crossflow_ctl.domain.models import (
     StoredLease,
 )
 from crossflow_ctl.domain.policy import PolicySettings
-from crossflow_ctl.observability import BrokerMetrics, annotate_decision
+from crossflow_ctl.observability import BrokerMetrics, annotate_decision, annotate_node
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
@@ -279,14 +279,19 @@ class Broker:
 
     async def commit(self, reservation_id: str) -> Reservation:
         check_reservation_id(reservation_id)
-        return await self._admin_call(
+        res = await self._admin_call(
             self.store.commit(reservation_id, self.clock.now_ms(), self._policy.commit_ttl_ms)
         )
+        self.metrics.record_reservation_event("commit")
+        annotate_node(res.node_id)
+        return res
 
     async def release(self, reservation_id: str, outcome: str = "") -> Reservation:
         check_reservation_id(reservation_id)
         res = await self._admin_call(self.store.release(reservation_id, self.clock.now_ms()))
         log.debug("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
+        self.metrics.record_reservation_event("release")
+        annotate_node(res.node_id)
         return res
 
     # -- agents ----------------------------------------------------------------------------------
