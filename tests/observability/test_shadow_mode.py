@@ -113,6 +113,12 @@ async def test_shadow_mode_records_decisions_answers_normal_and_debits_nothing(
             assert value(s, "crossflow_broker_shadow_decisions_total", decision="borrow") == 3
             assert value(s, "crossflow_broker_open_reservations") == 1
             assert value(s, "crossflow_broker_borrowed_tokens") == 1_000
+            await client.commit(live.reservation_id)
+            await client.release(live.reservation_id)
+            s = await scrape(endpoint)
+            events = "crossflow_broker_reservation_events_total"
+            assert value(s, events, event="commit") == 1
+            assert value(s, events, event="release") == 1
     finally:
         await decode.close()
         await prefill.close()
