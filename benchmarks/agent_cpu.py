@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from crossflow_agent.agent import lease_request
 from crossflow_agent.sources.http import PrometheusSource
 from crossflow_agent.sources.sglang import SGLangReader
-from crossflow_agent.wire import lease_request
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.clock import SystemClock
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseSettings, decide
