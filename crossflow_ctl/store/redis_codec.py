@@ -8,8 +8,8 @@ Responses may be ``bytes`` or ``str`` depending on the client's ``decode_respons
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 from crossflow_ctl.domain.models import (
     Credits,
@@ -26,6 +26,8 @@ from crossflow_ctl.domain.models import (
 from crossflow_ctl.store.base import NodeEvent
 
 Raw = bytes | str
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 VIEW_INFO_FIELDS = ("role", "pool", "labels", "cordoned", "cordon_reason", "seq")
 """The info fields ``node_view.lua`` returns, in order."""
 
@@ -69,16 +71,62 @@ def reservation_from(reservation_id: str, node_id: str, record: Raw) -> Reservat
     )
 
 
+class Memo(Generic[K, V]):
+    """A bounded map from a stored form to its parsed (frozen) value.
+
+    A node's info and lease change once per agent period while admission reads them on every
+    request; parsing and validating them again each time was most of a view's cost. Values are
+    frozen models, so sharing one between callers is safe; when full the map starts over."""
+
+    def __init__(self, build: Callable[[K], V], capacity: int = 4096) -> None:
+        self._build = build
+        self._capacity = capacity
+        self._items: dict[K, V] = {}
+
+    def __call__(self, key: K) -> V:
+        value = self._items.get(key)
+        if value is None:
+            if len(self._items) >= self._capacity:
+                self._items.clear()
+            value = self._items[key] = self._build(key)
+        return value
+
+
+def _stored_lease(raw: Raw) -> StoredLease:
+    return StoredLease.model_validate_json(raw)
+
+
+def _view_info(key: tuple[Raw, ...]) -> NodeInfo:
+    node_id, *fields = map(text, key)
+    return info_from(node_id, dict(zip(VIEW_INFO_FIELDS, fields, strict=True)))
+
+
+stored_lease_from_json: Memo[Raw, StoredLease] = Memo(_stored_lease)
+"""A stored lease's JSON (as ``upsert_lease`` wrote it) parsed once per distinct lease."""
+_view_info_memo: Memo[tuple[Raw, ...], NodeInfo] = Memo(_view_info)
+
+
 def node_state_from_view(node_id: str, raw: Sequence[Any]) -> NodeState | None:
-    """A ``node_view.lua`` reply as a NodeState; None for an unknown node (empty reply)."""
+    """A ``node_view.lua`` reply as a NodeState; None for an unknown node (empty reply).
+
+    Info and lease are parsed once per distinct stored form (:class:`Memo`); the open debits
+    are counts the script computed from validated debits, so they are built without
+    re-validation (``int`` reads the script's decimal replies, bytes or str, directly)."""
     if not raw:
         return None
-    lease_json = text(raw[1])
-    return NodeState(
-        info=info_from(node_id, dict(zip(VIEW_INFO_FIELDS, map(text, raw[0]), strict=True))),
-        lease=StoredLease.model_validate_json(lease_json) if lease_json else None,
-        open_debits=Credits.from_tuple([int(text(v)) for v in raw[2:7]]),
-        open_reservations=int(text(raw[7])),
+    lease_json = raw[1]
+    open_debits = Credits.model_construct(
+        compute_tokens=max(0, int(raw[2])),
+        kv_tokens=max(0, int(raw[3])),
+        kv_transfer_bytes=max(0, int(raw[4])),
+        output_tokens=max(0, int(raw[5])),
+        slots=max(0, int(raw[6])),
+    )
+    return NodeState.model_construct(
+        info=_view_info_memo((node_id, *raw[0])),
+        lease=stored_lease_from_json(lease_json) if lease_json else None,
+        open_debits=open_debits,
+        open_reservations=int(raw[7]),
     )
 
 

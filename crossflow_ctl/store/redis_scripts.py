@@ -41,8 +41,17 @@ class Scripts:
         }
 
     async def run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """One EVALSHA round trip (two, once, after NOSCRIPT)."""
-        return await self.by_name[name](keys=list(keys), args=list(args))
+        """One EVALSHA round trip (two, once, after NOSCRIPT).
+
+        Sent as a plain EVALSHA (``AsyncScript.__call__`` adds a pipeline check and argument
+        copies to every call on the admission path). A NOSCRIPT reply means nothing ran, so
+        loading the script and sending again is safe."""
+        script = self.by_name[name]
+        try:
+            return await self._r.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            script.sha = await self._r.script_load(script.script)
+            return await self._r.evalsha(script.sha, len(keys), *keys, *args)
 
     async def queue(
         self, name: str, keys: Sequence[str], args: Sequence[Any], pipe: Pipeline
@@ -61,6 +70,8 @@ class Scripts:
         EVALSHA goes straight into the pipeline (redis-py would add a SCRIPT EXISTS round trip
         for pipelined Script objects); on NOSCRIPT the script is loaded and the read retried."""
         script = self.by_name["node_view"]
+        if not before and len(node_keys) == 1:  # one node: a plain EVALSHA, no pipeline
+            return [await self.run("node_view", node_keys[0], (now_ms,))]
         for attempt in range(2):
             pipe = self._r.pipeline(transaction=False)
             for command in before:

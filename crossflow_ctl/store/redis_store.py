@@ -12,10 +12,13 @@ no MULTI spans slots (pipelines are non-transactional). The cluster-wide
 borrowing limit is the ``share`` factor applied inside each node's own check (see
 ``PolicySettings.borrow_share``), so it needs no cross-slot operation.
 
-Round trips: ``try_debit``, ``commit``, ``release`` one each; ``admission_view`` one with
-candidates (pool reports + a read-only ``node_view`` script per node, pipelined), two without
-(sample the lender index, then read), flat in fleet size; lease upsert
-and cordon two (the script, then the lender index, which is only a sampling hint).
+Round trips: ``try_debit``, ``commit``, ``release`` one each; ``admission_view`` one (the
+read-only ``node_view`` script per candidate, pipelined; a plain EVALSHA for one node), with the
+pool's reports and a draw from the lender index reused for up to ``cache_max_age_ms`` by each
+replica (:mod:`crossflow_ctl.store.redis_cache`: fails closed when stale, never caches absence);
+on a cache miss the pool's reports join the same pipeline and a lender draw costs one more trip.
+Flat in fleet size. Lease upsert and cordon two (the script, then the lender index, which is
+only a sampling hint).
 """
 
 from __future__ import annotations
@@ -67,9 +70,15 @@ from crossflow_ctl.store.keys import (
     new_reservation_id,
     node_of_reservation,
 )
+from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
 from crossflow_ctl.store.redis_scripts import Scripts
 
 log = structlog.get_logger()
+
+DEFAULT_CACHE_MAX_AGE_MS = 50
+"""A quarter of the agents' default 200 ms period: the staleness a cached pool read adds."""
+LENDER_DRAW = 64
+"""Lenders drawn from the index per refresh; each admission samples its candidates among them."""
 
 
 class RedisStore(Store):
@@ -78,7 +87,11 @@ class RedisStore(Store):
     A URL gets socket timeouts of ``socket_timeout_s`` and no client-side retries; a supplied
     client keeps its own settings (give it timeouts, and no retry on timeout, for the same
     guarantees). The key layout and scripts are slot-safe for Redis Cluster (module docstring);
-    running with a cluster client (``redis.asyncio.RedisCluster``) is not yet wired or tested."""
+    running with a cluster client (``redis.asyncio.RedisCluster``) is not yet wired or tested.
+
+    ``cache_max_age_ms`` bounds how long this replica reuses a pool's load reports and a draw
+    from the lender index on the admission path (:mod:`crossflow_ctl.store.redis_cache`; 0
+    turns both caches off)."""
 
     def __init__(
         self,
@@ -87,6 +100,7 @@ class RedisStore(Store):
         *,
         socket_timeout_s: float = 1.0,
         op_timeout_s: float = 3.0,
+        cache_max_age_ms: int = DEFAULT_CACHE_MAX_AGE_MS,
     ) -> None:
         if isinstance(client, str):
             client = Redis.from_url(
@@ -105,6 +119,8 @@ class RedisStore(Store):
         self._op_timeout_s = op_timeout_s
         self._block_chunk_ms = max(1, int(socket_timeout_s * 250))  # 3/4 of the timeout as slack
         self._scripts = Scripts(client)
+        self._pools = PoolCache(cache_max_age_ms)
+        self._lenders = LenderSample(cache_max_age_ms)
 
     @contextlib.asynccontextmanager
     async def _backend(self, what: str, extra_s: float = 0.0) -> AsyncIterator[None]:
@@ -121,6 +137,7 @@ class RedisStore(Store):
         The index only steers sampling (admission re-checks the node's real state, and entries
         leave by score once their lease expires), so a failure here must not turn a change
         that is already stored into an error for the caller."""
+        self._lenders.drop()
         try:
             async with asyncio.timeout(self._op_timeout_s):
                 if lease_expires_ms is None:
@@ -220,22 +237,35 @@ class RedisStore(Store):
             await self._scripts.queue("put_pool_load", keys, args, pipe)
             pipe.sadd(self._k.pools, load.pool)
             await pipe.execute()
+        self._pools.drop(load.pool)
 
     # -- admission --------------------------------------------------------------------------
     async def admission_view(
         self, pool: str, node_ids: Sequence[str], sample: int, now_ms: int
     ) -> tuple[PoolSnapshot | None, list[NodeState]]:
         ids = [n for n in dict.fromkeys(node_ids) if is_node_id(n)]
+        snapshot = self._pools.get(pool, now_ms)
         async with self._backend("admission_view"):
             if not node_ids and sample > 0:
-                pipe = self._r.pipeline(transaction=False)
-                pipe.zremrangebyscore(self._k.lenders, "-inf", now_ms)
-                pipe.zrandmember(self._k.lenders, sample)
-                ids = [codec.text(n) for n in (await pipe.execute())[1] or []]
-            reports, states = await self._views(ids, now_ms, pool)
-        live = codec.live_pool_loads(reports, now_ms)
-        snapshot = PoolSnapshot(pool=pool, reports=tuple(s.load for s in live)) if live else None
+                picked = self._lenders.pick(sample, now_ms)
+                ids = picked if picked is not None else await self._draw_lenders(sample, now_ms)
+            if snapshot is not None and not ids:
+                return snapshot, []
+            reports, states = await self._views(ids, now_ms, None if snapshot else pool)
+        if snapshot is None:
+            snapshot = self._pools.put(pool, codec.live_pool_loads(reports, now_ms), now_ms)
         return snapshot, states
+
+    async def _draw_lenders(self, sample: int, now_ms: int) -> list[str]:
+        """Drop expired lenders and draw up to LENDER_DRAW of them (one round trip), keep the
+        draw for the next requests, and pick ``sample`` of the live ones."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.zremrangebyscore(self._k.lenders, "-inf", now_ms)
+        pipe.zrandmember(self._k.lenders, max(sample, LENDER_DRAW), withscores=True)
+        flat = (await pipe.execute())[1] or []
+        members = [(codec.text(flat[i]), int(float(flat[i + 1]))) for i in range(0, len(flat), 2)]
+        self._lenders.put(members, now_ms)
+        return self._lenders.choose(members, sample, now_ms)
 
     async def try_debit(
         self,
@@ -277,7 +307,9 @@ class RedisStore(Store):
                 lease_epoch=epoch,
                 lease_version=version,
             )
-        res = Reservation(
+        # Every field is already valid (a checked node id, a validated debit, numbers this
+        # store produced), so the grant skips re-validation on the admission path.
+        res = Reservation.model_construct(
             reservation_id=rid,
             node_id=node_id,
             state=ReservationState.HELD,
@@ -289,7 +321,9 @@ class RedisStore(Store):
             grant_seq=int(out[3]),
             request_id=request_id,
         )
-        return DebitOutcome(granted=True, reservation=res, lease_epoch=epoch, lease_version=version)
+        return DebitOutcome.model_construct(
+            granted=True, reservation=res, lease_epoch=epoch, lease_version=version
+        )
 
     async def _change(self, name: str, reservation_id: str, args: list[Any]) -> Reservation:
         node_id = node_of_reservation(reservation_id)

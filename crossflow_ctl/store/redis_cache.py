@@ -1,0 +1,130 @@
+"""Replica-side, short-lived caches of the admission view's slow-changing reads.
+
+Agents refresh a prefill pool's load and the lender index every period (200 ms by default), yet
+admission read both on every request: a round trip to sample the lender index and an HGETALL of
+the pool's reports. Each replica now keeps them for at most ``max_age_ms`` (judged on the
+process's monotonic clock, so a test's manual clock cannot keep an entry forever) and:
+
+* **fails closed when stale**: liveness is judged on the caller's clock at every use. A cached
+  pool snapshot is used only while every report in it is unexpired at ``now_ms`` (else the pool
+  is read again); lender ids are used only while their index score (lease expiry) is ahead of
+  ``now_ms``. The clock going backwards also forces a re-read.
+* **never caches absence**: an empty pool or lender index is read again on the next request, so
+  a missing pool load never outlives the write that fixes it.
+* **drops an entry on every local write** that could change it (pool load, lease, cordon).
+
+Nothing here decides safety: lender ids only steer sampling (every sampled node is re-read), and
+the debit script re-checks every credit against the latest lease, atomically.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from crossflow_ctl.domain.models import PoolSnapshot, StoredPoolLoad
+
+Monotonic = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class _PoolEntry:
+    snapshot: PoolSnapshot
+    fetched_at_s: float
+    fetched_now_ms: int
+    live_until_ms: int
+    """The earliest expiry among the cached reports: from then on a read could differ."""
+
+
+class PoolCache:
+    """Live pool snapshots by pool name (see module docstring)."""
+
+    def __init__(self, max_age_ms: int, monotonic: Monotonic = time.monotonic) -> None:
+        self._max_age_s = max_age_ms / 1000.0
+        self._monotonic = monotonic
+        self._items: dict[str, _PoolEntry] = {}
+
+    def get(self, pool: str, now_ms: int) -> PoolSnapshot | None:
+        """The cached snapshot if still fresh and wholly live at ``now_ms``; None: read it."""
+        entry = self._items.get(pool)
+        if entry is None:
+            return None
+        if (
+            self._monotonic() - entry.fetched_at_s >= self._max_age_s
+            or not entry.fetched_now_ms <= now_ms < entry.live_until_ms
+        ):
+            del self._items[pool]
+            return None
+        return entry.snapshot
+
+    def put(self, pool: str, live: Sequence[StoredPoolLoad], now_ms: int) -> PoolSnapshot | None:
+        """Remember ``live`` (the reports unexpired at ``now_ms``); returns their snapshot."""
+        if not live:
+            self._items.pop(pool, None)
+            return None
+        snapshot = PoolSnapshot(pool=pool, reports=tuple(s.load for s in live))
+        if self._max_age_s > 0:
+            self._items[pool] = _PoolEntry(
+                snapshot=snapshot,
+                fetched_at_s=self._monotonic(),
+                fetched_now_ms=now_ms,
+                live_until_ms=min(s.expires_at_ms for s in live),
+            )
+        return snapshot
+
+    def drop(self, pool: str) -> None:
+        self._items.pop(pool, None)
+
+
+class LenderSample:
+    """A bounded random draw from the lender index (ids with their lease expiry), sampled
+    locally per request; the draw is renewed after ``max_age_ms`` or any local change."""
+
+    def __init__(
+        self,
+        max_age_ms: int,
+        monotonic: Monotonic = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._max_age_s = max_age_ms / 1000.0
+        self._monotonic = monotonic
+        self._rng = rng or random.Random()
+        self._fetched_at_s = 0.0
+        self._fetched_now_ms = 0
+        self._members: tuple[tuple[str, int], ...] = ()
+
+    def pick(self, sample: int, now_ms: int) -> list[str] | None:
+        """Up to ``sample`` distinct lenders live at ``now_ms``; None: draw from Redis again."""
+        if not self._members:
+            return None
+        if (
+            self._monotonic() - self._fetched_at_s >= self._max_age_s
+            or now_ms < self._fetched_now_ms
+        ):
+            self._members = ()
+            return None
+        picked = self.choose(self._members, sample, now_ms)
+        if not picked:
+            self._members = ()
+            return None
+        return picked
+
+    def choose(self, members: Sequence[tuple[str, int]], sample: int, now_ms: int) -> list[str]:
+        """Up to ``sample`` distinct ids of ``members`` whose expiry is ahead of ``now_ms``."""
+        live = [node_id for node_id, expires_ms in members if expires_ms > now_ms]
+        if len(live) <= sample:
+            return live
+        return self._rng.sample(live, sample)
+
+    def put(self, members: Sequence[tuple[str, int]], now_ms: int) -> None:
+        """Remember a fresh draw (kept only when caching is on)."""
+        if self._max_age_s <= 0:
+            return
+        self._members = tuple(members)
+        self._fetched_at_s = self._monotonic()
+        self._fetched_now_ms = now_ms
+
+    def drop(self) -> None:
+        self._members = ()

@@ -1,0 +1,176 @@
+"""The Redis store's admission-path caches (crossflow_ctl.store.redis_cache) on real Redis:
+round trips saved, failing closed when stale, absence never cached, local writes seen at once,
+other replicas' writes seen after the age bound."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from redis.asyncio import Connection, Redis
+
+from crossflow_ctl.domain.models import PoolLoad
+from crossflow_ctl.store.redis_store import RedisStore
+from tests.store.helpers import NOW, lease, register
+
+TTL = 1_000
+
+
+class CountingConnection(Connection):
+    """A real connection that counts the packets it writes (one per round trip)."""
+
+    sent = 0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.sent += 1
+        await super().send_packed_command(command, check_health)
+
+
+def load(outstanding: int = 100_000, node_id: str = "p1", ttl_ms: int = TTL) -> PoolLoad:
+    return PoolLoad(
+        node_id=node_id,
+        outstanding_uncached_tokens=outstanding,
+        processing_rate_tps=10_000.0,
+        ttl_ms=ttl_ms,
+    )
+
+
+@pytest.fixture
+async def pair(redis_url: str, redis_namespace: str) -> AsyncIterator[tuple[RedisStore, ...]]:
+    """Two replicas on one namespace; the first caches for a long time."""
+    a = RedisStore(redis_url, namespace=redis_namespace, cache_max_age_ms=60_000)
+    b = RedisStore(redis_url, namespace=redis_namespace)
+    try:
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_warm_admission_view_is_one_round_trip(redis_url: str, redis_namespace: str) -> None:
+    client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
+    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
+    try:
+        await register(store, "d1", "d2")
+        await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
+        await store.upsert_lease(lease("d2", ttl_ms=TTL), NOW, TTL)
+        await store.admission_view("default", ["d1", "d2"], 8, NOW)  # scripts known to Redis
+        await store.put_pool_load(load(), NOW, TTL)
+        cold_before = CountingConnection.sent
+        pool, nodes = await store.admission_view("default", [], 8, NOW)
+        cold = CountingConnection.sent - cold_before
+        warm_before = CountingConnection.sent
+        again, nodes_again = await store.admission_view("default", [], 8, NOW + 1)
+        warm = CountingConnection.sent - warm_before
+        one_before = CountingConnection.sent
+        _, one = await store.admission_view("default", ["d1"], 8, NOW + 2)
+        single = CountingConnection.sent - one_before
+    finally:
+        await store.close()
+        await client.aclose()
+    assert pool is not None and again == pool
+    assert sorted(n.info.node_id for n in nodes) == ["d1", "d2"]
+    assert sorted(n.info.node_id for n in nodes_again) == ["d1", "d2"]
+    assert [n.info.node_id for n in one] == ["d1"]
+    assert cold == 2  # lender draw, then pool reports + node views
+    assert warm == 1  # node views only (one pipeline)
+    assert single == 1  # one EVALSHA
+
+
+async def test_cached_pool_fails_closed_once_a_report_expires(pair: tuple[RedisStore, ...]) -> None:
+    a, _ = pair
+    await a.put_pool_load(load(ttl_ms=TTL), NOW, TTL)
+    fresh, _ = await a.admission_view("default", [], 0, NOW)
+    assert fresh is not None and fresh.outstanding_uncached_tokens == 100_000
+    expired, _ = await a.admission_view("default", [], 0, NOW + TTL)
+    assert expired is None
+    # A clock that went backwards re-reads rather than trusting what it cached.
+    assert (await a.admission_view("default", [], 0, NOW - 10))[0] is not None
+
+
+async def test_cached_pool_drops_an_expired_report_among_live_ones(
+    pair: tuple[RedisStore, ...],
+) -> None:
+    a, _ = pair
+    await a.put_pool_load(load(node_id="p1", ttl_ms=500), NOW, TTL)
+    await a.put_pool_load(load(node_id="p2", ttl_ms=TTL), NOW, TTL)
+    both, _ = await a.admission_view("default", [], 0, NOW)
+    assert both is not None and len(both.reports) == 2
+    later, _ = await a.admission_view("default", [], 0, NOW + 600)
+    assert later is not None and [r.node_id for r in later.reports] == ["p2"]
+
+
+async def test_local_write_is_seen_at_once_and_absence_is_never_cached(
+    pair: tuple[RedisStore, ...],
+) -> None:
+    a, b = pair
+    assert (await a.admission_view("default", [], 0, NOW))[0] is None
+    await b.put_pool_load(load(outstanding=5), NOW, TTL)  # another replica
+    first, _ = await a.admission_view("default", [], 0, NOW)
+    assert first is not None and first.outstanding_uncached_tokens == 5
+    await a.put_pool_load(load(outstanding=7), NOW, TTL)  # this replica
+    second, _ = await a.admission_view("default", [], 0, NOW)
+    assert second is not None and second.outstanding_uncached_tokens == 7
+
+
+async def test_other_replicas_writes_are_seen_after_the_age_bound(
+    redis_url: str, redis_namespace: str
+) -> None:
+    reader = RedisStore(redis_url, namespace=redis_namespace, cache_max_age_ms=20)
+    writer = RedisStore(redis_url, namespace=redis_namespace)
+    try:
+        await writer.put_pool_load(load(outstanding=1), NOW, TTL)
+        assert (await reader.admission_view("default", [], 0, NOW))[0] is not None
+        await writer.put_pool_load(load(outstanding=2), NOW, TTL)
+        seen = 1
+        for _ in range(200):  # bounded; the cache entry is at most 20 ms old
+            await asyncio.sleep(0.01)
+            snapshot, _ = await reader.admission_view("default", [], 0, NOW)
+            assert snapshot is not None
+            seen = snapshot.outstanding_uncached_tokens
+            if seen == 2:
+                break
+        assert seen == 2
+    finally:
+        await reader.close()
+        await writer.close()
+
+
+async def test_lender_draw_skips_expired_and_follows_local_changes(
+    pair: tuple[RedisStore, ...],
+) -> None:
+    a, b = pair
+    await register(a, "d1", "d2")
+    await a.upsert_lease(lease("d1", ttl_ms=500), NOW, TTL)
+    await a.upsert_lease(lease("d2", ttl_ms=TTL), NOW, TTL)
+    _, nodes = await a.admission_view("default", [], 8, NOW)
+    assert sorted(n.info.node_id for n in nodes) == ["d1", "d2"]
+    _, later = await a.admission_view("default", [], 8, NOW + 600)
+    assert [n.info.node_id for n in later] == ["d2"]  # d1's lease expired: not sampled
+    await a.set_cordon("d2", True, "maintenance", NOW + 600)  # local change: draw renewed
+    _, cordoned = await a.admission_view("default", [], 8, NOW + 600)
+    assert cordoned == []
+    # Nothing lends, so nothing is cached: another replica's new lease is sampled at once.
+    await register(b, "d3")
+    await b.upsert_lease(lease("d3", ttl_ms=TTL), NOW + 600, TTL)
+    _, fresh = await a.admission_view("default", [], 8, NOW + 600)
+    assert [n.info.node_id for n in fresh] == ["d3"]
+
+
+async def test_caches_off_reads_every_time(redis_url: str, redis_namespace: str) -> None:
+    a = RedisStore(redis_url, namespace=redis_namespace, cache_max_age_ms=0)
+    b = RedisStore(redis_url, namespace=redis_namespace)
+    try:
+        await register(a, "d1")
+        await a.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
+        await a.put_pool_load(load(outstanding=1), NOW, TTL)
+        first, nodes = await a.admission_view("default", [], 8, NOW)
+        assert first is not None and [n.info.node_id for n in nodes] == ["d1"]
+        await b.put_pool_load(load(outstanding=2), NOW, TTL)
+        second, _ = await a.admission_view("default", [], 8, NOW)
+        assert second is not None and second.outstanding_uncached_tokens == 2
+    finally:
+        await a.close()
+        await b.close()
