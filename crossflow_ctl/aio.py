@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel every task, then wait for each to end; a task's own failure still propagates."""
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def wait_any(*events: asyncio.Event, timeout_s: float) -> None:
@@ -14,8 +26,4 @@ async def wait_any(*events: asyncio.Event, timeout_s: float) -> None:
     try:
         await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for w in waiters:
-            w.cancel()
-        for w in waiters:
-            with contextlib.suppress(asyncio.CancelledError):
-                await w
+        await cancel_and_wait(waiters)

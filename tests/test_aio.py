@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from crossflow_ctl.aio import wait_any
+import pytest
+
+from crossflow_ctl.aio import cancel_and_wait, wait_any
 
 
 async def test_wait_any_wakes_on_either_event_or_timeout_and_leaks_no_task() -> None:
@@ -20,3 +22,19 @@ async def test_wait_any_wakes_on_either_event_or_timeout_and_leaks_no_task() -> 
     await wait_any(asyncio.Event(), timeout_s=-1)
     await asyncio.sleep(0)
     assert asyncio.all_tasks() - before == set()
+
+
+async def test_cancel_and_wait_ends_every_task_and_keeps_a_real_failure() -> None:
+    never = asyncio.Event()
+    tasks = [asyncio.create_task(never.wait()) for _ in range(3)]
+    await asyncio.sleep(0)
+    await cancel_and_wait(tasks)
+    assert all(t.cancelled() for t in tasks)
+
+    async def fail() -> None:
+        raise RuntimeError("boom")
+
+    failed = asyncio.create_task(fail())
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="boom"):
+        await cancel_and_wait([failed])

@@ -22,6 +22,7 @@ import structlog
 from pydantic import ValidationError
 
 from crossflow_agent.sources.synthetic import EngineRequest, SyntheticEngine
+from crossflow_ctl.aio import cancel_and_wait
 
 log = structlog.get_logger()
 
@@ -78,11 +79,7 @@ class FakeEngineServer:
         if self._server is None:
             return
         self._server.close()
-        for task in list(self._conns):
-            task.cancel()
-        for task in list(self._conns):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._conns)
         await self._server.wait_closed()
         self._server = None
 

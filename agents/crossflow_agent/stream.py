@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
 from crossflow_ctl.observability import AgentMetrics
 
@@ -212,11 +213,7 @@ class LeaseStream:
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(tasks)
         if self._closing.is_set():
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 async with asyncio.timeout(0.5):

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.domain.errors import CrossflowError
 
 STOP_GRACE_S = 5.0
@@ -106,11 +107,7 @@ class Children:
                     child.proc.kill()
                 await child.proc.wait()
         if names is None:
-            for task in self._drains:
-                task.cancel()
-            for task in self._drains:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(self._drains)
             self._drains.clear()
 
 
