@@ -1,4 +1,4 @@
-"""wait_any: wakes on whichever event is set first, or on its timeout, and leaves no task."""
+"""crossflow_ctl.aio: wait_any wakes on the first event or its timeout; cancel_and_wait reaps."""
 
 from __future__ import annotations
 
