@@ -12,13 +12,13 @@ every stream cleanly.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import structlog
 
+from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
 from crossflow_ctl.broker.service import Broker
 from crossflow_ctl.broker.servicers import status_for
@@ -134,11 +134,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                         return
                     yield item
             finally:
-                for task in (reader, relay):
-                    task.cancel()
-                for task in (reader, relay):
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                await cancel_and_wait((reader, relay))
                 self._registry.discard(queue)
                 self._broker.metrics.stream_closed()
                 log.info("stream.closed")
