@@ -445,20 +445,28 @@ class RedisStore(Store):
         if limit <= 0:
             return []
         key = self._k.node(node_id).notices
-        async with self._backend("read_notices"):
-            pipe = self._r.pipeline(transaction=False)
-            pipe.exists(self._k.node(node_id).info)
-            pipe.xrange(key, min=f"{after_seq + 1}-0", max="+", count=limit)
-            exists, entries = await pipe.execute()
-        if not exists:
-            raise NotFound(f"unknown node {node_id!r}", field="node_id")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + block_ms / 1000.0
+        # A waiting reader (an agent stream's relay, after every notice) reads and starts to
+        # wait in the same round trip: XREAD BLOCK answers at once when entries are there.
+        first = min(block_ms, self._block_chunk_ms)
+        async with self._backend("read_notices", extra_s=first / 1000.0):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.exists(self._k.node(node_id).info)
+            if first > 0:
+                pipe.xread({key: f"{after_seq}-0"}, count=limit, block=first)
+            else:
+                pipe.xrange(key, min=f"{after_seq + 1}-0", max="+", count=limit)
+            out: list[Any] = await pipe.execute()
+        exists, got = out[0], out[1]
+        if not exists:  # (an unknown node is refused after the first wait, at most a chunk)
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        entries = (got[0][1] if got else []) if first > 0 else got
         while not entries and (left_ms := int((deadline - loop.time()) * 1000)) > 0:
             chunk = min(left_ms, self._block_chunk_ms)
             async with self._backend("read_notices", extra_s=chunk / 1000.0):
-                got: Any = await self._r.xread({key: f"{after_seq}-0"}, count=limit, block=chunk)
-            entries = got[0][1] if got else []
+                more: Any = await self._r.xread({key: f"{after_seq}-0"}, count=limit, block=chunk)
+            entries = more[0][1] if more else []
         return [codec.notice_from(node_id, eid, fields) for eid, fields in entries]
 
     # -- policy -----------------------------------------------------------------------------

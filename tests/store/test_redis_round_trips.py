@@ -1,6 +1,7 @@
-"""The Redis store's admission-path caches (crossflow_ctl.store.redis_cache) on real Redis:
-round trips saved, failing closed when stale, absence never cached, local writes seen at once,
-other replicas' writes seen after the age bound."""
+"""Round trips of the Redis store's hot paths on real Redis: the admission-path caches
+(crossflow_ctl.store.redis_cache: round trips saved, failing closed when stale, absence never
+cached, local writes seen at once, other replicas' writes seen after the age bound) and the
+notice relay's waiting read."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Any
 import pytest
 from redis.asyncio import Connection, Redis
 
+from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import PoolLoad
 from crossflow_ctl.store.redis_store import RedisStore
-from tests.store.helpers import NOW, lease, register
+from tests.store.helpers import NOW, credits, lease, register
 
 TTL = 1_000
 
@@ -174,3 +176,27 @@ async def test_caches_off_reads_every_time(redis_url: str, redis_namespace: str)
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_waiting_read_with_notices_there_is_one_round_trip(
+    redis_url: str, redis_namespace: str
+) -> None:
+    client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
+    store = RedisStore(client, namespace=redis_namespace)
+    try:
+        await register(store, "d1")
+        await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
+        await store.try_debit("d1", credits(1), 1.0, NOW, 100)
+        await store.try_debit("d1", credits(1), 1.0, NOW, 100)
+        before = CountingConnection.sent
+        found = await store.read_notices("d1", 0, 10, block_ms=10_000)
+        sent = CountingConnection.sent - before
+        assert [n.seq for n in await store.read_notices("d1", 1, 10, block_ms=10_000)] == [2]
+        assert await store.read_notices("d1", 2, 10, block_ms=50) == []
+        with pytest.raises(NotFound):
+            await store.read_notices("ghost", 0, 10, block_ms=50)
+    finally:
+        await store.close()
+        await client.aclose()
+    assert [n.seq for n in found] == [1, 2]
+    assert sent == 1
