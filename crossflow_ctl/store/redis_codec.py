@@ -29,7 +29,7 @@ Raw = bytes | str
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 VIEW_INFO_FIELDS = ("role", "pool", "labels", "cordoned", "cordon_reason", "seq")
-"""The info fields ``node_view.lua`` returns, in order."""
+"""The info fields ``node_view.lua`` returns, in order (``seq`` last)."""
 
 
 def text(value: Raw | int) -> str:
@@ -97,8 +97,9 @@ def _stored_lease(raw: Raw) -> StoredLease:
 
 
 def _view_info(key: tuple[Raw, ...]) -> NodeInfo:
+    """A node's info from its id and view fields, less ``seq`` (which every notice moves)."""
     node_id, *fields = map(text, key)
-    return info_from(node_id, dict(zip(VIEW_INFO_FIELDS, fields, strict=True)))
+    return info_from(node_id, dict(zip(VIEW_INFO_FIELDS[:-1], fields, strict=True)))
 
 
 stored_lease_from_json: Memo[Raw, StoredLease] = Memo(_stored_lease)
@@ -123,7 +124,9 @@ def node_state_from_view(node_id: str, raw: Sequence[Any]) -> NodeState | None:
         slots=max(0, int(raw[6])),
     )
     return NodeState.model_construct(
-        info=_view_info_memo((node_id, *raw[0])),
+        info=_view_info_memo((node_id, *raw[0][:-1])).model_copy(
+            update={"notice_seq": int(raw[0][-1] or 0)}
+        ),
         lease=stored_lease_from_json(lease_json) if lease_json else None,
         open_debits=open_debits,
         open_reservations=int(raw[7]),

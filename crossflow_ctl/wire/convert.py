@@ -40,10 +40,18 @@ NO_POOL_WAIT_MS = -1.0
 
 
 # -- enums: the proto value name is PREFIX + the domain member name -------------------------
+_ENUM_NUMBERS: dict[tuple[type, Enum | None, str, str], int] = {}
+"""(class, member, proto enum, prefix) -> number: every Admit answer converts two or three
+enums. The class is part of the key because StrEnum members compare equal to their value."""
+
+
 def enum_to_proto(value: Enum | None, wrapper: Any, prefix: str) -> int:
-    if value is None:
-        return int(wrapper.Value(f"{prefix}UNSPECIFIED"))
-    return int(wrapper.Value(prefix + value.name))
+    key = (type(value), value, wrapper.DESCRIPTOR.full_name, prefix)
+    number = _ENUM_NUMBERS.get(key)
+    if number is None:
+        name = f"{prefix}UNSPECIFIED" if value is None else prefix + value.name
+        number = _ENUM_NUMBERS[key] = int(wrapper.Value(name))
+    return number
 
 
 def enum_from_proto(number: int, wrapper: Any, prefix: str, cls: type[E], field: str) -> E | None:
@@ -67,7 +75,13 @@ def _validated(cls: type[Any], field: str, **data: Any) -> Any:
 
 # -- common ---------------------------------------------------------------------------------
 def credits_to_proto(c: Credits) -> common_pb2.Credits:
-    return common_pb2.Credits(**c.model_dump())
+    return common_pb2.Credits(
+        compute_tokens=c.compute_tokens,
+        kv_tokens=c.kv_tokens,
+        kv_transfer_bytes=c.kv_transfer_bytes,
+        output_tokens=c.output_tokens,
+        slots=c.slots,
+    )
 
 
 def credits_from_proto(msg: common_pb2.Credits, field: str = "credits") -> Credits:
