@@ -57,18 +57,28 @@ local function cf_totals(info_key)
   return t
 end
 
--- Add (sign 1) or remove (sign -1) one reservation record's debit to/from the totals.
-local function cf_count(info_key, f, sign)
-  local t = cf_totals(info_key)
-  for c = 1, 5 do
-    t[c] = t[c] + sign * tonumber(f[3 + c])
-  end
-  t[6] = t[6] + sign
+-- Write totals (as read by cf_totals) back to the info HASH.
+local function cf_set_totals(info_key, t)
   local out = {}
   for i = 1, 6 do
     out[i] = cf_int(t[i])
   end
   redis.call('HSET', info_key, 'open', table.concat(out, ','))
+end
+
+-- Add (sign 1) or remove (sign -1) one reservation record's debit to/from totals t in memory.
+local function cf_add(t, f, sign)
+  for c = 1, 5 do
+    t[c] = t[c] + sign * tonumber(f[3 + c])
+  end
+  t[6] = t[6] + sign
+end
+
+-- Add (sign 1) or remove (sign -1) one reservation record's debit to/from the stored totals.
+local function cf_count(info_key, f, sign)
+  local t = cf_totals(info_key)
+  cf_add(t, f, sign)
+  cf_set_totals(info_key, t)
 end
 
 -- Store a new reservation (or a changed one: commit, release) with its expiry.
@@ -103,14 +113,22 @@ local function cf_expired(res_key, exp_key, now)
   return out
 end
 
--- Drop every reservation expired at now, with an EXPIRE notice each; returns the count.
+-- Drop every reservation expired at now, with an EXPIRE notice each. Returns the count and,
+-- when any expired, the node's totals after the purge (already stored), else nil. The totals
+-- are read and written once per purge, and the expiry ZSET trimmed once for the whole range.
 local function cf_purge_expired(info_key, res_key, exp_key, notices_key, maxlen, now)
   local expired = cf_expired(res_key, exp_key, now)
-  for i = 1, #expired do
-    local f = expired[i]
-    cf_drop(info_key, res_key, exp_key, f.id, f)
-    cf_notice(info_key, notices_key, maxlen, 'expire', f.id, f, now)
+  local t = nil
+  if #expired > 0 then
+    t = cf_totals(info_key)
+    for i = 1, #expired do
+      local f = expired[i]
+      redis.call('HDEL', res_key, f.id)
+      cf_add(t, f, -1)
+      cf_notice(info_key, notices_key, maxlen, 'expire', f.id, f, now)
+    end
+    cf_set_totals(info_key, t)
   end
   redis.call('ZREMRANGEBYSCORE', exp_key, '-inf', now)
-  return #expired
+  return #expired, t
 end

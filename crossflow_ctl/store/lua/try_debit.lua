@@ -12,7 +12,7 @@ local now, share, maxlen = ARGV[1], tonumber(ARGV[2]), ARGV[11]
 if redis.call('EXISTS', info) == 0 then
   return {'unknown_node'}
 end
-cf_purge_expired(info, res, exp, notices, maxlen, now)
+local _, open = cf_purge_expired(info, res, exp, notices, maxlen, now)
 local l = redis.call('HMGET', lease, 'epoch', 'version', 'exp', 'zero', 'c1', 'c2', 'c3', 'c4', 'c5')
 local epoch, version = l[1] or '0', l[2] or '0'
 if redis.call('HGET', info, 'cordoned') == '1' then
@@ -27,7 +27,7 @@ end
 if l[4] ~= '' then
   return {'zero_lease', epoch, version}
 end
-local open = cf_totals(info)
+open = open or cf_totals(info)
 local short = {}
 for c = 1, 5 do
   local room = math.floor(tonumber(l[4 + c]) * share) - open[c]
@@ -42,5 +42,7 @@ local f = {'held', ARGV[3], '0', ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], n
   version, ARGV[5]}
 local seq = cf_notice(info, notices, maxlen, 'grant', ARGV[4], f, now)
 f[10] = seq
-cf_put(info, res, exp, ARGV[4], f, true)
+cf_put(info, res, exp, ARGV[4], f, false)
+cf_add(open, f, 1)
+cf_set_totals(info, open)
 return {'granted', epoch, version, seq}
