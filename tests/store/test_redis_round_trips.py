@@ -13,7 +13,7 @@ import pytest
 from redis.asyncio import Connection, Redis
 
 from crossflow_ctl.domain.errors import NotFound
-from crossflow_ctl.domain.models import PoolLoad
+from crossflow_ctl.domain.models import NodeRole, PoolLoad
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.store.helpers import NOW, credits, lease, register
 
@@ -200,3 +200,27 @@ async def test_a_waiting_read_with_notices_there_is_one_round_trip(
         await client.aclose()
     assert [n.seq for n in found] == [1, 2]
     assert sent == 1
+
+
+async def test_parsed_node_info_follows_every_change(pair: tuple[RedisStore, ...]) -> None:
+    """Info and lease are parsed once per stored form; changes still show on the next read."""
+    a, b = pair
+    await a.register_node("d1", NodeRole.DECODE, "default", {"zone": "a"}, NOW)
+    await a.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
+    first = (await a.admission_view("default", ["d1"], 8, NOW))[1][0]
+    await a.try_debit("d1", credits(1), 1.0, NOW, 100)
+    second = (await a.admission_view("default", ["d1"], 8, NOW))[1][0]
+    await b.register_node("d1", NodeRole.DECODE, "default", {"zone": "b"}, NOW)
+    await b.set_cordon("d1", True, "maintenance", NOW)
+    await b.upsert_lease(lease("d1", version=2, value=50, ttl_ms=TTL), NOW, TTL)
+    third = (await a.admission_view("default", ["d1"], 8, NOW))[1][0]
+    assert (first.info.notice_seq, second.info.notice_seq, third.info.notice_seq) == (0, 1, 2)
+    assert first.info.labels == second.info.labels == {"zone": "a"}
+    assert third.info.labels == {"zone": "b"}
+    assert not second.info.cordoned and third.info.cordoned
+    assert third.info.cordon_reason == "maintenance"
+    assert second.open_debits == credits(1) and second.open_reservations == 1
+    assert first.lease is not None and third.lease is not None
+    assert (first.lease.lease.version, third.lease.lease.version) == (1, 2)
+    assert third.lease.lease.credits == credits(50)
+    assert third == await b.get_node("d1", NOW)
