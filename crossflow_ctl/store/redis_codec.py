@@ -134,13 +134,21 @@ def node_state_from_view(node_id: str, raw: Sequence[Any]) -> NodeState | None:
 
 
 def notice_from(node_id: str, entry_id: Raw, fields: Mapping[Raw, Raw]) -> Notice:
+    """A notice stream entry as ``cf_notice`` wrote it (every grant and expiry makes one, and
+    each agent stream's relay reads it), built without re-validating what the scripts wrote:
+    the kind is still checked by its enum and the numbers by ``int``; ``node_id`` is one the
+    caller already checked (it named the stream's key)."""
     f = text_map(fields)
-    return Notice(
+    c1, c2, c3, c4, c5 = (max(0, int(v)) for v in f.get("d", "0,0,0,0,0").split(","))
+    debit = Credits.model_construct(
+        compute_tokens=c1, kv_tokens=c2, kv_transfer_bytes=c3, output_tokens=c4, slots=c5
+    )
+    return Notice.model_construct(
         node_id=node_id,
         seq=int(text(entry_id).split("-", 1)[0]),
         kind=NoticeKind(f["k"]),
         reservation_id=f.get("r", ""),
-        debit=Credits.from_tuple([int(v) for v in f.get("d", "0,0,0,0,0").split(",")]),
+        debit=debit,
         at_ms=int(f.get("t", "0")),
     )
 
