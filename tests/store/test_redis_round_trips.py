@@ -202,6 +202,19 @@ async def test_a_waiting_read_with_notices_there_is_one_round_trip(
     assert sent == 1
 
 
+async def test_a_replica_that_never_saw_the_node_checks_it_exists(
+    pair: tuple[RedisStore, ...],
+) -> None:
+    a, b = pair
+    await register(a, "d1")  # through a: b has never seen d1
+    await a.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
+    await a.try_debit("d1", credits(1), 1.0, NOW, 100)
+    assert [n.seq for n in await b.read_notices("d1", 0, 10, block_ms=10_000)] == [1]
+    assert await b.read_notices("d1", 1, 10, block_ms=20) == []  # known now: XREAD only
+    with pytest.raises(NotFound):
+        await b.read_notices("d2", 0, 10, block_ms=20)
+
+
 async def test_parsed_node_info_follows_every_change(pair: tuple[RedisStore, ...]) -> None:
     """Info and lease are parsed once per stored form; changes still show on the next read."""
     a, b = pair
