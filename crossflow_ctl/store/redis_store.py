@@ -71,13 +71,13 @@ from crossflow_ctl.store.keys import (
     node_of_reservation,
 )
 from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
+from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_scripts import Scripts
 
 log = structlog.get_logger()
 
 DEFAULT_CACHE_MAX_AGE_MS = 50
 """A quarter of the agents' default 200 ms period: the staleness a cached pool read adds."""
-KNOWN_NODES_CAP = 100_000
 LENDER_DRAW = 64
 """Lenders drawn from the index per refresh; each admission samples its candidates among them."""
 
@@ -118,17 +118,11 @@ class RedisStore(Store):
         self._r: Redis = client
         self._k = Keys(namespace)
         self._op_timeout_s = op_timeout_s
-        self._block_chunk_ms = max(1, int(socket_timeout_s * 250))  # 3/4 of the timeout as slack
         self._scripts = Scripts(client)
         self._pools = PoolCache(cache_max_age_ms)
         self._lenders = LenderSample(cache_max_age_ms)
-        self._known_nodes: set[str] = set()
-        """Nodes this replica has seen registered (nodes are never deleted)."""
-
-    def _remember_node(self, node_id: str) -> None:
-        if len(self._known_nodes) >= KNOWN_NODES_CAP:
-            self._known_nodes.clear()
-        self._known_nodes.add(node_id)
+        block_chunk_ms = max(1, int(socket_timeout_s * 250))  # 3/4 of the timeout as slack
+        self._notices = NoticeReader(client, self._k, self._backend, block_chunk_ms)
 
     @contextlib.asynccontextmanager
     async def _backend(self, what: str, extra_s: float = 0.0) -> AsyncIterator[None]:
@@ -195,7 +189,7 @@ class RedisStore(Store):
             pipe.sadd(self._k.nodes, node_id)
             pipe.hgetall(k.info)
             out = await pipe.execute()
-        self._remember_node(node_id)
+        self._notices.remember(node_id)
         return codec.info_from(node_id, codec.text_map(out[-1]))
 
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
@@ -453,36 +447,7 @@ class RedisStore(Store):
             raise NotFound(f"unknown node {node_id!r}", field="node_id")
         if limit <= 0:
             return []
-        key = self._k.node(node_id).notices
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + block_ms / 1000.0
-        # A waiting reader (an agent stream's relay, after every notice) reads and starts to
-        # wait in the same round trip: XREAD BLOCK answers at once when entries are there.
-        # Nodes are never deleted, so once this replica has seen one it skips the EXISTS.
-        first = min(block_ms, self._block_chunk_ms)
-        async with self._backend("read_notices", extra_s=first / 1000.0):
-            if first > 0 and node_id in self._known_nodes:
-                got: Any = await self._r.xread({key: f"{after_seq}-0"}, count=limit, block=first)
-                exists = 1
-            else:
-                pipe = self._r.pipeline(transaction=False)
-                pipe.exists(self._k.node(node_id).info)
-                if first > 0:
-                    pipe.xread({key: f"{after_seq}-0"}, count=limit, block=first)
-                else:
-                    pipe.xrange(key, min=f"{after_seq + 1}-0", max="+", count=limit)
-                out: list[Any] = await pipe.execute()
-                exists, got = out[0], out[1]
-        if not exists:  # (an unknown node is refused after the first wait, at most a chunk)
-            raise NotFound(f"unknown node {node_id!r}", field="node_id")
-        self._remember_node(node_id)
-        entries = (got[0][1] if got else []) if first > 0 else got
-        while not entries and (left_ms := int((deadline - loop.time()) * 1000)) > 0:
-            chunk = min(left_ms, self._block_chunk_ms)
-            async with self._backend("read_notices", extra_s=chunk / 1000.0):
-                more: Any = await self._r.xread({key: f"{after_seq}-0"}, count=limit, block=chunk)
-            entries = more[0][1] if more else []
-        return [codec.notice_from(node_id, eid, fields) for eid, fields in entries]
+        return await self._notices.read(node_id, after_seq, limit, block_ms)
 
     # -- policy -----------------------------------------------------------------------------
     async def get_policy(self) -> PolicySettings | None:
