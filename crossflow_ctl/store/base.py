@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
+from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import (
     Credits,
     Frozen,
@@ -36,6 +37,14 @@ from crossflow_ctl.domain.models import (
     StoredLease,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+
+
+def check_debit_args(share: float, hold_ttl_ms: int) -> None:
+    """The arguments of :meth:`Store.try_debit` every implementation refuses alike."""
+    if not 0.0 <= share <= 1.0:
+        raise InvalidArgument(f"share must be within [0, 1], got {share}", field="share")
+    if hold_ttl_ms <= 0:
+        raise InvalidArgument("hold_ttl_ms must be positive", field="hold_ttl_ms")
 
 
 class LeaseOutcome(Frozen):

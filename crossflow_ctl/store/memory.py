@@ -32,7 +32,13 @@ from crossflow_ctl.domain.models import (
     validated,
 )
 from crossflow_ctl.domain.policy import PolicySettings
-from crossflow_ctl.store.base import DebitOutcome, LeaseOutcome, NodeEvent, Store
+from crossflow_ctl.store.base import (
+    DebitOutcome,
+    LeaseOutcome,
+    NodeEvent,
+    Store,
+    check_debit_args,
+)
 from crossflow_ctl.store.keys import (
     new_reservation_id,
     node_of_reservation,
@@ -191,10 +197,7 @@ class MemoryStore(Store):
         hold_ttl_ms: int,
         request_id: str = "",
     ) -> DebitOutcome:
-        if not 0.0 <= share <= 1.0:
-            raise InvalidArgument(f"share must be within [0, 1], got {share}", field="share")
-        if hold_ttl_ms <= 0:
-            raise InvalidArgument("hold_ttl_ms must be positive", field="hold_ttl_ms")
+        check_debit_args(share, hold_ttl_ms)
         async with self._lock:
             node = self._nodes.get(node_id)
             if node is None:

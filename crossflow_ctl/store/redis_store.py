@@ -60,7 +60,13 @@ from crossflow_ctl.domain.models import (
 )
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.store import redis_codec as codec
-from crossflow_ctl.store.base import DebitOutcome, LeaseOutcome, NodeEvent, Store
+from crossflow_ctl.store.base import (
+    DebitOutcome,
+    LeaseOutcome,
+    NodeEvent,
+    Store,
+    check_debit_args,
+)
 from crossflow_ctl.store.keys import (
     EVENTS_CAP,
     HISTORY_CAP,
@@ -279,10 +285,7 @@ class RedisStore(Store):
         hold_ttl_ms: int,
         request_id: str = "",
     ) -> DebitOutcome:
-        if not 0.0 <= share <= 1.0:
-            raise InvalidArgument(f"share must be within [0, 1], got {share}", field="share")
-        if hold_ttl_ms <= 0:
-            raise InvalidArgument("hold_ttl_ms must be positive", field="hold_ttl_ms")
+        check_debit_args(share, hold_ttl_ms)
         if not is_node_id(node_id):
             return DebitOutcome(granted=False, refusal="unknown_node")
         k = self._k.node(node_id)

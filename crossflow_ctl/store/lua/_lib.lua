@@ -132,3 +132,19 @@ local function cf_purge_expired(info_key, res_key, exp_key, notices_key, maxlen,
   redis.call('ZREMRANGEBYSCORE', exp_key, '-inf', now)
   return #expired, t
 end
+
+-- The reservation `rid` if it is still live: its parsed fields and stored record; else nil and
+-- 'not_found', or nil and 'expired' after purging the node's expired reservations (with their
+-- EXPIRE notices).
+local function cf_live_reservation(info_key, res_key, exp_key, notices_key, maxlen, now, rid)
+  local rec = redis.call('HGET', res_key, rid)
+  if not rec then
+    return nil, 'not_found'
+  end
+  local f = cf_parse(rec)
+  if tonumber(f[2]) <= tonumber(now) then
+    cf_purge_expired(info_key, res_key, exp_key, notices_key, maxlen, now)
+    return nil, 'expired'
+  end
+  return f, rec
+end

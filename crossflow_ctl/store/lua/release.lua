@@ -7,14 +7,9 @@
 local info, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local now, rid, maxlen = ARGV[1], ARGV[2], ARGV[3]
 
-local rec = redis.call('HGET', res, rid)
-if not rec then
-  return {'not_found'}
-end
-local f = cf_parse(rec)
-if tonumber(f[2]) <= tonumber(now) then
-  cf_purge_expired(info, res, exp, notices, maxlen, now)
-  return {'expired'}
+local f, rec = cf_live_reservation(info, res, exp, notices, maxlen, now, rid)
+if not f then
+  return {rec}
 end
 if f[1] == 'released' then
   return {'ok', rec}
