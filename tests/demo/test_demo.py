@@ -61,13 +61,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _check_summary(path: Path) -> dict[str, Any]:
+def _check_summary(path: Path, *, require_checks: bool = True) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(path.read_text())
     assert data["decode_nodes_leasing"] == 2
     assert data["lease_versions_seen"] >= 4, "leases flowed from the agents through the broker"
     assert data["borrowed"] > 0, data["reasons"]
     assert data["over_commits"] == []
-    assert data["over_commit_checks"] > 0, "the check ran on nodes with open grants"
+    if require_checks:
+        assert data["over_commit_checks"] > 0, "the check ran on nodes with open grants"
     assert data["admit_errors"] == 0 and data["engine_errors"] == 0
     sim = data["simulator"]
     assert sim["leases"]["overcommits"] == 0 and sim["static"]["borrowed_share"] == 0.0
@@ -141,7 +142,9 @@ def test_demo_on_redis_stops_everything_on_sigint(
             proc.wait()
     assert proc.returncode == 0, err[-2000:]
     assert "Summary:" in out
-    data = _check_summary(summary)
+    # Interrupted right after the first borrowing frame, the run may end before any frame found
+    # a grant still open, so only the full run above must have checked over-commit.
+    data = _check_summary(summary, require_checks=False)
     assert data["interrupted"]
     assert not [pid for pid in children if _alive(pid)], "every child process was stopped"
     keys = redis.Redis.from_url(redis_url)
