@@ -86,8 +86,6 @@ class Agent:
         """New at every process start: the start time in ms (DESIGN.md §2)."""
         self.version = 0
         self.guard = ItlGuard()
-        self.last_lease: Lease | None = None
-        self.last_snapshot: EngineSnapshot | None = None
         self._wake = asyncio.Event()
         self.stream = LeaseStream(
             endpoints=settings.brokers,
@@ -163,7 +161,6 @@ class Agent:
         """One period's work; the lease sent (decode role) or None (prefill role)."""
         seq = self.stream.state.last_notice_seq  # read BEFORE the snapshot is taken
         snapshot, failure, failure_reason = await self.observe()
-        self.last_snapshot = snapshot
         now_ms = self.clock.now_ms()
         s = self.settings
         if s.role is NodeRole.PREFILL:
@@ -193,7 +190,6 @@ class Agent:
         )
         self.guard = decision.guard
         lease = self.lease_for(decision, seq)
-        self.last_lease = lease
         if self.stream.send(lease_request(lease)):
             self.metrics.record_lease_sent(lease.credits, lease.zero_reason)
         if lease.zero_reason is not None and lease.zero_reason is not ZeroReason.NO_CAPACITY:
@@ -245,7 +241,6 @@ class Agent:
         if self.settings.role is not NodeRole.DECODE:
             return
         lease = self._zero_lease(reason, detail)
-        self.last_lease = lease
         if self.stream.send(lease_request(lease)):
             self.metrics.record_lease_sent(Credits(), reason)
 

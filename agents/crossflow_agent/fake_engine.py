@@ -238,11 +238,3 @@ async def _respond(
     if not head:
         writer.write(body)
     await writer.drain()
-
-
-async def serve_forever(server: FakeEngineServer, stop: asyncio.Event) -> None:
-    await server.start()
-    try:
-        await stop.wait()
-    finally:
-        await server.close()

@@ -68,9 +68,6 @@ class ClusterModel:
     def decode_s(self, turn: Turn) -> float:
         return turn.output_tokens * self.params.itl_ms / 1000.0
 
-    def prefill_backlog_s(self, now_s: float) -> float:
-        return max(0.0, min(self.prefill_free_s) - now_s)
-
 
 @dataclass(frozen=True)
 class Release:

@@ -254,10 +254,6 @@ class Reservation(Frozen):
     release_seq: int = 0
     request_id: str = ""
 
-    def counts(self, now_ms: int) -> bool:
-        """Whether this reservation still counts against its node's lease."""
-        return self.expires_at_ms > now_ms
-
 
 class NoticeKind(StrEnum):
     GRANT = "grant"

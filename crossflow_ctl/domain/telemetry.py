@@ -68,12 +68,5 @@ class EngineSnapshot(Frozen):
     def kv_free_tokens(self) -> int:
         return max(0, self.kv_total_tokens - self.kv_used_tokens)
 
-    @property
-    def mean_context_tokens(self) -> float:
-        """Mean context length of a running request (0 when nothing runs)."""
-        if self.running_requests <= 0:
-            return 0.0
-        return self.decode_context_tokens / self.running_requests
-
     def finite(self) -> bool:
         return all(math.isfinite(v) for v in self.numbers().values())

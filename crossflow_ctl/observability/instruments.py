@@ -164,9 +164,6 @@ class BrokerMetrics:
         if not ok:
             self._store_errors.add(1, {"operation": op})
 
-    def record_store_error(self, operation: str) -> None:
-        self._store_errors.add(1, {"operation": label(operation, STORE_OPERATIONS)})
-
     def record_lease(self, result: str, zero_reason: ZeroReason | str | None = None) -> None:
         """One lease received: accepted, stale or invalid (zero reason when accepted zero)."""
         self._leases.add(1, {"result": label(result, LEASE_RESULTS)})

@@ -75,7 +75,6 @@ class PrefixCacheModel:
         blocks = max(1, capacity_tokens // BLOCK_TOKENS)
         count = prefill_nodes if scope is CacheScope.NODE else 1
         self.caches = [LruBlockCache(blocks) for _ in range(count)]
-        self.lookups = 0
         self.hit_tokens = 0
         self.input_tokens = 0
 
@@ -98,7 +97,6 @@ class PrefixCacheModel:
             cache = self.caches[node]
         hit = cached_tokens(cache.hit_blocks(hash_ids), input_tokens)
         cache.insert(hash_ids)
-        self.lookups += 1
         self.hit_tokens += hit
         self.input_tokens += input_tokens
         return hit

@@ -44,7 +44,6 @@ class Req:
     kv_reserved: bool = False
     first_token_s: float = -1.0
     finish_s: float = -1.0
-    decode_node: int = -1
     join_step: int = 0
     kv_waited: bool = False
 
@@ -263,7 +262,6 @@ class DecodeServer:
 
     def _join(self, req: Req, t: float) -> None:
         req.first_token_s = t
-        req.decode_node = self.idx
         remaining = req.output_tokens - 1
         if remaining <= 0:
             req.finish_s = t
