@@ -112,48 +112,34 @@ def get() -> None:
     """List nodes, leases, reservations or pools."""
 
 
-@get.command("nodes")
-@_watch_options
-@_filter_options
-@click.pass_context
-def get_nodes(
-    ctx: click.Context,
-    output: str | None,
-    watch: bool,
-    interval: float,
-    watch_count: int,
-    selector: str,
-    role: str | None,
-) -> None:
-    """Every node with its status, latest lease and what it has left to lend."""
-    fmt = state(ctx).output(output)
+def _node_listing(name: str, doc: str, *, leases: bool) -> None:
+    """Register ``get NAME``: nodes and leases are the same listing with different columns."""
 
-    async def render(session: BrokerSession) -> str:
-        return await _nodes_text(session, fmt, role, selector, leases=False)
+    @get.command(name, help=doc)
+    @_watch_options
+    @_filter_options
+    @click.pass_context
+    def command(
+        ctx: click.Context,
+        output: str | None,
+        watch: bool,
+        interval: float,
+        watch_count: int,
+        selector: str,
+        role: str | None,
+    ) -> None:
+        fmt = state(ctx).output(output)
 
-    _run_listing(ctx, render, watch, interval, watch_count)
+        async def render(session: BrokerSession) -> str:
+            return await _nodes_text(session, fmt, role, selector, leases=leases)
+
+        _run_listing(ctx, render, watch, interval, watch_count)
 
 
-@get.command("leases")
-@_watch_options
-@_filter_options
-@click.pass_context
-def get_leases(
-    ctx: click.Context,
-    output: str | None,
-    watch: bool,
-    interval: float,
-    watch_count: int,
-    selector: str,
-    role: str | None,
-) -> None:
-    """The latest lease of every node that sent one."""
-    fmt = state(ctx).output(output)
-
-    async def render(session: BrokerSession) -> str:
-        return await _nodes_text(session, fmt, role, selector, leases=True)
-
-    _run_listing(ctx, render, watch, interval, watch_count)
+_node_listing(
+    "nodes", "Every node with its status, latest lease and what it has left to lend.", leases=False
+)
+_node_listing("leases", "The latest lease of every node that sent one.", leases=True)
 
 
 @get.command("reservations")
