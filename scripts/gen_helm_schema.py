@@ -31,7 +31,7 @@ BROKER_MANAGED += ("log_level", "log_json", "redis_namespace", "broker_id")
 AGENT_MANAGED: tuple[str, ...] = ("brokers", "node_id", "role", "source", "metrics_url")
 AGENT_MANAGED += ("metrics_listen", "otlp_endpoint", "log_level", "log_json")
 SETTINGS_MODELS = {
-    "broker": ("crossflow_ctl.broker.config", "BrokerSettings", BROKER_MANAGED),
+    "broker": ("crossflow_ctl.service.config", "BrokerSettings", BROKER_MANAGED),
     "agent": ("crossflow_agent.settings", "AgentSettings", AGENT_MANAGED),
 }
 

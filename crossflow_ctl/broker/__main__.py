@@ -16,7 +16,6 @@ from typing import Any
 
 import click
 
-from crossflow_ctl.broker.config import BrokerSettings, load_settings
 from crossflow_ctl.broker.server import BrokerServer, make_store
 from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.observability import (
@@ -26,6 +25,7 @@ from crossflow_ctl.observability import (
     setup_metrics,
     setup_tracing,
 )
+from crossflow_ctl.service.config import BrokerSettings, load_settings
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -27,8 +27,6 @@ from crossflow_ctl.api.v1 import (
     lease_pb2,
     lease_pb2_grpc,
 )
-from crossflow_ctl.broker.config import BrokerSettings
-from crossflow_ctl.broker.service import Broker
 from crossflow_ctl.broker.servicers.admin import AdminServicer
 from crossflow_ctl.broker.servicers.admission import AdmissionServicer
 from crossflow_ctl.broker.streams import LeaseStreamServicer, StreamRegistry
@@ -36,6 +34,8 @@ from crossflow_ctl.domain.clock import Clock, SystemClock
 from crossflow_ctl.domain.errors import ConfigError, CrossflowError
 from crossflow_ctl.observability import BrokerMetrics, TracingInterceptor
 from crossflow_ctl.observability.gauges import NodeGauges, poll_node_gauges
+from crossflow_ctl.service.broker import Broker
+from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import Store
 
 log = structlog.get_logger()

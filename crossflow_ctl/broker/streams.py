@@ -20,7 +20,6 @@ import structlog
 
 from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
-from crossflow_ctl.broker.service import Broker
 from crossflow_ctl.broker.servicers import status_for
 from crossflow_ctl.domain.errors import (
     CrossflowError,
@@ -30,6 +29,7 @@ from crossflow_ctl.domain.errors import (
 )
 from crossflow_ctl.domain.models import NodeRole
 from crossflow_ctl.observability import span
+from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire import convert as c
 
 log = structlog.get_logger()

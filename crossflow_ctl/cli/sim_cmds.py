@@ -7,7 +7,6 @@ import os
 import shlex
 import sys
 import time
-import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,7 +29,7 @@ from crossflow_ctl.sim.metrics import RunRecord, summarize
 from crossflow_ctl.sim.prefix_cache import CacheScope
 from crossflow_ctl.sim.ratios import trace_ratios
 from crossflow_ctl.sim.report import write_report
-from crossflow_ctl.sim.sweep import RunSpec, plan_runs, run_sweep
+from crossflow_ctl.sim.sweep import plan_runs, run_sweep, run_sweep_on_redis
 from crossflow_ctl.sim.synthetic import AgenticSpec, generate_agentic
 from crossflow_ctl.sim.traces import Trace, load_trace
 
@@ -187,7 +186,7 @@ def sim(
             bar.update(next(len(r.trace.requests) for r in runs if r.trace.name == rec.trace))
 
         if redis_url:
-            records = asyncio.run(_run_on_redis(runs, redis_url, done))
+            records = asyncio.run(run_sweep_on_redis(runs, redis_url, done))
         else:
             records = run_sweep(runs, jobs=jobs, on_done=done)
     wall = time.perf_counter() - started
@@ -200,34 +199,6 @@ def sim(
             f"over-commit {s.overcommits}"
         )
     click.echo(f"report: {path} ({len(runs)} runs in {wall:.1f} s)")
-
-
-async def _run_on_redis(runs: Sequence[RunSpec], url: str, done: object) -> list[RunRecord]:
-    from redis.asyncio import Redis
-
-    from crossflow_ctl.sim.cluster import simulate
-    from crossflow_ctl.store.redis_store import RedisStore
-
-    records = []
-    client = Redis.from_url(url)
-    try:
-        for spec in runs:
-            namespace = f"crossflow-sim-{uuid.uuid4().hex[:12]}"
-            store = RedisStore(client, namespace)
-            try:
-                rec = await simulate(spec.trace, spec.config, store)
-            finally:
-                await store.close()
-                keys = [k async for k in client.scan_iter(match=f"{namespace}*", count=1000)]
-                if keys:
-                    await client.delete(*keys)
-            rec.scale = spec.load
-            records.append(rec)
-            if callable(done):
-                done(rec)
-    finally:
-        await client.aclose()
-    return records
 
 
 # -- plan ------------------------------------------------------------------------------------

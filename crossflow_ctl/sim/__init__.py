@@ -9,7 +9,7 @@ What is real and what is modelled:
 
 * Real code, imported, never re-implemented: step times (``domain.capacity.step_time_s``), the
   agent's lease rules and pool-load report (``domain.leasing.decide`` / ``pool_load`` on an
-  ``EngineSnapshot``), the broker's admission (``broker.service.Broker``: ``plan_admission``,
+  ``EngineSnapshot``), the broker's admission (``service.Broker``: ``plan_admission``,
   ``debit_for``, fail-closed answers, up to three debit tries) and the store (``MemoryStore``;
   ``RedisStore`` with ``--redis URL``), moved by a ``ManualClock``.
 * Modelled (see servers.py for the exact rules): prefill servers run one prompt at a time in

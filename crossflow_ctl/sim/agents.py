@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import contextlib
 
-from crossflow_ctl.broker.service import Broker
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseSettings, decide, pool_load
 from crossflow_ctl.domain.models import CREDIT_NAMES
 from crossflow_ctl.domain.telemetry import EngineSnapshot
+from crossflow_ctl.service import Broker
 from crossflow_ctl.sim.servers import DecodeServer, PrefillServer
 
 

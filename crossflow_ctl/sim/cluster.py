@@ -3,7 +3,7 @@
 One event heap drives everything: request releases (open loop or closed loop), prefill
 completions, KV arrivals at decode servers, decode steps (batched, see servers.py) and agent
 periods. The leases policy goes through the real broker domain class
-(:class:`crossflow_ctl.broker.service.Broker`: ``plan_admission``, ``debit_for``,
+(:class:`crossflow_ctl.service.broker.Broker`: ``plan_admission``, ``debit_for``,
 ``try_debit``/``commit``/``release`` on the store) with a :class:`ManualClock` the simulator
 moves; the store is the in-process :class:`MemoryStore` unless one is given (e.g. RedisStore).
 """
@@ -13,12 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from crossflow_ctl.broker.config import BrokerSettings
-from crossflow_ctl.broker.service import Broker
 from crossflow_ctl.domain.admission import AdmissionRequest, Decision
 from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.models import NodeRole
+from crossflow_ctl.service import Broker, BrokerSettings
 from crossflow_ctl.sim.agents import DecodeAgent, PrefillAgent
 from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.metrics import RunRecord

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -128,3 +129,33 @@ def rel(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)) or b == 0:
         return math.nan
     return (a - b) / b
+
+
+async def run_sweep_on_redis(
+    runs: Sequence[RunSpec], url: str, on_done: Callable[[RunRecord], None] | None = None
+) -> list[RunRecord]:
+    """Every run in turn on the Redis store at ``url`` (one namespace each, deleted after)."""
+    from redis.asyncio import Redis
+
+    from crossflow_ctl.store.redis_store import RedisStore
+
+    records = []
+    client = Redis.from_url(url)
+    try:
+        for spec in runs:
+            namespace = f"crossflow-sim-{uuid.uuid4().hex[:12]}"
+            store = RedisStore(client, namespace)
+            try:
+                rec = await simulate(spec.trace, spec.config, store)
+            finally:
+                await store.close()
+                keys = [k async for k in client.scan_iter(match=f"{namespace}*", count=1000)]
+                if keys:
+                    await client.delete(*keys)
+            rec.scale = spec.load
+            records.append(rec)
+            if on_done is not None:
+                on_done(rec)
+    finally:
+        await client.aclose()
+    return records

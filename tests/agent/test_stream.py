@@ -16,13 +16,13 @@ from crossflow_agent.settings import AgentSettings
 from crossflow_agent.sources.http import PrometheusSource
 from crossflow_agent.sources.sglang import SGLangReader
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
-from crossflow_ctl.broker.config import BrokerSettings
 from crossflow_ctl.broker.server import BrokerServer, make_store
 from crossflow_ctl.client.admin import AdminClient
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import Lease, ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
+from crossflow_ctl.service.config import BrokerSettings
 from tests.agent.conftest import MetricsServer, fixture_text
 
 pytestmark = pytest.mark.redis

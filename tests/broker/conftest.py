@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from crossflow_ctl.broker.config import BrokerSettings
 from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.domain.clock import ManualClock, SystemClock
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import Store
 from crossflow_ctl.store.memory import MemoryStore
 from tests.broker.agents import FakeAgent

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from crossflow_ctl.broker.__main__ import cli, overrides_from, serve
-from crossflow_ctl.broker.config import BrokerSettings, load_settings
 from crossflow_ctl.domain.errors import ConfigError
+from crossflow_ctl.service.config import BrokerSettings, load_settings
 
 
 def _flags(*argv: str) -> tuple[Path | None, dict[str, object]]:

@@ -14,11 +14,11 @@ import grpc
 import pytest
 
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2, lease_pb2_grpc
-from crossflow_ctl.broker.config import BrokerSettings
 from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.client import AdminClient, AdmissionClient
 from crossflow_ctl.domain.admission import Decision, Reason
 from crossflow_ctl.domain.errors import StoreUnavailable
+from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.agents import FakeAgent
 from tests.broker.conftest import TEST_POLICY, target

@@ -16,10 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
-from crossflow_ctl.broker.config import BrokerSettings
 from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.client import AdminClient, AdmissionClient
 from crossflow_ctl.domain.admission import Decision
+from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.memory import MemoryStore
 from tests.broker.agents import FakeAgent
 from tests.broker.conftest import TEST_POLICY, target

@@ -346,7 +346,7 @@ def test_values_yaml_documents_every_value() -> None:
 
 @needs_helm
 def test_broker_configmap_loads_with_the_broker_settings(tmp_path: Path) -> None:
-    from crossflow_ctl.broker.config import load_settings
+    from crossflow_ctl.service.config import load_settings
 
     for values in (None, *VALUE_FILES):
         docs = render(*values_args(values))

@@ -14,13 +14,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
-from crossflow_ctl.broker.config import BrokerSettings
 from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.client import AdminClient, AdmissionClient
 from crossflow_ctl.domain.admission import Decision, Reason
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, MetricsEndpoint, setup_metrics
 from crossflow_ctl.observability.gauges import NodeGauges, refresh_node_gauges
+from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.agents import FakeAgent
 

@@ -8,9 +8,9 @@ from typing import TypeAlias
 import grpc
 
 from crossflow_ctl.api.v1 import admin_pb2, admin_pb2_grpc
-from crossflow_ctl.broker.service import Broker
 from crossflow_ctl.broker.servicers import maps_errors
 from crossflow_ctl.domain.models import NodeState
+from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire import convert as c
 
 Ctx: TypeAlias = grpc.aio.ServicerContext

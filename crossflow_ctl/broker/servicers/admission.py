@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
-from crossflow_ctl.broker.service import Broker
 from crossflow_ctl.broker.servicers import maps_errors
+from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire.convert_admission import admission_to_proto, admit_request_from_proto
 
 

@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 import structlog
 
-from crossflow_ctl.broker.config import BrokerSettings
 from crossflow_ctl.domain.admission import (
     Admission,
     AdmissionRequest,
@@ -47,6 +46,7 @@ from crossflow_ctl.domain.models import (
 )
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision, annotate_node
+from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
