@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import structlog
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -77,6 +77,8 @@ from crossflow_ctl.store.keys import (
     node_of_reservation,
 )
 from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
+from crossflow_ctl.store.redis_index import NodeIndex
+from crossflow_ctl.store.redis_ingest import Coalescer
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_scripts import Scripts
 
@@ -84,17 +86,24 @@ log = structlog.get_logger()
 
 DEFAULT_CACHE_MAX_AGE_MS = 50
 """A quarter of the agents' default 200 ms period: the staleness a cached pool read adds."""
-LENDER_DRAW = 64
-"""Lenders drawn from the index per refresh; each admission samples its candidates among them."""
+DEFAULT_MAX_CONNECTIONS = 64
+"""Connections one store opens to Redis (per Cluster node), whatever the number of agents."""
+
+UpsertCall = tuple[str, list[str], list[Any], bool, int]
+"""(node id, keys, args, lends if accepted and not cordoned, lease expiry ms)."""
 
 
 class RedisStore(Store):
-    """``client``: a ``redis.asyncio.Redis`` (not closed by :meth:`close`) or a URL (owned).
+    """``client``: a ``redis.asyncio.Redis`` or ``RedisCluster`` (not closed by :meth:`close`),
+    or a URL (owned; ``cluster=True`` connects to a Redis Cluster through it).
 
-    A URL gets socket timeouts of ``socket_timeout_s`` and no client-side retries; a supplied
-    client keeps its own settings (give it timeouts, and no retry on timeout, for the same
-    guarantees). The key layout and scripts are slot-safe for Redis Cluster (module docstring);
-    running with a cluster client (``redis.asyncio.RedisCluster``) is not yet wired or tested.
+    A URL gets socket timeouts of ``socket_timeout_s``, no client-side retries and at most
+    ``max_connections`` connections (per Cluster node; callers wait for a free one up to
+    ``op_timeout_s``); a supplied client keeps its own settings (give it timeouts, and no retry
+    on timeout, for the same guarantees). Notices wait on one pub/sub subscription per store
+    (:mod:`crossflow_ctl.store.redis_notices`), so the connection count does not grow with the
+    number of agent streams. The key layout and scripts are slot-safe (module docstring);
+    ``tests/store/test_cluster.py`` runs the contract suite on a real 3-master cluster.
 
     ``cache_max_age_ms`` bounds how long this replica reuses a pool's load reports and a draw
     from the lender index on the admission path (:mod:`crossflow_ctl.store.redis_cache`; 0
@@ -102,33 +111,43 @@ class RedisStore(Store):
 
     def __init__(
         self,
-        client: Redis | str,
+        client: Redis | RedisCluster | str,
         namespace: str = "cf",
         *,
         socket_timeout_s: float = 1.0,
         op_timeout_s: float = 3.0,
         cache_max_age_ms: int = DEFAULT_CACHE_MAX_AGE_MS,
+        cluster: bool = False,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         if isinstance(client, str):
-            client = Redis.from_url(
-                client,
-                socket_timeout=socket_timeout_s,
-                socket_connect_timeout=socket_timeout_s,
-                # No client-side retry: a debit script retried after a lost reply would grant
-                # twice. One failure is StoreUnavailable and admission fails closed (§5.6).
-                retry=Retry(NoBackoff(), retries=0),
-            )
+            # No client-side retry: a debit script retried after a lost reply would grant
+            # twice. One failure is StoreUnavailable and admission fails closed (§5.6).
+            options: dict[str, Any] = {
+                "socket_timeout": socket_timeout_s,
+                "socket_connect_timeout": socket_timeout_s,
+                "retry": Retry(NoBackoff(), retries=0),
+                "client_name": f"crossflow:{namespace}",  # CLIENT LIST shows whose they are
+            }
+            if cluster:
+                client = RedisCluster.from_url(client, max_connections=max_connections, **options)
+            else:
+                pool = BlockingConnectionPool.from_url(
+                    client, max_connections=max_connections, timeout=op_timeout_s, **options
+                )
+                client = Redis(connection_pool=pool, retry=options["retry"])
             self._owned = True
         else:
             self._owned = False
-        self._r: Redis = client
+        self._r: Redis | RedisCluster = client
         self._k = Keys(namespace)
         self._op_timeout_s = op_timeout_s
         self._scripts = Scripts(client)
         self._pools = PoolCache(cache_max_age_ms)
         self._lenders = LenderSample(cache_max_age_ms)
-        block_chunk_ms = max(1, int(socket_timeout_s * 250))  # 3/4 of the timeout as slack
-        self._notices = NoticeReader(client, self._k, self._backend, block_chunk_ms)
+        self._index = NodeIndex(client, self._k)
+        self._notices = NoticeReader(client, self._k, self._backend)
+        self._upserts: Coalescer[UpsertCall] = Coalescer(self._upsert_batch)
 
     @contextlib.asynccontextmanager
     async def _backend(self, what: str, extra_s: float = 0.0) -> AsyncIterator[None]:
@@ -139,8 +158,8 @@ class RedisStore(Store):
             log.warning("store_unavailable", op=what, error=repr(exc))
             raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
 
-    async def _index_lender(self, node_id: str, lease_expires_ms: int | None) -> None:
-        """Add or drop ``node_id`` in the lender index, best effort.
+    async def _index_lenders(self, changes: dict[str, int | None]) -> None:
+        """Add (lease expiry) or drop (None) lenders, best effort.
 
         The index only steers sampling (admission re-checks the node's real state, and entries
         leave by score once their lease expires), so a failure here must not turn a change
@@ -148,12 +167,9 @@ class RedisStore(Store):
         self._lenders.drop()
         try:
             async with asyncio.timeout(self._op_timeout_s):
-                if lease_expires_ms is None:
-                    await self._r.zrem(self._k.lenders, node_id)
-                else:
-                    await self._r.zadd(self._k.lenders, {node_id: lease_expires_ms})
+                await self._index.set_lenders(changes)
         except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("lender_index_update_failed", node_id=node_id, error=repr(exc))
+            log.warning("lender_index_update_failed", nodes=len(changes), error=repr(exc))
 
     async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return await self._scripts.run(name, keys, args)
@@ -189,14 +205,14 @@ class RedisStore(Store):
         async with self._backend("register_node"):
             pipe = self._r.pipeline(transaction=False)
             fields = ["role", role.value, "pool", pool, "labels", json.dumps(labels)]
-            pipe.hset(k.info, items=list(fields))
+            pipe.hset(k.info, items=[*fields, "seen", now_ms])
             for name in ("cordoned", "cordon_reason", "seq"):
                 pipe.hsetnx(k.info, name, "0" if name != "cordon_reason" else "")
-            pipe.sadd(self._k.nodes, node_id)
             pipe.hgetall(k.info)
+            self._index.queue_add(pipe, node_id)
             out = await pipe.execute()
         self._notices.remember(node_id)
-        return codec.info_from(node_id, codec.text_map(out[-1]))
+        return codec.info_from(node_id, codec.text_map(out[-2]))
 
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
         k = self._k.node(lease.node_id)
@@ -223,10 +239,7 @@ class RedisStore(Store):
         ]
         keys = [k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries]
         async with self._backend("upsert_lease"):
-            out = await self._run("upsert_lease", keys, args)
-        if int(out[0]) == 1:
-            lends = not zero and not int(out[4])
-            await self._index_lender(lease.node_id, expires if lends else None)
+            out = await self._upserts.submit((lease.node_id, keys, args, not zero, expires))
         if int(out[0]) == -1:
             raise FailedPrecondition(f"node {lease.node_id!r} is not registered", field="node_id")
         return LeaseOutcome(
@@ -236,16 +249,27 @@ class RedisStore(Store):
             purged_reservations=int(out[3]),
         )
 
+    async def _upsert_batch(self, calls: Sequence[UpsertCall]) -> list[Any]:
+        """The leases that arrived together: one pipeline of ``upsert_lease`` (each lease still
+        checked and stored atomically by its own script), then one lender index update."""
+        out = await self._scripts.run_many("upsert_lease", [(c[1], c[2]) for c in calls])
+        changes: dict[str, int | None] = {}
+        for (node_id, _, _, lends, expires), reply in zip(calls, out, strict=True):
+            if not isinstance(reply, BaseException) and int(reply[0]) == 1:
+                changes[node_id] = expires if lends and not int(reply[4]) else None
+        if changes:
+            await self._index_lenders(changes)
+        return out
+
     async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
         expires = now_ms + min(load.ttl_ms, max_ttl_ms)
         stored = StoredPoolLoad(load=load, received_at_ms=now_ms, expires_at_ms=expires)
         keys = [self._k.pool(load.pool), self._k.pool_expiries(load.pool)]
         args: list[str | int] = [now_ms, load.node_id, stored.model_dump_json(), expires]
         async with self._backend("put_pool_load"):
-            pipe = self._r.pipeline(transaction=False)
-            await self._scripts.queue("put_pool_load", keys, args, pipe)
-            pipe.sadd(self._k.pools, load.pool)
-            await pipe.execute()
+            await self._scripts.run_with(
+                "put_pool_load", keys, args, ("SADD", self._k.pools, load.pool)
+            )
         self._pools.drop(load.pool)
 
     # -- admission --------------------------------------------------------------------------
@@ -266,13 +290,9 @@ class RedisStore(Store):
         return snapshot, states
 
     async def _draw_lenders(self, sample: int, now_ms: int) -> list[str]:
-        """Drop expired lenders and draw up to LENDER_DRAW of them (one round trip), keep the
-        draw for the next requests, and pick ``sample`` of the live ones."""
-        pipe = self._r.pipeline(transaction=False)
-        pipe.zremrangebyscore(self._k.lenders, "-inf", now_ms)
-        pipe.zrandmember(self._k.lenders, max(sample, LENDER_DRAW), withscores=True)
-        flat = (await pipe.execute())[1] or []
-        members = [(codec.text(flat[i]), int(float(flat[i + 1]))) for i in range(0, len(flat), 2)]
+        """Drop expired lenders and draw some from every index bucket (one round trip), keep
+        the draw for the next requests, and pick ``sample`` of the live ones."""
+        members = await self._index.draw_lenders(sample, now_ms)
         self._lenders.put(members, now_ms)
         return self._lenders.choose(members, sample, now_ms)
 
@@ -368,11 +388,11 @@ class RedisStore(Store):
             raise NotFound(f"unknown node {node_id!r}", field="node_id")
         lease_exp, zero = codec.text(out[2]), codec.text(out[3])
         lends = not cordoned and lease_exp and not zero and int(lease_exp) > now_ms
-        await self._index_lender(node_id, int(lease_exp) if lends else None)
+        await self._index_lenders({node_id: int(lease_exp) if lends else None})
         return codec.info_from(node_id, codec.flat_pairs(out[1]))
 
     async def _node_ids(self) -> list[str]:
-        return sorted(codec.text(n) for n in await self._r.smembers(self._k.nodes))
+        return await self._index.node_ids()
 
     async def list_nodes(self, now_ms: int) -> list[NodeState]:
         async with self._backend("list_nodes"):
@@ -468,6 +488,11 @@ class RedisStore(Store):
             await self._r.ping()
 
     async def close(self) -> None:
+        await self._upserts.close()
+        await self._notices.hub.close()
         if self._owned:
             with contextlib.suppress(RedisError, OSError):
-                await self._r.aclose()
+                if isinstance(self._r, Redis):  # its pool was built here, so close it too
+                    await self._r.aclose(close_connection_pool=True)
+                else:
+                    await self._r.aclose()
