@@ -17,8 +17,8 @@ from redis.exceptions import NoScriptError
 
 PER_NODE = ("upsert_lease", "try_debit", "commit", "release", "set_cordon", "node_view")
 """Scripts over one node's keys (one hash tag); they share ``_lib.lua``."""
-STANDALONE = ("put_pool_load", "delete_node")
-"""Scripts without the shared helpers: one pool's keys; deleting one node's keys."""
+STANDALONE = ("put_pool_load", "delete_node", "touch_node")
+"""Scripts without the shared helpers: one pool's keys; deleting or touching one node."""
 
 
 def load_script(name: str) -> str:

@@ -76,6 +76,7 @@ from crossflow_ctl.store.keys import (
     new_reservation_id,
     node_of_reservation,
 )
+from crossflow_ctl.store.redis_admin import RedisAdmin
 from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
 from crossflow_ctl.store.redis_index import NodeIndex
 from crossflow_ctl.store.redis_ingest import Coalescer
@@ -148,6 +149,7 @@ class RedisStore(Store):
         self._index = NodeIndex(client, self._k)
         self._notices = NoticeReader(client, self._k, self._backend)
         self._upserts: Coalescer[UpsertCall] = Coalescer(self._upsert_batch)
+        self._admin = RedisAdmin(client, self._k, self._scripts, self._index, self._forget)
 
     @contextlib.asynccontextmanager
     async def _backend(self, what: str, extra_s: float = 0.0) -> AsyncIterator[None]:
@@ -170,6 +172,11 @@ class RedisStore(Store):
                 await self._index.set_lenders(changes)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("lender_index_update_failed", nodes=len(changes), error=repr(exc))
+
+    def _forget(self, node_id: str) -> None:
+        """A node was deleted: this replica's caches must not vouch for it."""
+        self._notices.forget(node_id)
+        self._lenders.drop()
 
     async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return await self._scripts.run(name, keys, args)
@@ -270,6 +277,7 @@ class RedisStore(Store):
             await self._scripts.run_with(
                 "put_pool_load", keys, args, ("SADD", self._k.pools, load.pool)
             )
+            await self._run("touch_node", [self._k.node(load.node_id).info], [now_ms])
         self._pools.drop(load.pool)
 
     # -- admission --------------------------------------------------------------------------
@@ -391,6 +399,14 @@ class RedisStore(Store):
         await self._index_lenders({node_id: int(lease_exp) if lends else None})
         return codec.info_from(node_id, codec.flat_pairs(out[1]))
 
+    async def delete_node(self, node_id: str, force: bool, now_ms: int) -> int:
+        async with self._backend("delete_node"):
+            return await self._admin.delete_node(node_id, force, now_ms)
+
+    async def expire_nodes(self, idle_ms: int, now_ms: int) -> list[str]:
+        async with self._backend("expire_nodes"):
+            return await self._admin.expire_nodes(idle_ms, now_ms)
+
     async def _node_ids(self) -> list[str]:
         return await self._index.node_ids()
 
@@ -409,58 +425,22 @@ class RedisStore(Store):
         return states[0]
 
     async def list_reservations(self, node_id: str | None, now_ms: int) -> list[Reservation]:
-        if node_id is not None and not is_node_id(node_id):
-            raise NotFound(f"unknown node {node_id!r}", field="node_id")
         async with self._backend("list_reservations"):
-            ids = [node_id] if node_id is not None else await self._node_ids()
-            pipe = self._r.pipeline(transaction=False)
-            for n in ids:
-                pipe.exists(self._k.node(n).info)
-                pipe.hgetall(self._k.node(n).reservations)
-            out = await pipe.execute()
-        if node_id is not None and not out[0]:
-            raise NotFound(f"unknown node {node_id!r}", field="node_id")
-        found = [
-            codec.reservation_from(codec.text(rid), n, rec)
-            for n, raw in zip(ids, out[1::2], strict=True)
-            for rid, rec in raw.items()
-        ]
-        return sorted(
-            (r for r in found if r.expires_at_ms > now_ms),
-            key=lambda r: (r.created_at_ms, r.node_id, r.grant_seq),
-        )
+            return await self._admin.list_reservations(node_id, now_ms)
 
     async def list_pools(self, now_ms: int) -> list[PoolSnapshot]:
         async with self._backend("list_pools"):
-            pools = sorted(codec.text(p) for p in await self._r.smembers(self._k.pools))
-            pipe = self._r.pipeline(transaction=False)
-            for p in pools:
-                pipe.hgetall(self._k.pool(p))
-            out = await pipe.execute()
-        return [
-            PoolSnapshot(pool=p, reports=tuple(s.load for s in codec.live_pool_loads(raw, now_ms)))
-            for p, raw in zip(pools, out, strict=True)
-        ]
-
-    async def _node_list(self, node_id: str, key: str, limit: int) -> list[Any]:
-        if not is_node_id(node_id):
-            raise NotFound(f"unknown node {node_id!r}", field="node_id")
-        k = self._k.node(node_id)
-        async with self._backend("read_list"):
-            pipe = self._r.pipeline(transaction=False)
-            pipe.exists(k.info)
-            pipe.lrange(getattr(k, key), 0, max(0, limit) - 1)
-            exists, items = await pipe.execute()
-        if not exists:
-            raise NotFound(f"unknown node {node_id!r}", field="node_id")
-        return list(items) if limit > 0 else []
+            return await self._admin.list_pools(now_ms)
 
     async def lease_history(self, node_id: str, limit: int) -> list[StoredLease]:
-        items = await self._node_list(node_id, "history", limit)
+        async with self._backend("read_list"):
+            items = await self._admin.node_list(node_id, "history", limit)
         return [StoredLease.model_validate_json(i) for i in items]
 
     async def node_events(self, node_id: str, limit: int) -> list[NodeEvent]:
-        return [codec.event_from(i) for i in await self._node_list(node_id, "events", limit)]
+        async with self._backend("read_list"):
+            items = await self._admin.node_list(node_id, "events", limit)
+        return [codec.event_from(i) for i in items]
 
     # -- notices ----------------------------------------------------------------------------
     async def read_notices(
