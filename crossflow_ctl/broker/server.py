@@ -80,7 +80,12 @@ def make_store(settings: BrokerSettings) -> Store:
     if settings.redis_url:
         from crossflow_ctl.store.redis_store import RedisStore
 
-        return RedisStore(settings.redis_url, namespace=settings.redis_namespace)
+        return RedisStore(
+            settings.redis_url,
+            namespace=settings.redis_namespace,
+            cluster=settings.redis_cluster,
+            max_connections=settings.redis_max_connections,
+        )
     from crossflow_ctl.store.memory import MemoryStore
 
     return MemoryStore()
@@ -151,6 +156,10 @@ class BrokerServer:
         self.supervisor.spawn(
             "policy-refresh", self.broker.refresh_policy_forever(self._stop_policy)
         )
+        if self.settings.node_expiry_s > 0:
+            self.supervisor.spawn(
+                "node-expiry", self.broker.expire_nodes_forever(self._stop_policy)
+            )
         if self._metrics_enabled:
             broker = self.broker
             gauges = NodeGauges(

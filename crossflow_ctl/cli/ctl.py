@@ -12,7 +12,7 @@ import click
 from crossflow_ctl.cli.cmd_admit import admit, policy
 from crossflow_ctl.cli.cmd_config import completion, config
 from crossflow_ctl.cli.cmd_get import get
-from crossflow_ctl.cli.cmd_node import cordon, describe, drain, uncordon
+from crossflow_ctl.cli.cmd_node import cordon, delete, describe, drain, uncordon
 from crossflow_ctl.cli.common import CtlState, run_cli
 from crossflow_ctl.cli.sim_cmds import plan, sim
 
@@ -43,6 +43,7 @@ def cli(
 
 cli.add_command(get)
 cli.add_command(describe)
+cli.add_command(delete)
 cli.add_command(cordon)
 cli.add_command(uncordon)
 cli.add_command(drain)

@@ -315,7 +315,7 @@ class MemoryStore(Store):
         _, open_count = self._node(node_id).open_debits(now_ms)
         if open_count and not force:
             raise FailedPrecondition(
-                f"node {node_id!r} has {open_count} open reservation(s); force to delete anyway",
+                f"node {node_id!r} has {open_count} open reservation(s)",
                 field="force",
             )
         del self._nodes[node_id]

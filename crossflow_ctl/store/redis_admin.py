@@ -67,7 +67,7 @@ class RedisAdmin:
             raise _unknown(node_id)
         if status == "open":
             raise FailedPrecondition(
-                f"node {node_id!r} has {int(out[1])} open reservation(s); force to delete anyway",
+                f"node {node_id!r} has {int(out[1])} open reservation(s)",
                 field="force",
             )
         return int(out[1])

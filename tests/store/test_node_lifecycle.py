@@ -22,7 +22,7 @@ async def test_delete_refuses_open_reservations_unless_forced(store: Store) -> N
     before = await store.get_node("d1", NOW)
     with pytest.raises(FailedPrecondition) as refused:
         await store.delete_node("d1", False, NOW)
-    assert refused.value.field == "force" and "1 open reservation" in str(refused.value)
+    assert refused.value.field == "force" and "has 1 open reservation" in str(refused.value)
     assert await store.get_node("d1", NOW) == before  # nothing changed
     assert await store.delete_node("d1", True, NOW) == 1
     assert await store.delete_node("d2", False, NOW) == 0
