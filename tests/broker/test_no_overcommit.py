@@ -1,6 +1,7 @@
 """DESIGN.md §5.3, no over-commit, as a property over SEVERAL broker processes on one Redis.
 
-Three ``crossflow-broker serve`` processes share one Redis namespace. For each generated scenario,
+Three ``crossflow-broker serve`` processes share one Redis namespace (on one Redis, and on a
+real 3-master Redis Cluster). For each generated scenario,
 decode agents stream to different replicas and keep replacing their leases (random credits) while
 hundreds of concurrent Admits race over all replicas. Afterwards, reading the store: ordering each
 node's reservations by grant sequence (the order the atomic check-and-debit ran in), every grant
@@ -14,6 +15,7 @@ import asyncio
 import itertools
 import os
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +28,7 @@ from crossflow_ctl.client import AdminClient, AdmissionClient
 from crossflow_ctl.domain.admission import Decision
 from crossflow_ctl.domain.models import CREDIT_NAMES, Credits
 from tests.broker.agents import FakeAgent
+from tests.conftest import delete_cluster_namespace
 
 REPLICAS = 3
 SHARE = 0.75
@@ -43,8 +46,16 @@ class Replicas:
         self.examples = itertools.count()
 
 
-@pytest.fixture
-async def replicas(redis_url: str, redis_namespace: str) -> AsyncIterator[Replicas]:
+@pytest.fixture(params=["redis", "redis-cluster"])
+async def replicas(request: pytest.FixtureRequest) -> AsyncIterator[Replicas]:
+    """Three broker processes on one Redis, or on a real 3-master Redis Cluster."""
+    on_cluster = request.param == "redis-cluster"
+    if on_cluster:
+        redis_url = request.getfixturevalue("redis_cluster_url")
+        redis_namespace = f"cft-{uuid.uuid4().hex[:12]}"
+    else:
+        redis_url = request.getfixturevalue("redis_url")
+        redis_namespace = request.getfixturevalue("redis_namespace")
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -67,6 +78,7 @@ async def replicas(redis_url: str, redis_namespace: str) -> AsyncIterator[Replic
         redis_url,
         "--redis-namespace",
         redis_namespace,
+        *(["--redis-cluster"] if on_cluster else []),
     ]
     try:
         for _ in range(REPLICAS):
@@ -90,7 +102,8 @@ async def replicas(redis_url: str, redis_namespace: str) -> AsyncIterator[Replic
         # The race must be real: some admissions won room and some found it taken.
         assert 0 < r.borrowed < r.admissions, (r.borrowed, r.admissions)
         print(
-            f"\n§5.3: {r.admissions} concurrent admissions over {REPLICAS} broker processes, "
+            f"\n§5.3 on {request.param}: {r.admissions} concurrent admissions over {REPLICAS} "
+            "broker processes, "
             f"{r.borrowed} borrowed, {r.lease_updates} racing lease updates"
         )
     finally:
@@ -103,6 +116,8 @@ async def replicas(redis_url: str, redis_namespace: str) -> AsyncIterator[Replic
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+        if on_cluster:
+            delete_cluster_namespace(redis_url, redis_namespace)
 
 
 credits_st = st.builds(
