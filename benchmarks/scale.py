@@ -41,8 +41,13 @@ import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc, common_pb2
-from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
+from crossflow_ctl.api.v1 import (
+    admission_pb2,
+    admission_pb2_grpc,
+    common_pb2,
+    lease_pb2,
+    lease_pb2_grpc,
+)
 
 THIS_FILE = os.path.abspath(__file__)
 STREAMS_PER_CHANNEL = 64
@@ -309,7 +314,8 @@ async def main(args: argparse.Namespace) -> None:
     )
     head = (
         f"{'nodes':>6} {'open s':>7} {'redis p50/p99 ms':>17} {'grpc p50/p99 ms':>16} "
-        f"{'admit p50/p99 ms':>17} {'borrowed':>8} {'ingest/s':>9} {'cpu b/f':>9} {'notices':>8} {'conns':>5}"
+        f"{'admit p50/p99 ms':>17} {'borrowed':>8} {'ingest/s':>9} {'cpu b/f':>9} "
+        f"{'notices':>8} {'conns':>5}"
     )
     print(head)
     rows = []
