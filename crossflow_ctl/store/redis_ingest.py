@@ -16,6 +16,10 @@ import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from crossflow_ctl.domain.models import Lease, StoredLease
+from crossflow_ctl.store.keys import EVENTS_CAP, HISTORY_CAP, NOTICES_CAP, Keys
+from crossflow_ctl.store.redis_scripts import Scripts
+
 Call = TypeVar("Call")
 
 MAX_BATCH = 512
@@ -81,3 +85,68 @@ class Coalescer(Generic[Call]):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+UpsertCall = tuple[str, list[str], list[Any], bool, int]
+"""(node id, keys, args, lends if accepted and not cordoned, lease expiry ms)."""
+
+
+class LeaseIngest:
+    """``upsert_lease`` calls of one store, coalesced; then one lender index update a batch."""
+
+    def __init__(
+        self,
+        keys: Keys,
+        scripts: Scripts,
+        index_lenders: Callable[[dict[str, int | None]], Awaitable[None]],
+    ) -> None:
+        self._k = keys
+        self._scripts = scripts
+        self._index_lenders = index_lenders
+        self._coalescer: Coalescer[UpsertCall] = Coalescer(self._batch)
+
+    @property
+    def batches(self) -> int:
+        return self._coalescer.batches
+
+    async def upsert(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> Any:
+        """The ``upsert_lease`` script's reply for ``lease`` (see the script's header)."""
+        k = self._k.node(lease.node_id)
+        expires = now_ms + min(lease.ttl_ms, max_ttl_ms)
+        stored = StoredLease(lease=lease, received_at_ms=now_ms, expires_at_ms=expires)
+        zero = ""
+        if lease.zero_reason is not None:
+            zero = lease.zero_reason.value
+        elif lease.credits.is_zero():
+            zero = "no_capacity"
+        args: list[Any] = [
+            now_ms,
+            f"{lease.epoch:020d}{lease.version:020d}",
+            lease.epoch,
+            lease.version,
+            expires,
+            zero,
+            *lease.credits.as_tuple(),
+            lease.last_notice_seq,
+            stored.model_dump_json(),
+            HISTORY_CAP,
+            EVENTS_CAP,
+            NOTICES_CAP,
+        ]
+        keys = [k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries]
+        return await self._coalescer.submit((lease.node_id, keys, args, not zero, expires))
+
+    async def _batch(self, calls: Sequence[UpsertCall]) -> list[Any]:
+        """The leases that arrived together: one pipeline of ``upsert_lease`` (each lease still
+        checked and stored atomically by its own script), then one lender index update."""
+        out = await self._scripts.run_many("upsert_lease", [(c[1], c[2]) for c in calls])
+        changes: dict[str, int | None] = {}
+        for (node_id, _, _, lends, expires), reply in zip(calls, out, strict=True):
+            if not isinstance(reply, BaseException) and int(reply[0]) == 1:
+                changes[node_id] = expires if lends and not int(reply[4]) else None
+        if changes:
+            await self._index_lenders(changes)
+        return out
+
+    async def close(self) -> None:
+        await self._coalescer.close()

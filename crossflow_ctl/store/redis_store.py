@@ -1,24 +1,21 @@
 """The Redis store: production state shared by every broker replica (DESIGN.md §3, §6).
 
-Every per-node change (lease upsert, check-and-debit, commit, release, cordon) is one Lua script
-(``lua/*.lua``, EVALSHA with NOSCRIPT fallback) that also appends the node's notice to its
-stream in the same atomic step, so notices and state never disagree.
+Every per-node change (lease upsert, check-and-debit, commit, release, cordon, delete) is one
+Lua script (``lua/*.lua``, EVALSHA with NOSCRIPT fallback) that also appends the node's notice
+to its stream (and PUBLISHes a wake) in the same atomic step, so notices and state never
+disagree.
 
-Redis Cluster compatible by construction: a node's keys share the hash tag ``{<ns>:n:<node>}``
-(see :mod:`crossflow_ctl.store.keys`), so each script touches one slot and only keys passed in
-KEYS; the global keys (node index, lender index, pool index, policy) are only read or written by
-plain commands, never inside a per-node script; a pool's reports have their own tag and script;
-no MULTI spans slots (pipelines are non-transactional). The cluster-wide
-borrowing limit is the ``share`` factor applied inside each node's own check (see
-``PolicySettings.borrow_share``), so it needs no cross-slot operation.
+Redis Cluster: a node's keys share the hash tag ``{<ns>:n:<node>}`` (:mod:`.keys`), so each
+script touches one slot and only keys passed in KEYS; the node and lender indexes are split into
+hash-tagged buckets (:mod:`.redis_index`) written by plain commands, never inside a per-node
+script; no MULTI spans slots (pipelines are non-transactional, split per master by redis-py).
+The cluster-wide borrowing limit is the ``share`` factor inside each node's own check.
 
-Round trips: ``try_debit``, ``commit``, ``release`` one each; ``admission_view`` one (the
-read-only ``node_view`` script per candidate, pipelined; a plain EVALSHA for one node), with the
-pool's reports and a draw from the lender index reused for up to ``cache_max_age_ms`` by each
-replica (:mod:`crossflow_ctl.store.redis_cache`: fails closed when stale, never caches absence);
-on a cache miss the pool's reports join the same pipeline and a lender draw costs one more trip.
-Flat in fleet size. Lease upsert and cordon two (the script, then the lender index, which is
-only a sampling hint).
+Round trips: ``try_debit``, ``commit``, ``release`` one each; ``admission_view`` one (pipelined
+``node_view`` per candidate), with the pool's reports and a lender draw reused for up to
+``cache_max_age_ms`` (:mod:`.redis_cache`; on a miss, one more). Flat in fleet size. Lease
+upserts arriving together share one pipeline, then one lender index update
+(:mod:`.redis_ingest`); waiting notice reads cost nothing until a wake (:mod:`.redis_notices`).
 """
 
 from __future__ import annotations
@@ -69,7 +66,6 @@ from crossflow_ctl.store.base import (
 )
 from crossflow_ctl.store.keys import (
     EVENTS_CAP,
-    HISTORY_CAP,
     NOTICES_CAP,
     Keys,
     is_node_id,
@@ -79,7 +75,7 @@ from crossflow_ctl.store.keys import (
 from crossflow_ctl.store.redis_admin import RedisAdmin
 from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
 from crossflow_ctl.store.redis_index import NodeIndex
-from crossflow_ctl.store.redis_ingest import Coalescer
+from crossflow_ctl.store.redis_ingest import LeaseIngest
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_scripts import Scripts
 
@@ -89,9 +85,6 @@ DEFAULT_CACHE_MAX_AGE_MS = 50
 """A quarter of the agents' default 200 ms period: the staleness a cached pool read adds."""
 DEFAULT_MAX_CONNECTIONS = 64
 """Connections one store opens to Redis (per Cluster node), whatever the number of agents."""
-
-UpsertCall = tuple[str, list[str], list[Any], bool, int]
-"""(node id, keys, args, lends if accepted and not cordoned, lease expiry ms)."""
 
 
 class RedisStore(Store):
@@ -148,7 +141,7 @@ class RedisStore(Store):
         self._lenders = LenderSample(cache_max_age_ms)
         self._index = NodeIndex(client, self._k)
         self._notices = NoticeReader(client, self._k, self._backend)
-        self._upserts: Coalescer[UpsertCall] = Coalescer(self._upsert_batch)
+        self._ingest = LeaseIngest(self._k, self._scripts, self._index_lenders)
         self._admin = RedisAdmin(client, self._k, self._scripts, self._index, self._forget)
 
     @contextlib.asynccontextmanager
@@ -222,31 +215,8 @@ class RedisStore(Store):
         return codec.info_from(node_id, codec.text_map(out[-2]))
 
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
-        k = self._k.node(lease.node_id)
-        expires = now_ms + min(lease.ttl_ms, max_ttl_ms)
-        stored = StoredLease(lease=lease, received_at_ms=now_ms, expires_at_ms=expires)
-        zero = ""
-        if lease.zero_reason is not None:
-            zero = lease.zero_reason.value
-        elif lease.credits.is_zero():
-            zero = "no_capacity"
-        args: list[Any] = [
-            now_ms,
-            f"{lease.epoch:020d}{lease.version:020d}",
-            lease.epoch,
-            lease.version,
-            expires,
-            zero,
-            *lease.credits.as_tuple(),
-            lease.last_notice_seq,
-            stored.model_dump_json(),
-            HISTORY_CAP,
-            EVENTS_CAP,
-            NOTICES_CAP,
-        ]
-        keys = [k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries]
         async with self._backend("upsert_lease"):
-            out = await self._upserts.submit((lease.node_id, keys, args, not zero, expires))
+            out = await self._ingest.upsert(lease, now_ms, max_ttl_ms)
         if int(out[0]) == -1:
             raise FailedPrecondition(f"node {lease.node_id!r} is not registered", field="node_id")
         return LeaseOutcome(
@@ -255,18 +225,6 @@ class RedisStore(Store):
             stored_version=int(codec.text(out[2])),
             purged_reservations=int(out[3]),
         )
-
-    async def _upsert_batch(self, calls: Sequence[UpsertCall]) -> list[Any]:
-        """The leases that arrived together: one pipeline of ``upsert_lease`` (each lease still
-        checked and stored atomically by its own script), then one lender index update."""
-        out = await self._scripts.run_many("upsert_lease", [(c[1], c[2]) for c in calls])
-        changes: dict[str, int | None] = {}
-        for (node_id, _, _, lends, expires), reply in zip(calls, out, strict=True):
-            if not isinstance(reply, BaseException) and int(reply[0]) == 1:
-                changes[node_id] = expires if lends and not int(reply[4]) else None
-        if changes:
-            await self._index_lenders(changes)
-        return out
 
     async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
         expires = now_ms + min(load.ttl_ms, max_ttl_ms)
@@ -468,7 +426,7 @@ class RedisStore(Store):
             await self._r.ping()
 
     async def close(self) -> None:
-        await self._upserts.close()
+        await self._ingest.close()
         await self._notices.hub.close()
         if self._owned:
             with contextlib.suppress(RedisError, OSError):

@@ -92,11 +92,11 @@ async def test_leases_arriving_together_go_in_few_pipelines_and_stay_monotonic(
     nodes = [f"d{i:03d}" for i in range(200)]
     try:
         await register(store, *nodes)
-        before = store._upserts.batches
+        before = store._ingest.batches
         newer = [store.upsert_lease(lease(n, version=2), NOW, 60_000) for n in nodes]
         older = [store.upsert_lease(lease(n, version=1), NOW, 60_000) for n in nodes]
         outcomes = await asyncio.gather(*newer, *older)
-        batches = store._upserts.batches - before
+        batches = store._ingest.batches - before
         states = {s.info.node_id: s for s in await store.list_nodes(NOW)}
         view = await store.admission_view("default", [], 400, NOW)
     finally:
