@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from crossflow_ctl.cli.output import Column
@@ -216,19 +215,3 @@ POOL_COLUMNS = [
     Column("QUEUED", "queued_requests", wide=True),
     Column("PREFILL-TPS", "prefill_rate_tps", wide=True),
 ]
-
-
-def matches(labels: Mapping[str, str], selector: str) -> bool:
-    """``k=v,k2!=v2,k3`` (kubectl's equality-based selectors)."""
-    for term in filter(None, (t.strip() for t in selector.split(","))):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            if labels.get(key.strip()) == value.strip():
-                return False
-        elif "=" in term:
-            key, value = term.split("=", 1)
-            if labels.get(key.strip().rstrip("=")) != value.strip().lstrip("="):
-                return False
-        elif term not in labels:
-            return False
-    return True

@@ -38,6 +38,20 @@ async def test_get_nodes_table_json_yaml(ctl: Ctl, fleet: Fleet) -> None:
     assert doc["kind"] == "NodeList"
     assert [i["name"] for i in doc["items"]] == ["decode-1"]
 
+    # one selector grammar, applied by the broker (not a second copy in the CLI)
+    not_a = await ctl("get", "nodes", "-o", "json", "-l", "zone!=a", "--role", "decode")
+    assert not_a.rc == 0, not_a.err
+    names = sorted(i["name"] for i in json.loads(not_a.out)["items"])
+    assert "decode-1" not in names and "decode-2" in names
+    in_set = await ctl("get", "nodes", "-o", "json", "-l", "zone in (a,b)")
+    assert sorted(i["name"] for i in json.loads(in_set.out)["items"])[:2] == [
+        "decode-1",
+        "decode-2",
+    ]
+    bad = await ctl("get", "nodes", "-l", "zone=(a")
+    assert bad.rc == 2, (bad.rc, bad.out, bad.err)
+    assert "selector" in bad.err
+
     wide = await ctl("get", "nodes", "-o", "wide", "--role", "decode")
     assert "LABELS" in wide.out.splitlines()[0]
     assert "prefill-1" not in wide.out

@@ -11,7 +11,7 @@ import yaml
 from crossflow_ctl.cli.config import Context, CtlConfig, load_config, save_config
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import Column, OutputFormat, render_list, table
-from crossflow_ctl.cli.views import age, matches
+from crossflow_ctl.cli.views import age
 from crossflow_ctl.domain.errors import (
     ConfigError,
     FailedPrecondition,
@@ -38,23 +38,6 @@ def test_json_and_yaml_wrap_lists_kubectl_style() -> None:
     as_yaml = yaml.safe_load(render_list(ROWS, COLUMNS, OutputFormat.YAML, kind="NodeList"))
     assert as_json == as_yaml == {"kind": "NodeList", "items": ROWS}
     assert render_list([], COLUMNS, OutputFormat.TABLE, kind="NodeList") == "No resources found."
-
-
-@pytest.mark.parametrize(
-    ("selector", "expected"),
-    [
-        ("", True),
-        ("zone=a", True),
-        ("zone=b", False),
-        ("zone!=a", False),
-        ("gpu", True),
-        ("zone=a,gpu=h200", True),
-        ("zone=a,gpu!=h200", False),
-        ("missing", False),
-    ],
-)
-def test_label_selectors(selector: str, expected: bool) -> None:
-    assert matches({"zone": "a", "gpu": "h200"}, selector) is expected
 
 
 def test_age_is_kubectl_like() -> None:
