@@ -200,7 +200,8 @@ def pool_row(pool: PoolSnapshot) -> dict[str, Any]:
         "outstanding_uncached_tokens": pool.outstanding_uncached_tokens,
         "processing_rate_tps": pool.processing_rate_tps,
         "prefill_rate_tps": pool.prefill_rate_tps,
-        "estimated_wait_ms": wait,
+        "estimated_wait_ms": None if pool.no_rate else wait,
+        "wait": "no rate" if pool.no_rate else ("-" if wait is None else f"{wait:.0f}"),
         "queued_requests": sum(r.queued_requests for r in pool.reports),
         "reports": [r.model_dump(mode="json") for r in pool.reports],
     }
@@ -211,7 +212,7 @@ POOL_COLUMNS = [
     Column("NODES", "reporting_nodes"),
     Column("OUTSTANDING", "outstanding_uncached_tokens"),
     Column("RATE-TPS", "processing_rate_tps"),
-    Column("WAIT-MS", "estimated_wait_ms"),
+    Column("WAIT-MS", "wait"),
     Column("QUEUED", "queued_requests", wide=True),
     Column("PREFILL-TPS", "prefill_rate_tps", wide=True),
 ]

@@ -106,7 +106,7 @@ def frame(
             f"prefill pool {pool.pool}: {len(pool.reports)} servers, "
             f"{pool.outstanding_uncached_tokens} tokens outstanding, "
             f"{pool.processing_rate_tps:.0f} tokens/s, wait "
-            + (f"{wait:.0f} ms" if wait is not None else "?")
+            + ("no rate" if pool.no_rate else f"{wait:.0f} ms" if wait is not None else "?")
         )
     lines.append("")
     header = f"{'NODE':<10} {'ROLE':<8} {'STATUS':<22} {'LEASE':>8} {'COMPUTE':>8} {'KV':>8} "

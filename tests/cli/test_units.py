@@ -11,7 +11,7 @@ import yaml
 from crossflow_ctl.cli.config import Context, CtlConfig, load_config, save_config
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import Column, OutputFormat, render_list, table
-from crossflow_ctl.cli.views import age
+from crossflow_ctl.cli.views import POOL_COLUMNS, age, pool_row
 from crossflow_ctl.domain.errors import (
     ConfigError,
     FailedPrecondition,
@@ -19,6 +19,7 @@ from crossflow_ctl.domain.errors import (
     NotFound,
     StoreUnavailable,
 )
+from crossflow_ctl.domain.models import PoolLoad, PoolSnapshot
 
 COLUMNS = [Column("NAME", "name"), Column("SLOTS", "slots"), Column("POOL", "pool", wide=True)]
 ROWS = [{"name": "decode-1", "slots": 4, "pool": "a"}, {"name": "d2", "slots": 0, "pool": ""}]
@@ -87,3 +88,27 @@ def test_errors_print_as_one_line() -> None:
         "error: borrow_share: must be <= 1"
     )
     assert one_line(RuntimeError()) == "error: RuntimeError"
+
+
+def test_pool_wait_says_no_rate_instead_of_a_sentinel() -> None:
+    stalled = PoolSnapshot(
+        pool="default",
+        reports=(
+            PoolLoad(
+                node_id="prefill-1",
+                outstanding_uncached_tokens=5_000,
+                processing_rate_tps=0.0,
+                ttl_ms=1_000,
+            ),
+        ),
+    )
+    row = pool_row(stalled)
+    assert row["wait"] == "no rate" and row["estimated_wait_ms"] is None
+    text = render_list([row], POOL_COLUMNS, OutputFormat.TABLE, kind="PoolList")
+    assert "no rate" in text and "86400000" not in text
+    assert (
+        json.loads(render_list([row], POOL_COLUMNS, OutputFormat.JSON, kind="PoolList"))["items"][
+            0
+        ]["estimated_wait_ms"]
+        is None
+    )
