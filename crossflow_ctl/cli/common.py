@@ -13,8 +13,9 @@ from click.shell_completion import CompletionItem
 
 from crossflow_ctl.cli.api import BrokerSession, Target
 from crossflow_ctl.cli.config import Context, CtlConfig, CtlSettings, load_config
-from crossflow_ctl.cli.exit_codes import ExitCode, exit_code_for, one_line
+from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import FORMATS, OutputFormat
+from crossflow_ctl.settings_sources import host_port
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -50,8 +51,14 @@ class CtlState:
 
     def target(self) -> Target:
         _, ctx = self.context()
+        server = self.server_override or ctx.server
+        try:
+            host_port(server)
+        except ValueError as exc:
+            # gRPC would quietly default a bare host to port 443
+            raise CliError(f"--server {exc} (e.g. {server}:50051)", ExitCode.USAGE) from None
         return Target(
-            server=self.server_override or ctx.server,
+            server=server,
             ca_file=ctx.ca_file,
             cert_file=ctx.cert_file,
             key_file=ctx.key_file,

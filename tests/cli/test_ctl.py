@@ -149,7 +149,8 @@ async def test_wrong_server_one_clear_line_exit_4(ctl: Ctl) -> None:
     assert res.rc == 4
     assert res.out == ""
     (line,) = res.err.splitlines()
-    assert line.startswith(f"error: broker at {ctl.server} unavailable: ")
+    assert line.startswith(f"error: cannot reach the broker at {ctl.server}: ")
+    assert "store" not in line
 
 
 async def test_exit_codes_not_found_and_usage(ctl: Ctl, fleet: Fleet) -> None:
@@ -271,3 +272,11 @@ async def test_tls_context_with_unreadable_ca_is_a_usage_error(ctl: Ctl, tmp_pat
     assert res.err.splitlines() == [
         f"error: cannot read CA file {missing}: No such file or directory"
     ]
+
+
+async def test_server_without_a_port_is_refused_not_sent_to_443(ctl: Ctl) -> None:
+    ctl.server = "localhost"
+    res = await ctl("get", "nodes")
+    assert res.rc == 2, (res.out, res.err)
+    (line,) = res.err.splitlines()
+    assert "--server must be host:port" in line and "localhost:50051" in line
