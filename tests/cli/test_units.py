@@ -112,3 +112,29 @@ def test_pool_wait_says_no_rate_instead_of_a_sentinel() -> None:
         ]["estimated_wait_ms"]
         is None
     )
+
+
+def test_lazy_command_table_matches_the_commands() -> None:
+    import click
+
+    from crossflow_ctl.cli.ctl import COMMANDS, SHORT_HELP_LIMIT, cli
+
+    ctx = click.Context(cli)
+    for name, (_, short) in COMMANDS.items():
+        command = cli.get_command(ctx, name)
+        assert command is not None and command.name == name
+        assert short == command.get_short_help_str(limit=SHORT_HELP_LIMIT), name
+
+
+def test_help_does_not_import_the_simulator() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from crossflow_ctl.cli.ctl import cli; from click.testing import CliRunner; "
+        "r = CliRunner().invoke(cli, ['--help']); assert r.exit_code == 0, r.output; "
+        "print(sorted(m for m in sys.modules if m.startswith(('crossflow_ctl.sim', "
+        "'crossflow_ctl.service', 'crossflow_ctl.store', 'crossflow_ctl.client'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
