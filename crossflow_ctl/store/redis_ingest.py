@@ -12,7 +12,6 @@ call: the monotonic (epoch, version) check stays inside the script, per lease, a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -24,30 +23,39 @@ Call = TypeVar("Call")
 
 MAX_BATCH = 512
 """Calls per pipeline: bounds one pipeline's time in Redis (other clients wait behind it)."""
+MAX_IN_FLIGHT = 2
+"""Pipelines in flight at once. Two leases of one node never share a round of batches in
+practice (an agent's stream waits for each ack); if they did, the monotonic check inside the
+script refuses whichever older one runs second, so order across batches needs no guarantee."""
 
 
 class Coalescer(Generic[Call]):
     """``await submit(call)`` -> that call's reply from ``run_batch`` (a list, one per call; an
-    exception instance in a slot is raised to that caller only). One batch is in flight at a
-    time; calls made meanwhile form the next."""
+    exception instance in a slot is raised to that caller only). Up to ``max_in_flight``
+    batches run at once (the next one is encoded while Redis runs the last); calls made
+    meanwhile form the next batch."""
 
     def __init__(
         self,
         run_batch: Callable[[Sequence[Call]], Awaitable[list[Any]]],
         max_batch: int = MAX_BATCH,
+        max_in_flight: int = MAX_IN_FLIGHT,
     ) -> None:
         self._run_batch = run_batch
         self._max_batch = max_batch
+        self._max_in_flight = max_in_flight
         self._pending: list[tuple[Call, asyncio.Future[Any]]] = []
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self.batches = 0
         """Pipelines sent (a test reads it to see calls coalesce)."""
 
     async def submit(self, call: Call) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append((call, future))
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._drain(), name="crossflow-coalescer")
+        if len(self._tasks) < self._max_in_flight:
+            task = asyncio.create_task(self._drain(), name="crossflow-coalescer")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return await future
 
     async def _drain(self) -> None:
@@ -80,11 +88,10 @@ class Coalescer(Generic[Call]):
                     fut.set_result(reply)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 UpsertCall = tuple[str, list[str], list[Any], bool, int]
