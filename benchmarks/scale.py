@@ -68,15 +68,29 @@ class Stream:
         self.accepted = 0
         self.refused = 0
         self.notices = 0
-        self._call = stub.Connect()
+        self.retries = 0
+        self._stub = stub
+        self._call: Any = None
         self._window = asyncio.Semaphore(window)
         self._acked = asyncio.Event()
 
     async def open(self) -> None:
+        """Hello until welcomed: like a real agent, retry with backoff when the broker refuses
+        (a registration storm can find every Redis connection busy: UNAVAILABLE)."""
         hello = lease_pb2.Hello(node_id=self.node_id, role=common_pb2.NODE_ROLE_DECODE, epoch=1)
-        await self._call.write(lease_pb2.ConnectRequest(hello=hello))
-        first = await self._call.read()
-        assert first.WhichOneof("body") == "welcome", first
+        for attempt in range(30):
+            self._call = self._stub.Connect()
+            try:
+                await self._call.write(lease_pb2.ConnectRequest(hello=hello))
+                first = await self._call.read()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                first = None
+            if first is not None and first is not grpc.aio.EOF:
+                break
+            self.retries += 1
+            self._call.cancel()
+            await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
+        assert first is not None and first.WhichOneof("body") == "welcome", first
         asyncio.get_running_loop().create_task(self._read())
         await self.send()
         await self._acked.wait()
@@ -130,7 +144,8 @@ async def fleet(addr: str, nodes: int, prefix: str) -> None:
     t0 = time.perf_counter()
     for start in range(0, nodes, 256):  # open in waves: registration is a store write each
         await asyncio.gather(*(s.open() for s in streams[start : start + 256]))
-    print(f"ready {time.perf_counter() - t0:.2f}", flush=True)
+    retries = sum(s.retries for s in streams)
+    print(f"ready {time.perf_counter() - t0:.2f} {retries}", flush=True)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -238,7 +253,8 @@ async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, fl
         fleet_proc = await child(
             sys.executable, THIS_FILE, "--fleet", addr, "--nodes", str(nodes), "--prefix", "d"
         )
-        opened_s = float((await expect(fleet_proc, "ready", 600))[0])
+        opened = await expect(fleet_proc, "ready", 900)
+        opened_s, open_retries = float(opened[0]), int(opened[1])
         channel = grpc.aio.insecure_channel(addr)
         prefill = await prefill_load(channel)
         health = health_pb2_grpc.HealthStub(channel)
@@ -270,6 +286,7 @@ async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, fl
         return {
             "nodes": nodes,
             "open_s": opened_s,
+            "open_retries": open_retries,
             "redis_p50": redis_floor["p50"],
             "redis_p99": redis_floor["p99"],
             "grpc_p50": grpc_floor["p50"],
@@ -288,8 +305,6 @@ async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, fl
     finally:
         for proc in (fleet_proc, broker):
             if proc is not None and proc.returncode is None:
-                if proc.stdin is not None and proc is fleet_proc:
-                    proc.stdin.write(b"quit\n")
                 proc.terminate()
                 await proc.wait()
         keys = [k async for k in r.scan_iter(match=f"{namespace}*", count=1000)]
@@ -350,7 +365,8 @@ async def main(args: argparse.Namespace) -> None:
         f"lease ingest at {last['nodes']} nodes: {last['ingest_per_s']:.0f} leases/s "
         f"(target >= 10,000), {last['ingest_per_s'] / last['broker_cpu']:.0f} per broker CPU "
         f"second; stale or refused: {sum(r['refused'] for r in rows)}; "
-        f"broker Redis connections: {', '.join(str(r['conns']) for r in rows)}"
+        f"broker Redis connections: {', '.join(str(r['conns']) for r in rows)}; "
+        f"Hellos retried while opening: {', '.join(str(r['open_retries']) for r in rows)}"
     )
 
 

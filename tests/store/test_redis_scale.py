@@ -106,3 +106,40 @@ async def test_leases_arriving_together_go_in_few_pipelines_and_stay_monotonic(
     assert 1 <= batches < 20
     assert all(s.lease is not None and s.lease.lease.version == 2 for s in states.values())
     assert len(view[1]) == 200  # every node reached the (bucketed) lender index
+
+
+async def test_a_broken_wake_subscription_loses_no_notice(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Kill the store's own pub/sub connection while a relay waits: the waiter reads its
+    stream again (and polls until the subscription is back), so the notice still arrives."""
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    writer = RedisStore(redis_url, namespace=redis_namespace)
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        await register(store, "d1")
+        await writer.upsert_lease(lease("d1"), NOW, 60_000)
+        await store.read_notices("d1", 0, 10, block_ms=200)  # subscribed now
+        generation = store._notices.hub.generation
+        reader = asyncio.create_task(store.read_notices("d1", 0, 10, block_ms=20_000))
+        await asyncio.sleep(0.2)
+        ours = [
+            c
+            for c in await admin.client_list()
+            if c.get("name") == f"crossflow:{redis_namespace}" and "subscribe" in c.get("cmd", "")
+        ]
+        assert len(ours) == 1
+        await admin.client_kill_filter(_id=ours[0]["id"])
+        granted = await writer.try_debit("d1", credits(1), 1.0, NOW, 60_000)
+        notices = await asyncio.wait_for(reader, timeout=15)
+        for _ in range(100):  # and the subscription comes back on its own
+            if store._notices.hub.live and store._notices.hub.generation > generation + 1:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await store.close()
+        await writer.close()
+        await admin.aclose()
+    assert granted.reservation is not None
+    assert [n.reservation_id for n in notices] == [granted.reservation.reservation_id]
+    assert store._notices.hub.generation > generation + 1
