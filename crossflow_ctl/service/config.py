@@ -48,8 +48,10 @@ class BrokerSettings(LayeredSettings):
     """Largest gRPC message accepted or sent."""
     stream_grace_s: Annotated[float, Field(ge=0.0, le=300.0)] = 5.0
     """Time agent streams get to finish on shutdown before they are cancelled."""
-    notice_block_ms: Annotated[int, Field(ge=10, le=30_000)] = 1_000
-    """How long one relay read of the node's notices waits in the store."""
+    notice_block_ms: Annotated[int, Field(ge=10, le=300_000)] = 30_000
+    """How long one relay read of the node's notices waits for a wake before it looks again.
+    Wakes are pushed (one pub/sub subscription per replica), so a long wait costs nothing;
+    a short one makes every idle agent stream wake the replica that often."""
     notice_batch: Annotated[int, Field(ge=1, le=10_000)] = 256
     """Most notices relayed per read."""
     admin_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 2_000
