@@ -69,6 +69,8 @@ class Stream:
         self.refused = 0
         self.notices = 0
         self.retries = 0
+        self.ended = ""
+        """How the stream ended (a status name), "" while open."""
         self._stub = stub
         self._call: Any = None
         self._window = asyncio.Semaphore(window)
@@ -112,6 +114,15 @@ class Stream:
         await self._call.write(lease_pb2.ConnectRequest(lease=self._lease()))
 
     async def _read(self) -> None:
+        try:
+            await self._read_all()
+        except grpc.aio.AioRpcError as exc:
+            self.ended = exc.code().name
+        finally:
+            self.ended = self.ended or "OK"
+            self._window.release()  # a pump waiting on this stream stops
+
+    async def _read_all(self) -> None:
         while True:
             msg = await self._call.read()
             if msg is grpc.aio.EOF:
@@ -128,8 +139,11 @@ class Stream:
                 self.notices += 1
 
     async def pump(self, stop_at: float) -> None:
-        while time.perf_counter() < stop_at:
-            await self.send()
+        while time.perf_counter() < stop_at and not self.ended:
+            await self._window.acquire()
+            if self.ended:
+                return
+            await self._call.write(lease_pb2.ConnectRequest(lease=self._lease()))
 
 
 async def fleet(addr: str, nodes: int, prefix: str) -> None:
@@ -158,7 +172,8 @@ async def fleet(addr: str, nodes: int, prefix: str) -> None:
             elapsed = time.perf_counter() - t0
             accepted = sum(s.accepted for s in streams) - before
             refused = sum(s.refused for s in streams) - refused
-            print(f"ingest {accepted} {refused} {elapsed:.3f}", flush=True)
+            ended = sum(1 for s in streams if s.ended)
+            print(f"ingest {accepted} {refused} {elapsed:.3f} {ended}", flush=True)
         elif line[0] == "notices":
             print(f"notices {sum(s.notices for s in streams)}", flush=True)
         else:
@@ -276,7 +291,7 @@ async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, fl
         assert fleet_proc.stdin is not None
         fleet_proc.stdin.write(f"ingest {args.seconds}\n".encode())
         cpu_before = cpu_s(broker.pid), cpu_s(fleet_proc.pid)
-        accepted, refused, elapsed = await expect(fleet_proc, "ingest", 120 + args.seconds)
+        accepted, refused, elapsed, ended = await expect(fleet_proc, "ingest", 120 + args.seconds)
         broker_cpu = (cpu_s(broker.pid) - cpu_before[0]) / float(elapsed)
         fleet_cpu = (cpu_s(fleet_proc.pid) - cpu_before[1]) / float(elapsed)
         fleet_proc.stdin.write(b"notices\n")
@@ -297,6 +312,7 @@ async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, fl
             "borrowed_share": admits["borrowed"] / max(1, admit_lat["n"] + 50),
             "ingest_per_s": int(accepted) / float(elapsed),
             "refused": int(refused),
+            "ended": int(ended),
             "notices": int(notices),
             "conns": conns,
             "broker_cpu": broker_cpu,
@@ -364,7 +380,8 @@ async def main(args: argparse.Namespace) -> None:
     print(
         f"lease ingest at {last['nodes']} nodes: {last['ingest_per_s']:.0f} leases/s "
         f"(target >= 10,000), {last['ingest_per_s'] / last['broker_cpu']:.0f} per broker CPU "
-        f"second; stale or refused: {sum(r['refused'] for r in rows)}; "
+        f"second; stale or refused: {sum(r['refused'] for r in rows)}; streams the broker "
+        f"ended (store unavailable): {', '.join(str(r['ended']) for r in rows)}; "
         f"broker Redis connections: {', '.join(str(r['conns']) for r in rows)}; "
         f"Hellos retried while opening: {', '.join(str(r['open_retries']) for r in rows)}"
     )

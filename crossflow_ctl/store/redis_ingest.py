@@ -21,7 +21,7 @@ from crossflow_ctl.store.redis_scripts import Scripts
 
 Call = TypeVar("Call")
 
-MAX_BATCH = 512
+MAX_BATCH = 256
 """Calls per pipeline: bounds one pipeline's time in Redis (other clients wait behind it)."""
 MAX_IN_FLIGHT = 2
 """Pipelines in flight at once. Two leases of one node never share a round of batches in
