@@ -6,6 +6,9 @@
     ├── FailedPrecondition     valid input the current state refuses
     │   └── StaleLease         a lease whose (epoch, version) is not newer than the stored one
     ├── StoreUnavailable       the store errored or timed out (callers fail closed)
+    │   └── StoreAuthFailed    the store refused the credentials (a broker does not start)
+    ├── Unauthenticated        the caller proved no identity
+    ├── PermissionDenied       the caller's identity may not do this; nothing was changed
     └── ConfigError            settings refused at start
 
 The broker maps each class to one gRPC status code at the boundary; the client maps the codes
@@ -52,6 +55,19 @@ class StaleLease(FailedPrecondition):
 
 class StoreUnavailable(CrossflowError):
     """The store could not answer in time; admission fails closed to the normal path."""
+
+
+class StoreAuthFailed(StoreUnavailable):
+    """The store refused the credentials (wrong password, unknown user, no permission)."""
+
+
+class Unauthenticated(CrossflowError):
+    """The caller presented no valid identity (certificate or bearer token)."""
+
+
+class PermissionDenied(CrossflowError):
+    """The caller's identity may not do this (another router's reservation, another node's
+    lease, an admin RPC); nothing was changed."""
 
 
 class ConfigError(CrossflowError):
