@@ -210,7 +210,7 @@ def server_credentials(settings: AuthSettings) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(
         [(key, cert)],
         root_certificates=client_ca,
-        require_client_auth=client_ca is not None and tls.client_cert == "required",
+        require_client_auth=client_ca is not None,
     )
 
 

@@ -49,32 +49,42 @@ def _with_token(details: Any, token: str) -> Any:
     return details._replace(metadata=grpc.aio.Metadata(*metadata))
 
 
-class BearerToken(
-    grpc.aio.UnaryUnaryClientInterceptor,  # type: ignore[misc]
-    grpc.aio.UnaryStreamClientInterceptor,  # type: ignore[misc]
-    grpc.aio.StreamUnaryClientInterceptor,  # type: ignore[misc]
-    grpc.aio.StreamStreamClientInterceptor,  # type: ignore[misc]
-):
-    """Adds ``authorization: Bearer <token>`` to every call of the channel."""
-
+# grpc.aio files an interceptor under the first call kind it matches, so each kind gets its own.
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     def __init__(self, token: str) -> None:
         self._token = token
 
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(_with_token(details, self._token), request)
 
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    def __init__(self, token: str) -> None:
+        self._token = token
+
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(_with_token(details, self._token), request)
 
-    async def intercept_stream_unary(
-        self, continuation: Any, details: Any, request_iterator: Any
-    ) -> Any:
-        return await continuation(_with_token(details, self._token), request_iterator)
 
-    async def intercept_stream_stream(
-        self, continuation: Any, details: Any, request_iterator: Any
-    ) -> Any:
-        return await continuation(_with_token(details, self._token), request_iterator)
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(_with_token(details, self._token), requests)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(_with_token(details, self._token), requests)
+
+
+def bearer_interceptors(token: str) -> list[Any]:
+    """Interceptors adding ``authorization: Bearer <token>`` to every call of a channel."""
+    return [cls(token) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 
 
 def channel_credentials(creds: ClientCredentials) -> grpc.ChannelCredentials:
@@ -99,7 +109,7 @@ def open_channel(
     opts = list(options)
     interceptors = []
     if creds.token_file is not None:
-        interceptors.append(BearerToken(read_token(creds.token_file)))
+        interceptors = bearer_interceptors(read_token(creds.token_file))
     if not creds.tls:
         return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
     if creds.server_name:

@@ -6,16 +6,16 @@ checked against the broker's certificate; ``token_file`` holds a bearer token se
 ``authorization: Bearer <token>`` on every call (for meshes that terminate TLS).
 
 ``AuthSettings`` (broker ``auth``): ``tls`` (server certificate and key; a client CA turns on
-mTLS identities, ``client_cert`` says whether a certificate is required or optional), a token
-file of hashes (:mod:`.identity`), the SPIFFE trust domain, the services left open, and whether
-routers may use the read-only admin RPCs. With neither a client CA nor a token file, callers are
-not authenticated (the loopback demo); ``required: true`` refuses to start that way.
+mutual TLS, required of every caller, and identities from certificates), a token file of hashes
+(:mod:`.identity`), the SPIFFE trust domain, the services left open, and whether routers may use
+the read-only admin RPCs. With neither a client CA nor a token file, callers are not
+authenticated (the loopback demo); ``required: true`` refuses to start that way.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -61,10 +61,9 @@ class ServerTLS(_Model):
     key_file: Path | None = None
     """PEM private key of ``cert_file``."""
     client_ca_file: Path | None = None
-    """PEM CA bundle for client certificates: identities from SPIFFE URIs (mutual TLS)."""
-    client_cert: Literal["required", "optional"] = "required"
-    """With a client CA: refuse the TLS handshake without a client certificate, or accept it
-    (the caller may then present a bearer token instead)."""
+    """PEM CA bundle for client certificates: mutual TLS, required of every caller (grpc's
+    Python server cannot ask for an optional one); identities from their SPIFFE URIs, else a
+    bearer token."""
 
     @model_validator(mode="after")
     def _pairs(self) -> ServerTLS:
