@@ -99,6 +99,15 @@ def channel_credentials(creds: ClientCredentials) -> grpc.ChannelCredentials:
     )
 
 
+def check_credentials(creds: ClientCredentials) -> ClientCredentials:
+    """``creds`` once every file it names has been read and parsed; ConfigError otherwise."""
+    if creds.token_file is not None:
+        read_token(creds.token_file)
+    if creds.tls:
+        channel_credentials(creds)
+    return creds
+
+
 def open_channel(
     target: str,
     creds: ClientCredentials | None = None,
