@@ -121,10 +121,9 @@ async def test_router_cannot_commit_or_release_another_routers_reservation(
             # An admin may release any router's reservation.
             other = await b.admit(uncached_prompt_tokens=1_000, expected_output_tokens=100)
             assert other.decision is Decision.BORROW, other.message
-            released = await AdmissionClient(t, channel=admin._channel, timeout_s=5).release(
-                other.reservation_id
-            )
-            assert released == other.reservation_id
+            admin_creds = brokers.creds("admin", "ops")
+            async with AdmissionClient(t, timeout_s=5, credentials=admin_creds) as operator:
+                assert await operator.release(other.reservation_id) == other.reservation_id
     finally:
         await _close(agents)
 
