@@ -6,12 +6,11 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from click.shell_completion import CompletionItem
 
-from crossflow_ctl.cli.api import BrokerSession, Target
 from crossflow_ctl.cli.config import (
     CREDENTIAL_FIELDS,
     Context,
@@ -19,8 +18,12 @@ from crossflow_ctl.cli.config import (
     CtlSettings,
     load_config,
 )
-from crossflow_ctl.cli.exit_codes import ExitCode, exit_code_for, one_line
+from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import FORMATS, OutputFormat
+from crossflow_ctl.settings_sources import host_port
+
+if TYPE_CHECKING:  # the client is imported by the commands that call the broker, not by --help
+    from crossflow_ctl.cli.api import BrokerSession, Target
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,8 +67,16 @@ class CtlState:
 
     def target(self) -> Target:
         _, ctx = self.context()
+        server = self.server_override or ctx.server
+        try:
+            host_port(server)
+        except ValueError as exc:
+            # gRPC would quietly default a bare host to port 443
+            raise CliError(f"--server {exc} (e.g. {server}:50051)", ExitCode.USAGE) from None
+        from crossflow_ctl.cli.api import Target
+
         return Target(
-            server=self.server_override or ctx.server,
+            server=server,
             credentials=ctx.credentials(**self.credential_flags),
             timeout_s=ctx.defaults.timeout_s,
         )
@@ -79,6 +90,8 @@ class CtlState:
         return chosen or self.context()[1].defaults.pool
 
     def session(self) -> BrokerSession:
+        from crossflow_ctl.cli.api import BrokerSession
+
         return BrokerSession(self.target())
 
 

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from crossflow_ctl.cli.output import OutputFormat
 from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.security import ClientCredentials
+from crossflow_ctl.settings_sources import host_port
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 DEFAULT_CONFIG_PATH = Path("~/.config/crossflow/config.yaml")
@@ -76,6 +77,11 @@ class Context(_Kebab):
     server_name: str | None = None
     token_file: Path | None = None
     defaults: ContextDefaults = ContextDefaults()
+
+    @field_validator("server")
+    @classmethod
+    def _server_has_a_port(cls, value: str) -> str:
+        return host_port(value)
 
     @property
     def tls(self) -> bool:

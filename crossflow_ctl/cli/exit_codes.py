@@ -20,8 +20,8 @@ from crossflow_ctl.domain.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
-    StoreUnavailable,
     Unauthenticated,
+    Unavailable,
 )
 
 
@@ -45,7 +45,7 @@ class CliError(Exception):
 
 
 def _is_unavailable(exc: BaseException) -> bool:
-    if isinstance(exc, StoreUnavailable | ConnectionError | TimeoutError):
+    if isinstance(exc, Unavailable | ConnectionError | TimeoutError):
         return True
     name = type(exc).__name__.lower()
     return "unavailable" in name or "connect" in name or "deadline" in name

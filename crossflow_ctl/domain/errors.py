@@ -5,8 +5,10 @@
     ├── NotFound               an unknown node or reservation
     ├── FailedPrecondition     valid input the current state refuses
     │   └── StaleLease         a lease whose (epoch, version) is not newer than the stored one
-    ├── StoreUnavailable       the store errored or timed out (callers fail closed)
-    │   └── StoreAuthFailed    the store refused the credentials (a broker does not start)
+    ├── Unavailable            something could not answer in time (callers fail closed)
+    │   ├── StoreUnavailable   the broker's store errored or timed out
+    │   │   └── StoreAuthFailed  the store refused the credentials (a broker does not start)
+    │   └── BrokerUnavailable  the broker could not be reached or did not answer (client side)
     ├── Unauthenticated        the caller proved no identity
     ├── PermissionDenied       the caller's identity may not do this; nothing was changed
     └── ConfigError            settings refused at start
@@ -53,8 +55,16 @@ class StaleLease(FailedPrecondition):
         self.stored_version = stored_version
 
 
-class StoreUnavailable(CrossflowError):
-    """The store could not answer in time; admission fails closed to the normal path."""
+class Unavailable(CrossflowError):
+    """Something could not answer in time; admission fails closed to the normal path."""
+
+
+class StoreUnavailable(Unavailable):
+    """The store could not answer in time (the broker was reached)."""
+
+
+class BrokerUnavailable(Unavailable):
+    """The broker could not be reached or did not answer in time (raised by clients)."""
 
 
 class StoreAuthFailed(StoreUnavailable):

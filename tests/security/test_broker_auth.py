@@ -22,8 +22,8 @@ from crossflow_ctl.domain.errors import (
     ConfigError,
     NotFound,
     PermissionDenied,
-    StoreUnavailable,
     Unauthenticated,
+    Unavailable,
 )
 from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.security import AuthSettings, ClientCredentials
@@ -196,7 +196,7 @@ async def test_mtls_broker_refuses_callers_without_a_certificate(brokers: Broker
     no_cert = ClientCredentials(ca_file=brokers.ca.cert, server_name="localhost")
     for creds in (no_cert, None):  # TLS without a client certificate, and plaintext
         async with AdminClient(t, timeout_s=5, credentials=creds) as client:
-            with pytest.raises(StoreUnavailable):  # the handshake fails: UNAVAILABLE
+            with pytest.raises(Unavailable):  # the handshake fails: UNAVAILABLE
                 await client.list_nodes()
     # A certificate from another CA is refused too.
     from tests.security.pki import TestCA
@@ -206,7 +206,7 @@ async def test_mtls_broker_refuses_callers_without_a_certificate(brokers: Broker
         ca_file=brokers.ca.cert, cert_file=rogue.cert, key_file=rogue.key, server_name="localhost"
     )
     async with AdminClient(t, timeout_s=5, credentials=forged) as client:
-        with pytest.raises(StoreUnavailable):
+        with pytest.raises(Unavailable):
             await client.cordon("d1", "forged")
 
 
