@@ -76,11 +76,9 @@ def owner_filter() -> str | None:
 
 
 def peer_identity(context: grpc.aio.ServicerContext, trust_domain: str) -> Identity | None:
-    """The identity in the verified client certificate's SAN URIs, if any."""
-    auth = context.auth_context()
-    for raw in auth.get("x509_subject_alternative_name", ()):
-        uri = raw.decode(errors="replace")
-        who = parse_identity_uri(uri, trust_domain)
+    """The identity among the verified client certificate's SAN entries, if any."""
+    for raw in context.peer_identities() or ():
+        who = parse_identity_uri(raw.decode(errors="replace"), trust_domain)
         if who is not None:
             return who
     return None
@@ -103,6 +101,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._tokens = tokens
         self._rules = rules(settings)
         self._open = frozenset(settings.open_services)
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     def allowed(self, method: str) -> frozenset[Role] | None:
         """The roles allowed to call ``method``; None when anyone may."""
@@ -135,10 +134,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         roles = self.allowed(method)
         if handler is None or roles is None:
             return handler
-        metadata = details.invocation_metadata
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:  # one wrapper per method: the check reads the call's own context
+            wrapped = self._wrapped[method] = _wrap(handler, self._checker(method, roles))
+        return wrapped
 
+    def _checker(
+        self, method: str, roles: frozenset[Role]
+    ) -> Callable[[grpc.aio.ServicerContext], Awaitable[Identity]]:
         async def check(context: grpc.aio.ServicerContext) -> Identity:
-            who, why = self.authenticate(context, metadata)
+            who, why = self.authenticate(context, context.invocation_metadata())
             if who is None:
                 log.info("auth.unauthenticated", method=method, why=why)
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authorization: {why}")
@@ -151,7 +156,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 )
             return who
 
-        return _wrap(handler, check)
+        return check
 
 
 def _wrap(
