@@ -128,3 +128,55 @@ async def test_mtls_broker_agents_and_crossflowctl_processes(procs: Procs, tmp_p
     assert rc == 4, err
     assert [n["cordoned"] for n in await nodes()] == [False]
     assert "PERMISSION_DENIED" in (tmp_path / "agent-d2.log").read_text()
+
+
+async def _ctl_plain(config: Path, *args: str) -> tuple[int, str, str]:
+    env = {**os.environ, "CROSSFLOWCTL_CONFIG": str(config)}
+    env.pop("CROSSFLOWCTL_SERVER", None)
+    proc = await asyncio.create_subprocess_exec(
+        _ctl_binary(),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    async with asyncio.timeout(30):
+        out, err = await proc.communicate()
+    return int(proc.returncode or 0), out.decode(), err.decode()
+
+
+async def test_crossflowctl_context_keeps_a_token_and_tls_settings(
+    brokers: Any, tmp_path: Path
+) -> None:
+    """A context made with set-context carries the token (and TLS files) to every command."""
+    from tests.security.conftest import target
+
+    server = await brokers.start(brokers.tokens({"admin-token": "admin/ops"}, tls=True))
+    address = target(server)
+    config = tmp_path / "ctl.yaml"
+    token = tmp_path / "admin.token"
+    token.write_text("admin-token\n")
+    rc, _, err = await _ctl_plain(
+        config,
+        "config",
+        "set-context",
+        "prod",
+        "--server",
+        address,
+        "--ca-file",
+        str(brokers.ca.cert),
+        "--server-name",
+        "localhost",
+        "--token-file",
+        str(token),
+        "--use",
+    )
+    assert rc == 0, err
+    rc, out, err = await _ctl_plain(config, "get", "nodes", "-o", "json")
+    assert rc == 0, err
+    assert json.loads(out)["items"] == []
+    wrong = tmp_path / "wrong.token"
+    wrong.write_text("guessed\n")
+    rc, _, err = await _ctl_plain(config, "--token-file", str(wrong), "get", "nodes")
+    assert rc == 6, err  # the flag overrides the context's token; the broker refuses it
+    assert "unknown bearer token" in err
