@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from crossflow_ctl.domain.admission import check_demand
 from crossflow_ctl.domain.models import (
@@ -31,6 +31,7 @@ from crossflow_ctl.domain.policy import PolicySettings
 
 MAX_UPDATES_PER_S = 1_000.0
 MAX_HEARTBEAT_MS = 60_000
+MIN_HEARTBEAT_MS = 100
 
 
 class RoomStatus(StrEnum):
@@ -104,6 +105,13 @@ class RoomWatchRequest(Frozen):
     """At most this many updates a second (0: the broker's default; capped by its setting)."""
     heartbeat_ms: Annotated[int, Field(ge=0, le=MAX_HEARTBEAT_MS)] = 0
     """An update at least this often even when nothing changed (0: the broker's default)."""
+
+    @field_validator("heartbeat_ms")
+    @classmethod
+    def _heartbeat_not_too_short(cls, value: int) -> int:
+        if 0 < value < MIN_HEARTBEAT_MS:
+            raise ValueError(f"must be 0 (the broker's default) or at least {MIN_HEARTBEAT_MS}")
+        return value
 
 
 def node_room(node: NodeState, share: float, now_ms: int) -> NodeRoom | None:

@@ -111,9 +111,7 @@ async def test_reoffers_in_fifo_order_until_one_is_refused() -> None:
 async def test_shortest_first_order_and_prompts_too_big_for_any_node_are_skipped() -> None:
     broker, clock = FakeBroker(room=0), ManualClock(0)
     queue, _ = make(broker, clock, order="shortest")
-    tickets = [
-        await queue.submit(req(r, t)) for r, t in (("a", 9_000), ("b", 3_000), ("c", 500))
-    ]
+    tickets = [await queue.submit(req(r, t)) for r, t in (("a", 9_000), ("b", 3_000), ("c", 500))]
     broker.calls.clear()
     broker.room = 4_000
     await queue.on_room(room(4_000))
