@@ -17,8 +17,9 @@ Driving it:
   deadlines and re-asks ``prefill_room`` every ``recheck_ms`` on the system clock, and closes
   the queue when the stream ends or the task is cancelled;
 * discrete-event (no sleeps): give it a ``ManualClock`` and call ``submit``, ``on_room`` and
-  ``tick`` yourself; ``next_deadline_ms()`` says when the next hold deadline falls. Nothing
-  here sleeps or spawns a task outside ``run``.
+  ``tick`` yourself (``on_room``, ``tick`` and ``close`` return the outcomes they decided);
+  ``next_deadline_ms()`` says when the next hold deadline falls. Nothing here sleeps or spawns
+  a task outside ``run``.
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ class AdmissionQueue:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._closed = False
+        self._step: list[Outcome] = []
+        """Outcomes decided by the on_room / tick / close call in progress."""
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -179,6 +182,7 @@ class AdmissionQueue:
         since = self.clock.now_ms()
         admission = await self.admitter.admit(request)
         async with self._lock:
+            self._step = []
             if admission.decision is Decision.BORROW:
                 self._decide(ticket, admission, Dispatch.BORROWED, since, 1)
                 return ticket
@@ -199,15 +203,17 @@ class AdmissionQueue:
                 self._wake.set()
         return ticket
 
-    async def on_room(self, update: RoomUpdate) -> None:
+    async def on_room(self, update: RoomUpdate) -> list[Outcome]:
         """A room update: dispatch everything if Demand is gone or room is unknown; else
-        re-offer held prompts in order until one is refused. Then deadlines and prefill room."""
+        re-offer held prompts in order until one is refused. Then deadlines and prefill room.
+        Returns the outcomes decided here, in order (also delivered to tickets and callback)."""
         async with self._lock:
+            self._step = []
             self._expire()
             cause = self._book.on_room(update.view)
             if cause is not None:
                 self._dispatch_all(cause)
-                return
+                return self._step
             for held in self._book.to_reoffer(update.view):
                 if held.key not in self._book:
                     continue
@@ -220,33 +226,42 @@ class AdmissionQueue:
                     continue
                 if step is Step.DISPATCH_ALL:
                     self._dispatch_all(self._book.dispatch_for(admission))
-                    return
+                    return self._step
                 break
             self._expire()
             self._to_prefill()
+            return self._step
 
-    async def tick(self) -> None:
-        """Fire due hold deadlines and re-ask ``prefill_room``, at the clock's current time."""
+    async def tick(self) -> list[Outcome]:
+        """Fire due hold deadlines and re-ask ``prefill_room``, at the clock's current time.
+        Returns the outcomes decided here."""
         async with self._lock:
+            self._step = []
             self._expire()
             self._to_prefill()
+            return self._step
 
     async def withdraw(self, ticket: Ticket) -> Outcome | None:
         """Stop holding ``ticket``'s prompt: it is dispatched NORMAL (WITHDRAWN). Returns its
         outcome, or None when it was not held (it already has its outcome)."""
         async with self._lock:
+            self._step = []
             held = self._book.take(ticket)
             if held is None:
                 return None
             self._finish(held, held.last, Dispatch.WITHDRAWN)
             return ticket.outcome
 
-    async def close(self) -> None:
-        """Dispatch everything held to prefill (CLOSED); later prompts are never held."""
+    async def close(self) -> list[Outcome]:
+        """Dispatch everything held to prefill (CLOSED); later prompts are never held.
+        Returns the outcomes decided here."""
         async with self._lock:
+            self._step = []
             self._closed = True
             self._dispatch_all(Dispatch.CLOSED)
+            step = self._step
         self._wake.set()
+        return step
 
     # -- live driver ----------------------------------------------------------------------------
     async def run(self, updates: AsyncIterable[RoomUpdate]) -> None:
@@ -324,6 +339,7 @@ class AdmissionQueue:
             offers=offers,
         )
         ticket._resolve(outcome)
+        self._step.append(outcome)
         self._held_changed()
         for observer in self._observers:
             observer.decided(outcome)
