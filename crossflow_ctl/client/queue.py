@@ -53,6 +53,8 @@ class Outcome(Frozen):
     """Time between submit and this outcome, on the queue's clock."""
     offers: int = 1
     """Admit calls made for this prompt."""
+    held: bool = False
+    """Whether it was held (its outcome came after the first answer, not with it)."""
 
     @property
     def borrowed(self) -> bool:
@@ -120,7 +122,7 @@ class QueueStats:
 
     def decided(self, outcome: Outcome) -> None:
         self.by_dispatch[outcome.dispatch] = self.by_dispatch.get(outcome.dispatch, 0) + 1
-        if outcome.dispatch not in (Dispatch.BORROWED, Dispatch.NOT_HELD, Dispatch.OVERFLOW):
+        if outcome.held:
             self.hold_ms_total += outcome.held_ms
             self.held_outcomes += 1
 
@@ -276,6 +278,10 @@ class AdmissionQueue:
             with contextlib.suppress(asyncio.CancelledError):
                 await timer
             await asyncio.shield(self.close())
+            aclose = getattr(updates, "aclose", None)
+            if aclose is not None:  # end the stream now (a gRPC watch), not at GC
+                with contextlib.suppress(Exception):
+                    await aclose()
 
     async def _timer(self) -> None:
         while not self._closed:
@@ -318,7 +324,7 @@ class AdmissionQueue:
             self._finish(held, held.last, cause)
 
     def _finish(self, held: Held[Ticket], admission: Admission, cause: Dispatch) -> None:
-        self._decide(held.key, admission, cause, held.since_ms, held.offers)
+        self._decide(held.key, admission, cause, held.since_ms, held.offers, held=True)
 
     @staticmethod
     def _closed_cause(worth_holding: bool) -> Dispatch:
@@ -329,7 +335,14 @@ class AdmissionQueue:
             observer.held_changed(len(self._book))
 
     def _decide(
-        self, ticket: Ticket, admission: Admission, cause: Dispatch, since_ms: int, offers: int
+        self,
+        ticket: Ticket,
+        admission: Admission,
+        cause: Dispatch,
+        since_ms: int,
+        offers: int,
+        *,
+        held: bool = False,
     ) -> None:
         outcome = Outcome(
             request=ticket.request,
@@ -337,6 +350,7 @@ class AdmissionQueue:
             dispatch=cause,
             held_ms=max(0, self.clock.now_ms() - since_ms),
             offers=offers,
+            held=held,
         )
         ticket._resolve(outcome)
         self._step.append(outcome)

@@ -163,7 +163,7 @@ class Router:
     def _dispatched(self, outcome: Outcome) -> None:
         cause = outcome.dispatch.value
         self.stats.dispatch[cause] = self.stats.dispatch.get(cause, 0) + 1
-        if outcome.dispatch not in (Dispatch.BORROWED, Dispatch.NOT_HELD, Dispatch.OVERFLOW):
+        if outcome.held:
             self.stats.held_ms.append(float(outcome.held_ms))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -79,7 +79,7 @@ async def test_held_then_borrowed_when_room_appears() -> None:
     out = await a
     assert out.dispatch is Dispatch.BORROWED_LATE and out.borrowed
     assert out.admission.reservation_id == "r1@d1"
-    assert out.held_ms == 120 and out.offers == 2
+    assert out.held_ms == 120 and out.offers == 2 and out.held
     assert queue.held == 0 and seen == [out]
     assert queue.stats.reoffers == 1 and queue.stats.hold_ms_total == 120
 
@@ -91,6 +91,7 @@ async def test_first_offer_borrow_and_no_demand_are_not_held() -> None:
     broker.demand = False
     normal = await queue.submit(req("b"))
     assert dispatches([borrowed, normal]) == [Dispatch.BORROWED, Dispatch.NOT_HELD]
+    assert not any(t.outcome is not None and t.outcome.held for t in (borrowed, normal))
     assert normal.outcome is not None and normal.outcome.admission.reason is Reason.NO_DEMAND
     assert queue.held == 0
 
@@ -158,6 +159,8 @@ async def test_prefill_room_dispatches_in_order_while_the_router_says_so() -> No
     free["slots"] = 1
     d = await queue.submit(req("d"))  # prefill has room at the first refusal: never held
     assert dispatches([d]) == [Dispatch.PREFILL_ROOM] and queue.held == 1
+    assert d.outcome is not None and not d.outcome.held
+    assert all(t.outcome is not None and t.outcome.held for t in tickets[:2])
 
 
 async def test_demand_gone_or_room_unknown_dispatches_everything() -> None:
