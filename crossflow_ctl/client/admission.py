@@ -21,7 +21,12 @@ from crossflow_ctl.client.errors import error_from_rpc
 from crossflow_ctl.client.models import CommitResult
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
 from crossflow_ctl.domain.clock import SystemClock
-from crossflow_ctl.domain.errors import CrossflowError, InvalidArgument, StoreUnavailable
+from crossflow_ctl.domain.errors import (
+    BrokerUnavailable,
+    CrossflowError,
+    InvalidArgument,
+    StoreUnavailable,
+)
 from crossflow_ctl.domain.models import validated
 from crossflow_ctl.domain.room import RoomUpdate, RoomWatchRequest, unknown_room
 from crossflow_ctl.wire.convert_admission import admission_from_proto, admit_request_to_proto
@@ -71,7 +76,7 @@ class _Base:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
         except grpc.RpcError as exc:  # pragma: no cover - aio raises AioRpcError
-            raise StoreUnavailable(str(exc)) from None
+            raise BrokerUnavailable(str(exc)) from None
 
 
 class AdmissionClient(_Base):
@@ -96,12 +101,14 @@ class AdmissionClient(_Base):
             code = exc.code()
             if not self.fail_closed or code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise error_from_rpc(exc) from None
-            reason = (
-                Reason.TIMEOUT
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED
-                else Reason.STORE_UNAVAILABLE
-            )
-            return Admission.normal(reason, f"broker call failed ({code.name}): {exc.details()}")
+            error = error_from_rpc(exc)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                reason = Reason.TIMEOUT
+            elif isinstance(error, StoreUnavailable):
+                reason = Reason.STORE_UNAVAILABLE
+            else:
+                reason = Reason.BROKER_UNAVAILABLE
+            return Admission.normal(reason, str(error))
         return admission_from_proto(msg)
 
     async def commit(self, reservation_id: str) -> CommitResult:

@@ -39,7 +39,8 @@ class Dispatch(StrEnum):
     NO_DEMAND = "no_demand"
     """Held, then Demand stopped holding (a room update or a re-offer said so)."""
     ROOM_UNKNOWN = "room_unknown"
-    """Held, then the broker was in doubt (room unknown, store unavailable, timeout)."""
+    """Held, then the broker was in doubt or out of reach (room unknown, store or broker
+    unavailable, timeout)."""
     OVERFLOW = "overflow"
     """Would have been held, but ``max_held`` prompts already were (or holding is off)."""
     WITHDRAWN = "withdrawn"
@@ -65,7 +66,7 @@ class QueueConfig(Frozen):
     """How often the live queue re-asks the router's prefill-room predicate while holding."""
 
 
-DOUBT = frozenset({Reason.STORE_UNAVAILABLE, Reason.TIMEOUT})
+DOUBT = frozenset({Reason.STORE_UNAVAILABLE, Reason.TIMEOUT, Reason.BROKER_UNAVAILABLE})
 
 
 class Step(StrEnum):

@@ -23,13 +23,14 @@ class FakeBroker:
         self.room = room
         self.demand = demand
         self.down = False
+        self.down_reason = Reason.STORE_UNAVAILABLE
         self.calls: list[str] = []
         self._rid = 0
 
     async def admit(self, request: AdmissionRequest) -> Admission:
         self.calls.append(request.request_id)
         if self.down:
-            return Admission.normal(Reason.STORE_UNAVAILABLE, "down")
+            return Admission.normal(self.down_reason, "down")
         if not self.demand:
             return Admission.normal(Reason.NO_DEMAND, "prefill keeps up")
         if request.uncached_prompt_tokens > self.room:
@@ -176,8 +177,14 @@ async def test_demand_gone_or_room_unknown_dispatches_everything() -> None:
     assert queue.held == 0 and not broker.calls[4:]  # no re-offer on either update
 
 
-async def test_a_reoffer_that_finds_no_demand_or_a_store_in_doubt_dispatches_all() -> None:
+@pytest.mark.parametrize(
+    "doubt", [Reason.STORE_UNAVAILABLE, Reason.TIMEOUT, Reason.BROKER_UNAVAILABLE]
+)
+async def test_a_reoffer_that_finds_no_demand_or_a_broker_in_doubt_dispatches_all(
+    doubt: Reason,
+) -> None:
     broker, clock = FakeBroker(room=0), ManualClock(0)
+    broker.down_reason = doubt
     queue, _ = make(broker, clock)
     first = [await queue.submit(req(r)) for r in "ab"]
     broker.demand = False
@@ -189,7 +196,7 @@ async def test_a_reoffer_that_finds_no_demand_or_a_store_in_doubt_dispatches_all
     await queue.on_room(room(5_000))
     assert dispatches(second) == [Dispatch.ROOM_UNKNOWN] * 2
     assert second[0].outcome is not None
-    assert second[0].outcome.admission.reason is Reason.STORE_UNAVAILABLE
+    assert second[0].outcome.admission.reason is doubt
 
 
 async def test_overflow_and_zero_hold_dispatch_at_once() -> None:
