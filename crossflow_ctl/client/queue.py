@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import structlog
 
 from crossflow_ctl.client.holding import Dispatch, Held, HoldBook, QueueConfig, Step
-from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.clock import Clock, SystemClock
 from crossflow_ctl.domain.models import Frozen
 from crossflow_ctl.domain.room import RoomUpdate
@@ -179,7 +179,10 @@ class AdmissionQueue:
     # -- the three inputs: a prompt, a room update, time ----------------------------------------
     async def submit(self, request: AdmissionRequest) -> Ticket:
         """Offer ``request`` once; hold it if the answer is worth holding for. The returned
-        ticket is already done unless the prompt is held."""
+        ticket is already done unless the prompt is held. An error of this first Admit (bad
+        input, or a client that does not fail closed) propagates and nothing is held; errors
+        of later re-offers never do (they read as BROKER_UNAVAILABLE: everything held goes to
+        prefill)."""
         ticket = Ticket(request)
         since = self.clock.now_ms()
         admission = await self.admitter.admit(request)
@@ -221,7 +224,7 @@ class AdmissionQueue:
                     continue
                 for observer in self._observers:
                     observer.reoffered(held.request)
-                admission = await self.admitter.admit(held.request)
+                admission = await self._reoffer(held.request)
                 step = self._book.answered(held, admission)
                 if step is Step.BORROWED:
                     self._finish(held, admission, Dispatch.BORROWED_LATE)
@@ -299,6 +302,14 @@ class AdmissionQueue:
             await self.tick()
 
     # -- helpers (called with the lock held) ----------------------------------------------------
+    async def _reoffer(self, request: AdmissionRequest) -> Admission:
+        """A re-offer never raises: an admitter error reads as a broker out of reach."""
+        try:
+            return await self.admitter.admit(request)
+        except Exception as exc:
+            log.warning("admission_queue.reoffer_failed", error=repr(exc))
+            return Admission.normal(Reason.BROKER_UNAVAILABLE, f"re-offer failed: {exc}")
+
     def _prefill_has_room(self, request: AdmissionRequest) -> bool:
         if self.prefill_room is None:
             return False

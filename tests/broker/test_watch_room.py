@@ -110,6 +110,13 @@ async def test_heartbeats_keep_coming_when_nothing_changes(cluster: Any) -> None
         beats = [await next_where(updates, lambda u: True) for _ in range(2)]
         assert [b.seq for b in beats] == [first.seq + 1, first.seq + 2]
         assert all(b.heartbeat and b.view == first.view for b in beats)
+        assert server.broker.rooms.active == 1
+        await updates.aclose()  # type: ignore[attr-defined]
+        for _ in range(1_000):  # the broker ends its side: no watch is left behind
+            if not server.broker.rooms.active:
+                break
+            await asyncio.sleep(0.01)
+        assert server.broker.rooms.active == 0
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from crossflow_ctl.client.holding import Dispatch, HoldBook, QueueConfig
 from crossflow_ctl.client.queue import AdmissionQueue, Outcome, Ticket
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.clock import ManualClock
+from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.room import NodeRoom, RoomStatus, RoomUpdate, RoomView
 
 
@@ -24,11 +25,14 @@ class FakeBroker:
         self.demand = demand
         self.down = False
         self.down_reason = Reason.STORE_UNAVAILABLE
+        self.broken = False
         self.calls: list[str] = []
         self._rid = 0
 
     async def admit(self, request: AdmissionRequest) -> Admission:
         self.calls.append(request.request_id)
+        if self.broken:
+            raise StoreUnavailable("transport error")
         if self.down:
             return Admission.normal(self.down_reason, "down")
         if not self.demand:
@@ -197,6 +201,19 @@ async def test_a_reoffer_that_finds_no_demand_or_a_broker_in_doubt_dispatches_al
     assert dispatches(second) == [Dispatch.ROOM_UNKNOWN] * 2
     assert second[0].outcome is not None
     assert second[0].outcome.admission.reason is doubt
+
+
+async def test_an_admitter_error_on_submit_propagates_but_on_a_reoffer_fails_closed() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock)
+    held = await queue.submit(req("a"))
+    broker.broken = True
+    with pytest.raises(StoreUnavailable):
+        await queue.submit(req("b"))
+    assert queue.held == 1
+    step = await queue.on_room(room(5_000))
+    assert [o.dispatch for o in step] == [Dispatch.ROOM_UNKNOWN] and held.outcome == step[0]
+    assert step[0].admission.reason is Reason.BROKER_UNAVAILABLE and not queue.closed
 
 
 async def test_overflow_and_zero_hold_dispatch_at_once() -> None:
