@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from crossflow_ctl.client.holding import Dispatch, HoldBook, QueueConfig
 from crossflow_ctl.client.queue import AdmissionQueue, Outcome, Ticket
@@ -303,3 +306,86 @@ def test_hold_book_is_deterministic_and_pure() -> None:
     assert book.to_reoffer(room(0).view) == []
     assert [h.key for h in book.due(100)] == ["k1"] and len(book) == 1
     assert book.next_deadline_ms() == 150
+
+
+ops = st.one_of(
+    st.tuples(st.just("submit"), st.integers(100, 6_000)),
+    st.tuples(st.just("room"), st.integers(0, 8_000), st.booleans(), st.booleans()),
+    st.tuples(st.just("advance"), st.integers(0, 400)),
+    st.tuples(st.just("withdraw"), st.integers(0, 50)),
+    st.tuples(st.just("broker"), st.booleans(), st.booleans()),
+)
+
+
+HELD_ONLY = {
+    Dispatch.BORROWED_LATE,
+    Dispatch.DEADLINE,
+    Dispatch.NO_DEMAND,
+    Dispatch.ROOM_UNKNOWN,
+    Dispatch.WITHDRAWN,
+    Dispatch.CLOSED,
+}
+FIRST_ONLY = {Dispatch.BORROWED, Dispatch.NOT_HELD, Dispatch.OVERFLOW}
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(ops, min_size=1, max_size=60), shortest=st.booleans())
+async def test_any_interleaving_gives_every_prompt_exactly_one_outcome(
+    steps: list[tuple[Any, ...]], shortest: bool
+) -> None:
+    """Random submits, room updates, clock moves, withdrawals and broker moods: no prompt is
+    answered twice (Ticket raises), none stays held past its deadline once time is looked at,
+    the held gauge agrees, and after close() every prompt has exactly one outcome."""
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    order = "shortest" if shortest else "fifo"
+    queue, seen = make(broker, clock, max_held=5, max_hold_ms=300, order=order)
+    tickets: list[Ticket] = []
+    for kind, *args in steps:
+        await apply(queue, broker, clock, tickets, kind, args)
+        assert queue.held <= 5 and queue.stats.held == queue.held
+        if kind in ("room", "advance"):
+            deadline = queue.next_deadline_ms()
+            assert deadline is None or deadline > clock.now_ms()
+    await queue.close()
+    assert all(t.done() for t in tickets) and queue.held == 0
+    assert sorted(o.request.request_id for o in seen) == sorted(
+        t.request.request_id for t in tickets
+    )
+    for t in tickets:
+        assert t.outcome is not None
+        check_outcome(t.outcome)
+
+
+async def apply(
+    queue: AdmissionQueue,
+    broker: FakeBroker,
+    clock: ManualClock,
+    tickets: list[Ticket],
+    kind: str,
+    args: list[Any],
+) -> None:
+    if kind == "submit":
+        tickets.append(await queue.submit(req(f"r{len(tickets)}", args[0])))
+    elif kind == "room":
+        broker.room = args[0]
+        update = room(args[0], demand=args[1])
+        if not args[2]:
+            update = RoomUpdate(seq=1, at_ms=0, view=RoomView(status=RoomStatus.UNKNOWN))
+        await queue.on_room(update)
+    elif kind == "advance":
+        clock.advance(args[0])
+        await queue.tick()
+    elif kind == "withdraw" and tickets:
+        await queue.withdraw(tickets[args[0] % len(tickets)])
+    elif kind == "broker":
+        broker.demand, broker.down = args
+
+
+def check_outcome(out: Outcome) -> None:
+    assert out.borrowed == (out.dispatch in (Dispatch.BORROWED, Dispatch.BORROWED_LATE))
+    if out.dispatch in HELD_ONLY:
+        assert out.held and out.offers >= 1
+    if out.dispatch in FIRST_ONLY:
+        assert not out.held and out.offers == 1 and out.held_ms == 0
+    if out.dispatch is Dispatch.DEADLINE:
+        assert out.held_ms >= 300
