@@ -66,6 +66,8 @@ class QueueConfig(Frozen):
     """How often the live queue re-asks the router's prefill-room predicate while holding."""
 
 
+MAX_REQUEST_ID_LEN = 256
+"""AdmissionRequest.request_id's limit."""
 DOUBT = frozenset({Reason.STORE_UNAVAILABLE, Reason.TIMEOUT, Reason.BROKER_UNAVAILABLE})
 
 
@@ -178,6 +180,19 @@ class HoldBook(Generic[K]):
         biggest = view.max_compute_tokens
         fits = [h for h in self.ordered() if h.request.uncached_prompt_tokens <= biggest]
         return fits[: self.config.max_reoffers_per_update]
+
+    @staticmethod
+    def reoffer_request(held: Held[K]) -> AdmissionRequest:
+        """The request a re-offer sends: the same prompt under a request id of its own
+        (``<id>#<offer>``), since a broker that keeps request records replays the first
+        answer to a repeated id. Each offer is a new admission attempt; only one can borrow,
+        as nothing is re-offered once borrowed. An empty id stays empty."""
+        base = held.request.request_id
+        if not base:
+            return held.request
+        suffix = f"#{held.offers + 1}"
+        request_id = base[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
+        return held.request.model_copy(update={"request_id": request_id})
 
     def answered(self, held: Held[K], admission: Admission) -> Step:
         """Record a re-offer's answer; a BORROWED prompt is removed from the book."""

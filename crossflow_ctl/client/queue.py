@@ -224,7 +224,7 @@ class AdmissionQueue:
                     continue
                 for observer in self._observers:
                     observer.reoffered(held.request)
-                admission = await self._reoffer(held.request)
+                admission = await self._reoffer(self._book.reoffer_request(held))
                 step = self._book.answered(held, admission)
                 if step is Step.BORROWED:
                     self._finish(held, admission, Dispatch.BORROWED_LATE)

@@ -29,11 +29,21 @@ class FakeBroker:
         self.down = False
         self.down_reason = Reason.STORE_UNAVAILABLE
         self.broken = False
+        self.records: dict[str, Admission] | None = None
+        """When set, answers are replayed by request_id (a broker keeping request records)."""
         self.calls: list[str] = []
         self._rid = 0
 
     async def admit(self, request: AdmissionRequest) -> Admission:
         self.calls.append(request.request_id)
+        if self.records is not None and request.request_id in self.records:
+            return self.records[request.request_id]
+        answer = await self._answer(request)
+        if self.records is not None:
+            self.records[request.request_id] = answer
+        return answer
+
+    async def _answer(self, request: AdmissionRequest) -> Admission:
         if self.broken:
             raise StoreUnavailable("transport error")
         if self.down:
@@ -92,6 +102,28 @@ async def test_held_then_borrowed_when_room_appears() -> None:
     assert queue.stats.reoffers == 1 and queue.stats.hold_ms_total == 120
 
 
+async def test_reoffers_use_their_own_request_ids_so_recorded_answers_do_not_replay() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    broker.records = {}
+    queue, _ = make(broker, clock)
+    ticket = await queue.submit(req("a"))
+    await queue.on_room(room(1_000))  # the broker has none left: refused as "a#2"
+    broker.room = 5_000
+    await queue.on_room(room(5_000))
+    assert broker.calls == ["a", "a#2", "a#3"]
+    assert ticket.outcome is not None and ticket.outcome.dispatch is Dispatch.BORROWED_LATE
+    assert ticket.outcome.request.request_id == "a" and ticket.outcome.offers == 3
+    long_id = "x" * 256
+    book: HoldBook[str] = HoldBook(QueueConfig())
+    book.hold("k", req(long_id), Admission.normal(Reason.NO_ROOM, ""), 0)
+    again = book.reoffer_request(next(iter(book)))
+    assert again.request_id.endswith("#2") and len(again.request_id) == 256
+    assert AdmissionRequest.model_validate(again.model_dump()) == again
+    anonymous: HoldBook[str] = HoldBook(QueueConfig())
+    anonymous.hold("k", req(""), Admission.normal(Reason.NO_ROOM, ""), 0)
+    assert anonymous.reoffer_request(next(iter(anonymous))).request_id == ""
+
+
 async def test_first_offer_borrow_and_no_demand_are_not_held() -> None:
     broker, clock = FakeBroker(room=1_000), ManualClock(0)
     queue, _ = make(broker, clock)
@@ -112,7 +144,7 @@ async def test_reoffers_in_fifo_order_until_one_is_refused() -> None:
     broker.room = 4_000
     await queue.on_room(room(4_000))
     # a borrows (2,000 left), b is refused: the pass stops, c is not offered though it would fit.
-    assert broker.calls == ["a", "b"]
+    assert broker.calls == ["a#2", "b#2"]
     assert dispatches(tickets) == [Dispatch.BORROWED_LATE, None, None]
     assert [r.request_id for r in queue.held_requests()] == ["b", "c"]
 
@@ -125,7 +157,7 @@ async def test_shortest_first_order_and_prompts_too_big_for_any_node_are_skipped
     broker.room = 4_000
     await queue.on_room(room(4_000))
     # c then b fit (3,500 of 4,000); a needs more than any node has and is never offered.
-    assert broker.calls == ["c", "b"]
+    assert broker.calls == ["c#2", "b#2"]
     assert dispatches(tickets) == [None, Dispatch.BORROWED_LATE, Dispatch.BORROWED_LATE]
 
 
