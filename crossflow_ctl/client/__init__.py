@@ -9,7 +9,14 @@ from crossflow_ctl.client.admin import AdminClient
 from crossflow_ctl.client.admission import AdmissionClient
 from crossflow_ctl.client.holding import Dispatch, QueueConfig
 from crossflow_ctl.client.models import CommitResult, NodeDetailView, NodeEventView, NodeView
-from crossflow_ctl.client.queue import AdmissionQueue, Admitter, Outcome, Ticket
+from crossflow_ctl.client.queue import (
+    AdmissionQueue,
+    Admitter,
+    Outcome,
+    QueueObserver,
+    QueueStats,
+    Ticket,
+)
 
 __all__ = [
     "AdminClient",
@@ -23,5 +30,7 @@ __all__ = [
     "NodeView",
     "Outcome",
     "QueueConfig",
+    "QueueObserver",
+    "QueueStats",
     "Ticket",
 ]
