@@ -28,11 +28,11 @@ class RoomWatchSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     poll_ms: Annotated[int, Field(ge=10, le=10_000)] = 100
-    """Each watch re-reads the store's admission view at least this often, so room changed
-    through another replica (or by expiry) is seen within it; this replica's own lease ingest,
-    releases and cordons wake its watches at once."""
+    """The replica re-reads the store's admission view for each watched (pool, candidates) at
+    least this often, so room changed through another replica (or by expiry) is seen within it;
+    this replica's own lease ingest, releases and cordons trigger a read at once."""
     min_read_ms: Annotated[int, Field(ge=1, le=10_000)] = 20
-    """Least time between two reads of one watch, however often it is woken."""
+    """Least time between two reads for one (pool, candidates), however often it is woken."""
     max_updates_per_s: Annotated[float, Field(gt=0.0, le=1_000.0, allow_inf_nan=False)] = 10.0
     """Default and ceiling of a watch's update rate; bursts in between are coalesced."""
     heartbeat_ms: Annotated[int, Field(ge=100, le=60_000)] = 1_000

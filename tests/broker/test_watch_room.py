@@ -194,3 +194,26 @@ async def test_admission_queue_borrows_a_held_prompt_when_room_appears(
         assert held_again.outcome is not None
         assert held_again.outcome.dispatch is Dispatch.CLOSED
         assert held_again.outcome.admission.reason is Reason.NO_ROOM
+
+
+async def test_watches_of_the_same_room_share_one_read_loop(cluster: Any, agents: Any) -> None:
+    server = await cluster.start(room=ROOM)
+    decode = await agents(server, "d1")
+    rooms = server.broker.rooms
+    async with AdmissionClient(target(server), timeout_s=5) as client:
+        first, second = client.watch_room(), client.watch_room(max_updates_per_s=5.0)
+        only_d1 = client.watch_room(candidate_node_ids=("d1",))
+        for updates in (first, second, only_d1):
+            await next_where(updates, lambda u: True)
+        assert rooms.active == 3 and rooms.feeds == 2
+        await decode.send_lease(credits={"compute_tokens": 3_000})
+        for updates in (first, second, only_d1):
+            seen = await next_where(updates, lambda u: u.view.has_room)
+            assert seen.view.max_compute_tokens == 3_000
+        for updates in (first, second, only_d1):
+            await updates.aclose()  # type: ignore[attr-defined]
+        for _ in range(1_000):
+            if not rooms.active and not rooms.feeds:
+                break
+            await asyncio.sleep(0.01)
+        assert (rooms.active, rooms.feeds) == (0, 0)
