@@ -262,3 +262,16 @@ async def test_bad_token_file_is_refused_naming_the_field(brokers: Brokers) -> N
         await brokers.start(AuthSettings(token_file=path))
     assert refused.value.field == "auth.token_file"
     brokers.servers.clear()
+
+
+async def test_watch_room_is_for_routers_not_nodes(brokers: Brokers) -> None:
+    server = await brokers.start(brokers.mtls())
+    t = target(server)
+    async with AdmissionClient(t, credentials=brokers.creds("node", "d1")) as node:
+        with pytest.raises(PermissionDenied):
+            async for _ in node.watch_room(pool="default"):
+                break
+    async with AdmissionClient(t, credentials=brokers.creds("router", "a")) as router:
+        async for update in router.watch_room(pool="default"):
+            assert update.seq >= 1  # the stream answers a router
+            break
