@@ -28,15 +28,15 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import structlog
-from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.asyncio import Redis, RedisCluster
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from crossflow_ctl.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
+    StoreAuthFailed,
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import (
@@ -63,6 +63,7 @@ from crossflow_ctl.store.base import (
     NodeEvent,
     Store,
     check_debit_args,
+    owner_arg,
 )
 from crossflow_ctl.store.keys import (
     EVENTS_CAP,
@@ -74,6 +75,7 @@ from crossflow_ctl.store.keys import (
 )
 from crossflow_ctl.store.redis_admin import RedisAdmin
 from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
+from crossflow_ctl.store.redis_connect import RedisConnection, connect
 from crossflow_ctl.store.redis_index import NodeIndex
 from crossflow_ctl.store.redis_ingest import LeaseIngest
 from crossflow_ctl.store.redis_notices import NoticeReader
@@ -111,25 +113,20 @@ class RedisStore(Store):
         socket_timeout_s: float = 1.0,
         op_timeout_s: float = 3.0,
         cache_max_age_ms: int = DEFAULT_CACHE_MAX_AGE_MS,
+        connection: RedisConnection | None = None,
         cluster: bool = False,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         if isinstance(client, str):
-            # No client-side retry: a debit script retried after a lost reply would grant
-            # twice. One failure is StoreUnavailable and admission fails closed (§5.6).
-            options: dict[str, Any] = {
-                "socket_timeout": socket_timeout_s,
-                "socket_connect_timeout": socket_timeout_s,
-                "retry": Retry(NoBackoff(), retries=0),
-                "client_name": f"crossflow:{namespace}",  # CLIENT LIST shows whose they are
-            }
-            if cluster:
-                client = RedisCluster.from_url(client, max_connections=max_connections, **options)
-            else:
-                pool = BlockingConnectionPool.from_url(
-                    client, max_connections=max_connections, timeout=op_timeout_s, **options
-                )
-                client = Redis(connection_pool=pool, retry=options["retry"])
+            client = connect(
+                client,
+                connection or RedisConnection(),
+                socket_timeout_s,
+                client_name=f"crossflow:{namespace}",  # CLIENT LIST shows whose they are
+                cluster=cluster,
+                max_connections=max_connections,
+                pool_timeout_s=op_timeout_s,
+            )
             self._owned = True
         else:
             self._owned = False
@@ -149,6 +146,13 @@ class RedisStore(Store):
         try:
             async with asyncio.timeout(self._op_timeout_s + extra_s):
                 yield
+        except AuthenticationError as exc:
+            raise StoreAuthFailed(f"redis refused the credentials: {exc}") from None
+        except ResponseError as exc:
+            if str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+                raise StoreAuthFailed(f"redis refused the credentials: {exc}") from None
+            log.warning("store_unavailable", op=what, error=repr(exc))
+            raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("store_unavailable", op=what, error=repr(exc))
             raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
@@ -270,8 +274,9 @@ class RedisStore(Store):
         now_ms: int,
         hold_ttl_ms: int,
         request_id: str = "",
+        owner: str = "",
     ) -> DebitOutcome:
-        check_debit_args(share, hold_ttl_ms)
+        check_debit_args(share, hold_ttl_ms, owner)
         if not is_node_id(node_id):
             return DebitOutcome(granted=False, refusal="unknown_node")
         k = self._k.node(node_id)
@@ -282,7 +287,7 @@ class RedisStore(Store):
             out = await self._run(
                 "try_debit",
                 [k.info, k.lease, k.reservations, k.notices, k.expiries],
-                [*args, NOTICES_CAP],
+                [*args, NOTICES_CAP, owner],
             )
         status = codec.text(out[0])
         if status == "unknown_node":
@@ -312,6 +317,7 @@ class RedisStore(Store):
             expires_at_ms=expires,
             grant_seq=int(out[3]),
             request_id=request_id,
+            owner=owner,
         )
         return DebitOutcome.model_construct(
             granted=True, reservation=res, lease_epoch=epoch, lease_version=version
@@ -327,20 +333,30 @@ class RedisStore(Store):
             raise NotFound(f"unknown reservation {reservation_id!r}", field="reservation_id")
         if status == "expired":
             raise NotFound(f"reservation {reservation_id!r} expired", field="reservation_id")
+        if status == "not_owner":
+            raise PermissionDenied(
+                f"reservation {reservation_id!r} belongs to another router",
+                field="reservation_id",
+            )
         if status == "released":
             raise FailedPrecondition(
                 f"reservation {reservation_id!r} was released", field="reservation_id"
             )
         return codec.reservation_from(reservation_id, node_id, out[1])
 
-    async def commit(self, reservation_id: str, now_ms: int, commit_ttl_ms: int) -> Reservation:
+    async def commit(
+        self, reservation_id: str, now_ms: int, commit_ttl_ms: int, owner: str | None = None
+    ) -> Reservation:
         if commit_ttl_ms <= 0:
             raise InvalidArgument("commit_ttl_ms must be positive", field="commit_ttl_ms")
-        args = [now_ms, reservation_id, now_ms + commit_ttl_ms, NOTICES_CAP]
+        args = [now_ms, reservation_id, now_ms + commit_ttl_ms, NOTICES_CAP, owner_arg(owner)]
         return await self._change("commit", reservation_id, args)
 
-    async def release(self, reservation_id: str, now_ms: int) -> Reservation:
-        return await self._change("release", reservation_id, [now_ms, reservation_id, NOTICES_CAP])
+    async def release(
+        self, reservation_id: str, now_ms: int, owner: str | None = None
+    ) -> Reservation:
+        args = [now_ms, reservation_id, NOTICES_CAP, owner_arg(owner)]
+        return await self._change("release", reservation_id, args)
 
     # -- operators --------------------------------------------------------------------------
     async def set_cordon(self, node_id: str, cordoned: bool, reason: str, now_ms: int) -> NodeInfo:
