@@ -88,7 +88,7 @@ class BrokerSettings(LayeredSettings):
     """Store deadline for admin, commit, release and lease calls (StoreUnavailable after)."""
     redis_cluster: bool = False
     """``redis_url`` names a node of a Redis Cluster (keys spread over its masters)."""
-    redis_max_connections: Annotated[int, Field(ge=2, le=10_000)] = 64
+    redis_max_connections: Annotated[int, Field(ge=2, le=10_000)] = 128
     """Most Redis connections this replica opens (per Cluster node), whatever the number of
     agents it serves; callers wait for a free one."""
     node_expiry_s: Annotated[float, Field(ge=0.0, le=30 * 86_400)] = 3_600.0

@@ -34,7 +34,7 @@ def connect(
     *,
     client_name: str | None = None,
     cluster: bool = False,
-    max_connections: int = 64,
+    max_connections: int = 128,
     pool_timeout_s: float = 3.0,
 ) -> Redis | RedisCluster:
     """A client for ``url``: at most ``max_connections`` connections (per node of a Cluster);

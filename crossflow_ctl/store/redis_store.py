@@ -85,7 +85,7 @@ log = structlog.get_logger()
 
 DEFAULT_CACHE_MAX_AGE_MS = 50
 """A quarter of the agents' default 200 ms period: the staleness a cached pool read adds."""
-DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_MAX_CONNECTIONS = 128
 """Connections one store opens to Redis (per Cluster node), whatever the number of agents."""
 
 
