@@ -247,13 +247,62 @@ class Roofline:
         return StepCost(flops, nbytes, compute, memory, gpu, host, max(gpu, host) + self.overhead_s)
 
     def step_s(self, batch: int, context: int, chunk: int = 0, prefix: int = 0) -> float:
-        """Predicted wall time of one engine step (seconds)."""
-        return self.cost(batch, context, chunk, prefix).step_s
+        """Predicted wall time of one engine step (seconds): :meth:`cost`'s ``step_s``, inlined
+        (the agent and the simulator call it in loops; tests pin the two to each other)."""
+        tokens = batch + chunk
+        if tokens == 0:
+            return 0.0
+        if not chunk:
+            prefix = 0
+        inv_f, inv_b, pen, tile = self.inv_flops, self.inv_bw, self.penalty, self.tile
+        t_c = self.dense_flops_per_row * (tokens if tokens > tile else tile) * inv_f
+        t_m = self.dense_bytes * inv_b
+        gpu = t_c + pen * t_m if t_c > t_m else t_m + pen * t_c
+        if self.experts:
+            touched = self.experts * (1.0 - self.keep**tokens)
+            rows = tokens * self.per_token
+            if touched * tile > rows:
+                rows = touched * tile
+            t_c = self.expert_flops_per_row * rows * inv_f
+            t_m = self.expert_bytes * touched / self.experts * inv_b
+            gpu += t_c + pen * t_m if t_c > t_m else t_m + pen * t_c
+        pairs = self.full_layers * (context + chunk * (chunk / 2.0 + prefix))
+        read = self.full_layers * (context + prefix + chunk)
+        if self.window_layers:
+            w = self.window
+            windowed = context if context < batch * w else batch * w
+            span = chunk / 2.0 + prefix
+            pairs += self.window_layers * (windowed + chunk * (span if span < w else w))
+            read += self.window_layers * (windowed + (prefix if prefix < w else w) + chunk)
+        t_c = self.attn_flops * pairs * inv_f
+        t_m = self.kv_layer_bytes * read * inv_b
+        gpu += t_c + pen * t_m if t_c > t_m else t_m + pen * t_c
+        host = self.host_s + self.host_req_s * (batch + 1 if chunk else batch)
+        return (gpu if gpu > host else host) + self.overhead_s
+
+
+_BY_IDENTITY: dict[tuple[int, int], tuple[ModelSpec, NodeProfile, Roofline]] = {}
+
+
+def roofline(model: ModelSpec, node: NodeProfile) -> Roofline:
+    """The precomputed constants for ``(model, node)``.
+
+    Looked up by object identity first (hashing two pydantic models costs more than the step
+    time itself); the entry keeps both objects alive, so an id is never reused while cached.
+    Both are frozen, so equal objects give equal constants either way."""
+    key = (id(model), id(node))
+    hit = _BY_IDENTITY.get(key)
+    if hit is not None and hit[0] is model and hit[1] is node:
+        return hit[2]
+    if len(_BY_IDENTITY) >= 256:
+        _BY_IDENTITY.clear()
+    roof = _by_value(model, node)
+    _BY_IDENTITY[key] = (model, node, roof)
+    return roof
 
 
 @lru_cache(maxsize=64)
-def roofline(model: ModelSpec, node: NodeProfile) -> Roofline:
-    """The precomputed constants for ``(model, node)`` (both frozen, so hashable)."""
+def _by_value(model: ModelSpec, node: NodeProfile) -> Roofline:
     return Roofline.of(model, node)
 
 
@@ -265,7 +314,9 @@ def step_cost(model: ModelSpec, node: NodeProfile, shape: StepShape) -> StepCost
 
 def step_time_s(model: ModelSpec, node: NodeProfile, shape: StepShape) -> float:
     """Predicted wall time of one engine step of ``shape`` (seconds)."""
-    return step_cost(model, node, shape).step_s
+    return roofline(model, node).step_s(
+        shape.batch, shape.context_tokens, shape.prefill_tokens, shape.prefix_tokens
+    )
 
 
 # -- presets ----------------------------------------------------------------------------------

@@ -9,10 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, StepShape, step_time_s
+from crossflow_ctl.domain.lease_credits import LeaseSettings, compute_capacity
 from crossflow_ctl.domain.leasing import (
     ItlGuard,
-    LeaseSettings,
-    compute_capacity,
     decide,
     implausibility,
     pool_load,

@@ -132,3 +132,18 @@ def test_step_time_never_falls_when_work_is_added(model, node, batch, ctx, chunk
                   prefix_tokens=prefix),
     ):  # fmt: skip
         assert step_time_s(m, n, more) >= base - 1e-12
+
+
+@given(
+    st.sampled_from(sorted(MODEL_PRESETS)),
+    st.sampled_from(sorted(NODE_PRESETS)),
+    st.integers(0, 512),
+    st.integers(0, 2_000_000),
+    st.integers(0, 16_384),
+    st.integers(0, 200_000),
+)
+def test_the_inlined_step_time_is_the_costed_one(model, node, batch, ctx, chunk, prefix) -> None:  # type: ignore[no-untyped-def]
+    r = roofline(MODEL_PRESETS[model], NODE_PRESETS[node])
+    assert r.step_s(batch, ctx, chunk, prefix) == pytest.approx(
+        r.cost(batch, ctx, chunk, prefix).step_s, rel=1e-12, abs=1e-15
+    )

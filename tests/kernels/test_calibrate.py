@@ -16,7 +16,7 @@ from crossflow_agent.cli import cli
 from crossflow_agent.profile import load_profile
 from crossflow_ctl.domain.calibration import TimingSample, roofline_time_s
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, NodeProfile
-from crossflow_ctl.domain.leasing import LeaseSettings, compute_capacity
+from crossflow_ctl.domain.lease_credits import LeaseSettings, compute_capacity
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 

@@ -1,0 +1,247 @@
+"""What borrowed prompt work costs a decode node, and which of it the broker already counts.
+
+Pure helpers shared by the lease rules (:mod:`crossflow_ctl.domain.leasing`), the admission
+policy's debit (:func:`crossflow_ctl.domain.admission.debit_for`) and the simulator's engine.
+
+**Chunks.** A decode step that carries a borrowed prefill chunk of P uncached tokens over a prefix
+of X tokens takes ``t(B, C, P; X)`` and every decode request waits for it, so the engine runs
+the best-rate chunk (on the grid of multiples of ``step``) with ``t <= budget``
+(:func:`best_chunk`; :class:`ChunkSizer` per prompt). Step time rises with P, so the feasible
+chunks are a prefix of the grid and a secant search finds its end in a few step-time
+evaluations (:func:`largest_chunk`).
+
+**Per-token cost.** Borrowed prefill runs back to back in such chunks, so a token of a prompt
+whose attended context is x (cached prefix + tokens already done) costs about ``budget / P(x)``
+seconds of the node's time, and with step time near-linear in P and x that is linear in x:
+``cost_s(U, X) = U * (a + b * (X + U/2))`` for U uncached tokens over a cached prefix X. The agent
+measures ``a`` and ``b`` at its current decode load (:func:`prefill_coefficients`) and puts them in
+the lease; the broker prices each prompt with them (:func:`compute_debit`).
+
+**Counted once.** The agent's telemetry already shows borrowed work that reached the engine
+(outstanding borrowed prompt tokens, the KV borrowed requests hold), while the broker keeps
+counting each reservation's debit until it is released (and a causally later lease arrives,
+DESIGN.md §5.4). :class:`OpenDebits` is the agent's view of the reservations the broker still
+counts, built from its grant/release/expire notices; the lease adds back the part of the telemetry
+those debits cover, so each borrowed request is subtracted once, by the broker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from crossflow_ctl.domain.capacity import Roofline
+from crossflow_ctl.domain.models import MAX_TOKENS, Notice, NoticeKind
+
+
+def largest_chunk(
+    roof: Roofline,
+    budget_s: float,
+    batch: int,
+    context: int,
+    prefix: int,
+    step: int,
+    max_chunk: int,
+    base_s: float | None = None,
+) -> tuple[int, float]:
+    """(largest grid chunk P with ``t(batch, context, P; prefix) <= budget_s``, its step time);
+    (0, 0.0) when not even one grid step fits. ``base_s`` is ``t(batch, context)`` if known."""
+    top = max_chunk // step
+    if top < 1:
+        return 0, 0.0
+    t_lo = roof.step_s(batch, context, step, prefix)
+    if t_lo > budget_s:
+        return 0, 0.0
+    base = roof.step_s(batch, context) if base_s is None else base_s
+    return last_fitting(
+        lambda n: roof.step_s(batch, context, n * step, prefix), budget_s, 1, t_lo, top, base, step
+    )
+
+
+def best_chunk(
+    roof: Roofline,
+    budget_s: float,
+    batch: int,
+    context: int,
+    prefix: int,
+    step: int,
+    max_chunk: int,
+    base_s: float | None = None,
+) -> tuple[int, float]:
+    """(the grid chunk with the highest rate ``P / t`` among those within the budget, its t).
+
+    Usually the largest that fits (fixed step costs amortise over more tokens); when the
+    chunk's attention, quadratic in P, dominates, the rate peaks below it: ``P / t(P)`` is
+    unimodal in P, so a check one grid step down says which, and a ternary search finds the
+    peak in the rare second case. The best rate over a set that shrinks as the load grows (or
+    the budget tightens) never rises, which keeps every credit monotonic."""
+    size, t = largest_chunk(roof, budget_s, batch, context, prefix, step, max_chunk, base_s)
+    n = size // step
+    if n <= 1:
+        return size, t
+    t_below = roof.step_s(batch, context, (n - 1) * step, prefix)
+    if (n - 1) / t_below <= n / t:
+        return size, t
+    lo, hi = 1, n - 1
+    while hi - lo > 2:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        r1 = m1 / roof.step_s(batch, context, m1 * step, prefix)
+        r2 = m2 / roof.step_s(batch, context, m2 * step, prefix)
+        if r1 < r2:
+            lo = m1 + 1
+        else:
+            hi = m2
+    best = max(range(lo, hi + 1), key=lambda k: k / roof.step_s(batch, context, k * step, prefix))
+    return best * step, roof.step_s(batch, context, best * step, prefix)
+
+
+def last_fitting(
+    t_of: Callable[[int], float],
+    budget: float,
+    lo: int,
+    t_lo: float,
+    top: int,
+    t_zero: float,
+    scale: int = 1,
+) -> tuple[int, float]:
+    """Largest n in [lo, top] with ``t_of(n) <= budget`` for increasing ``t_of``, given that
+    ``t_of(lo) = t_lo <= budget`` and ``t_of(0) = t_zero``; returns (n * scale, t_of(n)).
+
+    A secant through (0, t_zero) and (lo, t_lo) guesses the crossing; then bracketing steps
+    interpolate inside (lo, hi). Step time is near-linear in the work added, so this takes two
+    to four evaluations where a scan of the grid takes dozens."""
+    slope = (t_lo - t_zero) / lo if lo > 0 else 0.0
+    guess = top if slope <= 0.0 else lo + int((budget - t_lo) / slope)
+    hi, t_hi = top + 1, math.inf
+    if guess > lo:
+        n = min(top, guess)
+        t_n = t_of(n)
+        if t_n <= budget:
+            if n == top:
+                return n * scale, t_n
+            lo, t_lo = n, t_n
+        else:
+            hi, t_hi = n, t_n
+    while hi - lo > 1:
+        if t_hi == math.inf:
+            mid = min(top, lo + max(1, (lo + 1) // 2))
+        else:
+            mid = lo + int((budget - t_lo) / (t_hi - t_lo) * (hi - lo))
+            mid = min(hi - 1, max(lo + 1, mid))
+        t_mid = t_of(mid)
+        if t_mid <= budget:
+            lo, t_lo = mid, t_mid
+            if mid == top:
+                break
+        else:
+            hi, t_hi = mid, t_mid
+    return lo * scale, t_lo
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSizer:
+    """An engine's borrowed-chunk rule: the best-rate grid chunk that keeps the step within the
+    ITL budget for this prompt's prefix at the current decode load (at least one grid step, so
+    work in hand always progresses)."""
+
+    roof: Roofline
+    budget_s: float
+    step: int
+    max_chunk: int
+
+    def chunk(self, batch: int, context: int, prefix: int) -> int:
+        size, _ = best_chunk(
+            self.roof, self.budget_s, batch, context, prefix, self.step, self.max_chunk
+        )
+        return size or self.step
+
+
+class PrefillCoefficients(NamedTuple):
+    """Seconds of node time per borrowed uncached token: ``a + b * attended_context``."""
+
+    a_s: float = 0.0
+    b_s: float = 0.0
+
+    def cost_s(self, uncached: int, cached: int) -> float:
+        """Node seconds to prefill ``uncached`` tokens over a ``cached`` prefix."""
+        return uncached * (self.a_s + self.b_s * (cached + uncached / 2.0))
+
+
+def prefill_coefficients(
+    roof: Roofline,
+    budget_s: float,
+    batch: int,
+    context: int,
+    chunk: int,
+    chunk_s: float,
+    reference_prefix: int,
+    base_s: float,
+    max_chunk: int,
+) -> PrefillCoefficients:
+    """``a`` and ``b`` at the current decode load, from the chunk sized at ``reference_prefix``.
+
+    ``s1 = chunk_s / chunk`` is the per-token time at the reference prefix. One more step-time
+    evaluation at prefix 0 gives the slope at a fixed chunk, ``beta``; an engine that sizes each
+    chunk for its prefix runs ``P(x) ~ (budget - base) / (alpha + beta * x)`` tokens per step, so
+    its per-token time has slope ``beta * budget / (budget - base)``. The line passes through the
+    reference point, so a prompt over the reference prefix costs exactly what the advertised rate
+    says, and ``a`` is floored at ``base / max_chunk`` (no step is shorter than the bare decode).
+    """
+    if chunk <= 0 or chunk_s <= 0.0:
+        return PrefillCoefficients()
+    s1 = chunk_s / chunk
+    if reference_prefix <= 0:
+        return PrefillCoefficients(a_s=s1)
+    s0 = roof.step_s(batch, context, chunk, 0) / chunk
+    beta = max(0.0, (s1 - s0) / reference_prefix)
+    slack = budget_s - base_s
+    slope = beta * budget_s / slack if slack > 0 else beta
+    floor = base_s / max(1, max_chunk)
+    a = max(floor, s1 - slope * reference_prefix)
+    return PrefillCoefficients(a_s=a, b_s=slope)
+
+
+def compute_debit(uncached: int, cached: int, a_s: float, b_s: float, rate_tps: float) -> int:
+    """The compute credit one prompt takes: its node seconds x the lease's borrowed-prefill rate.
+
+    The compute credit counts *tokens at the lease's rate* (seconds of borrowed prefill x
+    ``rate_tps``). A lease without coefficients (``a_s == 0``) prices every token alike, so the
+    debit is the uncached tokens, as before coefficients existed."""
+    if a_s <= 0.0 or rate_tps <= 0.0:
+        return uncached
+    seconds = uncached * (a_s + b_s * (cached + uncached / 2.0))
+    return min(MAX_TOKENS, math.ceil(seconds * rate_tps - 1e-9))
+
+
+@dataclass(slots=True)
+class OpenDebits:
+    """The reservations the broker still counts against this node, as its notices tell.
+
+    GRANT opens one (with its debit), RELEASE and EXPIRE close it; COMMIT changes nothing the
+    broker counts. ``compute`` and ``kv`` are the sums of the open debits. Feed each notice once
+    (the agent skips sequence numbers it has seen)."""
+
+    debits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    compute: int = 0
+    kv: int = 0
+
+    def record(self, kind: NoticeKind, reservation_id: str, compute: int, kv: int) -> None:
+        if kind is NoticeKind.GRANT and reservation_id not in self.debits:
+            self.debits[reservation_id] = (compute, kv)
+            self.compute += compute
+            self.kv += kv
+        elif kind is NoticeKind.RELEASE or kind is NoticeKind.EXPIRE:
+            gone = self.debits.pop(reservation_id, None)
+            if gone is not None:
+                self.compute -= gone[0]
+                self.kv -= gone[1]
+
+    def apply(self, notices: list[Notice]) -> None:
+        for n in notices:
+            self.record(n.kind, n.reservation_id, n.debit.compute_tokens, n.debit.kv_tokens)
+
+    def totals(self) -> OpenDebits:
+        """A copy of the sums alone, frozen in time (for a lease computed later)."""
+        return OpenDebits(compute=self.compute, kv=self.kv)
