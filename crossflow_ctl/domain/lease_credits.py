@@ -9,14 +9,16 @@ step time of :mod:`crossflow_ctl.domain.capacity`, H = borrow horizon in seconds
 ``borrowed_prefix_tokens``):
 
 * **budget** ``= itl_slo_ms / 1000 * slo_margin``: the longest step the node may run.
-* **chunk and rate**: among grid chunks P (multiples of ``chunk_step_tokens`` up to
-  ``max_chunk_tokens``) with ``t(B, C, P; X_ref) <= budget``, the one with the best
-  ``rate = P / t``: the borrowed-prefill rate of a prompt over the reference prefix. Engines size
-  each borrowed chunk for the prompt's real prefix the same way
+* **chunk**: among grid chunks P (multiples of ``chunk_step_tokens`` up to
+  ``max_chunk_tokens``) with ``t(B, C, P; X) <= budget``, the one with the best ``P / t``.
+  Engines size each borrowed chunk for the prompt's prefix X this way, step by step
   (:class:`~crossflow_ctl.domain.lending.ChunkSizer`).
-* **per-token cost**: ``a + b * x`` seconds per uncached token at attended context x
+* **per-token cost**: ``a + b * x`` seconds per uncached token at attended context x, the line
+  through the per-token time of the best chunk with no prefix and with a long one
   (:func:`~crossflow_ctl.domain.lending.prefill_coefficients`), carried in the lease so the broker
   prices each prompt by its prefix.
+* **rate** ``= 1 / (a + b * X_ref)``: the borrowed-prefill rate of a prompt over the reference
+  prefix; the compute credit's unit.
 * **compute** ``= rate * H - uncovered``: borrowed prefill the node can run within the horizon,
   in tokens at ``rate``. ``uncovered`` is the borrowed work queued on the node (telemetry) minus
   what the broker's open debits already count, so no borrowed prompt is subtracted twice.
@@ -133,7 +135,7 @@ class CapacityBreakdown(NamedTuple):
     decode_throughput_tps: float
     """Predicted output tokens/s at the current batch: ``B / base_step_s``."""
     chunk_tokens: int
-    """Borrowed prefill chunk per step at the reference prefix (0: none fits)."""
+    """Best borrowed prefill chunk per step with no prefix (0: none fits)."""
     chunk_step_s: float
     borrowed_prefill_rate_tps: float
     coefficients: PrefillCoefficients
@@ -165,12 +167,12 @@ class CapacityBreakdown(NamedTuple):
             f" = {self.budget_s * 1e3:.2f} ms",
             f"decode step t(B={self.batch}, C={self.context_tokens}, P=0)"
             f" = {self.base_step_s * 1e3:.2f} ms -> {self.decode_throughput_tps:.0f} tok/s",
-            f"chunk P = {self.chunk_tokens} (largest with"
-            f" t(B,C,P;X={settings.borrowed_prefix_tokens}) <= budget),"
-            f" t = {self.chunk_step_s * 1e3:.2f} ms"
-            f" -> borrowed prefill rate {self.borrowed_prefill_rate_tps:.0f} tok/s",
-            f"per-token cost = {self.coefficients.a_s * 1e6:.3f} us"
-            f" + {self.coefficients.b_s * 1e9:.4f} ns x attended context",
+            f"chunk P = {self.chunk_tokens} (best P/t with t(B,C,P;X=0) <= budget),"
+            f" t = {self.chunk_step_s * 1e3:.2f} ms",
+            f"per-token cost = a {self.coefficients.a_s * 1e6:.3f} us"
+            f" + b {self.coefficients.b_s * 1e9:.4f} ns x attended context",
+            f"rate = 1 / (a + b x {settings.borrowed_prefix_tokens})"
+            f" = {self.borrowed_prefill_rate_tps:.0f} tok/s",
             f"compute = rate x horizon {h:g} s - (outstanding {self.outstanding_tokens}"
             f" - covered by open debits {self.covered_tokens})"
             f" = {c.compute_tokens} tokens; queue wait {self.queue_wait_ms:.1f} ms",
@@ -212,21 +214,19 @@ def compute_capacity(
     base = roof.step_s(batch, context)
     throughput = batch / base if base > 0 else 0.0
 
-    prefix = settings.borrowed_prefix_tokens
-    max_chunk = settings.max_chunk_tokens
+    step, max_chunk = settings.chunk_step_tokens, settings.max_chunk_tokens
     chunk, chunk_t = (0, 0.0)
     if base <= budget:
-        chunk, chunk_t = best_chunk(
-            roof, budget, batch, context, prefix, settings.chunk_step_tokens, max_chunk, base
-        )
-    rate = min(chunk / chunk_t, MAX_RATE_TPS) if chunk else 0.0
+        chunk, chunk_t = best_chunk(roof, budget, batch, context, 0, step, max_chunk, base)
     coeff = prefill_coefficients(
-        roof, budget, batch, context, chunk, chunk_t, prefix, base, max_chunk
+        roof, budget, batch, context, chunk, chunk_t, base, step, max_chunk
     )
     if coeff.a_s > MAX_S_PER_TOKEN or coeff.b_s > MAX_S_PER_TOKEN_CONTEXT:
         coeff = PrefillCoefficients(
             a_s=min(coeff.a_s, MAX_S_PER_TOKEN), b_s=min(coeff.b_s, MAX_S_PER_TOKEN_CONTEXT)
         )
+    per_token = coeff.a_s + coeff.b_s * settings.borrowed_prefix_tokens
+    rate = min(1.0 / per_token, MAX_RATE_TPS) if chunk and per_token > 0 else 0.0
     outstanding = max(0, snapshot.outstanding_uncached_tokens)
     covered = min(outstanding, max(0, open_debits.compute)) if open_debits else 0
     compute = max(0, int(rate * horizon_s) - (outstanding - covered))

@@ -169,6 +169,10 @@ class PrefillCoefficients(NamedTuple):
         return uncached * (self.a_s + self.b_s * (cached + uncached / 2.0))
 
 
+FAR_PREFIX_TOKENS = 40_960
+"""Where the second point of the cost line is taken (real agent prefixes reach p90 18-36k)."""
+
+
 def prefill_coefficients(
     roof: Roofline,
     budget_s: float,
@@ -176,31 +180,29 @@ def prefill_coefficients(
     context: int,
     chunk: int,
     chunk_s: float,
-    reference_prefix: int,
     base_s: float,
+    step: int,
     max_chunk: int,
 ) -> PrefillCoefficients:
-    """``a`` and ``b`` at the current decode load, from the chunk sized at ``reference_prefix``.
+    """``a`` and ``b`` at the current decode load: the line through the engine's per-token time
+    with no prefix and with ``FAR_PREFIX_TOKENS`` of prefix, each run in its own best chunk (as
+    :class:`ChunkSizer` does; the smallest grid chunk when none fits the budget).
 
-    ``s1 = chunk_s / chunk`` is the per-token time at the reference prefix. One more step-time
-    evaluation at prefix 0 gives the slope at a fixed chunk, ``beta``; an engine that sizes each
-    chunk for its prefix runs ``P(x) ~ (budget - base) / (alpha + beta * x)`` tokens per step, so
-    its per-token time has slope ``beta * budget / (budget - base)``. The line passes through the
-    reference point, so a prompt over the reference prefix costs exactly what the advertised rate
-    says, and ``a`` is floored at ``base / max_chunk`` (no step is shorter than the bare decode).
-    """
+    ``chunk`` / ``chunk_s`` are the best chunk with no prefix and its step time. Per-token time
+    rises a little faster than linearly with the prefix at first, so the line over-prices
+    prompts between the two points by up to ~15% (safe: the debit is a little high) and is
+    close at both ends. Both points are non-decreasing in the load, with fixed weights, so the
+    price of every prompt is too."""
     if chunk <= 0 or chunk_s <= 0.0:
         return PrefillCoefficients()
-    s1 = chunk_s / chunk
-    if reference_prefix <= 0:
-        return PrefillCoefficients(a_s=s1)
-    s0 = roof.step_s(batch, context, chunk, 0) / chunk
-    beta = max(0.0, (s1 - s0) / reference_prefix)
-    slack = budget_s - base_s
-    slope = beta * budget_s / slack if slack > 0 else beta
-    floor = base_s / max(1, max_chunk)
-    a = max(floor, s1 - slope * reference_prefix)
-    return PrefillCoefficients(a_s=a, b_s=slope)
+    s0 = chunk_s / chunk
+    far, t_far = best_chunk(
+        roof, budget_s, batch, context, FAR_PREFIX_TOKENS, step, max_chunk, base_s
+    )
+    if far == 0:
+        far, t_far = step, roof.step_s(batch, context, step, FAR_PREFIX_TOKENS)
+    slope = max(0.0, (t_far / far - s0) / FAR_PREFIX_TOKENS)
+    return PrefillCoefficients(a_s=s0, b_s=slope)
 
 
 def compute_debit(uncached: int, cached: int, a_s: float, b_s: float, rate_tps: float) -> int:

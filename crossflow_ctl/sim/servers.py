@@ -47,8 +47,6 @@ class Req:
     finish_s: float = -1.0
     join_step: int = 0
     kv_waited: bool = False
-    chunk: int = 0
-    """Borrowed prefill chunk, sized when the request's prefill starts (0: not yet)."""
 
     @property
     def uncached_tokens(self) -> int:
@@ -303,13 +301,11 @@ class DecodeServer:
         b = self.batch
         ctx = self.ctx_base + b * self.steps_done
         if head is not None:
-            if not head.chunk:
-                head.chunk = (
-                    self.sizer.chunk(b, ctx, head.input_tokens) if self.sizer else self.borrow_chunk
-                )
-            p = min(head.chunk, head.uncached_tokens - head.prefilled)
+            prefix = head.cached_tokens + head.prefilled
+            size = self.sizer.chunk(b, ctx, prefix) if self.sizer else self.borrow_chunk
+            p = min(size, head.uncached_tokens - head.prefilled)
             self.chunk_now, self.k = p, 1
-            self.dt = self.steps.step_s(b, ctx, p, head.cached_tokens + head.prefilled)
+            self.dt = self.steps.step_s(b, ctx, p, prefix)
         elif b:
             self.chunk_now = 0
             self.k = min(self.max_macro, self.finish_heap[0][0] - self.steps_done)
