@@ -36,6 +36,32 @@ from crossflow_ctl.domain.capacity import Roofline
 from crossflow_ctl.domain.models import MAX_TOKENS, Notice, NoticeKind
 
 
+def _memo(
+    roof: Roofline, batch: int, context: int, prefix: int, step: int
+) -> tuple[Callable[[int], float], dict[int, float]]:
+    """Step time with ``n`` grid steps of chunk, each n evaluated once; and the values seen."""
+    seen: dict[int, float] = {}
+
+    def t_of(n: int) -> float:
+        t = seen.get(n)
+        if t is None:
+            t = seen[n] = roof.step_s(batch, context, n * step, prefix)
+        return t
+
+    return t_of, seen
+
+
+def _largest(
+    t_of: Callable[[int], float], budget_s: float, step: int, top: int, base_s: float
+) -> tuple[int, float]:
+    if top < 1:
+        return 0, 0.0
+    t_one = t_of(1)
+    if t_one > budget_s:
+        return 0, 0.0
+    return last_fitting(t_of, budget_s, 1, t_one, top, base_s, step)
+
+
 def largest_chunk(
     roof: Roofline,
     budget_s: float,
@@ -48,16 +74,9 @@ def largest_chunk(
 ) -> tuple[int, float]:
     """(largest grid chunk P with ``t(batch, context, P; prefix) <= budget_s``, its step time);
     (0, 0.0) when not even one grid step fits. ``base_s`` is ``t(batch, context)`` if known."""
-    top = max_chunk // step
-    if top < 1:
-        return 0, 0.0
-    t_lo = roof.step_s(batch, context, step, prefix)
-    if t_lo > budget_s:
-        return 0, 0.0
     base = roof.step_s(batch, context) if base_s is None else base_s
-    return last_fitting(
-        lambda n: roof.step_s(batch, context, n * step, prefix), budget_s, 1, t_lo, top, base, step
-    )
+    t_of, _ = _memo(roof, batch, context, prefix, step)
+    return _largest(t_of, budget_s, step, max_chunk // step, base)
 
 
 def best_chunk(
@@ -77,24 +96,28 @@ def best_chunk(
     unimodal in P, so a check one grid step down says which, and a ternary search finds the
     peak in the rare second case. The best rate over a set that shrinks as the load grows (or
     the budget tightens) never rises, which keeps every credit monotonic."""
-    size, t = largest_chunk(roof, budget_s, batch, context, prefix, step, max_chunk, base_s)
+    base = roof.step_s(batch, context) if base_s is None else base_s
+    t_of, seen = _memo(roof, batch, context, prefix, step)
+    size, t = _largest(t_of, budget_s, step, max_chunk // step, base)
     n = size // step
     if n <= 1:
         return size, t
-    t_below = roof.step_s(batch, context, (n - 1) * step, prefix)
-    if (n - 1) / t_below <= n / t:
+    above = seen.get(n + 1)
+    if above is not None and (above - t) * n <= t:
+        # step time is convex in the chunk here (a max of terms linear or quadratic in it), so
+        # the rise from n - 1 is at most the rise to n + 1: the rate still grows at n
+        return size, t
+    if (n - 1) / t_of(n - 1) <= n / t:
         return size, t
     lo, hi = 1, n - 1
     while hi - lo > 2:
         m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
-        r1 = m1 / roof.step_s(batch, context, m1 * step, prefix)
-        r2 = m2 / roof.step_s(batch, context, m2 * step, prefix)
-        if r1 < r2:
+        if m1 / t_of(m1) < m2 / t_of(m2):
             lo = m1 + 1
         else:
             hi = m2
-    best = max(range(lo, hi + 1), key=lambda k: k / roof.step_s(batch, context, k * step, prefix))
-    return best * step, roof.step_s(batch, context, best * step, prefix)
+    best = max(range(lo, hi + 1), key=lambda k: k / t_of(k))
+    return best * step, t_of(best)
 
 
 def last_fitting(
@@ -109,34 +132,20 @@ def last_fitting(
     """Largest n in [lo, top] with ``t_of(n) <= budget`` for increasing ``t_of``, given that
     ``t_of(lo) = t_lo <= budget`` and ``t_of(0) = t_zero``; returns (n * scale, t_of(n)).
 
-    A secant through (0, t_zero) and (lo, t_lo) guesses the crossing; then bracketing steps
-    interpolate inside (lo, hi). Step time is near-linear in the work added, so this takes two
-    to four evaluations where a scan of the grid takes dozens."""
-    slope = (t_lo - t_zero) / lo if lo > 0 else 0.0
-    guess = top if slope <= 0.0 else lo + int((budget - t_lo) / slope)
-    hi, t_hi = top + 1, math.inf
-    if guess > lo:
-        n = min(top, guess)
+    A secant through the two latest points guesses the crossing, kept strictly inside the
+    bracket (lo, hi): two to four evaluations where a scan of the grid takes dozens."""
+    hi = top + 1
+    a_n, a_t, b_n, b_t = 0, t_zero, lo, t_lo
+    while hi - lo > 1:
+        slope = (b_t - a_t) / (b_n - a_n)
+        guess = hi - 1 if slope <= 0.0 else b_n + int((budget - b_t) / slope)
+        n = min(hi - 1, max(lo + 1, guess))
         t_n = t_of(n)
+        a_n, a_t, b_n, b_t = b_n, b_t, n, t_n
         if t_n <= budget:
-            if n == top:
-                return n * scale, t_n
             lo, t_lo = n, t_n
         else:
-            hi, t_hi = n, t_n
-    while hi - lo > 1:
-        if t_hi == math.inf:
-            mid = min(top, lo + max(1, (lo + 1) // 2))
-        else:
-            mid = lo + int((budget - t_lo) / (t_hi - t_lo) * (hi - lo))
-            mid = min(hi - 1, max(lo + 1, mid))
-        t_mid = t_of(mid)
-        if t_mid <= budget:
-            lo, t_lo = mid, t_mid
-            if mid == top:
-                break
-        else:
-            hi, t_hi = mid, t_mid
+            hi = n
     return lo * scale, t_lo
 
 
