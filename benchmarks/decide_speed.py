@@ -48,24 +48,36 @@ def main() -> None:
     model, settings, guard = MODEL_PRESETS["gpt-oss-120b"], LeaseSettings(), ItlGuard()
     ledger = OpenDebits(compute=2_000, kv=10_000)
     for name in ("h200", "gb300"):
-        node = NODE_PRESETS[name]
-        roof = roofline(model, node)
-        light = snapshot(8, 2_000)
-        step = best_us(lambda: roof.step_s(16, 64_000, 1024, 8192), args.number, args.repeat)
-        rules = best_us(lambda: implausibility(light), args.number, args.repeat)
-        print(f"{name}: floor step_s {step:.2f} us, floor plausibility check {rules:.2f} us")
-        for label, snap in (
-            ("light (B=8)", light),
-            ("busy (B=64, 3k queued)", snapshot(64, 4_000, 3_000)),
-            ("overloaded (B=200)", snapshot(200, 8_000)),
-        ):
+        report(name, model, settings, guard, ledger, args.number, args.repeat)
 
-            def call(snap: EngineSnapshot = snap) -> object:
-                return decide(snap, now_ms=1_000, model=model, node=node, settings=settings,
-                              guard=guard, open_debits=ledger)  # fmt: skip
 
-            us = best_us(call, args.number, args.repeat)
-            print(f"  decide {label:<24} {us:6.1f} us  ({us / step:.1f} x step_s)")
+def report(
+    name: str,
+    model: object,
+    settings: LeaseSettings,
+    guard: ItlGuard,
+    ledger: OpenDebits,
+    number: int,
+    repeat: int,
+) -> None:
+    node = NODE_PRESETS[name]
+    roof = roofline(model, node)  # type: ignore[arg-type]
+    light = snapshot(8, 2_000)
+    step = best_us(lambda: roof.step_s(16, 64_000, 1024, 8192), number, repeat)
+    rules = best_us(lambda: implausibility(light), number, repeat)
+    print(f"{name}: floor step_s {step:.2f} us, floor plausibility check {rules:.2f} us")
+    for label, snap in (
+        ("light (B=8)", light),
+        ("busy (B=64, 3k queued)", snapshot(64, 4_000, 3_000)),
+        ("overloaded (B=200)", snapshot(200, 8_000)),
+    ):
+
+        def call(snap: EngineSnapshot = snap) -> object:
+            return decide(snap, now_ms=1_000, model=model, node=node, settings=settings,  # type: ignore[arg-type]
+                          guard=guard, open_debits=ledger)  # fmt: skip
+
+        us = best_us(call, number, repeat)
+        print(f"  decide {label:<24} {us:6.1f} us  ({us / step:.1f} x step_s)")
 
 
 if __name__ == "__main__":
