@@ -9,6 +9,7 @@ from crossflow_ctl.client import NodeView
 from crossflow_ctl.demo.model import StaticResult, mean, percentile
 from crossflow_ctl.demo.router import RouterStats
 from crossflow_ctl.domain.models import Credits, Lease, NodeRole, PoolSnapshot, Reservation
+from crossflow_ctl.domain.safety import over_committed
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -50,7 +51,7 @@ class Observations:
             debits = Credits()
             for r in held:
                 debits = debits.plus(r.debit)
-            over = lease.credits.scaled(share).short_of(debits)
+            over = over_committed(lease.credits, debits, share)
             if over:
                 self.over_commits.append(f"{node_id}: {', '.join(over)}")
             self.checked += 1

@@ -25,6 +25,7 @@ from crossflow_ctl.domain.models import (
     PoolSnapshot,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.safety import short_credits
 
 
 class Decision(StrEnum):
@@ -252,7 +253,7 @@ def check_node(
         detail = f"zero lease: {lease.zero_reason.value}"
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail=detail, **base)
     available = node.available(now_ms, settings.borrow_share)
-    short = tuple(available.short_of(debit))
+    short = short_credits(lease.credits, node.open_debits, settings.borrow_share, debit)
     rate = lease.borrowed_prefill_rate_tps
     service_ms = request.uncached_prompt_tokens / rate * 1000.0 if rate > 0 else float("inf")
     if debit.kv_transfer_bytes:
