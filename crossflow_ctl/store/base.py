@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import (
@@ -62,6 +63,14 @@ class DebitOutcome(Frozen):
     """Why nothing was debited: unknown_node, cordoned, no_lease, expired, zero_lease, short."""
     lease_epoch: int = 0
     lease_version: int = 0
+
+
+class DebitRequest(NamedTuple):
+    """One debit of a batch (:meth:`Store.try_debits`)."""
+
+    node_id: str
+    debit: Credits
+    request_id: str = ""
 
 
 class NodeEvent(Frozen):
@@ -114,6 +123,17 @@ class Store(abc.ABC):
         request_id: str = "",
     ) -> DebitOutcome:
         """Atomically check room on every credit and record a HELD reservation."""
+
+    async def try_debits(
+        self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
+    ) -> list[DebitOutcome]:
+        """:meth:`try_debit` for each item, in order; each one atomic on its own node (a batch
+        is not a transaction). Stores with a network round trip send the batch as one."""
+        check_debit_args(share, hold_ttl_ms)
+        return [
+            await self.try_debit(d.node_id, d.debit, share, now_ms, hold_ttl_ms, d.request_id)
+            for d in debits
+        ]
 
     @abc.abstractmethod
     async def commit(self, reservation_id: str, now_ms: int, commit_ttl_ms: int) -> Reservation:

@@ -12,11 +12,13 @@ no MULTI spans slots (pipelines are non-transactional). The cluster-wide
 borrowing limit is the ``share`` factor applied inside each node's own check (see
 ``PolicySettings.borrow_share``), so it needs no cross-slot operation.
 
-Round trips: ``try_debit``, ``commit``, ``release`` one each; ``admission_view`` one (the
-read-only ``node_view`` script per candidate, pipelined; a plain EVALSHA for one node), with the
-pool's reports and a draw from the lender index reused for up to ``cache_max_age_ms`` by each
-replica (:mod:`crossflow_ctl.store.redis_cache`: fails closed when stale, never caches absence);
-on a cache miss the pool's reports join the same pipeline and a lender draw costs one more trip.
+Round trips: ``try_debit``, ``commit``, ``release`` one each (``try_debits``: one for a whole
+batch, pipelined); ``admission_view`` none when warm: the pool's reports, a draw from the lender
+index and each node's state are reused for up to ``cache_max_age_ms`` by each replica
+(:mod:`crossflow_ctl.store.redis_cache`: fails closed when stale, never caches absence), and each
+debit's reply refreshes its node's entry, so a warm Admit is the debit's one round trip. On a
+miss, the missing nodes' ``node_view`` scripts and the pool's reports go in one pipeline, and a
+lender draw costs one more trip.
 Flat in fleet size. Lease upsert and cordon two (the script, then the lender index, which is
 only a sampling hint).
 """
@@ -26,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -43,7 +44,6 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import (
-    CREDIT_NAMES,
     Credits,
     Lease,
     NodeInfo,
@@ -53,7 +53,6 @@ from crossflow_ctl.domain.models import (
     PoolLoad,
     PoolSnapshot,
     Reservation,
-    ReservationState,
     StoredLease,
     StoredPoolLoad,
     validated,
@@ -62,6 +61,7 @@ from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.base import (
     DebitOutcome,
+    DebitRequest,
     LeaseOutcome,
     NodeEvent,
     Store,
@@ -73,10 +73,10 @@ from crossflow_ctl.store.keys import (
     NOTICES_CAP,
     Keys,
     is_node_id,
-    new_reservation_id,
     node_of_reservation,
 )
-from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
+from crossflow_ctl.store.redis_cache import LenderSample, NodeCache, PoolCache
+from crossflow_ctl.store.redis_debit import UNKNOWN_NODE, DebitCall
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_scripts import Scripts
 
@@ -127,6 +127,7 @@ class RedisStore(Store):
         self._scripts = Scripts(client)
         self._pools = PoolCache(cache_max_age_ms)
         self._lenders = LenderSample(cache_max_age_ms)
+        self._node_cache = NodeCache(cache_max_age_ms)
         block_chunk_ms = max(1, int(socket_timeout_s * 250))  # 3/4 of the timeout as slack
         self._notices = NoticeReader(client, self._k, self._backend, block_chunk_ms)
 
@@ -146,6 +147,7 @@ class RedisStore(Store):
         leave by score once their lease expires), so a failure here must not turn a change
         that is already stored into an error for the caller."""
         self._lenders.drop()
+        self._node_cache.drop(node_id)
         try:
             async with asyncio.timeout(self._op_timeout_s):
                 if lease_expires_ms is None:
@@ -258,12 +260,17 @@ class RedisStore(Store):
             if not node_ids and sample > 0:
                 picked = self._lenders.pick(sample, now_ms)
                 ids = picked if picked is not None else await self._draw_lenders(sample, now_ms)
-            if snapshot is not None and not ids:
-                return snapshot, []
-            reports, states = await self._views(ids, now_ms, None if snapshot else pool)
+            cached = {n: s for n in ids if (s := self._node_cache.get(n, now_ms)) is not None}
+            missing = [n for n in ids if n not in cached]
+            if snapshot is not None and not missing:
+                return snapshot, list(cached.values())
+            reports, states = await self._views(missing, now_ms, None if snapshot else pool)
+        for state in states:
+            self._node_cache.put(state, now_ms)
         if snapshot is None:
             snapshot = self._pools.put(pool, codec.live_pool_loads(reports, now_ms), now_ms)
-        return snapshot, states
+        found = {**cached, **{s.info.node_id: s for s in states}}
+        return snapshot, [found[n] for n in ids if n in found]
 
     async def _draw_lenders(self, sample: int, now_ms: int) -> list[str]:
         """Drop expired lenders and draw up to LENDER_DRAW of them (one round trip), keep the
@@ -287,49 +294,36 @@ class RedisStore(Store):
     ) -> DebitOutcome:
         check_debit_args(share, hold_ttl_ms)
         if not is_node_id(node_id):
-            return DebitOutcome(granted=False, refusal="unknown_node")
-        k = self._k.node(node_id)
-        rid = new_reservation_id(node_id, secrets.randbits(128))
-        expires = now_ms + hold_ttl_ms
-        args = [now_ms, repr(float(share)), expires, rid, request_id, *debit.as_tuple()]
+            return UNKNOWN_NODE
+        call = DebitCall.build(self._k, node_id, debit, share, now_ms, hold_ttl_ms, request_id)
         async with self._backend("try_debit"):
-            out = await self._run(
-                "try_debit",
-                [k.info, k.lease, k.reservations, k.notices, k.expiries],
-                [*args, NOTICES_CAP],
-            )
-        status = codec.text(out[0])
-        if status == "unknown_node":
-            return DebitOutcome(granted=False, refusal=status)
-        epoch, version = int(codec.text(out[1])), int(codec.text(out[2]))
-        if status != "granted":
-            short: tuple[str, ...] = ()
-            if status == "short":
-                short = tuple(CREDIT_NAMES[int(i) - 1] for i in codec.text(out[3]).split(","))
-            return DebitOutcome(
-                granted=False,
-                refusal=status,
-                short_credits=short,
-                lease_epoch=epoch,
-                lease_version=version,
-            )
-        # Every field is already valid (a checked node id, a validated debit, numbers this
-        # store produced), so the grant skips re-validation on the admission path.
-        res = Reservation.model_construct(
-            reservation_id=rid,
-            node_id=node_id,
-            state=ReservationState.HELD,
-            debit=debit,
-            lease_epoch=epoch,
-            lease_version=version,
-            created_at_ms=now_ms,
-            expires_at_ms=expires,
-            grant_seq=int(out[3]),
-            request_id=request_id,
-        )
-        return DebitOutcome.model_construct(
-            granted=True, reservation=res, lease_epoch=epoch, lease_version=version
-        )
+            out = await self._run("try_debit", call.keys, call.args)
+        return call.outcome(out, self._node_cache)
+
+    async def try_debits(
+        self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
+    ) -> list[DebitOutcome]:
+        """Every debit script in ONE pipeline round trip (each atomic on its own node)."""
+        check_debit_args(share, hold_ttl_ms)
+        if len(debits) == 1:
+            d = debits[0]
+            return [
+                await self.try_debit(d.node_id, d.debit, share, now_ms, hold_ttl_ms, d.request_id)
+            ]
+        calls = [
+            DebitCall.build(self._k, d.node_id, d.debit, share, now_ms, hold_ttl_ms, d.request_id)
+            if is_node_id(d.node_id)
+            else None
+            for d in debits
+        ]
+        sent = [c for c in calls if c is not None]
+        async with self._backend("try_debit"):
+            replies = await self._scripts.run_many("try_debit", [(c.keys, c.args) for c in sent])
+        by_call = dict(zip(map(id, sent), replies, strict=True))
+        return [
+            UNKNOWN_NODE if c is None else c.outcome(by_call[id(c)], self._node_cache)
+            for c in calls
+        ]
 
     async def _change(self, name: str, reservation_id: str, args: list[Any]) -> Reservation:
         node_id = node_of_reservation(reservation_id)

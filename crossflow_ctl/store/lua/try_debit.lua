@@ -4,8 +4,11 @@
 -- ARGV[1] now_ms, ARGV[2] share (0..1, exact float text), ARGV[3] hold expires_at_ms,
 -- ARGV[4] reservation id, ARGV[5] request id, ARGV[6..10] debit c1..c5, ARGV[11] notices MAXLEN.
 -- Returns {refusal} for an unknown node; {refusal, epoch, version} for cordoned, no_lease,
--- expired, zero_lease; {'short', epoch, version, 'name,name'} (1-based credit indexes);
--- {'granted', epoch, version, grant_seq}.
+-- expired, zero_lease; {'short', epoch, version, 'i,i', open} (1-based credit indexes);
+-- {'granted', epoch, version, grant_seq, open}, where open is the node's open debits after the
+-- call, "c1,c2,c3,c4,c5,count" (exact at now_ms: expired reservations are purged first), so the
+-- replica can refresh its cached view of the node without reading it again.
+-- Safety is crossflow_ctl/domain/safety.py's: floor(lease x share) - open >= debit, per credit.
 local info, lease, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local now, share, maxlen = ARGV[1], tonumber(ARGV[2]), ARGV[11]
 
@@ -36,7 +39,7 @@ for c = 1, 5 do
   end
 end
 if #short > 0 then
-  return {'short', epoch, version, table.concat(short, ',')}
+  return {'short', epoch, version, table.concat(short, ','), cf_totals_text(open)}
 end
 local f = {'held', ARGV[3], '0', ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], now, '0', epoch,
   version, ARGV[5]}
@@ -45,4 +48,4 @@ f[10] = seq
 cf_put(info, res, exp, ARGV[4], f, false)
 cf_add(open, f, 1)
 cf_set_totals(info, open)
-return {'granted', epoch, version, seq}
+return {'granted', epoch, version, seq, cf_totals_text(open)}

@@ -1,0 +1,116 @@
+"""The Redis store's check-and-debit: the ``try_debit`` script's call and reply (one or a batch).
+
+Kept apart from :mod:`crossflow_ctl.store.redis_store` because it is the admission hot path:
+nothing here validates what the store itself produced, and each reply refreshes the replica's
+cached view of the node (:class:`crossflow_ctl.store.redis_cache.NodeCache`), so the next plan
+needs no read of its own.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from crossflow_ctl.domain.models import CREDIT_NAMES, Credits, Reservation, ReservationState
+from crossflow_ctl.store import redis_codec as codec
+from crossflow_ctl.store.base import DebitOutcome
+from crossflow_ctl.store.keys import NOTICES_CAP, Keys, new_reservation_id
+from crossflow_ctl.store.redis_cache import NodeCache
+
+UNKNOWN_NODE = DebitOutcome(granted=False, refusal="unknown_node")
+
+
+@dataclass(frozen=True, slots=True)
+class DebitCall:
+    """One ``try_debit`` script call, with what its reply needs to become a DebitOutcome."""
+
+    node_id: str
+    debit: Credits
+    request_id: str
+    reservation_id: str
+    now_ms: int
+    expires_at_ms: int
+    keys: list[str]
+    args: list[Any]
+
+    @classmethod
+    def build(
+        cls,
+        keys: Keys,
+        node_id: str,
+        debit: Credits,
+        share: float,
+        now_ms: int,
+        hold_ttl_ms: int,
+        request_id: str,
+    ) -> DebitCall:
+        k = keys.node(node_id)
+        rid = new_reservation_id(node_id, secrets.randbits(128))
+        expires = now_ms + hold_ttl_ms
+        args = [
+            now_ms,
+            repr(float(share)),
+            expires,
+            rid,
+            request_id,
+            *debit.as_tuple(),
+            NOTICES_CAP,
+        ]
+        return cls(
+            node_id=node_id,
+            debit=debit,
+            request_id=request_id,
+            reservation_id=rid,
+            now_ms=now_ms,
+            expires_at_ms=expires,
+            keys=[k.info, k.lease, k.reservations, k.notices, k.expiries],
+            args=args,
+        )
+
+    def outcome(self, out: Any, cache: NodeCache) -> DebitOutcome:
+        """The script's reply as a DebitOutcome; refreshes or drops the node's cached view."""
+        status = codec.text(out[0])
+        if status == "unknown_node":
+            cache.drop(self.node_id)
+            return UNKNOWN_NODE
+        epoch, version = int(codec.text(out[1])), int(codec.text(out[2]))
+        if status not in ("granted", "short"):
+            cache.drop(self.node_id)
+            return DebitOutcome(
+                granted=False, refusal=status, lease_epoch=epoch, lease_version=version
+            )
+        totals = [int(v) for v in codec.text(out[4]).split(",")]
+        cache.debited(self.node_id, epoch, version, totals, self.now_ms)
+        if status == "short":
+            short = tuple(CREDIT_NAMES[int(i) - 1] for i in codec.text(out[3]).split(","))
+            return DebitOutcome(
+                granted=False,
+                refusal=status,
+                short_credits=short,
+                lease_epoch=epoch,
+                lease_version=version,
+            )
+        # Every field is already valid (a checked node id, a validated debit, numbers this
+        # store produced), so the grant skips re-validation on the admission path.
+        res = Reservation.model_construct(
+            reservation_id=self.reservation_id,
+            node_id=self.node_id,
+            state=ReservationState.HELD,
+            debit=self.debit,
+            lease_epoch=epoch,
+            lease_version=version,
+            created_at_ms=self.now_ms,
+            expires_at_ms=self.expires_at_ms,
+            grant_seq=int(out[3]),
+            release_seq=0,
+            request_id=self.request_id,
+        )
+        return DebitOutcome.model_construct(
+            granted=True,
+            reservation=res,
+            short_credits=(),
+            refusal="",
+            lease_epoch=epoch,
+            lease_version=version,
+        )
