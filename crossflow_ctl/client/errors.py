@@ -29,12 +29,19 @@ _CLASS_FOR: dict[grpc.StatusCode, type[CrossflowError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,  # message over the size limit
 }
+_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.*)$", re.DOTALL)
 
 
 def error_from_rpc(exc: grpc.aio.AioRpcError) -> CrossflowError:
     code = exc.code()
-    details = exc.details() or code.name
+    return error_from_status(code, exc.details() or code.name)
+
+
+def error_from_status(code: grpc.StatusCode | int, details: str) -> CrossflowError:
+    """The domain error for a status (a StatusCode or its number, as AdmitStream sends it)."""
+    if isinstance(code, int):
+        code = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
     cls = _CLASS_FOR.get(code)
     if cls is None:
         return StoreUnavailable(f"broker call failed ({code.name}): {details}")

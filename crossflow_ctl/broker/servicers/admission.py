@@ -1,11 +1,14 @@
-"""AdmissionService: Admit always answers (NORMAL on any store doubt); Commit and Release map
-domain errors to status codes."""
+"""AdmissionService: Admit and AdmitStream always answer (NORMAL on any store doubt); Commit and
+Release map domain errors to status codes."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
 
 import grpc
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
+from crossflow_ctl.broker.admit_stream import answer_stream
 from crossflow_ctl.broker.servicers import maps_errors
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire.convert_admission import admission_to_proto, admit_request_from_proto
@@ -21,6 +24,14 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     ) -> admission_pb2.AdmitResponse:
         admission = await self._broker.admit(admit_request_from_proto(request))
         return admission_to_proto(admission)
+
+    async def AdmitStream(
+        self,
+        request_iterator: AsyncIterator[admission_pb2.AdmitStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[admission_pb2.AdmitStreamResponse]:
+        async for response in answer_stream(self._broker, request_iterator):
+            yield response
 
     @maps_errors
     async def Commit(
