@@ -25,7 +25,7 @@ from crossflow_ctl.domain.models import (
     PoolSnapshot,
 )
 from crossflow_ctl.domain.policy import PolicySettings
-from crossflow_ctl.domain.safety import short_credits
+from crossflow_ctl.domain.safety import room_left, short_of_room
 
 
 class Decision(StrEnum):
@@ -252,8 +252,9 @@ def check_node(
     if lease.zero_reason is not None:
         detail = f"zero lease: {lease.zero_reason.value}"
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail=detail, **base)
-    available = node.available(now_ms, settings.borrow_share)
-    short = short_credits(lease.credits, node.open_debits, settings.borrow_share, debit)
+    room = room_left(lease.credits, node.open_debits, settings.borrow_share)
+    available = Credits.from_tuple(room)  # floored at zero, for display; Safety uses ``room``
+    short = short_of_room(room, debit)
     rate = lease.borrowed_prefill_rate_tps
     service_ms = request.uncached_prompt_tokens / rate * 1000.0 if rate > 0 else float("inf")
     if debit.kv_transfer_bytes:

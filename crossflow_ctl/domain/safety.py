@@ -36,17 +36,20 @@ def room_left(lease: Amounts, open_debits: Amounts, share: float) -> tuple[int, 
     )
 
 
+def short_of_room(room: Sequence[int], debit: Amounts) -> tuple[str, ...]:
+    """Names of the credits on which ``debit`` exceeds ``room`` (as :func:`room_left` gives)."""
+    return tuple(
+        name
+        for name, left, need in zip(CREDIT_NAMES, room, _amounts(debit), strict=True)
+        if need > left
+    )
+
+
 def short_credits(
     lease: Amounts, open_debits: Amounts, share: float, debit: Amounts
 ) -> tuple[str, ...]:
     """Names of the credits on which ``debit`` does not fit; empty when it fits."""
-    return tuple(
-        name
-        for name, room, need in zip(
-            CREDIT_NAMES, room_left(lease, open_debits, share), _amounts(debit), strict=True
-        )
-        if need > room
-    )
+    return short_of_room(room_left(lease, open_debits, share), debit)
 
 
 def fits(lease: Amounts, open_debits: Amounts, share: float, debit: Amounts) -> bool:

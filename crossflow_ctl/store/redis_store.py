@@ -17,8 +17,9 @@ batch, pipelined); ``admission_view`` none when warm: the pool's reports, a draw
 index and each node's state are reused for up to ``cache_max_age_ms`` by each replica
 (:mod:`crossflow_ctl.store.redis_cache`: fails closed when stale, never caches absence), and each
 debit's reply refreshes its node's entry, so a warm Admit is the debit's one round trip. On a
-miss, the missing nodes' ``node_view`` scripts and the pool's reports go in one pipeline, and a
-lender draw costs one more trip.
+miss, the missing nodes' ``node_view`` scripts and the pool's reports go in one pipeline; a
+lender draw takes the pool's reports along, and costs one more trip only when nodes it drew are
+not cached.
 Flat in fleet size. Lease upsert and cordon two (the script, then the lender index, which is
 only a sampling hint).
 """
@@ -256,15 +257,26 @@ class RedisStore(Store):
     ) -> tuple[PoolSnapshot | None, list[NodeState]]:
         ids = [n for n in dict.fromkeys(node_ids) if is_node_id(n)]
         snapshot = self._pools.get(pool, now_ms)
+        read_pool = snapshot is None
+        reports: Any = None
         async with self._backend("admission_view"):
             if not node_ids and sample > 0:
                 picked = self._lenders.pick(sample, now_ms)
-                ids = picked if picked is not None else await self._draw_lenders(sample, now_ms)
+                if picked is None:  # the pool's reports, when due, come in the same trip
+                    ids, reports = await self._draw_lenders(
+                        sample, now_ms, pool if read_pool else None
+                    )
+                    read_pool = False
+                else:
+                    ids = picked
             cached = {n: s for n in ids if (s := self._node_cache.get(n, now_ms)) is not None}
             missing = [n for n in ids if n not in cached]
-            if snapshot is not None and not missing:
-                return snapshot, list(cached.values())
-            reports, states = await self._views(missing, now_ms, None if snapshot else pool)
+            states: list[NodeState] = []
+            if missing or read_pool:
+                pool_reports, states = await self._views(
+                    missing, now_ms, pool if read_pool else None
+                )
+                reports = pool_reports if read_pool else reports
         for state in states:
             self._node_cache.put(state, now_ms)
         if snapshot is None:
@@ -272,16 +284,22 @@ class RedisStore(Store):
         found = {**cached, **{s.info.node_id: s for s in states}}
         return snapshot, [found[n] for n in ids if n in found]
 
-    async def _draw_lenders(self, sample: int, now_ms: int) -> list[str]:
-        """Drop expired lenders and draw up to LENDER_DRAW of them (one round trip), keep the
-        draw for the next requests, and pick ``sample`` of the live ones."""
+    async def _draw_lenders(
+        self, sample: int, now_ms: int, pool: str | None
+    ) -> tuple[list[str], Any]:
+        """Drop expired lenders and draw up to LENDER_DRAW of them, with ``pool``'s reports
+        when asked (one round trip); keep the draw for the next requests, and pick ``sample``
+        of the live ones."""
         pipe = self._r.pipeline(transaction=False)
         pipe.zremrangebyscore(self._k.lenders, "-inf", now_ms)
         pipe.zrandmember(self._k.lenders, max(sample, LENDER_DRAW), withscores=True)
-        flat = (await pipe.execute())[1] or []
+        if pool is not None:
+            pipe.hgetall(self._k.pool(pool))
+        out = await pipe.execute()
+        flat = out[1] or []
         members = [(codec.text(flat[i]), int(float(flat[i + 1]))) for i in range(0, len(flat), 2)]
         self._lenders.put(members, now_ms)
-        return self._lenders.choose(members, sample, now_ms)
+        return self._lenders.choose(members, sample, now_ms), (out[2] if pool else None)
 
     async def try_debit(
         self,
