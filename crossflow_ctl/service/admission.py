@@ -1,12 +1,12 @@
 """Admission (DESIGN.md §4) for one request or a batch of them, failing closed (§5.6).
 
 Each request is planned on the store's admission view (on Redis, the replica's short-lived
-cached view: no round trip when warm), then its first-ranked node is debited by ONE atomic store
-operation that re-checks Safety against the live lease and open debits. A refused debit (a
-concurrent admission took the room, or the lease changed) moves on to the next ranked node, at
-most ``MAX_DEBIT_TRIES`` times. A batch (``AdmitStream``) sends each round's debits together
-(one pipeline on Redis, each script atomic on its own node), so N requests cost about one round
-trip, not N.
+cached view: no round trip when warm; read once per pool and candidate list in a batch), then
+its first-ranked node is debited by ONE atomic store operation that re-checks Safety against the
+live lease and open debits. A refused debit (a concurrent admission took the room, or the lease
+changed) moves on to the next ranked node, at most ``MAX_DEBIT_TRIES`` times. A batch
+(``AdmitStream``) sends each round's debits together (one pipeline on Redis, each script atomic
+on its own node), so N requests cost about one round trip, not N.
 
 Any store error or a store slower than ``policy.admit_timeout_ms`` answers NORMAL with reason
 STORE_UNAVAILABLE or TIMEOUT for every request of the batch, never an error.
@@ -32,6 +32,7 @@ from crossflow_ctl.domain.admission import (
 )
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import StoreUnavailable
+from crossflow_ctl.domain.models import NodeState, PoolSnapshot
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision
 from crossflow_ctl.store.base import DebitOutcome, DebitRequest, Store
@@ -126,14 +127,18 @@ class Admitter:
         now = self.clock.now_ms()
         answers: list[Admission | None] = [None] * len(requests)
         pending: list[tuple[int, Plan]] = []
+        views: dict[tuple[str, tuple[str, ...]], tuple[PoolSnapshot | None, list[NodeState]]] = {}
         for i, request in enumerate(requests):
-            pool, nodes = await timed(
-                self.metrics,
-                "admission_view",
-                self.store.admission_view(
-                    request.pool, request.candidate_node_ids, policy.candidate_sample, now
-                ),
-            )
+            key = (request.pool, request.candidate_node_ids)  # one view per kind in a batch
+            if key not in views:
+                views[key] = await timed(
+                    self.metrics,
+                    "admission_view",
+                    self.store.admission_view(
+                        request.pool, request.candidate_node_ids, policy.candidate_sample, now
+                    ),
+                )
+            pool, nodes = views[key]
             plan = plan_admission(request, pool, nodes, policy, now)
             answer = self._without_debit(request, plan, policy)
             if answer is None:
