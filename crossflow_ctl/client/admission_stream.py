@@ -9,8 +9,10 @@ so the per-request cost is a fraction of a unary call's. Each request carries an
 client's choosing, and its decision is matched back by that id.
 
 Fails closed per request, like ``AdmissionClient(fail_closed=True)``: a decision not back within
-``timeout_s`` is NORMAL with reason TIMEOUT, and a broken stream answers every waiting request
-NORMAL with reason STORE_UNAVAILABLE (the next ``admit`` opens a new stream). A request the
+``timeout_s`` is NORMAL with reason TIMEOUT, and a broken stream (broker not reached, gone or
+failing) answers every waiting request NORMAL with reason BROKER_UNAVAILABLE (the next ``admit``
+opens a new stream); the broker's own answers keep theirs (STORE_UNAVAILABLE when its store is
+down). A request the
 broker refuses as malformed raises :class:`InvalidArgument` for that request alone. A BORROW
 that arrives after its request gave up is released at once (outcome cancelled), so the credit
 is not held until the reservation expires.
@@ -151,7 +153,7 @@ class AdmissionStream:
                 task.cancel()
         for future in self._pending.values():
             if not future.done():
-                future.set_result(Admission.normal(Reason.STORE_UNAVAILABLE, reason))
+                future.set_result(Admission.normal(Reason.BROKER_UNAVAILABLE, reason))
         self._outbox.clear()
 
     async def close(self) -> None:

@@ -38,6 +38,7 @@ from crossflow_ctl.domain.models import (
     StoredLease,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.selectors import Selector
 from crossflow_ctl.observability import BrokerMetrics, annotate_node
 from crossflow_ctl.service.admission import Admitter, timed
 from crossflow_ctl.service.config import BrokerSettings
@@ -77,17 +78,6 @@ def check_reservation_id(reservation_id: str) -> str:
             f"longer than {MAX_RESERVATION_ID_LEN} characters", field="reservation_id"
         )
     return reservation_id
-
-
-def parse_selector(selector: str) -> dict[str, str]:
-    """``"k=v,k2=v2"`` -> {k: v, k2: v2}; InvalidArgument naming ``selector`` otherwise."""
-    out: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in selector.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise InvalidArgument(f"expected k=v, got {part!r}", field="selector")
-        out[key.strip()] = value.strip()
-    return out
 
 
 class Broker:
@@ -238,13 +228,12 @@ class Broker:
 
     # -- operators -------------------------------------------------------------------------------
     async def list_nodes(self, role: NodeRole | None = None, selector: str = "") -> list[NodeState]:
-        wanted = parse_selector(selector)
+        wanted = Selector.parse(selector)
         nodes = await self._admin_call(self.store.list_nodes(self.clock.now_ms()))
         return [
             n
             for n in nodes
-            if (role is None or n.info.role is role)
-            and all(n.info.labels.get(k) == v for k, v in wanted.items())
+            if (role is None or n.info.role is role) and wanted.matches(n.info.labels)
         ]
 
     async def get_node(self, node_id: str) -> NodeDetail:

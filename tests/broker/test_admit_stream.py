@@ -125,7 +125,7 @@ async def test_stream_fails_closed_per_request(blackhole: int) -> None:
     async with AdmissionStream(f"127.0.0.1:{_closed_port()}", timeout_s=2) as stream:
         dead = await stream.admit(uncached_prompt_tokens=10)
         assert dead.decision is Decision.NORMAL
-        assert dead.reason in (Reason.STORE_UNAVAILABLE, Reason.TIMEOUT)
+        assert dead.reason in (Reason.BROKER_UNAVAILABLE, Reason.TIMEOUT)
         again = await stream.admit(uncached_prompt_tokens=10)  # reopened, fails closed again
         assert again.decision is Decision.NORMAL
     async with AdmissionStream(f"127.0.0.1:{blackhole}", timeout_s=0.3) as stream:
