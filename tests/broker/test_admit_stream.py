@@ -24,9 +24,12 @@ from tests.broker.conftest import TEST_POLICY, target
 from tests.broker.test_fail_closed import _broker_on, _closed_port
 from tests.store.test_redis_round_trips import CountingConnection
 
+# Decisions here must not hinge on a loaded test machine answering within the default 50 ms.
+PATIENT = TEST_POLICY.model_copy(update={"admit_timeout_ms": 10_000})
+
 
 async def _ready(cluster: Any, agents: Any, slots: int) -> Any:
-    server = await cluster.start()
+    server = await cluster.start(policy=PATIENT)
     decode = await agents(server, "d1")
     prefill = await agents(server, "p1", role=common_pb2.NODE_ROLE_PREFILL)
     await prefill.send_pool_load()
@@ -156,7 +159,7 @@ async def test_a_batch_is_decided_with_one_redis_round_trip(
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
     store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
     clock = ManualClock(1_700_000_000_000)
-    broker = Broker(store, clock, BrokerSettings(policy=TEST_POLICY))
+    broker = Broker(store, clock, BrokerSettings(policy=PATIENT))
     try:
         for node_id, role in (("d1", NodeRole.DECODE), ("d2", NodeRole.DECODE)):
             await broker.register(node_id, role, "default", {})
