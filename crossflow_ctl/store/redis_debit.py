@@ -1,4 +1,8 @@
-"""The Redis store's check-and-debit: the ``try_debit`` script's call and reply (one or a batch).
+"""The Redis store's check-and-debit: the ``try_debit`` script's calls and replies.
+
+A batch's debits are grouped by node: ONE script call per node checks and debits all of them in
+order, atomically (each sees the ones before it), and the calls for different nodes go out in
+one pipeline (not a transaction: each node's call is atomic on its own, on its own slot).
 
 Kept apart from :mod:`crossflow_ctl.store.redis_store` because it is the admission hot path:
 nothing here validates what the store itself produced, and each reply refreshes the replica's
@@ -9,6 +13,7 @@ needs no read of its own.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +28,8 @@ UNKNOWN_NODE = DebitOutcome(granted=False, refusal="unknown_node")
 
 @dataclass(frozen=True, slots=True)
 class DebitCall:
-    """One ``try_debit`` script call, with what its reply needs to become a DebitOutcome."""
+    """One debit of a ``try_debit`` script call, with what its reply needs to become a
+    DebitOutcome."""
 
     node_id: str
     debit: Credits
@@ -31,45 +37,22 @@ class DebitCall:
     reservation_id: str
     now_ms: int
     expires_at_ms: int
-    keys: list[str]
-    args: list[Any]
 
     @classmethod
     def build(
-        cls,
-        keys: Keys,
-        node_id: str,
-        debit: Credits,
-        share: float,
-        now_ms: int,
-        hold_ttl_ms: int,
-        request_id: str,
+        cls, node_id: str, debit: Credits, now_ms: int, hold_ttl_ms: int, request_id: str
     ) -> DebitCall:
-        k = keys.node(node_id)
-        rid = new_reservation_id(node_id, secrets.randbits(128))
-        expires = now_ms + hold_ttl_ms
-        args = [
-            now_ms,
-            repr(float(share)),
-            expires,
-            rid,
-            request_id,
-            *debit.as_tuple(),
-            NOTICES_CAP,
-        ]
         return cls(
             node_id=node_id,
             debit=debit,
             request_id=request_id,
-            reservation_id=rid,
+            reservation_id=new_reservation_id(node_id, secrets.randbits(128)),
             now_ms=now_ms,
-            expires_at_ms=expires,
-            keys=[k.info, k.lease, k.reservations, k.notices, k.expiries],
-            args=args,
+            expires_at_ms=now_ms + hold_ttl_ms,
         )
 
     def outcome(self, out: Any, cache: NodeCache) -> DebitOutcome:
-        """The script's reply as a DebitOutcome; refreshes or drops the node's cached view."""
+        """This debit's reply as a DebitOutcome; refreshes or drops the node's cached view."""
         status = codec.text(out[0])
         if status == "unknown_node":
             cache.drop(self.node_id)
@@ -114,3 +97,30 @@ class DebitCall:
             lease_epoch=epoch,
             lease_version=version,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptCall:
+    """One ``try_debit`` script call: every debit of a batch on one node, in batch order."""
+
+    keys: list[str]
+    args: list[Any]
+    positions: list[int]
+    """Where each of its debits sits in the batch."""
+
+
+def script_calls(keys: Keys, calls: Sequence[DebitCall], share: float) -> list[ScriptCall]:
+    """The batch grouped by node (one atomic script call per node), nodes in first-seen order."""
+    by_node: dict[str, ScriptCall] = {}
+    for position, call in enumerate(calls):
+        group = by_node.get(call.node_id)
+        if group is None:
+            k = keys.node(call.node_id)
+            group = by_node[call.node_id] = ScriptCall(
+                keys=[k.info, k.lease, k.reservations, k.notices, k.expiries],
+                args=[call.now_ms, repr(float(share)), call.expires_at_ms, NOTICES_CAP],
+                positions=[],
+            )
+        group.args.extend((call.reservation_id, call.request_id, *call.debit.as_tuple()))
+        group.positions.append(position)
+    return list(by_node.values())

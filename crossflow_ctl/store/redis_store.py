@@ -13,13 +13,13 @@ borrowing limit is the ``share`` factor applied inside each node's own check (se
 ``PolicySettings.borrow_share``), so it needs no cross-slot operation.
 
 Round trips: ``try_debit``, ``commit``, ``release`` one each (``try_debits``: one for a whole
-batch, pipelined); ``admission_view`` none when warm: the pool's reports, a draw from the lender
-index and each node's state are reused for up to ``cache_max_age_ms`` by each replica
-(:mod:`crossflow_ctl.store.redis_cache`: fails closed when stale, never caches absence), and each
-debit's reply refreshes its node's entry, so a warm Admit is the debit's one round trip. On a
-miss, the missing nodes' ``node_view`` scripts and the pool's reports go in one pipeline; a
-lender draw takes the pool's reports along, and costs one more trip only when nodes it drew are
-not cached.
+batch, one script call per node, pipelined); ``admission_view`` none when warm: the pool's
+reports, a draw from the lender index and each node's state are reused for up to
+``cache_max_age_ms`` by each replica (:mod:`crossflow_ctl.store.redis_cache`: fails closed when
+stale, never caches absence), and each debit's reply refreshes its node's entry, so a warm Admit
+is the debit's one round trip. On a miss, the missing nodes' ``node_view`` scripts and the
+pool's reports go in one pipeline; a lender draw takes the pool's reports along, and costs one
+more trip only when nodes it drew are not cached.
 Flat in fleet size. Lease upsert and cordon two (the script, then the lender index, which is
 only a sampling hint).
 """
@@ -77,7 +77,7 @@ from crossflow_ctl.store.keys import (
     node_of_reservation,
 )
 from crossflow_ctl.store.redis_cache import LenderSample, NodeCache, PoolCache
-from crossflow_ctl.store.redis_debit import UNKNOWN_NODE, DebitCall
+from crossflow_ctl.store.redis_debit import UNKNOWN_NODE, DebitCall, script_calls
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_scripts import Scripts
 
@@ -310,38 +310,33 @@ class RedisStore(Store):
         hold_ttl_ms: int,
         request_id: str = "",
     ) -> DebitOutcome:
-        check_debit_args(share, hold_ttl_ms)
-        if not is_node_id(node_id):
-            return UNKNOWN_NODE
-        call = DebitCall.build(self._k, node_id, debit, share, now_ms, hold_ttl_ms, request_id)
-        async with self._backend("try_debit"):
-            out = await self._run("try_debit", call.keys, call.args)
-        return call.outcome(out, self._node_cache)
+        request = DebitRequest(node_id, debit, request_id)
+        return (await self.try_debits((request,), share, now_ms, hold_ttl_ms))[0]
 
     async def try_debits(
         self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
     ) -> list[DebitOutcome]:
-        """Every debit script in ONE pipeline round trip (each atomic on its own node)."""
+        """ONE script call per node, all of them in ONE round trip (pipelined when several)."""
         check_debit_args(share, hold_ttl_ms)
-        if len(debits) == 1:
-            d = debits[0]
-            return [
-                await self.try_debit(d.node_id, d.debit, share, now_ms, hold_ttl_ms, d.request_id)
-            ]
         calls = [
-            DebitCall.build(self._k, d.node_id, d.debit, share, now_ms, hold_ttl_ms, d.request_id)
-            if is_node_id(d.node_id)
-            else None
+            DebitCall.build(d.node_id, d.debit, now_ms, hold_ttl_ms, d.request_id)
             for d in debits
+            if is_node_id(d.node_id)
         ]
-        sent = [c for c in calls if c is not None]
+        groups = script_calls(self._k, calls, share)
         async with self._backend("try_debit"):
-            replies = await self._scripts.run_many("try_debit", [(c.keys, c.args) for c in sent])
-        by_call = dict(zip(map(id, sent), replies, strict=True))
-        return [
-            UNKNOWN_NODE if c is None else c.outcome(by_call[id(c)], self._node_cache)
-            for c in calls
-        ]
+            if len(groups) == 1:
+                replies = [await self._run("try_debit", groups[0].keys, groups[0].args)]
+            else:
+                replies = await self._scripts.run_many(
+                    "try_debit", [(g.keys, g.args) for g in groups]
+                )
+        by_call: list[DebitOutcome] = [UNKNOWN_NODE] * len(calls)
+        for group, reply in zip(groups, replies, strict=True):
+            for position, item in zip(group.positions, reply, strict=True):
+                by_call[position] = calls[position].outcome(item, self._node_cache)
+        found = iter(by_call)
+        return [next(found) if is_node_id(d.node_id) else UNKNOWN_NODE for d in debits]
 
     async def _change(self, name: str, reservation_id: str, args: list[Any]) -> Reservation:
         node_id = node_of_reservation(reservation_id)

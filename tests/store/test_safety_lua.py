@@ -2,7 +2,8 @@
 
 Random leases, open debits (granted against a larger lease, then left above or below a smaller
 one), debits and shares on real Redis: the script grants exactly when the domain says the debit
-fits, and names the same short credits when it refuses.
+fits, and names the same short credits when it refuses; a batch of debits on the node (one
+script call) agrees with the domain applied debit after debit.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from crossflow_ctl.domain.models import CREDIT_NAMES, MAX_BYTES, MAX_SLOTS, MAX_TOKENS, Credits
 from crossflow_ctl.domain.safety import fits, short_credits
+from crossflow_ctl.store.base import DebitRequest
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.store.helpers import NOW, lease, register
 
@@ -53,6 +55,7 @@ shares = st.one_of(
     open_debits=st.lists(amounts(20), max_size=3),
     second=amounts(60),
     debit=amounts(30),
+    batch=st.lists(amounts(15), max_size=4),
     share=shares,
 )
 async def test_lua_debit_agrees_with_the_domain_safety_check(
@@ -62,6 +65,7 @@ async def test_lua_debit_agrees_with_the_domain_safety_check(
     open_debits: list[Credits],
     second: Credits,
     debit: Credits,
+    batch: list[Credits],
     share: float,
 ) -> None:
     store = RedisStore(redis_url, namespace=f"{redis_namespace}-{uuid.uuid4().hex[:8]}")
@@ -76,11 +80,21 @@ async def test_lua_debit_agrees_with_the_domain_safety_check(
         # A second lease (that has seen no notice) keeps every debit open, above or below it.
         await store.upsert_lease(lease("d1", version=2, credits=second), NOW, 60_000)
         outcome = await store.try_debit("d1", debit, share, NOW, 60_000)
+        # A batch on one node is one script call: each debit sees the ones granted before it.
+        batched = await store.try_debits([DebitRequest("d1", d) for d in batch], share, NOW, 60_000)
     finally:
         await store.close()
     want = short_credits(second, opened, share, debit)
     if second.is_zero():
         assert outcome.refusal == "zero_lease"  # no credit at all: refused before Safety
+        assert all(o.refusal == "zero_lease" for o in batched)
         return
     assert outcome.granted == fits(second, opened, share, debit)
     assert outcome.short_credits == want
+    if outcome.granted:
+        opened = [a + b for a, b in zip(opened, debit.as_tuple(), strict=True)]
+    for d, out in zip(batch, batched, strict=True):
+        assert out.short_credits == short_credits(second, opened, share, d)
+        assert out.granted == fits(second, opened, share, d)
+        if out.granted:
+            opened = [a + b for a, b in zip(opened, d.as_tuple(), strict=True)]
