@@ -293,9 +293,13 @@ def plan_admission(
     nodes: Sequence[NodeState],
     settings: PolicySettings,
     now_ms: int,
+    demand: DemandCheck | None = None,
 ) -> Plan:
-    """Demand, then Benefit and Safety on every candidate; rank the nodes that pass both."""
-    demand = check_demand(pool, settings)
+    """Demand, then Benefit and Safety on every candidate; rank the nodes that pass both.
+
+    ``demand``: ``check_demand(pool, settings)`` when the caller already has it (a batch of
+    requests planned on one view shares it)."""
+    demand = demand if demand is not None else check_demand(pool, settings)
     normal = estimate_normal_path(request, demand, pool, settings)
     checks = tuple(check_node(request, n, normal, settings, now_ms) for n in nodes)
     ranked = tuple(

@@ -25,9 +25,11 @@ from crossflow_ctl.domain.admission import (
     Admission,
     AdmissionRequest,
     Decision,
+    DemandCheck,
     NodeCheck,
     Plan,
     Reason,
+    check_demand,
     plan_admission,
 )
 from crossflow_ctl.domain.clock import Clock
@@ -39,6 +41,8 @@ from crossflow_ctl.store.base import DebitOutcome, DebitRequest, Store
 
 log = structlog.get_logger()
 T = TypeVar("T")
+
+_View = tuple[PoolSnapshot | None, list[NodeState], DemandCheck]
 
 MAX_DEBIT_TRIES = 3
 """Ranked nodes tried when a concurrent Admit took the room between the plan and the debit."""
@@ -127,19 +131,20 @@ class Admitter:
         now = self.clock.now_ms()
         answers: list[Admission | None] = [None] * len(requests)
         pending: list[tuple[int, Plan]] = []
-        views: dict[tuple[str, tuple[str, ...]], tuple[PoolSnapshot | None, list[NodeState]]] = {}
+        views: dict[tuple[str, tuple[str, ...]], _View] = {}
         for i, request in enumerate(requests):
             key = (request.pool, request.candidate_node_ids)  # one view per kind in a batch
             if key not in views:
-                views[key] = await timed(
+                pool, nodes = await timed(
                     self.metrics,
                     "admission_view",
                     self.store.admission_view(
                         request.pool, request.candidate_node_ids, policy.candidate_sample, now
                     ),
                 )
-            pool, nodes = views[key]
-            plan = plan_admission(request, pool, nodes, policy, now)
+                views[key] = (pool, nodes, check_demand(pool, policy))
+            pool, nodes, demand = views[key]
+            plan = plan_admission(request, pool, nodes, policy, now, demand)
             answer = self._without_debit(request, plan, policy)
             if answer is None:
                 pending.append((i, plan))

@@ -51,20 +51,16 @@ class DebitCall:
             expires_at_ms=now_ms + hold_ttl_ms,
         )
 
-    def outcome(self, out: Any, cache: NodeCache) -> DebitOutcome:
-        """This debit's reply as a DebitOutcome; refreshes or drops the node's cached view."""
+    def outcome(self, out: Any) -> DebitOutcome:
+        """This debit's reply as a DebitOutcome."""
         status = codec.text(out[0])
         if status == "unknown_node":
-            cache.drop(self.node_id)
             return UNKNOWN_NODE
         epoch, version = int(codec.text(out[1])), int(codec.text(out[2]))
         if status not in ("granted", "short"):
-            cache.drop(self.node_id)
             return DebitOutcome(
                 granted=False, refusal=status, lease_epoch=epoch, lease_version=version
             )
-        totals = [int(v) for v in codec.text(out[4]).split(",")]
-        cache.debited(self.node_id, epoch, version, totals, self.now_ms)
         if status == "short":
             short = tuple(CREDIT_NAMES[int(i) - 1] for i in codec.text(out[3]).split(","))
             return DebitOutcome(
@@ -107,6 +103,17 @@ class ScriptCall:
     args: list[Any]
     positions: list[int]
     """Where each of its debits sits in the batch."""
+
+
+def refresh_cache(cache: NodeCache, node_id: str, last: Any, now_ms: int) -> None:
+    """Refresh the node's cached view from the LAST reply of its script call (the node's state
+    after all of its debits), or drop it when the node refused before Safety."""
+    status = codec.text(last[0])
+    if status not in ("granted", "short"):
+        cache.drop(node_id)
+        return
+    totals = [int(v) for v in codec.text(last[4]).split(",")]
+    cache.debited(node_id, int(codec.text(last[1])), int(codec.text(last[2])), totals, now_ms)
 
 
 def script_calls(keys: Keys, calls: Sequence[DebitCall], share: float) -> list[ScriptCall]:

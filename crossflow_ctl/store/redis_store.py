@@ -77,7 +77,12 @@ from crossflow_ctl.store.keys import (
     node_of_reservation,
 )
 from crossflow_ctl.store.redis_cache import LenderSample, NodeCache, PoolCache
-from crossflow_ctl.store.redis_debit import UNKNOWN_NODE, DebitCall, script_calls
+from crossflow_ctl.store.redis_debit import (
+    UNKNOWN_NODE,
+    DebitCall,
+    refresh_cache,
+    script_calls,
+)
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_scripts import Scripts
 
@@ -334,7 +339,9 @@ class RedisStore(Store):
         by_call: list[DebitOutcome] = [UNKNOWN_NODE] * len(calls)
         for group, reply in zip(groups, replies, strict=True):
             for position, item in zip(group.positions, reply, strict=True):
-                by_call[position] = calls[position].outcome(item, self._node_cache)
+                by_call[position] = calls[position].outcome(item)
+            node_id = calls[group.positions[0]].node_id
+            refresh_cache(self._node_cache, node_id, reply[-1], now_ms)
         found = iter(by_call)
         return [next(found) if is_node_id(d.node_id) else UNKNOWN_NODE for d in debits]
 
