@@ -262,20 +262,21 @@ class RedisStore(Store):
     ) -> tuple[PoolSnapshot | None, list[NodeState]]:
         ids = [n for n in dict.fromkeys(node_ids) if is_node_id(n)]
         snapshot = self._pools.get(pool, now_ms)
+        picked = self._lenders.pick(sample, now_ms) if not node_ids and sample > 0 else ids
+        if snapshot is not None and picked is not None:  # warm: no round trip, no I/O at all
+            cached = [s for n in picked if (s := self._node_cache.get(n, now_ms)) is not None]
+            if len(cached) == len(picked):
+                return snapshot, cached
         read_pool = snapshot is None
         reports: Any = None
         async with self._backend("admission_view"):
-            if not node_ids and sample > 0:
-                picked = self._lenders.pick(sample, now_ms)
-                if picked is None:  # the pool's reports, when due, come in the same trip
-                    ids, reports = await self._draw_lenders(
-                        sample, now_ms, pool if read_pool else None
-                    )
-                    read_pool = False
-                else:
-                    ids = picked
-            cached = {n: s for n in ids if (s := self._node_cache.get(n, now_ms)) is not None}
-            missing = [n for n in ids if n not in cached]
+            if picked is None:  # a new lender draw; the pool's reports, when due, come along
+                ids, reports = await self._draw_lenders(sample, now_ms, pool if read_pool else None)
+                read_pool = False
+            else:
+                ids = picked
+            cached_by_id = {n: s for n in ids if (s := self._node_cache.get(n, now_ms)) is not None}
+            missing = [n for n in ids if n not in cached_by_id]
             states: list[NodeState] = []
             if missing or read_pool:
                 pool_reports, states = await self._views(
@@ -286,7 +287,7 @@ class RedisStore(Store):
             self._node_cache.put(state, now_ms)
         if snapshot is None:
             snapshot = self._pools.put(pool, codec.live_pool_loads(reports, now_ms), now_ms)
-        found = {**cached, **{s.info.node_id: s for s in states}}
+        found = {**cached_by_id, **{s.info.node_id: s for s in states}}
         return snapshot, [found[n] for n in ids if n in found]
 
     async def _draw_lenders(
