@@ -35,7 +35,7 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 async def decide(
-    broker: Broker, items: Sequence[admission_pb2.AdmitStreamItem]
+    broker: Broker, items: Sequence[admission_pb2.AdmitStreamItem], owner: str = ""
 ) -> admission_pb2.AdmitStreamResponse:
     """One result per item: a decision, or an error for an item that is not a valid request."""
     results: list[admission_pb2.AdmitStreamResult] = []
@@ -49,7 +49,7 @@ async def decide(
             results.append(admission_pb2.AdmitStreamResult(id=item.id, error=error))
         else:
             ids.append(item.id)
-    answers = await broker.admit_many(requests)
+    answers = await broker.admit_many(requests, owner)
     for item_id, request, answer in zip(ids, requests, answers, strict=True):
         decision = admission_to_proto(answer, explain=request.dry_run)
         results.append(admission_pb2.AdmitStreamResult(id=item_id, decision=decision))
@@ -57,9 +57,10 @@ async def decide(
 
 
 async def answer_stream(
-    broker: Broker, requests: AsyncIterator[admission_pb2.AdmitStreamRequest]
+    broker: Broker, requests: AsyncIterator[admission_pb2.AdmitStreamRequest], owner: str = ""
 ) -> AsyncIterator[admission_pb2.AdmitStreamResponse]:
-    """Responses for the stream's requests, batch by batch, until the client half-closes."""
+    """Responses for the stream's requests, batch by batch, until the client half-closes.
+    Grants record ``owner`` (the caller's identity, "" without authentication)."""
     queue: asyncio.Queue[admission_pb2.AdmitStreamRequest | None] = asyncio.Queue(QUEUED_MESSAGES)
 
     done = asyncio.Event()
@@ -91,7 +92,7 @@ async def answer_stream(
                 items.extend(message.items)
             batch, items = items[:MAX_BATCH], items[MAX_BATCH:]
             if batch:
-                yield await decide(broker, batch)
+                yield await decide(broker, batch, owner)
     finally:
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -33,11 +33,14 @@ from crossflow_ctl.client.admission import channel_options
 from crossflow_ctl.client.errors import error_from_status
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.models import validated
+from crossflow_ctl.security import ClientCredentials
+from crossflow_ctl.security.channel import open_channel
 from crossflow_ctl.wire.convert_admission import admission_from_proto, admit_request_to_proto
 
 
 class AdmissionStream:
-    """One AdmitStream to ``target`` (or over ``channel``), reopened after a failure."""
+    """One AdmitStream to ``target`` (or over ``channel``), reopened after a failure;
+    ``credentials`` secure the channel it opens (as for ``AdmissionClient``)."""
 
     def __init__(
         self,
@@ -46,6 +49,7 @@ class AdmissionStream:
         timeout_s: float = 0.25,
         max_batch: int = 256,
         channel: grpc.aio.Channel | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         if channel is None and not target:
             raise ValueError("give a target or a channel")
@@ -53,7 +57,7 @@ class AdmissionStream:
         self.timeout_s = timeout_s
         self.max_batch = max_batch
         self._own_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=channel_options())
+        self._channel = channel or open_channel(target, credentials, channel_options())
         self._stub = admission_pb2_grpc.AdmissionServiceStub(self._channel)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Admission]] = {}

@@ -77,16 +77,19 @@ class Admitter:
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
 
-    async def admit_many(self, requests: Sequence[AdmissionRequest]) -> list[Admission]:
-        """One answer per request, in order; always answers (NORMAL on any doubt)."""
+    async def admit_many(
+        self, requests: Sequence[AdmissionRequest], owner: str = ""
+    ) -> list[Admission]:
+        """One answer per request, in order; always answers (NORMAL on any doubt). Granted
+        reservations record ``owner`` (the router's identity, "" without authentication)."""
         if not requests:
             return []
         started = time.perf_counter()
         if len(requests) == 1:
             with structlog.contextvars.bound_contextvars(request_id=requests[0].request_id):
-                answers = await self._decide(requests)
+                answers = await self._decide(requests, owner)
         else:
-            answers = await self._decide(requests)
+            answers = await self._decide(requests, owner)
         elapsed = time.perf_counter() - started
         for request, answer in zip(requests, answers, strict=True):
             shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
@@ -104,14 +107,14 @@ class Admitter:
             annotate_decision(answers[0].decision, answers[0].reason, answers[0].node_id)
         return answers
 
-    async def _decide(self, requests: Sequence[AdmissionRequest]) -> list[Admission]:
+    async def _decide(self, requests: Sequence[AdmissionRequest], owner: str) -> list[Admission]:
         policy = self._policy()
         count = len(requests)
         if not policy.enabled:
             return [Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled")] * count
         try:
             async with asyncio.timeout(policy.admit_timeout_ms / 1000.0):
-                return await self._admit(requests, policy)
+                return await self._admit(requests, policy, owner)
         except TimeoutError:
             log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms, requests=count)
             answer = Admission.normal(
@@ -126,7 +129,7 @@ class Admitter:
         return [answer] * count
 
     async def _admit(
-        self, requests: Sequence[AdmissionRequest], policy: PolicySettings
+        self, requests: Sequence[AdmissionRequest], policy: PolicySettings, owner: str
     ) -> list[Admission]:
         now = self.clock.now_ms()
         answers: list[Admission | None] = [None] * len(requests)
@@ -161,7 +164,10 @@ class Admitter:
                 self.metrics,
                 "debit",
                 self.store.try_debits(
-                    [DebitRequest(c.node_id, c.debit, requests[i].request_id) for i, _, c in tries],
+                    [
+                        DebitRequest(c.node_id, c.debit, requests[i].request_id, owner)
+                        for i, _, c in tries
+                    ],
                     policy.borrow_share,
                     now,
                     policy.hold_ttl_ms,

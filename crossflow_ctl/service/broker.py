@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 import structlog
@@ -38,10 +38,18 @@ from crossflow_ctl.domain.models import (
     StoredLease,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.room import (
+    RoomUpdate,
+    RoomView,
+    RoomWatchRequest,
+    summarize_room,
+    unknown_room,
+)
 from crossflow_ctl.domain.selectors import Selector
 from crossflow_ctl.observability import BrokerMetrics, annotate_node
 from crossflow_ctl.service.admission import Admitter, timed
 from crossflow_ctl.service.config import BrokerSettings
+from crossflow_ctl.service.room import RoomWatches
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
@@ -100,6 +108,8 @@ class Broker:
         self.broker_id = broker_id or settings.broker_id or "broker"
         self._policy = settings.policy
         self._admitter = Admitter(store, clock, self.metrics, lambda: self._policy)
+        self.rooms = RoomWatches(settings.room, clock, self.room_view)
+        """This replica's WatchRoom subscriptions (late binding)."""
 
     # -- policy, shared through the store and cached briefly -----------------------------------
     @property
@@ -143,34 +153,64 @@ class Broker:
         return new
 
     # -- admission -------------------------------------------------------------------------------
-    async def admit(self, request: AdmissionRequest) -> Admission:
-        """Always answers; NORMAL with a reason on any doubt (§5.6). Counted, timed, logged."""
-        return (await self._admitter.admit_many((request,)))[0]
+    async def admit(self, request: AdmissionRequest, owner: str = "") -> Admission:
+        """Always answers; NORMAL with a reason on any doubt (§5.6). Counted, timed, logged.
 
-    async def admit_many(self, requests: Sequence[AdmissionRequest]) -> list[Admission]:
+        A granted reservation records ``owner`` (the router's identity, "" without
+        authentication): only it, or an admin, may commit or release it."""
+        return (await self._admitter.admit_many((request,), owner))[0]
+
+    async def admit_many(
+        self, requests: Sequence[AdmissionRequest], owner: str = ""
+    ) -> list[Admission]:
         """One answer per request, in order, with the debits of a batch sent together."""
-        return await self._admitter.admit_many(requests)
+        return await self._admitter.admit_many(requests, owner)
 
     @property
     def shadow_decisions(self) -> dict[Decision, int]:
         """Count of decisions made in shadow mode, by what they would have been."""
         return self._admitter.shadow_decisions
 
-    async def commit(self, reservation_id: str) -> Reservation:
-        check_reservation_id(reservation_id)
-        res = await self._admin_call(
-            self.store.commit(reservation_id, self.clock.now_ms(), self._policy.commit_ttl_ms)
+    # -- late binding ----------------------------------------------------------------------------
+    async def room_view(self, request: RoomWatchRequest) -> RoomView:
+        """The room for ``request`` now, from the store; UNKNOWN (no room) on any doubt."""
+        policy, now, limit_ms = self._policy, self.clock.now_ms(), self.settings.admin_timeout_ms
+        view = self.store.admission_view(
+            request.pool, request.candidate_node_ids, self.settings.room.max_nodes, now
         )
+        try:
+            async with asyncio.timeout(limit_ms / 1000.0):
+                pool, nodes = await timed(self.metrics, "room_view", view)
+        except Exception as exc:  # fail closed on a store error, overrun or anything unforeseen
+            detail = f"store slower than {limit_ms} ms" if isinstance(exc, TimeoutError) else exc
+            log.warning("room_view.failed", error=repr(exc))
+            return unknown_room(request.pool, f"room unknown: {detail}")
+        return summarize_room(request.pool, pool, nodes, policy, now)
+
+    def watch_room(self, request: RoomWatchRequest) -> AsyncIterator[RoomUpdate]:
+        """Room updates for ``request`` (see :mod:`crossflow_ctl.service.room`)."""
+        return self.rooms.watch(request)
+
+    async def commit(self, reservation_id: str, owner: str | None = None) -> Reservation:
+        """Commit; with ``owner`` (a router's identity) only a reservation it was granted."""
+        check_reservation_id(reservation_id)
+        now, ttl = self.clock.now_ms(), self._policy.commit_ttl_ms
+        res = await self._admin_call(self.store.commit(reservation_id, now, ttl, owner))
         self.metrics.record_reservation_event("commit")
         annotate_node(res.node_id)
         return res
 
-    async def release(self, reservation_id: str, outcome: str = "") -> Reservation:
+    async def release(
+        self, reservation_id: str, outcome: str = "", owner: str | None = None
+    ) -> Reservation:
+        """Release; with ``owner`` (a router's identity) only a reservation it was granted."""
         check_reservation_id(reservation_id)
-        res = await self._admin_call(self.store.release(reservation_id, self.clock.now_ms()))
+        now = self.clock.now_ms()
+        res = await self._admin_call(self.store.release(reservation_id, now, owner))
         log.debug("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
         self.metrics.record_reservation_event("release")
         annotate_node(res.node_id)
+        self.rooms.poke()
         return res
 
     # -- agents ----------------------------------------------------------------------------------
@@ -197,6 +237,8 @@ class Broker:
                 field="lease.version",
             )
         self._note_zero(lease)
+        if not lease.is_zero:
+            self.rooms.poke()
         return outcome
 
     def _note_zero(self, lease: Lease) -> None:
@@ -267,6 +309,7 @@ class Broker:
         now = self.clock.now_ms()
         await self._admin_call(self.store.set_cordon(node_id, cordoned, reason, now))
         log.info("cordon", node_id=node_id, cordoned=cordoned, reason=reason)
+        self.rooms.poke()
         return await self._admin_call(self.store.get_node(node_id, now))
 
     # -- helpers ---------------------------------------------------------------------------------

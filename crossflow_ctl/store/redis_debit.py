@@ -34,18 +34,26 @@ class DebitCall:
     node_id: str
     debit: Credits
     request_id: str
+    owner: str
     reservation_id: str
     now_ms: int
     expires_at_ms: int
 
     @classmethod
     def build(
-        cls, node_id: str, debit: Credits, now_ms: int, hold_ttl_ms: int, request_id: str
+        cls,
+        node_id: str,
+        debit: Credits,
+        now_ms: int,
+        hold_ttl_ms: int,
+        request_id: str,
+        owner: str,
     ) -> DebitCall:
         return cls(
             node_id=node_id,
             debit=debit,
             request_id=request_id,
+            owner=owner,
             reservation_id=new_reservation_id(node_id, secrets.randbits(128)),
             now_ms=now_ms,
             expires_at_ms=now_ms + hold_ttl_ms,
@@ -84,6 +92,7 @@ class DebitCall:
             grant_seq=int(out[3]),
             release_seq=0,
             request_id=self.request_id,
+            owner=self.owner,
         )
         return DebitOutcome.model_construct(
             granted=True,
@@ -128,6 +137,8 @@ def script_calls(keys: Keys, calls: Sequence[DebitCall], share: float) -> list[S
                 args=[call.now_ms, repr(float(share)), call.expires_at_ms, NOTICES_CAP],
                 positions=[],
             )
-        group.args.extend((call.reservation_id, call.request_id, *call.debit.as_tuple()))
+        group.args.extend(
+            (call.reservation_id, call.request_id, call.owner, *call.debit.as_tuple())
+        )
         group.positions.append(position)
     return list(by_node.values())

@@ -1,5 +1,6 @@
 """AdmissionService: Admit and AdmitStream always answer (NORMAL on any store doubt); Commit and
-Release map domain errors to status codes."""
+Release map domain errors to status codes; WatchRoom streams room updates (INVALID_ARGUMENT on a
+bad subscription, before the first update)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import grpc
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
 from crossflow_ctl.broker.admit_stream import answer_stream
-from crossflow_ctl.broker.servicers import maps_errors
+from crossflow_ctl.broker.auth import owner_filter, reservation_owner
+from crossflow_ctl.broker.servicers import maps_errors, status_for
+from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire.convert_admission import admission_to_proto, admit_request_from_proto
+from crossflow_ctl.wire.convert_room import room_update_to_proto, watch_request_from_proto
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
@@ -22,7 +26,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     async def Admit(
         self, request: admission_pb2.AdmitRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.AdmitResponse:
-        admission = await self._broker.admit(admit_request_from_proto(request))
+        owner = reservation_owner()
+        admission = await self._broker.admit(admit_request_from_proto(request), owner)
         return admission_to_proto(admission)
 
     async def AdmitStream(
@@ -30,14 +35,15 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         request_iterator: AsyncIterator[admission_pb2.AdmitStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[admission_pb2.AdmitStreamResponse]:
-        async for response in answer_stream(self._broker, request_iterator):
+        owner = reservation_owner()
+        async for response in answer_stream(self._broker, request_iterator, owner):
             yield response
 
     @maps_errors
     async def Commit(
         self, request: admission_pb2.CommitRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.CommitResponse:
-        res = await self._broker.commit(request.reservation_id)
+        res = await self._broker.commit(request.reservation_id, owner_filter())
         return admission_pb2.CommitResponse(
             reservation_id=res.reservation_id, expires_unix_ms=res.expires_at_ms
         )
@@ -49,5 +55,16 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         outcome = admission_pb2.ReleaseOutcome.Name(request.outcome).removeprefix(
             "RELEASE_OUTCOME_"
         )
-        res = await self._broker.release(request.reservation_id, outcome.lower())
+        res = await self._broker.release(request.reservation_id, outcome.lower(), owner_filter())
         return admission_pb2.ReleaseResponse(reservation_id=res.reservation_id)
+
+    async def WatchRoom(
+        self, request: admission_pb2.WatchRoomRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admission_pb2.WatchRoomResponse]:
+        try:
+            updates = self._broker.watch_room(watch_request_from_proto(request))
+        except CrossflowError as exc:
+            await context.abort(status_for(exc), str(exc))
+            return
+        async for update in updates:
+            yield room_update_to_proto(update)

@@ -3,7 +3,8 @@
 -- KEYS[1] info HASH, KEYS[2] lease HASH, KEYS[3] reservations HASH, KEYS[4] notices STREAM,
 -- KEYS[5] reservation expiries ZSET.
 -- ARGV[1] now_ms, ARGV[2] share (0..1, exact float text), ARGV[3] hold expires_at_ms,
--- ARGV[4] notices MAXLEN, then 7 per debit: reservation id, request id, debit c1..c5.
+-- ARGV[4] notices MAXLEN, then 8 per debit: reservation id, request id, owner (the granted
+-- router's identity, '' without authentication), debit c1..c5.
 -- Returns one reply per debit, in order: {refusal} for an unknown node; {refusal, epoch,
 -- version} for cordoned, no_lease, expired, zero_lease; {'short', epoch, version, 'i,i', open}
 -- (1-based credit indexes); {'granted', epoch, version, grant_seq, open}, where open is the
@@ -13,7 +14,7 @@
 -- Safety is crossflow_ctl/domain/safety.py's: floor(lease x share) - open >= debit, per credit.
 local info, lease, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local now, share, expires, maxlen = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local count = (#ARGV - 4) / 7
+local count = (#ARGV - 4) / 8
 
 local function each(reply)
   local out = {}
@@ -49,18 +50,18 @@ end
 local out = {}
 local granted = false
 for i = 0, count - 1 do
-  local a = 5 + 7 * i  -- reservation id; request id at a + 1; c1..c5 at a + 2 .. a + 6
+  local a = 5 + 8 * i  -- reservation id; request id a + 1; owner a + 2; c1..c5 a + 3 .. a + 7
   local short = {}
   for c = 1, 5 do
-    if tonumber(ARGV[a + 1 + c]) > limit[c] - open[c] then
+    if tonumber(ARGV[a + 2 + c]) > limit[c] - open[c] then
       short[#short + 1] = tostring(c)
     end
   end
   if #short > 0 then
     out[#out + 1] = {'short', epoch, version, table.concat(short, ','), cf_totals_text(open)}
   else
-    local f = {'held', expires, '0', ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5],
-      ARGV[a + 6], now, '0', epoch, version, ARGV[a + 1]}
+    local f = {'held', expires, '0', ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6],
+      ARGV[a + 7], now, '0', epoch, version, ARGV[a + 2], ARGV[a + 1]}
     local seq = cf_notice(info, notices, maxlen, 'grant', ARGV[a], f, now)
     f[10] = seq
     cf_put(info, res, exp, ARGV[a], f, false)
