@@ -61,19 +61,24 @@ class NodeIndex:
             pipe.zrem(self._k.lenders(bucket), *ids)
         await pipe.execute()
 
-    async def draw_lenders(self, sample: int, now_ms: int) -> list[tuple[str, int]]:
-        """Drop expired lenders and draw up to ``max(sample, 8)`` from every bucket (one
-        pipeline): (node id, lease expiry ms) pairs."""
+    async def draw_lenders(
+        self, sample: int, now_ms: int, also_hgetall: str | None = None
+    ) -> tuple[list[tuple[str, int]], Any]:
+        """Drop expired lenders and draw up to ``max(sample, 8)`` from every bucket, with an
+        HGETALL of ``also_hgetall`` when given (one pipeline): (node id, lease expiry ms) pairs,
+        and that hash (None when not asked)."""
         per_bucket = max(sample, LENDER_DRAW_PER_BUCKET)
         pipe = self._r.pipeline(transaction=False)
         for bucket in range(INDEX_BUCKETS):
             pipe.zremrangebyscore(self._k.lenders(bucket), "-inf", now_ms)
             pipe.zrandmember(self._k.lenders(bucket), per_bucket, withscores=True)
+        if also_hgetall is not None:
+            pipe.hgetall(also_hgetall)
         out = await pipe.execute()
         members: list[tuple[str, int]] = []
-        for flat in out[1::2]:
+        for flat in out[1 : 2 * INDEX_BUCKETS : 2]:
             flat = flat or []
             members.extend(
                 (codec.text(flat[i]), int(float(flat[i + 1]))) for i in range(0, len(flat), 2)
             )
-        return members
+        return members, (out[-1] if also_hgetall is not None else None)

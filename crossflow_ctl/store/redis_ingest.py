@@ -146,7 +146,7 @@ class LeaseIngest:
     async def _batch(self, calls: Sequence[UpsertCall]) -> list[Any]:
         """The leases that arrived together: one pipeline of ``upsert_lease`` (each lease still
         checked and stored atomically by its own script), then one lender index update."""
-        out = await self._scripts.run_many("upsert_lease", [(c[1], c[2]) for c in calls])
+        out = await self._scripts.run_each("upsert_lease", [(c[1], c[2]) for c in calls])
         changes: dict[str, int | None] = {}
         for (node_id, _, _, lends, expires), reply in zip(calls, out, strict=True):
             if not isinstance(reply, BaseException) and int(reply[0]) == 1:

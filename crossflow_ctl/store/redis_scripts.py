@@ -55,12 +55,25 @@ class Scripts:
     async def run_many(
         self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
     ) -> list[Any]:
-        """The script once per call, in ONE pipeline (per Cluster shard); each call's reply or
-        its own error (an exception object) in order. Items refused with NOSCRIPT did nothing,
-        so they are sent again once the script is loaded."""
+        """Each (keys, args) call of script ``name`` as EVALSHA, in ONE pipeline round trip
+        (per Cluster master); the replies in order, raising the first error.
+
+        A pipeline is not a transaction: each script is atomic on its own. On NOSCRIPT (nothing
+        ran for that call) the script is loaded and the calls that met it are sent again."""
+        out = await self.run_each(name, calls)
+        for reply in out:
+            if isinstance(reply, Exception):
+                raise reply
+        return out
+
+    async def run_each(
+        self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+    ) -> list[Any]:
+        """Like :meth:`run_many`, but each call's reply or its own error (an exception object)
+        in order, so one refused call fails only its caller."""
         script = self.by_name[name]
-        todo = list(range(len(calls)))
         out: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
         for attempt in range(2):
             pipe = self._r.pipeline(transaction=False)
             for i in todo:

@@ -11,11 +11,16 @@ hash-tagged buckets (:mod:`.redis_index`) written by plain commands, never insid
 script; no MULTI spans slots (pipelines are non-transactional, split per master by redis-py).
 The cluster-wide borrowing limit is the ``share`` factor inside each node's own check.
 
-Round trips: ``try_debit``, ``commit``, ``release`` one each; ``admission_view`` one (pipelined
-``node_view`` per candidate), with the pool's reports and a lender draw reused for up to
-``cache_max_age_ms`` (:mod:`.redis_cache`; on a miss, one more). Flat in fleet size. Lease
-upserts arriving together share one pipeline, then one lender index update
-(:mod:`.redis_ingest`); waiting notice reads cost nothing until a wake (:mod:`.redis_notices`).
+Round trips: ``try_debit``, ``commit``, ``release`` one each (``try_debits``: one for a whole
+batch, one script call per node, pipelined); ``admission_view`` none when warm: the pool's
+reports, a draw from the lender index and each node's state are reused for up to
+``cache_max_age_ms`` by each replica (:mod:`.redis_cache`: fails closed when stale, never caches
+absence), and each debit's reply refreshes its node's entry, so a warm Admit is the debit's one
+round trip. On a miss, the missing nodes' ``node_view`` scripts and the pool's reports go in one
+pipeline; a lender draw (from every index bucket) takes the pool's reports along, and costs one
+more trip only when nodes it drew are not cached. Flat in fleet size. Lease upserts arriving
+together share one pipeline, then one lender index update (:mod:`.redis_ingest`); waiting notice
+reads cost nothing until a wake (:mod:`.redis_notices`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -40,7 +44,6 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import (
-    CREDIT_NAMES,
     Credits,
     Lease,
     NodeInfo,
@@ -50,7 +53,6 @@ from crossflow_ctl.domain.models import (
     PoolLoad,
     PoolSnapshot,
     Reservation,
-    ReservationState,
     StoredLease,
     StoredPoolLoad,
     validated,
@@ -59,10 +61,12 @@ from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.base import (
     DebitOutcome,
+    DebitRequest,
     LeaseOutcome,
     NodeEvent,
     Store,
     check_debit_args,
+    check_owner,
     owner_arg,
 )
 from crossflow_ctl.store.keys import (
@@ -70,12 +74,17 @@ from crossflow_ctl.store.keys import (
     NOTICES_CAP,
     Keys,
     is_node_id,
-    new_reservation_id,
     node_of_reservation,
 )
 from crossflow_ctl.store.redis_admin import RedisAdmin
-from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
+from crossflow_ctl.store.redis_cache import LenderSample, NodeCache, PoolCache
 from crossflow_ctl.store.redis_connect import RedisConnection, connect
+from crossflow_ctl.store.redis_debit import (
+    UNKNOWN_NODE,
+    DebitCall,
+    refresh_cache,
+    script_calls,
+)
 from crossflow_ctl.store.redis_index import NodeIndex
 from crossflow_ctl.store.redis_ingest import LeaseIngest
 from crossflow_ctl.store.redis_notices import NoticeReader
@@ -136,6 +145,7 @@ class RedisStore(Store):
         self._scripts = Scripts(client)
         self._pools = PoolCache(cache_max_age_ms)
         self._lenders = LenderSample(cache_max_age_ms)
+        self._node_cache = NodeCache(cache_max_age_ms)
         self._index = NodeIndex(client, self._k)
         self._notices = NoticeReader(client, self._k, self._backend)
         self._ingest = LeaseIngest(self._k, self._scripts, self._index_lenders)
@@ -164,6 +174,8 @@ class RedisStore(Store):
         leave by score once their lease expires), so a failure here must not turn a change
         that is already stored into an error for the caller."""
         self._lenders.drop()
+        for node_id in changes:
+            self._node_cache.drop(node_id)
         try:
             async with asyncio.timeout(self._op_timeout_s):
                 await self._index.set_lenders(changes)
@@ -173,6 +185,7 @@ class RedisStore(Store):
     def _forget(self, node_id: str) -> None:
         """A node was deleted: this replica's caches must not vouch for it."""
         self._notices.forget(node_id)
+        self._node_cache.drop(node_id)
         self._lenders.drop()
 
     async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
@@ -248,23 +261,44 @@ class RedisStore(Store):
     ) -> tuple[PoolSnapshot | None, list[NodeState]]:
         ids = [n for n in dict.fromkeys(node_ids) if is_node_id(n)]
         snapshot = self._pools.get(pool, now_ms)
+        picked = self._lenders.pick(sample, now_ms) if not node_ids and sample > 0 else ids
+        if snapshot is not None and picked is not None:  # warm: no round trip, no I/O at all
+            cached = [s for n in picked if (s := self._node_cache.get(n, now_ms)) is not None]
+            if len(cached) == len(picked):
+                return snapshot, cached
+        read_pool = snapshot is None
+        reports: Any = None
         async with self._backend("admission_view"):
-            if not node_ids and sample > 0:
-                picked = self._lenders.pick(sample, now_ms)
-                ids = picked if picked is not None else await self._draw_lenders(sample, now_ms)
-            if snapshot is not None and not ids:
-                return snapshot, []
-            reports, states = await self._views(ids, now_ms, None if snapshot else pool)
+            if picked is None:  # a new lender draw; the pool's reports, when due, come along
+                ids, reports = await self._draw_lenders(sample, now_ms, pool if read_pool else None)
+                read_pool = False
+            else:
+                ids = picked
+            cached_by_id = {n: s for n in ids if (s := self._node_cache.get(n, now_ms)) is not None}
+            missing = [n for n in ids if n not in cached_by_id]
+            states: list[NodeState] = []
+            if missing or read_pool:
+                pool_reports, states = await self._views(
+                    missing, now_ms, pool if read_pool else None
+                )
+                reports = pool_reports if read_pool else reports
+        for state in states:
+            self._node_cache.put(state, now_ms)
         if snapshot is None:
             snapshot = self._pools.put(pool, codec.live_pool_loads(reports, now_ms), now_ms)
-        return snapshot, states
+        found = {**cached_by_id, **{s.info.node_id: s for s in states}}
+        return snapshot, [found[n] for n in ids if n in found]
 
-    async def _draw_lenders(self, sample: int, now_ms: int) -> list[str]:
-        """Drop expired lenders and draw some from every index bucket (one round trip), keep
-        the draw for the next requests, and pick ``sample`` of the live ones."""
-        members = await self._index.draw_lenders(sample, now_ms)
+    async def _draw_lenders(
+        self, sample: int, now_ms: int, pool: str | None
+    ) -> tuple[list[str], Any]:
+        """Drop expired lenders and draw some from every index bucket, with ``pool``'s reports
+        when asked (one round trip); keep the draw for the next requests, and pick ``sample``
+        of the live ones."""
+        pool_key = self._k.pool(pool) if pool is not None else None
+        members, reports = await self._index.draw_lenders(sample, now_ms, pool_key)
         self._lenders.put(members, now_ms)
-        return self._lenders.choose(members, sample, now_ms)
+        return self._lenders.choose(members, sample, now_ms), reports
 
     async def try_debit(
         self,
@@ -276,52 +310,37 @@ class RedisStore(Store):
         request_id: str = "",
         owner: str = "",
     ) -> DebitOutcome:
-        check_debit_args(share, hold_ttl_ms, owner)
-        if not is_node_id(node_id):
-            return DebitOutcome(granted=False, refusal="unknown_node")
-        k = self._k.node(node_id)
-        rid = new_reservation_id(node_id, secrets.randbits(128))
-        expires = now_ms + hold_ttl_ms
-        args = [now_ms, repr(float(share)), expires, rid, request_id, *debit.as_tuple()]
+        request = DebitRequest(node_id, debit, request_id, owner)
+        return (await self.try_debits((request,), share, now_ms, hold_ttl_ms))[0]
+
+    async def try_debits(
+        self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
+    ) -> list[DebitOutcome]:
+        """ONE script call per node, all of them in ONE round trip (pipelined when several)."""
+        check_debit_args(share, hold_ttl_ms)
+        for d in debits:
+            check_owner(d.owner)
+        calls = [
+            DebitCall.build(d.node_id, d.debit, now_ms, hold_ttl_ms, d.request_id, d.owner)
+            for d in debits
+            if is_node_id(d.node_id)
+        ]
+        groups = script_calls(self._k, calls, share)
         async with self._backend("try_debit"):
-            out = await self._run(
-                "try_debit",
-                [k.info, k.lease, k.reservations, k.notices, k.expiries],
-                [*args, NOTICES_CAP, owner],
-            )
-        status = codec.text(out[0])
-        if status == "unknown_node":
-            return DebitOutcome(granted=False, refusal=status)
-        epoch, version = int(codec.text(out[1])), int(codec.text(out[2]))
-        if status != "granted":
-            short: tuple[str, ...] = ()
-            if status == "short":
-                short = tuple(CREDIT_NAMES[int(i) - 1] for i in codec.text(out[3]).split(","))
-            return DebitOutcome(
-                granted=False,
-                refusal=status,
-                short_credits=short,
-                lease_epoch=epoch,
-                lease_version=version,
-            )
-        # Every field is already valid (a checked node id, a validated debit, numbers this
-        # store produced), so the grant skips re-validation on the admission path.
-        res = Reservation.model_construct(
-            reservation_id=rid,
-            node_id=node_id,
-            state=ReservationState.HELD,
-            debit=debit,
-            lease_epoch=epoch,
-            lease_version=version,
-            created_at_ms=now_ms,
-            expires_at_ms=expires,
-            grant_seq=int(out[3]),
-            request_id=request_id,
-            owner=owner,
-        )
-        return DebitOutcome.model_construct(
-            granted=True, reservation=res, lease_epoch=epoch, lease_version=version
-        )
+            if len(groups) == 1:
+                replies = [await self._run("try_debit", groups[0].keys, groups[0].args)]
+            else:
+                replies = await self._scripts.run_many(
+                    "try_debit", [(g.keys, g.args) for g in groups]
+                )
+        by_call: list[DebitOutcome] = [UNKNOWN_NODE] * len(calls)
+        for group, reply in zip(groups, replies, strict=True):
+            for position, item in zip(group.positions, reply, strict=True):
+                by_call[position] = calls[position].outcome(item)
+            node_id = calls[group.positions[0]].node_id
+            refresh_cache(self._node_cache, node_id, reply[-1], now_ms)
+        found = iter(by_call)
+        return [next(found) if is_node_id(d.node_id) else UNKNOWN_NODE for d in debits]
 
     async def _change(self, name: str, reservation_id: str, args: list[Any]) -> Reservation:
         node_id = node_of_reservation(reservation_id)
