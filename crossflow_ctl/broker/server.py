@@ -27,6 +27,7 @@ from crossflow_ctl.api.v1 import (
     lease_pb2,
     lease_pb2_grpc,
 )
+from crossflow_ctl.broker.decoding import DecodingInterceptor
 from crossflow_ctl.broker.servicers.admin import AdminServicer
 from crossflow_ctl.broker.servicers.admission import AdmissionServicer
 from crossflow_ctl.broker.streams import LeaseStreamServicer, StreamRegistry
@@ -107,7 +108,7 @@ class BrokerServer:
         self._stop_policy = asyncio.Event()
         limit = settings.max_message_bytes
         self._server = grpc.aio.server(
-            interceptors=[TracingInterceptor()],
+            interceptors=[DecodingInterceptor(), TracingInterceptor()],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),

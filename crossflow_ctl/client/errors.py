@@ -3,6 +3,7 @@
     INVALID_ARGUMENT     -> InvalidArgument
     NOT_FOUND            -> NotFound
     FAILED_PRECONDITION  -> FailedPrecondition
+    ABORTED              -> Aborted (a policy write whose expected_version was not the stored one)
     RESOURCE_EXHAUSTED   -> InvalidArgument (a message over the size limit)
     UNAVAILABLE, DEADLINE_EXCEEDED, anything else from the transport -> StoreUnavailable
 
@@ -16,6 +17,7 @@ import re
 import grpc
 
 from crossflow_ctl.domain.errors import (
+    Aborted,
     CrossflowError,
     FailedPrecondition,
     InvalidArgument,
@@ -27,6 +29,7 @@ _CLASS_FOR: dict[grpc.StatusCode, type[CrossflowError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,  # message over the size limit
 }
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.*)$", re.DOTALL)

@@ -8,7 +8,6 @@ with reason STORE_UNAVAILABLE or TIMEOUT, never an error (DESIGN.md §5.6).
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -26,13 +25,12 @@ from crossflow_ctl.domain.admission import (
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import (
     CrossflowError,
+    FailedPrecondition,
     InvalidArgument,
     StaleLease,
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import (
-    ID_PATTERN,
-    MAX_ID_LEN,
     Frozen,
     Lease,
     NodeInfo,
@@ -43,19 +41,27 @@ from crossflow_ctl.domain.models import (
     PoolSnapshot,
     Reservation,
     StoredLease,
+    check_epoch,
+    validated,
 )
-from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision, annotate_node
+from crossflow_ctl.service.checks import (
+    check_node_id,
+    check_request_id,
+    check_reservation_id,
+    parse_selector,
+)
 from crossflow_ctl.service.config import BrokerSettings
-from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
+from crossflow_ctl.service.policy_keeper import PolicyKeeper
+from crossflow_ctl.service.requests import admit_once, run_once
+from crossflow_ctl.store.base import DebitOutcome, LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
 T = TypeVar("T")
 
 MAX_DEBIT_TRIES = 3
 """Ranked nodes tried when a concurrent Admit took the room between the read and the debit."""
-MAX_RESERVATION_ID_LEN = 256
-_ID_RE = re.compile(ID_PATTERN)
 
 
 class NodeDetail(Frozen):
@@ -65,37 +71,6 @@ class NodeDetail(Frozen):
     reservations: tuple[Reservation, ...] = ()
     recent_leases: tuple[StoredLease, ...] = ()
     events: tuple[NodeEvent, ...] = ()
-
-
-def check_node_id(node_id: str, field: str = "node_id") -> str:
-    if not node_id:
-        raise InvalidArgument("must not be empty", field=field)
-    if len(node_id) > MAX_ID_LEN:
-        raise InvalidArgument(f"longer than {MAX_ID_LEN} characters", field=field)
-    if not _ID_RE.match(node_id):
-        raise InvalidArgument(f"must match {ID_PATTERN}", field=field)
-    return node_id
-
-
-def check_reservation_id(reservation_id: str) -> str:
-    if not reservation_id:
-        raise InvalidArgument("must not be empty", field="reservation_id")
-    if len(reservation_id) > MAX_RESERVATION_ID_LEN:
-        raise InvalidArgument(
-            f"longer than {MAX_RESERVATION_ID_LEN} characters", field="reservation_id"
-        )
-    return reservation_id
-
-
-def parse_selector(selector: str) -> dict[str, str]:
-    """``"k=v,k2=v2"`` -> {k: v, k2: v2}; InvalidArgument naming ``selector`` otherwise."""
-    out: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in selector.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise InvalidArgument(f"expected k=v, got {part!r}", field="selector")
-        out[key.strip()] = value.strip()
-    return out
 
 
 class Broker:
@@ -116,23 +91,20 @@ class Broker:
         self._zero_reasons: dict[str, str] = {}
         """Last zero-lease reason per node ("" once it lends again), for state-change logs."""
         self.broker_id = broker_id or settings.broker_id or "broker"
-        self._policy = settings.policy
+        self._policy = PolicyKeeper(store, settings.policy)
+        self._late_debits: set[asyncio.Task[None]] = set()
+        """Releases of debits that landed after their Admit had answered (see _debit)."""
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
 
     # -- policy, shared through the store and cached briefly -----------------------------------
     @property
     def policy(self) -> PolicySettings:
-        return self._policy
+        return self._policy.current.policy
 
     async def load_policy(self) -> PolicySettings:
-        """Adopt the store's policy, seeding it with the configured one when it holds none."""
-        stored = await self._admin_call(self.store.get_policy())
-        if stored is None:
-            await self._admin_call(self.store.set_policy(self.settings.policy))
-            stored = self.settings.policy
-        self._policy = stored
-        return stored
+        """Adopt the store's policy (seeding or restoring it: :mod:`.policy_keeper`)."""
+        return (await self._admin_call(self._policy.load())).policy
 
     async def refresh_policy_forever(self, stop: asyncio.Event) -> None:
         """Re-read the shared policy every ``policy_refresh_ms`` until ``stop`` is set."""
@@ -148,24 +120,23 @@ class Broker:
             except TimeoutError:
                 pass
 
-    async def get_policy(self) -> PolicySettings:
-        return await self.load_policy()
+    async def get_policy(self) -> VersionedPolicy:
+        return await self._admin_call(self._policy.load())
 
-    async def set_policy(self, updates: dict[str, Any]) -> PolicySettings:
-        if not updates:
-            raise InvalidArgument("no updates given", field="updates")
-        current = await self.load_policy()
-        new = current.updated(updates)
-        await self._admin_call(self.store.set_policy(new))
-        self._policy = new
-        log.info("policy.set", updates=sorted(updates))
-        return new
+    async def set_policy(
+        self, updates: dict[str, Any], expected_version: int | None = None
+    ) -> VersionedPolicy:
+        """A new policy version; Aborted when ``expected_version`` is not the stored one."""
+        return await self._admin_call(self._policy.update(updates, expected_version))
 
     # -- admission -------------------------------------------------------------------------------
     async def admit(self, request: AdmissionRequest) -> Admission:
         """Always answers; NORMAL with a reason on any doubt (§5.6). Counted, timed, logged."""
         started = time.perf_counter()
-        answer = await self._decide(request)
+        if request.request_id and not request.dry_run:
+            answer = await self._admit_once(request)
+        else:
+            answer = await self._decide(request)
         shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
         self.metrics.record_admission(
             answer.decision, answer.reason, time.perf_counter() - started, shadow_decision=shadow
@@ -180,8 +151,32 @@ class Broker:
         )
         return answer
 
+    async def _admit_once(self, request: AdmissionRequest) -> Admission:
+        return await admit_once(self.store, request, self.policy, self._decide, self._release_late)
+
+    def _release_late(self, reservation_id: str, why: str) -> None:
+        """Release, in the background, a debit no router was told of."""
+
+        async def release() -> None:
+            try:
+                await self.release(reservation_id, "cancelled")
+                log.warning("admit.orphan_released", reservation_id=reservation_id, why=why)
+            except CrossflowError as exc:  # expired meanwhile, or store down: it expires
+                log.warning(
+                    "admit.orphan_release_failed", reservation_id=reservation_id, error=str(exc)
+                )
+
+        task = asyncio.create_task(release())
+        self._late_debits.add(task)
+        task.add_done_callback(self._late_debits.discard)
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait for background releases of late debits (at shutdown)."""
+        if self._late_debits:
+            await asyncio.wait(set(self._late_debits), timeout=timeout_s)
+
     async def _decide(self, request: AdmissionRequest) -> Admission:
-        policy = self._policy
+        policy = self.policy
         with structlog.contextvars.bound_contextvars(request_id=request.request_id):
             if not policy.enabled:
                 return Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled")
@@ -243,17 +238,26 @@ class Broker:
         refusals: list[str] = []
         normal_ms = plan.normal_path.total_ms if plan.normal_path else 0.0
         for check in plan.ranked[:MAX_DEBIT_TRIES]:
-            outcome = await self._timed(
-                "debit",
-                self.store.try_debit(
-                    check.node_id,
-                    check.debit,
-                    policy.borrow_share,
-                    now,
-                    policy.hold_ttl_ms,
-                    request.request_id,
-                ),
+            debit = asyncio.ensure_future(
+                self._timed(
+                    "debit",
+                    self.store.try_debit(
+                        check.node_id,
+                        check.debit,
+                        policy.borrow_share,
+                        now,
+                        policy.hold_ttl_ms,
+                        request.request_id,
+                    ),
+                )
             )
+            try:
+                # Shielded: when admission times out, the debit may still land in the store;
+                # it is then waited for and released, never left for nobody (phantom hold).
+                outcome = await asyncio.shield(debit)
+            except asyncio.CancelledError:
+                debit.add_done_callback(self._on_abandoned_debit)
+                raise
             if outcome.granted and outcome.reservation is not None:
                 res = outcome.reservation
                 log.debug("admit.borrow", node_id=check.node_id, reservation_id=res.reservation_id)
@@ -277,17 +281,59 @@ class Broker:
             plan,
         )
 
-    async def commit(self, reservation_id: str) -> Reservation:
+    def _on_abandoned_debit(self, debit: asyncio.Future[DebitOutcome]) -> None:
+        if debit.cancelled() or debit.exception() is not None:
+            return  # nothing landed, or the store failed: a HELD debit expires by itself
+        outcome = debit.result()
+        if outcome.granted and outcome.reservation is not None:
+            self._release_late(outcome.reservation.reservation_id, "admission timed out")
+
+    async def commit(self, reservation_id: str, request_id: str = "") -> Reservation:
         check_reservation_id(reservation_id)
+        check_request_id(request_id)
+        if request_id:
+            return await self._admin_call(
+                run_once(
+                    self.store,
+                    f"commit:{request_id}:{reservation_id}",
+                    self._record_ttl_ms(),
+                    lambda: self._commit(reservation_id),
+                    lambda r: r.model_dump_json(),
+                    Reservation.model_validate_json,
+                )
+            )
+        return await self._commit(reservation_id)
+
+    def _record_ttl_ms(self) -> int:
+        return self.policy.commit_ttl_ms + self.policy.hold_ttl_ms
+
+    async def _commit(self, reservation_id: str) -> Reservation:
         res = await self._admin_call(
-            self.store.commit(reservation_id, self.clock.now_ms(), self._policy.commit_ttl_ms)
+            self.store.commit(reservation_id, self.clock.now_ms(), self.policy.commit_ttl_ms)
         )
         self.metrics.record_reservation_event("commit")
         annotate_node(res.node_id)
         return res
 
-    async def release(self, reservation_id: str, outcome: str = "") -> Reservation:
+    async def release(
+        self, reservation_id: str, outcome: str = "", request_id: str = ""
+    ) -> Reservation:
         check_reservation_id(reservation_id)
+        check_request_id(request_id)
+        if request_id:
+            return await self._admin_call(
+                run_once(
+                    self.store,
+                    f"release:{request_id}:{reservation_id}",
+                    self._record_ttl_ms(),
+                    lambda: self._release(reservation_id, outcome),
+                    lambda r: r.model_dump_json(),
+                    Reservation.model_validate_json,
+                )
+            )
+        return await self._release(reservation_id, outcome)
+
+    async def _release(self, reservation_id: str, outcome: str) -> Reservation:
         res = await self._admin_call(self.store.release(reservation_id, self.clock.now_ms()))
         log.debug("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
         self.metrics.record_reservation_event("release")
@@ -298,16 +344,32 @@ class Broker:
     async def register(
         self, node_id: str, role: NodeRole, pool: str, labels: dict[str, str]
     ) -> NodeInfo:
+        """Register on Hello; FailedPrecondition naming ``hello.role``/``hello.pool`` when it
+        would change the identity of a registered node that is not cordoned."""
         check_node_id(node_id, "hello.node_id")
         check_node_id(pool, "hello.pool")
-        return await self._admin_call(
-            self.store.register_node(node_id, role, pool, labels, self.clock.now_ms())
-        )
+        try:
+            validated(NodeInfo, node_id=node_id, role=role, pool=pool, labels=dict(labels))
+            return await self._admin_call(
+                self.store.register_node(node_id, role, pool, labels, self.clock.now_ms())
+            )
+        except (InvalidArgument, FailedPrecondition) as exc:
+            exc.field = f"hello.{exc.field}" if exc.field else "hello"
+            raise
 
-    async def ingest_lease(self, lease: Lease) -> LeaseOutcome:
-        """Store a newer lease; StaleLease (changing nothing) when it is not newer (§5.1)."""
+    async def ingest_lease(self, lease: Lease, role: NodeRole = NodeRole.DECODE) -> LeaseOutcome:
+        """Store a newer lease; StaleLease (changing nothing) when it is not newer (§5.1).
+
+        Only decode nodes lease (FailedPrecondition naming ``lease``); an epoch that is not
+        plausibly a start time is refused (:func:`check_epoch`)."""
+        if role is not NodeRole.DECODE:
+            raise FailedPrecondition(
+                f"node {lease.node_id!r} is a {role.value} node: only decode nodes lease",
+                field="lease",
+            )
+        check_epoch(lease.epoch, self.clock.now_ms())
         outcome = await self._admin_call(
-            self.store.upsert_lease(lease, self.clock.now_ms(), self._policy.max_lease_ttl_ms)
+            self.store.upsert_lease(lease, self.clock.now_ms(), self.policy.max_lease_ttl_ms)
         )
         if not outcome.accepted:
             raise StaleLease(
@@ -332,9 +394,23 @@ class Broker:
         else:
             log.info("lease.lending", node_id=lease.node_id, was=before)
 
-    async def ingest_pool_load(self, load: PoolLoad) -> None:
+    async def ingest_pool_load(
+        self, load: PoolLoad, role: NodeRole = NodeRole.PREFILL, pool: str | None = None
+    ) -> None:
+        """Record a prefill server's load; FailedPrecondition from a decode node (``pool_load``)
+        or for a pool other than the node's registered one (``pool_load.pool``)."""
+        if role is not NodeRole.PREFILL:
+            raise FailedPrecondition(
+                f"node {load.node_id!r} is a {role.value} node: only prefill nodes report load",
+                field="pool_load",
+            )
+        if pool is not None and load.pool != pool:
+            raise FailedPrecondition(
+                f"node {load.node_id!r} is registered in pool {pool!r}, not {load.pool!r}",
+                field="pool_load.pool",
+            )
         await self._admin_call(
-            self.store.put_pool_load(load, self.clock.now_ms(), self._policy.max_lease_ttl_ms)
+            self.store.put_pool_load(load, self.clock.now_ms(), self.policy.max_lease_ttl_ms)
         )
 
     async def read_notices(self, node_id: str, after_seq: int, block_ms: int) -> list[Notice]:

@@ -14,6 +14,13 @@ Semantics (both implementations, proved by tests/store/test_contract.py):
   purged (HELD, COMMITTED and RELEASED-but-not-yet-seen).
 * Every grant, commit, release, expiry and cordon change appends a notice with the node's next
   sequence number; agents' streams relay them (§6).
+* ``register_node`` keeps a node's identity: a role or pool other than the registered one is
+  refused (FailedPrecondition naming ``role`` or ``pool``) unless the node is cordoned.
+* The policy is versioned: ``set_policy`` writes only when the stored version (0 when none) is
+  ``expected_version``, raising :class:`Aborted` otherwise, and changes nothing then.
+* Request records (``claim_request`` / ``settle_request``) make retried Admit, Commit and Release
+  calls exact: the first claim of a key wins and stores ``PENDING``; later claims see what is
+  stored; ``settle_request`` replaces PENDING (only) with an outcome. Records expire (TTL).
 * Every method that touches the backend raises :class:`StoreUnavailable` on backend errors.
 """
 
@@ -22,7 +29,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
 from crossflow_ctl.domain.models import (
     Credits,
     Frozen,
@@ -36,7 +43,10 @@ from crossflow_ctl.domain.models import (
     Reservation,
     StoredLease,
 )
-from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.policy import VersionedPolicy
+
+PENDING = "pending"
+"""A request record whose call has not finished (or whose broker gave up on it)."""
 
 
 def check_debit_args(share: float, hold_ttl_ms: int) -> None:
@@ -45,6 +55,19 @@ def check_debit_args(share: float, hold_ttl_ms: int) -> None:
         raise InvalidArgument(f"share must be within [0, 1], got {share}", field="share")
     if hold_ttl_ms <= 0:
         raise InvalidArgument("hold_ttl_ms must be positive", field="hold_ttl_ms")
+
+
+def check_identity(info: NodeInfo, role: NodeRole, pool: str) -> None:
+    """FailedPrecondition when a Hello would change a registered, uncordoned node's identity."""
+    if info.cordoned:
+        return
+    for field, have, want in (("role", info.role.value, role.value), ("pool", info.pool, pool)):
+        if have != want:
+            raise FailedPrecondition(
+                f"node {info.node_id!r} is registered with {field} {have!r}, not {want!r}; "
+                "cordon it to change its identity",
+                field=field,
+            )
 
 
 class LeaseOutcome(Frozen):
@@ -83,7 +106,10 @@ class Store(abc.ABC):
         labels: dict[str, str],
         now_ms: int,
     ) -> NodeInfo:
-        """Create or refresh a node's info on agent Hello; keeps its cordon state."""
+        """Create or refresh a node's info on agent Hello; keeps its cordon state.
+
+        FailedPrecondition (field ``role`` or ``pool``) when the node is registered with another
+        role or pool and is not cordoned; nothing changes then."""
 
     @abc.abstractmethod
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
@@ -163,12 +189,25 @@ class Store(abc.ABC):
 
     # -- policy -----------------------------------------------------------------------------
     @abc.abstractmethod
-    async def get_policy(self) -> PolicySettings | None:
-        """The policy shared by all broker replicas, None if never set."""
+    async def get_policy(self) -> VersionedPolicy | None:
+        """The policy shared by all broker replicas with its version, None if never set."""
 
     @abc.abstractmethod
-    async def set_policy(self, settings: PolicySettings) -> None:
-        """Replace the shared policy."""
+    async def set_policy(self, policy: VersionedPolicy, expected_version: int) -> None:
+        """Store ``policy`` (with its version) if the stored version is ``expected_version``
+        (0: none stored); Aborted with the stored version otherwise."""
+
+    # -- request records (idempotent retries) -------------------------------------------------
+    @abc.abstractmethod
+    async def claim_request(self, key: str, ttl_ms: int) -> str | None:
+        """Store PENDING under ``key`` if nothing is stored (None: claimed by this call);
+        otherwise return what is stored (PENDING or a recorded outcome)."""
+
+    @abc.abstractmethod
+    async def settle_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
+        """Store ``outcome`` under ``key`` only if PENDING is stored there (None: written);
+        otherwise return what is stored ("" when nothing), changing nothing. Of a call and a
+        retry that gives up on it, exactly one settles the record."""
 
     # -- lifecycle --------------------------------------------------------------------------
     @abc.abstractmethod

@@ -16,10 +16,18 @@ from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-PER_NODE = ("upsert_lease", "try_debit", "commit", "release", "set_cordon", "node_view")
+PER_NODE = (
+    "upsert_lease",
+    "try_debit",
+    "commit",
+    "release",
+    "set_cordon",
+    "node_view",
+    "register_node",
+)
 """Scripts over one node's keys (one hash tag); they share ``_lib.lua``."""
-GLOBAL = ("put_pool_load",)
-"""Scripts over one pool's keys."""
+GLOBAL = ("put_pool_load", "set_policy", "settle_request")
+"""Scripts over one pool's keys, the policy key, or one request record."""
 
 
 def load_script(name: str) -> str:

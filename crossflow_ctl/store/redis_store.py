@@ -37,6 +37,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from crossflow_ctl.domain.errors import (
+    Aborted,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -58,14 +59,16 @@ from crossflow_ctl.domain.models import (
     StoredPoolLoad,
     validated,
 )
-from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.base import (
+    PENDING,
     DebitOutcome,
     LeaseOutcome,
     NodeEvent,
     Store,
     check_debit_args,
+    check_identity,
 )
 from crossflow_ctl.store.keys import (
     EVENTS_CAP,
@@ -187,16 +190,15 @@ class RedisStore(Store):
         validated(NodeInfo, node_id=node_id, role=role, pool=pool, labels=dict(labels))
         k = self._k.node(node_id)
         async with self._backend("register_node"):
-            pipe = self._r.pipeline(transaction=False)
-            fields = ["role", role.value, "pool", pool, "labels", json.dumps(labels)]
-            pipe.hset(k.info, items=list(fields))
-            for name in ("cordoned", "cordon_reason", "seq"):
-                pipe.hsetnx(k.info, name, "0" if name != "cordon_reason" else "")
-            pipe.sadd(self._k.nodes, node_id)
-            pipe.hgetall(k.info)
-            out = await pipe.execute()
+            out = await self._run("register_node", [k.info], [role.value, pool, json.dumps(labels)])
+            if codec.text(out[0]) == "identity":
+                stored = NodeInfo.model_construct(
+                    node_id=node_id, role=NodeRole(codec.text(out[1])), pool=codec.text(out[2])
+                )
+                check_identity(stored, role, pool)
+            await self._r.sadd(self._k.nodes, node_id)
         self._notices.remember(node_id)
-        return codec.info_from(node_id, codec.text_map(out[-1]))
+        return codec.info_from(node_id, codec.flat_pairs(out[1]))
 
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
         k = self._k.node(lease.node_id)
@@ -453,14 +455,42 @@ class RedisStore(Store):
         return await self._notices.read(node_id, after_seq, limit, block_ms)
 
     # -- policy -----------------------------------------------------------------------------
-    async def get_policy(self) -> PolicySettings | None:
+    async def get_policy(self) -> VersionedPolicy | None:
         async with self._backend("get_policy"):
-            raw = await self._r.get(self._k.policy)
-        return PolicySettings.model_validate_json(raw) if raw else None
+            version, raw = await self._r.hmget(self._k.policy, ["version", "json"])
+        if not raw:
+            return None
+        policy = PolicySettings.model_validate_json(raw)
+        return VersionedPolicy(policy=policy, version=int(codec.text(version or b"0")))
 
-    async def set_policy(self, settings: PolicySettings) -> None:
+    async def set_policy(self, policy: VersionedPolicy, expected_version: int) -> None:
+        args = [expected_version, policy.version, policy.policy.model_dump_json()]
         async with self._backend("set_policy"):
-            await self._r.set(self._k.policy, settings.model_dump_json())
+            written, stored = await self._run("set_policy", [self._k.policy], args)
+        if not int(written):
+            current = int(codec.text(stored))
+            raise Aborted(
+                f"policy is at version {current}, not {expected_version}",
+                current_version=current,
+                field="expected_version",
+            )
+
+    # -- request records --------------------------------------------------------------------
+    async def claim_request(self, key: str, ttl_ms: int) -> str | None:
+        name = self._k.request(key)
+        async with self._backend("claim_request"):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.set(name, PENDING, nx=True, px=ttl_ms)
+            pipe.get(name)
+            claimed, stored = await pipe.execute()
+        return None if claimed else codec.text(stored) if stored is not None else PENDING
+
+    async def settle_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
+        async with self._backend("settle_request"):
+            out = await self._run(
+                "settle_request", [self._k.request(key)], [PENDING, outcome, ttl_ms]
+            )
+        return None if int(out[0]) else codec.text(out[1])
 
     # -- lifecycle --------------------------------------------------------------------------
     async def ping(self) -> None:

@@ -37,6 +37,17 @@ def reason_from_proto(number: int) -> Reason:
     )
 
 
+def release_outcome_from_proto(number: int) -> str:
+    """``RELEASE_OUTCOME_FINISHED`` -> "finished"; unspecified -> ""; unknown numbers are
+    InvalidArgument naming ``outcome``."""
+    try:
+        name = admission_pb2.ReleaseOutcome.Name(number)  # type: ignore[arg-type]
+    except ValueError:
+        raise InvalidArgument(f"unknown enum value {number}", field="outcome") from None
+    outcome = name.removeprefix("RELEASE_OUTCOME_").lower()
+    return "" if outcome == "unspecified" else outcome
+
+
 def decision_to_proto(decision: Decision | None) -> int:
     return c.enum_to_proto(decision, admission_pb2.Decision, "DECISION_")
 
@@ -187,6 +198,7 @@ def admission_to_proto(a: Admission) -> admission_pb2.AdmitResponse:
         predicted_ttft_ms=_finite(a.predicted_ttft_ms),
         normal_ttft_ms=_finite(a.normal_ttft_ms),
         shadow_decision=decision_to_proto(a.shadow_decision),  # type: ignore[arg-type]
+        replayed=a.replayed,
     )
     if a.plan is not None:
         msg.explanation.CopyFrom(plan_to_proto(a.plan))
@@ -232,6 +244,7 @@ def admission_from_proto(msg: admission_pb2.AdmitResponse) -> Admission:
         normal_ttft_ms=msg.normal_ttft_ms,
         plan=plan,
         shadow_decision=decision_from_proto(msg.shadow_decision),
+        replayed=msg.replayed,
     )
 
 
@@ -266,9 +279,9 @@ WIRE_ONLY: dict[str, str] = {
     "crossflow.v1.ConnectResponse": "oneof envelope",
     "crossflow.v1.Welcome": "built from settings and NodeInfo",
     "crossflow.v1.LeaseAck": "built from LeaseOutcome / StaleLease / InvalidArgument",
-    "crossflow.v1.CommitRequest": "reservation id only",
+    "crossflow.v1.CommitRequest": "reservation id and request id",
     "crossflow.v1.CommitResponse": "reservation id and expiry",
-    "crossflow.v1.ReleaseRequest": "reservation id and outcome",
+    "crossflow.v1.ReleaseRequest": "reservation id, outcome and request id",
     "crossflow.v1.ReleaseResponse": "reservation id only",
     "crossflow.v1.ListNodesRequest": "filters",
     "crossflow.v1.ListNodesResponse": "repeated NodeStatus",
@@ -284,5 +297,5 @@ WIRE_ONLY: dict[str, str] = {
     "crossflow.v1.UncordonRequest": "node id only",
     "crossflow.v1.UncordonResponse": "NodeStatus",
     "crossflow.v1.GetPolicyRequest": "empty",
-    "crossflow.v1.SetPolicyRequest": "key -> text updates, see convert.policy_updates_from_proto",
+    "crossflow.v1.SetPolicyRequest": "key -> text updates, see policy.parse_policy_updates",
 }

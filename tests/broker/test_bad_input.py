@@ -181,7 +181,7 @@ async def test_bad_policy_update_is_refused_and_policy_unchanged(cluster) -> Non
                 assert bad.value.field is not None and named in bad.value.field, bad.value
         assert await admin.get_policy() == before
         after = await admin.set_policy({"borrow_share": 0.25, "shadow_mode": True})
-        assert after.borrow_share == 0.25 and after.shadow_mode
+        assert after.policy.borrow_share == 0.25 and after.policy.shadow_mode
 
 
 async def test_commit_after_release_fails_precondition(node, agents) -> None:

@@ -301,6 +301,7 @@ class AdmitResponse(_message.Message):
     NORMAL_TTFT_MS_FIELD_NUMBER: _builtins.int
     EXPLANATION_FIELD_NUMBER: _builtins.int
     SHADOW_DECISION_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
     decision: Global___Decision.ValueType
     reason: Global___Reason.ValueType
     message: _builtins.str
@@ -313,6 +314,10 @@ class AdmitResponse(_message.Message):
     normal_ttft_ms: _builtins.float
     shadow_decision: Global___Decision.ValueType
     """What a decision would have been in shadow mode."""
+    replayed: _builtins.bool
+    """True when this answer is the recorded outcome of an earlier call with the same
+    request_id (a retry), not a new decision.
+    """
     @_builtins.property
     def explanation(self) -> Global___Explanation: ...
     def __init__(
@@ -330,10 +335,11 @@ class AdmitResponse(_message.Message):
         normal_ttft_ms: _builtins.float = ...,
         explanation: Global___Explanation | None = ...,
         shadow_decision: Global___Decision.ValueType = ...,
+        replayed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["explanation", b"explanation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "expires_unix_ms", b"expires_unix_ms", "explanation", b"explanation", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "message", b"message", "node_id", b"node_id", "normal_ttft_ms", b"normal_ttft_ms", "predicted_ttft_ms", b"predicted_ttft_ms", "reason", b"reason", "reservation_id", b"reservation_id", "shadow_decision", b"shadow_decision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "expires_unix_ms", b"expires_unix_ms", "explanation", b"explanation", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "message", b"message", "node_id", b"node_id", "normal_ttft_ms", b"normal_ttft_ms", "predicted_ttft_ms", b"predicted_ttft_ms", "reason", b"reason", "replayed", b"replayed", "reservation_id", b"reservation_id", "shadow_decision", b"shadow_decision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -344,15 +350,19 @@ class CommitRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
+    request_id: _builtins.str
+    """Idempotency key: a retry with the same id gets the first call's outcome."""
     def __init__(
         self,
         *,
         reservation_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "reservation_id", b"reservation_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -386,17 +396,21 @@ class ReleaseRequest(_message.Message):
 
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
     OUTCOME_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
     outcome: Global___ReleaseOutcome.ValueType
+    request_id: _builtins.str
+    """Idempotency key: a retry with the same id gets the first call's outcome."""
     def __init__(
         self,
         *,
         reservation_id: _builtins.str = ...,
         outcome: Global___ReleaseOutcome.ValueType = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome", "reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome", "request_id", b"request_id", "reservation_id", b"reservation_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

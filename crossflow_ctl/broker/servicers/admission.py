@@ -8,7 +8,11 @@ import grpc
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
 from crossflow_ctl.broker.servicers import maps_errors
 from crossflow_ctl.service.broker import Broker
-from crossflow_ctl.wire.convert_admission import admission_to_proto, admit_request_from_proto
+from crossflow_ctl.wire.convert_admission import (
+    admission_to_proto,
+    admit_request_from_proto,
+    release_outcome_from_proto,
+)
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
@@ -26,7 +30,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     async def Commit(
         self, request: admission_pb2.CommitRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.CommitResponse:
-        res = await self._broker.commit(request.reservation_id)
+        res = await self._broker.commit(request.reservation_id, request.request_id)
         return admission_pb2.CommitResponse(
             reservation_id=res.reservation_id, expires_unix_ms=res.expires_at_ms
         )
@@ -35,8 +39,6 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     async def Release(
         self, request: admission_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.ReleaseResponse:
-        outcome = admission_pb2.ReleaseOutcome.Name(request.outcome).removeprefix(
-            "RELEASE_OUTCOME_"
-        )
-        res = await self._broker.release(request.reservation_id, outcome.lower())
+        outcome = release_outcome_from_proto(request.outcome)
+        res = await self._broker.release(request.reservation_id, outcome, request.request_id)
         return admission_pb2.ReleaseResponse(reservation_id=res.reservation_id)

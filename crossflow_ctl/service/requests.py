@@ -1,0 +1,146 @@
+"""Exact outcomes for retried Admit, Commit and Release: request records keyed by request_id.
+
+For router authors (also in README.md):
+
+* Send a ``request_id`` (unique per request) with Admit, and the same id with a retry. The first
+  call claims a record; its outcome (BORROW with its reservation, or NORMAL with its reason) is
+  stored, and every retry within the record's TTL (commit TTL + hold TTL) gets that same outcome
+  back with ``replayed`` set, never a second debit.
+* A retry that finds the first call still unresolved settles the record itself as NORMAL
+  (TIMEOUT); the first call, when it finishes, finds the record settled and releases any debit
+  it made. Of the two, exactly one outcome wins, and no debit is left that no router knows of.
+* An Admit the broker answers NORMAL because the store was slow may still see its debit land
+  later: the broker waits for that debit in the background and releases it.
+* Commit and Release are idempotent per reservation; with a ``request_id`` a retry gets the
+  first call's recorded outcome (including NotFound or FailedPrecondition). After UNAVAILABLE,
+  retry with the same id: the call may have run, and the retry tells you how it ended. A router
+  that gives up on a reservation must Release it (Release is valid from HELD and COMMITTED).
+* Calls without a ``request_id`` keep their old, at-most-once-per-call behaviour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import structlog
+
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
+from crossflow_ctl.domain.errors import (
+    CrossflowError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    StoreUnavailable,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.store.base import PENDING, Store
+
+T = TypeVar("T")
+log = structlog.get_logger()
+
+RECORDED_ERRORS: dict[str, type[CrossflowError]] = {
+    cls.__name__: cls for cls in (InvalidArgument, NotFound, FailedPrecondition)
+}
+"""Refusals a record replays; StoreUnavailable is never recorded (the retry runs again)."""
+
+
+def encode_error(exc: CrossflowError) -> str:
+    return json.dumps({"error": type(exc).__name__, "message": exc.message, "field": exc.field})
+
+
+def decode(record: str) -> tuple[str | None, CrossflowError | None]:
+    """A stored record as (payload, None) or (None, the recorded refusal)."""
+    data = json.loads(record)
+    if "error" in data:
+        cls = RECORDED_ERRORS.get(data["error"], FailedPrecondition)
+        return None, cls(data["message"], field=data.get("field"))
+    return str(data["ok"]), None
+
+
+def encode_ok(payload: str) -> str:
+    return json.dumps({"ok": payload})
+
+
+async def run_once(
+    store: Store,
+    key: str,
+    ttl_ms: int,
+    call: Callable[[], Awaitable[T]],
+    encode: Callable[[T], str],
+    decode_payload: Callable[[str], T],
+) -> T:
+    """Commit/Release with a request record: replay a settled outcome; otherwise (first call,
+    or an earlier one that never settled) run ``call`` (idempotent per reservation) and settle."""
+    stored = await store.claim_request(key, ttl_ms)
+    if stored is not None and stored != PENDING:
+        payload, error = decode(stored)
+        if error is not None:
+            raise error
+        return decode_payload(str(payload))
+    try:
+        result = await call()
+    except (InvalidArgument, NotFound, FailedPrecondition) as exc:
+        await store.settle_request(key, encode_error(exc), ttl_ms)
+        raise
+    except StoreUnavailable:
+        raise  # left PENDING: a retry runs the call again
+    await store.settle_request(key, encode_ok(encode(result)), ttl_ms)
+    return result
+
+
+def encode_admission(answer: Admission) -> str:
+    """An answer as its request record (without the explanation, which is not replayed)."""
+    return answer.model_copy(update={"plan": None}).model_dump_json()
+
+
+def replay_admission(record: str) -> Admission:
+    return Admission.model_validate_json(record).model_copy(update={"replayed": True})
+
+
+async def admit_once(
+    store: Store,
+    request: AdmissionRequest,
+    policy: PolicySettings,
+    decide: Callable[[AdmissionRequest], Awaitable[Admission]],
+    release_late: Callable[[str, str], None],
+) -> Admission:
+    """Admit under a request record: replay a settled outcome, settle an unresolved earlier
+    call as NORMAL, or decide and settle. Fails closed (NORMAL) when the record is out of
+    reach; a debit whose answer lost the race to settle is released (``release_late``)."""
+    key, ttl = f"admit:{request.request_id}", policy.commit_ttl_ms + policy.hold_ttl_ms
+    limit_s = policy.admit_timeout_ms / 1000.0
+    try:
+        async with asyncio.timeout(limit_s):
+            stored = await store.claim_request(key, ttl)
+    except TimeoutError:
+        log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms, step="claim")
+        return Admission.normal(
+            Reason.TIMEOUT, f"store slower than {policy.admit_timeout_ms} ms (request record)"
+        )
+    except StoreUnavailable as exc:
+        log.warning("admit.store_unavailable", error=str(exc), step="claim")
+        return Admission.normal(Reason.STORE_UNAVAILABLE, f"store unavailable: {exc}")
+    if stored is None:
+        answer = await decide(request)
+    elif stored == PENDING:
+        answer = Admission.normal(
+            Reason.TIMEOUT, "an earlier call with this request_id did not finish"
+        )
+    else:
+        return replay_admission(stored)
+    try:
+        async with asyncio.timeout(limit_s):
+            stored = await store.settle_request(key, encode_admission(answer), ttl)
+    except (TimeoutError, StoreUnavailable) as exc:
+        log.warning("admit.record_unavailable", error=repr(exc))
+        stored = ""
+    if stored is None:
+        return answer
+    if answer.reservation_id:
+        release_late(answer.reservation_id, "request record settled by another call")
+    if stored:
+        return replay_admission(stored)
+    return Admission.normal(Reason.STORE_UNAVAILABLE, "request record unavailable")
