@@ -59,9 +59,7 @@ async def _settled_reservations(server, want: int) -> list[Any]:
         async with asyncio.timeout(10):
             while True:
                 found = await admin.list_reservations()
-                if len(found) >= want and all(
-                    r.state is ReservationState.RELEASED for r in found
-                ):
+                if len(found) >= want and all(r.state is ReservationState.RELEASED for r in found):
                     return found
                 await asyncio.sleep(0.05)
 
@@ -78,7 +76,9 @@ async def test_a_debit_landing_after_a_timeout_is_released(cluster, agents) -> N
         assert slow.debits == 1 and [r.request_id for r in found] == ["late-1"]
         # The agent heard of both the grant and its release (its next lease frees the credit).
         rid = found[0].reservation_id
-        await decode.wait_notice(lambda n: n.reservation_id == rid and n.kind == lease_pb2.NOTICE_KIND_RELEASE)
+        await decode.wait_notice(
+            lambda n: n.reservation_id == rid and n.kind == lease_pb2.NOTICE_KIND_RELEASE
+        )
         # A retry gets the same NORMAL, not a new decision.
         again = await client.admit(request_id="late-1", uncached_prompt_tokens=100)
         assert again.replayed and again.reason is Reason.TIMEOUT
