@@ -6,6 +6,7 @@ import re
 
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import ID_PATTERN, MAX_ID_LEN
+from crossflow_ctl.store.keys import node_of_reservation
 
 MAX_RESERVATION_ID_LEN = 256
 _ID_RE = re.compile(ID_PATTERN)
@@ -28,6 +29,7 @@ def check_reservation_id(reservation_id: str) -> str:
         raise InvalidArgument(
             f"longer than {MAX_RESERVATION_ID_LEN} characters", field="reservation_id"
         )
+    node_of_reservation(reservation_id)  # well formed, before any record is claimed for it
     return reservation_id
 
 

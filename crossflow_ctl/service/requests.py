@@ -12,56 +12,28 @@ For router authors (also in README.md):
 * An Admit the broker answers NORMAL because the store was slow may still see its debit land
   later: the broker waits for that debit in the background and releases it.
 * Commit and Release are idempotent per reservation; with a ``request_id`` a retry gets the
-  first call's recorded outcome (including NotFound or FailedPrecondition). After UNAVAILABLE,
-  retry with the same id: the call may have run, and the retry tells you how it ended. A router
-  that gives up on a reservation must Release it (Release is valid from HELD and COMMITTED).
+  first call's recorded success. After UNAVAILABLE, retry with the same id: the call may have
+  run, and the retry tells how it ended. A refusal (NotFound, FailedPrecondition) records
+  nothing, as no refusal changes the store; a retry is refused the same way. A router that
+  gives up on a reservation must Release it (Release is valid from HELD and COMMITTED).
 * Calls without a ``request_id`` keep their old, at-most-once-per-call behaviour.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import structlog
 
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
-from crossflow_ctl.domain.errors import (
-    CrossflowError,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    StoreUnavailable,
-)
+from crossflow_ctl.domain.errors import CrossflowError, StoreUnavailable
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.store.base import PENDING, Store
 
 T = TypeVar("T")
 log = structlog.get_logger()
-
-RECORDED_ERRORS: dict[str, type[CrossflowError]] = {
-    cls.__name__: cls for cls in (InvalidArgument, NotFound, FailedPrecondition)
-}
-"""Refusals a record replays; StoreUnavailable is never recorded (the retry runs again)."""
-
-
-def encode_error(exc: CrossflowError) -> str:
-    return json.dumps({"error": type(exc).__name__, "message": exc.message, "field": exc.field})
-
-
-def decode(record: str) -> tuple[str | None, CrossflowError | None]:
-    """A stored record as (payload, None) or (None, the recorded refusal)."""
-    data = json.loads(record)
-    if "error" in data:
-        cls = RECORDED_ERRORS.get(data["error"], FailedPrecondition)
-        return None, cls(data["message"], field=data.get("field"))
-    return str(data["ok"]), None
-
-
-def encode_ok(payload: str) -> str:
-    return json.dumps({"ok": payload})
 
 
 async def run_once(
@@ -76,18 +48,15 @@ async def run_once(
     or an earlier one that never settled) run ``call`` (idempotent per reservation) and settle."""
     stored = await store.claim_request(key, ttl_ms)
     if stored is not None and stored != PENDING:
-        payload, error = decode(stored)
-        if error is not None:
-            raise error
-        return decode_payload(str(payload))
+        return decode_payload(stored)
     try:
         result = await call()
-    except (InvalidArgument, NotFound, FailedPrecondition) as exc:
-        await store.settle_request(key, encode_error(exc), ttl_ms)
-        raise
     except StoreUnavailable:
         raise  # left PENDING: a retry runs the call again
-    await store.settle_request(key, encode_ok(encode(result)), ttl_ms)
+    except CrossflowError:
+        await store.forget_request(key)  # a refusal leaves nothing behind
+        raise
+    await store.settle_request(key, encode(result), ttl_ms)
     return result
 
 

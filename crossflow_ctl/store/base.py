@@ -20,7 +20,8 @@ Semantics (both implementations, proved by tests/store/test_contract.py):
   ``expected_version``, raising :class:`Aborted` otherwise, and changes nothing then.
 * Request records (``claim_request`` / ``settle_request``) make retried Admit, Commit and Release
   calls exact: the first claim of a key wins and stores ``PENDING``; later claims see what is
-  stored; ``settle_request`` replaces PENDING (only) with an outcome. Records expire (TTL).
+  stored; ``settle_request`` replaces PENDING (only) with an outcome; ``forget_request`` drops
+  the record of a refused call. Records expire (TTL).
 * Every method that touches the backend raises :class:`StoreUnavailable` on backend errors.
 """
 
@@ -208,6 +209,10 @@ class Store(abc.ABC):
         """Store ``outcome`` under ``key`` only if PENDING is stored there (None: written);
         otherwise return what is stored ("" when nothing), changing nothing. Of a call and a
         retry that gives up on it, exactly one settles the record."""
+
+    @abc.abstractmethod
+    async def forget_request(self, key: str) -> None:
+        """Drop the record under ``key`` (a claimed call that was refused leaves nothing)."""
 
     # -- lifecycle --------------------------------------------------------------------------
     @abc.abstractmethod

@@ -385,6 +385,10 @@ class MemoryStore(Store):
                 self._requests[key] = (PENDING, time.monotonic() + ttl_ms / 1000.0)
             return stored
 
+    async def forget_request(self, key: str) -> None:
+        async with self._lock:
+            self._requests.pop(key, None)
+
     async def settle_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
         async with self._lock:
             stored = self._live_record(key)

@@ -485,6 +485,10 @@ class RedisStore(Store):
             claimed, stored = await pipe.execute()
         return None if claimed else codec.text(stored) if stored is not None else PENDING
 
+    async def forget_request(self, key: str) -> None:
+        async with self._backend("forget_request"):
+            await self._r.delete(self._k.request(key))
+
     async def settle_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
         async with self._backend("settle_request"):
             out = await self._run(

@@ -130,5 +130,5 @@ async def test_commit_and_release_replay_their_recorded_outcome(cluster, agents)
         # ... while a new commit sees the release.
         with pytest.raises(FailedPrecondition):
             await client.commit(rid, request_id="c-2")
-        with pytest.raises(FailedPrecondition):  # and that refusal is recorded too
+        with pytest.raises(FailedPrecondition):  # a refusal records nothing: refused again
             await client.commit(rid, request_id="c-2")

@@ -384,6 +384,9 @@ async def test_request_records_settle_once(store: Store) -> None:
     assert await store.claim_request("short", 1) is None
     await asyncio.sleep(0.05)
     assert await store.claim_request("short", 60_000) is None  # the record expired
+    await store.forget_request("short")
+    await store.forget_request("never-stored")
+    assert await store.claim_request("short", 60_000) is None  # forgotten: claimable again
 
 
 async def test_identity_is_fixed_unless_cordoned(store: Store) -> None:
