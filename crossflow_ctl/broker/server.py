@@ -175,6 +175,7 @@ class BrokerServer:
         await stopping
         self._stop_policy.set()
         await self.supervisor.shutdown()
+        await self.broker.drain(grace)
         with contextlib.suppress(CrossflowError):
             await self.store.close()
         log.info("broker.stopped", streams_drained=drained)

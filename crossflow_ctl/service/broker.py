@@ -24,7 +24,6 @@ from crossflow_ctl.domain.admission import (
 )
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import (
-    CrossflowError,
     FailedPrecondition,
     InvalidArgument,
     StaleLease,
@@ -53,9 +52,9 @@ from crossflow_ctl.service.checks import (
     parse_selector,
 )
 from crossflow_ctl.service.config import BrokerSettings
-from crossflow_ctl.service.policy_keeper import PolicyKeeper
-from crossflow_ctl.service.requests import admit_once, run_once
-from crossflow_ctl.store.base import DebitOutcome, LeaseOutcome, NodeEvent, Store
+from crossflow_ctl.service.policy_keeper import PolicyKeeper, refresh_forever
+from crossflow_ctl.service.requests import OrphanDebits, admit_once, run_once
+from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -92,8 +91,8 @@ class Broker:
         """Last zero-lease reason per node ("" once it lends again), for state-change logs."""
         self.broker_id = broker_id or settings.broker_id or "broker"
         self._policy = PolicyKeeper(store, settings.policy)
-        self._late_debits: set[asyncio.Task[None]] = set()
-        """Releases of debits that landed after their Admit had answered (see _debit)."""
+        self._orphans = OrphanDebits(lambda rid: self.release(rid, "cancelled"))
+        """Releases debits that landed after their Admit had answered (see _debit)."""
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
 
@@ -108,17 +107,7 @@ class Broker:
 
     async def refresh_policy_forever(self, stop: asyncio.Event) -> None:
         """Re-read the shared policy every ``policy_refresh_ms`` until ``stop`` is set."""
-        interval = self.settings.policy_refresh_ms / 1000.0
-        while not stop.is_set():
-            try:
-                await self.load_policy()
-            except CrossflowError as exc:
-                log.warning("policy.refresh_failed", error=str(exc))
-            try:
-                async with asyncio.timeout(interval):
-                    await stop.wait()
-            except TimeoutError:
-                pass
+        await refresh_forever(self.load_policy, stop, self.settings.policy_refresh_ms / 1000.0)
 
     async def get_policy(self) -> VersionedPolicy:
         return await self._admin_call(self._policy.load())
@@ -152,28 +141,13 @@ class Broker:
         return answer
 
     async def _admit_once(self, request: AdmissionRequest) -> Admission:
-        return await admit_once(self.store, request, self.policy, self._decide, self._release_late)
-
-    def _release_late(self, reservation_id: str, why: str) -> None:
-        """Release, in the background, a debit no router was told of."""
-
-        async def release() -> None:
-            try:
-                await self.release(reservation_id, "cancelled")
-                log.warning("admit.orphan_released", reservation_id=reservation_id, why=why)
-            except CrossflowError as exc:  # expired meanwhile, or store down: it expires
-                log.warning(
-                    "admit.orphan_release_failed", reservation_id=reservation_id, error=str(exc)
-                )
-
-        task = asyncio.create_task(release())
-        self._late_debits.add(task)
-        task.add_done_callback(self._late_debits.discard)
+        return await admit_once(
+            self.store, request, self.policy, self._decide, self._orphans.release
+        )
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Wait for background releases of late debits (at shutdown)."""
-        if self._late_debits:
-            await asyncio.wait(set(self._late_debits), timeout=timeout_s)
+        await self._orphans.drain(timeout_s)
 
     async def _decide(self, request: AdmissionRequest) -> Admission:
         policy = self.policy
@@ -256,7 +230,7 @@ class Broker:
                 # it is then waited for and released, never left for nobody (phantom hold).
                 outcome = await asyncio.shield(debit)
             except asyncio.CancelledError:
-                debit.add_done_callback(self._on_abandoned_debit)
+                debit.add_done_callback(self._orphans.watch)
                 raise
             if outcome.granted and outcome.reservation is not None:
                 res = outcome.reservation
@@ -280,13 +254,6 @@ class Broker:
             "room taken by concurrent admissions (" + "; ".join(refusals) + ")",
             plan,
         )
-
-    def _on_abandoned_debit(self, debit: asyncio.Future[DebitOutcome]) -> None:
-        if debit.cancelled() or debit.exception() is not None:
-            return  # nothing landed, or the store failed: a HELD debit expires by itself
-        outcome = debit.result()
-        if outcome.granted and outcome.reservation is not None:
-            self._release_late(outcome.reservation.reservation_id, "admission timed out")
 
     async def commit(self, reservation_id: str, request_id: str = "") -> Reservation:
         check_reservation_id(reservation_id)

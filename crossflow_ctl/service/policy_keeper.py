@@ -12,11 +12,13 @@ without one retries on a concurrent change, never overwriting what it did not re
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 
-from crossflow_ctl.domain.errors import Aborted, InvalidArgument
+from crossflow_ctl.domain.errors import Aborted, CrossflowError, InvalidArgument
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.store.base import Store
 
@@ -90,3 +92,19 @@ class PolicyKeeper:
             current_version=self.current.version,
             field="expected_version",
         )
+
+
+async def refresh_forever(
+    load: Callable[[], Awaitable[object]], stop: asyncio.Event, interval_s: float
+) -> None:
+    """Call ``load`` every ``interval_s`` until ``stop`` is set; failures are logged."""
+    while not stop.is_set():
+        try:
+            await load()
+        except CrossflowError as exc:
+            log.warning("policy.refresh_failed", error=str(exc))
+        try:
+            async with asyncio.timeout(interval_s):
+                await stop.wait()
+        except TimeoutError:
+            pass

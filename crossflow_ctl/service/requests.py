@@ -30,7 +30,7 @@ import structlog
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
 from crossflow_ctl.domain.errors import CrossflowError, StoreUnavailable
 from crossflow_ctl.domain.policy import PolicySettings
-from crossflow_ctl.store.base import PENDING, Store
+from crossflow_ctl.store.base import PENDING, DebitOutcome, Store
 
 T = TypeVar("T")
 log = structlog.get_logger()
@@ -113,3 +113,38 @@ async def admit_once(
     if stored:
         return replay_admission(stored)
     return Admission.normal(Reason.STORE_UNAVAILABLE, "request record unavailable")
+
+
+class OrphanDebits:
+    """Debits no router was told of (the Admit answered NORMAL before the debit landed, or its
+    answer lost the race to settle the request record), released in the background."""
+
+    def __init__(self, release: Callable[[str], Awaitable[object]]) -> None:
+        self._release = release
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def watch(self, debit: asyncio.Future[DebitOutcome]) -> None:
+        """Done-callback of a debit its Admit stopped waiting for: release it if granted."""
+        if debit.cancelled() or debit.exception() is not None:
+            return  # nothing landed, or the store failed: a HELD debit expires by itself
+        outcome = debit.result()
+        if outcome.granted and outcome.reservation is not None:
+            self.release(outcome.reservation.reservation_id, "admission timed out")
+
+    def release(self, reservation_id: str, why: str) -> None:
+        async def run() -> None:
+            try:
+                await self._release(reservation_id)
+                log.warning("admit.orphan_released", reservation_id=reservation_id, why=why)
+            except CrossflowError as exc:  # expired meanwhile, or the store is down: it expires
+                log.warning(
+                    "admit.orphan_release_failed", reservation_id=reservation_id, error=str(exc)
+                )
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, timeout_s: float) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)

@@ -378,10 +378,22 @@ class MemoryStore(Store):
             return None
         return found[0]
 
+    def _bound_requests(self) -> None:
+        """Past MAX_REQUEST_RECORDS, drop expired records, then the oldest half if need be
+        (amortised O(1) per record; a retry after its record was dropped decides afresh)."""
+        if len(self._requests) <= MAX_REQUEST_RECORDS:
+            return
+        now = time.monotonic()
+        live = [(k, v) for k, v in self._requests.items() if v[1] > now]
+        self._requests = dict(
+            live[len(live) // 2 :] if len(live) > MAX_REQUEST_RECORDS // 2 else live
+        )
+
     async def claim_request(self, key: str, ttl_ms: int) -> str | None:
         async with self._lock:
             stored = self._live_record(key)
             if stored is None:
+                self._bound_requests()
                 self._requests[key] = (PENDING, time.monotonic() + ttl_ms / 1000.0)
             return stored
 
@@ -394,9 +406,7 @@ class MemoryStore(Store):
             stored = self._live_record(key)
             if stored != PENDING:
                 return "" if stored is None else stored
-            if len(self._requests) > MAX_REQUEST_RECORDS:
-                now = time.monotonic()
-                self._requests = {k: v for k, v in self._requests.items() if v[1] > now}
+            self._bound_requests()
             self._requests[key] = (outcome, time.monotonic() + ttl_ms / 1000.0)
             return None
 

@@ -37,7 +37,6 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from crossflow_ctl.domain.errors import (
-    Aborted,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -59,10 +58,9 @@ from crossflow_ctl.domain.models import (
     StoredPoolLoad,
     validated,
 )
-from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
+from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.base import (
-    PENDING,
     DebitOutcome,
     LeaseOutcome,
     NodeEvent,
@@ -81,6 +79,7 @@ from crossflow_ctl.store.keys import (
 )
 from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
 from crossflow_ctl.store.redis_notices import NoticeReader
+from crossflow_ctl.store.redis_records import RedisRecords
 from crossflow_ctl.store.redis_scripts import Scripts
 
 log = structlog.get_logger()
@@ -132,6 +131,7 @@ class RedisStore(Store):
         self._lenders = LenderSample(cache_max_age_ms)
         block_chunk_ms = max(1, int(socket_timeout_s * 250))  # 3/4 of the timeout as slack
         self._notices = NoticeReader(client, self._k, self._backend, block_chunk_ms)
+        self._records = RedisRecords(client, self._k, self._scripts, self._backend)
 
     @contextlib.asynccontextmanager
     async def _backend(self, what: str, extra_s: float = 0.0) -> AsyncIterator[None]:
@@ -456,45 +456,20 @@ class RedisStore(Store):
 
     # -- policy -----------------------------------------------------------------------------
     async def get_policy(self) -> VersionedPolicy | None:
-        async with self._backend("get_policy"):
-            version, raw = await self._r.hmget(self._k.policy, ["version", "json"])
-        if not raw:
-            return None
-        policy = PolicySettings.model_validate_json(raw)
-        return VersionedPolicy(policy=policy, version=int(codec.text(version or b"0")))
+        return await self._records.get_policy()
 
     async def set_policy(self, policy: VersionedPolicy, expected_version: int) -> None:
-        args = [expected_version, policy.version, policy.policy.model_dump_json()]
-        async with self._backend("set_policy"):
-            written, stored = await self._run("set_policy", [self._k.policy], args)
-        if not int(written):
-            current = int(codec.text(stored))
-            raise Aborted(
-                f"policy is at version {current}, not {expected_version}",
-                current_version=current,
-                field="expected_version",
-            )
+        await self._records.set_policy(policy, expected_version)
 
-    # -- request records --------------------------------------------------------------------
+    # -- request records (crossflow_ctl.store.redis_records) ----------------------------------
     async def claim_request(self, key: str, ttl_ms: int) -> str | None:
-        name = self._k.request(key)
-        async with self._backend("claim_request"):
-            pipe = self._r.pipeline(transaction=False)
-            pipe.set(name, PENDING, nx=True, px=ttl_ms)
-            pipe.get(name)
-            claimed, stored = await pipe.execute()
-        return None if claimed else codec.text(stored) if stored is not None else PENDING
-
-    async def forget_request(self, key: str) -> None:
-        async with self._backend("forget_request"):
-            await self._r.delete(self._k.request(key))
+        return await self._records.claim_request(key, ttl_ms)
 
     async def settle_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
-        async with self._backend("settle_request"):
-            out = await self._run(
-                "settle_request", [self._k.request(key)], [PENDING, outcome, ttl_ms]
-            )
-        return None if int(out[0]) else codec.text(out[1])
+        return await self._records.settle_request(key, outcome, ttl_ms)
+
+    async def forget_request(self, key: str) -> None:
+        await self._records.forget_request(key)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def ping(self) -> None:
