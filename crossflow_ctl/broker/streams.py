@@ -20,7 +20,7 @@ import structlog
 
 from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
-from crossflow_ctl.broker.servicers import abort_with
+from crossflow_ctl.broker.servicers import abort_with, status_message
 from crossflow_ctl.domain.errors import (
     CrossflowError,
     InvalidArgument,
@@ -168,7 +168,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                     return
             queue.put_nowait(_End())
         except StoreUnavailable as exc:
-            queue.put_nowait(_End(grpc.StatusCode.UNAVAILABLE, str(exc)))
+            queue.put_nowait(_End(grpc.StatusCode.UNAVAILABLE, status_message(exc)))
         except InvalidArgument as exc:  # undecodable bytes (broker.decoding)
             queue.put_nowait(_End(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
         except asyncio.CancelledError:

@@ -22,7 +22,7 @@ from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
 from crossflow_ctl.client.errors import error_from_rpc
 from crossflow_ctl.client.models import CommitResult
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
-from crossflow_ctl.domain.errors import InvalidArgument, StoreUnavailable
+from crossflow_ctl.domain.errors import BrokerUnavailable, InvalidArgument, StoreUnavailable
 from crossflow_ctl.domain.models import validated
 from crossflow_ctl.wire.convert_admission import admission_from_proto, admit_request_to_proto
 
@@ -73,7 +73,7 @@ class _Base:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
         except grpc.RpcError as exc:  # pragma: no cover - aio raises AioRpcError
-            raise StoreUnavailable(str(exc)) from None
+            raise BrokerUnavailable(str(exc)) from None
 
 
 class AdmissionClient(_Base):
@@ -112,12 +112,14 @@ class AdmissionClient(_Base):
             code = exc.code()
             if not self.fail_closed or code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise error_from_rpc(exc) from None
-            reason = (
-                Reason.TIMEOUT
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED
-                else Reason.STORE_UNAVAILABLE
-            )
-            return Admission.normal(reason, f"broker call failed ({code.name}): {exc.details()}")
+            error = error_from_rpc(exc)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                reason = Reason.TIMEOUT
+            elif isinstance(error, StoreUnavailable):
+                reason = Reason.STORE_UNAVAILABLE
+            else:
+                reason = Reason.BROKER_UNAVAILABLE
+            return Admission.normal(reason, str(error))
         return admission_from_proto(msg)
 
     async def _exact(self, method: Any, request: Any) -> Any:

@@ -80,6 +80,15 @@ async def forget_namespace(redis_url: str, namespace: str) -> None:
         await client.aclose()
 
 
+def demo_log_dir(chosen: Path | None) -> Path:
+    """``chosen`` (created if missing) or a new ``crossflow-demo-*`` folder under the system
+    temp dir; never deleted by the demo."""
+    if chosen is None:
+        return Path(tempfile.mkdtemp(prefix="crossflow-demo-"))
+    chosen.mkdir(parents=True, exist_ok=True)
+    return chosen
+
+
 class Demo:
     def __init__(self, opts: DemoOptions, out: TextIO = sys.stdout) -> None:
         self.opts = opts
@@ -103,20 +112,18 @@ class Demo:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._interrupt)
-        with contextlib.ExitStack() as stack:
-            log_dir = self.opts.log_dir or Path(
-                stack.enter_context(tempfile.TemporaryDirectory(prefix="crossflow-demo-"))
-            )
-            log_dir.mkdir(parents=True, exist_ok=True)
-            self.children = Children(log_dir)
-            try:
-                return await self._run()
-            finally:
-                await self.children.stop()
-                if self.opts.redis_url:
-                    await forget_namespace(self.opts.redis_url, self.namespace)
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
+        log_dir = demo_log_dir(self.opts.log_dir)
+        self.children = Children(log_dir)
+        try:
+            return await self._run()
+        finally:
+            await self.children.stop()
+            # kept: the logs are what an operator reads when the demo misbehaved
+            if self.opts.redis_url:
+                await forget_namespace(self.opts.redis_url, self.namespace)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            self.say(f"logs kept in {log_dir}")
 
     async def _run(self) -> int:
         assert self.children is not None

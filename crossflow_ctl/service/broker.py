@@ -44,12 +44,12 @@ from crossflow_ctl.domain.models import (
     validated,
 )
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
+from crossflow_ctl.domain.selectors import Selector
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision, annotate_node
 from crossflow_ctl.service.checks import (
     check_node_id,
     check_request_id,
     check_reservation_id,
-    parse_selector,
 )
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.service.policy_keeper import PolicyKeeper, refresh_forever
@@ -392,13 +392,12 @@ class Broker:
 
     # -- operators -------------------------------------------------------------------------------
     async def list_nodes(self, role: NodeRole | None = None, selector: str = "") -> list[NodeState]:
-        wanted = parse_selector(selector)
+        wanted = Selector.parse(selector)
         nodes = await self._admin_call(self.store.list_nodes(self.clock.now_ms()))
         return [
             n
             for n in nodes
-            if (role is None or n.info.role is role)
-            and all(n.info.labels.get(k) == v for k, v in wanted.items())
+            if (role is None or n.info.role is role) and wanted.matches(n.info.labels)
         ]
 
     async def get_node(self, node_id: str) -> NodeDetail:

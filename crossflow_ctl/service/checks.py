@@ -39,14 +39,3 @@ def check_request_id(request_id: str) -> str:
             f"longer than {MAX_RESERVATION_ID_LEN} characters", field="request_id"
         )
     return request_id
-
-
-def parse_selector(selector: str) -> dict[str, str]:
-    """``"k=v,k2=v2"`` -> {k: v, k2: v2}; InvalidArgument naming ``selector`` otherwise."""
-    out: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in selector.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise InvalidArgument(f"expected k=v, got {part!r}", field="selector")
-        out[key.strip()] = value.strip()
-    return out

@@ -98,6 +98,9 @@ def test_demo_runs_and_exits_0_on_its_own(tmp_path: Path) -> None:
     assert "over-commits seen: none" in proc.stdout
     data = _check_summary(summary)
     assert not data["interrupted"]
+    logs = tmp_path / "logs"
+    assert f"logs kept in {logs}" in proc.stdout
+    assert (logs / "broker.log").is_file(), sorted(p.name for p in logs.iterdir())
 
 
 def test_demo_on_redis_stops_everything_on_sigint(

@@ -55,6 +55,8 @@ class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reason.ValueTy
     REASON_SHADOW_MODE: _Reason.ValueType  # 9
     REASON_DRY_RUN: _Reason.ValueType  # 10
     REASON_BORROWING_DISABLED: _Reason.ValueType  # 11
+    REASON_BROKER_UNAVAILABLE: _Reason.ValueType  # 12
+    """Set by a fail-closed client, never by a broker: the broker could not be reached in time."""
 
 class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper): ...
 
@@ -70,6 +72,8 @@ REASON_TIMEOUT: Reason.ValueType  # 8
 REASON_SHADOW_MODE: Reason.ValueType  # 9
 REASON_DRY_RUN: Reason.ValueType  # 10
 REASON_BORROWING_DISABLED: Reason.ValueType  # 11
+REASON_BROKER_UNAVAILABLE: Reason.ValueType  # 12
+"""Set by a fail-closed client, never by a broker: the broker could not be reached in time."""
 Global___Reason: _TypeAlias = Reason  # noqa: Y015
 
 class _ReleaseOutcome:

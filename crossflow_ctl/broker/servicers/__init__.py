@@ -41,6 +41,18 @@ STATUS_FOR: tuple[tuple[type[CrossflowError], grpc.StatusCode], ...] = (
 )
 
 
+STORE_UNAVAILABLE_PREFIX = "store unavailable: "
+"""Starts the message of every UNAVAILABLE the broker itself answers, so a client tells "the
+broker's store is down" from "the broker cannot be reached" (gRPC's own UNAVAILABLE)."""
+
+
+def status_message(exc: CrossflowError) -> str:
+    """``field: detail``; store trouble is marked with :data:`STORE_UNAVAILABLE_PREFIX`."""
+    if isinstance(exc, StoreUnavailable):
+        return STORE_UNAVAILABLE_PREFIX + str(exc)
+    return str(exc)
+
+
 def status_for(exc: CrossflowError) -> grpc.StatusCode:
     for cls, code in STATUS_FOR:
         if isinstance(exc, cls):
@@ -82,7 +94,7 @@ def rich_status(code: grpc.StatusCode, exc: CrossflowError | None, message: str)
 async def abort_with(context: Any, exc: BaseException) -> None:
     """Abort ``context`` with the status ``exc`` maps to (INTERNAL, logged, for a bug)."""
     if isinstance(exc, CrossflowError):
-        status = rich_status(status_for(exc), exc, str(exc))
+        status = rich_status(status_for(exc), exc, status_message(exc))
     else:
         log.error("rpc.internal_error", error=repr(exc), exc_info=exc)
         status = rich_status(
