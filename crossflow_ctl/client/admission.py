@@ -92,8 +92,10 @@ class AdmissionClient(_Base):
         self._stub = admission_pb2_grpc.AdmissionServiceStub(self._channel)
 
     async def _retried(self, method: Any, request: Any) -> Any:
-        """``method(request)``, again (same request, same id) after UNAVAILABLE or a deadline."""
+        """``method(request)``, again (same request id, ``attempt`` counting) after UNAVAILABLE
+        or a deadline."""
         for attempt in range(self.retries + 1):
+            request.attempt = attempt
             try:
                 return await method(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:

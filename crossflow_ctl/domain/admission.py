@@ -58,6 +58,8 @@ class AdmissionRequest(Frozen):
     candidate_node_ids: Annotated[tuple[NodeId, ...], Field(max_length=1024)] = ()
     dry_run: bool = False
     pool: PoolName = "default"
+    attempt: Annotated[int, Field(ge=0, le=1_000)] = 0
+    """0 on the first call of ``request_id``, n on its n-th retry (see service.requests)."""
 
 
 class DemandCheck(Frozen):

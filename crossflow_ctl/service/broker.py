@@ -255,7 +255,9 @@ class Broker:
             plan,
         )
 
-    async def commit(self, reservation_id: str, request_id: str = "") -> Reservation:
+    async def commit(
+        self, reservation_id: str, request_id: str = "", attempt: int = 0
+    ) -> Reservation:
         check_reservation_id(reservation_id)
         check_request_id(request_id)
         if request_id:
@@ -263,6 +265,7 @@ class Broker:
                 run_once(
                     self.store,
                     f"commit:{request_id}:{reservation_id}",
+                    attempt,
                     self._record_ttl_ms(),
                     lambda: self._commit(reservation_id),
                     lambda r: r.model_dump_json(),
@@ -283,7 +286,7 @@ class Broker:
         return res
 
     async def release(
-        self, reservation_id: str, outcome: str = "", request_id: str = ""
+        self, reservation_id: str, outcome: str = "", request_id: str = "", attempt: int = 0
     ) -> Reservation:
         check_reservation_id(reservation_id)
         check_request_id(request_id)
@@ -292,6 +295,7 @@ class Broker:
                 run_once(
                     self.store,
                     f"release:{request_id}:{reservation_id}",
+                    attempt,
                     self._record_ttl_ms(),
                     lambda: self._release(reservation_id, outcome),
                     lambda r: r.model_dump_json(),

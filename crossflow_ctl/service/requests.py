@@ -2,21 +2,22 @@
 
 For router authors (also in README.md):
 
-* Send a ``request_id`` (unique per request) with Admit, and the same id with a retry. The first
-  call claims a record; its outcome (BORROW with its reservation, or NORMAL with its reason) is
-  stored, and every retry within the record's TTL (commit TTL + hold TTL) gets that same outcome
-  back with ``replayed`` set, never a second debit.
-* A retry that finds the first call still unresolved settles the record itself as NORMAL
-  (TIMEOUT); the first call, when it finishes, finds the record settled and releases any debit
-  it made. Of the two, exactly one outcome wins, and no debit is left that no router knows of.
+* Send a ``request_id`` (unique per request) with Admit, ``attempt`` 0 on the first call and
+  n on the n-th retry. A BORROW is recorded under the id (one ``SET NX`` round trip); a retry
+  first looks for the record and gets the recorded reservation back with ``replayed`` set,
+  never a second debit. First calls that answer NORMAL record nothing (no cost on that path);
+  a retry records whatever it answers, so a first call still in flight that borrows later finds
+  the retry's answer recorded, answers that, and releases its own debit. Of any calls with one
+  id, exactly one outcome wins, and no debit is left that no router knows of.
 * An Admit the broker answers NORMAL because the store was slow may still see its debit land
   later: the broker waits for that debit in the background and releases it.
-* Commit and Release are idempotent per reservation; with a ``request_id`` a retry gets the
-  first call's recorded success. After UNAVAILABLE, retry with the same id: the call may have
-  run, and the retry tells how it ended. A refusal (NotFound, FailedPrecondition) records
-  nothing, as no refusal changes the store; a retry is refused the same way. A router that
+* Commit and Release are idempotent per reservation; with a ``request_id`` their success is
+  recorded, and a retry (``attempt`` > 0) gets the recorded outcome back. After UNAVAILABLE,
+  retry with the same id: the call may have run, and the answer tells how it ended. Refusals
+  record nothing (no refusal changes the store); a retry is refused the same way. A router that
   gives up on a reservation must Release it (Release is valid from HELD and COMMITTED).
-* Calls without a ``request_id`` keep their old, at-most-once-per-call behaviour.
+* Records live for the commit TTL plus the hold TTL. Calls without a ``request_id`` keep the
+  old at-most-once-per-call behaviour.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from typing import TypeVar
 
 import structlog
 
-from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import CrossflowError, StoreUnavailable
 from crossflow_ctl.domain.policy import PolicySettings
-from crossflow_ctl.store.base import PENDING, DebitOutcome, Store
+from crossflow_ctl.store.base import DebitOutcome, Store
 
 T = TypeVar("T")
 log = structlog.get_logger()
@@ -39,24 +40,18 @@ log = structlog.get_logger()
 async def run_once(
     store: Store,
     key: str,
+    attempt: int,
     ttl_ms: int,
     call: Callable[[], Awaitable[T]],
     encode: Callable[[T], str],
     decode_payload: Callable[[str], T],
 ) -> T:
-    """Commit/Release with a request record: replay a settled outcome; otherwise (first call,
-    or an earlier one that never settled) run ``call`` (idempotent per reservation) and settle."""
-    stored = await store.claim_request(key, ttl_ms)
-    if stored is not None and stored != PENDING:
+    """Commit/Release with a request record: a retry replays a recorded success; otherwise
+    ``call`` runs (idempotent per reservation) and its success is recorded."""
+    if attempt > 0 and (stored := await store.read_request(key)) is not None:
         return decode_payload(stored)
-    try:
-        result = await call()
-    except StoreUnavailable:
-        raise  # left PENDING: a retry runs the call again
-    except CrossflowError:
-        await store.forget_request(key)  # a refusal leaves nothing behind
-        raise
-    await store.settle_request(key, encode(result), ttl_ms)
+    result = await call()  # a refusal or a store error records nothing
+    await store.record_request(key, encode(result), ttl_ms)
     return result
 
 
@@ -76,43 +71,38 @@ async def admit_once(
     decide: Callable[[AdmissionRequest], Awaitable[Admission]],
     release_late: Callable[[str, str], None],
 ) -> Admission:
-    """Admit under a request record: replay a settled outcome, settle an unresolved earlier
-    call as NORMAL, or decide and settle. Fails closed (NORMAL) when the record is out of
-    reach; a debit whose answer lost the race to settle is released (``release_late``)."""
+    """Admit under a request record (module docstring). Fails closed (NORMAL) when a retry
+    cannot read the record; a debit whose answer lost the race to record is released."""
     key, ttl = f"admit:{request.request_id}", policy.commit_ttl_ms + policy.hold_ttl_ms
     limit_s = policy.admit_timeout_ms / 1000.0
+    if request.attempt > 0:
+        try:
+            async with asyncio.timeout(limit_s):
+                stored = await store.read_request(key)
+        except TimeoutError:
+            log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms, step="record")
+            return Admission.normal(
+                Reason.TIMEOUT, f"store slower than {policy.admit_timeout_ms} ms (request record)"
+            )
+        except StoreUnavailable as exc:
+            log.warning("admit.store_unavailable", error=str(exc), step="record")
+            return Admission.normal(Reason.STORE_UNAVAILABLE, f"store unavailable: {exc}")
+        if stored is not None:
+            return replay_admission(stored)
+    answer = await decide(request)
+    if answer.decision is not Decision.BORROW and request.attempt == 0:
+        return answer
     try:
         async with asyncio.timeout(limit_s):
-            stored = await store.claim_request(key, ttl)
-    except TimeoutError:
-        log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms, step="claim")
-        return Admission.normal(
-            Reason.TIMEOUT, f"store slower than {policy.admit_timeout_ms} ms (request record)"
-        )
-    except StoreUnavailable as exc:
-        log.warning("admit.store_unavailable", error=str(exc), step="claim")
-        return Admission.normal(Reason.STORE_UNAVAILABLE, f"store unavailable: {exc}")
-    if stored is None:
-        answer = await decide(request)
-    elif stored == PENDING:
-        answer = Admission.normal(
-            Reason.TIMEOUT, "an earlier call with this request_id did not finish"
-        )
-    else:
-        return replay_admission(stored)
-    try:
-        async with asyncio.timeout(limit_s):
-            stored = await store.settle_request(key, encode_admission(answer), ttl)
-    except (TimeoutError, StoreUnavailable) as exc:
-        log.warning("admit.record_unavailable", error=repr(exc))
-        stored = ""
+            stored = await store.record_request(key, encode_admission(answer), ttl)
+    except (TimeoutError, StoreUnavailable) as exc:  # unrecorded: the answer still stands
+        log.warning("admit.record_failed", error=repr(exc))
+        return answer
     if stored is None:
         return answer
     if answer.reservation_id:
-        release_late(answer.reservation_id, "request record settled by another call")
-    if stored:
-        return replay_admission(stored)
-    return Admission.normal(Reason.STORE_UNAVAILABLE, "request record unavailable")
+        release_late(answer.reservation_id, "another call with this request_id answered first")
+    return replay_admission(stored)
 
 
 class OrphanDebits:

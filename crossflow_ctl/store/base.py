@@ -18,10 +18,9 @@ Semantics (both implementations, proved by tests/store/test_contract.py):
   refused (FailedPrecondition naming ``role`` or ``pool``) unless the node is cordoned.
 * The policy is versioned: ``set_policy`` writes only when the stored version (0 when none) is
   ``expected_version``, raising :class:`Aborted` otherwise, and changes nothing then.
-* Request records (``claim_request`` / ``settle_request``) make retried Admit, Commit and Release
-  calls exact: the first claim of a key wins and stores ``PENDING``; later claims see what is
-  stored; ``settle_request`` replaces PENDING (only) with an outcome; ``forget_request`` drops
-  the record of a refused call. Records expire (TTL).
+* Request records (``read_request`` / ``record_request``) make retried Admit, Commit and Release
+  calls exact: the first outcome recorded under a key wins, later ones get it back; records
+  expire after their TTL.
 * Every method that touches the backend raises :class:`StoreUnavailable` on backend errors.
 """
 
@@ -45,9 +44,6 @@ from crossflow_ctl.domain.models import (
     StoredLease,
 )
 from crossflow_ctl.domain.policy import VersionedPolicy
-
-PENDING = "pending"
-"""A request record whose call has not finished (or whose broker gave up on it)."""
 
 
 def check_debit_args(share: float, hold_ttl_ms: int) -> None:
@@ -200,19 +196,14 @@ class Store(abc.ABC):
 
     # -- request records (idempotent retries) -------------------------------------------------
     @abc.abstractmethod
-    async def claim_request(self, key: str, ttl_ms: int) -> str | None:
-        """Store PENDING under ``key`` if nothing is stored (None: claimed by this call);
-        otherwise return what is stored (PENDING or a recorded outcome)."""
+    async def read_request(self, key: str) -> str | None:
+        """The outcome recorded under ``key``, None when none is (or it expired)."""
 
     @abc.abstractmethod
-    async def settle_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
-        """Store ``outcome`` under ``key`` only if PENDING is stored there (None: written);
-        otherwise return what is stored ("" when nothing), changing nothing. Of a call and a
-        retry that gives up on it, exactly one settles the record."""
-
-    @abc.abstractmethod
-    async def forget_request(self, key: str) -> None:
-        """Drop the record under ``key`` (a claimed call that was refused leaves nothing)."""
+    async def record_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
+        """Record ``outcome`` under ``key`` unless one is recorded (None: this one was);
+        otherwise return the recorded one and change nothing. Of two calls racing to record,
+        exactly one wins."""
 
     # -- lifecycle --------------------------------------------------------------------------
     @abc.abstractmethod

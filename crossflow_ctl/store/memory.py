@@ -34,7 +34,6 @@ from crossflow_ctl.domain.models import (
 )
 from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.store.base import (
-    PENDING,
     DebitOutcome,
     LeaseOutcome,
     NodeEvent,
@@ -81,7 +80,7 @@ class MemoryStore(Store):
         """Nodes with a live non-zero lease and no cordon -> lease expiry (for sampling)."""
         self._policy: VersionedPolicy | None = None
         self._requests: dict[str, tuple[str, float]] = {}
-        """Request records: key -> (outcome or PENDING, expiry on the monotonic clock)."""
+        """Request records: key -> (outcome, expiry on the monotonic clock)."""
 
     # -- helpers ----------------------------------------------------------------------------
     def _node(self, node_id: str) -> NodeLedger:
@@ -385,27 +384,18 @@ class MemoryStore(Store):
             return
         now = time.monotonic()
         live = [(k, v) for k, v in self._requests.items() if v[1] > now]
-        self._requests = dict(
-            live[len(live) // 2 :] if len(live) > MAX_REQUEST_RECORDS // 2 else live
-        )
+        keep = live[len(live) // 2 :] if len(live) > MAX_REQUEST_RECORDS // 2 else live
+        self._requests = dict(keep)
 
-    async def claim_request(self, key: str, ttl_ms: int) -> str | None:
+    async def read_request(self, key: str) -> str | None:
+        async with self._lock:
+            return self._live_record(key)
+
+    async def record_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
         async with self._lock:
             stored = self._live_record(key)
-            if stored is None:
-                self._bound_requests()
-                self._requests[key] = (PENDING, time.monotonic() + ttl_ms / 1000.0)
-            return stored
-
-    async def forget_request(self, key: str) -> None:
-        async with self._lock:
-            self._requests.pop(key, None)
-
-    async def settle_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
-        async with self._lock:
-            stored = self._live_record(key)
-            if stored != PENDING:
-                return "" if stored is None else stored
+            if stored is not None:
+                return stored
             self._bound_requests()
             self._requests[key] = (outcome, time.monotonic() + ttl_ms / 1000.0)
             return None

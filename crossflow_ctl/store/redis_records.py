@@ -1,8 +1,8 @@
 """The Redis store's global, non-node state: the versioned policy and request records.
 
 Each is one key with its own hash tag (``Keys.policy``, ``Keys.request``), written by a one-key
-script (compare-and-set) or a plain command, so it never shares a Cluster slot constraint with
-the per-node scripts.
+script (the policy's compare-and-set) or one command (``SET NX GET`` for a request record, Redis
+7 or later), so neither touches a node's slot.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from redis.asyncio import Redis
 from crossflow_ctl.domain.errors import Aborted
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.store import redis_codec as codec
-from crossflow_ctl.store.base import PENDING
 from crossflow_ctl.store.keys import Keys
 from crossflow_ctl.store.redis_scripts import Scripts
 
@@ -49,22 +48,12 @@ class RedisRecords:
                 field="expected_version",
             )
 
-    async def claim_request(self, key: str, ttl_ms: int) -> str | None:
-        name = self._k.request(key)
-        async with self._backend("claim_request"):
-            pipe = self._r.pipeline(transaction=False)
-            pipe.set(name, PENDING, nx=True, px=ttl_ms)
-            pipe.get(name)
-            claimed, stored = await pipe.execute()
-        return None if claimed else codec.text(stored) if stored is not None else PENDING
+    async def read_request(self, key: str) -> str | None:
+        async with self._backend("read_request"):
+            stored = await self._r.get(self._k.request(key))
+        return None if stored is None else codec.text(stored)
 
-    async def settle_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
-        async with self._backend("settle_request"):
-            out = await self._scripts.run(
-                "settle_request", [self._k.request(key)], [PENDING, outcome, ttl_ms]
-            )
-        return None if int(out[0]) else codec.text(out[1])
-
-    async def forget_request(self, key: str) -> None:
-        async with self._backend("forget_request"):
-            await self._r.delete(self._k.request(key))
+    async def record_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
+        async with self._backend("record_request"):  # SET NX GET: one atomic round trip
+            stored = await self._r.set(self._k.request(key), outcome, nx=True, px=ttl_ms, get=True)
+        return None if stored is None else codec.text(stored)

@@ -26,8 +26,8 @@ PER_NODE = (
     "register_node",
 )
 """Scripts over one node's keys (one hash tag); they share ``_lib.lua``."""
-GLOBAL = ("put_pool_load", "set_policy", "settle_request")
-"""Scripts over one pool's keys, the policy key, or one request record."""
+GLOBAL = ("put_pool_load", "set_policy")
+"""Scripts over one pool's keys, or the policy key."""
 
 
 def load_script(name: str) -> str:

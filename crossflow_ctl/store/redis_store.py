@@ -462,14 +462,11 @@ class RedisStore(Store):
         await self._records.set_policy(policy, expected_version)
 
     # -- request records (crossflow_ctl.store.redis_records) ----------------------------------
-    async def claim_request(self, key: str, ttl_ms: int) -> str | None:
-        return await self._records.claim_request(key, ttl_ms)
+    async def read_request(self, key: str) -> str | None:
+        return await self._records.read_request(key)
 
-    async def settle_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
-        return await self._records.settle_request(key, outcome, ttl_ms)
-
-    async def forget_request(self, key: str) -> None:
-        await self._records.forget_request(key)
+    async def record_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
+        return await self._records.record_request(key, outcome, ttl_ms)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def ping(self) -> None:

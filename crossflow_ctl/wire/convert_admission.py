@@ -66,6 +66,7 @@ def admit_request_to_proto(req: AdmissionRequest) -> admission_pb2.AdmitRequest:
         candidate_node_ids=list(req.candidate_node_ids),
         dry_run=req.dry_run,
         pool=req.pool,
+        attempt=req.attempt,
     )
 
 
@@ -81,6 +82,7 @@ def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionReques
         candidate_node_ids=tuple(msg.candidate_node_ids),
         dry_run=msg.dry_run,
         pool=msg.pool or "default",
+        attempt=msg.attempt,
     )
     return result
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import pytest
 
-from crossflow_ctl.api.v1 import common_pb2, lease_pb2
+from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc, common_pb2, lease_pb2
 from crossflow_ctl.client import AdminClient, AdmissionClient
-from crossflow_ctl.domain.admission import Decision, Reason
+from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import FailedPrecondition
 from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.domain.policy import PolicySettings
@@ -43,7 +44,11 @@ class SlowDebits:
         return await self._inner.try_debit(*args, **kwargs)
 
 
-async def _lending_cluster(cluster, agents, policy: PolicySettings = TEST_POLICY):
+PATIENT = TEST_POLICY.updated({"admit_timeout_ms": 2_000})
+"""A loaded machine must not turn an Admit into NORMAL (TIMEOUT) where that is not the point."""
+
+
+async def _lending_cluster(cluster, agents, policy: PolicySettings = PATIENT):
     server = await cluster.start(policy=policy)
     decode = await agents(server, "d1")
     assert (await decode.send_lease()).result == lease_pb2.LEASE_RESULT_ACCEPTED
@@ -79,10 +84,12 @@ async def test_a_debit_landing_after_a_timeout_is_released(cluster, agents) -> N
         await decode.wait_notice(
             lambda n: n.reservation_id == rid and n.kind == lease_pb2.NOTICE_KIND_RELEASE
         )
-        # A retry gets the same NORMAL, not a new decision.
-        again = await client.admit(request_id="late-1", uncached_prompt_tokens=100)
-        assert again.replayed and again.reason is Reason.TIMEOUT
-        assert slow.debits == 1
+        # A retry times out the same way, and its late debit is released too.
+        again = await client.admit(
+            AdmissionRequest(request_id="late-1", uncached_prompt_tokens=100, attempt=1)
+        )
+        assert again.reason is Reason.TIMEOUT
+        assert len(await _settled_reservations(server, 2)) == 2 and slow.debits == 2
 
 
 async def test_a_retried_admit_gets_the_same_reservation(cluster, agents) -> None:
@@ -90,45 +97,64 @@ async def test_a_retried_admit_gets_the_same_reservation(cluster, agents) -> Non
     async with AdmissionClient(target(server), timeout_s=5) as client:
         first = await client.admit(request_id="r-1", uncached_prompt_tokens=100)
         assert first.decision is Decision.BORROW and not first.replayed
-        retry = await client.admit(request_id="r-1", uncached_prompt_tokens=100)
-        assert retry.replayed and retry.reservation_id == first.reservation_id
+        for attempt in (1, 0):  # a retry, and a router reusing the id without saying so
+            retry = await client.admit(
+                AdmissionRequest(request_id="r-1", uncached_prompt_tokens=100, attempt=attempt)
+            )
+            assert retry.replayed and retry.reservation_id == first.reservation_id
         other = await client.admit(request_id="r-2", uncached_prompt_tokens=100)
         assert other.reservation_id not in ("", first.reservation_id)
     async with AdminClient(target(server)) as admin:
-        assert len(await admin.list_reservations()) == 2
+        live = [r for r in await admin.list_reservations() if r.state is ReservationState.HELD]
+        assert sorted(r.reservation_id for r in live) == sorted(
+            (first.reservation_id, other.reservation_id)
+        )
 
 
-async def test_a_retry_while_the_first_call_hangs_wins_and_the_late_debit_is_released(
+async def test_a_retry_racing_the_first_call_gets_one_outcome_and_no_orphan(
     cluster, agents
 ) -> None:
     server, _ = await _lending_cluster(
         cluster, agents, TEST_POLICY.updated({"admit_timeout_ms": 5_000})
     )
-    server.broker.store = SlowDebits(server.broker.store, delay_s=0.8)
+    server.broker.store = SlowDebits(server.broker.store, delay_s=0.5)
     async with AdmissionClient(target(server), timeout_s=5, retries=0) as client:
         first = asyncio.create_task(client.admit(request_id="r-3", uncached_prompt_tokens=100))
-        await asyncio.sleep(0.3)  # the first call has claimed the record and is debiting
-        retry = await client.admit(request_id="r-3", uncached_prompt_tokens=100)
-        assert (retry.decision, retry.reason) == (Decision.NORMAL, Reason.TIMEOUT)
+        await asyncio.sleep(0.2)  # the first call is debiting
+        retry = await client.admit(
+            AdmissionRequest(request_id="r-3", uncached_prompt_tokens=100, attempt=1)
+        )
         late = await first
-        # The first call lost the race to settle: it answers the retry's outcome ...
-        assert late.decision is Decision.NORMAL and late.replayed and not late.reservation_id
-    # ... and the debit it made is released, not left for nobody.
-    await _settled_reservations(server, 1)
+    # Both calls answer the one recorded outcome ...
+    assert retry.decision is late.decision is Decision.BORROW
+    assert retry.reservation_id == late.reservation_id and (retry.replayed or late.replayed)
+    # ... and the other debit is released, not left for nobody.
+    async with AdminClient(target(server)) as admin, asyncio.timeout(10):
+        while True:
+            found = await admin.list_reservations()
+            held = [r.reservation_id for r in found if r.state is ReservationState.HELD]
+            if len(found) == 2 and held == [late.reservation_id]:
+                break
+            await asyncio.sleep(0.05)
 
 
 async def test_commit_and_release_replay_their_recorded_outcome(cluster, agents) -> None:
     server, _ = await _lending_cluster(cluster, agents)
-    async with AdmissionClient(target(server), timeout_s=5) as client:
-        adm = await client.admit(uncached_prompt_tokens=100)
-        rid = adm.reservation_id
-        committed = await client.commit(rid, request_id="c-1")
+    async with (
+        AdmissionClient(target(server), timeout_s=5) as client,
+        grpc.aio.insecure_channel(target(server)) as channel,
+    ):
+        stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+        rid = (await client.admit(uncached_prompt_tokens=100)).reservation_id
+        commit = admission_pb2.CommitRequest(reservation_id=rid, request_id="c-1")
+        committed = await stub.Commit(commit, timeout=5)
         await client.release(rid, request_id="x-1")
-        # The same ids replay the first outcomes, although the reservation moved on since ...
-        assert await client.commit(rid, request_id="c-1") == committed
-        assert await client.release(rid, request_id="x-1") == rid
-        # ... while a new commit sees the release.
-        with pytest.raises(FailedPrecondition):
-            await client.commit(rid, request_id="c-2")
-        with pytest.raises(FailedPrecondition):  # a refusal records nothing: refused again
-            await client.commit(rid, request_id="c-2")
+        # Retries with the same ids replay the first outcomes, though the reservation moved on
+        commit.attempt = 1
+        assert await stub.Commit(commit, timeout=5) == committed
+        release = admission_pb2.ReleaseRequest(reservation_id=rid, request_id="x-1", attempt=1)
+        assert (await stub.Release(release, timeout=5)).reservation_id == rid
+        # ... while a new commit sees the release, and its refusal records nothing.
+        for attempt in (0, 1):
+            with pytest.raises(FailedPrecondition):
+                await client.commit(rid, request_id=f"c-2-{attempt}")

@@ -17,7 +17,7 @@ from crossflow_ctl.domain.models import (
     ZeroReason,
 )
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
-from crossflow_ctl.store.base import PENDING, Store
+from crossflow_ctl.store.base import Store
 from tests.store.helpers import MAX_TTL, NOW, credits, lease, register
 
 
@@ -373,20 +373,15 @@ async def test_policy_round_trip_is_versioned_compare_and_set(store: Store) -> N
     await store.ping()
 
 
-async def test_request_records_settle_once(store: Store) -> None:
-    assert await store.claim_request("admit:r1", 60_000) is None
-    assert await store.claim_request("admit:r1", 60_000) == PENDING  # a retry sees it pending
-    assert await store.settle_request("admit:r1", "first", 60_000) is None
-    assert await store.settle_request("admit:r1", "second", 60_000) == "first"  # lost the race
-    assert await store.claim_request("admit:r1", 60_000) == "first"
-    assert await store.settle_request("never-claimed", "x", 60_000) == ""
-    assert await store.claim_request("never-claimed", 60_000) is None
-    assert await store.claim_request("short", 1) is None
+async def test_request_records_first_outcome_wins(store: Store) -> None:
+    assert await store.read_request("admit:r1") is None
+    assert await store.record_request("admit:r1", "first", 60_000) is None
+    assert await store.record_request("admit:r1", "second", 60_000) == "first"  # lost the race
+    assert await store.read_request("admit:r1") == "first"
+    assert await store.record_request("short", "x", 1) is None
     await asyncio.sleep(0.05)
-    assert await store.claim_request("short", 60_000) is None  # the record expired
-    await store.forget_request("short")
-    await store.forget_request("never-stored")
-    assert await store.claim_request("short", 60_000) is None  # forgotten: claimable again
+    assert await store.read_request("short") is None  # the record expired
+    assert await store.record_request("short", "y", 60_000) is None
 
 
 async def test_identity_is_fixed_unless_cordoned(store: Store) -> None:

@@ -25,39 +25,39 @@ _sym_db = _symbol_database.Default()
 from crossflow_ctl.api.v1 import common_pb2 as crossflow_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rossflow/v1/admission.proto\x12\x0c\x63rossflow.v1\x1a\x19\x63rossflow/v1/common.proto\"\xda\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x16uncached_prompt_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x63\x61\x63hed_prefix_node_id\x18\x04 \x01(\t\x12\x1e\n\x16\x65xpected_output_tokens\x18\x05 \x01(\x03\x12\x1a\n\x12\x63\x61ndidate_node_ids\x18\x06 \x03(\t\x12\x0f\n\x07\x64ry_run\x18\x07 \x01(\x08\x12\x0c\n\x04pool\x18\x08 \x01(\t\"\xa3\x01\n\x0b\x44\x65mandCheck\x12\r\n\x05holds\x18\x01 \x01(\x08\x12\x14\n\x0cpool_wait_ms\x18\x02 \x01(\x01\x12\x14\n\x0cthreshold_ms\x18\x03 \x01(\x01\x12#\n\x1boutstanding_uncached_tokens\x18\x04 \x01(\x03\x12\x1b\n\x13processing_rate_tps\x18\x05 \x01(\x01\x12\x17\n\x0freporting_nodes\x18\x06 \x01(\x05\"c\n\x12NormalPathEstimate\x12\x0f\n\x07wait_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\xcb\x02\n\tNodeCheck\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12%\n\x07verdict\x18\x02 \x01(\x0e\x32\x14.crossflow.v1.Reason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x15\n\rqueue_wait_ms\x18\x04 \x01(\x01\x12\x12\n\nservice_ms\x18\x05 \x01(\x01\x12\x19\n\x11predicted_ttft_ms\x18\x06 \x01(\x01\x12\x0f\n\x07\x62\x65nefit\x18\x07 \x01(\x08\x12\x0c\n\x04safe\x18\x08 \x01(\x08\x12(\n\tavailable\x18\t \x01(\x0b\x32\x15.crossflow.v1.Credits\x12$\n\x05\x64\x65\x62it\x18\n \x01(\x0b\x32\x15.crossflow.v1.Credits\x12\x15\n\rshort_credits\x18\x0b \x03(\t\x12\x13\n\x0blease_epoch\x18\x0c \x01(\x04\x12\x15\n\rlease_version\x18\r \x01(\x04\"\xa8\x01\n\x0b\x45xplanation\x12)\n\x06\x64\x65mand\x18\x01 \x01(\x0b\x32\x19.crossflow.v1.DemandCheck\x12\x35\n\x0bnormal_path\x18\x02 \x01(\x0b\x32 .crossflow.v1.NormalPathEstimate\x12&\n\x05nodes\x18\x03 \x03(\x0b\x32\x17.crossflow.v1.NodeCheck\x12\x0f\n\x07summary\x18\x04 \x01(\t\"\x84\x03\n\rAdmitResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.crossflow.v1.Decision\x12$\n\x06reason\x18\x02 \x01(\x0e\x32\x14.crossflow.v1.Reason\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04\x12\x15\n\rlease_version\x18\x07 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ms\x18\x08 \x01(\x03\x12\x19\n\x11predicted_ttft_ms\x18\t \x01(\x01\x12\x16\n\x0enormal_ttft_ms\x18\n \x01(\x01\x12.\n\x0b\x65xplanation\x18\x0b \x01(\x0b\x32\x19.crossflow.v1.Explanation\x12/\n\x0fshadow_decision\x18\x0c \x01(\x0e\x32\x16.crossflow.v1.Decision\x12\x10\n\x08replayed\x18\r \x01(\x08\";\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"A\n\x0e\x43ommitResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x03\"k\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12-\n\x07outcome\x18\x02 \x01(\x0e\x32\x1c.crossflow.v1.ReleaseOutcome\x12\x12\n\nrequest_id\x18\x03 \x01(\t\")\n\x0fReleaseResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t*N\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45\x43ISION_BORROW\x10\x01\x12\x13\n\x0f\x44\x45\x43ISION_NORMAL\x10\x02*\xc6\x02\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREASON_BORROWED\x10\x01\x12\x14\n\x10REASON_NO_DEMAND\x10\x02\x12\x1c\n\x18REASON_POOL_LOAD_MISSING\x10\x03\x12\x15\n\x11REASON_NO_BENEFIT\x10\x04\x12\x12\n\x0eREASON_NO_ROOM\x10\x05\x12\x14\n\x10REASON_NO_LEASES\x10\x06\x12\x1c\n\x18REASON_STORE_UNAVAILABLE\x10\x07\x12\x12\n\x0eREASON_TIMEOUT\x10\x08\x12\x16\n\x12REASON_SHADOW_MODE\x10\t\x12\x12\n\x0eREASON_DRY_RUN\x10\n\x12\x1d\n\x19REASON_BORROWING_DISABLED\x10\x0b\x12\x1d\n\x19REASON_BROKER_UNAVAILABLE\x10\x0c*\x8a\x01\n\x0eReleaseOutcome\x12\x1f\n\x1bRELEASE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18RELEASE_OUTCOME_FINISHED\x10\x01\x12\x1a\n\x16RELEASE_OUTCOME_FAILED\x10\x02\x12\x1d\n\x19RELEASE_OUTCOME_CANCELLED\x10\x03\x32\xe1\x01\n\x10\x41\x64missionService\x12@\n\x05\x41\x64mit\x12\x1a.crossflow.v1.AdmitRequest\x1a\x1b.crossflow.v1.AdmitResponse\x12\x43\n\x06\x43ommit\x12\x1b.crossflow.v1.CommitRequest\x1a\x1c.crossflow.v1.CommitResponse\x12\x46\n\x07Release\x12\x1c.crossflow.v1.ReleaseRequest\x1a\x1d.crossflow.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rossflow/v1/admission.proto\x12\x0c\x63rossflow.v1\x1a\x19\x63rossflow/v1/common.proto\"\xeb\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x16uncached_prompt_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x63\x61\x63hed_prefix_node_id\x18\x04 \x01(\t\x12\x1e\n\x16\x65xpected_output_tokens\x18\x05 \x01(\x03\x12\x1a\n\x12\x63\x61ndidate_node_ids\x18\x06 \x03(\t\x12\x0f\n\x07\x64ry_run\x18\x07 \x01(\x08\x12\x0c\n\x04pool\x18\x08 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\t \x01(\r\"\xa3\x01\n\x0b\x44\x65mandCheck\x12\r\n\x05holds\x18\x01 \x01(\x08\x12\x14\n\x0cpool_wait_ms\x18\x02 \x01(\x01\x12\x14\n\x0cthreshold_ms\x18\x03 \x01(\x01\x12#\n\x1boutstanding_uncached_tokens\x18\x04 \x01(\x03\x12\x1b\n\x13processing_rate_tps\x18\x05 \x01(\x01\x12\x17\n\x0freporting_nodes\x18\x06 \x01(\x05\"c\n\x12NormalPathEstimate\x12\x0f\n\x07wait_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\xcb\x02\n\tNodeCheck\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12%\n\x07verdict\x18\x02 \x01(\x0e\x32\x14.crossflow.v1.Reason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x15\n\rqueue_wait_ms\x18\x04 \x01(\x01\x12\x12\n\nservice_ms\x18\x05 \x01(\x01\x12\x19\n\x11predicted_ttft_ms\x18\x06 \x01(\x01\x12\x0f\n\x07\x62\x65nefit\x18\x07 \x01(\x08\x12\x0c\n\x04safe\x18\x08 \x01(\x08\x12(\n\tavailable\x18\t \x01(\x0b\x32\x15.crossflow.v1.Credits\x12$\n\x05\x64\x65\x62it\x18\n \x01(\x0b\x32\x15.crossflow.v1.Credits\x12\x15\n\rshort_credits\x18\x0b \x03(\t\x12\x13\n\x0blease_epoch\x18\x0c \x01(\x04\x12\x15\n\rlease_version\x18\r \x01(\x04\"\xa8\x01\n\x0b\x45xplanation\x12)\n\x06\x64\x65mand\x18\x01 \x01(\x0b\x32\x19.crossflow.v1.DemandCheck\x12\x35\n\x0bnormal_path\x18\x02 \x01(\x0b\x32 .crossflow.v1.NormalPathEstimate\x12&\n\x05nodes\x18\x03 \x03(\x0b\x32\x17.crossflow.v1.NodeCheck\x12\x0f\n\x07summary\x18\x04 \x01(\t\"\x84\x03\n\rAdmitResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.crossflow.v1.Decision\x12$\n\x06reason\x18\x02 \x01(\x0e\x32\x14.crossflow.v1.Reason\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04\x12\x15\n\rlease_version\x18\x07 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ms\x18\x08 \x01(\x03\x12\x19\n\x11predicted_ttft_ms\x18\t \x01(\x01\x12\x16\n\x0enormal_ttft_ms\x18\n \x01(\x01\x12.\n\x0b\x65xplanation\x18\x0b \x01(\x0b\x32\x19.crossflow.v1.Explanation\x12/\n\x0fshadow_decision\x18\x0c \x01(\x0e\x32\x16.crossflow.v1.Decision\x12\x10\n\x08replayed\x18\r \x01(\x08\"L\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\"A\n\x0e\x43ommitResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x03\"|\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12-\n\x07outcome\x18\x02 \x01(\x0e\x32\x1c.crossflow.v1.ReleaseOutcome\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\")\n\x0fReleaseResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t*N\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45\x43ISION_BORROW\x10\x01\x12\x13\n\x0f\x44\x45\x43ISION_NORMAL\x10\x02*\xc6\x02\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREASON_BORROWED\x10\x01\x12\x14\n\x10REASON_NO_DEMAND\x10\x02\x12\x1c\n\x18REASON_POOL_LOAD_MISSING\x10\x03\x12\x15\n\x11REASON_NO_BENEFIT\x10\x04\x12\x12\n\x0eREASON_NO_ROOM\x10\x05\x12\x14\n\x10REASON_NO_LEASES\x10\x06\x12\x1c\n\x18REASON_STORE_UNAVAILABLE\x10\x07\x12\x12\n\x0eREASON_TIMEOUT\x10\x08\x12\x16\n\x12REASON_SHADOW_MODE\x10\t\x12\x12\n\x0eREASON_DRY_RUN\x10\n\x12\x1d\n\x19REASON_BORROWING_DISABLED\x10\x0b\x12\x1d\n\x19REASON_BROKER_UNAVAILABLE\x10\x0c*\x8a\x01\n\x0eReleaseOutcome\x12\x1f\n\x1bRELEASE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18RELEASE_OUTCOME_FINISHED\x10\x01\x12\x1a\n\x16RELEASE_OUTCOME_FAILED\x10\x02\x12\x1d\n\x19RELEASE_OUTCOME_CANCELLED\x10\x03\x32\xe1\x01\n\x10\x41\x64missionService\x12@\n\x05\x41\x64mit\x12\x1a.crossflow.v1.AdmitRequest\x1a\x1b.crossflow.v1.AdmitResponse\x12\x43\n\x06\x43ommit\x12\x1b.crossflow.v1.CommitRequest\x1a\x1c.crossflow.v1.CommitResponse\x12\x46\n\x07Release\x12\x1c.crossflow.v1.ReleaseRequest\x1a\x1d.crossflow.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crossflow.v1.admission_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECISION']._serialized_start=1737
-  _globals['_DECISION']._serialized_end=1815
-  _globals['_REASON']._serialized_start=1818
-  _globals['_REASON']._serialized_end=2144
-  _globals['_RELEASEOUTCOME']._serialized_start=2147
-  _globals['_RELEASEOUTCOME']._serialized_end=2285
+  _globals['_DECISION']._serialized_start=1788
+  _globals['_DECISION']._serialized_end=1866
+  _globals['_REASON']._serialized_start=1869
+  _globals['_REASON']._serialized_end=2195
+  _globals['_RELEASEOUTCOME']._serialized_start=2198
+  _globals['_RELEASEOUTCOME']._serialized_end=2336
   _globals['_ADMITREQUEST']._serialized_start=74
-  _globals['_ADMITREQUEST']._serialized_end=292
-  _globals['_DEMANDCHECK']._serialized_start=295
-  _globals['_DEMANDCHECK']._serialized_end=458
-  _globals['_NORMALPATHESTIMATE']._serialized_start=460
-  _globals['_NORMALPATHESTIMATE']._serialized_end=559
-  _globals['_NODECHECK']._serialized_start=562
-  _globals['_NODECHECK']._serialized_end=893
-  _globals['_EXPLANATION']._serialized_start=896
-  _globals['_EXPLANATION']._serialized_end=1064
-  _globals['_ADMITRESPONSE']._serialized_start=1067
-  _globals['_ADMITRESPONSE']._serialized_end=1455
-  _globals['_COMMITREQUEST']._serialized_start=1457
-  _globals['_COMMITREQUEST']._serialized_end=1516
-  _globals['_COMMITRESPONSE']._serialized_start=1518
-  _globals['_COMMITRESPONSE']._serialized_end=1583
-  _globals['_RELEASEREQUEST']._serialized_start=1585
-  _globals['_RELEASEREQUEST']._serialized_end=1692
-  _globals['_RELEASERESPONSE']._serialized_start=1694
-  _globals['_RELEASERESPONSE']._serialized_end=1735
-  _globals['_ADMISSIONSERVICE']._serialized_start=2288
-  _globals['_ADMISSIONSERVICE']._serialized_end=2513
+  _globals['_ADMITREQUEST']._serialized_end=309
+  _globals['_DEMANDCHECK']._serialized_start=312
+  _globals['_DEMANDCHECK']._serialized_end=475
+  _globals['_NORMALPATHESTIMATE']._serialized_start=477
+  _globals['_NORMALPATHESTIMATE']._serialized_end=576
+  _globals['_NODECHECK']._serialized_start=579
+  _globals['_NODECHECK']._serialized_end=910
+  _globals['_EXPLANATION']._serialized_start=913
+  _globals['_EXPLANATION']._serialized_end=1081
+  _globals['_ADMITRESPONSE']._serialized_start=1084
+  _globals['_ADMITRESPONSE']._serialized_end=1472
+  _globals['_COMMITREQUEST']._serialized_start=1474
+  _globals['_COMMITREQUEST']._serialized_end=1550
+  _globals['_COMMITRESPONSE']._serialized_start=1552
+  _globals['_COMMITRESPONSE']._serialized_end=1617
+  _globals['_RELEASEREQUEST']._serialized_start=1619
+  _globals['_RELEASEREQUEST']._serialized_end=1743
+  _globals['_RELEASERESPONSE']._serialized_start=1745
+  _globals['_RELEASERESPONSE']._serialized_end=1786
+  _globals['_ADMISSIONSERVICE']._serialized_start=2339
+  _globals['_ADMISSIONSERVICE']._serialized_end=2564
 # @@protoc_insertion_point(module_scope)

@@ -107,6 +107,7 @@ class AdmitRequest(_message.Message):
     CANDIDATE_NODE_IDS_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
     POOL_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     uncached_prompt_tokens: _builtins.int
     cached_prefix_tokens: _builtins.int
@@ -116,6 +117,10 @@ class AdmitRequest(_message.Message):
     dry_run: _builtins.bool
     """Decide and explain, debit nothing."""
     pool: _builtins.str
+    attempt: _builtins.int
+    """0 on the first call of a request_id, n on its n-th retry (the broker then looks for the
+    recorded outcome of an earlier call before deciding).
+    """
     @_builtins.property
     def candidate_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -129,10 +134,11 @@ class AdmitRequest(_message.Message):
         candidate_node_ids: _abc.Iterable[_builtins.str] | None = ...,
         dry_run: _builtins.bool = ...,
         pool: _builtins.str = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prefix_node_id", b"cached_prefix_node_id", "cached_prefix_tokens", b"cached_prefix_tokens", "candidate_node_ids", b"candidate_node_ids", "dry_run", b"dry_run", "expected_output_tokens", b"expected_output_tokens", "pool", b"pool", "request_id", b"request_id", "uncached_prompt_tokens", b"uncached_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_prefix_node_id", b"cached_prefix_node_id", "cached_prefix_tokens", b"cached_prefix_tokens", "candidate_node_ids", b"candidate_node_ids", "dry_run", b"dry_run", "expected_output_tokens", b"expected_output_tokens", "pool", b"pool", "request_id", b"request_id", "uncached_prompt_tokens", b"uncached_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -355,18 +361,22 @@ class CommitRequest(_message.Message):
 
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
     request_id: _builtins.str
     """Idempotency key: a retry with the same id gets the first call's outcome."""
+    attempt: _builtins.int
+    """0 on the first call, n on the n-th retry with the same request_id."""
     def __init__(
         self,
         *,
         reservation_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "request_id", b"request_id", "reservation_id", b"reservation_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -401,20 +411,24 @@ class ReleaseRequest(_message.Message):
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
     OUTCOME_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
     outcome: Global___ReleaseOutcome.ValueType
     request_id: _builtins.str
     """Idempotency key: a retry with the same id gets the first call's outcome."""
+    attempt: _builtins.int
+    """0 on the first call, n on the n-th retry with the same request_id."""
     def __init__(
         self,
         *,
         reservation_id: _builtins.str = ...,
         outcome: Global___ReleaseOutcome.ValueType = ...,
         request_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome", "request_id", b"request_id", "reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "outcome", b"outcome", "request_id", b"request_id", "reservation_id", b"reservation_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

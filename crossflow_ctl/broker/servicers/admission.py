@@ -30,7 +30,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     async def Commit(
         self, request: admission_pb2.CommitRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.CommitResponse:
-        res = await self._broker.commit(request.reservation_id, request.request_id)
+        res = await self._broker.commit(request.reservation_id, request.request_id, request.attempt)
         return admission_pb2.CommitResponse(
             reservation_id=res.reservation_id, expires_unix_ms=res.expires_at_ms
         )
@@ -40,5 +40,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         self, request: admission_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.ReleaseResponse:
         outcome = release_outcome_from_proto(request.outcome)
-        res = await self._broker.release(request.reservation_id, outcome, request.request_id)
+        res = await self._broker.release(
+            request.reservation_id, outcome, request.request_id, request.attempt
+        )
         return admission_pb2.ReleaseResponse(reservation_id=res.reservation_id)
