@@ -6,7 +6,8 @@ Starts one ``crossflow-broker serve`` process on a loopback port over Redis (its
 namespace, deleted afterwards), streams one decode lease and one prefill pool load to it, then
 measures, each sequentially (latency) and with ``--concurrency`` callers (throughput):
 
-* ``admit``   : AdmissionService.Admit that borrows (view + plan + atomic debit in Redis)
+* ``admit``   : AdmissionService.Admit that borrows (view + plan + atomic debit in Redis), and
+  the same with a fresh request_id (its BORROW recorded: one more SET NX GET)
 * ``grpc``    : grpc.health.v1.Health/Check on the same broker (the bare grpc.aio unary floor)
 * ``evalsha`` : EVALSHA of a trivial Lua script on the same Redis (the bare Redis floor)
 * ``grpc.aio + 2 EVALSHA``: a bare grpc.aio server process (no broker code) whose handler runs
@@ -216,6 +217,13 @@ async def main(args: argparse.Namespace) -> None:
             reply = await admission.Admit(request, timeout=5)
             assert reply.decision == admission_pb2.DECISION_BORROW, reply.message
 
+        async def admit_with_id() -> None:  # a BORROW is recorded under its request id
+            with_id = admission_pb2.AdmitRequest(
+                uncached_prompt_tokens=512, expected_output_tokens=64, request_id=uuid.uuid4().hex
+            )
+            reply = await admission.Admit(with_id, timeout=5)
+            assert reply.decision == admission_pb2.DECISION_BORROW, reply.message
+
         async def check() -> None:
             await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
 
@@ -231,6 +239,10 @@ async def main(args: argparse.Namespace) -> None:
 
         rows = [
             ("admit (gRPC + Redis)", await measure(admit, args.seconds, args.concurrency)),
+            (
+                "admit with request_id (+ record)",
+                await measure(admit_with_id, args.seconds, args.concurrency),
+            ),
             ("floor: grpc.aio health Check", await measure(check, args.seconds, args.concurrency)),
             (
                 "floor: Redis EVALSHA 'return 1'",
@@ -251,7 +263,11 @@ async def main(args: argparse.Namespace) -> None:
                 f"{name:34} {m['p50_ms']:8.3f} {m['p99_ms']:8.3f} {m['n']:7.0f} "
                 f"{m['ops_per_s']:9.0f}"
             )
-        admit_p50, grpc_p50, redis_p50, trips_p50 = (m["p50_ms"] for _, m in rows)
+        admit_p50, with_id_p50, grpc_p50, redis_p50, trips_p50 = (m["p50_ms"] for _, m in rows)
+        print(
+            f"a BORROW recorded under its request id (one SET NX GET): "
+            f"{with_id_p50 - admit_p50:+.3f} ms p50 over admit, EVALSHA floor {redis_p50:.3f} ms"
+        )
         print(
             f"admit p50 over floors: {admit_p50 / grpc_p50:.1f}x gRPC, "
             f"{admit_p50 / redis_p50:.1f}x EVALSHA, "
