@@ -1,4 +1,4 @@
-"""Async client of AdmissionService for routers: Admit, Commit, Release.
+"""Async client of AdmissionService for routers: Admit, Commit, Release, WatchRoom.
 
 With ``fail_closed=True`` an Admit that hits any transport error or its deadline returns a NORMAL
 :class:`Admission` (reason TIMEOUT or STORE_UNAVAILABLE) instead of raising, so a router can call
@@ -8,11 +8,15 @@ Every call carries a request id (the caller's, or a fresh one) and is retried ``
 with the SAME id after UNAVAILABLE or a deadline, so the broker's request records
 (crossflow_ctl.service.requests) make the outcome exact: a retried Admit never debits twice and
 gets the first call's answer; a retried Commit or Release tells how the first one ended.
+:meth:`AdmissionClient.room_updates` is the room signal of
+:class:`~crossflow_ctl.client.queue.AdmissionQueue` (late binding): it never ends on its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
 
@@ -22,9 +26,19 @@ from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
 from crossflow_ctl.client.errors import error_from_rpc
 from crossflow_ctl.client.models import CommitResult
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
-from crossflow_ctl.domain.errors import BrokerUnavailable, InvalidArgument, StoreUnavailable
+from crossflow_ctl.domain.clock import SystemClock
+from crossflow_ctl.domain.errors import (
+    BrokerUnavailable,
+    CrossflowError,
+    InvalidArgument,
+    StoreUnavailable,
+)
 from crossflow_ctl.domain.models import validated
+from crossflow_ctl.domain.room import RoomUpdate, RoomWatchRequest, unknown_room
+from crossflow_ctl.security import ClientCredentials
+from crossflow_ctl.security.channel import open_channel
 from crossflow_ctl.wire.convert_admission import admission_from_proto, admit_request_to_proto
+from crossflow_ctl.wire.convert_room import room_update_from_proto, watch_request_to_proto
 
 _RELEASE_OUTCOMES = {
     "finished": admission_pb2.RELEASE_OUTCOME_FINISHED,
@@ -44,13 +58,21 @@ def channel_options(max_message_bytes: int = 4 * 1024 * 1024) -> list[tuple[str,
 
 
 class _Base:
+    """``credentials`` secure the channel the client opens (TLS, mTLS, bearer token: see
+    crossflow_ctl.security.channel); a supplied ``channel`` is used as it is."""
+
     def __init__(
-        self, target: str, *, timeout_s: float, channel: grpc.aio.Channel | None = None
+        self,
+        target: str,
+        *,
+        timeout_s: float,
+        channel: grpc.aio.Channel | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self._own_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=channel_options())
+        self._channel = channel or open_channel(target, credentials, channel_options())
 
     async def close(self) -> None:
         if self._own_channel:
@@ -85,8 +107,9 @@ class AdmissionClient(_Base):
         fail_closed: bool = False,
         retries: int = 1,
         channel: grpc.aio.Channel | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
-        super().__init__(target, timeout_s=timeout_s, channel=channel)
+        super().__init__(target, timeout_s=timeout_s, channel=channel, credentials=credentials)
         self.fail_closed = fail_closed
         self.retries = max(0, retries)
         self._stub = admission_pb2_grpc.AdmissionServiceStub(self._channel)
@@ -149,3 +172,46 @@ class AdmissionClient(_Base):
         )
         msg = await self._exact(self._stub.Release, req)
         return str(msg.reservation_id)
+
+    async def watch_room(
+        self, request: RoomWatchRequest | None = None, **fields: Any
+    ) -> AsyncIterator[RoomUpdate]:
+        """One WatchRoom stream (no deadline): its updates until it ends. Raises the domain
+        errors (InvalidArgument naming the field, StoreUnavailable when the broker goes)."""
+        req = request if request is not None else validated(RoomWatchRequest, **fields)
+        call = self._stub.WatchRoom(watch_request_to_proto(req))
+        try:
+            async for msg in call:
+                yield room_update_from_proto(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            call.cancel()
+
+    async def room_updates(
+        self,
+        request: RoomWatchRequest | None = None,
+        *,
+        retry_s: float = 0.2,
+        max_retry_s: float = 5.0,
+        **fields: Any,
+    ) -> AsyncIterator[RoomUpdate]:
+        """:meth:`watch_room` that never ends on its own: when the stream ends or breaks, an
+        UNKNOWN update (no room, ``seq`` 0) is yielded at once and the watch re-subscribes with
+        exponential backoff. A refused subscription (InvalidArgument) raises."""
+        req = request if request is not None else validated(RoomWatchRequest, **fields)
+        delay = retry_s
+        while True:
+            detail = "room watch ended"
+            try:
+                async for update in self.watch_room(req):
+                    delay = retry_s
+                    yield update
+            except InvalidArgument:
+                raise
+            except CrossflowError as exc:
+                detail = f"room watch failed: {exc}"
+            now = SystemClock().now_ms()
+            yield RoomUpdate(seq=0, at_ms=now, view=unknown_room(req.pool, detail))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_retry_s)

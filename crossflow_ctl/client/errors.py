@@ -5,6 +5,8 @@
     FAILED_PRECONDITION  -> FailedPrecondition
     ABORTED              -> Aborted (a policy write whose expected_version was not the stored one)
     RESOURCE_EXHAUSTED   -> InvalidArgument (a message over the size limit)
+    PERMISSION_DENIED    -> PermissionDenied
+    UNAUTHENTICATED      -> Unauthenticated
     UNAVAILABLE whose message the broker marked "store unavailable: " -> StoreUnavailable
     UNAVAILABLE, DEADLINE_EXCEEDED, anything else (gRPC's own: the broker was not reached or
     did not answer)      -> BrokerUnavailable
@@ -25,7 +27,9 @@ from crossflow_ctl.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     StoreUnavailable,
+    Unauthenticated,
 )
 
 STORE_UNAVAILABLE_PREFIX = "store unavailable: "
@@ -37,6 +41,8 @@ _CLASS_FOR: dict[grpc.StatusCode, type[CrossflowError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,  # message over the size limit
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.*)$", re.DOTALL)
 

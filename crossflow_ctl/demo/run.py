@@ -55,6 +55,8 @@ class DemoOptions:
     simulate: bool = True
     """Also run the project's simulator on the same trace, static and with leases."""
     redis_namespace: str | None = None
+    max_hold_ms: int = 300
+    """Late binding: how long the router holds a prompt refused for lack of room (0: never)."""
 
 
 def prefill_rate_tps(opts: DemoOptions, chunk_tokens: int = 8192) -> float:
@@ -148,7 +150,15 @@ class Demo:
                 prefill_rate_tps=prefill_rate_tps(o),
             )
             async with AdmissionClient(broker, timeout_s=1.0, fail_closed=True) as admission:
-                router = Router(o.trace, admission, prefill, decode, params, speed=o.speed)
+                router = Router(
+                    o.trace,
+                    admission,
+                    prefill,
+                    decode,
+                    params,
+                    speed=o.speed,
+                    max_hold_ms=o.max_hold_ms,
+                )
                 started = time.monotonic()
                 await self._replay(router, admin, started)
                 elapsed = time.monotonic() - started

@@ -169,6 +169,11 @@ def summary_data(stats: RouterStats, static: StaticResult, obs: Observations) ->
         "borrowed_share": stats.borrowed_share,
         "borrowed_by_node": stats.borrowed_by_node,
         "reasons": stats.reasons,
+        "late_binding": {
+            "dispatch": stats.dispatch,
+            "held": len(stats.held_ms),
+            "held_ms": {"mean": mean(stats.held_ms), "max": max(stats.held_ms, default=0.0)},
+        },
         "admit_errors": stats.admit_errors,
         "engine_errors": stats.engine_errors,
         "lease_versions_seen": obs.lease_updates,
@@ -235,6 +240,9 @@ def summary(
             f"  decode ITL reported in leases: {itl}",
             "  admission reasons: "
             + ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items())),
+            f"  late binding: {len(stats.held_ms)} prompts held (mean "
+            f"{mean(stats.held_ms):.0f} ms); outcomes: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(stats.dispatch.items())),
             "  (TTFT on both sides comes from the demo router's queueing model of this cluster;"
             " the static column replays the same requests with nothing borrowed.)",
         ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import structlog
@@ -44,6 +44,13 @@ from crossflow_ctl.domain.models import (
     validated,
 )
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
+from crossflow_ctl.domain.room import (
+    RoomUpdate,
+    RoomView,
+    RoomWatchRequest,
+    summarize_room,
+    unknown_room,
+)
 from crossflow_ctl.domain.selectors import Selector
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision, annotate_node
 from crossflow_ctl.service.checks import (
@@ -54,6 +61,7 @@ from crossflow_ctl.service.checks import (
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.service.policy_keeper import PolicyKeeper, refresh_forever
 from crossflow_ctl.service.requests import OrphanDebits, admit_once, run_once
+from crossflow_ctl.service.room import RoomWatches
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
@@ -95,6 +103,8 @@ class Broker:
         """Releases debits that landed after their Admit had answered (see _debit)."""
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
+        self.rooms = RoomWatches(settings.room, clock, self.room_view)
+        """This replica's WatchRoom subscriptions (late binding)."""
 
     # -- policy, shared through the store and cached briefly -----------------------------------
     @property
@@ -119,13 +129,16 @@ class Broker:
         return await self._admin_call(self._policy.update(updates, expected_version))
 
     # -- admission -------------------------------------------------------------------------------
-    async def admit(self, request: AdmissionRequest) -> Admission:
-        """Always answers; NORMAL with a reason on any doubt (§5.6). Counted, timed, logged."""
+    async def admit(self, request: AdmissionRequest, owner: str = "") -> Admission:
+        """Always answers; NORMAL with a reason on any doubt (§5.6). Counted, timed, logged.
+
+        A granted reservation records ``owner`` (the router's identity, "" without
+        authentication): only it, or an admin, may commit or release it."""
         started = time.perf_counter()
         if request.request_id and not request.dry_run:
-            answer = await self._admit_once(request)
+            answer = await self._admit_once(request, owner)
         else:
-            answer = await self._decide(request)
+            answer = await self._decide(request, owner)
         shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
         self.metrics.record_admission(
             answer.decision, answer.reason, time.perf_counter() - started, shadow_decision=shadow
@@ -140,23 +153,24 @@ class Broker:
         )
         return answer
 
-    async def _admit_once(self, request: AdmissionRequest) -> Admission:
-        return await admit_once(
-            self.store, request, self.policy, self._decide, self._orphans.release
-        )
+    async def _admit_once(self, request: AdmissionRequest, owner: str) -> Admission:
+        async def decide(req: AdmissionRequest) -> Admission:
+            return await self._decide(req, owner)
+
+        return await admit_once(self.store, request, self.policy, decide, self._orphans.release)
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Wait for background releases of late debits (at shutdown)."""
         await self._orphans.drain(timeout_s)
 
-    async def _decide(self, request: AdmissionRequest) -> Admission:
+    async def _decide(self, request: AdmissionRequest, owner: str) -> Admission:
         policy = self.policy
         with structlog.contextvars.bound_contextvars(request_id=request.request_id):
             if not policy.enabled:
                 return Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled")
             try:
                 async with asyncio.timeout(policy.admit_timeout_ms / 1000.0):
-                    return await self._admit(request, policy)
+                    return await self._admit(request, policy, owner)
             except TimeoutError:
                 log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms)
                 return Admission.normal(
@@ -169,7 +183,9 @@ class Broker:
                 log.exception("admit.failed")
                 return Admission.normal(Reason.STORE_UNAVAILABLE, f"admission failed: {exc!r}")
 
-    async def _admit(self, request: AdmissionRequest, policy: PolicySettings) -> Admission:
+    async def _admit(
+        self, request: AdmissionRequest, policy: PolicySettings, owner: str
+    ) -> Admission:
         now = self.clock.now_ms()
         pool, nodes = await self._timed(
             "admission_view",
@@ -196,7 +212,7 @@ class Broker:
                 plan=plan,
                 shadow_decision=Decision.BORROW,
             )
-        return await self._debit(request, plan, policy, now)
+        return await self._debit(request, plan, policy, now, owner)
 
     def _shadow(self, plan: Plan) -> Admission:
         would = Decision.BORROW if plan.reason is Reason.BORROWED else Decision.NORMAL
@@ -207,7 +223,7 @@ class Broker:
         return answer.model_copy(update={"shadow_decision": would})
 
     async def _debit(
-        self, request: AdmissionRequest, plan: Plan, policy: PolicySettings, now: int
+        self, request: AdmissionRequest, plan: Plan, policy: PolicySettings, now: int, owner: str
     ) -> Admission:
         refusals: list[str] = []
         normal_ms = plan.normal_path.total_ms if plan.normal_path else 0.0
@@ -222,6 +238,7 @@ class Broker:
                         now,
                         policy.hold_ttl_ms,
                         request.request_id,
+                        owner,
                     ),
                 )
             )
@@ -255,60 +272,94 @@ class Broker:
             plan,
         )
 
+    # -- late binding ----------------------------------------------------------------------------
+    async def room_view(self, request: RoomWatchRequest) -> RoomView:
+        """The room for ``request`` now, from the store; UNKNOWN (no room) on any doubt."""
+        policy, now, limit_ms = self.policy, self.clock.now_ms(), self.settings.admin_timeout_ms
+        view = self.store.admission_view(
+            request.pool, request.candidate_node_ids, self.settings.room.max_nodes, now
+        )
+        try:
+            async with asyncio.timeout(limit_ms / 1000.0):
+                pool, nodes = await self._timed("room_view", view)
+        except Exception as exc:  # fail closed on a store error, overrun or anything unforeseen
+            detail = f"store slower than {limit_ms} ms" if isinstance(exc, TimeoutError) else exc
+            log.warning("room_view.failed", error=repr(exc))
+            return unknown_room(request.pool, f"room unknown: {detail}")
+        return summarize_room(request.pool, pool, nodes, policy, now)
+
+    def watch_room(self, request: RoomWatchRequest) -> AsyncIterator[RoomUpdate]:
+        """Room updates for ``request`` (see :mod:`crossflow_ctl.service.room`)."""
+        return self.rooms.watch(request)
+
     async def commit(
-        self, reservation_id: str, request_id: str = "", attempt: int = 0
+        self,
+        reservation_id: str,
+        owner: str | None = None,
+        request_id: str = "",
+        attempt: int = 0,
     ) -> Reservation:
+        """Commit; with ``owner`` (a router's identity) only a reservation it was granted; with
+        ``request_id`` exact under retries (:mod:`.requests`)."""
         check_reservation_id(reservation_id)
         check_request_id(request_id)
-        if request_id:
-            return await self._admin_call(
-                run_once(
-                    self.store,
-                    f"commit:{request_id}:{reservation_id}",
-                    attempt,
-                    self._record_ttl_ms(),
-                    lambda: self._commit(reservation_id),
-                    lambda r: r.model_dump_json(),
-                    Reservation.model_validate_json,
-                )
+        if not request_id:
+            return await self._commit(reservation_id, owner)
+        return await self._admin_call(
+            run_once(
+                self.store,
+                f"commit:{request_id}:{reservation_id}",
+                attempt,
+                self._record_ttl_ms(),
+                lambda: self._commit(reservation_id, owner),
+                lambda r: r.model_dump_json(),
+                Reservation.model_validate_json,
             )
-        return await self._commit(reservation_id)
+        )
 
     def _record_ttl_ms(self) -> int:
         return self.policy.commit_ttl_ms + self.policy.hold_ttl_ms
 
-    async def _commit(self, reservation_id: str) -> Reservation:
-        res = await self._admin_call(
-            self.store.commit(reservation_id, self.clock.now_ms(), self.policy.commit_ttl_ms)
-        )
+    async def _commit(self, reservation_id: str, owner: str | None) -> Reservation:
+        now, ttl = self.clock.now_ms(), self.policy.commit_ttl_ms
+        res = await self._admin_call(self.store.commit(reservation_id, now, ttl, owner))
         self.metrics.record_reservation_event("commit")
         annotate_node(res.node_id)
         return res
 
     async def release(
-        self, reservation_id: str, outcome: str = "", request_id: str = "", attempt: int = 0
+        self,
+        reservation_id: str,
+        outcome: str = "",
+        owner: str | None = None,
+        request_id: str = "",
+        attempt: int = 0,
     ) -> Reservation:
+        """Release; with ``owner`` (a router's identity) only a reservation it was granted; with
+        ``request_id`` exact under retries (:mod:`.requests`)."""
         check_reservation_id(reservation_id)
         check_request_id(request_id)
-        if request_id:
-            return await self._admin_call(
-                run_once(
-                    self.store,
-                    f"release:{request_id}:{reservation_id}",
-                    attempt,
-                    self._record_ttl_ms(),
-                    lambda: self._release(reservation_id, outcome),
-                    lambda r: r.model_dump_json(),
-                    Reservation.model_validate_json,
-                )
+        if not request_id:
+            return await self._release(reservation_id, outcome, owner)
+        return await self._admin_call(
+            run_once(
+                self.store,
+                f"release:{request_id}:{reservation_id}",
+                attempt,
+                self._record_ttl_ms(),
+                lambda: self._release(reservation_id, outcome, owner),
+                lambda r: r.model_dump_json(),
+                Reservation.model_validate_json,
             )
-        return await self._release(reservation_id, outcome)
+        )
 
-    async def _release(self, reservation_id: str, outcome: str) -> Reservation:
-        res = await self._admin_call(self.store.release(reservation_id, self.clock.now_ms()))
+    async def _release(self, reservation_id: str, outcome: str, owner: str | None) -> Reservation:
+        now = self.clock.now_ms()
+        res = await self._admin_call(self.store.release(reservation_id, now, owner))
         log.debug("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
         self.metrics.record_reservation_event("release")
         annotate_node(res.node_id)
+        self.rooms.poke()
         return res
 
     # -- agents ----------------------------------------------------------------------------------
@@ -351,6 +402,8 @@ class Broker:
                 field="lease.version",
             )
         self._note_zero(lease)
+        if not lease.is_zero:
+            self.rooms.poke()
         return outcome
 
     def _note_zero(self, lease: Lease) -> None:
@@ -435,6 +488,7 @@ class Broker:
         now = self.clock.now_ms()
         await self._admin_call(self.store.set_cordon(node_id, cordoned, reason, now))
         log.info("cordon", node_id=node_id, cordoned=cordoned, reason=reason)
+        self.rooms.poke()
         return await self._admin_call(self.store.get_node(node_id, now))
 
     # -- helpers ---------------------------------------------------------------------------------

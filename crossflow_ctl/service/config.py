@@ -13,13 +13,35 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.security import AuthSettings
 from crossflow_ctl.settings_sources import LayeredSettings, host_port, load_layered
 
 MiB = 1024 * 1024
+
+
+class RoomWatchSettings(BaseModel):
+    """How this replica serves ``WatchRoom`` streams (late binding)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    poll_ms: Annotated[int, Field(ge=10, le=10_000)] = 100
+    """The replica re-reads the store's admission view for each watched (pool, candidates) at
+    least this often, so room changed through another replica (or by expiry) is seen within it;
+    this replica's own lease ingest, releases and cordons trigger a read at once."""
+    min_read_ms: Annotated[int, Field(ge=1, le=10_000)] = 20
+    """Least time between two reads for one (pool, candidates), however often it is woken."""
+    max_updates_per_s: Annotated[float, Field(gt=0.0, le=1_000.0, allow_inf_nan=False)] = 10.0
+    """Default and ceiling of a watch's update rate; bursts in between are coalesced."""
+    heartbeat_ms: Annotated[int, Field(ge=100, le=60_000)] = 1_000
+    """Default heartbeat interval of a watch (a watcher may ask for another)."""
+    max_nodes: Annotated[int, Field(ge=1, le=1_024)] = 64
+    """Lenders sampled per read when the watcher names no candidates."""
+    min_change: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.1
+    """A node's spare compute or KV must move by more than this fraction to be news."""
 
 
 class BrokerSettings(LayeredSettings):
@@ -36,10 +58,18 @@ class BrokerSettings(LayeredSettings):
     """gRPC listen address, host:port (port 0 picks a free one)."""
     redis_url: str | None = None
     """Redis URL of the shared store; None runs the embedded in-process store (one replica)."""
+    redis_username: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """Redis ACL user (or put it in the URL)."""
+    redis_password_file: Path | None = None
+    """File holding the Redis password (a mounted Secret); wins over a password in the URL."""
+    redis_ca_file: Path | None = None
+    """PEM CA bundle the Redis server's certificate must chain to (``rediss://`` URLs)."""
     redis_namespace: Annotated[str, Field(min_length=1, max_length=64)] = "crossflow"
     """Key prefix of every Redis key this control plane writes."""
     broker_id: Annotated[str, Field(max_length=128)] = ""
     """Name of this replica in Welcome messages and logs; empty picks host:pid."""
+    auth: AuthSettings = AuthSettings()
+    """TLS, caller identities (mTLS, bearer tokens) and what each may call."""
     policy: PolicySettings = PolicySettings()
     """Initial policy, written to the store only when the store holds none."""
     policy_refresh_ms: Annotated[int, Field(ge=50, le=60_000)] = 1_000
@@ -62,11 +92,19 @@ class BrokerSettings(LayeredSettings):
     """OTLP/gRPC endpoint for traces (needs opentelemetry-exporter-otlp-proto-grpc); None: none."""
     metrics_refresh_ms: Annotated[int, Field(ge=50, le=300_000)] = 5_000
     """How often the state gauges (open reservations, node credit) are re-read from the store."""
+    room: RoomWatchSettings = RoomWatchSettings()
+    """WatchRoom streams: store polling, rate limits and heartbeats."""
 
     @field_validator("listen")
     @classmethod
     def _listen_has_port(cls, value: str) -> str:
         return host_port(value, port_zero=True)
+
+    @model_validator(mode="after")
+    def _redis_tls(self) -> BrokerSettings:
+        if self.redis_ca_file is not None and not (self.redis_url or "").startswith("rediss://"):
+            raise ValueError("redis_ca_file needs a rediss:// redis_url")
+        return self
 
     @field_validator("redis_url")
     @classmethod

@@ -25,7 +25,9 @@ from crossflow_ctl.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     StoreUnavailable,
+    Unauthenticated,
 )
 
 P = ParamSpec("P")
@@ -38,6 +40,8 @@ STATUS_FOR: tuple[tuple[type[CrossflowError], grpc.StatusCode], ...] = (
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (Aborted, grpc.StatusCode.ABORTED),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
 )
 
 

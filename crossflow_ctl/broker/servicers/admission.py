@@ -1,18 +1,23 @@
 """AdmissionService: Admit always answers (NORMAL on any store doubt); Commit and Release map
-domain errors to status codes."""
+domain errors to status codes; WatchRoom streams room updates (INVALID_ARGUMENT on a bad
+subscription, before the first update)."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
 
 import grpc
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
-from crossflow_ctl.broker.servicers import maps_errors
+from crossflow_ctl.broker.auth import owner_filter, reservation_owner
+from crossflow_ctl.broker.servicers import abort_with, maps_errors
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire.convert_admission import (
     admission_to_proto,
     admit_request_from_proto,
     release_outcome_from_proto,
 )
+from crossflow_ctl.wire.convert_room import room_update_to_proto, watch_request_from_proto
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
@@ -23,14 +28,17 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     async def Admit(
         self, request: admission_pb2.AdmitRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.AdmitResponse:
-        admission = await self._broker.admit(admit_request_from_proto(request))
+        owner = reservation_owner()
+        admission = await self._broker.admit(admit_request_from_proto(request), owner)
         return admission_to_proto(admission)
 
     @maps_errors
     async def Commit(
         self, request: admission_pb2.CommitRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.CommitResponse:
-        res = await self._broker.commit(request.reservation_id, request.request_id, request.attempt)
+        res = await self._broker.commit(
+            request.reservation_id, owner_filter(), request.request_id, request.attempt
+        )
         return admission_pb2.CommitResponse(
             reservation_id=res.reservation_id, expires_unix_ms=res.expires_at_ms
         )
@@ -41,6 +49,18 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     ) -> admission_pb2.ReleaseResponse:
         outcome = release_outcome_from_proto(request.outcome)
         res = await self._broker.release(
-            request.reservation_id, outcome, request.request_id, request.attempt
+            request.reservation_id, outcome, owner_filter(), request.request_id, request.attempt
         )
         return admission_pb2.ReleaseResponse(reservation_id=res.reservation_id)
+
+    async def WatchRoom(
+        self, request: admission_pb2.WatchRoomRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admission_pb2.WatchRoomResponse]:
+        try:
+            updates = self._broker.watch_room(watch_request_from_proto(request))
+            async for update in updates:
+                yield room_update_to_proto(update)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # a refusal with its status, a bug as INTERNAL: never UNKNOWN
+            await abort_with(context, exc)
