@@ -113,13 +113,13 @@ class OrphanDebits:
         self._release = release
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def watch(self, debit: asyncio.Future[DebitOutcome]) -> None:
-        """Done-callback of a debit its Admit stopped waiting for: release it if granted."""
-        if debit.cancelled() or debit.exception() is not None:
+    def watch(self, debits: asyncio.Future[list[DebitOutcome]]) -> None:
+        """Done-callback of debits their Admit stopped waiting for: release those granted."""
+        if debits.cancelled() or debits.exception() is not None:
             return  # nothing landed, or the store failed: a HELD debit expires by itself
-        outcome = debit.result()
-        if outcome.granted and outcome.reservation is not None:
-            self.release(outcome.reservation.reservation_id, "admission timed out")
+        for outcome in debits.result():
+            if outcome.granted and outcome.reservation is not None:
+                self.release(outcome.reservation.reservation_id, "admission timed out")
 
     def release(self, reservation_id: str, why: str) -> None:
         async def run() -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import abc
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
 from crossflow_ctl.domain.models import (
@@ -101,6 +102,16 @@ class DebitOutcome(Frozen):
     lease_version: int = 0
 
 
+class DebitRequest(NamedTuple):
+    """One debit of a batch (:meth:`Store.try_debits`)."""
+
+    node_id: str
+    debit: Credits
+    request_id: str = ""
+    owner: str = ""
+    """The granted router's identity ("" without authentication)."""
+
+
 class NodeEvent(Frozen):
     at_ms: int
     kind: str
@@ -156,6 +167,19 @@ class Store(abc.ABC):
     ) -> DebitOutcome:
         """Atomically check room on every credit and record a HELD reservation owned by
         ``owner`` (the granted router's identity, "" without authentication)."""
+
+    async def try_debits(
+        self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
+    ) -> list[DebitOutcome]:
+        """:meth:`try_debit` for each item, in order; each one atomic on its own node (a batch
+        is not a transaction). Stores with a network round trip send the batch as one."""
+        check_debit_args(share, hold_ttl_ms)
+        return [
+            await self.try_debit(
+                d.node_id, d.debit, share, now_ms, hold_ttl_ms, d.request_id, d.owner
+            )
+            for d in debits
+        ]
 
     @abc.abstractmethod
     async def commit(

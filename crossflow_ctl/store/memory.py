@@ -22,7 +22,6 @@ from crossflow_ctl.domain.errors import (
     PermissionDenied,
 )
 from crossflow_ctl.domain.models import (
-    CREDIT_NAMES,
     Credits,
     Lease,
     NodeInfo,
@@ -39,6 +38,7 @@ from crossflow_ctl.domain.models import (
     validated,
 )
 from crossflow_ctl.domain.policy import VersionedPolicy
+from crossflow_ctl.domain.safety import short_credits
 from crossflow_ctl.store.base import (
     DebitOutcome,
     LeaseOutcome,
@@ -249,17 +249,7 @@ class MemoryStore(Store):
                 return refuse("expired")
             if stored.lease.is_zero:
                 return refuse("zero_lease")
-            # Not Credits.minus: it floors at zero, and open debits above a shrunken lease
-            # must leave no room, not zero room (a zero debit would then pass).
-            open_debits = node.open_totals()
-            limit = stored.lease.credits.as_tuple()
-            short = tuple(
-                name
-                for name, have, used, need in zip(
-                    CREDIT_NAMES, limit, open_debits, debit.as_tuple(), strict=True
-                )
-                if need > int(have * share) - used
-            )
+            short = short_credits(stored.lease.credits, node.open_totals(), share, debit)
             if short:
                 return refuse("short", short)
             rid = new_reservation_id(node_id, self._rng.getrandbits(128))

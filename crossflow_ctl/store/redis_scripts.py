@@ -61,6 +61,36 @@ class Scripts:
             script.sha = await self._r.script_load(script.script)
             return await self._r.evalsha(script.sha, len(keys), *keys, *args)
 
+    async def run_many(
+        self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+    ) -> list[Any]:
+        """Each (keys, args) call of script ``name`` as EVALSHA, in ONE pipeline round trip.
+
+        A pipeline is not a transaction: each script is atomic on its own. On NOSCRIPT (nothing
+        ran for that call) the script is loaded and the calls that met it are sent again."""
+        script = self.by_name[name]
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(2):
+            pipe = self._r.pipeline(transaction=False)
+            for i in todo:
+                keys, args = calls[i]
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            out = await pipe.execute(raise_on_error=False)
+            again = []
+            for i, reply in zip(todo, out, strict=True):
+                if isinstance(reply, NoScriptError) and not attempt:
+                    again.append(i)
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    replies[i] = reply
+            if not again:
+                return replies
+            script.sha = await self._r.script_load(script.script)
+            todo = again
+        raise AssertionError("unreachable")
+
     async def queue(
         self, name: str, keys: Sequence[str], args: Sequence[Any], pipe: Pipeline
     ) -> None:

@@ -12,11 +12,14 @@ no MULTI spans slots (pipelines are non-transactional). The cluster-wide
 borrowing limit is the ``share`` factor applied inside each node's own check (see
 ``PolicySettings.borrow_share``), so it needs no cross-slot operation.
 
-Round trips: ``try_debit``, ``commit``, ``release`` one each; ``admission_view`` one (the
-read-only ``node_view`` script per candidate, pipelined; a plain EVALSHA for one node), with the
-pool's reports and a draw from the lender index reused for up to ``cache_max_age_ms`` by each
-replica (:mod:`crossflow_ctl.store.redis_cache`: fails closed when stale, never caches absence);
-on a cache miss the pool's reports join the same pipeline and a lender draw costs one more trip.
+Round trips: ``try_debit``, ``commit``, ``release`` one each (``try_debits``: one for a whole
+batch, one script call per node, pipelined); ``admission_view`` none when warm: the pool's
+reports, a draw from the lender index and each node's state are reused for up to
+``cache_max_age_ms`` by each replica (:mod:`crossflow_ctl.store.redis_cache`: fails closed when
+stale, never caches absence), and each debit's reply refreshes its node's entry, so a warm Admit
+is the debit's one round trip. On a miss, the missing nodes' ``node_view`` scripts and the
+pool's reports go in one pipeline; a lender draw takes the pool's reports along, and costs one
+more trip only when nodes it drew are not cached.
 Flat in fleet size. Lease upsert and cordon two (the script, then the lender index, which is
 only a sampling hint).
 """
@@ -26,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -43,7 +45,6 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import (
-    CREDIT_NAMES,
     Credits,
     Lease,
     NodeInfo,
@@ -53,7 +54,6 @@ from crossflow_ctl.domain.models import (
     PoolLoad,
     PoolSnapshot,
     Reservation,
-    ReservationState,
     StoredLease,
     StoredPoolLoad,
     validated,
@@ -62,11 +62,13 @@ from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.base import (
     DebitOutcome,
+    DebitRequest,
     LeaseOutcome,
     NodeEvent,
     Store,
     check_debit_args,
     check_identity,
+    check_owner,
     owner_arg,
 )
 from crossflow_ctl.store.keys import (
@@ -75,11 +77,16 @@ from crossflow_ctl.store.keys import (
     NOTICES_CAP,
     Keys,
     is_node_id,
-    new_reservation_id,
     node_of_reservation,
 )
-from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
+from crossflow_ctl.store.redis_cache import LenderSample, NodeCache, PoolCache
 from crossflow_ctl.store.redis_connect import RedisConnection, connect
+from crossflow_ctl.store.redis_debit import (
+    UNKNOWN_NODE,
+    DebitCall,
+    refresh_cache,
+    script_calls,
+)
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_records import RedisRecords
 from crossflow_ctl.store.redis_scripts import Scripts
@@ -125,6 +132,7 @@ class RedisStore(Store):
         self._scripts = Scripts(client)
         self._pools = PoolCache(cache_max_age_ms)
         self._lenders = LenderSample(cache_max_age_ms)
+        self._node_cache = NodeCache(cache_max_age_ms)
         block_chunk_ms = max(1, int(socket_timeout_s * 250))  # 3/4 of the timeout as slack
         self._notices = NoticeReader(client, self._k, self._backend, block_chunk_ms)
         self._records = RedisRecords(client, self._k, self._scripts, self._backend)
@@ -152,6 +160,7 @@ class RedisStore(Store):
         leave by score once their lease expires), so a failure here must not turn a change
         that is already stored into an error for the caller."""
         self._lenders.drop()
+        self._node_cache.drop(node_id)
         try:
             async with asyncio.timeout(self._op_timeout_s):
                 if lease_expires_ms is None:
@@ -259,27 +268,50 @@ class RedisStore(Store):
     ) -> tuple[PoolSnapshot | None, list[NodeState]]:
         ids = [n for n in dict.fromkeys(node_ids) if is_node_id(n)]
         snapshot = self._pools.get(pool, now_ms)
+        picked = self._lenders.pick(sample, now_ms) if not node_ids and sample > 0 else ids
+        if snapshot is not None and picked is not None:  # warm: no round trip, no I/O at all
+            cached = [s for n in picked if (s := self._node_cache.get(n, now_ms)) is not None]
+            if len(cached) == len(picked):
+                return snapshot, cached
+        read_pool = snapshot is None
+        reports: Any = None
         async with self._backend("admission_view"):
-            if not node_ids and sample > 0:
-                picked = self._lenders.pick(sample, now_ms)
-                ids = picked if picked is not None else await self._draw_lenders(sample, now_ms)
-            if snapshot is not None and not ids:
-                return snapshot, []
-            reports, states = await self._views(ids, now_ms, None if snapshot else pool)
+            if picked is None:  # a new lender draw; the pool's reports, when due, come along
+                ids, reports = await self._draw_lenders(sample, now_ms, pool if read_pool else None)
+                read_pool = False
+            else:
+                ids = picked
+            cached_by_id = {n: s for n in ids if (s := self._node_cache.get(n, now_ms)) is not None}
+            missing = [n for n in ids if n not in cached_by_id]
+            states: list[NodeState] = []
+            if missing or read_pool:
+                pool_reports, states = await self._views(
+                    missing, now_ms, pool if read_pool else None
+                )
+                reports = pool_reports if read_pool else reports
+        for state in states:
+            self._node_cache.put(state, now_ms)
         if snapshot is None:
             snapshot = self._pools.put(pool, codec.live_pool_loads(reports, now_ms), now_ms)
-        return snapshot, states
+        found = {**cached_by_id, **{s.info.node_id: s for s in states}}
+        return snapshot, [found[n] for n in ids if n in found]
 
-    async def _draw_lenders(self, sample: int, now_ms: int) -> list[str]:
-        """Drop expired lenders and draw up to LENDER_DRAW of them (one round trip), keep the
-        draw for the next requests, and pick ``sample`` of the live ones."""
+    async def _draw_lenders(
+        self, sample: int, now_ms: int, pool: str | None
+    ) -> tuple[list[str], Any]:
+        """Drop expired lenders and draw up to LENDER_DRAW of them, with ``pool``'s reports
+        when asked (one round trip); keep the draw for the next requests, and pick ``sample``
+        of the live ones."""
         pipe = self._r.pipeline(transaction=False)
         pipe.zremrangebyscore(self._k.lenders, "-inf", now_ms)
         pipe.zrandmember(self._k.lenders, max(sample, LENDER_DRAW), withscores=True)
-        flat = (await pipe.execute())[1] or []
+        if pool is not None:
+            pipe.hgetall(self._k.pool(pool))
+        out = await pipe.execute()
+        flat = out[1] or []
         members = [(codec.text(flat[i]), int(float(flat[i + 1]))) for i in range(0, len(flat), 2)]
         self._lenders.put(members, now_ms)
-        return self._lenders.choose(members, sample, now_ms)
+        return self._lenders.choose(members, sample, now_ms), (out[2] if pool else None)
 
     async def try_debit(
         self,
@@ -291,52 +323,37 @@ class RedisStore(Store):
         request_id: str = "",
         owner: str = "",
     ) -> DebitOutcome:
-        check_debit_args(share, hold_ttl_ms, owner)
-        if not is_node_id(node_id):
-            return DebitOutcome(granted=False, refusal="unknown_node")
-        k = self._k.node(node_id)
-        rid = new_reservation_id(node_id, secrets.randbits(128))
-        expires = now_ms + hold_ttl_ms
-        args = [now_ms, repr(float(share)), expires, rid, request_id, *debit.as_tuple()]
+        request = DebitRequest(node_id, debit, request_id, owner)
+        return (await self.try_debits((request,), share, now_ms, hold_ttl_ms))[0]
+
+    async def try_debits(
+        self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
+    ) -> list[DebitOutcome]:
+        """ONE script call per node, all of them in ONE round trip (pipelined when several)."""
+        check_debit_args(share, hold_ttl_ms)
+        for d in debits:
+            check_owner(d.owner)
+        calls = [
+            DebitCall.build(d.node_id, d.debit, now_ms, hold_ttl_ms, d.request_id, d.owner)
+            for d in debits
+            if is_node_id(d.node_id)
+        ]
+        groups = script_calls(self._k, calls, share)
         async with self._backend("try_debit"):
-            out = await self._run(
-                "try_debit",
-                [k.info, k.lease, k.reservations, k.notices, k.expiries],
-                [*args, NOTICES_CAP, owner],
-            )
-        status = codec.text(out[0])
-        if status == "unknown_node":
-            return DebitOutcome(granted=False, refusal=status)
-        epoch, version = int(codec.text(out[1])), int(codec.text(out[2]))
-        if status != "granted":
-            short: tuple[str, ...] = ()
-            if status == "short":
-                short = tuple(CREDIT_NAMES[int(i) - 1] for i in codec.text(out[3]).split(","))
-            return DebitOutcome(
-                granted=False,
-                refusal=status,
-                short_credits=short,
-                lease_epoch=epoch,
-                lease_version=version,
-            )
-        # Every field is already valid (a checked node id, a validated debit, numbers this
-        # store produced), so the grant skips re-validation on the admission path.
-        res = Reservation.model_construct(
-            reservation_id=rid,
-            node_id=node_id,
-            state=ReservationState.HELD,
-            debit=debit,
-            lease_epoch=epoch,
-            lease_version=version,
-            created_at_ms=now_ms,
-            expires_at_ms=expires,
-            grant_seq=int(out[3]),
-            request_id=request_id,
-            owner=owner,
-        )
-        return DebitOutcome.model_construct(
-            granted=True, reservation=res, lease_epoch=epoch, lease_version=version
-        )
+            if len(groups) == 1:
+                replies = [await self._run("try_debit", groups[0].keys, groups[0].args)]
+            else:
+                replies = await self._scripts.run_many(
+                    "try_debit", [(g.keys, g.args) for g in groups]
+                )
+        by_call: list[DebitOutcome] = [UNKNOWN_NODE] * len(calls)
+        for group, reply in zip(groups, replies, strict=True):
+            for position, item in zip(group.positions, reply, strict=True):
+                by_call[position] = calls[position].outcome(item)
+            node_id = calls[group.positions[0]].node_id
+            refresh_cache(self._node_cache, node_id, reply[-1], now_ms)
+        found = iter(by_call)
+        return [next(found) if is_node_id(d.node_id) else UNKNOWN_NODE for d in debits]
 
     async def _change(self, name: str, reservation_id: str, args: list[Any]) -> Reservation:
         node_id = node_of_reservation(reservation_id)

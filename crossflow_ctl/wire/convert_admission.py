@@ -188,7 +188,8 @@ def plan_from_proto(msg: admission_pb2.Explanation, plan_reason: Reason) -> Plan
     )
 
 
-def admission_to_proto(a: Admission) -> admission_pb2.AdmitResponse:
+def admission_to_proto(a: Admission, explain: bool = True) -> admission_pb2.AdmitResponse:
+    """``explain=False`` leaves the explanation out (AdmitStream's decisions, but dry runs)."""
     msg = admission_pb2.AdmitResponse(
         decision=decision_to_proto(a.decision),  # type: ignore[arg-type]
         reason=reason_to_proto(a.reason),  # type: ignore[arg-type]
@@ -203,7 +204,7 @@ def admission_to_proto(a: Admission) -> admission_pb2.AdmitResponse:
         shadow_decision=decision_to_proto(a.shadow_decision),  # type: ignore[arg-type]
         replayed=a.replayed,
     )
-    if a.plan is not None:
+    if a.plan is not None and explain:
         msg.explanation.CopyFrom(plan_to_proto(a.plan))
     return msg
 
@@ -285,6 +286,11 @@ WIRE_ONLY: dict[str, str] = {
     "crossflow.v1.ConnectResponse": "oneof envelope",
     "crossflow.v1.Welcome": "built from settings and NodeInfo",
     "crossflow.v1.LeaseAck": "built from LeaseOutcome / StaleLease / InvalidArgument",
+    "crossflow.v1.AdmitStreamRequest": "repeated AdmitStreamItem",
+    "crossflow.v1.AdmitStreamItem": "client id and an AdmitRequest",
+    "crossflow.v1.AdmitStreamResponse": "repeated AdmitStreamResult",
+    "crossflow.v1.AdmitStreamResult": "client id and an AdmitResponse or an AdmitStreamError",
+    "crossflow.v1.AdmitStreamError": "status code and message of a refused item",
     "crossflow.v1.CommitRequest": "reservation id and request id",
     "crossflow.v1.CommitResponse": "reservation id and expiry",
     "crossflow.v1.ReleaseRequest": "reservation id, outcome and request id",

@@ -59,13 +59,18 @@ local function cf_totals(info_key)
   return t
 end
 
--- Write totals (as read by cf_totals) back to the info HASH.
-local function cf_set_totals(info_key, t)
+-- Totals (as read by cf_totals) as text: "c1,c2,c3,c4,c5,count".
+local function cf_totals_text(t)
   local out = {}
   for i = 1, 6 do
     out[i] = cf_int(t[i])
   end
-  redis.call('HSET', info_key, 'open', table.concat(out, ','))
+  return table.concat(out, ',')
+end
+
+-- Write totals (as read by cf_totals) back to the info HASH.
+local function cf_set_totals(info_key, t)
+  redis.call('HSET', info_key, 'open', cf_totals_text(t))
 end
 
 -- Add (sign 1) or remove (sign -1) one reservation record's debit to/from totals t in memory.
