@@ -35,13 +35,13 @@ class SlowDebits:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    async def try_debit(self, *args: Any, **kwargs: Any) -> Any:
+    async def try_debits(self, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.shield(asyncio.ensure_future(self._land(*args, **kwargs)))
 
     async def _land(self, *args: Any, **kwargs: Any) -> Any:
         await asyncio.sleep(self.delay_s)
         self.debits += 1
-        return await self._inner.try_debit(*args, **kwargs)
+        return await self._inner.try_debits(*args, **kwargs)
 
 
 PATIENT = TEST_POLICY.updated({"admit_timeout_ms": 2_000})
@@ -49,13 +49,18 @@ PATIENT = TEST_POLICY.updated({"admit_timeout_ms": 2_000})
 
 
 async def _lending_cluster(cluster, agents, policy: PolicySettings = PATIENT):
+    """A broker over a SlowDebits store (no delay until a test sets one), one decode node
+    leasing and one prefill node reporting; returns the server, the decode agent and the
+    store."""
+    inner = cluster.store_factory
+    cluster.store_factory = lambda: SlowDebits(inner(), delay_s=0.0)
     server = await cluster.start(policy=policy)
     decode = await agents(server, "d1")
     assert (await decode.send_lease()).result == lease_pb2.LEASE_RESULT_ACCEPTED
     prefill = await agents(server, "p1", role=common_pb2.NODE_ROLE_PREFILL)
     await prefill.send_pool_load()
     await prefill.sync()
-    return server, decode
+    return server, decode, server.store
 
 
 async def _settled_reservations(server, want: int) -> list[Any]:
@@ -70,10 +75,10 @@ async def _settled_reservations(server, want: int) -> list[Any]:
 
 
 async def test_a_debit_landing_after_a_timeout_is_released(cluster, agents) -> None:
-    server, decode = await _lending_cluster(
+    server, decode, slow = await _lending_cluster(
         cluster, agents, TEST_POLICY.updated({"admit_timeout_ms": 50})
     )
-    slow = server.broker.store = SlowDebits(server.broker.store, delay_s=0.3)
+    slow.delay_s = 0.3
     async with AdmissionClient(target(server), timeout_s=5) as client:
         answer = await client.admit(request_id="late-1", uncached_prompt_tokens=100)
         assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
@@ -93,7 +98,7 @@ async def test_a_debit_landing_after_a_timeout_is_released(cluster, agents) -> N
 
 
 async def test_a_retried_admit_gets_the_same_reservation(cluster, agents) -> None:
-    server, _ = await _lending_cluster(cluster, agents)
+    server, _, _ = await _lending_cluster(cluster, agents)
     async with AdmissionClient(target(server), timeout_s=5) as client:
         first = await client.admit(request_id="r-1", uncached_prompt_tokens=100)
         assert first.decision is Decision.BORROW and not first.replayed
@@ -114,10 +119,10 @@ async def test_a_retried_admit_gets_the_same_reservation(cluster, agents) -> Non
 async def test_a_retry_racing_the_first_call_gets_one_outcome_and_no_orphan(
     cluster, agents
 ) -> None:
-    server, _ = await _lending_cluster(
+    server, _, slow = await _lending_cluster(
         cluster, agents, TEST_POLICY.updated({"admit_timeout_ms": 5_000})
     )
-    server.broker.store = SlowDebits(server.broker.store, delay_s=0.5)
+    slow.delay_s = 0.5
     async with AdmissionClient(target(server), timeout_s=5, retries=0) as client:
         first = asyncio.create_task(client.admit(request_id="r-3", uncached_prompt_tokens=100))
         await asyncio.sleep(0.2)  # the first call is debiting
@@ -139,7 +144,7 @@ async def test_a_retry_racing_the_first_call_gets_one_outcome_and_no_orphan(
 
 
 async def test_commit_and_release_replay_their_recorded_outcome(cluster, agents) -> None:
-    server, _ = await _lending_cluster(cluster, agents)
+    server, _, _ = await _lending_cluster(cluster, agents)
     async with (
         AdmissionClient(target(server), timeout_s=5) as client,
         grpc.aio.insecure_channel(target(server)) as channel,
