@@ -286,6 +286,10 @@ async def _run_stream(channel: grpc.aio.Channel, case: Case, snapshot: Snapshot)
         if welcome.WhichOneof("body") != "welcome":
             return [f"{case.method}: first reply is not a Welcome: {welcome}"]
         for message in case.payload[1:]:
+            await call.write(_HEARTBEAT)  # its echo: whatever the Hello set off has settled
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                if lease_pb2.ConnectResponse.FromString(reply).WhichOneof("body") == "heartbeat":
+                    break
             before = await snapshot.take()
             await call.write(message)
             if _ends_stream(message):  # writing more would race the broker closing the call
