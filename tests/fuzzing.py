@@ -273,6 +273,21 @@ async def run_case(channel: grpc.aio.Channel, case: Case, snapshot: Snapshot) ->
     return _judge(case, outcome, before, await snapshot.take(), [])
 
 
+async def _sync(call: Any) -> Outcome:
+    """Send a heartbeat and read up to its echo (it follows whatever the messages before it
+    caused); the lease ack met on the way, if any, is the outcome."""
+    await call.write(_HEARTBEAT)
+    outcome = Outcome("OK/NO_ACK", refused=False)  # pool load: no ack, judged by code only
+    while (reply := await call.read()) is not grpc.aio.EOF:
+        msg = lease_pb2.ConnectResponse.FromString(reply)
+        if msg.WhichOneof("body") == "lease_ack":
+            result = lease_pb2.LeaseResult.Name(msg.lease_ack.result)
+            outcome = Outcome(f"OK/{result}", _ack_refused(msg.lease_ack))
+        elif msg.WhichOneof("body") == "heartbeat":
+            return outcome
+    return Outcome("EOF", refused=True)
+
+
 async def _run_stream(channel: grpc.aio.Channel, case: Case, snapshot: Snapshot) -> list[str]:
     call = channel.stream_stream(case.method)(timeout=STREAM_TIMEOUT_S)
     problems: list[str] = []
@@ -286,30 +301,14 @@ async def _run_stream(channel: grpc.aio.Channel, case: Case, snapshot: Snapshot)
         if welcome.WhichOneof("body") != "welcome":
             return [f"{case.method}: first reply is not a Welcome: {welcome}"]
         for message in case.payload[1:]:
-            await call.write(_HEARTBEAT)  # its echo: whatever the Hello set off has settled
-            while (reply := await call.read()) is not grpc.aio.EOF:
-                if lease_pb2.ConnectResponse.FromString(reply).WhichOneof("body") == "heartbeat":
-                    break
+            await _sync(call)  # whatever the Hello or the last message set off has settled
             before = await snapshot.take()
             await call.write(message)
             if _ends_stream(message):  # writing more would race the broker closing the call
                 while await call.read() is not grpc.aio.EOF:
                     pass
                 return _judge(case, Outcome("EOF", True), before, await snapshot.take(), problems)
-            await call.write(_HEARTBEAT)  # its echo follows whatever the message caused
-            outcome = Outcome("OK/NO_ACK", refused=False)  # pool load: no ack, judged by code
-            while True:
-                reply = await call.read()
-                if reply is grpc.aio.EOF:
-                    outcome = Outcome("EOF", refused=True)
-                    break
-                msg = lease_pb2.ConnectResponse.FromString(reply)
-                if msg.WhichOneof("body") == "lease_ack":
-                    result = lease_pb2.LeaseResult.Name(msg.lease_ack.result)
-                    outcome = Outcome(f"OK/{result}", _ack_refused(msg.lease_ack))
-                elif msg.WhichOneof("body") == "heartbeat":
-                    break
-            _judge(case, outcome, before, await snapshot.take(), problems)
+            _judge(case, await _sync(call), before, await snapshot.take(), problems)
         return problems
     except grpc.aio.AioRpcError as exc:
         outcome = Outcome(exc.code().name, refused=True, detail=exc.details() or "")
