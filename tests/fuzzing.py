@@ -257,9 +257,7 @@ async def run_case(channel: grpc.aio.Channel, case: Case, snapshot: Snapshot) ->
             await call.read()
         elif case.method in CLIENT_STREAMING:
             call = channel.stream_stream(case.method)(timeout=STREAM_TIMEOUT_S)
-            for message in case.payload:
-                await call.write(message)
-            await call.done_writing()
+            await _write_until_undecodable(call, case)
             while await call.read() is not grpc.aio.EOF:
                 pass
         else:
@@ -271,6 +269,22 @@ async def run_case(channel: grpc.aio.Channel, case: Case, snapshot: Snapshot) ->
         if call is not None:
             call.cancel()
     return _judge(case, outcome, before, await snapshot.take(), [])
+
+
+INPUT_TYPES = {_path(m): GetMessageClass(m.input_type) for m in METHODS}
+
+
+async def _write_until_undecodable(call: Any, case: Case) -> None:
+    """Write the stream's messages, stopping after one the broker cannot decode (it ends the
+    call then, and a later write of ours would fail on the client side, not the broker's)."""
+    parse = INPUT_TYPES[case.method].FromString
+    for message in case.payload:
+        await call.write(message)
+        try:
+            parse(message)
+        except Exception:  # DecodeError, or a RuntimeWarning turned error by the test settings
+            return
+    await call.done_writing()
 
 
 async def _sync(call: Any) -> Outcome:
