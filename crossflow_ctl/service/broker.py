@@ -9,6 +9,7 @@ error (DESIGN.md §5.6).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ import structlog
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import (
+    CrossflowError,
     FailedPrecondition,
     InvalidArgument,
     StaleLease,
@@ -367,6 +369,34 @@ class Broker:
         log.info("cordon", node_id=node_id, cordoned=cordoned, reason=reason)
         self.rooms.poke()
         return await self._admin_call(self.store.get_node(node_id, now))
+
+    async def delete_node(self, node_id: str, force: bool = False) -> int:
+        """Remove a node by hand; FailedPrecondition (field ``force``) while reservations count
+        and ``force`` is false. Returns the reservations that still counted."""
+        check_node_id(node_id)
+        dropped = await self._admin_call(
+            self.store.delete_node(node_id, force, self.clock.now_ms())
+        )
+        log.info("node.deleted", node_id=node_id, force=force, open_reservations=dropped)
+        return dropped
+
+    async def expire_nodes_forever(self, stop: asyncio.Event) -> None:
+        """Every ``node_sweep_s``: delete the nodes not heard of for ``node_expiry_s`` (no
+        lease, no pool load, no registration) and holding no counting reservation. Any
+        replica may sweep; the store makes it idempotent. Errors are logged and retried."""
+        idle_ms = int(self.settings.node_expiry_s * 1000)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.node_sweep_s):
+                    await stop.wait()
+                    return
+            try:
+                gone = await self.store.expire_nodes(idle_ms, self.clock.now_ms())
+            except CrossflowError as exc:
+                log.warning("node_expiry.failed", error=str(exc))
+                continue
+            if gone:
+                log.info("node_expiry.deleted", nodes=gone[:20], count=len(gone))
 
     # -- helpers ---------------------------------------------------------------------------------
     async def _admin_call(self, call: Awaitable[T]) -> T:

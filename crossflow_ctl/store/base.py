@@ -203,6 +203,19 @@ class Store(abc.ABC):
         """Cordon or uncordon a known node (NotFound otherwise), with a notice."""
 
     @abc.abstractmethod
+    async def delete_node(self, node_id: str, force: bool, now_ms: int) -> int:
+        """Remove a node and all its state (lease, reservations, notices, history, events)
+        from every index; returns how many of its reservations still counted. NotFound if
+        unknown; FailedPrecondition naming ``force`` when reservations still count and
+        ``force`` is false (nothing changes then)."""
+
+    @abc.abstractmethod
+    async def expire_nodes(self, idle_ms: int, now_ms: int) -> list[str]:
+        """Delete every node not heard of (registered, or an accepted lease or pool load) for
+        ``idle_ms`` and with no reservation still counting; returns their ids, sorted.
+        Idempotent: any replica may sweep, at any time."""
+
+    @abc.abstractmethod
     async def list_nodes(self, now_ms: int) -> list[NodeState]:
         """Every known node, sorted by id."""
 

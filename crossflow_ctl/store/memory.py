@@ -10,6 +10,7 @@ suite as the Redis store (tests/store/test_contract.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Sequence
@@ -88,6 +89,8 @@ class MemoryStore(Store):
         self._policy: VersionedPolicy | None = None
         self._requests: dict[str, tuple[str, float]] = {}
         """Request records: key -> (outcome, expiry on the monotonic clock)."""
+        self._seen: dict[str, int] = {}
+        """Node -> when it was last heard of (registration, accepted lease or pool load), ms."""
 
     # -- helpers ----------------------------------------------------------------------------
     def _node(self, node_id: str) -> NodeLedger:
@@ -152,6 +155,7 @@ class MemoryStore(Store):
                 node.info = node.info.model_copy(
                     update={"role": role, "pool": pool, "labels": dict(labels)}
                 )
+            self._seen[node_id] = now_ms
             return node.info
 
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
@@ -178,6 +182,7 @@ class MemoryStore(Store):
             node.lease = stored
             node.history.append(stored)
             self._update_lender(node, now_ms)
+            self._seen[lease.node_id] = now_ms
             return LeaseOutcome(
                 accepted=True,
                 stored_epoch=lease.epoch,
@@ -192,6 +197,8 @@ class MemoryStore(Store):
                 received_at_ms=now_ms,
                 expires_at_ms=now_ms + min(load.ttl_ms, max_ttl_ms),
             )
+            if load.node_id in self._nodes:
+                self._seen[load.node_id] = now_ms
 
     # -- admission --------------------------------------------------------------------------
     def _snapshot(self, pool: str, now_ms: int) -> PoolSnapshot:
@@ -323,6 +330,34 @@ class MemoryStore(Store):
                 node.events.append(NodeEvent(at_ms=now_ms, kind=kind.value, message=text))
             self._update_lender(node, now_ms)
             return node.info
+
+    def _drop(self, node_id: str, force: bool, now_ms: int) -> int:
+        """Delete a node (under the lock); FailedPrecondition while reservations count."""
+        _, open_count = self._node(node_id).open_debits(now_ms)
+        if open_count and not force:
+            raise FailedPrecondition(
+                f"node {node_id!r} has {open_count} open reservation(s)",
+                field="force",
+            )
+        del self._nodes[node_id]
+        self._lenders.pop(node_id, None)
+        self._seen.pop(node_id, None)
+        return open_count
+
+    async def delete_node(self, node_id: str, force: bool, now_ms: int) -> int:
+        async with self._lock:
+            return self._drop(node_id, force, now_ms)
+
+    async def expire_nodes(self, idle_ms: int, now_ms: int) -> list[str]:
+        gone: list[str] = []
+        async with self._lock:
+            for node_id in sorted(self._nodes):
+                if self._seen.get(node_id, 0) >= now_ms - idle_ms:
+                    continue
+                with contextlib.suppress(FailedPrecondition):
+                    self._drop(node_id, False, now_ms)
+                    gone.append(node_id)
+        return gone
 
     async def list_nodes(self, now_ms: int) -> list[NodeState]:
         return [self._state(self._nodes[n], now_ms) for n in sorted(self._nodes)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 
 from crossflow_ctl.domain.errors import Aborted
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
@@ -22,7 +22,9 @@ Backend = Callable[[str], AbstractAsyncContextManager[None]]
 
 
 class RedisRecords:
-    def __init__(self, client: Redis, keys: Keys, scripts: Scripts, backend: Backend) -> None:
+    def __init__(
+        self, client: Redis | RedisCluster, keys: Keys, scripts: Scripts, backend: Backend
+    ) -> None:
         self._r = client
         self._k = keys
         self._scripts = scripts

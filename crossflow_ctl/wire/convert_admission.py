@@ -307,6 +307,8 @@ WIRE_ONLY: dict[str, str] = {
     "crossflow.v1.CordonRequest": "node id and reason",
     "crossflow.v1.CordonResponse": "NodeStatus",
     "crossflow.v1.UncordonRequest": "node id only",
+    "crossflow.v1.DeleteNodeRequest": "node id and the force flag",
+    "crossflow.v1.DeleteNodeResponse": "node id and a count",
     "crossflow.v1.UncordonResponse": "NodeStatus",
     "crossflow.v1.GetPolicyRequest": "empty",
     "crossflow.v1.SetPolicyRequest": "key -> text updates, see policy.parse_policy_updates",

@@ -1,6 +1,7 @@
 """DESIGN.md §5.3, no over-commit, as a property over SEVERAL broker processes on one Redis.
 
-Three ``crossflow-broker serve`` processes share one Redis namespace. For each generated scenario,
+Three ``crossflow-broker serve`` processes share one Redis namespace (on one Redis, and on a
+real 3-master Redis Cluster). For each generated scenario,
 decode agents stream to different replicas and keep replacing their leases (random credits) while
 hundreds of concurrent Admits race over all replicas (half unary, half on AdmitStreams, whose
 debits go to Redis in batches). Afterwards, reading the store: ordering each
@@ -15,6 +16,7 @@ import asyncio
 import itertools
 import os
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +30,7 @@ from crossflow_ctl.domain.admission import Decision
 from crossflow_ctl.domain.models import Credits
 from crossflow_ctl.domain.safety import over_committed
 from tests.broker.agents import FakeAgent
+from tests.conftest import delete_cluster_namespace
 
 REPLICAS = 3
 SHARE = 0.75
@@ -45,8 +48,16 @@ class Replicas:
         self.examples = itertools.count()
 
 
-@pytest.fixture
-async def replicas(redis_url: str, redis_namespace: str) -> AsyncIterator[Replicas]:
+@pytest.fixture(params=["redis", "redis-cluster"])
+async def replicas(request: pytest.FixtureRequest) -> AsyncIterator[Replicas]:
+    """Three broker processes on one Redis, or on a real 3-master Redis Cluster."""
+    on_cluster = request.param == "redis-cluster"
+    if on_cluster:
+        redis_url = request.getfixturevalue("redis_cluster_url")
+        redis_namespace = f"cft-{uuid.uuid4().hex[:12]}"
+    else:
+        redis_url = request.getfixturevalue("redis_url")
+        redis_namespace = request.getfixturevalue("redis_namespace")
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -69,6 +80,7 @@ async def replicas(redis_url: str, redis_namespace: str) -> AsyncIterator[Replic
         redis_url,
         "--redis-namespace",
         redis_namespace,
+        *(["--redis-cluster"] if on_cluster else []),
     ]
     try:
         for _ in range(REPLICAS):
@@ -92,7 +104,8 @@ async def replicas(redis_url: str, redis_namespace: str) -> AsyncIterator[Replic
         # The race must be real: some admissions won room and some found it taken.
         assert 0 < r.borrowed < r.admissions, (r.borrowed, r.admissions)
         print(
-            f"\n§5.3: {r.admissions} concurrent admissions over {REPLICAS} broker processes, "
+            f"\n§5.3 on {request.param}: {r.admissions} concurrent admissions over {REPLICAS} "
+            "broker processes, "
             f"{r.borrowed} borrowed, {r.lease_updates} racing lease updates"
         )
     finally:
@@ -105,6 +118,8 @@ async def replicas(redis_url: str, redis_namespace: str) -> AsyncIterator[Replic
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+        if on_cluster:
+            delete_cluster_namespace(redis_url, redis_namespace)
 
 
 credits_st = st.builds(

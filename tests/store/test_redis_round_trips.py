@@ -191,6 +191,12 @@ async def test_a_waiting_read_with_notices_there_is_one_round_trip(
         await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
         await store.try_debit("d1", credits(1), 1.0, NOW, 100)
         await store.try_debit("d1", credits(1), 1.0, NOW, 100)
+        # The first wait subscribes the store to notice wakes (its own connection, once).
+        assert await store.read_notices("d1", 2, 10, block_ms=100) == []
+        for _ in range(100):
+            if store._notices.hub.live:
+                break
+            await asyncio.sleep(0.05)
         before = CountingConnection.sent
         found = await store.read_notices("d1", 0, 10, block_ms=10_000)
         sent = CountingConnection.sent - before
