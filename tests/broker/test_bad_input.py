@@ -321,6 +321,30 @@ async def test_corrupt_bytes_on_the_agent_stream_end_it_invalid(node) -> None:
             assert (err.value.details() or "").startswith("request:")
 
 
+async def test_corrupt_bytes_on_admit_stream_end_it_invalid_after_answering_the_rest(
+    node,
+) -> None:
+    server, _ = node
+    good = admission_pb2.AdmitStreamRequest(
+        items=[
+            admission_pb2.AdmitStreamItem(
+                id=7, request=admission_pb2.AdmitRequest(uncached_prompt_tokens=100)
+            )
+        ]
+    ).SerializeToString()
+    async with grpc.aio.insecure_channel(target(server)) as channel:
+        call = channel.stream_stream("/crossflow.v1.AdmissionService/AdmitStream")()
+        await call.write(good)
+        answered = admission_pb2.AdmitStreamResponse.FromString(await call.read())
+        assert [r.id for r in answered.results] == [7]
+        await call.write(b"\xff\xff\xff")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while True:
+                await call.read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert (err.value.details() or "").startswith("request:")
+
+
 async def test_huge_or_nested_policy_values_name_the_key(cluster) -> None:
     server = await cluster.start()
     async with grpc.aio.insecure_channel(target(server)) as channel:

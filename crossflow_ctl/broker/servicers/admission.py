@@ -12,6 +12,7 @@ from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
 from crossflow_ctl.broker.admit_stream import answer_stream
 from crossflow_ctl.broker.auth import owner_filter, reservation_owner
 from crossflow_ctl.broker.servicers import abort_with, maps_errors
+from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire.convert_admission import (
     admission_to_proto,
@@ -39,8 +40,11 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[admission_pb2.AdmitStreamResponse]:
         owner = reservation_owner()
-        async for response in answer_stream(self._broker, request_iterator, owner):
-            yield response
+        try:
+            async for response in answer_stream(self._broker, request_iterator, owner):
+                yield response
+        except CrossflowError as exc:
+            await abort_with(context, exc)
 
     @maps_errors
     async def Commit(
