@@ -67,8 +67,9 @@ class NodeKeys:
     """HASH: node info fields, cordon state, the notice sequence (``seq``) and running totals of
     the stored reservations' debits (``open``: "c1,c2,c3,c4,c5,count")."""
     lease: str
-    """HASH: the stored lease: ``json`` (StoredLease), and ``ev``, ``epoch``, ``version``, ``exp``,
-    ``zero``, ``c1``..``c5`` for the scripts."""
+    """HASH: the stored lease, one field per value and nothing else (``redis_codec.LEASE_FIELDS``:
+    ``ev``, ``epoch``, ``version``, ``exp``, ``zero``, ``c1``..``c5`` for the scripts, then the
+    rest of the lease)."""
     reservations: str
     """HASH: reservation id -> reservation JSON."""
     notices: str

@@ -1,7 +1,8 @@
 """Translate between the Redis store's stored forms and the domain models.
 
 The formats are described where they are written: reservation records in ``lua/_lib.lua``,
-notice stream entries in ``lua/_lib.lua`` (``cf_notice``), node events as ``at|kind|message``.
+notice stream entries in ``lua/_lib.lua`` (``cf_notice``), node events as ``at|kind|message``,
+the current lease as the fields of its hash (:data:`LEASE_FIELDS`, below).
 Responses may be ``bytes`` or ``str`` depending on the client's ``decode_responses``.
 """
 
@@ -11,8 +12,13 @@ import json
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
+from pydantic import ValidationError
+
+from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import (
+    CREDIT_NAMES,
     Credits,
+    Lease,
     NodeInfo,
     NodeRole,
     NodeState,
@@ -93,8 +99,145 @@ class Memo(Generic[K, V]):
         return value
 
 
-def _stored_lease(raw: Raw) -> StoredLease:
-    return StoredLease.model_validate_json(raw)
+LEASE_FIELDS: dict[str, str] = {
+    "ev": "<epoch:020d><version:020d>: 40 digits, compared as text by the scripts (63-bit exact)",
+    "epoch": "lease.epoch",
+    "version": "lease.version",
+    "exp": "expires_at_ms (broker clock)",
+    "zero": "'' when the lease lends; its zero_reason, or 'no_capacity' for all-zero credits",
+    "c1": "credits.compute_tokens",
+    "c2": "credits.kv_tokens",
+    "c3": "credits.kv_transfer_bytes",
+    "c4": "credits.output_tokens",
+    "c5": "credits.slots",
+    "node": "lease.node_id",
+    "ttl": "lease.ttl_ms",
+    "reason": "lease.zero_reason ('' for None)",
+    "detail": "lease.zero_detail",
+    "qwait": "lease.queue_wait_ms",
+    "rate": "lease.borrowed_prefill_rate_tps",
+    "a": "lease.prefill_s_per_token",
+    "b": "lease.prefill_s_per_token_context",
+    "itl": "lease.itl_ms",
+    "itl_slo": "lease.itl_slo_ms",
+    "nseq": "lease.last_notice_seq",
+    "snap": "lease.snapshot_unix_ms",
+    "recv": "received_at_ms (broker clock)",
+}
+"""The lease HASH: the one stored form of a node's current lease, one field each (decimal text;
+floats as ``repr``, which reads back exactly). ``upsert_lease.lua`` writes them all at once;
+``try_debit.lua``, ``set_cordon.lua`` and ``node_view.lua`` read them. The first ten are what the
+scripts themselves use."""
+
+
+def zero_marker(lease: Lease) -> str:
+    """The ``zero`` field: why admission may not debit the lease ('' when it lends)."""
+    if lease.zero_reason is not None:
+        return lease.zero_reason.value
+    return "no_capacity" if lease.credits.is_zero() else ""
+
+
+def stored_lease_to_fields(stored: StoredLease) -> dict[str, str]:
+    """The lease hash's fields for ``stored`` (:data:`LEASE_FIELDS`, in that order)."""
+    lease = stored.lease
+    c1, c2, c3, c4, c5 = lease.credits.as_tuple()
+    values = (
+        f"{lease.epoch:020d}{lease.version:020d}",
+        lease.epoch,
+        lease.version,
+        stored.expires_at_ms,
+        zero_marker(lease),
+        c1,
+        c2,
+        c3,
+        c4,
+        c5,
+        lease.node_id,
+        lease.ttl_ms,
+        "" if lease.zero_reason is None else lease.zero_reason.value,
+        lease.zero_detail,
+        repr(lease.queue_wait_ms),
+        repr(lease.borrowed_prefill_rate_tps),
+        repr(lease.prefill_s_per_token),
+        repr(lease.prefill_s_per_token_context),
+        repr(lease.itl_ms),
+        repr(lease.itl_slo_ms),
+        lease.last_notice_seq,
+        lease.snapshot_unix_ms,
+        stored.received_at_ms,
+    )
+    return {name: str(v) for name, v in zip(LEASE_FIELDS, values, strict=True)}
+
+
+_INT_FIELDS = (
+    "epoch",
+    "version",
+    "ttl",
+    "c1",
+    "c2",
+    "c3",
+    "c4",
+    "c5",
+    "nseq",
+    "snap",
+    "recv",
+    "exp",
+)
+_CREDIT_FIELDS = ("c1", "c2", "c3", "c4", "c5")
+_FLOAT_FIELDS = ("qwait", "rate", "a", "b", "itl", "itl_slo")
+
+
+def stored_lease_from_fields(raw: Mapping[Raw, Raw]) -> StoredLease:
+    """A lease hash (as :func:`stored_lease_to_fields` wrote it) validated through the domain
+    model; a missing, malformed or inconsistent field raises StoreUnavailable naming it."""
+    f = text_map(raw)
+    field = next((name for name in LEASE_FIELDS if name not in f), "")
+    try:
+        if field:
+            raise ValueError("missing")
+        n: dict[str, int | float] = {}
+        for field in _INT_FIELDS:
+            n[field] = int(f[field])
+        for field in _FLOAT_FIELDS:
+            n[field] = float(f[field])
+        field = ""
+        lease = Lease.model_validate(
+            {
+                "node_id": f["node"],
+                "epoch": n["epoch"],
+                "version": n["version"],
+                "ttl_ms": n["ttl"],
+                "credits": dict(zip(CREDIT_NAMES, (n[c] for c in _CREDIT_FIELDS), strict=True)),
+                "zero_reason": f["reason"] or None,
+                "zero_detail": f["detail"],
+                "queue_wait_ms": n["qwait"],
+                "borrowed_prefill_rate_tps": n["rate"],
+                "prefill_s_per_token": n["a"],
+                "prefill_s_per_token_context": n["b"],
+                "itl_ms": n["itl"],
+                "itl_slo_ms": n["itl_slo"],
+                "last_notice_seq": n["nseq"],
+                "snapshot_unix_ms": n["snap"],
+            }
+        )
+        stored = StoredLease(lease=lease, received_at_ms=n["recv"], expires_at_ms=n["exp"])
+        # The scripts decide on ``ev`` and ``zero``: they must agree with the lease they index.
+        expected = stored_lease_to_fields(stored)
+        field = next((name for name in ("ev", "zero") if f[name] != expected[name]), "")
+        if field:
+            raise ValueError(f"{f[field]!r} does not match the lease ({expected[field]!r})")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise StoreUnavailable(f"stored lease is corrupt (lease.{where}): {first['msg']}") from None
+    except ValueError as exc:
+        where = f" (field {field!r})" if field else ""
+        raise StoreUnavailable(f"stored lease is corrupt{where}: {exc}") from None
+    return stored
+
+
+def _stored_lease_from_view(flat: tuple[Raw, ...]) -> StoredLease:
+    return stored_lease_from_fields(flat_pairs(flat))
 
 
 def _view_info(key: tuple[Raw, ...]) -> NodeInfo:
@@ -103,8 +246,8 @@ def _view_info(key: tuple[Raw, ...]) -> NodeInfo:
     return info_from(node_id, dict(zip(VIEW_INFO_FIELDS[:-1], fields, strict=True)))
 
 
-stored_lease_from_json: Memo[Raw, StoredLease] = Memo(_stored_lease)
-"""A stored lease's JSON (as ``upsert_lease`` wrote it) parsed once per distinct lease."""
+stored_lease_from_view: Memo[tuple[Raw, ...], StoredLease] = Memo(_stored_lease_from_view)
+"""A lease hash as ``node_view.lua`` returns it (flat HGETALL) parsed once per distinct lease."""
 _view_info_memo: Memo[tuple[Raw, ...], NodeInfo] = Memo(_view_info)
 
 
@@ -116,7 +259,7 @@ def node_state_from_view(node_id: str, raw: Sequence[Any]) -> NodeState | None:
     re-validation (``int`` reads the script's decimal replies, bytes or str, directly)."""
     if not raw:
         return None
-    lease_json = raw[1]
+    lease_fields = tuple(raw[1])
     open_debits = Credits.model_construct(
         compute_tokens=max(0, int(raw[2])),
         kv_tokens=max(0, int(raw[3])),
@@ -128,7 +271,7 @@ def node_state_from_view(node_id: str, raw: Sequence[Any]) -> NodeState | None:
         info=_view_info_memo((node_id, *raw[0][:-1])).model_copy(
             update={"notice_seq": int(raw[0][-1] or 0)}
         ),
-        lease=stored_lease_from_json(lease_json) if lease_json else None,
+        lease=stored_lease_from_view(lease_fields) if lease_fields else None,
         open_debits=open_debits,
         open_reservations=int(raw[7]),
     )

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from crossflow_ctl.domain.models import Lease, StoredLease
+from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.keys import EVENTS_CAP, HISTORY_CAP, NOTICES_CAP, Keys
 from crossflow_ctl.store.redis_scripts import Scripts
 
@@ -121,27 +122,13 @@ class LeaseIngest:
         k = self._k.node(lease.node_id)
         expires = now_ms + min(lease.ttl_ms, max_ttl_ms)
         stored = StoredLease(lease=lease, received_at_ms=now_ms, expires_at_ms=expires)
-        zero = ""
-        if lease.zero_reason is not None:
-            zero = lease.zero_reason.value
-        elif lease.credits.is_zero():
-            zero = "no_capacity"
-        args: list[Any] = [
-            now_ms,
-            f"{lease.epoch:020d}{lease.version:020d}",
-            lease.epoch,
-            lease.version,
-            expires,
-            zero,
-            *lease.credits.as_tuple(),
-            lease.last_notice_seq,
-            stored.model_dump_json(),
-            HISTORY_CAP,
-            EVENTS_CAP,
-            NOTICES_CAP,
-        ]
+        fields = codec.stored_lease_to_fields(stored)
+        args: list[Any] = [now_ms, stored.model_dump_json(), HISTORY_CAP, EVENTS_CAP, NOTICES_CAP]
+        for pair in fields.items():
+            args.extend(pair)
         keys = [k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries]
-        return await self._coalescer.submit((lease.node_id, keys, args, not zero, expires))
+        lends = not fields["zero"]
+        return await self._coalescer.submit((lease.node_id, keys, args, lends, expires))
 
     async def _batch(self, calls: Sequence[UpsertCall]) -> list[Any]:
         """The leases that arrived together: one pipeline of ``upsert_lease`` (each lease still

@@ -3,8 +3,9 @@
 -- KEYS[4] reservation expiries ZSET.
 -- ARGV[1] now_ms.
 -- Returns {} for an unknown node, else {{role, pool, labels, cordoned, cordon_reason, seq} (info
--- fields in this order, HMGET), stored lease JSON or '', c1, c2, c3, c4, c5, count}: the debits and number of reservations counting at now
--- (running totals less the expired ones no write has purged yet).
+-- fields in this order, HMGET), the lease HASH as a flat HGETALL list ({} when none), c1, c2,
+-- c3, c4, c5, count}: the debits and number of reservations counting at now (running totals less
+-- the expired ones no write has purged yet).
 local info, lease, res, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if redis.call('EXISTS', info) == 0 then
   return {}
@@ -21,7 +22,7 @@ local fields = redis.call('HMGET', info, 'role', 'pool', 'labels', 'cordoned', '
 for i = 1, 6 do
   fields[i] = fields[i] or ''
 end
-local out = {fields, redis.call('HGET', lease, 'json') or ''}
+local out = {fields, redis.call('HGETALL', lease)}
 for i = 1, 6 do
   out[#out + 1] = cf_int(t[i])
 end

@@ -2,19 +2,24 @@
 -- KEYS[1] info HASH, KEYS[2] lease HASH, KEYS[3] reservations HASH, KEYS[4] notices STREAM,
 -- KEYS[5] lease history LIST, KEYS[6] node events LIST, KEYS[7] reservation expiries ZSET
 -- (all one node, one hash tag).
--- ARGV[1] now_ms (broker clock), ARGV[2] ev: "<epoch:020d><version:020d>" (40 digits, compared
--- as text so 63-bit values stay exact),
--- ARGV[3] epoch, ARGV[4] version, ARGV[5] expires_at_ms (now + capped ttl),
--- ARGV[6] zero reason ("" when the lease is not zero; "no_capacity" for all-zero credits),
--- ARGV[7..11] credits c1..c5, ARGV[12] last_notice_seq, ARGV[13] stored lease JSON,
--- ARGV[14] history cap, ARGV[15] events cap, ARGV[16] notices MAXLEN.
+-- ARGV[1] now_ms (broker clock), ARGV[2] the lease as one history entry (JSON: the history LIST
+-- is a log of past leases, read whole by lease_history, so it stays one JSON per entry),
+-- ARGV[3] history cap, ARGV[4] events cap, ARGV[5] notices MAXLEN,
+-- ARGV[6..] the lease HASH as field/value pairs (every field, see LEASE_FIELDS in
+-- crossflow_ctl/store/redis_codec.py): the one stored form of the current lease. The script
+-- reads ev ("<epoch:020d><version:020d>", 40 digits compared as text so 63-bit values stay
+-- exact), epoch, version, zero ('' when the lease lends) and nseq (last_notice_seq) from them.
 -- An accepted lease also marks the node as heard of now (info 'seen', read by node expiry).
 -- Returns {-1} for an unregistered node; {0, stored_epoch, stored_version, 0} for a stale lease
 -- (nothing changed); {1, epoch, version, purged, cordoned(0/1)} when stored.
 local info, lease, res, notices, history, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local exp = KEYS[7]
-local now, ev, epoch = ARGV[1], ARGV[2], ARGV[3]
-local zero, last_seen, maxlen = ARGV[6], tonumber(ARGV[12]), ARGV[16]
+local now, maxlen = ARGV[1], ARGV[5]
+local new = {}
+for i = 6, #ARGV - 1, 2 do
+  new[ARGV[i]] = ARGV[i + 1]
+end
+local ev, epoch, zero, last_seen = new.ev, new.epoch, new.zero, tonumber(new.nseq)
 
 if redis.call('EXISTS', info) == 0 then
   return {-1}
@@ -45,16 +50,16 @@ if zero ~= '' and (not old[1] or old[5] == '') then
 elseif zero == '' and old[1] and (old[5] ~= '' or tonumber(old[4]) <= tonumber(now)) then
   event('lease_restored', 'lease restored')
 end
-redis.call('LTRIM', events, 0, tonumber(ARGV[15]) - 1)
+redis.call('LTRIM', events, 0, tonumber(ARGV[4]) - 1)
 
-redis.call('HSET', lease, 'ev', ev, 'epoch', epoch, 'version', ARGV[4], 'exp', ARGV[5],
-  'zero', zero, 'c1', ARGV[7], 'c2', ARGV[8], 'c3', ARGV[9], 'c4', ARGV[10], 'c5', ARGV[11],
-  'json', ARGV[13])
+-- Replace the hash whole, so no field of an older layout (such as a JSON copy) outlives it.
+redis.call('DEL', lease)
+redis.call('HSET', lease, unpack(ARGV, 6))
 redis.call('HSET', info, 'seen', now)
-redis.call('LPUSH', history, ARGV[13])
-redis.call('LTRIM', history, 0, tonumber(ARGV[14]) - 1)
+redis.call('LPUSH', history, ARGV[2])
+redis.call('LTRIM', history, 0, tonumber(ARGV[3]) - 1)
 local cordoned = 0
 if redis.call('HGET', info, 'cordoned') == '1' then
   cordoned = 1
 end
-return {1, epoch, ARGV[4], purged, cordoned}
+return {1, epoch, new.version, purged, cordoned}

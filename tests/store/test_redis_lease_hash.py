@@ -1,0 +1,133 @@
+"""The lease HASH is the one stored form of a node's current lease: no JSON copy, every field
+round-trips exactly, and a corrupt hash is a StoreUnavailable, not a crash."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from crossflow_ctl.domain.errors import StoreUnavailable
+from crossflow_ctl.domain.models import Credits, Lease, StoredLease, ZeroReason
+from crossflow_ctl.store import redis_codec as codec
+from crossflow_ctl.store.keys import Keys
+from crossflow_ctl.store.redis_store import RedisStore
+from tests.store.helpers import NOW, credits, register
+
+MAX_TTL = 60_000
+TOP = 2**63 - 1
+
+LEASES = {
+    "lending, every value set": Lease(
+        node_id="d1",
+        epoch=TOP,
+        version=TOP - 1,
+        ttl_ms=5_000,
+        credits=Credits(
+            compute_tokens=123_457,
+            kv_tokens=98_765,
+            kv_transfer_bytes=2**40 + 3,
+            output_tokens=777,
+            slots=9,
+        ),
+        queue_wait_ms=12.345678901234567,
+        borrowed_prefill_rate_tps=1e-7 + 4321.0,
+        prefill_s_per_token=0.1 + 0.2,
+        prefill_s_per_token_context=1.5e-9,
+        itl_ms=33.3,
+        itl_slo_ms=50.0,
+        last_notice_seq=TOP,
+        snapshot_unix_ms=1_700_000_123_456,
+    ),
+    "zero, with its detail": Lease(
+        node_id="d1",
+        epoch=TOP,
+        version=TOP,
+        ttl_ms=1_000,
+        zero_reason=ZeroReason.ITL_OVER_SLO,
+        zero_detail="itl 61.5 ms > slo 50 ms | a=b; 'quoted' \"and\" ünïcode",
+    ),
+    "all-zero credits, no reason": Lease(node_id="d1", epoch=3, version=1, ttl_ms=1_000),
+}
+
+
+@pytest.fixture
+async def store(redis_url: str, redis_namespace: str) -> AsyncIterator[tuple[RedisStore, Redis]]:
+    s = RedisStore(redis_url, namespace=redis_namespace)
+    raw = Redis.from_url(redis_url)
+    await register(s, "d1")
+    try:
+        yield s, raw
+    finally:
+        await s.close()
+        await raw.aclose()
+
+
+@pytest.mark.parametrize("name", list(LEASES))
+async def test_the_lease_hash_holds_each_field_once_and_round_trips(
+    store: tuple[RedisStore, Redis], redis_namespace: str, name: str
+) -> None:
+    s, raw = store
+    # An older lease first, so the stored one replaces a hash rather than creating it.
+    await s.upsert_lease(Lease(node_id="d1", epoch=1, version=1, ttl_ms=1_000), NOW, MAX_TTL)
+    lease = LEASES[name]
+    assert (await s.upsert_lease(lease, NOW, MAX_TTL)).accepted
+
+    stored = await raw.hgetall(Keys(redis_namespace).node("d1").lease)
+    fields = {k.decode(): v.decode() for k, v in stored.items()}
+    assert set(fields) == set(codec.LEASE_FIELDS)
+    assert not any(v.lstrip().startswith("{") for v in fields.values()), "a JSON copy"
+    expected = StoredLease(lease=lease, received_at_ms=NOW, expires_at_ms=NOW + lease.ttl_ms)
+    assert fields["ev"] == f"{lease.epoch:020d}{lease.version:020d}"
+    assert int(fields["epoch"]) == lease.epoch and int(fields["nseq"]) == lease.last_notice_seq
+    assert codec.stored_lease_from_fields(stored) == expected
+    node = await s.get_node("d1", NOW)
+    assert node is not None and node.lease == expected
+    assert node.lease.lease.zero_detail == lease.zero_detail
+    assert (await s.lease_history("d1", 1)) == [expected]
+
+
+async def test_stale_leases_still_compare_63_bit_epochs_exactly(
+    store: tuple[RedisStore, Redis],
+) -> None:
+    s, _ = store
+    top = Lease(node_id="d1", epoch=TOP, version=2, ttl_ms=1_000, credits=credits(5))
+    assert (await s.upsert_lease(top, NOW, MAX_TTL)).accepted
+    older = top.model_copy(update={"epoch": TOP - 1, "version": TOP})
+    out = await s.upsert_lease(older, NOW, MAX_TTL)
+    assert not out.accepted and (out.stored_epoch, out.stored_version) == (TOP, 2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("epoch", "x", "field 'epoch'"),
+        ("a", "nan", "prefill_s_per_token"),
+        ("c3", "-1", "kv_transfer_bytes"),
+        ("reason", "bogus", "zero_reason"),
+        ("ev", "0" * 40, "field 'ev'"),
+        ("zero", "no_capacity", "field 'zero'"),
+        ("recv", None, "field 'recv'"),
+    ],
+)
+async def test_a_corrupt_lease_hash_is_store_unavailable_naming_the_field(
+    store: tuple[RedisStore, Redis],
+    redis_namespace: str,
+    field: str,
+    value: str | None,
+    named: str,
+) -> None:
+    s, raw = store
+    lease = LEASES["lending, every value set"].model_copy(update={"prefill_s_per_token": 0.25})
+    assert (await s.upsert_lease(lease, NOW, MAX_TTL)).accepted
+    key = Keys(redis_namespace).node("d1").lease
+    if value is None:
+        await raw.hdel(key, field)
+    else:
+        await raw.hset(key, field, value)
+    stored = await raw.hgetall(key)
+    with pytest.raises(StoreUnavailable, match=f"stored lease is corrupt.*{named}"):
+        codec.stored_lease_from_fields(stored)
+    with pytest.raises(StoreUnavailable, match="corrupt"):
+        await s.get_node("d1", NOW + 1)
