@@ -187,10 +187,10 @@ _CREDIT_FIELDS = ("c1", "c2", "c3", "c4", "c5")
 _FLOAT_FIELDS = ("qwait", "rate", "a", "b", "itl", "itl_slo")
 
 
-def stored_lease_from_fields(raw: Mapping[Raw, Raw]) -> StoredLease:
+def stored_lease_from_fields(raw: Mapping[Any, Raw]) -> StoredLease:
     """A lease hash (as :func:`stored_lease_to_fields` wrote it) validated through the domain
     model; a missing, malformed or inconsistent field raises StoreUnavailable naming it."""
-    f = text_map(raw)
+    f = {text(k): text(v) for k, v in raw.items()}
     field = next((name for name in LEASE_FIELDS if name not in f), "")
     try:
         if field:
