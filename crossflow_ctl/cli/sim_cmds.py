@@ -195,7 +195,8 @@ def sim(
     for s in (summarize(r) for r in records):
         click.echo(
             f"{s.trace} {s.scale:g}x {s.label}: TTFT mean {s.ttft_mean_ms:.0f} ms, "
-            f"out {s.output_tps:.0f} tok/s, borrowed {s.borrowed_share * 100:.1f} %, "
+            f"out {s.output_tps:.0f} tok/s (steady {s.steady_output_tps:.0f}), "
+            f"borrowed {s.borrowed_share * 100:.1f} %, "
             f"over-commit {s.overcommits}"
         )
     click.echo(f"report: {path} ({len(runs)} runs in {wall:.1f} s)")

@@ -115,6 +115,8 @@ class Simulation:
         self.record = RunRecord(label=config.label, trace=trace.name, scale=trace.scale)
         self.window_s = config.window_s / trace.scale
         self._win: dict[int, list[float]] = {}
+        self._finishes: list[tuple[float, int, int]] = []
+        """(finish, input, output tokens) of every served request, for the steady-state window."""
 
     # -- setup ------------------------------------------------------------------------------
     def _load_trace(self) -> None:
@@ -332,6 +334,7 @@ class Simulation:
         win[2] += req.borrowed
         win[3] += ttft
         win[4] += 1
+        self._finishes.append((req.finish_s, req.input_tokens, req.output_tokens))
         if not req.measured:
             return
         rec.measured += 1
@@ -349,6 +352,13 @@ class Simulation:
         rec = self.record
         first = min((r.release_s for r in self.reqs.values() if r.measured), default=0.0)
         rec.span_s = max(0.0, rec.span_s - first)
+        start = self.trace.warmup_s
+        end = max((r.release_s for r in self.reqs.values()), default=0.0)
+        if end > start:
+            rec.steady_s = end - start
+            inside = [f for f in self._finishes if start <= f[0] <= end]
+            rec.steady_input_tokens = sum(f[1] for f in inside)
+            rec.steady_output_tokens = sum(f[2] for f in inside)
         end = self.now
         rec.busy_s = sum(p.busy_until(end) for p in self.prefill) + sum(
             d.busy_until(end) for d in self.decode

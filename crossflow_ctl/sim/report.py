@@ -28,16 +28,19 @@ def _pct(x: float) -> str:
 def runs_table(summaries: Sequence[Summary], show_wall: bool = False) -> list[str]:
     head = (
         "| trace | load | config | TTFT mean / p50 / p99 (ms) | ITL mean / p99 (ms) "
-        "| in tok/s | out tok/s | SLO ok | stranded | borrowed | KV waits | over-commit |"
+        "| in tok/s | out tok/s | steady in / out tok/s | SLO ok | stranded | borrowed "
+        "| KV waits | over-commit |"
     )
     lines = [head + (" wall s |" if show_wall else "")]
-    lines.append("|---" * (12 + show_wall) + "|")
+    lines.append("|---" * (13 + show_wall) + "|")
     for s in summaries:
         row = (
             f"| {s.trace} | {s.scale:g}x | {s.label} "
             f"| {_f(s.ttft_mean_ms)} / {_f(s.ttft_p50_ms)} / {_f(s.ttft_p99_ms)} "
             f"| {_f(s.itl_mean_ms, 1)} / {_f(s.itl_p99_ms, 1)} "
-            f"| {_f(s.input_tps)} | {_f(s.output_tps)} | {s.slo_attainment * 100:.1f} % "
+            f"| {_f(s.input_tps)} | {_f(s.output_tps)} "
+            f"| {_f(s.steady_input_tps)} / {_f(s.steady_output_tps)} "
+            f"| {s.slo_attainment * 100:.1f} % "
             f"| {s.stranded * 100:.1f} % | {s.borrowed_share * 100:.1f} % | {s.borrow_kv_waits} "
             f"| {s.overcommits} |"
         )
@@ -50,8 +53,9 @@ def key_table(summaries: Sequence[Summary]) -> list[str]:
     cmp = Comparison(summaries)
     lines = [
         "| trace | load | best static | config | in tok/s vs best | out tok/s vs best "
-        "| TTFT mean vs best | ITL mean vs best | SLO ok (best static) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| steady in / out vs best | TTFT mean vs best | ITL mean vs best "
+        "| SLO ok (best static) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for trace, load in cmp.groups():
         best = cmp.best_static(trace, load)
@@ -65,6 +69,8 @@ def key_table(summaries: Sequence[Summary]) -> list[str]:
                 f"| {trace} | {load:g}x | {best.label} | {label} "
                 f"| {_pct(rel(s.input_tps, best.input_tps))} "
                 f"| {_pct(rel(s.output_tps, best.output_tps))} "
+                f"| {_pct(rel(s.steady_input_tps, best.steady_input_tps))} / "
+                f"{_pct(rel(s.steady_output_tps, best.steady_output_tps))} "
                 f"| {_pct(rel(s.ttft_mean_ms, best.ttft_mean_ms))} "
                 f"| {_pct(rel(s.itl_mean_ms, best.itl_mean_ms))} "
                 f"| {s.slo_attainment * 100:.1f} % ({best.slo_attainment * 100:.1f} %) |"
@@ -106,7 +112,9 @@ def lease_table(records: Sequence[RunRecord]) -> list[str]:
 DEFINITIONS = """\
 Definitions: TTFT is release to first token (the request joins a decode batch); ITL is per
 token (step times weighted by the batch), after the warm-up; throughput is tokens of measured
-requests over the span from the first measured release to the last measured finish; SLO ok is
+requests over the span from the first measured release to the last measured finish (the drain
+included); steady is the tokens of requests that finished between the end of the warm-up and the
+last release, over that window (offered load still arriving, no drain); SLO ok is
 the share of requests with TTFT <= the TTFT SLO and mean ITL <= the ITL SLO; stranded is the
 share of server-seconds not spent stepping; borrowed is the share of prompts prefilled on a
 decode node; KV waits counts borrowed prompts that found no KV room on their node when they

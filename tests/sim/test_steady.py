@@ -1,0 +1,54 @@
+"""Steady-state throughput: tokens finished between the warm-up and the last release, per second."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from crossflow_ctl.sim.cluster import Simulation
+from crossflow_ctl.sim.config import SimConfig
+from crossflow_ctl.sim.metrics import summarize
+from crossflow_ctl.sim.traces import Trace, TraceRequest
+
+CFG = SimConfig(prefill_nodes=1, decode_nodes=1)
+
+
+async def test_steady_window_counts_only_requests_finished_inside_it() -> None:
+    """Warm-up 2 s, last release at 8 s: only the request that finished in [2, 8] counts."""
+    reqs = (
+        TraceRequest(2_000, 5, arrival_s=0.0, cached_tokens=0),
+        TraceRequest(3_000, 7, arrival_s=3.0, cached_tokens=0),
+        TraceRequest(4_000, 9, arrival_s=8.0, cached_tokens=0),
+    )
+    sim = Simulation(Trace(name="hand", requests=reqs, warmup_s=2.0), CFG)
+    rec = await sim.run()
+    finishes = [sim.reqs[i].finish_s for i in range(3)]
+    assert finishes[0] < 2.0 < finishes[1] < 8.0 < finishes[2]
+    assert rec.steady_s == pytest.approx(6.0)
+    s = summarize(rec)
+    assert s.steady_input_tps == pytest.approx(3_000 / 6.0)
+    assert s.steady_output_tps == pytest.approx(7 / 6.0)
+    # The drain-inclusive figure counts the measured requests (released after the warm-up).
+    assert rec.input_tokens == 7_000
+
+
+async def test_saturated_run_steady_rate_excludes_the_drain() -> None:
+    """A burst far above what one prefill server can take: the backlog drains long after the
+    last release; the steady figure is the rate while requests still arrived."""
+    reqs = tuple(TraceRequest(16_000, 50, arrival_s=i * 0.05, cached_tokens=0) for i in range(200))
+    sim = Simulation(Trace(name="burst", requests=reqs), CFG)
+    rec = await sim.run()
+    last_release = max(r.release_s for r in sim.reqs.values())
+    assert max(r.finish_s for r in sim.reqs.values()) > 2 * last_release
+    inside = [r for r in sim.reqs.values() if r.finish_s <= last_release]
+    s = summarize(rec)
+    assert s.steady_input_tps == pytest.approx(sum(r.input_tokens for r in inside) / last_release)
+    assert 0 < len(inside) < len(reqs)
+
+
+async def test_no_release_after_the_warm_up_gives_no_steady_figure() -> None:
+    reqs = (TraceRequest(2_000, 5, arrival_s=0.0, cached_tokens=0),)
+    rec = await Simulation(Trace(name="one", requests=reqs, warmup_s=1.0), CFG).run()
+    assert rec.steady_s == 0.0
+    assert math.isnan(summarize(rec).steady_input_tps)
