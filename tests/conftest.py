@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 
+pytest_plugins = ["tests.skip_guard"]
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"

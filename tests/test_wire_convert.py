@@ -27,8 +27,17 @@ from crossflow_ctl.domain.models import (
     ZeroReason,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.room import (
+    NodeRoom,
+    RoomStatus,
+    RoomUpdate,
+    RoomView,
+    RoomWatchRequest,
+    unknown_room,
+)
 from crossflow_ctl.wire import convert as c
 from crossflow_ctl.wire import convert_admission as ca
+from crossflow_ctl.wire import convert_room as cr
 
 NOW = 1_700_000_000_000
 CREDITS = Credits(compute_tokens=1, kv_tokens=2, kv_transfer_bytes=3, output_tokens=4, slots=5)
@@ -84,6 +93,7 @@ def test_every_enum_value_maps_both_ways() -> None:
         (admin_pb2.ReservationState, "RESERVATION_STATE_", ReservationState),
         (admission_pb2.Reason, "REASON_", Reason),
         (admission_pb2.Decision, "DECISION_", Decision),
+        (admission_pb2.RoomStatus, "ROOM_STATUS_", RoomStatus),
     ]
     for wrapper, prefix, cls in pairs:
         wire = {n[len(prefix) :] for n in wrapper.keys()} - {"UNSPECIFIED"}  # noqa: SIM118
@@ -199,3 +209,37 @@ def test_admission_round_trips() -> None:
         for adm in answers:
             back = ca.admission_from_proto(ca.admission_to_proto(adm))
             assert back == adm, adm.reason
+
+
+def test_room_round_trips() -> None:
+    req = RoomWatchRequest(
+        pool="p", candidate_node_ids=("d1", "d2"), max_updates_per_s=2.5, heartbeat_ms=700
+    )
+    assert cr.watch_request_from_proto(cr.watch_request_to_proto(req)) == req
+    assert cr.watch_request_from_proto(admission_pb2.WatchRoomRequest()) == RoomWatchRequest()
+    room = NodeRoom(
+        node_id="d1",
+        compute_tokens=3,
+        kv_tokens=4,
+        slots=2,
+        queue_wait_ms=1.5,
+        lease_epoch=2,
+        lease_version=9,
+    )
+    views = [
+        RoomView(
+            pool="p",
+            detail="d",
+            nodes=(room,),
+            pool_wait_ms=0.0,
+            demand_threshold_ms=200.0,
+            demand_holds=True,
+        ),
+        RoomView(pool="p", pool_wait_ms=None),
+        unknown_room("p", "down"),
+    ]
+    for view in views:
+        update = RoomUpdate(seq=5, at_ms=NOW, heartbeat=True, view=view)
+        assert cr.room_update_from_proto(cr.room_update_to_proto(update)) == update
+    unspecified = cr.room_update_from_proto(admission_pb2.WatchRoomResponse(seq=1))
+    assert unspecified.view.status is RoomStatus.UNKNOWN and not unspecified.view.has_room

@@ -21,6 +21,7 @@ import time
 
 import structlog
 
+from crossflow_agent.scrape_log import ScrapeHealth
 from crossflow_agent.settings import AgentSettings
 from crossflow_agent.sources.base import ScrapeError, TelemetrySource
 from crossflow_agent.stream import LeaseStream
@@ -65,6 +66,11 @@ def lease_request(lease: Lease) -> lease_pb2.ConnectRequest:
     return lease_pb2.ConnectRequest(lease=lease_to_proto(lease))
 
 
+def _describe(source: TelemetrySource) -> str:
+    url = getattr(source, "url", None)
+    return f"{source.name} {url}" if url else source.name
+
+
 class Agent:
     def __init__(
         self,
@@ -86,6 +92,7 @@ class Agent:
         """New at every process start: the start time in ms (DESIGN.md §2)."""
         self.version = 0
         self.guard = ItlGuard()
+        self.scrape_health = ScrapeHealth(_describe(source), time.monotonic)
         self._wake = asyncio.Event()
         self.stream = LeaseStream(
             endpoints=settings.brokers,
@@ -121,6 +128,7 @@ class Agent:
                 snapshot = await self.source.scrape()
         except ScrapeError as exc:
             self.metrics.record_scrape(time.perf_counter() - started, failure=exc.kind)
+            self.scrape_health.failed(exc.kind, str(exc))
             reason = (
                 ZeroReason.TELEMETRY_IMPLAUSIBLE
                 if exc.kind == "implausible"
@@ -129,8 +137,10 @@ class Agent:
             return None, f"{exc.kind}: {exc}", reason
         except TimeoutError:
             self.metrics.record_scrape(time.perf_counter() - started, failure="timeout")
+            self.scrape_health.failed("timeout", f"scrape took over {timeout_s:g} s")
             return None, f"timeout: scrape took over {timeout_s:g} s", ZeroReason.TELEMETRY_MISSING
         self.metrics.record_scrape(time.perf_counter() - started)
+        self.scrape_health.ok()
         return snapshot, "", ZeroReason.TELEMETRY_MISSING
 
     def _next_version(self) -> int:

@@ -1,8 +1,9 @@
 """The broker's grpc.aio server: Lease, Admission and Admin services, standard health and
 reflection, message size limits, one supervisor for every background task, staged shutdown.
 
-Shutdown (``BrokerServer.stop``): health NOT_SERVING; stop accepting RPCs; ask agent streams to
-end and give them ``stream_grace_s``; cancel the supervisor's tasks; close the store.
+Shutdown (``BrokerServer.stop``): health NOT_SERVING; end room watches; stop accepting RPCs;
+ask agent streams to end and give them ``stream_grace_s``; cancel the supervisor's tasks; close
+the store.
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ class BrokerServer:
         grace = self.settings.stream_grace_s if grace_s is None else grace_s
         log.info("broker.stopping", streams=len(self.streams), grace_s=grace)
         await self.health.enter_graceful_shutdown()
+        self.broker.rooms.close()
         stopping = asyncio.create_task(self._server.stop(grace))
         self.streams.close_all()
         drained = await self.streams.wait_idle(grace)

@@ -20,7 +20,7 @@ import structlog
 
 from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
-from crossflow_ctl.broker.servicers import status_for
+from crossflow_ctl.broker.servicers import status_for, status_message
 from crossflow_ctl.domain.errors import (
     CrossflowError,
     InvalidArgument,
@@ -104,7 +104,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                 hello.node_id, role, hello.pool or "default", dict(hello.labels)
             )
         except CrossflowError as exc:
-            await context.abort(status_for(exc), str(exc))
+            await context.abort(status_for(exc), status_message(exc))
             return
         node_id = info.node_id
         policy = self._broker.policy
@@ -163,7 +163,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                     return
             queue.put_nowait(_End())
         except StoreUnavailable as exc:
-            queue.put_nowait(_End(grpc.StatusCode.UNAVAILABLE, str(exc)))
+            queue.put_nowait(_End(grpc.StatusCode.UNAVAILABLE, status_message(exc)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the agent went away mid-read

@@ -17,7 +17,7 @@ from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.client import AdminClient, AdmissionClient, NodeDetailView, NodeView
 from crossflow_ctl.client.admission import channel_options
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest
-from crossflow_ctl.domain.errors import StoreUnavailable
+from crossflow_ctl.domain.errors import BrokerUnavailable, StoreUnavailable
 from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
 from crossflow_ctl.domain.policy import PolicySettings
 
@@ -90,7 +90,12 @@ class BrokerSession:
             return await coro
         except StoreUnavailable as exc:
             raise CliError(
-                f"broker at {self.target.server} unavailable: {exc}", ExitCode.UNAVAILABLE
+                f"broker at {self.target.server} answered, but its store is unavailable: {exc}",
+                ExitCode.UNAVAILABLE,
+            ) from None
+        except BrokerUnavailable as exc:
+            raise CliError(
+                f"cannot reach the broker at {self.target.server}: {exc}", ExitCode.UNAVAILABLE
             ) from None
 
     async def list_nodes(self, role: NodeRole | None, selector: str) -> list[NodeView]:

@@ -18,7 +18,6 @@ from crossflow_ctl.cli.views import (
     POOL_COLUMNS,
     RESERVATION_COLUMNS,
     lease_row,
-    matches,
     node_row,
     now_ms,
     pool_row,
@@ -34,9 +33,6 @@ async def _nodes_text(
     session: BrokerSession, fmt: OutputFormat, role: str | None, selector: str, leases: bool
 ) -> str:
     nodes = await session.list_nodes(NodeRole(role) if role else None, selector)
-    nodes = [n for n in nodes if matches(n.state.info.labels, selector)]
-    if role:
-        nodes = [n for n in nodes if n.state.info.role.value == role]
     at = now_ms()
     if leases:
         rows = [r for r in (lease_row(n, at) for n in nodes) if r is not None]

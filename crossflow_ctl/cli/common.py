@@ -6,15 +6,18 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from click.shell_completion import CompletionItem
 
-from crossflow_ctl.cli.api import BrokerSession, Target
 from crossflow_ctl.cli.config import Context, CtlConfig, CtlSettings, load_config
-from crossflow_ctl.cli.exit_codes import ExitCode, exit_code_for, one_line
+from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import FORMATS, OutputFormat
+from crossflow_ctl.settings_sources import host_port
+
+if TYPE_CHECKING:  # the client is imported by the commands that call the broker, not by --help
+    from crossflow_ctl.cli.api import BrokerSession, Target
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -50,8 +53,16 @@ class CtlState:
 
     def target(self) -> Target:
         _, ctx = self.context()
+        server = self.server_override or ctx.server
+        try:
+            host_port(server)
+        except ValueError as exc:
+            # gRPC would quietly default a bare host to port 443
+            raise CliError(f"--server {exc} (e.g. {server}:50051)", ExitCode.USAGE) from None
+        from crossflow_ctl.cli.api import Target
+
         return Target(
-            server=self.server_override or ctx.server,
+            server=server,
             ca_file=ctx.ca_file,
             cert_file=ctx.cert_file,
             key_file=ctx.key_file,
@@ -67,6 +78,8 @@ class CtlState:
         return chosen or self.context()[1].defaults.pool
 
     def session(self) -> BrokerSession:
+        from crossflow_ctl.cli.api import BrokerSession
+
         return BrokerSession(self.target())
 
 

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from crossflow_ctl.cli.output import OutputFormat
 from crossflow_ctl.domain.errors import ConfigError
+from crossflow_ctl.settings_sources import host_port
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 DEFAULT_CONFIG_PATH = Path("~/.config/crossflow/config.yaml")
@@ -68,6 +69,11 @@ class Context(_Kebab):
     cert_file: Path | None = None
     key_file: Path | None = None
     defaults: ContextDefaults = ContextDefaults()
+
+    @field_validator("server")
+    @classmethod
+    def _server_has_a_port(cls, value: str) -> str:
+        return host_port(value)
 
     @property
     def tls(self) -> bool:

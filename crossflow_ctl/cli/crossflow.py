@@ -113,6 +113,14 @@ def cli() -> None:
     help="Also write the summary's figures here as JSON.",
 )
 @click.option(
+    "--max-hold-ms",
+    type=click.IntRange(0, 600_000),
+    default=300,
+    show_default=True,
+    help="Late binding: hold a prompt refused for lack of room this long for room to appear "
+    "(0: never hold).",
+)
+@click.option(
     "--sim/--no-sim",
     "simulate",
     default=True,
@@ -135,6 +143,7 @@ def demo(
     view: str,
     log_dir: Path | None,
     summary_json: Path | None,
+    max_hold_ms: int,
     simulate: bool,
 ) -> None:
     """Run a whole cluster on loopback and replay a trace through it.
@@ -168,6 +177,7 @@ def demo(
         summary_json=summary_json,
         redis_namespace=redis_namespace,
         simulate=simulate,
+        max_hold_ms=max_hold_ms,
     )
     code = asyncio.run(Demo(opts).run())
     if code:

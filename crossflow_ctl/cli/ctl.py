@@ -5,23 +5,55 @@ Exit codes are documented in :mod:`crossflow_ctl.cli.exit_codes`; every error pr
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
 
-from crossflow_ctl.cli.cmd_admit import admit, policy
-from crossflow_ctl.cli.cmd_config import completion, config
-from crossflow_ctl.cli.cmd_get import get
-from crossflow_ctl.cli.cmd_node import cordon, describe, drain, uncordon
 from crossflow_ctl.cli.common import CtlState, run_cli
-from crossflow_ctl.cli.sim_cmds import plan, sim
 
 EPILOG = """\b
 Exit codes: 0 ok, 1 error, 2 usage or invalid value, 3 not found,
 4 broker unavailable, 5 timed out (drain --timeout)."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "get": ("crossflow_ctl.cli.cmd_get", "List nodes, leases, reservations or pools."),
+    "describe": ("crossflow_ctl.cli.cmd_node", "Show everything known about one resource."),
+    "cordon": ("crossflow_ctl.cli.cmd_node", "Stop lending from NAME: its lease counts..."),
+    "uncordon": ("crossflow_ctl.cli.cmd_node", "Let NAME lend again."),
+    "drain": ("crossflow_ctl.cli.cmd_node", "Cordon NAME (its lease counts as zero),..."),
+    "admit": ("crossflow_ctl.cli.cmd_admit", "Ask the broker whether a request would..."),
+    "policy": ("crossflow_ctl.cli.cmd_admit", "Show or change the admission policy shared..."),
+    "config": ("crossflow_ctl.cli.cmd_config", "Contexts: which broker to talk to, with..."),
+    "completion": ("crossflow_ctl.cli.cmd_config", "Print a shell completion script: eval..."),
+    "sim": ("crossflow_ctl.cli.sim_cmds", "Replay traces through a simulated P/D..."),
+    "plan": ("crossflow_ctl.cli.sim_cmds", "Size prefill and decode pools, static and..."),
+}
+SHORT_HELP_LIMIT = 45
+"""Subcommand -> (module, short help). Modules are imported only when their command runs, so
+``crossflowctl --help`` or ``get nodes`` do not pay for the simulator's imports; a test holds
+each short help to the command's own docstring."""
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = COMMANDS.get(cmd_name)
+        if entry is None:
+            return None
+        command = getattr(importlib.import_module(entry[0]), cmd_name)
+        assert isinstance(command, click.Command)
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, short) for name, (_, short) in COMMANDS.items()])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
 @click.option("--server", "-s", metavar="HOST:PORT", help="Broker address (overrides the context).")
 @click.option(
     "--context", "context_name", metavar="NAME", help="Context of the config file to use."
@@ -39,19 +71,6 @@ def cli(
 ) -> None:
     """Operate a Crossflow control plane."""
     ctx.obj = CtlState.create(server=server, context=context_name, config_path=config_path)
-
-
-cli.add_command(get)
-cli.add_command(describe)
-cli.add_command(cordon)
-cli.add_command(uncordon)
-cli.add_command(drain)
-cli.add_command(admit)
-cli.add_command(policy)
-cli.add_command(config)
-cli.add_command(completion)
-cli.add_command(sim)
-cli.add_command(plan)
 
 
 def main() -> None:

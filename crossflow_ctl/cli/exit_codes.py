@@ -18,7 +18,7 @@ from crossflow_ctl.domain.errors import (
     ConfigError,
     InvalidArgument,
     NotFound,
-    StoreUnavailable,
+    Unavailable,
 )
 
 
@@ -41,7 +41,7 @@ class CliError(Exception):
 
 
 def _is_unavailable(exc: BaseException) -> bool:
-    if isinstance(exc, StoreUnavailable | ConnectionError | TimeoutError):
+    if isinstance(exc, Unavailable | ConnectionError | TimeoutError):
         return True
     name = type(exc).__name__.lower()
     return "unavailable" in name or "connect" in name or "deadline" in name

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from crossflow_ctl.cli.output import Column
@@ -201,7 +200,8 @@ def pool_row(pool: PoolSnapshot) -> dict[str, Any]:
         "outstanding_uncached_tokens": pool.outstanding_uncached_tokens,
         "processing_rate_tps": pool.processing_rate_tps,
         "prefill_rate_tps": pool.prefill_rate_tps,
-        "estimated_wait_ms": wait,
+        "estimated_wait_ms": None if pool.no_rate else wait,
+        "wait": "no rate" if pool.no_rate else ("-" if wait is None else f"{wait:.0f}"),
         "queued_requests": sum(r.queued_requests for r in pool.reports),
         "reports": [r.model_dump(mode="json") for r in pool.reports],
     }
@@ -212,23 +212,7 @@ POOL_COLUMNS = [
     Column("NODES", "reporting_nodes"),
     Column("OUTSTANDING", "outstanding_uncached_tokens"),
     Column("RATE-TPS", "processing_rate_tps"),
-    Column("WAIT-MS", "estimated_wait_ms"),
+    Column("WAIT-MS", "wait"),
     Column("QUEUED", "queued_requests", wide=True),
     Column("PREFILL-TPS", "prefill_rate_tps", wide=True),
 ]
-
-
-def matches(labels: Mapping[str, str], selector: str) -> bool:
-    """``k=v,k2!=v2,k3`` (kubectl's equality-based selectors)."""
-    for term in filter(None, (t.strip() for t in selector.split(","))):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            if labels.get(key.strip()) == value.strip():
-                return False
-        elif "=" in term:
-            key, value = term.split("=", 1)
-            if labels.get(key.strip().rstrip("=")) != value.strip().lstrip("="):
-                return False
-        elif term not in labels:
-            return False
-    return True

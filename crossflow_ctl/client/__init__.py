@@ -1,18 +1,36 @@
 """The public client library (what routers and crossflowctl use): async, over grpc.aio.
 
-``AdmissionClient`` (Admit/Commit/Release, optional fail-closed Admit) and ``AdminClient``
-return domain models and raise the domain's error classes (see ``client.errors``).
+``AdmissionClient`` (Admit/Commit/Release/WatchRoom, optional fail-closed Admit) and
+``AdminClient`` return domain models and raise the domain's error classes (see
+``client.errors``). ``AdmissionQueue`` (``client.queue``) does late binding over any admitter.
 """
 
 from crossflow_ctl.client.admin import AdminClient
 from crossflow_ctl.client.admission import AdmissionClient
+from crossflow_ctl.client.holding import Dispatch, QueueConfig
 from crossflow_ctl.client.models import CommitResult, NodeDetailView, NodeEventView, NodeView
+from crossflow_ctl.client.queue import (
+    AdmissionQueue,
+    Admitter,
+    Outcome,
+    QueueObserver,
+    QueueStats,
+    Ticket,
+)
 
 __all__ = [
     "AdminClient",
     "AdmissionClient",
+    "AdmissionQueue",
+    "Admitter",
     "CommitResult",
+    "Dispatch",
     "NodeDetailView",
     "NodeEventView",
     "NodeView",
+    "Outcome",
+    "QueueConfig",
+    "QueueObserver",
+    "QueueStats",
+    "Ticket",
 ]

@@ -1,12 +1,16 @@
-"""Async client of AdmissionService for routers: Admit, Commit, Release.
+"""Async client of AdmissionService for routers: Admit, Commit, Release, WatchRoom.
 
 With ``fail_closed=True`` an Admit that hits any transport error or its deadline returns a NORMAL
 :class:`Admission` (reason TIMEOUT or STORE_UNAVAILABLE) instead of raising, so a router can call
 it inline. Other calls raise the domain errors of :mod:`crossflow_ctl.client.errors`.
+:meth:`AdmissionClient.room_updates` is the room signal of
+:class:`~crossflow_ctl.client.queue.AdmissionQueue` (late binding): it never ends on its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
 
@@ -16,9 +20,17 @@ from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
 from crossflow_ctl.client.errors import error_from_rpc
 from crossflow_ctl.client.models import CommitResult
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
-from crossflow_ctl.domain.errors import InvalidArgument, StoreUnavailable
+from crossflow_ctl.domain.clock import SystemClock
+from crossflow_ctl.domain.errors import (
+    BrokerUnavailable,
+    CrossflowError,
+    InvalidArgument,
+    StoreUnavailable,
+)
 from crossflow_ctl.domain.models import validated
+from crossflow_ctl.domain.room import RoomUpdate, RoomWatchRequest, unknown_room
 from crossflow_ctl.wire.convert_admission import admission_from_proto, admit_request_to_proto
+from crossflow_ctl.wire.convert_room import room_update_from_proto, watch_request_to_proto
 
 _RELEASE_OUTCOMES = {
     "finished": admission_pb2.RELEASE_OUTCOME_FINISHED,
@@ -64,7 +76,7 @@ class _Base:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
         except grpc.RpcError as exc:  # pragma: no cover - aio raises AioRpcError
-            raise StoreUnavailable(str(exc)) from None
+            raise BrokerUnavailable(str(exc)) from None
 
 
 class AdmissionClient(_Base):
@@ -89,12 +101,14 @@ class AdmissionClient(_Base):
             code = exc.code()
             if not self.fail_closed or code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise error_from_rpc(exc) from None
-            reason = (
-                Reason.TIMEOUT
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED
-                else Reason.STORE_UNAVAILABLE
-            )
-            return Admission.normal(reason, f"broker call failed ({code.name}): {exc.details()}")
+            error = error_from_rpc(exc)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                reason = Reason.TIMEOUT
+            elif isinstance(error, StoreUnavailable):
+                reason = Reason.STORE_UNAVAILABLE
+            else:
+                reason = Reason.BROKER_UNAVAILABLE
+            return Admission.normal(reason, str(error))
         return admission_from_proto(msg)
 
     async def commit(self, reservation_id: str) -> CommitResult:
@@ -113,3 +127,46 @@ class AdmissionClient(_Base):
             ),
         )
         return str(msg.reservation_id)
+
+    async def watch_room(
+        self, request: RoomWatchRequest | None = None, **fields: Any
+    ) -> AsyncIterator[RoomUpdate]:
+        """One WatchRoom stream (no deadline): its updates until it ends. Raises the domain
+        errors (InvalidArgument naming the field, StoreUnavailable when the broker goes)."""
+        req = request if request is not None else validated(RoomWatchRequest, **fields)
+        call = self._stub.WatchRoom(watch_request_to_proto(req))
+        try:
+            async for msg in call:
+                yield room_update_from_proto(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            call.cancel()
+
+    async def room_updates(
+        self,
+        request: RoomWatchRequest | None = None,
+        *,
+        retry_s: float = 0.2,
+        max_retry_s: float = 5.0,
+        **fields: Any,
+    ) -> AsyncIterator[RoomUpdate]:
+        """:meth:`watch_room` that never ends on its own: when the stream ends or breaks, an
+        UNKNOWN update (no room, ``seq`` 0) is yielded at once and the watch re-subscribes with
+        exponential backoff. A refused subscription (InvalidArgument) raises."""
+        req = request if request is not None else validated(RoomWatchRequest, **fields)
+        delay = retry_s
+        while True:
+            detail = "room watch ended"
+            try:
+                async for update in self.watch_room(req):
+                    delay = retry_s
+                    yield update
+            except InvalidArgument:
+                raise
+            except CrossflowError as exc:
+                detail = f"room watch failed: {exc}"
+            now = SystemClock().now_ms()
+            yield RoomUpdate(seq=0, at_ms=now, view=unknown_room(req.pool, detail))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_retry_s)

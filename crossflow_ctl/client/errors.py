@@ -4,7 +4,9 @@
     NOT_FOUND            -> NotFound
     FAILED_PRECONDITION  -> FailedPrecondition
     RESOURCE_EXHAUSTED   -> InvalidArgument (a message over the size limit)
-    UNAVAILABLE, DEADLINE_EXCEEDED, anything else from the transport -> StoreUnavailable
+    UNAVAILABLE whose message the broker marked "store unavailable: " -> StoreUnavailable
+    UNAVAILABLE, DEADLINE_EXCEEDED, anything else (gRPC's own: the broker was not reached or
+    did not answer)      -> BrokerUnavailable
 
 The broker writes ``field: detail``; the field comes back on ``error.field``.
 """
@@ -16,12 +18,16 @@ import re
 import grpc
 
 from crossflow_ctl.domain.errors import (
+    BrokerUnavailable,
     CrossflowError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     StoreUnavailable,
 )
+
+STORE_UNAVAILABLE_PREFIX = "store unavailable: "
+"""How the broker marks its own UNAVAILABLE answers (crossflow_ctl.broker.servicers)."""
 
 _CLASS_FOR: dict[grpc.StatusCode, type[CrossflowError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
@@ -36,8 +42,10 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> CrossflowError:
     code = exc.code()
     details = exc.details() or code.name
     cls = _CLASS_FOR.get(code)
+    if code == grpc.StatusCode.UNAVAILABLE and details.startswith(STORE_UNAVAILABLE_PREFIX):
+        return StoreUnavailable(details.removeprefix(STORE_UNAVAILABLE_PREFIX))
     if cls is None:
-        return StoreUnavailable(f"broker call failed ({code.name}): {details}")
+        return BrokerUnavailable(f"broker not reached or did not answer ({code.name}): {details}")
     match = _FIELD.match(details)
     if match:
         return cls(match.group(2), field=match.group(1))

@@ -1,11 +1,14 @@
 """The demo's router: replays a trace through the Admission API and drives the fake engines.
 
-For each released turn it calls Admit. BORROW: Commit, send the whole request to the chosen
-decode node's engine (its prompt marked borrowed), Release when the router's model says the
-borrowed prefill is done. NORMAL: send the prompt to the least-busy prefill engine, then the
-decode to a decode engine. TTFT comes from :mod:`crossflow_ctl.demo.model`; a session's next turn
-is released when this one finished plus its think time (closed loop). ``speed`` compresses
-arrivals and think times (more load on the same servers), never service times.
+Each released turn goes through the client's :class:`AdmissionQueue` (late binding): offered
+once; when the broker says no room while the prefill pool is behind, it is held and re-offered
+as the broker's WatchRoom stream shows room, until the router's model says prefill has room or
+``max_hold_ms`` passes. BORROW: Commit, send the whole request to the chosen decode node's
+engine (its prompt marked borrowed), Release when the router's model says the borrowed prefill
+is done. NORMAL: send the prompt to the least-busy prefill engine, then the decode to a decode
+engine. TTFT comes from :mod:`crossflow_ctl.demo.model` (time held counts in it); a session's
+next turn is released when this one finished plus its think time (closed loop). ``speed``
+compresses arrivals and think times (more load on the same servers), never service times.
 """
 
 from __future__ import annotations
@@ -23,10 +26,16 @@ import httpx
 import structlog
 
 from crossflow_ctl.aio import wait_any
-from crossflow_ctl.client import AdmissionClient
+from crossflow_ctl.client import (
+    AdmissionClient,
+    AdmissionQueue,
+    Dispatch,
+    Outcome,
+    QueueConfig,
+)
 from crossflow_ctl.demo.model import ClusterModel, ModelParams, Release, first_releases
 from crossflow_ctl.demo.trace import Trace, Turn
-from crossflow_ctl.domain.admission import Admission, Decision, Reason
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import CrossflowError
 
 log = structlog.get_logger()
@@ -50,6 +59,10 @@ class RouterStats:
     borrowed_ttft_ms: list[float] = field(default_factory=list)
     borrowed_by_node: dict[str, int] = field(default_factory=dict)
     reasons: dict[str, int] = field(default_factory=dict)
+    dispatch: dict[str, int] = field(default_factory=dict)
+    """Outcomes of the admission queue by cause (borrowed, borrowed_late, deadline, ...)."""
+    held_ms: list[float] = field(default_factory=list)
+    """Time each held prompt waited in the admission queue."""
     uncached_tokens: int = 0
     borrowed_uncached_tokens: int = 0
 
@@ -68,9 +81,20 @@ class Router:
         params: ModelParams,
         *,
         speed: float = 1.0,
+        max_hold_ms: int = 300,
+        prefill_room_ms: float = 100.0,
     ) -> None:
         self.trace = trace
         self.admission = admission
+        self.prefill_room_ms = prefill_room_ms
+        self._booked_tokens = 0
+        """Uncached tokens the queue sent to prefill that the model has not queued yet."""
+        self.queue = AdmissionQueue(
+            admission,
+            QueueConfig(max_hold_ms=max_hold_ms),
+            prefill_room=self._prefill_has_room,
+            on_outcome=self._dispatched,
+        )
         self.prefill = prefill
         self.decode = {e.node_id: e for e in decode}
         self.params = params
@@ -103,6 +127,7 @@ class Router:
         self._t0 = time.monotonic()
         for r in first_releases(self.trace, self.params, self.speed):
             self._push(r.at_s, r)
+        queue = asyncio.create_task(self.queue.run(self.admission.room_updates()))
         try:
             while not stop.is_set() and not self.done:
                 if not self._heap:
@@ -118,7 +143,28 @@ class Router:
                 heapq.heappop(self._heap)
                 self._spawn(self._handle(rel))
         finally:
+            queue.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await queue
             await self.close()
+
+    def _prefill_has_room(self, request: AdmissionRequest) -> bool:
+        """The model's prefill wait (with what was just sent there) is under prefill_room_ms;
+        taking the prompt books it, so one pass does not send a burst."""
+        p = self.params
+        rate = p.prefill_rate_tps * max(1, len(self.model.prefill_free_s))
+        free = min(self.model.prefill_free_s, default=0.0)
+        wait_s = max(0.0, free - self.now_s()) + self._booked_tokens / rate
+        if wait_s * 1000.0 > self.prefill_room_ms:
+            return False
+        self._booked_tokens += request.uncached_prompt_tokens
+        return True
+
+    def _dispatched(self, outcome: Outcome) -> None:
+        cause = outcome.dispatch.value
+        self.stats.dispatch[cause] = self.stats.dispatch.get(cause, 0) + 1
+        if outcome.held:
+            self.stats.held_ms.append(float(outcome.held_ms))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -143,13 +189,18 @@ class Router:
         arrival = self.now_s()
         self.stats.released += 1
         self.stats.uncached_tokens += turn.uncached_tokens
+        request = AdmissionRequest(
+            request_id=f"{rel.session.session_id}/{rel.index}",
+            uncached_prompt_tokens=turn.uncached_tokens,
+            cached_prefix_tokens=turn.cached_tokens,
+            expected_output_tokens=turn.output_tokens,
+        )
+        booked = 0
         try:
-            admission = await self.admission.admit(
-                request_id=f"{rel.session.session_id}/{rel.index}",
-                uncached_prompt_tokens=turn.uncached_tokens,
-                cached_prefix_tokens=turn.cached_tokens,
-                expected_output_tokens=turn.output_tokens,
-            )
+            outcome = await (await self.queue.submit(request))
+            admission = outcome.admission
+            if outcome.dispatch is Dispatch.PREFILL_ROOM:
+                booked = turn.uncached_tokens
         except CrossflowError as exc:
             self.stats.admit_errors += 1
             log.warning("demo.admit_failed", error=str(exc))
@@ -157,6 +208,7 @@ class Router:
         self.stats.reasons[admission.reason.value] = (
             self.stats.reasons.get(admission.reason.value, 0) + 1
         )
+        self._booked_tokens = max(0, self._booked_tokens - booked)
         if admission.decision is Decision.BORROW and admission.node_id in self.decode:
             ttft_s = await self._borrow(turn, admission, arrival)
         else:
@@ -187,7 +239,9 @@ class Router:
             for check in a.plan.nodes:
                 if check.node_id == a.node_id:
                     service_ms, wait_ms = check.service_ms, check.queue_wait_ms
-        ttft_s = self.model.borrowed(arrival, a.node_id, service_ms / 1000.0, wait_ms / 1000.0)
+        now = self.now_s()
+        ttft_s = now - arrival
+        ttft_s += self.model.borrowed(now, a.node_id, service_ms / 1000.0, wait_ms / 1000.0)
         self.stats.borrowed_ttft_ms.append(ttft_s * 1000.0)
         await self._post(self.decode[a.node_id], turn, borrowed=True)
         self._spawn(self._release_at(rid, arrival + ttft_s))
@@ -202,7 +256,9 @@ class Router:
         self.open_reservations.discard(rid)
 
     async def _normal(self, turn: Turn, arrival: float) -> float:
-        idx, ttft_s = self.model.normal(arrival, turn)
+        now = self.now_s()
+        idx, ttft_s = self.model.normal(now, turn)
+        ttft_s += now - arrival
         await self._post(self.prefill[idx % len(self.prefill)], turn, prefill_only=True)
         self._spawn(self._decode_after(turn, arrival + ttft_s))
         return ttft_s

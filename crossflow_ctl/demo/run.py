@@ -55,6 +55,8 @@ class DemoOptions:
     simulate: bool = True
     """Also run the project's simulator on the same trace, static and with leases."""
     redis_namespace: str | None = None
+    max_hold_ms: int = 300
+    """Late binding: how long the router holds a prompt refused for lack of room (0: never)."""
 
 
 def prefill_rate_tps(opts: DemoOptions, chunk_tokens: int = 8192) -> float:
@@ -80,6 +82,15 @@ async def forget_namespace(redis_url: str, namespace: str) -> None:
         await client.aclose()
 
 
+def demo_log_dir(chosen: Path | None) -> Path:
+    """``chosen`` (created if missing) or a new ``crossflow-demo-*`` folder under the system
+    temp dir; never deleted by the demo."""
+    if chosen is None:
+        return Path(tempfile.mkdtemp(prefix="crossflow-demo-"))
+    chosen.mkdir(parents=True, exist_ok=True)
+    return chosen
+
+
 class Demo:
     def __init__(self, opts: DemoOptions, out: TextIO = sys.stdout) -> None:
         self.opts = opts
@@ -103,20 +114,18 @@ class Demo:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._interrupt)
-        with contextlib.ExitStack() as stack:
-            log_dir = self.opts.log_dir or Path(
-                stack.enter_context(tempfile.TemporaryDirectory(prefix="crossflow-demo-"))
-            )
-            log_dir.mkdir(parents=True, exist_ok=True)
-            self.children = Children(log_dir)
-            try:
-                return await self._run()
-            finally:
-                await self.children.stop()
-                if self.opts.redis_url:
-                    await forget_namespace(self.opts.redis_url, self.namespace)
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
+        log_dir = demo_log_dir(self.opts.log_dir)
+        self.children = Children(log_dir)
+        try:
+            return await self._run()
+        finally:
+            await self.children.stop()
+            # kept: the logs are what an operator reads when the demo misbehaved
+            if self.opts.redis_url:
+                await forget_namespace(self.opts.redis_url, self.namespace)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            self.say(f"logs kept in {log_dir}")
 
     async def _run(self) -> int:
         assert self.children is not None
@@ -141,7 +150,15 @@ class Demo:
                 prefill_rate_tps=prefill_rate_tps(o),
             )
             async with AdmissionClient(broker, timeout_s=1.0, fail_closed=True) as admission:
-                router = Router(o.trace, admission, prefill, decode, params, speed=o.speed)
+                router = Router(
+                    o.trace,
+                    admission,
+                    prefill,
+                    decode,
+                    params,
+                    speed=o.speed,
+                    max_hold_ms=o.max_hold_ms,
+                )
                 started = time.monotonic()
                 await self._replay(router, admin, started)
                 elapsed = time.monotonic() - started

@@ -8,9 +8,27 @@ from typing import Any
 from crossflow_ctl.client import NodeView
 from crossflow_ctl.demo.model import StaticResult, mean, percentile
 from crossflow_ctl.demo.router import RouterStats
-from crossflow_ctl.domain.models import Credits, Lease, NodeRole, PoolSnapshot, Reservation
+from crossflow_ctl.domain.models import (
+    Credits,
+    Lease,
+    NodeRole,
+    PoolSnapshot,
+    Reservation,
+    ZeroReason,
+)
 
 CLEAR = "\x1b[H\x1b[2J"
+
+
+_NO_TELEMETRY = frozenset(
+    {
+        ZeroReason.STARTING,
+        ZeroReason.TELEMETRY_MISSING,
+        ZeroReason.TELEMETRY_STALE,
+        ZeroReason.TELEMETRY_IMPLAUSIBLE,
+    }
+)
+"""Zero reasons whose lease carries no ITL worth averaging."""
 
 
 @dataclass
@@ -67,10 +85,14 @@ class Observations:
             lease = stored.lease
             self.leases_seen.setdefault(node.info.node_id, set()).add((lease.epoch, lease.version))
             open_total += node.open_reservations
-            if stored.expired(now_ms) or lease.zero_reason is not None:
+            if stored.expired(now_ms):
                 self.zero_leases += 1
                 continue
-            if lease.itl_ms > 0:
+            if lease.zero_reason is not None:
+                self.zero_leases += 1
+            # a zero lease still reports the node's ITL (ITL over the SLO is why most are zero):
+            # leaving those out would report the ITL of the healthy nodes only
+            if lease.itl_ms > 0 and lease.zero_reason not in _NO_TELEMETRY:
                 self.itl_ms.append(lease.itl_ms)
         self.max_open_reservations = max(self.max_open_reservations, open_total)
 
@@ -106,7 +128,7 @@ def frame(
             f"prefill pool {pool.pool}: {len(pool.reports)} servers, "
             f"{pool.outstanding_uncached_tokens} tokens outstanding, "
             f"{pool.processing_rate_tps:.0f} tokens/s, wait "
-            + (f"{wait:.0f} ms" if wait is not None else "?")
+            + ("no rate" if pool.no_rate else f"{wait:.0f} ms" if wait is not None else "?")
         )
     lines.append("")
     header = f"{'NODE':<10} {'ROLE':<8} {'STATUS':<22} {'LEASE':>8} {'COMPUTE':>8} {'KV':>8} "
@@ -147,6 +169,11 @@ def summary_data(stats: RouterStats, static: StaticResult, obs: Observations) ->
         "borrowed_share": stats.borrowed_share,
         "borrowed_by_node": stats.borrowed_by_node,
         "reasons": stats.reasons,
+        "late_binding": {
+            "dispatch": stats.dispatch,
+            "held": len(stats.held_ms),
+            "held_ms": {"mean": mean(stats.held_ms), "max": max(stats.held_ms, default=0.0)},
+        },
         "admit_errors": stats.admit_errors,
         "engine_errors": stats.engine_errors,
         "lease_versions_seen": obs.lease_updates,
@@ -213,6 +240,9 @@ def summary(
             f"  decode ITL reported in leases: {itl}",
             "  admission reasons: "
             + ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items())),
+            f"  late binding: {len(stats.held_ms)} prompts held (mean "
+            f"{mean(stats.held_ms):.0f} ms); outcomes: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(stats.dispatch.items())),
             "  (TTFT on both sides comes from the demo router's queueing model of this cluster;"
             " the static column replays the same requests with nothing borrowed.)",
         ]

@@ -44,6 +44,8 @@ class Reason(StrEnum):
     SHADOW_MODE = "shadow_mode"
     DRY_RUN = "dry_run"
     BORROWING_DISABLED = "borrowing_disabled"
+    BROKER_UNAVAILABLE = "broker_unavailable"
+    """A fail-closed client could not reach the broker (never answered by a broker)."""
 
 
 class AdmissionRequest(Frozen):

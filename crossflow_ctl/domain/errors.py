@@ -5,7 +5,9 @@
     ├── NotFound               an unknown node or reservation
     ├── FailedPrecondition     valid input the current state refuses
     │   └── StaleLease         a lease whose (epoch, version) is not newer than the stored one
-    ├── StoreUnavailable       the store errored or timed out (callers fail closed)
+    ├── Unavailable            something could not answer in time (callers fail closed)
+    │   ├── StoreUnavailable   the broker's store errored or timed out
+    │   └── BrokerUnavailable  the broker could not be reached or did not answer (client side)
     └── ConfigError            settings refused at start
 
 The broker maps each class to one gRPC status code at the boundary; the client maps the codes
@@ -50,8 +52,16 @@ class StaleLease(FailedPrecondition):
         self.stored_version = stored_version
 
 
-class StoreUnavailable(CrossflowError):
-    """The store could not answer in time; admission fails closed to the normal path."""
+class Unavailable(CrossflowError):
+    """Something could not answer in time; admission fails closed to the normal path."""
+
+
+class StoreUnavailable(Unavailable):
+    """The store could not answer in time (the broker was reached)."""
+
+
+class BrokerUnavailable(Unavailable):
+    """The broker could not be reached or did not answer in time (raised by clients)."""
 
 
 class ConfigError(CrossflowError):

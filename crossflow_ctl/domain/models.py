@@ -221,6 +221,16 @@ class PoolSnapshot(Frozen):
         known = [r.prefill_rate_tps for r in self.reports if r.prefill_rate_tps > 0]
         return sum(known) / len(known) if known else 0.0
 
+    @property
+    def no_rate(self) -> bool:
+        """Work is outstanding but no server reports a processing rate: the wait is unbounded
+        (Demand holds); displays say "no rate" rather than a sentinel number of ms."""
+        return (
+            bool(self.reports)
+            and self.outstanding_uncached_tokens > 0
+            and (self.processing_rate_tps <= 0)
+        )
+
     def estimated_wait_ms(self) -> float | None:
         """Outstanding uncached tokens / recent rate; None when nothing reports."""
         if not self.reports:

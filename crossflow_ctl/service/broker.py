@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import structlog
@@ -45,8 +45,17 @@ from crossflow_ctl.domain.models import (
     StoredLease,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.room import (
+    RoomUpdate,
+    RoomView,
+    RoomWatchRequest,
+    summarize_room,
+    unknown_room,
+)
+from crossflow_ctl.domain.selectors import Selector
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision, annotate_node
 from crossflow_ctl.service.config import BrokerSettings
+from crossflow_ctl.service.room import RoomWatches
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
@@ -87,17 +96,6 @@ def check_reservation_id(reservation_id: str) -> str:
     return reservation_id
 
 
-def parse_selector(selector: str) -> dict[str, str]:
-    """``"k=v,k2=v2"`` -> {k: v, k2: v2}; InvalidArgument naming ``selector`` otherwise."""
-    out: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in selector.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise InvalidArgument(f"expected k=v, got {part!r}", field="selector")
-        out[key.strip()] = value.strip()
-    return out
-
-
 class Broker:
     """One replica's view of the control plane; all shared state lives in the store."""
 
@@ -119,6 +117,8 @@ class Broker:
         self._policy = settings.policy
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
+        self.rooms = RoomWatches(settings.room, clock, self.room_view)
+        """This replica's WatchRoom subscriptions (late binding)."""
 
     # -- policy, shared through the store and cached briefly -----------------------------------
     @property
@@ -277,6 +277,26 @@ class Broker:
             plan,
         )
 
+    # -- late binding ----------------------------------------------------------------------------
+    async def room_view(self, request: RoomWatchRequest) -> RoomView:
+        """The room for ``request`` now, from the store; UNKNOWN (no room) on any doubt."""
+        policy, now, limit_ms = self._policy, self.clock.now_ms(), self.settings.admin_timeout_ms
+        view = self.store.admission_view(
+            request.pool, request.candidate_node_ids, self.settings.room.max_nodes, now
+        )
+        try:
+            async with asyncio.timeout(limit_ms / 1000.0):
+                pool, nodes = await self._timed("room_view", view)
+        except Exception as exc:  # fail closed on a store error, overrun or anything unforeseen
+            detail = f"store slower than {limit_ms} ms" if isinstance(exc, TimeoutError) else exc
+            log.warning("room_view.failed", error=repr(exc))
+            return unknown_room(request.pool, f"room unknown: {detail}")
+        return summarize_room(request.pool, pool, nodes, policy, now)
+
+    def watch_room(self, request: RoomWatchRequest) -> AsyncIterator[RoomUpdate]:
+        """Room updates for ``request`` (see :mod:`crossflow_ctl.service.room`)."""
+        return self.rooms.watch(request)
+
     async def commit(self, reservation_id: str) -> Reservation:
         check_reservation_id(reservation_id)
         res = await self._admin_call(
@@ -292,6 +312,7 @@ class Broker:
         log.debug("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
         self.metrics.record_reservation_event("release")
         annotate_node(res.node_id)
+        self.rooms.poke()
         return res
 
     # -- agents ----------------------------------------------------------------------------------
@@ -318,6 +339,8 @@ class Broker:
                 field="lease.version",
             )
         self._note_zero(lease)
+        if not lease.is_zero:
+            self.rooms.poke()
         return outcome
 
     def _note_zero(self, lease: Lease) -> None:
@@ -349,13 +372,12 @@ class Broker:
 
     # -- operators -------------------------------------------------------------------------------
     async def list_nodes(self, role: NodeRole | None = None, selector: str = "") -> list[NodeState]:
-        wanted = parse_selector(selector)
+        wanted = Selector.parse(selector)
         nodes = await self._admin_call(self.store.list_nodes(self.clock.now_ms()))
         return [
             n
             for n in nodes
-            if (role is None or n.info.role is role)
-            and all(n.info.labels.get(k) == v for k, v in wanted.items())
+            if (role is None or n.info.role is role) and wanted.matches(n.info.labels)
         ]
 
     async def get_node(self, node_id: str) -> NodeDetail:
@@ -389,6 +411,7 @@ class Broker:
         now = self.clock.now_ms()
         await self._admin_call(self.store.set_cordon(node_id, cordoned, reason, now))
         log.info("cordon", node_id=node_id, cordoned=cordoned, reason=reason)
+        self.rooms.poke()
         return await self._admin_call(self.store.get_node(node_id, now))
 
     # -- helpers ---------------------------------------------------------------------------------

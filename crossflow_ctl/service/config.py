@@ -13,13 +13,34 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.settings_sources import LayeredSettings, host_port, load_layered
 
 MiB = 1024 * 1024
+
+
+class RoomWatchSettings(BaseModel):
+    """How this replica serves ``WatchRoom`` streams (late binding)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    poll_ms: Annotated[int, Field(ge=10, le=10_000)] = 100
+    """The replica re-reads the store's admission view for each watched (pool, candidates) at
+    least this often, so room changed through another replica (or by expiry) is seen within it;
+    this replica's own lease ingest, releases and cordons trigger a read at once."""
+    min_read_ms: Annotated[int, Field(ge=1, le=10_000)] = 20
+    """Least time between two reads for one (pool, candidates), however often it is woken."""
+    max_updates_per_s: Annotated[float, Field(gt=0.0, le=1_000.0, allow_inf_nan=False)] = 10.0
+    """Default and ceiling of a watch's update rate; bursts in between are coalesced."""
+    heartbeat_ms: Annotated[int, Field(ge=100, le=60_000)] = 1_000
+    """Default heartbeat interval of a watch (a watcher may ask for another)."""
+    max_nodes: Annotated[int, Field(ge=1, le=1_024)] = 64
+    """Lenders sampled per read when the watcher names no candidates."""
+    min_change: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.1
+    """A node's spare compute or KV must move by more than this fraction to be news."""
 
 
 class BrokerSettings(LayeredSettings):
@@ -62,6 +83,8 @@ class BrokerSettings(LayeredSettings):
     """OTLP/gRPC endpoint for traces (needs opentelemetry-exporter-otlp-proto-grpc); None: none."""
     metrics_refresh_ms: Annotated[int, Field(ge=50, le=300_000)] = 5_000
     """How often the state gauges (open reservations, node credit) are re-read from the store."""
+    room: RoomWatchSettings = RoomWatchSettings()
+    """WatchRoom streams: store polling, rate limits and heartbeats."""
 
     @field_validator("listen")
     @classmethod

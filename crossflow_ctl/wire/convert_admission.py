@@ -25,6 +25,7 @@ from crossflow_ctl.domain.admission import (
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import MAX_TOKENS
 from crossflow_ctl.wire import convert as c
+from crossflow_ctl.wire import convert_room as cr
 
 
 def reason_to_proto(reason: Reason) -> int:
@@ -257,6 +258,9 @@ MIRRORS: dict[str, tuple[Converter, Converter]] = {
     "crossflow.v1.NormalPathEstimate": (plan_to_proto, plan_from_proto),
     "crossflow.v1.GetPolicyResponse": (c.policy_to_json, c.policy_from_json),
     "crossflow.v1.SetPolicyResponse": (c.policy_to_json, c.policy_from_json),
+    "crossflow.v1.WatchRoomRequest": (cr.watch_request_to_proto, cr.watch_request_from_proto),
+    "crossflow.v1.WatchRoomResponse": (cr.room_update_to_proto, cr.room_update_from_proto),
+    "crossflow.v1.NodeRoom": (cr.node_room_to_proto, cr.node_room_from_proto),
 }
 
 WIRE_ONLY: dict[str, str] = {

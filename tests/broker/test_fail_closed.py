@@ -17,7 +17,8 @@ from crossflow_ctl.api.v1 import common_pb2, lease_pb2, lease_pb2_grpc
 from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.client import AdminClient, AdmissionClient
 from crossflow_ctl.domain.admission import Decision, Reason
-from crossflow_ctl.domain.errors import StoreUnavailable
+from crossflow_ctl.domain.errors import BrokerUnavailable, StoreUnavailable
+from crossflow_ctl.domain.room import RoomStatus
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.agents import FakeAgent
@@ -78,8 +79,8 @@ async def test_store_down_admit_answers_normal_admin_unavailable(kind, blackhole
                 assert adm.reason is Reason.TIMEOUT
         async with AdminClient(target(server), timeout_s=5) as admin:
             with pytest.raises(StoreUnavailable) as err:
-                await admin.list_nodes()
-            assert "UNAVAILABLE" in str(err.value)
+                await admin.list_nodes()  # the broker answered: its STORE is down
+            assert not isinstance(err.value, BrokerUnavailable)
             with pytest.raises(StoreUnavailable):
                 await admin.cordon("d1")
         async with grpc.aio.insecure_channel(target(server)) as channel:
@@ -92,22 +93,95 @@ async def test_store_down_admit_answers_normal_admin_unavailable(kind, blackhole
         await server.stop(grace_s=0.5)
 
 
+@pytest.mark.parametrize("kind", ["dead", "hung"])
+async def test_store_down_room_watch_says_unknown_and_keeps_going(kind, blackhole) -> None:
+    port = _closed_port() if kind == "dead" else blackhole
+    server = await _broker_on(f"redis://127.0.0.1:{port}/0")
+    try:
+        async with AdmissionClient(target(server), timeout_s=5) as client:
+            updates = client.watch_room(heartbeat_ms=100)
+            async with asyncio.timeout(20):
+                seen = [await anext(updates) for _ in range(3)]
+            assert [u.seq for u in seen] == [1, 2, 3]
+            assert all(u.view.status is RoomStatus.UNKNOWN and not u.view.has_room for u in seen)
+            assert "room unknown" in seen[0].view.detail
+            await updates.aclose()  # type: ignore[attr-defined]
+    finally:
+        await server.stop(grace_s=0.5)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, asyncio.CancelledError):
+        pass
+    finally:
+        writer.close()
+
+
+async def test_redis_lost_mid_watch_turns_the_room_unknown(redis_url, redis_namespace) -> None:
+    """A TCP proxy in front of the real Redis is cut while a watch runs: the watch reports
+    UNKNOWN (no room) and stays up."""
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    links: list[asyncio.Task[None]] = []
+
+    async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        links.extend(
+            [
+                asyncio.create_task(_pipe(reader, up_writer)),
+                asyncio.create_task(_pipe(up_reader, writer)),
+            ]
+        )
+
+    proxy = await asyncio.start_server(forward, "127.0.0.1", 0)
+    url = f"redis://127.0.0.1:{proxy.sockets[0].getsockname()[1]}/0"
+    settings = BrokerSettings(
+        listen="127.0.0.1:0", redis_url=url, policy=TEST_POLICY, admin_timeout_ms=300
+    )
+    store = RedisStore(url, namespace=redis_namespace, socket_timeout_s=0.2, op_timeout_s=0.3)
+    server = BrokerServer(settings, store)
+    await server.start()
+    try:
+        async with AdmissionClient(target(server), timeout_s=5) as client:
+            updates = client.watch_room(heartbeat_ms=100)
+            async with asyncio.timeout(20):
+                first = await anext(updates)
+                assert first.view.status is RoomStatus.OK
+                proxy.close()
+                for link in links:
+                    link.cancel()
+                while (update := await anext(updates)).view.status is RoomStatus.OK:
+                    pass
+                assert not update.view.has_room and update.seq > first.seq
+                after = await anext(updates)
+            assert after.seq == update.seq + 1 and after.view.status is RoomStatus.UNKNOWN
+            await updates.aclose()  # type: ignore[attr-defined]
+    finally:
+        await server.stop(grace_s=0.5)
+        await proxy.wait_closed()
+
+
 async def test_client_fail_closed_on_transport_errors() -> None:
     dead = f"127.0.0.1:{_closed_port()}"
     async with AdmissionClient(dead, timeout_s=1, fail_closed=True) as client:
         adm = await client.admit(uncached_prompt_tokens=10)
         assert adm.decision is Decision.NORMAL
-        assert adm.reason in (Reason.STORE_UNAVAILABLE, Reason.TIMEOUT)
+        # nothing listens: the broker, not its store, is what is unavailable
+        assert adm.reason in (Reason.BROKER_UNAVAILABLE, Reason.TIMEOUT), adm
     async with AdmissionClient(dead, timeout_s=1) as client:
-        with pytest.raises(StoreUnavailable):
+        with pytest.raises(BrokerUnavailable) as err:
             await client.admit(uncached_prompt_tokens=10)
+        assert "store" not in str(err.value)
 
 
 async def test_client_fail_closed_on_deadline(blackhole) -> None:
     async with AdmissionClient(f"127.0.0.1:{blackhole}", timeout_s=0.3, fail_closed=True) as c:
         adm = await c.admit(uncached_prompt_tokens=10)
         assert adm.decision is Decision.NORMAL
-        assert adm.reason in (Reason.TIMEOUT, Reason.STORE_UNAVAILABLE)
+        assert adm.reason is Reason.TIMEOUT
 
 
 async def _ready(cluster, agents, **start) -> tuple[BrokerServer, FakeAgent]:

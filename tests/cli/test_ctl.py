@@ -38,6 +38,20 @@ async def test_get_nodes_table_json_yaml(ctl: Ctl, fleet: Fleet) -> None:
     assert doc["kind"] == "NodeList"
     assert [i["name"] for i in doc["items"]] == ["decode-1"]
 
+    # one selector grammar, applied by the broker (not a second copy in the CLI)
+    not_a = await ctl("get", "nodes", "-o", "json", "-l", "zone!=a", "--role", "decode")
+    assert not_a.rc == 0, not_a.err
+    names = sorted(i["name"] for i in json.loads(not_a.out)["items"])
+    assert "decode-1" not in names and "decode-2" in names
+    in_set = await ctl("get", "nodes", "-o", "json", "-l", "zone in (a,b)")
+    assert sorted(i["name"] for i in json.loads(in_set.out)["items"])[:2] == [
+        "decode-1",
+        "decode-2",
+    ]
+    bad = await ctl("get", "nodes", "-l", "zone=(a")
+    assert bad.rc == 2, (bad.rc, bad.out, bad.err)
+    assert "selector" in bad.err
+
     wide = await ctl("get", "nodes", "-o", "wide", "--role", "decode")
     assert "LABELS" in wide.out.splitlines()[0]
     assert "prefill-1" not in wide.out
@@ -135,7 +149,8 @@ async def test_wrong_server_one_clear_line_exit_4(ctl: Ctl) -> None:
     assert res.rc == 4
     assert res.out == ""
     (line,) = res.err.splitlines()
-    assert line.startswith(f"error: broker at {ctl.server} unavailable: ")
+    assert line.startswith(f"error: cannot reach the broker at {ctl.server}: ")
+    assert "store" not in line
 
 
 async def test_exit_codes_not_found_and_usage(ctl: Ctl, fleet: Fleet) -> None:
@@ -257,3 +272,11 @@ async def test_tls_context_with_unreadable_ca_is_a_usage_error(ctl: Ctl, tmp_pat
     assert res.err.splitlines() == [
         f"error: cannot read CA file {missing}: No such file or directory"
     ]
+
+
+async def test_server_without_a_port_is_refused_not_sent_to_443(ctl: Ctl) -> None:
+    ctl.server = "localhost"
+    res = await ctl("get", "nodes")
+    assert res.rc == 2, (res.out, res.err)
+    (line,) = res.err.splitlines()
+    assert "--server must be host:port" in line and "localhost:50051" in line

@@ -11,7 +11,7 @@ import yaml
 from crossflow_ctl.cli.config import Context, CtlConfig, load_config, save_config
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import Column, OutputFormat, render_list, table
-from crossflow_ctl.cli.views import age, matches
+from crossflow_ctl.cli.views import POOL_COLUMNS, age, pool_row
 from crossflow_ctl.domain.errors import (
     ConfigError,
     FailedPrecondition,
@@ -19,6 +19,7 @@ from crossflow_ctl.domain.errors import (
     NotFound,
     StoreUnavailable,
 )
+from crossflow_ctl.domain.models import PoolLoad, PoolSnapshot
 
 COLUMNS = [Column("NAME", "name"), Column("SLOTS", "slots"), Column("POOL", "pool", wide=True)]
 ROWS = [{"name": "decode-1", "slots": 4, "pool": "a"}, {"name": "d2", "slots": 0, "pool": ""}]
@@ -38,23 +39,6 @@ def test_json_and_yaml_wrap_lists_kubectl_style() -> None:
     as_yaml = yaml.safe_load(render_list(ROWS, COLUMNS, OutputFormat.YAML, kind="NodeList"))
     assert as_json == as_yaml == {"kind": "NodeList", "items": ROWS}
     assert render_list([], COLUMNS, OutputFormat.TABLE, kind="NodeList") == "No resources found."
-
-
-@pytest.mark.parametrize(
-    ("selector", "expected"),
-    [
-        ("", True),
-        ("zone=a", True),
-        ("zone=b", False),
-        ("zone!=a", False),
-        ("gpu", True),
-        ("zone=a,gpu=h200", True),
-        ("zone=a,gpu!=h200", False),
-        ("missing", False),
-    ],
-)
-def test_label_selectors(selector: str, expected: bool) -> None:
-    assert matches({"zone": "a", "gpu": "h200"}, selector) is expected
 
 
 def test_age_is_kubectl_like() -> None:
@@ -104,3 +88,53 @@ def test_errors_print_as_one_line() -> None:
         "error: borrow_share: must be <= 1"
     )
     assert one_line(RuntimeError()) == "error: RuntimeError"
+
+
+def test_pool_wait_says_no_rate_instead_of_a_sentinel() -> None:
+    stalled = PoolSnapshot(
+        pool="default",
+        reports=(
+            PoolLoad(
+                node_id="prefill-1",
+                outstanding_uncached_tokens=5_000,
+                processing_rate_tps=0.0,
+                ttl_ms=1_000,
+            ),
+        ),
+    )
+    row = pool_row(stalled)
+    assert row["wait"] == "no rate" and row["estimated_wait_ms"] is None
+    text = render_list([row], POOL_COLUMNS, OutputFormat.TABLE, kind="PoolList")
+    assert "no rate" in text and "86400000" not in text
+    assert (
+        json.loads(render_list([row], POOL_COLUMNS, OutputFormat.JSON, kind="PoolList"))["items"][
+            0
+        ]["estimated_wait_ms"]
+        is None
+    )
+
+
+def test_lazy_command_table_matches_the_commands() -> None:
+    import click
+
+    from crossflow_ctl.cli.ctl import COMMANDS, SHORT_HELP_LIMIT, cli
+
+    ctx = click.Context(cli)
+    for name, (_, short) in COMMANDS.items():
+        command = cli.get_command(ctx, name)
+        assert command is not None and command.name == name
+        assert short == command.get_short_help_str(limit=SHORT_HELP_LIMIT), name
+
+
+def test_help_does_not_import_the_simulator() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from crossflow_ctl.cli.ctl import cli; from click.testing import CliRunner; "
+        "r = CliRunner().invoke(cli, ['--help']); assert r.exit_code == 0, r.output; "
+        "print(sorted(m for m in sys.modules if m.startswith(('crossflow_ctl.sim', "
+        "'crossflow_ctl.service', 'crossflow_ctl.store', 'crossflow_ctl.client'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -70,6 +70,11 @@ def _check_summary(path: Path, *, require_checks: bool = True) -> dict[str, Any]
     if require_checks:
         assert data["over_commit_checks"] > 0, "the check ran on nodes with open grants"
     assert data["admit_errors"] == 0 and data["engine_errors"] == 0
+    # Every prompt went through the admission queue and got one outcome (a prompt whose first
+    # Admit was still in flight when the run stopped has none yet).
+    outcomes = data["late_binding"]["dispatch"]
+    assert data["finished"] <= sum(outcomes.values()) <= data["requests"], outcomes
+    assert data["late_binding"]["held"] <= sum(outcomes.values())
     sim = data["simulator"]
     assert sim["leases"]["overcommits"] == 0 and sim["static"]["borrowed_share"] == 0.0
     return data
@@ -96,8 +101,12 @@ def test_demo_runs_and_exits_0_on_its_own(tmp_path: Path) -> None:
     assert "cluster ready: 2 decode nodes leasing, 1 prefill servers reporting" in proc.stdout
     assert "Summary: synthetic-agentic(seed=7) on 1P2D" in proc.stdout
     assert "over-commits seen: none" in proc.stdout
+    assert "late binding: " in proc.stdout
     data = _check_summary(summary)
     assert not data["interrupted"]
+    logs = tmp_path / "logs"
+    assert f"logs kept in {logs}" in proc.stdout
+    assert (logs / "broker.log").is_file(), sorted(p.name for p in logs.iterdir())
 
 
 def test_demo_on_redis_stops_everything_on_sigint(

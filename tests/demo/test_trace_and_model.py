@@ -111,3 +111,16 @@ def test_static_replay_is_closed_loop() -> None:
     sub = Session("s.0", (Turn(1, 0, 1),), parent_id="s", offset_s=2.0)
     starts = [r.at_s for r in first_releases(Trace("t", (s, sub)), p)]
     assert starts == [0.0, 2.0]
+
+
+def test_default_log_dir_is_new_and_left_in_place(tmp_path) -> None:
+    from crossflow_ctl.demo.run import demo_log_dir
+
+    first, second = demo_log_dir(None), demo_log_dir(None)
+    try:
+        assert first != second and first.is_dir() and first.name.startswith("crossflow-demo-")
+        chosen = demo_log_dir(tmp_path / "a" / "b")
+        assert chosen.is_dir()
+    finally:
+        first.rmdir()
+        second.rmdir()

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from crossflow_ctl.client import NodeView
 from crossflow_ctl.demo.view import Observations
-from crossflow_ctl.domain.models import Credits, Lease, Reservation, ReservationState
+from crossflow_ctl.domain.models import (
+    Credits,
+    Lease,
+    NodeInfo,
+    NodeState,
+    Reservation,
+    ReservationState,
+    StoredLease,
+    ZeroReason,
+)
 
 
 def _lease(version: int, compute: int) -> Lease:
@@ -49,3 +59,24 @@ def test_lease_out_of_history_is_not_judged() -> None:
     obs = Observations()
     obs.check_grants([_res("a", 9, 10**6)], {"d1": [_lease(2, 10)]}, share=1.0)
     assert (obs.over_commits, obs.checked) == ([], 0)
+
+
+def test_itl_summary_counts_nodes_whose_lease_is_zero_for_itl() -> None:
+    def view(node_id: str, itl: float, reason: ZeroReason | None) -> NodeView:
+        lease = Lease(
+            node_id=node_id, epoch=1, version=1, ttl_ms=1000, itl_ms=itl, zero_reason=reason
+        )
+        stored = StoredLease(lease=lease, received_at_ms=0, expires_at_ms=10_000)
+        return NodeView(state=NodeState(info=NodeInfo(node_id=node_id), lease=stored))
+
+    obs = Observations()
+    obs.observe(
+        [
+            view("d1", 20.0, None),
+            view("d2", 80.0, ZeroReason.ITL_OVER_SLO),
+            view("d3", 5.0, ZeroReason.TELEMETRY_IMPLAUSIBLE),
+        ],
+        now_ms=1_000,
+    )
+    assert sorted(obs.itl_ms) == [20.0, 80.0]
+    assert obs.zero_leases == 2

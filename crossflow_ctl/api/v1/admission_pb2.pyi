@@ -55,6 +55,8 @@ class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reason.ValueTy
     REASON_SHADOW_MODE: _Reason.ValueType  # 9
     REASON_DRY_RUN: _Reason.ValueType  # 10
     REASON_BORROWING_DISABLED: _Reason.ValueType  # 11
+    REASON_BROKER_UNAVAILABLE: _Reason.ValueType  # 12
+    """Set by a fail-closed client, never by a broker: the broker could not be reached in time."""
 
 class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper): ...
 
@@ -70,6 +72,8 @@ REASON_TIMEOUT: Reason.ValueType  # 8
 REASON_SHADOW_MODE: Reason.ValueType  # 9
 REASON_DRY_RUN: Reason.ValueType  # 10
 REASON_BORROWING_DISABLED: Reason.ValueType  # 11
+REASON_BROKER_UNAVAILABLE: Reason.ValueType  # 12
+"""Set by a fail-closed client, never by a broker: the broker could not be reached in time."""
 Global___Reason: _TypeAlias = Reason  # noqa: Y015
 
 class _ReleaseOutcome:
@@ -90,6 +94,25 @@ RELEASE_OUTCOME_FINISHED: ReleaseOutcome.ValueType  # 1
 RELEASE_OUTCOME_FAILED: ReleaseOutcome.ValueType  # 2
 RELEASE_OUTCOME_CANCELLED: ReleaseOutcome.ValueType  # 3
 Global___ReleaseOutcome: _TypeAlias = ReleaseOutcome  # noqa: Y015
+
+class _RoomStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RoomStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoomStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROOM_STATUS_UNSPECIFIED: _RoomStatus.ValueType  # 0
+    ROOM_STATUS_OK: _RoomStatus.ValueType  # 1
+    ROOM_STATUS_UNKNOWN: _RoomStatus.ValueType  # 2
+    """The store did not answer: assume no room (fail closed)."""
+
+class RoomStatus(_RoomStatus, metaclass=_RoomStatusEnumTypeWrapper): ...
+
+ROOM_STATUS_UNSPECIFIED: RoomStatus.ValueType  # 0
+ROOM_STATUS_OK: RoomStatus.ValueType  # 1
+ROOM_STATUS_UNKNOWN: RoomStatus.ValueType  # 2
+"""The store did not answer: assume no room (fail closed)."""
+Global___RoomStatus: _TypeAlias = RoomStatus  # noqa: Y015
 
 @_typing.final
 class AdmitRequest(_message.Message):
@@ -420,3 +443,132 @@ class ReleaseResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
+
+@_typing.final
+class WatchRoomRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    CANDIDATE_NODE_IDS_FIELD_NUMBER: _builtins.int
+    MAX_UPDATES_PER_S_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_MS_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """Prefill pool whose Demand is reported; empty means "default"."""
+    max_updates_per_s: _builtins.float
+    """At most this many updates a second; 0 takes the broker's default (capped by it)."""
+    heartbeat_ms: _builtins.int
+    """A heartbeat at least this often (ms); 0 takes the broker's default."""
+    @_builtins.property
+    def candidate_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Decode nodes to watch; empty samples the nodes that hold a live lease."""
+
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        candidate_node_ids: _abc.Iterable[_builtins.str] | None = ...,
+        max_updates_per_s: _builtins.float = ...,
+        heartbeat_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_node_ids", b"candidate_node_ids", "heartbeat_ms", b"heartbeat_ms", "max_updates_per_s", b"max_updates_per_s", "pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRoomRequest: _TypeAlias = WatchRoomRequest  # noqa: Y015
+
+@_typing.final
+class NodeRoom(_message.Message):
+    """One decode node's spare room: its lease x borrow share - open debits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    COMPUTE_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_TOKENS_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    QUEUE_WAIT_MS_FIELD_NUMBER: _builtins.int
+    LEASE_EPOCH_FIELD_NUMBER: _builtins.int
+    LEASE_VERSION_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    compute_tokens: _builtins.int
+    """Spare compute credit, in the lease's compute unit (uncached prompt tokens)."""
+    kv_tokens: _builtins.int
+    slots: _builtins.int
+    queue_wait_ms: _builtins.float
+    lease_epoch: _builtins.int
+    lease_version: _builtins.int
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        compute_tokens: _builtins.int = ...,
+        kv_tokens: _builtins.int = ...,
+        slots: _builtins.int = ...,
+        queue_wait_ms: _builtins.float = ...,
+        lease_epoch: _builtins.int = ...,
+        lease_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_tokens", b"compute_tokens", "kv_tokens", b"kv_tokens", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "node_id", b"node_id", "queue_wait_ms", b"queue_wait_ms", "slots", b"slots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeRoom: _TypeAlias = NodeRoom  # noqa: Y015
+
+@_typing.final
+class WatchRoomResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    POOL_WAIT_KNOWN_FIELD_NUMBER: _builtins.int
+    POOL_WAIT_MS_FIELD_NUMBER: _builtins.int
+    DEMAND_THRESHOLD_MS_FIELD_NUMBER: _builtins.int
+    DEMAND_HOLDS_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Increases by one per message of this stream, from 1."""
+    at_unix_ms: _builtins.int
+    heartbeat: _builtins.bool
+    """True when sent because the heartbeat interval passed, not because room changed."""
+    pool: _builtins.str
+    status: Global___RoomStatus.ValueType
+    detail: _builtins.str
+    pool_wait_known: _builtins.bool
+    """The prefill pool's estimated wait; pool_wait_known is false when no live load report."""
+    pool_wait_ms: _builtins.float
+    demand_threshold_ms: _builtins.float
+    demand_holds: _builtins.bool
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeRoom]:
+        """Nodes with room on compute, KV and slots, by node id."""
+
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        at_unix_ms: _builtins.int = ...,
+        heartbeat: _builtins.bool = ...,
+        pool: _builtins.str = ...,
+        status: Global___RoomStatus.ValueType = ...,
+        detail: _builtins.str = ...,
+        nodes: _abc.Iterable[Global___NodeRoom] | None = ...,
+        pool_wait_known: _builtins.bool = ...,
+        pool_wait_ms: _builtins.float = ...,
+        demand_threshold_ms: _builtins.float = ...,
+        demand_holds: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_ms", b"at_unix_ms", "demand_holds", b"demand_holds", "demand_threshold_ms", b"demand_threshold_ms", "detail", b"detail", "heartbeat", b"heartbeat", "nodes", b"nodes", "pool", b"pool", "pool_wait_known", b"pool_wait_known", "pool_wait_ms", b"pool_wait_ms", "seq", b"seq", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRoomResponse: _TypeAlias = WatchRoomResponse  # noqa: Y015

@@ -51,6 +51,11 @@ class AdmissionServiceStub:
                 request_serializer=crossflow_dot_v1_dot_admission__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=crossflow_dot_v1_dot_admission__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.WatchRoom = channel.unary_stream(
+                '/crossflow.v1.AdmissionService/WatchRoom',
+                request_serializer=crossflow_dot_v1_dot_admission__pb2.WatchRoomRequest.SerializeToString,
+                response_deserializer=crossflow_dot_v1_dot_admission__pb2.WatchRoomResponse.FromString,
+                _registered_method=True)
 
 
 class AdmissionServiceServicer:
@@ -76,6 +81,17 @@ class AdmissionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchRoom(self, request, context):
+        """Late binding: a stream of the room routers may borrow, for one pool (and optional
+        candidate nodes). The first message is the room now; then one whenever room appears or
+        changes materially (at most max_updates_per_s), and a heartbeat at least every
+        heartbeat_ms. When the store cannot be read, an update with ROOM_STATUS_UNKNOWN (no room)
+        is sent and the stream goes on. Changes made through any broker replica are seen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdmissionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +109,11 @@ def add_AdmissionServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=crossflow_dot_v1_dot_admission__pb2.ReleaseRequest.FromString,
                     response_serializer=crossflow_dot_v1_dot_admission__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'WatchRoom': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRoom,
+                    request_deserializer=crossflow_dot_v1_dot_admission__pb2.WatchRoomRequest.FromString,
+                    response_serializer=crossflow_dot_v1_dot_admission__pb2.WatchRoomResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +199,33 @@ class AdmissionService:
             '/crossflow.v1.AdmissionService/Release',
             crossflow_dot_v1_dot_admission__pb2.ReleaseRequest.SerializeToString,
             crossflow_dot_v1_dot_admission__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/crossflow.v1.AdmissionService/WatchRoom',
+            crossflow_dot_v1_dot_admission__pb2.WatchRoomRequest.SerializeToString,
+            crossflow_dot_v1_dot_admission__pb2.WatchRoomResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,13 @@ class AdmissionServiceStub:
     Admit: _grpc.UnaryUnaryMultiCallable[_admission_pb2.AdmitRequest, _admission_pb2.AdmitResponse]
     Commit: _grpc.UnaryUnaryMultiCallable[_admission_pb2.CommitRequest, _admission_pb2.CommitResponse]
     Release: _grpc.UnaryUnaryMultiCallable[_admission_pb2.ReleaseRequest, _admission_pb2.ReleaseResponse]
+    WatchRoom: _grpc.UnaryStreamMultiCallable[_admission_pb2.WatchRoomRequest, _admission_pb2.WatchRoomResponse]
+    """Late binding: a stream of the room routers may borrow, for one pool (and optional
+    candidate nodes). The first message is the room now; then one whenever room appears or
+    changes materially (at most max_updates_per_s), and a heartbeat at least every
+    heartbeat_ms. When the store cannot be read, an update with ROOM_STATUS_UNKNOWN (no room)
+    is sent and the stream goes on. Changes made through any broker replica are seen.
+    """
 
 @_typing.type_check_only
 class AdmissionServiceAsyncStub(AdmissionServiceStub):
@@ -49,6 +56,13 @@ class AdmissionServiceAsyncStub(AdmissionServiceStub):
     Admit: _aio.UnaryUnaryMultiCallable[_admission_pb2.AdmitRequest, _admission_pb2.AdmitResponse]  # type: ignore[assignment]
     Commit: _aio.UnaryUnaryMultiCallable[_admission_pb2.CommitRequest, _admission_pb2.CommitResponse]  # type: ignore[assignment]
     Release: _aio.UnaryUnaryMultiCallable[_admission_pb2.ReleaseRequest, _admission_pb2.ReleaseResponse]  # type: ignore[assignment]
+    WatchRoom: _aio.UnaryStreamMultiCallable[_admission_pb2.WatchRoomRequest, _admission_pb2.WatchRoomResponse]  # type: ignore[assignment]
+    """Late binding: a stream of the room routers may borrow, for one pool (and optional
+    candidate nodes). The first message is the room now; then one whenever room appears or
+    changes materially (at most max_updates_per_s), and a heartbeat at least every
+    heartbeat_ms. When the store cannot be read, an update with ROOM_STATUS_UNKNOWN (no room)
+    is sent and the stream goes on. Changes made through any broker replica are seen.
+    """
 
 class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
     """Called by LLM routers for every request. Admit never fails for policy or
@@ -75,5 +89,18 @@ class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admission_pb2.ReleaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admission_pb2.ReleaseResponse, _abc.Awaitable[_admission_pb2.ReleaseResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def WatchRoom(
+        self,
+        request: _admission_pb2.WatchRoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_admission_pb2.WatchRoomResponse], _abc.AsyncIterator[_admission_pb2.WatchRoomResponse]]:
+        """Late binding: a stream of the room routers may borrow, for one pool (and optional
+        candidate nodes). The first message is the room now; then one whenever room appears or
+        changes materially (at most max_updates_per_s), and a heartbeat at least every
+        heartbeat_ms. When the store cannot be read, an update with ROOM_STATUS_UNKNOWN (no room)
+        is sent and the stream goes on. Changes made through any broker replica are seen.
+        """
 
 def add_AdmissionServiceServicer_to_server(servicer: AdmissionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

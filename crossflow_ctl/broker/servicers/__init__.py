@@ -27,6 +27,18 @@ STATUS_FOR: tuple[tuple[type[CrossflowError], grpc.StatusCode], ...] = (
 )
 
 
+STORE_UNAVAILABLE_PREFIX = "store unavailable: "
+"""Starts the message of every UNAVAILABLE the broker itself answers, so a client tells "the
+broker's store is down" from "the broker cannot be reached" (gRPC's own UNAVAILABLE)."""
+
+
+def status_message(exc: CrossflowError) -> str:
+    """``field: detail``; store trouble is marked with :data:`STORE_UNAVAILABLE_PREFIX`."""
+    if isinstance(exc, StoreUnavailable):
+        return STORE_UNAVAILABLE_PREFIX + str(exc)
+    return str(exc)
+
+
 def status_for(exc: CrossflowError) -> grpc.StatusCode:
     for cls, code in STATUS_FOR:
         if isinstance(exc, cls):
@@ -47,7 +59,7 @@ def maps_errors(
             return await method(*args, **kwargs)
         except CrossflowError as exc:
             context: Any = args[-1]
-            await context.abort(status_for(exc), str(exc))
+            await context.abort(status_for(exc), status_message(exc))
             raise AssertionError("unreachable: abort raises") from exc
 
     return wrapper

@@ -1,14 +1,19 @@
 """AdmissionService: Admit always answers (NORMAL on any store doubt); Commit and Release map
-domain errors to status codes."""
+domain errors to status codes; WatchRoom streams room updates (INVALID_ARGUMENT on a bad
+subscription, before the first update)."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
 
 import grpc
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
-from crossflow_ctl.broker.servicers import maps_errors
+from crossflow_ctl.broker.servicers import maps_errors, status_for
+from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire.convert_admission import admission_to_proto, admit_request_from_proto
+from crossflow_ctl.wire.convert_room import room_update_to_proto, watch_request_from_proto
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
@@ -40,3 +45,14 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         )
         res = await self._broker.release(request.reservation_id, outcome.lower())
         return admission_pb2.ReleaseResponse(reservation_id=res.reservation_id)
+
+    async def WatchRoom(
+        self, request: admission_pb2.WatchRoomRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admission_pb2.WatchRoomResponse]:
+        try:
+            updates = self._broker.watch_room(watch_request_from_proto(request))
+        except CrossflowError as exc:
+            await context.abort(status_for(exc), str(exc))
+            return
+        async for update in updates:
+            yield room_update_to_proto(update)

@@ -1,0 +1,211 @@
+"""The decision logic of late binding, with no I/O and no clock of its own.
+
+:class:`HoldBook` keeps the prompts a router holds back from the prefill pool and answers, given
+the time in milliseconds, every question :class:`~crossflow_ctl.client.queue.AdmissionQueue`
+asks: hold this answer or dispatch it? which held prompts are past their deadline? in what order
+to re-offer them on a room update, and what to do with the answer to a re-offer? It is
+deterministic (same calls, same results), so tests drive it with plain integers for time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Generic, Literal, TypeVar
+
+from pydantic import Field
+
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
+from crossflow_ctl.domain.models import Frozen
+from crossflow_ctl.domain.room import RoomStatus, RoomView
+
+K = TypeVar("K")
+
+
+class Dispatch(StrEnum):
+    """Why a prompt got its outcome."""
+
+    BORROWED = "borrowed"
+    """BORROW on the first offer."""
+    BORROWED_LATE = "borrowed_late"
+    """BORROW on a re-offer, after being held."""
+    NOT_HELD = "not_held"
+    """NORMAL on the first offer, for a reason that holding cannot fix (no demand, ...)."""
+    PREFILL_ROOM = "prefill_room"
+    """Held, then sent to prefill because the router said prefill has room."""
+    DEADLINE = "deadline"
+    """Held for ``max_hold_ms`` without a borrow."""
+    NO_DEMAND = "no_demand"
+    """Held, then Demand stopped holding (a room update or a re-offer said so)."""
+    ROOM_UNKNOWN = "room_unknown"
+    """Held, then the broker was in doubt or out of reach (room unknown, store or broker
+    unavailable, timeout)."""
+    OVERFLOW = "overflow"
+    """Would have been held, but ``max_held`` prompts already were (or holding is off)."""
+    WITHDRAWN = "withdrawn"
+    """Held, then withdrawn by the router."""
+    CLOSED = "closed"
+    """Held when the queue closed (or its room watch ended)."""
+
+
+class QueueConfig(Frozen):
+    max_held: Annotated[int, Field(ge=0, le=1_000_000)] = 256
+    """Prompts held at once; more are dispatched to prefill at once (OVERFLOW)."""
+    max_hold_ms: Annotated[int, Field(ge=0, le=600_000)] = 500
+    """Longest a prompt is held before it goes to prefill; keep it well inside the TTFT target."""
+    order: Literal["fifo", "shortest"] = "fifo"
+    """Re-offer order: arrival, or fewest uncached prompt tokens first (ties by arrival)."""
+    max_reoffers_per_update: Annotated[int, Field(ge=1, le=10_000)] = 16
+    """Admits one room update may cause at most."""
+    hold_reasons: frozenset[Reason] = frozenset(
+        {Reason.NO_ROOM, Reason.NO_BENEFIT, Reason.NO_LEASES}
+    )
+    """NORMAL reasons worth holding for: Demand holds but no node has room (or benefit) now."""
+    recheck_ms: Annotated[int, Field(ge=1, le=60_000)] = 50
+    """How often the live queue re-asks the router's prefill-room predicate while holding."""
+
+
+MAX_REQUEST_ID_LEN = 256
+"""AdmissionRequest.request_id's limit."""
+DOUBT = frozenset({Reason.STORE_UNAVAILABLE, Reason.TIMEOUT, Reason.BROKER_UNAVAILABLE})
+
+
+class Step(StrEnum):
+    """What a re-offer's answer means for the rest of the pass."""
+
+    BORROWED = "borrowed"
+    """Hand it out; go on with the next held prompt."""
+    REFUSED = "refused"
+    """No room for this one: keep it held and end the pass."""
+    DISPATCH_ALL = "dispatch_all"
+    """Demand is gone or the broker is in doubt: every held prompt goes to prefill."""
+
+
+@dataclass(slots=True)
+class Held(Generic[K]):
+    key: K
+    request: AdmissionRequest
+    seq: int
+    since_ms: int
+    deadline_ms: int
+    last: Admission
+    """The latest NORMAL answer: what the prompt is dispatched with when it leaves unborrowed."""
+    offers: int = 1
+
+
+class HoldBook(Generic[K]):
+    """Held prompts by key, in arrival order (see module docstring)."""
+
+    def __init__(self, config: QueueConfig) -> None:
+        self.config = config
+        self._held: dict[K, Held[K]] = {}
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __iter__(self) -> Iterator[Held[K]]:
+        return iter(self._held.values())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._held
+
+    def worth_holding(self, admission: Admission) -> bool:
+        return admission.decision is Decision.NORMAL and admission.reason in (
+            self.config.hold_reasons
+        )
+
+    def hold(
+        self, key: K, request: AdmissionRequest, admission: Admission, now_ms: int
+    ) -> Dispatch | None:
+        """Hold ``request`` after its first answer: None when held, else why it was not."""
+        if not self.worth_holding(admission):
+            return Dispatch.NOT_HELD
+        if self.config.max_hold_ms == 0 or len(self._held) >= self.config.max_held:
+            return Dispatch.OVERFLOW
+        if key in self._held:
+            raise ValueError("key is already held")
+        self._seq += 1
+        self._held[key] = Held(
+            key=key,
+            request=request,
+            seq=self._seq,
+            since_ms=now_ms,
+            deadline_ms=now_ms + self.config.max_hold_ms,
+            last=admission,
+        )
+        return None
+
+    def take(self, key: K) -> Held[K] | None:
+        return self._held.pop(key, None)
+
+    def ordered(self) -> list[Held[K]]:
+        """Held prompts in re-offer (and dispatch) order."""
+        entries = list(self._held.values())
+        if self.config.order == "shortest":
+            entries.sort(key=lambda h: (h.request.uncached_prompt_tokens, h.seq))
+        return entries
+
+    def drain(self) -> list[Held[K]]:
+        """Remove and return everything held, in order."""
+        out = self.ordered()
+        self._held.clear()
+        return out
+
+    def due(self, now_ms: int) -> list[Held[K]]:
+        """Remove and return the prompts whose hold deadline has passed, in order."""
+        out = [h for h in self.ordered() if h.deadline_ms <= now_ms]
+        for h in out:
+            del self._held[h.key]
+        return out
+
+    def next_deadline_ms(self) -> int | None:
+        return min((h.deadline_ms for h in self._held.values()), default=None)
+
+    def on_room(self, view: RoomView) -> Dispatch | None:
+        """A room update: the reason to dispatch everything held, or None to re-offer."""
+        if view.status is RoomStatus.UNKNOWN:
+            return Dispatch.ROOM_UNKNOWN
+        if not view.demand_holds:
+            return Dispatch.NO_DEMAND
+        return None
+
+    def to_reoffer(self, view: RoomView) -> list[Held[K]]:
+        """The held prompts to re-offer on ``view``, in order, at most the configured number.
+
+        A prompt is skipped when it needs more compute than any node in the view has spare."""
+        if not view.has_room:
+            return []
+        biggest = view.max_compute_tokens
+        fits = [h for h in self.ordered() if h.request.uncached_prompt_tokens <= biggest]
+        return fits[: self.config.max_reoffers_per_update]
+
+    @staticmethod
+    def reoffer_request(held: Held[K]) -> AdmissionRequest:
+        """The request a re-offer sends: the same prompt under a request id of its own
+        (``<id>#<offer>``), since a broker that keeps request records replays the first
+        answer to a repeated id. Each offer is a new admission attempt; only one can borrow,
+        as nothing is re-offered once borrowed. An empty id stays empty."""
+        base = held.request.request_id
+        if not base:
+            return held.request
+        suffix = f"#{held.offers + 1}"
+        request_id = base[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
+        return held.request.model_copy(update={"request_id": request_id})
+
+    def answered(self, held: Held[K], admission: Admission) -> Step:
+        """Record a re-offer's answer; a BORROWED prompt is removed from the book."""
+        held.offers += 1
+        if admission.decision is Decision.BORROW:
+            self._held.pop(held.key, None)
+            return Step.BORROWED
+        held.last = admission
+        if self.worth_holding(admission):
+            return Step.REFUSED
+        return Step.DISPATCH_ALL
+
+    @staticmethod
+    def dispatch_for(admission: Admission) -> Dispatch:
+        """Why a pass that ended on this NORMAL answer dispatches everything held."""
+        return Dispatch.ROOM_UNKNOWN if admission.reason in DOUBT else Dispatch.NO_DEMAND

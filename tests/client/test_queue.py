@@ -1,0 +1,423 @@
+"""AdmissionQueue (late binding) on a fake admitter and a manual clock: no sleeps, no network.
+
+The fake admitter answers like the broker would: NO_DEMAND while the pool is not behind, BORROW
+while it has room for the prompt's uncached tokens (debiting it), NO_ROOM otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossflow_ctl.client.holding import Dispatch, HoldBook, QueueConfig
+from crossflow_ctl.client.queue import AdmissionQueue, Outcome, Ticket
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
+from crossflow_ctl.domain.clock import ManualClock
+from crossflow_ctl.domain.errors import StoreUnavailable
+from crossflow_ctl.domain.room import NodeRoom, RoomStatus, RoomUpdate, RoomView
+
+
+class FakeBroker:
+    def __init__(self, room: int = 0, demand: bool = True) -> None:
+        self.room = room
+        self.demand = demand
+        self.down = False
+        self.down_reason = Reason.STORE_UNAVAILABLE
+        self.broken = False
+        self.records: dict[str, Admission] | None = None
+        """When set, answers are replayed by request_id (a broker keeping request records)."""
+        self.calls: list[str] = []
+        self._rid = 0
+
+    async def admit(self, request: AdmissionRequest) -> Admission:
+        self.calls.append(request.request_id)
+        if self.records is not None and request.request_id in self.records:
+            return self.records[request.request_id]
+        answer = await self._answer(request)
+        if self.records is not None:
+            self.records[request.request_id] = answer
+        return answer
+
+    async def _answer(self, request: AdmissionRequest) -> Admission:
+        if self.broken:
+            raise StoreUnavailable("transport error")
+        if self.down:
+            return Admission.normal(self.down_reason, "down")
+        if not self.demand:
+            return Admission.normal(Reason.NO_DEMAND, "prefill keeps up")
+        if request.uncached_prompt_tokens > self.room:
+            return Admission.normal(Reason.NO_ROOM, "no room")
+        self.room -= request.uncached_prompt_tokens
+        self._rid += 1
+        return Admission(
+            decision=Decision.BORROW,
+            reason=Reason.BORROWED,
+            node_id="d1",
+            reservation_id=f"r{self._rid}@d1",
+        )
+
+
+def req(rid: str, tokens: int = 1_000) -> AdmissionRequest:
+    return AdmissionRequest(request_id=rid, uncached_prompt_tokens=tokens)
+
+
+def room(compute: int, *, demand: bool = True, seq: int = 1) -> RoomUpdate:
+    nodes = (NodeRoom(node_id="d1", compute_tokens=compute, kv_tokens=10**6, slots=4),)
+    view = RoomView(nodes=nodes if compute else (), demand_holds=demand, pool_wait_ms=500.0)
+    return RoomUpdate(seq=seq, at_ms=0, view=view)
+
+
+def make(
+    broker: FakeBroker, clock: ManualClock, **config: object
+) -> tuple[AdmissionQueue, list[Outcome]]:
+    seen: list[Outcome] = []
+    queue = AdmissionQueue(
+        broker, QueueConfig.model_validate(config), clock=clock, on_outcome=seen.append
+    )
+    return queue, seen
+
+
+def dispatches(tickets: Iterable[Ticket]) -> list[Dispatch | None]:
+    return [t.outcome.dispatch if t.outcome else None for t in tickets]
+
+
+async def test_held_then_borrowed_when_room_appears() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, seen = make(broker, clock, max_hold_ms=1_000)
+    a = await queue.submit(req("a"))
+    assert not a.done() and queue.held == 1 and queue.stats.held == 1
+    clock.advance(120)
+    broker.room = 5_000
+    await queue.on_room(room(5_000))
+    out = await a
+    assert out.dispatch is Dispatch.BORROWED_LATE and out.borrowed
+    assert out.admission.reservation_id == "r1@d1"
+    assert out.held_ms == 120 and out.offers == 2 and out.held
+    assert queue.held == 0 and seen == [out]
+    assert queue.stats.reoffers == 1 and queue.stats.hold_ms_total == 120
+
+
+async def test_reoffers_use_their_own_request_ids_so_recorded_answers_do_not_replay() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    broker.records = {}
+    queue, _ = make(broker, clock)
+    ticket = await queue.submit(req("a"))
+    await queue.on_room(room(1_000))  # the broker has none left: refused as "a#2"
+    broker.room = 5_000
+    await queue.on_room(room(5_000))
+    assert broker.calls == ["a", "a#2", "a#3"]
+    assert ticket.outcome is not None and ticket.outcome.dispatch is Dispatch.BORROWED_LATE
+    assert ticket.outcome.request.request_id == "a" and ticket.outcome.offers == 3
+    long_id = "x" * 256
+    book: HoldBook[str] = HoldBook(QueueConfig())
+    book.hold("k", req(long_id), Admission.normal(Reason.NO_ROOM, ""), 0)
+    again = book.reoffer_request(next(iter(book)))
+    assert again.request_id.endswith("#2") and len(again.request_id) == 256
+    assert AdmissionRequest.model_validate(again.model_dump()) == again
+    anonymous: HoldBook[str] = HoldBook(QueueConfig())
+    anonymous.hold("k", req(""), Admission.normal(Reason.NO_ROOM, ""), 0)
+    assert anonymous.reoffer_request(next(iter(anonymous))).request_id == ""
+
+
+async def test_first_offer_borrow_and_no_demand_are_not_held() -> None:
+    broker, clock = FakeBroker(room=1_000), ManualClock(0)
+    queue, _ = make(broker, clock)
+    borrowed = await queue.submit(req("a"))
+    broker.demand = False
+    normal = await queue.submit(req("b"))
+    assert dispatches([borrowed, normal]) == [Dispatch.BORROWED, Dispatch.NOT_HELD]
+    assert not any(t.outcome is not None and t.outcome.held for t in (borrowed, normal))
+    assert normal.outcome is not None and normal.outcome.admission.reason is Reason.NO_DEMAND
+    assert queue.held == 0
+
+
+async def test_reoffers_in_fifo_order_until_one_is_refused() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock)
+    tickets = [await queue.submit(req(r, t)) for r, t in (("a", 2_000), ("b", 3_000), ("c", 500))]
+    broker.calls.clear()
+    broker.room = 4_000
+    await queue.on_room(room(4_000))
+    # a borrows (2,000 left), b is refused: the pass stops, c is not offered though it would fit.
+    assert broker.calls == ["a#2", "b#2"]
+    assert dispatches(tickets) == [Dispatch.BORROWED_LATE, None, None]
+    assert [r.request_id for r in queue.held_requests()] == ["b", "c"]
+
+
+async def test_shortest_first_order_and_prompts_too_big_for_any_node_are_skipped() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock, order="shortest")
+    tickets = [await queue.submit(req(r, t)) for r, t in (("a", 9_000), ("b", 3_000), ("c", 500))]
+    broker.calls.clear()
+    broker.room = 4_000
+    await queue.on_room(room(4_000))
+    # c then b fit (3,500 of 4,000); a needs more than any node has and is never offered.
+    assert broker.calls == ["c#2", "b#2"]
+    assert dispatches(tickets) == [None, Dispatch.BORROWED_LATE, Dispatch.BORROWED_LATE]
+
+
+async def test_deadline_dispatches_to_normal_with_the_last_reason() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, seen = make(broker, clock, max_hold_ms=300)
+    a = await queue.submit(req("a"))
+    clock.advance(100)
+    b = await queue.submit(req("b"))
+    assert queue.next_deadline_ms() == 300
+    clock.advance(200)
+    await queue.tick()
+    assert dispatches([a, b]) == [Dispatch.DEADLINE, None]
+    assert a.outcome is not None and a.outcome.admission.reason is Reason.NO_ROOM
+    assert a.outcome.held_ms == 300 and not a.outcome.borrowed
+    assert queue.next_deadline_ms() == 400
+    clock.advance(100)
+    await queue.on_room(room(0))  # a heartbeat without room still fires deadlines
+    assert dispatches([a, b]) == [Dispatch.DEADLINE, Dispatch.DEADLINE]
+    assert len(seen) == 2
+
+
+async def test_prefill_room_dispatches_in_order_while_the_router_says_so() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    free = {"slots": 0}
+
+    def prefill_room(request: AdmissionRequest) -> bool:
+        if free["slots"] <= 0:
+            return False
+        free["slots"] -= 1
+        return True
+
+    queue = AdmissionQueue(broker, QueueConfig(), clock=clock, prefill_room=prefill_room)
+    tickets = [await queue.submit(req(r)) for r in "abc"]
+    assert queue.held == 3
+    free["slots"] = 2
+    await queue.tick()
+    assert dispatches(tickets) == [Dispatch.PREFILL_ROOM, Dispatch.PREFILL_ROOM, None]
+    free["slots"] = 1
+    d = await queue.submit(req("d"))  # prefill has room at the first refusal: never held
+    assert dispatches([d]) == [Dispatch.PREFILL_ROOM] and queue.held == 1
+    assert d.outcome is not None and not d.outcome.held
+    assert all(t.outcome is not None and t.outcome.held for t in tickets[:2])
+
+
+async def test_demand_gone_or_room_unknown_dispatches_everything() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock)
+    first = [await queue.submit(req(r)) for r in "ab"]
+    await queue.on_room(room(5_000, demand=False))
+    assert dispatches(first) == [Dispatch.NO_DEMAND] * 2
+    second = [await queue.submit(req(r)) for r in "cd"]
+    unknown = RoomUpdate(seq=2, at_ms=0, view=RoomView(status=RoomStatus.UNKNOWN))
+    await queue.on_room(unknown)
+    assert dispatches(second) == [Dispatch.ROOM_UNKNOWN] * 2
+    assert queue.held == 0 and not broker.calls[4:]  # no re-offer on either update
+
+
+@pytest.mark.parametrize(
+    "doubt", [Reason.STORE_UNAVAILABLE, Reason.TIMEOUT, Reason.BROKER_UNAVAILABLE]
+)
+async def test_a_reoffer_that_finds_no_demand_or_a_broker_in_doubt_dispatches_all(
+    doubt: Reason,
+) -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    broker.down_reason = doubt
+    queue, _ = make(broker, clock)
+    first = [await queue.submit(req(r)) for r in "ab"]
+    broker.demand = False
+    await queue.on_room(room(5_000))
+    assert dispatches(first) == [Dispatch.NO_DEMAND] * 2
+    broker.demand = True
+    second = [await queue.submit(req(r)) for r in "cd"]
+    broker.down = True
+    await queue.on_room(room(5_000))
+    assert dispatches(second) == [Dispatch.ROOM_UNKNOWN] * 2
+    assert second[0].outcome is not None
+    assert second[0].outcome.admission.reason is doubt
+
+
+async def test_an_admitter_error_on_submit_propagates_but_on_a_reoffer_fails_closed() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock)
+    held = await queue.submit(req("a"))
+    broker.broken = True
+    with pytest.raises(StoreUnavailable):
+        await queue.submit(req("b"))
+    assert queue.held == 1
+    step = await queue.on_room(room(5_000))
+    assert [o.dispatch for o in step] == [Dispatch.ROOM_UNKNOWN] and held.outcome == step[0]
+    assert step[0].admission.reason is Reason.BROKER_UNAVAILABLE and not queue.closed
+
+
+async def test_overflow_and_zero_hold_dispatch_at_once() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock, max_held=2)
+    tickets = [await queue.submit(req(r)) for r in "abc"]
+    assert dispatches(tickets) == [None, None, Dispatch.OVERFLOW]
+    off, _ = make(broker, clock, max_hold_ms=0)
+    assert dispatches([await off.submit(req("z"))]) == [Dispatch.OVERFLOW]
+
+
+async def test_withdraw_and_close_give_every_prompt_exactly_one_outcome() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, seen = make(broker, clock)
+    tickets = [await queue.submit(req(r)) for r in "abc"]
+    out = await queue.withdraw(tickets[1])
+    assert out is not None and out.dispatch is Dispatch.WITHDRAWN
+    assert await queue.withdraw(tickets[1]) is None
+    await queue.close()
+    assert dispatches(tickets) == [Dispatch.CLOSED, Dispatch.WITHDRAWN, Dispatch.CLOSED]
+    late = await queue.submit(req("d"))  # closed: answered, never held
+    assert dispatches([late]) == [Dispatch.CLOSED] and queue.held == 0
+    assert sorted(o.request.request_id for o in seen) == ["a", "b", "c", "d"]
+    with pytest.raises(RuntimeError):
+        tickets[0]._resolve(seen[0])
+
+
+async def test_run_feeds_updates_fires_deadlines_and_closes_when_the_stream_ends() -> None:
+    """The live driver on the real clock: a deadline fires with no update, then the stream
+    ends and what is still held is dispatched (no timing asserted)."""
+    broker = FakeBroker(room=0)
+    queue = AdmissionQueue(broker, QueueConfig(max_hold_ms=30_000, recheck_ms=5))
+    gate = asyncio.Event()
+    fast = AdmissionQueue(broker, QueueConfig(max_hold_ms=20))
+
+    async def updates() -> object:
+        yield room(0)
+        await gate.wait()
+        broker.room = 1_000
+        yield room(1_000, seq=2)
+        yield room(0, seq=3)
+
+    runner = asyncio.create_task(queue.run(updates()))  # type: ignore[arg-type]
+    fast_runner = asyncio.create_task(fast.run(updates()))  # type: ignore[arg-type]
+    held = await queue.submit(req("a"))
+    expiring = await fast.submit(req("x", 5_000))
+    assert (await asyncio.wait_for(expiring.wait(), 10)).dispatch is Dispatch.DEADLINE
+    assert not held.done()
+    gate.set()
+    assert (await asyncio.wait_for(held.wait(), 10)).dispatch is Dispatch.BORROWED_LATE
+    stuck = await queue.submit(req("b", 5_000))
+    await asyncio.wait_for(asyncio.gather(runner, fast_runner), 10)
+    assert stuck.outcome is not None and stuck.outcome.dispatch is Dispatch.CLOSED
+    assert queue.closed and queue.held == 0
+
+
+async def test_cancelling_run_dispatches_everything_held() -> None:
+    broker = FakeBroker(room=0)
+    queue = AdmissionQueue(broker)
+    forever = asyncio.Event()
+
+    async def updates() -> object:
+        yield room(0)
+        await forever.wait()
+
+    runner = asyncio.create_task(queue.run(updates()))  # type: ignore[arg-type]
+    ticket = await queue.submit(req("a"))
+    await asyncio.sleep(0)
+    runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+    assert ticket.outcome is not None and ticket.outcome.dispatch is Dispatch.CLOSED
+
+
+def test_hold_book_is_deterministic_and_pure() -> None:
+    book: HoldBook[str] = HoldBook(QueueConfig(max_hold_ms=100, order="shortest"))
+    no_room = Admission.normal(Reason.NO_ROOM, "")
+    assert book.hold("k1", req("a", 300), no_room, 0) is None
+    assert book.hold("k2", req("b", 200), no_room, 50) is None
+    assert book.hold("k3", req("c"), Admission.normal(Reason.NO_DEMAND, ""), 50) is (
+        Dispatch.NOT_HELD
+    )
+    with pytest.raises(ValueError):
+        book.hold("k1", req("a"), no_room, 0)
+    assert [h.key for h in book.ordered()] == ["k2", "k1"]
+    assert [h.key for h in book.to_reoffer(room(250).view)] == ["k2"]
+    assert book.to_reoffer(room(0).view) == []
+    assert [h.key for h in book.due(100)] == ["k1"] and len(book) == 1
+    assert book.next_deadline_ms() == 150
+
+
+ops = st.one_of(
+    st.tuples(st.just("submit"), st.integers(100, 6_000)),
+    st.tuples(st.just("room"), st.integers(0, 8_000), st.booleans(), st.booleans()),
+    st.tuples(st.just("advance"), st.integers(0, 400)),
+    st.tuples(st.just("withdraw"), st.integers(0, 50)),
+    st.tuples(st.just("broker"), st.booleans(), st.booleans()),
+)
+
+
+HELD_ONLY = {
+    Dispatch.BORROWED_LATE,
+    Dispatch.DEADLINE,
+    Dispatch.NO_DEMAND,
+    Dispatch.ROOM_UNKNOWN,
+    Dispatch.WITHDRAWN,
+    Dispatch.CLOSED,
+}
+FIRST_ONLY = {Dispatch.BORROWED, Dispatch.NOT_HELD, Dispatch.OVERFLOW}
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(ops, min_size=1, max_size=60), shortest=st.booleans())
+async def test_any_interleaving_gives_every_prompt_exactly_one_outcome(
+    steps: list[tuple[Any, ...]], shortest: bool
+) -> None:
+    """Random submits, room updates, clock moves, withdrawals and broker moods: no prompt is
+    answered twice (Ticket raises), none stays held past its deadline once time is looked at,
+    the held gauge agrees, and after close() every prompt has exactly one outcome."""
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    order = "shortest" if shortest else "fifo"
+    queue, seen = make(broker, clock, max_held=5, max_hold_ms=300, order=order)
+    tickets: list[Ticket] = []
+    for kind, *args in steps:
+        await apply(queue, broker, clock, tickets, kind, args)
+        assert queue.held <= 5 and queue.stats.held == queue.held
+        if kind in ("room", "advance"):
+            deadline = queue.next_deadline_ms()
+            assert deadline is None or deadline > clock.now_ms()
+    await queue.close()
+    assert all(t.done() for t in tickets) and queue.held == 0
+    assert sorted(o.request.request_id for o in seen) == sorted(
+        t.request.request_id for t in tickets
+    )
+    for t in tickets:
+        assert t.outcome is not None
+        check_outcome(t.outcome)
+
+
+async def apply(
+    queue: AdmissionQueue,
+    broker: FakeBroker,
+    clock: ManualClock,
+    tickets: list[Ticket],
+    kind: str,
+    args: list[Any],
+) -> None:
+    if kind == "submit":
+        tickets.append(await queue.submit(req(f"r{len(tickets)}", args[0])))
+    elif kind == "room":
+        broker.room = args[0]
+        update = room(args[0], demand=args[1])
+        if not args[2]:
+            update = RoomUpdate(seq=1, at_ms=0, view=RoomView(status=RoomStatus.UNKNOWN))
+        await queue.on_room(update)
+    elif kind == "advance":
+        clock.advance(args[0])
+        await queue.tick()
+    elif kind == "withdraw" and tickets:
+        await queue.withdraw(tickets[args[0] % len(tickets)])
+    elif kind == "broker":
+        broker.demand, broker.down = args
+
+
+def check_outcome(out: Outcome) -> None:
+    assert out.borrowed == (out.dispatch in (Dispatch.BORROWED, Dispatch.BORROWED_LATE))
+    if out.dispatch in HELD_ONLY:
+        assert out.held and out.offers >= 1
+    if out.dispatch in FIRST_ONLY:
+        assert not out.held and out.offers == 1 and out.held_ms == 0
+    if out.dispatch is Dispatch.DEADLINE:
+        assert out.held_ms >= 300
