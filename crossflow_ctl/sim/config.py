@@ -8,6 +8,7 @@ from typing import Annotated
 
 from pydantic import Field
 
+from crossflow_ctl.client.holding import QueueConfig
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, ModelSpec, NodeProfile
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.leasing import LeaseSettings
@@ -58,6 +59,13 @@ class SimConfig(Frozen):
     lease: LeaseSettings = LeaseSettings()
     """The agents' lease settings; its ``itl_slo_ms`` is also the ITL SLO of the metrics."""
     broker_policy: PolicySettings = PolicySettings()
+    late_binding: bool = True
+    """Leases policy: the router holds prompts that found no room while the prefill pool is
+    behind, and re-offers them when room appears (the client library's AdmissionQueue)."""
+    queue: QueueConfig = QueueConfig()
+    """The router's AdmissionQueue settings (hold deadline, order, bound)."""
+    fast_forward_agents: bool = True
+    """Agents at a fixed point sleep until their node changes (exact; see sim/agents.py)."""
     agent_period_ms: Annotated[int, Field(gt=0, le=60_000)] = 200
     lease_ttl_ms: Annotated[int, Field(gt=0, le=60_000)] = 600
 

@@ -68,6 +68,12 @@ class RunRecord:
     """Sum of the agents' sized borrowed chunk over the non-zero leases."""
     windows: list[tuple[float, float, float, float]] = field(default_factory=list)
     """Per window: (start, R = uncached in / out, borrowed share, mean TTFT s)."""
+    held: int = 0
+    """Prompts the router's queue held (late binding) before their outcome."""
+    outcomes: dict[str, int] = field(default_factory=dict)
+    """The router's queue: prompts by how they got their outcome (``client.holding.Dispatch``:
+    borrowed, borrowed_late, not_held, prefill_room, deadline, no_demand, ...)."""
+    reoffers: int = 0
     sim_events: int = 0
     wall_s: float = 0.0
 
