@@ -27,7 +27,8 @@ from crossflow_agent.sources.http import PrometheusSource
 from crossflow_agent.sources.sglang import SGLangReader
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.clock import SystemClock
-from crossflow_ctl.domain.leasing import ItlGuard, LeaseSettings, decide
+from crossflow_ctl.domain.lease_credits import LeaseSettings
+from crossflow_ctl.domain.leasing import ItlGuard, decide
 
 
 async def start_engine() -> tuple[asyncio.subprocess.Process, str]:

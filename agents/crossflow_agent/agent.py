@@ -2,8 +2,9 @@
 
 Per period (fixed schedule on the monotonic clock; a late tick skips missed ones):
 
-1. read the highest notice sequence seen so far (before the scrape: the snapshot is then known
-   to be taken after every notice up to it, DESIGN.md §5.4);
+1. read the highest notice sequence seen so far and the open reservations those notices leave
+   (before the scrape: the snapshot is then known to be taken after every notice up to it,
+   DESIGN.md §5.4, and borrowed work the broker still counts is not subtracted again);
 2. scrape the engine (bounded by the scrape timeout);
 3. decode role: apply the zero-lease rules and the capacity model
    (:func:`crossflow_ctl.domain.leasing.decide`), stamp node, epoch, next version, TTL and the
@@ -169,7 +170,9 @@ class Agent:
 
     async def tick(self) -> Lease | None:
         """One period's work; the lease sent (decode role) or None (prefill role)."""
-        seq = self.stream.state.last_notice_seq  # read BEFORE the snapshot is taken
+        state = self.stream.state
+        seq = state.last_notice_seq  # read BEFORE the snapshot is taken
+        open_debits = state.open_debits.totals()  # as of that sequence
         snapshot, failure, failure_reason = await self.observe()
         now_ms = self.clock.now_ms()
         s = self.settings
@@ -197,6 +200,7 @@ class Agent:
             cordoned=self.stream.state.cordoned,
             failure=failure,
             failure_reason=failure_reason,
+            open_debits=open_debits,
         )
         self.guard = decision.guard
         lease = self.lease_for(decision, seq)

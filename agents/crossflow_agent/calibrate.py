@@ -35,7 +35,7 @@ from pydantic import ValidationError
 
 from crossflow_agent.profile import profile_document, save_profile
 from crossflow_ctl.domain.calibration import CalibrationFit, TimingSample, fit_node_profile
-from crossflow_ctl.domain.capacity import MODEL_PRESETS, ModelSpec
+from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, ModelSpec
 from crossflow_ctl.domain.errors import InvalidArgument
 
 TIMINGS_FORMAT_VERSION = 1
@@ -162,6 +162,14 @@ def profile_extras(fit: CalibrationFit, dev_name: str, meta: dict[str, Any]) -> 
     "(an engine step launches many kernels and samples; the fit sees one launch).",
 )
 @click.option(
+    "--engine-like",
+    type=click.Choice(sorted(NODE_PRESETS)),
+    default="h200",
+    show_default=True,
+    help="Preset whose engine-side figures the profile takes (host work per step and per "
+    "request, GEMM row tile): the kernels do not measure them.",
+)
+@click.option(
     "--save-timings",
     type=click.Path(path_type=Path, dir_okay=False),
     help="Also write the raw timings (JSON) before fitting.",
@@ -181,6 +189,7 @@ def calibrate(
     name: str | None,
     network_bytes_per_s: float,
     step_overhead_s: float | None,
+    engine_like: str,
     save_timings: Path | None,
     from_timings: Path | None,
     as_json: bool,
@@ -210,10 +219,16 @@ def calibrate(
     except InvalidArgument as exc:
         raise click.ClickException(f"fit refused: {exc}") from None
     meta["kernel_overhead_s"] = fit.profile.step_overhead_s
+    like = NODE_PRESETS[engine_like]
+    engine: dict[str, float | int] = {
+        "host_step_s": like.host_step_s,
+        "host_per_request_s": like.host_per_request_s,
+        "gemm_tile_rows": like.gemm_tile_rows,
+    }
     if step_overhead_s is not None:
-        fit = fit.model_copy(
-            update={"profile": fit.profile.model_copy(update={"step_overhead_s": step_overhead_s})}
-        )
+        engine["step_overhead_s"] = step_overhead_s
+    meta["engine_like"] = engine_like
+    fit = fit.model_copy(update={"profile": fit.profile.model_copy(update=engine)})
     extras = profile_extras(fit, dev_name, meta)
     save_profile(out_file, fit.profile, **extras)
     p, f = fit.profile, fit.fit

@@ -92,7 +92,7 @@ async def inspect_once(settings: AgentSettings, *, window_s: float) -> dict[str,
     report["lease"] = lease.model_dump(mode="json")
     if decision.capacity is not None:
         report["arithmetic"] = decision.capacity.explain(settings.lease)
-        report["capacity"] = decision.capacity.model_dump(mode="json")
+        report["capacity"] = decision.capacity.as_dict()
     return report
 
 

@@ -19,7 +19,7 @@ from pydantic_settings import SettingsConfigDict
 
 from crossflow_agent.sources.synthetic import EngineScript
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
-from crossflow_ctl.domain.leasing import LeaseSettings
+from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import ID_PATTERN, MAX_ID_LEN, NodeRole
 from crossflow_ctl.settings_sources import LayeredSettings, host_port, load_layered
 

@@ -9,8 +9,10 @@ jittered exponential backoff; a session that had a lease accepted resets the bac
 is welcomed and then fails at once, say on a broken store, keeps backing off).
 
 What the broker tells the agent is kept in :class:`StreamState`: the highest notice sequence
-seen (DESIGN.md §5.4; the lease loop reads it *before* each scrape), the cordon directive, and
-the (epoch, version) a STALE ack reported, so the loop can move past it.
+seen (DESIGN.md §5.4; the lease loop reads it *before* each scrape), the open reservations the
+grant/release/expire notices describe (so the lease does not subtract borrowed work the broker
+already counts), the cordon directive, and the (epoch, version) a STALE ack reported, so the loop
+can move past it.
 """
 
 from __future__ import annotations
@@ -20,18 +22,25 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
 
 from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
+from crossflow_ctl.domain.lending import OpenDebits
+from crossflow_ctl.domain.models import NoticeKind
 from crossflow_ctl.observability import AgentMetrics
 
 log = structlog.get_logger()
 
 OUTBOX_SIZE = 32
+_DEBIT_KINDS = {
+    lease_pb2.NOTICE_KIND_GRANT: NoticeKind.GRANT,
+    lease_pb2.NOTICE_KIND_RELEASE: NoticeKind.RELEASE,
+    lease_pb2.NOTICE_KIND_EXPIRE: NoticeKind.EXPIRE,
+}
 
 
 class SessionError(Exception):
@@ -42,6 +51,9 @@ class SessionError(Exception):
 class StreamState:
     last_notice_seq: int = 0
     """Highest notice sequence received (on any session)."""
+    open_debits: OpenDebits = field(default_factory=OpenDebits)
+    """Reservations the broker still counts against this node, from the notices up to
+    ``last_notice_seq``."""
     cordoned: bool = False
     connected: bool = False
     broker_id: str = ""
@@ -256,6 +268,10 @@ class LeaseStream:
         s = self.state
         if notice.seq > s.last_notice_seq:
             s.last_notice_seq = notice.seq
+            kind = _DEBIT_KINDS.get(notice.kind)
+            if kind is not None:
+                d = notice.debit
+                s.open_debits.record(kind, notice.reservation_id, d.compute_tokens, d.kv_tokens)
         if notice.kind == lease_pb2.NOTICE_KIND_CORDON:
             if not s.cordoned:
                 log.warning("stream.cordoned", seq=notice.seq)

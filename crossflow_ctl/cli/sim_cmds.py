@@ -15,7 +15,7 @@ import click
 
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.errors import InvalidArgument
-from crossflow_ctl.domain.leasing import LeaseSettings
+from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.sizing import (
     SizingPlan,

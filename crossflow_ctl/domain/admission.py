@@ -15,10 +15,12 @@ from typing import Annotated
 
 from pydantic import Field
 
+from crossflow_ctl.domain.lending import compute_debit
 from crossflow_ctl.domain.models import (
     MAX_TOKENS,
     Credits,
     Frozen,
+    Lease,
     NodeId,
     NodeState,
     PoolName,
@@ -170,25 +172,39 @@ def horizon_output_tokens(
 
 
 def debit_for(
-    request: AdmissionRequest, node_id: str, settings: PolicySettings, itl_ms: float = 0.0
+    request: AdmissionRequest, node_id: str, settings: PolicySettings, lease: Lease | None = None
 ) -> Credits:
-    """The credits one borrowed request takes from ``node_id`` (whose ITL is ``itl_ms``).
+    """The credits one borrowed request takes from ``node_id`` under its ``lease``.
 
-    KV space is for the whole request (prompt and expected output); compute, output and
-    transfer are counted over the borrow horizon, in the lease's units."""
+    * compute: the prompt's own prefill cost, priced with the lease's per-token coefficients at
+      its cached prefix, in the lease's unit (:func:`~crossflow_ctl.domain.lending.compute_debit`;
+      the uncached tokens when the lease has no coefficients);
+    * kv: what the request places on the node while the broker counts it: its uncached prompt,
+      a cached prefix that must be pulled in (one already on this node is in its cache and its
+      telemetry), and the output it decodes within the horizon (later growth is in the agent's
+      per-request reserve once the request shows in the node's batch);
+    * kv_transfer: the remote prefix's bytes; output: tokens decoded within the horizon at the
+      lease's ITL; slots: one.
+    """
     remote_prefix = request.cached_prefix_tokens > 0 and request.cached_prefix_node_id != node_id
-    return Credits(
-        compute_tokens=request.uncached_prompt_tokens,
-        kv_tokens=min(
-            MAX_TOKENS,
-            request.uncached_prompt_tokens
-            + request.cached_prefix_tokens
-            + request.expected_output_tokens,
-        ),
-        kv_transfer_bytes=(
-            request.cached_prefix_tokens * settings.kv_bytes_per_token if remote_prefix else 0
-        ),
-        output_tokens=horizon_output_tokens(request, itl_ms, settings),
+    uncached, cached = request.uncached_prompt_tokens, request.cached_prefix_tokens
+    itl_ms = 0.0
+    compute = uncached
+    if lease is not None:
+        itl_ms = lease.itl_ms or lease.itl_slo_ms
+        compute = compute_debit(
+            uncached,
+            cached,
+            lease.prefill_s_per_token,
+            lease.prefill_s_per_token_context,
+            lease.borrowed_prefill_rate_tps,
+        )
+    output = horizon_output_tokens(request, itl_ms, settings)
+    return Credits.model_construct(
+        compute_tokens=compute,
+        kv_tokens=min(MAX_TOKENS, uncached + (cached if remote_prefix else 0) + output),
+        kv_transfer_bytes=cached * settings.kv_bytes_per_token if remote_prefix else 0,
+        output_tokens=output,
         slots=1,
     )
 
@@ -238,10 +254,7 @@ def check_node(
     """Benefit and Safety on one node."""
     node_id = node.info.node_id
     stored = node.lease
-    itl_ms = 0.0
-    if stored is not None:
-        itl_ms = stored.lease.itl_ms or stored.lease.itl_slo_ms
-    debit = debit_for(request, node_id, settings, itl_ms)
+    debit = debit_for(request, node_id, settings, stored.lease if stored is not None else None)
     if node.info.cordoned:
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="cordoned", debit=debit)
     if stored is None:
@@ -255,8 +268,10 @@ def check_node(
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail=detail, **base)
     available = node.available(now_ms, settings.borrow_share)
     short = tuple(available.short_of(debit))
-    rate = lease.borrowed_prefill_rate_tps
-    service_ms = request.uncached_prompt_tokens / rate * 1000.0 if rate > 0 else float("inf")
+    service_ms = (
+        lease.prefill_service_s(request.uncached_prompt_tokens, request.cached_prefix_tokens)
+        * 1000.0
+    )
     if debit.kv_transfer_bytes:
         service_ms += debit.kv_transfer_bytes / settings.kv_transfer_bytes_per_s * 1000.0
     predicted = lease.queue_wait_ms + service_ms

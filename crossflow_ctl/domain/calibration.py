@@ -1,7 +1,9 @@
 """Fit a node's roofline constants (a :class:`NodeProfile`) to measured kernel timings.
 
 Each sample is one timed kernel call with its analytic FLOPs ``F`` and bytes ``B``. The model is
-the capacity model's own step formula (:func:`crossflow_ctl.domain.capacity.step_time_s`):
+the capacity model's own per-kernel formula (:func:`crossflow_ctl.domain.capacity.kernel_time_s`,
+which the step model sums over its dense, expert and attention kernel groups), plus a per-call
+overhead:
 
     t = max(F*u, B*v) + p * min(F*u, B*v) + c       u = 1/flops_per_s, v = 1/hbm_bytes_per_s
 
@@ -25,7 +27,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from crossflow_ctl.domain.capacity import NodeProfile
+from crossflow_ctl.domain.capacity import NodeProfile, kernel_time_s
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import Frozen
 
@@ -59,10 +61,9 @@ class CalibrationFit(Frozen):
 
 
 def roofline_time_s(node: NodeProfile, flops: float, bytes_moved: float) -> float:
-    """The step formula of :func:`~crossflow_ctl.domain.capacity.step_time_s`, on raw costs."""
-    t_c = flops / node.flops_per_s
-    t_m = bytes_moved / node.hbm_bytes_per_s
-    return max(t_c, t_m) + node.overlap_penalty * min(t_c, t_m) + node.step_overhead_s
+    """One timed kernel call: :func:`~crossflow_ctl.domain.capacity.kernel_time_s` plus the
+    per-call overhead (the fit's ``step_overhead_s``)."""
+    return kernel_time_s(node, flops, bytes_moved) + node.step_overhead_s
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:

@@ -1,30 +1,59 @@
-"""Roofline capacity model: how long a decode step takes, with or without a borrowed prefill chunk.
+"""Roofline capacity model: how long an engine step takes, with or without a borrowed prefill chunk.
 
-The model (one formula, used by the agent, the simulator and the calibration fit):
+One model, used by the agent, the simulator, sizing and (per kernel) the calibration fit. A step
+with B decode requests (contexts summing to C tokens) and a borrowed prefill chunk of P uncached
+tokens over a cached prefix of X tokens runs T = B + P tokens through three kernel groups, one
+after the other:
 
-    flops  = 2 * active_params * (B + P)                         # dense/MoE matmuls
-           + 4 * layers * q_heads * head_dim * (C + P * (P/2 + X))  # attention
-    bytes  = param_bytes * min(total_params, active_params * (B + P))   # weights touched
-           + kv_bytes_per_token * (C + X + P)                    # KV read and written
-    t_c    = flops / flops_per_s
-    t_m    = bytes / hbm_bytes_per_s
-    step_s = max(t_c, t_m) + overlap_penalty * min(t_c, t_m) + step_overhead_s
+* **dense** (attention projections, router, unembedding; every non-expert weight):
+  ``bytes = dense_params * param_bytes``, ``flops = 2 * dense_params * max(T, tile)``;
+* **experts** (MoE): with E routed experts and k per token, the T tokens of a layer touch
+  ``D(T) = E * (1 - (1 - k/E)^T)`` distinct experts on average (uniform routing), so weight bytes
+  grow sub-linearly with T up to all experts: ``bytes = expert_params * expert_param_bytes * D/E``.
+  The tensor cores work in row tiles (``gemm_tile_rows``: 64 for Hopper's wgmma, 128 for
+  Blackwell): each touched expert computes at least a tile, ``rows = max(T*k, D*tile)`` and
+  ``flops = 2 * expert_params / E * rows``. Padding is why compute activity rises with the batch
+  more slowly than the useful FLOPs do, and differently from throughput;
+* **attention**: full layers read every context token's K and V, sliding-window layers
+  (GPT-OSS alternates full and 128-token windows) at most ``window`` per request:
+  ``flops = 4 * q_heads * head_dim * (Lf * (C + P*(P/2 + X))
+  + Lw * (min(C, B*W) + P*min(P/2 + X, W)))``,
+  ``bytes = kv_bytes_per_layer_token * (Lf * (C + X + P) + Lw * (min(C, B*W) + min(X, W) + P))``.
 
-where B is the decode batch (requests), C the sum of their context lengths (tokens), P the
-borrowed prefill chunk (uncached tokens) and X its cached prefix length. ``overlap_penalty`` is 0
-when compute and memory overlap perfectly and 1 when they serialise; the kernels' mixed-step
-calibration measures it (crossflow_kernels, ``crossflow-agent calibrate``).
+Each group takes ``max(t_c, t_m) + overlap_penalty * min(t_c, t_m)`` (the calibration fit's
+per-kernel formula, :func:`kernel_time_s`); the GPU time is their sum. The engine's host work for
+the step (scheduling, sampling, output processing: ``host_step_s + host_per_request_s * requests``)
+runs concurrently with the GPU (the overlap schedulers of SGLang and vLLM V1), so
+
+    step_s = max(gpu_s, host_s) + step_overhead_s        # launch/sync, not overlapped
+
+Compute activity (share of the step the tensor cores are busy) is ``sum(t_c) / step_s`` and
+memory activity (share of the step HBM is busy, i.e. DRAM traffic as a rate) ``sum(t_m) / step_s``.
+
+Calibration against the paper's testbed (arXiv 2609.27085 §2; GPT-OSS-120B): a 2.5x larger decode
+batch (8 -> 20 requests, 1K-token contexts) gives 1.74x throughput and 1.44x compute activity;
+contexts 1K -> 82K at batch 8 give ~2x memory traffic and ~-10% throughput. A pure GPU roofline
+cannot give both: 8 x 82K tokens of full-layer KV is ~24 GB per step, ~6 ms on an H200, so the
+-10% means the testbed's small-batch steps are bounded by host work that the extra KV reads hide
+under, while the padded expert GEMMs outgrow it when the batch grows. The presets' host and tile
+figures are fitted to those four ratios (``tests/domain/test_capacity.py`` pins them); FLOP/s and
+bandwidth are ~70% of datasheet dense bf16 and ~85% of HBM. ``crossflow-agent calibrate`` measures
+FLOP/s, bandwidth and the penalty on the node itself; host figures come from the preset.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from crossflow_ctl.domain.models import Frozen
 
 Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
 
 class ModelSpec(Frozen):
@@ -36,15 +65,37 @@ class ModelSpec(Frozen):
     kv_heads: Annotated[int, Field(gt=0, le=1024)]
     head_dim: Annotated[int, Field(gt=0, le=4096)]
     active_params: Positive
-    """Parameters used per token (all of them for a dense model)."""
+    """Parameters used per token (all of them for a dense model); informational."""
     total_params: Positive
     param_bytes: Positive = 2.0
-    """Bytes per weight (2 for bf16, ~0.53 for MXFP4 with scales)."""
+    """Bytes per dense (non-expert) weight: 2 for bf16, 1 for fp8."""
     kv_dtype_bytes: Positive = 2.0
+    experts: Annotated[int, Field(ge=0, le=65_536)] = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    experts_per_token: Annotated[int, Field(ge=0, le=1024)] = 0
+    expert_params: NonNegative = 0.0
+    """Parameters in all routed experts of all layers (the rest of ``total_params`` is dense)."""
+    expert_param_bytes: NonNegative = 0.0
+    """Bytes per expert weight (~0.53 for MXFP4 with scales); 0: same as ``param_bytes``."""
+    sliding_window_tokens: Annotated[int, Field(ge=0, le=10_000_000)] = 0
+    sliding_layers: Annotated[int, Field(ge=0, le=1000)] = 0
+    """Layers that attend only to the last ``sliding_window_tokens`` tokens."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelSpec:
+        if self.experts and not (0 < self.experts_per_token <= self.experts):
+            raise ValueError("experts_per_token must be in 1..experts for an MoE model")
+        if self.experts and not 0 < self.expert_params < self.total_params:
+            raise ValueError("expert_params must be in (0, total_params) for an MoE model")
+        if self.sliding_layers > self.layers:
+            raise ValueError("sliding_layers must not exceed layers")
+        if self.sliding_layers and not self.sliding_window_tokens:
+            raise ValueError("sliding_layers needs sliding_window_tokens")
+        return self
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V, every layer, every KV head."""
+        """K and V, every layer, every KV head (what a token's cache entry occupies)."""
         return int(2 * self.layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes)
 
 
@@ -56,12 +107,19 @@ class NodeProfile(Frozen):
     """Achievable dense FLOP/s for the served dtype."""
     hbm_bytes_per_s: Positive
     """Achievable HBM bandwidth."""
-    step_overhead_s: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.004
-    """Fixed per-step cost: scheduling, kernel launches, sampling."""
+    step_overhead_s: Seconds = 0.0005
+    """Fixed per-step cost that overlaps nothing: kernel launches, synchronisation."""
     overlap_penalty: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.25
-    """Share of the smaller of compute and memory time that does not overlap the larger."""
+    """Share of the smaller of a kernel's compute and memory time that does not overlap the
+    larger (0: perfect overlap, 1: serialised)."""
     network_bytes_per_s: Positive = 25e9
     """KV transfer bandwidth into the node."""
+    host_step_s: Seconds = 0.0
+    """Engine host work per step (scheduling, sampling), run concurrently with the GPU."""
+    host_per_request_s: Annotated[float, Field(ge=0.0, le=0.1, allow_inf_nan=False)] = 0.0
+    """Host work per request in the step."""
+    gemm_tile_rows: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Rows a GEMM computes at least per weight matrix it touches (tensor-core M tile)."""
 
 
 class StepShape(Frozen):
@@ -71,37 +129,200 @@ class StepShape(Frozen):
     prefix_tokens: Annotated[int, Field(ge=0)] = 0
 
 
-def step_flops(model: ModelSpec, shape: StepShape) -> float:
-    tokens = shape.batch + shape.prefill_tokens
-    p = shape.prefill_tokens
-    attn = 4.0 * model.layers * model.q_heads * model.head_dim
-    return 2.0 * model.active_params * tokens + attn * (
-        shape.context_tokens + p * (p / 2.0 + shape.prefix_tokens)
-    )
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """One step's costs and times (seconds); see the module doc."""
+
+    flops: float
+    bytes_moved: float
+    compute_s: float
+    """Tensor-core busy time: sum over groups of FLOPs / FLOP/s."""
+    memory_s: float
+    """HBM busy time: sum over groups of bytes / bandwidth."""
+    gpu_s: float
+    host_s: float
+    step_s: float
+
+    @property
+    def compute_activity(self) -> float:
+        return self.compute_s / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def memory_activity(self) -> float:
+        return self.memory_s / self.step_s if self.step_s > 0 else 0.0
 
 
-def step_bytes(model: ModelSpec, shape: StepShape) -> float:
-    tokens = shape.batch + shape.prefill_tokens
-    if tokens == 0:
-        return 0.0
-    weights = model.param_bytes * min(model.total_params, model.active_params * tokens)
-    kv = model.kv_bytes_per_token * (
-        shape.context_tokens + shape.prefix_tokens + shape.prefill_tokens
+def kernel_time_s(node: NodeProfile, flops: float, bytes_moved: float) -> float:
+    """One kernel group's time on ``node``: ``max(t_c, t_m) + penalty * min(t_c, t_m)``."""
+    t_c = flops / node.flops_per_s
+    t_m = bytes_moved / node.hbm_bytes_per_s
+    return max(t_c, t_m) + node.overlap_penalty * min(t_c, t_m)
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    """Constants of one (model, node) pair, precomputed: the hot path is plain float arithmetic."""
+
+    inv_flops: float
+    inv_bw: float
+    penalty: float
+    host_s: float
+    host_req_s: float
+    overhead_s: float
+    tile: float
+    dense_flops_per_row: float
+    dense_bytes: float
+    experts: float
+    per_token: float
+    keep: float
+    """1 - k/E: the chance an expert is missed by one token."""
+    expert_bytes: float
+    expert_flops_per_row: float
+    attn_flops: float
+    """4 * q_heads * head_dim: attention FLOPs per (query, key) pair per layer."""
+    kv_layer_bytes: float
+    full_layers: float
+    window_layers: float
+    window: float
+
+    @classmethod
+    def of(cls, model: ModelSpec, node: NodeProfile) -> Roofline:
+        expert_params = model.expert_params if model.experts else 0.0
+        dense_params = model.total_params - expert_params
+        experts = float(model.experts)
+        return cls(
+            inv_flops=1.0 / node.flops_per_s,
+            inv_bw=1.0 / node.hbm_bytes_per_s,
+            penalty=node.overlap_penalty,
+            host_s=node.host_step_s,
+            host_req_s=node.host_per_request_s,
+            overhead_s=node.step_overhead_s,
+            tile=float(node.gemm_tile_rows),
+            dense_flops_per_row=2.0 * dense_params,
+            dense_bytes=dense_params * model.param_bytes,
+            experts=experts,
+            per_token=float(model.experts_per_token),
+            keep=1.0 - model.experts_per_token / experts if experts else 1.0,
+            expert_bytes=expert_params * (model.expert_param_bytes or model.param_bytes),
+            expert_flops_per_row=2.0 * expert_params / experts if experts else 0.0,
+            attn_flops=4.0 * model.q_heads * model.head_dim,
+            kv_layer_bytes=2.0 * model.kv_heads * model.head_dim * model.kv_dtype_bytes,
+            full_layers=float(model.layers - model.sliding_layers),
+            window_layers=float(model.sliding_layers),
+            window=float(model.sliding_window_tokens),
+        )
+
+    def groups(
+        self, batch: int, context: int, chunk: int, prefix: int
+    ) -> tuple[tuple[float, float], tuple[float, float], tuple[float, float]]:
+        """(flops, bytes) of the dense, expert and attention groups."""
+        tokens = batch + chunk
+        tile = self.tile
+        dense = (self.dense_flops_per_row * max(tokens, tile), self.dense_bytes)
+        if self.experts:
+            touched = self.experts * (1.0 - self.keep**tokens)
+            rows = max(tokens * self.per_token, touched * tile)
+            expert = (self.expert_flops_per_row * rows, self.expert_bytes * touched / self.experts)
+        else:
+            expert = (0.0, 0.0)
+        pairs = self.full_layers * (context + chunk * (chunk / 2.0 + prefix))
+        read = self.full_layers * (context + prefix + chunk)
+        if self.window_layers:
+            w = self.window
+            windowed = min(context, batch * w)
+            pairs += self.window_layers * (windowed + chunk * min(chunk / 2.0 + prefix, w))
+            read += self.window_layers * (windowed + min(prefix, w) + chunk)
+        attention = (self.attn_flops * pairs, self.kv_layer_bytes * read)
+        return dense, expert, attention
+
+    def cost(self, batch: int, context: int, chunk: int = 0, prefix: int = 0) -> StepCost:
+        if batch == 0 and chunk == 0:
+            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        flops = nbytes = compute = memory = gpu = 0.0
+        for f, b in self.groups(batch, context, chunk, prefix if chunk else 0):
+            t_c, t_m = f * self.inv_flops, b * self.inv_bw
+            flops, nbytes, compute, memory = flops + f, nbytes + b, compute + t_c, memory + t_m
+            gpu += max(t_c, t_m) + self.penalty * min(t_c, t_m)
+        host = self.host_s + self.host_req_s * (batch + (1 if chunk else 0))
+        return StepCost(flops, nbytes, compute, memory, gpu, host, max(gpu, host) + self.overhead_s)
+
+    def step_s(self, batch: int, context: int, chunk: int = 0, prefix: int = 0) -> float:
+        """Predicted wall time of one engine step (seconds): :meth:`cost`'s ``step_s``, inlined
+        (the agent and the simulator call it in loops; tests pin the two to each other)."""
+        tokens = batch + chunk
+        if tokens == 0:
+            return 0.0
+        if not chunk:
+            prefix = 0
+        inv_f, inv_b, pen, tile = self.inv_flops, self.inv_bw, self.penalty, self.tile
+        t_c = self.dense_flops_per_row * (tokens if tokens > tile else tile) * inv_f
+        t_m = self.dense_bytes * inv_b
+        gpu = t_c + pen * t_m if t_c > t_m else t_m + pen * t_c
+        if self.experts:
+            touched = self.experts * (1.0 - self.keep**tokens)
+            rows = tokens * self.per_token
+            if touched * tile > rows:
+                rows = touched * tile
+            t_c = self.expert_flops_per_row * rows * inv_f
+            t_m = self.expert_bytes * touched / self.experts * inv_b
+            gpu += t_c + pen * t_m if t_c > t_m else t_m + pen * t_c
+        pairs = self.full_layers * (context + chunk * (chunk / 2.0 + prefix))
+        read = self.full_layers * (context + prefix + chunk)
+        if self.window_layers:
+            w = self.window
+            windowed = context if context < batch * w else batch * w
+            span = chunk / 2.0 + prefix
+            pairs += self.window_layers * (windowed + chunk * (span if span < w else w))
+            read += self.window_layers * (windowed + (prefix if prefix < w else w) + chunk)
+        t_c = self.attn_flops * pairs * inv_f
+        t_m = self.kv_layer_bytes * read * inv_b
+        gpu += t_c + pen * t_m if t_c > t_m else t_m + pen * t_c
+        host = self.host_s + self.host_req_s * (batch + 1 if chunk else batch)
+        return (gpu if gpu > host else host) + self.overhead_s
+
+
+_BY_IDENTITY: dict[tuple[int, int], tuple[ModelSpec, NodeProfile, Roofline]] = {}
+
+
+def roofline(model: ModelSpec, node: NodeProfile) -> Roofline:
+    """The precomputed constants for ``(model, node)``.
+
+    Looked up by object identity first (hashing two pydantic models costs more than the step
+    time itself); the entry keeps both objects alive, so an id is never reused while cached.
+    Both are frozen, so equal objects give equal constants either way."""
+    key = (id(model), id(node))
+    hit = _BY_IDENTITY.get(key)
+    if hit is not None and hit[0] is model and hit[1] is node:
+        return hit[2]
+    if len(_BY_IDENTITY) >= 256:
+        _BY_IDENTITY.clear()
+    roof = _by_value(model, node)
+    _BY_IDENTITY[key] = (model, node, roof)
+    return roof
+
+
+@lru_cache(maxsize=64)
+def _by_value(model: ModelSpec, node: NodeProfile) -> Roofline:
+    return Roofline.of(model, node)
+
+
+def step_cost(model: ModelSpec, node: NodeProfile, shape: StepShape) -> StepCost:
+    return roofline(model, node).cost(
+        shape.batch, shape.context_tokens, shape.prefill_tokens, shape.prefix_tokens
     )
-    return weights + kv
 
 
 def step_time_s(model: ModelSpec, node: NodeProfile, shape: StepShape) -> float:
     """Predicted wall time of one engine step of ``shape`` (seconds)."""
-    if shape.batch == 0 and shape.prefill_tokens == 0:
-        return 0.0
-    t_c = step_flops(model, shape) / node.flops_per_s
-    t_m = step_bytes(model, shape) / node.hbm_bytes_per_s
-    return max(t_c, t_m) + node.overlap_penalty * min(t_c, t_m) + node.step_overhead_s
+    return roofline(model, node).step_s(
+        shape.batch, shape.context_tokens, shape.prefill_tokens, shape.prefix_tokens
+    )
 
 
 # -- presets ----------------------------------------------------------------------------------
-# Achievable figures are ~70% of datasheet dense bf16 FLOP/s and ~85% of HBM bandwidth.
+# GPT-OSS-120B (model card, Aug 2025): 36 layers alternating full and 128-token sliding-window
+# attention, 64 query / 8 KV heads of 64, 128 experts top-4 in MXFP4 (114.7B params), 2.1B dense
+# (attention, router, embeddings) in bf16. Host and tile figures: see the module doc.
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
     "gpt-oss-120b": ModelSpec(
@@ -111,9 +332,15 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         kv_heads=8,
         head_dim=64,
         active_params=5.1e9,
-        total_params=117e9,
-        param_bytes=0.53,
+        total_params=116.8e9,
+        param_bytes=2.0,
         kv_dtype_bytes=2.0,
+        experts=128,
+        experts_per_token=4,
+        expert_params=114.7e9,
+        expert_param_bytes=0.53,
+        sliding_window_tokens=128,
+        sliding_layers=18,
     ),
     "glm-4.5": ModelSpec(
         name="glm-4.5",
@@ -125,6 +352,9 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         total_params=355e9,
         param_bytes=1.0,
         kv_dtype_bytes=2.0,
+        experts=160,
+        experts_per_token=8,
+        expert_params=340e9,
     ),
     "llama-3.1-8b": ModelSpec(
         name="llama-3.1-8b",
@@ -139,13 +369,29 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     ),
 }
 
+_HOPPER = {
+    "overlap_penalty": 1.0,
+    "gemm_tile_rows": 64,
+    "host_step_s": 0.0134,
+    "host_per_request_s": 2e-5,
+    "step_overhead_s": 0.00025,
+}
 NODE_PRESETS: dict[str, NodeProfile] = {
-    "h100": NodeProfile(name="h100", flops_per_s=0.7 * 989e12, hbm_bytes_per_s=0.85 * 3.35e12),
-    "h200": NodeProfile(name="h200", flops_per_s=0.7 * 989e12, hbm_bytes_per_s=0.85 * 4.8e12),
+    "h100": NodeProfile(
+        name="h100", flops_per_s=0.7 * 989e12, hbm_bytes_per_s=0.85 * 3.35e12, **_HOPPER
+    ),
+    "h200": NodeProfile(
+        name="h200", flops_per_s=0.7 * 989e12, hbm_bytes_per_s=0.85 * 4.8e12, **_HOPPER
+    ),
     "gb300": NodeProfile(
         name="gb300",
         flops_per_s=0.7 * 2.5e15,
         hbm_bytes_per_s=0.85 * 8e12,
         network_bytes_per_s=100e9,
+        overlap_penalty=1.0,
+        gemm_tile_rows=128,
+        host_step_s=0.009,
+        host_per_request_s=2e-5,
+        step_overhead_s=0.0005,
     ),
 }

@@ -22,6 +22,9 @@ MAX_SLOTS = 100_000
 MAX_TTL_MS = 3_600_000
 MAX_RATE_TPS = 1e9
 MAX_MS = 86_400_000.0
+MAX_S_PER_TOKEN = 1.0
+"""A borrowed prompt token costing a node more than a second is a bug, not a lease."""
+MAX_S_PER_TOKEN_CONTEXT = 1e-3
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 MAX_ID_LEN = 128
 
@@ -74,9 +77,12 @@ class Credits(Frozen):
     """The five credits of a lease, each in its own unit."""
 
     compute_tokens: Tokens = 0
-    """Uncached prompt tokens the node can prefill within the borrow horizon."""
+    """Borrowed prefill the node can run within the borrow horizon, in uncached tokens at the
+    lease's ``borrowed_prefill_rate_tps`` (seconds of borrowed prefill x that rate). A prompt
+    debits its own cost in that unit (:func:`crossflow_ctl.domain.lending.compute_debit`)."""
     kv_tokens: Tokens = 0
-    """KV-cache token slots for borrowed requests (prompt + expected output)."""
+    """KV-cache token slots for borrowed requests (what each places on the node, see
+    :func:`crossflow_ctl.domain.admission.debit_for`)."""
     kv_transfer_bytes: Annotated[int, Field(ge=0, le=MAX_BYTES)] = 0
     """Bytes of remote cached prefix the node can pull in."""
     output_tokens: Tokens = 0
@@ -142,6 +148,17 @@ class Lease(Frozen):
     zero_detail: Annotated[str, Field(max_length=512)] = ""
     queue_wait_ms: Ms = 0.0
     borrowed_prefill_rate_tps: Tps = 0.0
+    """Borrowed-prefill rate for a prompt over the agent's reference prefix (tokens/s)."""
+    prefill_s_per_token: Annotated[
+        float, Field(ge=0.0, le=MAX_S_PER_TOKEN, allow_inf_nan=False)
+    ] = 0.0
+    """``a``: node seconds per borrowed uncached token, at no attended context (0: unknown, every
+    token costs ``1 / borrowed_prefill_rate_tps``)."""
+    prefill_s_per_token_context: Annotated[
+        float, Field(ge=0.0, le=MAX_S_PER_TOKEN_CONTEXT, allow_inf_nan=False)
+    ] = 0.0
+    """``b``: extra node seconds per borrowed uncached token per token of attended context. A
+    prompt of U uncached tokens over a cached prefix X costs ``U * (a + b * (X + U/2))`` s."""
     itl_ms: Ms = 0.0
     itl_slo_ms: Ms = 0.0
     last_notice_seq: Annotated[int, Field(ge=0, lt=2**63)] = 0
@@ -161,6 +178,14 @@ class Lease(Frozen):
 
     def is_newer_than(self, epoch: int, version: int) -> bool:
         return (self.epoch, self.version) > (epoch, version)
+
+    def prefill_service_s(self, uncached: int, cached: int) -> float:
+        """Node seconds a borrowed prompt's prefill takes here (inf when the lease has no rate)."""
+        if self.prefill_s_per_token > 0.0:
+            a, b = self.prefill_s_per_token, self.prefill_s_per_token_context
+            return uncached * (a + b * (cached + uncached / 2.0))
+        rate = self.borrowed_prefill_rate_tps
+        return uncached / rate if rate > 0 else float("inf")
 
 
 class StoredLease(Frozen):

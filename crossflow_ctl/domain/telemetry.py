@@ -48,6 +48,9 @@ class EngineSnapshot(Frozen):
 
     outstanding_uncached_tokens: int = 0
     """Uncached prompt tokens queued or in flight (prefill role; borrowed work on decode)."""
+    borrowed_kv_tokens: int = 0
+    """KV token slots held by borrowed requests still in prefill (decode role; 0 when the engine
+    cannot tell them apart, which leaves them counted by both the lease and the broker)."""
     prefill_processing_rate_tps: float = 0.0
     """Uncached prompt tokens processed per second recently (prefill role)."""
 
@@ -57,10 +60,9 @@ class EngineSnapshot(Frozen):
     def numbers(self) -> dict[str, float]:
         """Every numeric field, for plausibility checks (None fields left out)."""
         out: dict[str, float] = {}
-        for name, value in self.model_dump().items():
-            if isinstance(value, bool) or value is None:
-                continue
-            if isinstance(value, int | float):
+        for name in NUMERIC_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
                 out[name] = float(value)
         return out
 
@@ -70,3 +72,9 @@ class EngineSnapshot(Frozen):
 
     def finite(self) -> bool:
         return all(math.isfinite(v) for v in self.numbers().values())
+
+
+NUMERIC_FIELDS: tuple[str, ...] = tuple(
+    name for name, f in EngineSnapshot.model_fields.items() if f.annotation is not str
+)
+"""The snapshot's numeric fields, in declaration order (counts, rates, quantiles, times)."""

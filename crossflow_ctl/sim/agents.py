@@ -23,9 +23,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, roofline
 from crossflow_ctl.domain.errors import CrossflowError
-from crossflow_ctl.domain.leasing import ItlGuard, LeaseSettings, decide, pool_load
+from crossflow_ctl.domain.lease_credits import LeaseSettings
+from crossflow_ctl.domain.leasing import ItlGuard, decide, pool_load
+from crossflow_ctl.domain.lending import ChunkSizer, OpenDebits
 from crossflow_ctl.domain.models import CREDIT_NAMES, Lease, PoolLoad
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.service import Broker
@@ -48,13 +50,25 @@ class DecodeAgent:
         self.server = server
         self.fast_forward = fast_forward
         self.node_id = node_id
-        self.follow_chunk = follow_chunk
         self.model = model
         self.node = node
         self.settings = settings
         self.period_s = period_s
         self.ttl_ms = ttl_ms
         self.guard = ItlGuard()
+        self.open_debits = OpenDebits()
+        self.sizer = (
+            ChunkSizer(
+                roofline(model, node),
+                settings.itl_slo_ms / 1000.0 * settings.slo_margin,
+                settings.chunk_step_tokens,
+                settings.max_chunk_tokens,
+            )
+            if follow_chunk
+            else None
+        )
+        """The engine's chunk rule once the agent runs: each borrowed prompt's chunk is sized for
+        its prefix within the agent's ITL budget."""
         self.version = 0
         self.last_notice_seq = 0
         self.last_tokens = 0
@@ -96,6 +110,7 @@ class DecodeAgent:
             itl_p99_ms=p99,
             kv_transfer_bytes_per_s=None,
             outstanding_uncached_tokens=s.borrowed_outstanding,
+            borrowed_kv_tokens=s.borrowed_kv,
             prefill_processing_rate_tps=0.0,
             window_s=self.period_s,
         )
@@ -105,6 +120,7 @@ class DecodeAgent:
         notices = await broker.read_notices(self.node_id, self.last_notice_seq, 0)
         if notices:
             self.last_notice_seq = notices[-1].seq
+            self.open_debits.apply(notices)
         snapshot = self.snapshot(t, now_ms)
         guard = self.guard
         decision = decide(
@@ -114,13 +130,10 @@ class DecodeAgent:
             node=self.node,
             settings=self.settings,
             guard=self.guard,
+            open_debits=self.open_debits,
         )
         self.guard = decision.guard
-        if self.follow_chunk:
-            # The engine runs borrowed prefill in the chunk the capacity model sized for the ITL
-            # budget (the smallest grid chunk while the lease is zero, to finish work in hand).
-            chunk = decision.capacity.chunk_tokens if decision.capacity is not None else 0
-            self.server.borrow_chunk = chunk or self.settings.chunk_step_tokens
+        self.server.sizer = self.sizer
         self.version += 1
         lease = decision.to_lease(
             node_id=self.node_id,
@@ -297,5 +310,6 @@ def _snapshot_key(s: EngineSnapshot) -> tuple[object, ...]:
         s.itl_p50_ms,
         s.itl_p99_ms,
         s.outstanding_uncached_tokens,
+        s.borrowed_kv_tokens,
         s.prefill_processing_rate_tps,
     )

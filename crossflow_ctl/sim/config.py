@@ -11,7 +11,7 @@ from pydantic import Field
 from crossflow_ctl.client.holding import QueueConfig
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, ModelSpec, NodeProfile
 from crossflow_ctl.domain.errors import InvalidArgument
-from crossflow_ctl.domain.leasing import LeaseSettings
+from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import Frozen
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.sim.prefix_cache import CacheScope
@@ -44,8 +44,8 @@ class SimConfig(Frozen):
     borrow_chunk_tokens: Annotated[int, Field(gt=0, le=1_048_576)] = 2048
     """Borrowed prefill tokens a decode server adds to one decode step (its chunk size)."""
     lease_sized_chunks: bool = True
-    """Leases policy: decode servers run borrowed prefill in the chunk their agent's capacity
-    model sized for the ITL budget (the lease's borrowed-prefill rate assumes that chunk);
+    """Leases policy: decode servers size each borrowed prompt's chunk for its prefix within the
+    agents' ITL budget (the lease's per-token cost assumes that rule);
     ``borrow_chunk_tokens`` then applies only to the threshold heuristic."""
     max_batch: Annotated[int, Field(gt=0, le=4096)] = 256
     max_macro_steps: Annotated[int, Field(gt=0, le=100_000)] = 64

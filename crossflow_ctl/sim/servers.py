@@ -25,7 +25,8 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, StepShape, step_time_s
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, roofline
+from crossflow_ctl.domain.lending import ChunkSizer
 
 
 @dataclass(slots=True)
@@ -64,12 +65,10 @@ class StepModel:
     def __init__(self, model: ModelSpec, node: NodeProfile) -> None:
         self.model = model
         self.node = node
+        self.roof = roofline(model, node)
 
     def step_s(self, batch: int, context: int, prefill: int = 0, prefix: int = 0) -> float:
-        shape = StepShape.model_construct(
-            batch=batch, context_tokens=context, prefill_tokens=prefill, prefix_tokens=prefix
-        )
-        return step_time_s(self.model, self.node, shape)
+        return self.roof.step_s(batch, context, prefill, prefix)
 
     def prefill_s(self, uncached: int, cached: int, chunk: int) -> float:
         total, done = 0.0, 0
@@ -170,6 +169,8 @@ class DecodeServer:
     max_batch: int
     max_macro: int
     borrow_chunk: int
+    sizer: ChunkSizer | None = None
+    """Leases policy: each borrowed prompt's chunk is sized for its prefix (else borrow_chunk)."""
     running: dict[int, Req] = field(default_factory=dict)
     finish_heap: list[tuple[int, int]] = field(default_factory=list)
     steps_done: int = 0
@@ -179,6 +180,8 @@ class DecodeServer:
     waiting: deque[Req] = field(default_factory=deque)
     borrow_q: deque[Req] = field(default_factory=deque)
     borrowed_outstanding: int = 0
+    borrowed_kv: int = 0
+    """KV reserved by borrowed requests still in prefill (what the agent's telemetry reports)."""
     busy: bool = False
     t0: float = 0.0
     dt: float = 0.0
@@ -250,6 +253,7 @@ class DecodeServer:
             self.borrowed_outstanding -= self.chunk_now
             if head.prefilled >= head.uncached_tokens:
                 self.borrow_q.popleft()
+                self.borrowed_kv -= head.kv_need
                 self.borrow_done.append(head)
                 self._join(head, t)
         self.busy = False
@@ -290,6 +294,7 @@ class DecodeServer:
             if self._fits(head):
                 head.kv_reserved = True
                 self.kv_used += head.kv_need
+                self.borrowed_kv += head.kv_need
             else:
                 if not head.kv_waited:
                     head.kv_waited = True
@@ -298,9 +303,11 @@ class DecodeServer:
         b = self.batch
         ctx = self.ctx_base + b * self.steps_done
         if head is not None:
-            p = min(self.borrow_chunk, head.uncached_tokens - head.prefilled)
+            prefix = head.cached_tokens + head.prefilled
+            size = self.sizer.chunk(b, ctx, prefix) if self.sizer else self.borrow_chunk
+            p = min(size, head.uncached_tokens - head.prefilled)
             self.chunk_now, self.k = p, 1
-            self.dt = self.steps.step_s(b, ctx, p, head.cached_tokens + head.prefilled)
+            self.dt = self.steps.step_s(b, ctx, p, prefix)
         elif b:
             self.chunk_now = 0
             self.k = min(self.max_macro, self.finish_heap[0][0] - self.steps_done)

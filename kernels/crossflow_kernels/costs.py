@@ -6,7 +6,8 @@ do, not what a fused engine might do:
 - decode attention reads every context token's K and V once for each KV head (grouped-query
   heads share the read), reads the query and block table, writes the output; it does ``2 * D``
   FLOPs for ``q . k`` and ``2 * D`` for ``p * v`` per query head and context token, which is the
-  ``4 * q_heads * head_dim * C`` per layer of ``crossflow_ctl.domain.capacity.step_flops``;
+  ``4 * q_heads * head_dim * C`` per layer of the attention group of
+  ``crossflow_ctl.domain.capacity.Roofline.groups``;
 - the GEMM does ``2 * M * N * K`` FLOPs and moves at least ``A + B + C`` once;
 - the mixed step is the sum of its two halves.
 """

@@ -112,16 +112,16 @@ def test_profile_round_trip_and_refusals(tmp_path: Path) -> None:
 def test_cli_inspect_shows_snapshot_predictions_and_lease(tmp_path: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(
-        cli, ["inspect", "--source", "synthetic", "--window-ms", "0", "--slo-ms", "40", "--json"]
+        cli, ["inspect", "--source", "synthetic", "--window-ms", "0", "--slo-ms", "60", "--json"]
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["settings"]["source"] == SourceKind.SYNTHETIC.value
     assert report["snapshot"]["kv_total_tokens"] == 400_000
     assert [p["prefill_tokens"] for p in report["predictions"]] == [0, 512, 2048, 8192]
-    assert report["lease"]["itl_slo_ms"] == 40.0
+    assert report["lease"]["itl_slo_ms"] == 60.0
     assert report["lease"]["credits"]["compute_tokens"] > 0
-    assert any(line.startswith("budget = slo 40") for line in report["arithmetic"])
+    assert any(line.startswith("budget = slo 60") for line in report["arithmetic"])
 
     text = runner.invoke(cli, ["inspect", "--source", "synthetic", "--window-ms", "0"])
     assert text.exit_code == 0 and "arithmetic:" in text.output and "compute_tokens" in text.output

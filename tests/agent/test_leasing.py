@@ -9,10 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, StepShape, step_time_s
+from crossflow_ctl.domain.lease_credits import LeaseSettings, compute_capacity
 from crossflow_ctl.domain.leasing import (
     ItlGuard,
-    LeaseSettings,
-    compute_capacity,
     decide,
     implausibility,
     pool_load,
@@ -47,9 +46,11 @@ def test_a_quiet_node_offers_every_credit() -> None:
     c = cap.credits
     assert c.compute_tokens > 0 and c.kv_tokens > 0 and c.slots > 0 and c.output_tokens > 0
     assert c.kv_transfer_bytes > 0
-    # the chosen chunk respects the budget, and the rate is what the chunk and its step say
+    # the chosen chunk respects the budget; the rate is the cost line's at the reference prefix
     assert 0 < cap.chunk_step_s <= LS.budget_s
-    assert cap.borrowed_prefill_rate_tps == pytest.approx(cap.chunk_tokens / cap.chunk_step_s)
+    a, b = cap.coefficients
+    assert a == pytest.approx(cap.chunk_step_s / cap.chunk_tokens) and b > 0
+    assert cap.borrowed_prefill_rate_tps == pytest.approx(1 / (a + b * LS.borrowed_prefix_tokens))
     assert c.compute_tokens == int(cap.borrowed_prefill_rate_tps * LS.horizon_s)
     # kv = free - (5% of total + 256 per running request)
     assert c.kv_tokens == (1_000_000 - 64_000) - (50_000 + 256 * 16)

@@ -15,7 +15,7 @@ from crossflow_agent.agent import Agent
 from crossflow_agent.settings import AgentSettings
 from crossflow_agent.sources.http import PrometheusSource
 from crossflow_agent.sources.sglang import SGLangReader
-from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
+from crossflow_ctl.api.v1 import common_pb2, lease_pb2, lease_pb2_grpc
 from crossflow_ctl.broker.server import BrokerServer, make_store
 from crossflow_ctl.client.admin import AdminClient
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
@@ -286,6 +286,61 @@ async def test_a_lease_carries_the_notice_seq_seen_before_its_snapshot() -> None
     assert agent.stream.state.last_notice_seq == 12
     second = await agent.tick()
     assert second is not None and second.last_notice_seq == 12 and second.version == 2
+
+
+class NoticeDuringScrapeSource:
+    """A borrowed prompt shows in telemetry; a release notice lands while the scrape runs."""
+
+    name = "test"
+
+    def __init__(self, agent_ref: list[Agent], snapshot: EngineSnapshot) -> None:
+        self.agent_ref, self.snapshot = agent_ref, snapshot
+        self.late: list[lease_pb2.Notice] = []
+
+    async def scrape(self) -> EngineSnapshot:
+        for notice in self.late:
+            self.agent_ref[0].stream._notice(notice)
+        self.late = []
+        return self.snapshot.model_copy(update={"taken_at_ms": self.agent_ref[0].clock.now_ms()})
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _notice(seq: int, kind: int, rid: str, compute: int = 0, kv: int = 0) -> lease_pb2.Notice:
+    debit = common_pb2.Credits(compute_tokens=compute, kv_tokens=kv)
+    return lease_pb2.Notice(seq=seq, kind=kind, reservation_id=rid, debit=debit)  # type: ignore[arg-type]
+
+
+async def test_borrowed_work_the_broker_debits_is_not_subtracted_again_by_the_lease() -> None:
+    """Grant notices tell the agent which borrowed work the broker counts; its lease adds that
+    work back (counted once, by the broker's debit). A release that lands during the scrape is
+    not applied to that lease: it is stamped with the sequence read before the snapshot."""
+    settings = AgentSettings(node_id="n1", brokers=["127.0.0.1:1"])
+    base = EngineSnapshot(taken_at_ms=0, running_requests=4, kv_used_tokens=1000,
+                          kv_total_tokens=100_000, decode_context_tokens=1000)  # fmt: skip
+    busy = base.model_copy(update={"outstanding_uncached_tokens": 3000})
+    ref: list[Agent] = []
+    idle_agent = Agent(settings, NoticeDuringScrapeSource(ref, base), MODEL, NODE)
+    ref.append(idle_agent)
+    idle = await idle_agent.tick()
+
+    ref.clear()
+    source = NoticeDuringScrapeSource(ref, busy)
+    agent = Agent(settings, source, MODEL, NODE)
+    ref.append(agent)
+    alone = await agent.tick()  # no notices yet: the queued work is the lease's to subtract
+    agent.stream._notice(_notice(1, lease_pb2.NOTICE_KIND_GRANT, "r1", compute=3000, kv=4000))
+    agent.stream._notice(_notice(2, lease_pb2.NOTICE_KIND_COMMIT, "r1"))
+    source.late = [_notice(3, lease_pb2.NOTICE_KIND_RELEASE, "r1")]
+    covered = await agent.tick()
+    assert idle is not None and alone is not None and covered is not None
+    assert alone.credits.compute_tokens == idle.credits.compute_tokens - 3000
+    assert covered.credits.compute_tokens == idle.credits.compute_tokens
+    assert covered.last_notice_seq == 2 and agent.stream.state.open_debits.compute == 0
+    again = await agent.tick()  # the release is seen now: the work is the lease's again
+    assert again is not None and again.last_notice_seq == 3
+    assert again.credits.compute_tokens == alone.credits.compute_tokens
 
 
 async def test_a_prefill_agent_reports_pool_load(brokers, metrics_server) -> None:

@@ -217,3 +217,52 @@ def test_a_ranked_node_always_satisfies_all_three_conditions(
         assert plan.normal_path is not None
         assert check.predicted_ttft_ms < plan.normal_path.total_ms
         assert not credits.short_of(check.debit)
+
+
+def _priced(node_id: str = "d0") -> NodeState:
+    """A lease that prices prompts: 100 us per token plus 10 ns per token of attended context."""
+    state = node(node_id, rate=5000.0)
+    assert state.lease is not None
+    lease = state.lease.lease.model_copy(
+        update={"prefill_s_per_token": 1e-4, "prefill_s_per_token_context": 1e-8}
+    )
+    return state.model_copy(update={"lease": state.lease.model_copy(update={"lease": lease})})
+
+
+def test_the_debit_and_the_benefit_use_the_prompts_own_cost() -> None:
+    """Same uncached tokens, different cached prefixes: the longer prefix costs more compute
+    credit and a longer predicted service on the borrowed path (issue #10 item 2)."""
+    short = AdmissionRequest(uncached_prompt_tokens=1000, cached_prefix_tokens=0)
+    long = AdmissionRequest(uncached_prompt_tokens=1000, cached_prefix_tokens=36_000)
+    priced = _priced()
+    lease = priced.lease.lease if priced.lease else None
+    # 1000 x (100 us + 10 ns x 500) = 105 ms -> x 5000 tok/s = 525 tokens of credit
+    assert debit_for(short, "d0", SETTINGS, lease).compute_tokens == 525
+    # 1000 x (100 us + 10 ns x 36,500) = 465 ms -> 2325 tokens
+    assert debit_for(long, "d0", SETTINGS, lease).compute_tokens == 2325
+    # a lease without coefficients debits the uncached tokens
+    plain = node().lease
+    assert debit_for(long, "d0", SETTINGS, plain.lease if plain else None).compute_tokens == 1000
+    checks = [
+        plan_admission(r, pool(2000, 1000.0), [priced], SETTINGS, NOW).nodes[0]
+        for r in (short, long)
+    ]
+    assert checks[0].service_ms == pytest.approx(105.0)
+    assert checks[1].service_ms == pytest.approx(465.0 + 36_000.0)  # + the remote prefix pull
+
+
+def test_kv_debit_is_what_the_request_places_on_the_node() -> None:
+    """Uncached prompt + a prefix that must be pulled in + the output decoded within the
+    horizon; a prefix already cached on the node is in its own KV and not charged again."""
+    req = AdmissionRequest(
+        uncached_prompt_tokens=1000,
+        cached_prefix_tokens=4000,
+        cached_prefix_node_id="d1",
+        expected_output_tokens=5000,
+    )
+    lease = Lease(node_id="d0", epoch=1, version=1, ttl_ms=1000, itl_ms=20.0)
+    # horizon 2000 ms at 20 ms per token: 100 of the 5000 output tokens fall in it
+    remote = debit_for(req, "d0", SETTINGS, lease)
+    assert (remote.kv_tokens, remote.output_tokens) == (1000 + 4000 + 100, 100)
+    local = debit_for(req, "d1", SETTINGS, lease.model_copy(update={"node_id": "d1"}))
+    assert local.kv_tokens == 1000 + 100 and local.kv_transfer_bytes == 0

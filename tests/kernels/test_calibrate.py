@@ -16,7 +16,7 @@ from crossflow_agent.cli import cli
 from crossflow_agent.profile import load_profile
 from crossflow_ctl.domain.calibration import TimingSample, roofline_time_s
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, NodeProfile
-from crossflow_ctl.domain.leasing import LeaseSettings, compute_capacity
+from crossflow_ctl.domain.lease_credits import LeaseSettings, compute_capacity
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 
@@ -127,6 +127,8 @@ def test_refit_round_trips_through_the_file_and_changes_the_lease(tmp_path: Path
     assert loaded.hbm_bytes_per_s == pytest.approx(SLOW_NODE.hbm_bytes_per_s, rel=0.05)
     assert loaded.overlap_penalty == pytest.approx(SLOW_NODE.overlap_penalty, abs=0.05)
     assert loaded.step_overhead_s == 0.004  # the engine's step overhead, as asked
+    h200 = NODE_PRESETS["h200"]  # engine-side figures the kernels cannot see, from --engine-like
+    assert (loaded.host_step_s, loaded.gemm_tile_rows) == (h200.host_step_s, h200.gemm_tile_rows)
     assert doc["calibration"]["kernel_overhead_s"] == pytest.approx(6e-6, rel=0.3)
     assert doc["device"] == "synthetic-gpu" and doc["fit"]["samples"] == len(measured)
     assert set(doc) >= {"version", "profile", "device", "created_unix_ms", "fit"}

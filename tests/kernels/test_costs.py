@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from crossflow_ctl.domain.capacity import ModelSpec, StepShape, step_flops
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, roofline
 from crossflow_kernels.costs import (
     AttentionShape,
     GemmShape,
@@ -35,8 +35,8 @@ def test_attention_flops_are_the_capacity_models_attention_term_per_layer() -> N
     model = ModelSpec(
         name="t", layers=1, q_heads=8, kv_heads=2, head_dim=64, active_params=1.0, total_params=1.0
     )
-    shape = StepShape(batch=3, context_tokens=500)
-    attention_only = step_flops(model, shape) - 2.0 * model.active_params * shape.batch
+    node = NodeProfile(name="n", flops_per_s=1e15, hbm_bytes_per_s=1e12)
+    _, _, (attention_only, _) = roofline(model, node).groups(3, 500, 0, 0)
     kernel = AttentionShape(
         batch=3, context_tokens=500, q_heads=8, kv_heads=2, head_dim=64, block_size=16
     )

@@ -19,10 +19,8 @@ from crossflow_ctl.domain.capacity import (
     MODEL_PRESETS,
     NODE_PRESETS,
     NodeProfile,
-    StepShape,
-    step_bytes,
-    step_flops,
-    step_time_s,
+    kernel_time_s,
+    roofline,
 )
 from crossflow_ctl.domain.errors import InvalidArgument
 
@@ -132,17 +130,20 @@ def test_a_sweep_on_one_side_of_the_ridge_is_refused() -> None:
     assert err.value.field == "samples"
 
 
-def test_the_fit_uses_the_capacity_models_step_formula() -> None:
-    """roofline_time_s(step_flops, step_bytes) is step_time_s: fitted constants mean the same."""
-    model = MODEL_PRESETS["llama-3.1-8b"]
+def test_the_fit_uses_the_capacity_models_kernel_formula() -> None:
+    """roofline_time_s is kernel_time_s plus the per-call overhead, and the capacity model's GPU
+    time is kernel_time_s summed over its kernel groups: fitted constants mean the same."""
+    model = MODEL_PRESETS["gpt-oss-120b"]
     node = NODE_PRESETS["h200"]
-    for shape in (
-        StepShape(batch=1, context_tokens=100),
-        StepShape(batch=64, context_tokens=200_000, prefill_tokens=512, prefix_tokens=4096),
-        StepShape(batch=0, prefill_tokens=8192),
-    ):
-        raw = roofline_time_s(node, step_flops(model, shape), step_bytes(model, shape))
-        assert raw == pytest.approx(step_time_s(model, node, shape), rel=1e-12)
+    r = roofline(model, node)
+    shapes = ((1, 100, 0, 0), (64, 200_000, 512, 4096), (0, 0, 8192, 0))
+    for batch, context, chunk, prefix in shapes:
+        groups = r.groups(batch, context, chunk, prefix)
+        for f, b in groups:
+            raw = roofline_time_s(node, f, b)
+            assert raw == pytest.approx(kernel_time_s(node, f, b) + node.step_overhead_s)
+        gpu = sum(kernel_time_s(node, f, b) for f, b in groups)
+        assert r.cost(batch, context, chunk, prefix).gpu_s == pytest.approx(gpu, rel=1e-12)
 
 
 def test_too_few_timings_are_refused_naming_the_field() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from crossflow_ctl.domain.capacity import StepShape, step_time_s
-from crossflow_ctl.domain.leasing import LeaseSettings
+from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.sim.cluster import Simulation, simulate
 from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.metrics import summarize

@@ -82,9 +82,14 @@ class Credits(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     SLOTS_FIELD_NUMBER: _builtins.int
     compute_tokens: _builtins.int
-    """Uncached prompt tokens the node can prefill within the borrow horizon."""
+    """Borrowed prefill the node can run within the borrow horizon, in uncached
+    tokens at the lease's borrowed_prefill_rate_tps. Each prompt debits its own
+    cost in this unit, priced with the lease's per-token coefficients.
+    """
     kv_tokens: _builtins.int
-    """KV-cache token slots for borrowed requests (prompt + expected output)."""
+    """KV-cache token slots for borrowed requests: uncached prompt, a cached prefix
+    that must be pulled in, and the output decoded within the horizon.
+    """
     kv_transfer_bytes: _builtins.int
     """Bytes of KV the node can pull in over the network (remote cached prefixes)."""
     output_tokens: _builtins.int
@@ -127,6 +132,8 @@ class Lease(_message.Message):
     ITL_SLO_MS_FIELD_NUMBER: _builtins.int
     LAST_NOTICE_SEQ_FIELD_NUMBER: _builtins.int
     SNAPSHOT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    PREFILL_S_PER_TOKEN_CONTEXT_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.int
     """New at every agent start."""
@@ -148,6 +155,14 @@ class Lease(_message.Message):
     """
     snapshot_unix_ms: _builtins.int
     """Agent wall clock at snapshot time; informational only, never used for expiry."""
+    prefill_s_per_token: _builtins.float
+    """Per-prompt cost: a borrowed prompt of U uncached tokens over a cached prefix
+    of X tokens takes U * (a + b * (X + U/2)) seconds of this node's time, with
+    a = prefill_s_per_token (seconds per token, 0..1; 0: unknown, every token
+    costs 1 / borrowed_prefill_rate_tps) and b = prefill_s_per_token_context
+    (seconds per token per attended context token, 0..0.001).
+    """
+    prefill_s_per_token_context: _builtins.float
     @_builtins.property
     def credits(self) -> Global___Credits: ...
     def __init__(
@@ -166,10 +181,12 @@ class Lease(_message.Message):
         itl_slo_ms: _builtins.float = ...,
         last_notice_seq: _builtins.int = ...,
         snapshot_unix_ms: _builtins.int = ...,
+        prefill_s_per_token: _builtins.float = ...,
+        prefill_s_per_token_context: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["credits", b"credits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrowed_prefill_rate_tps", b"borrowed_prefill_rate_tps", "credits", b"credits", "epoch", b"epoch", "itl_ms", b"itl_ms", "itl_slo_ms", b"itl_slo_ms", "last_notice_seq", b"last_notice_seq", "node_id", b"node_id", "queue_wait_ms", b"queue_wait_ms", "snapshot_unix_ms", b"snapshot_unix_ms", "ttl_ms", b"ttl_ms", "version", b"version", "zero_detail", b"zero_detail", "zero_reason", b"zero_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrowed_prefill_rate_tps", b"borrowed_prefill_rate_tps", "credits", b"credits", "epoch", b"epoch", "itl_ms", b"itl_ms", "itl_slo_ms", b"itl_slo_ms", "last_notice_seq", b"last_notice_seq", "node_id", b"node_id", "prefill_s_per_token", b"prefill_s_per_token", "prefill_s_per_token_context", b"prefill_s_per_token_context", "queue_wait_ms", b"queue_wait_ms", "snapshot_unix_ms", b"snapshot_unix_ms", "ttl_ms", b"ttl_ms", "version", b"version", "zero_detail", b"zero_detail", "zero_reason", b"zero_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

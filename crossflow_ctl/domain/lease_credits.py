@@ -1,0 +1,286 @@
+"""The credits a decode node can offer, from one telemetry snapshot (the lease arithmetic).
+
+Pure code, shared by the agent and the simulator. Inputs: an :class:`EngineSnapshot`, the served
+:class:`ModelSpec`, the node's :class:`NodeProfile`, the agent's :class:`LeaseSettings` and what it
+knows of the debits the broker still counts (:class:`~crossflow_ctl.domain.lending.OpenDebits`).
+
+The arithmetic (B = running requests, C = sum of their contexts, ``t(b, c, P; X)`` the roofline
+step time of :mod:`crossflow_ctl.domain.capacity`, H = borrow horizon in seconds, X_ref =
+``borrowed_prefix_tokens``):
+
+* **budget** ``= itl_slo_ms / 1000 * slo_margin``: the longest step the node may run.
+* **chunk**: among grid chunks P (multiples of ``chunk_step_tokens`` up to
+  ``max_chunk_tokens``) with ``t(B, C, P; X) <= budget``, the one with the best ``P / t``.
+  Engines size each borrowed chunk for the prompt's prefix X this way, step by step
+  (:class:`~crossflow_ctl.domain.lending.ChunkSizer`).
+* **per-token cost**: ``a + b * x`` seconds per uncached token at attended context x, the line
+  through the per-token time of the best chunk with no prefix and with a long one
+  (:func:`~crossflow_ctl.domain.lending.prefill_coefficients`), carried in the lease so the broker
+  prices each prompt by its prefix.
+* **rate** ``= 1 / (a + b * X_ref)``: the borrowed-prefill rate of a prompt over the reference
+  prefix; the compute credit's unit.
+* **compute** ``= rate * H - uncovered``: borrowed prefill the node can run within the horizon,
+  in tokens at ``rate``. ``uncovered`` is the borrowed work queued on the node (telemetry) minus
+  what the broker's open debits already count, so no borrowed prompt is subtracted twice.
+  ``queue_wait_ms = outstanding / rate`` (all of it: the wait is real whoever counts it).
+* **kv** ``= free - reserve + covered_kv`` with ``free = total - used`` and
+  ``reserve = kv_reserve_fraction * total + kv_growth_tokens_per_request * B`` (room for the
+  running requests' next output tokens, borrowed ones included once they decode);
+  ``covered_kv`` is the KV that borrowed requests still in prefill hold, up to what the open
+  debits count (the broker subtracts those debits).
+* **slots** and **output**: a borrowed request stays and decodes on the node with an assumed
+  context of ``borrowed_context_tokens`` L. Adding b of them is feasible when
+  ``t(B + b, C + b*L, 0) <= budget``; slots is the largest feasible b (at most ``max_slots``, a
+  bound on the engine's queue of borrowed prompts) and ``output_tokens = b * H / t(B + b, ...)``.
+* **kv_transfer**: ``network_bytes_per_s * H * kv_transfer_share``, capped by the KV credit in
+  bytes (no use pulling in more KV than there is room for).
+
+A lease needs compute, kv, slots and output all above zero to be useful; otherwise
+:func:`crossflow_ctl.domain.leasing.decide` makes it a zero lease with reason NO_CAPACITY.
+Every credit is non-increasing in B and C and non-decreasing in the SLO (the feasible sets shrink
+as B or C grow); the agent's tests check it with hypothesis.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, NamedTuple
+
+from pydantic import Field, model_validator
+
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, Roofline, roofline
+from crossflow_ctl.domain.lending import (
+    OpenDebits,
+    PrefillCoefficients,
+    best_chunk,
+    last_fitting,
+    prefill_coefficients,
+)
+from crossflow_ctl.domain.models import (
+    MAX_BYTES,
+    MAX_MS,
+    MAX_RATE_TPS,
+    MAX_S_PER_TOKEN,
+    MAX_S_PER_TOKEN_CONTEXT,
+    MAX_TOKENS,
+    Credits,
+    Frozen,
+)
+from crossflow_ctl.domain.telemetry import EngineSnapshot
+
+Fraction = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+
+
+class ItlQuantile(StrEnum):
+    P50 = "p50"
+    P99 = "p99"
+
+
+class LeaseSettings(Frozen):
+    """The agent's lease policy: SLO, horizon, margins and reserves."""
+
+    itl_slo_ms: Annotated[float, Field(gt=0.0, le=10_000.0, allow_inf_nan=False)] = 50.0
+    """Decode inter-token latency target."""
+    slo_margin: Fraction = 0.9
+    """Predicted step time must stay under ``itl_slo_ms * slo_margin``."""
+    itl_quantile: ItlQuantile = ItlQuantile.P99
+    """Which observed ITL quantile is held against the SLO and reported in the lease."""
+    horizon_ms: Annotated[int, Field(gt=0, le=600_000)] = 2_000
+    """Borrow horizon: how long borrowed work taken on now may run."""
+    chunk_step_tokens: Annotated[int, Field(gt=0, le=65_536)] = 256
+    max_chunk_tokens: Annotated[int, Field(gt=0, le=1_048_576)] = 16_384
+    kv_reserve_fraction: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.05
+    kv_growth_tokens_per_request: Annotated[int, Field(ge=0, le=1_000_000)] = 256
+    borrowed_context_tokens: Annotated[int, Field(gt=0, le=10_000_000)] = 4_096
+    """Assumed context length of a borrowed request once it decodes on the node."""
+    borrowed_prefix_tokens: Annotated[int, Field(ge=0, le=10_000_000)] = 8_192
+    """Reference prefix: the lease's rate and chunk are quoted for a prompt over this many cached
+    tokens, and queued borrowed work whose prefixes telemetry does not tell is costed at it. Each
+    prompt is priced at its own prefix through the lease's per-token coefficients."""
+    max_slots: Annotated[int, Field(gt=0, le=4096)] = 64
+    """Cap on borrowed prompts at once (the engine's borrowed queue); the decode batch's room,
+    which usually binds first, sets the slots below it."""
+    kv_transfer_share: Fraction = 1.0
+    """Share of the node's network bandwidth borrowed requests may use for KV pulls."""
+    stale_after_ms: Annotated[int, Field(gt=0, le=600_000)] = 1_000
+    """A snapshot older than this gives a TELEMETRY_STALE zero lease."""
+    itl_clear_ratio: Fraction = 0.8
+    """After an ITL trip, ITL must fall below ``itl_slo_ms * itl_clear_ratio`` ..."""
+    itl_clear_after: Annotated[int, Field(gt=0, le=1000)] = 3
+    """... for this many consecutive snapshots before credit is offered again."""
+
+    @model_validator(mode="after")
+    def _grid_fits(self) -> LeaseSettings:
+        if self.chunk_step_tokens > self.max_chunk_tokens:
+            raise ValueError("chunk_step_tokens must not exceed max_chunk_tokens")
+        return self
+
+    @property
+    def budget_s(self) -> float:
+        return self.itl_slo_ms / 1000.0 * self.slo_margin
+
+    @property
+    def horizon_s(self) -> float:
+        return self.horizon_ms / 1000.0
+
+
+class CapacityBreakdown(NamedTuple):
+    """The credits and every intermediate figure behind them (for ``inspect`` and tests)."""
+
+    batch: int
+    context_tokens: int
+    budget_s: float
+    base_step_s: float
+    """Predicted decode step time with no borrowed work."""
+    decode_throughput_tps: float
+    """Predicted output tokens/s at the current batch: ``B / base_step_s``."""
+    chunk_tokens: int
+    """Best borrowed prefill chunk per step with no prefix (0: none fits)."""
+    chunk_step_s: float
+    borrowed_prefill_rate_tps: float
+    coefficients: PrefillCoefficients
+    outstanding_tokens: int
+    covered_tokens: int
+    """Part of the outstanding borrowed work the broker's open debits already count."""
+    queue_wait_ms: float
+    kv_free_tokens: int
+    kv_reserve_tokens: int
+    kv_covered_tokens: int
+    """KV held by borrowed requests in prefill that the open debits already count."""
+    extra_batch: int
+    """Borrowed requests the decode batch can take on (slots before the cap)."""
+    output_step_s: float
+    credits: Credits
+
+    def as_dict(self) -> dict[str, Any]:
+        out = self._asdict()
+        out["coefficients"] = self.coefficients._asdict()
+        out["credits"] = self.credits.model_dump()
+        return out
+
+    def explain(self, settings: LeaseSettings) -> list[str]:
+        """The arithmetic, one line per figure."""
+        h = settings.horizon_s
+        c = self.credits
+        return [
+            f"budget = slo {settings.itl_slo_ms:g} ms x margin {settings.slo_margin:g}"
+            f" = {self.budget_s * 1e3:.2f} ms",
+            f"decode step t(B={self.batch}, C={self.context_tokens}, P=0)"
+            f" = {self.base_step_s * 1e3:.2f} ms -> {self.decode_throughput_tps:.0f} tok/s",
+            f"chunk P = {self.chunk_tokens} (best P/t with t(B,C,P;X=0) <= budget),"
+            f" t = {self.chunk_step_s * 1e3:.2f} ms",
+            f"per-token cost = a {self.coefficients.a_s * 1e6:.3f} us"
+            f" + b {self.coefficients.b_s * 1e9:.4f} ns x attended context",
+            f"rate = 1 / (a + b x {settings.borrowed_prefix_tokens})"
+            f" = {self.borrowed_prefill_rate_tps:.0f} tok/s",
+            f"compute = rate x horizon {h:g} s - (outstanding {self.outstanding_tokens}"
+            f" - covered by open debits {self.covered_tokens})"
+            f" = {c.compute_tokens} tokens; queue wait {self.queue_wait_ms:.1f} ms",
+            f"kv = free {self.kv_free_tokens} - reserve {self.kv_reserve_tokens}"
+            f" + covered {self.kv_covered_tokens} = {c.kv_tokens} tokens",
+            f"slots = extra batch b = {self.extra_batch} (cap {settings.max_slots})"
+            f" -> {c.slots}; output = b x {h:g} s / t(B+b) {self.output_step_s * 1e3:.2f} ms"
+            f" = {c.output_tokens} tokens",
+            f"kv_transfer = min(net x horizon x share, kv x bytes/token)"
+            f" = {c.kv_transfer_bytes} bytes",
+        ]
+
+
+def _extra_batch(
+    roof: Roofline, budget: float, batch: int, context: int, length: int, cap: int, base: float
+) -> tuple[int, float]:
+    """(largest b <= cap with ``t(batch + b, context + b * length) <= budget``, t at that b)."""
+    t_one = roof.step_s(batch + 1, context + length)
+    if t_one > budget:
+        return 0, 0.0
+    return last_fitting(
+        lambda b: roof.step_s(batch + b, context + b * length), budget, 1, t_one, cap, base
+    )
+
+
+def compute_capacity(
+    snapshot: EngineSnapshot,
+    model: ModelSpec,
+    node: NodeProfile,
+    settings: LeaseSettings,
+    open_debits: OpenDebits | None = None,
+) -> CapacityBreakdown:
+    """The five credits and benefit fields from a plausible snapshot (see the module doc)."""
+    roof = roofline(model, node)
+    batch = max(0, snapshot.running_requests)
+    context = max(0, snapshot.decode_context_tokens)
+    horizon_s = settings.horizon_ms / 1000.0
+    budget = settings.itl_slo_ms / 1000.0 * settings.slo_margin
+    base = roof.step_s(batch, context)
+    throughput = batch / base if base > 0 else 0.0
+
+    step, max_chunk = settings.chunk_step_tokens, settings.max_chunk_tokens
+    chunk, chunk_t = (0, 0.0)
+    if base <= budget:
+        chunk, chunk_t = best_chunk(roof, budget, batch, context, 0, step, max_chunk, base)
+    coeff = prefill_coefficients(
+        roof, budget, batch, context, chunk, chunk_t, base, step, max_chunk
+    )
+    if coeff.a_s > MAX_S_PER_TOKEN or coeff.b_s > MAX_S_PER_TOKEN_CONTEXT:
+        coeff = PrefillCoefficients(
+            a_s=min(coeff.a_s, MAX_S_PER_TOKEN), b_s=min(coeff.b_s, MAX_S_PER_TOKEN_CONTEXT)
+        )
+    per_token = coeff.a_s + coeff.b_s * settings.borrowed_prefix_tokens
+    rate = min(1.0 / per_token, MAX_RATE_TPS) if chunk and per_token > 0 else 0.0
+    outstanding = max(0, snapshot.outstanding_uncached_tokens)
+    covered = min(outstanding, max(0, open_debits.compute)) if open_debits else 0
+    compute = max(0, int(rate * horizon_s) - (outstanding - covered))
+    if outstanding == 0:
+        queue_wait_ms = 0.0
+    elif rate > 0:
+        queue_wait_ms = min(MAX_MS, outstanding / rate * 1000.0)
+    else:
+        queue_wait_ms = MAX_MS
+
+    free = snapshot.kv_free_tokens
+    reserve = int(
+        settings.kv_reserve_fraction * snapshot.kv_total_tokens
+        + settings.kv_growth_tokens_per_request * batch
+    )
+    held = max(0, snapshot.borrowed_kv_tokens)
+    kv_covered = min(held, max(0, open_debits.kv)) if open_debits else 0
+    kv = max(0, free - reserve + kv_covered)
+
+    extra, extra_t = (0, 0.0)
+    if base <= budget:
+        extra, extra_t = _extra_batch(
+            roof, budget, batch, context, settings.borrowed_context_tokens,
+            settings.max_slots, base,
+        )  # fmt: skip
+    output = int(extra * horizon_s / extra_t) if extra else 0
+
+    network = node.network_bytes_per_s * horizon_s * settings.kv_transfer_share
+    transfer = int(min(network, kv * model.kv_bytes_per_token, MAX_BYTES))
+
+    credits = Credits.model_construct(
+        compute_tokens=min(compute, MAX_TOKENS),
+        kv_tokens=min(kv, MAX_TOKENS),
+        kv_transfer_bytes=transfer,
+        output_tokens=min(output, MAX_TOKENS),
+        slots=extra,
+    )
+    return CapacityBreakdown(
+        batch=batch,
+        context_tokens=context,
+        budget_s=budget,
+        base_step_s=base,
+        decode_throughput_tps=throughput,
+        chunk_tokens=chunk,
+        chunk_step_s=chunk_t,
+        borrowed_prefill_rate_tps=rate,
+        coefficients=coeff,
+        outstanding_tokens=outstanding,
+        covered_tokens=covered,
+        queue_wait_ms=queue_wait_ms,
+        kv_free_tokens=free,
+        kv_reserve_tokens=reserve,
+        kv_covered_tokens=kv_covered,
+        extra_batch=extra,
+        output_step_s=extra_t,
+        credits=credits,
+    )

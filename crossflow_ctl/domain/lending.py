@@ -1,0 +1,258 @@
+"""What borrowed prompt work costs a decode node, and which of it the broker already counts.
+
+Pure helpers shared by the lease rules (:mod:`crossflow_ctl.domain.leasing`), the admission
+policy's debit (:func:`crossflow_ctl.domain.admission.debit_for`) and the simulator's engine.
+
+**Chunks.** A decode step that carries a borrowed prefill chunk of P uncached tokens over a prefix
+of X tokens takes ``t(B, C, P; X)`` and every decode request waits for it, so the engine runs
+the best-rate chunk (on the grid of multiples of ``step``) with ``t <= budget``
+(:func:`best_chunk`; :class:`ChunkSizer` per prompt). Step time rises with P, so the feasible
+chunks are a prefix of the grid and a secant search finds its end in a few step-time
+evaluations (:func:`largest_chunk`).
+
+**Per-token cost.** Borrowed prefill runs back to back in such chunks, so a token of a prompt
+whose attended context is x (cached prefix + tokens already done) costs about ``budget / P(x)``
+seconds of the node's time, and with step time near-linear in P and x that is linear in x:
+``cost_s(U, X) = U * (a + b * (X + U/2))`` for U uncached tokens over a cached prefix X. The agent
+measures ``a`` and ``b`` at its current decode load (:func:`prefill_coefficients`) and puts them in
+the lease; the broker prices each prompt with them (:func:`compute_debit`).
+
+**Counted once.** The agent's telemetry already shows borrowed work that reached the engine
+(outstanding borrowed prompt tokens, the KV borrowed requests hold), while the broker keeps
+counting each reservation's debit until it is released (and a causally later lease arrives,
+DESIGN.md §5.4). :class:`OpenDebits` is the agent's view of the reservations the broker still
+counts, built from its grant/release/expire notices; the lease adds back the part of the telemetry
+those debits cover, so each borrowed request is subtracted once, by the broker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from crossflow_ctl.domain.capacity import Roofline
+from crossflow_ctl.domain.models import MAX_TOKENS, Notice, NoticeKind
+
+
+def _memo(
+    roof: Roofline, batch: int, context: int, prefix: int, step: int
+) -> tuple[Callable[[int], float], dict[int, float]]:
+    """Step time with ``n`` grid steps of chunk, each n evaluated once; and the values seen."""
+    seen: dict[int, float] = {}
+
+    def t_of(n: int) -> float:
+        t = seen.get(n)
+        if t is None:
+            t = seen[n] = roof.step_s(batch, context, n * step, prefix)
+        return t
+
+    return t_of, seen
+
+
+def _largest(
+    t_of: Callable[[int], float], budget_s: float, step: int, top: int, base_s: float
+) -> tuple[int, float]:
+    if top < 1:
+        return 0, 0.0
+    t_one = t_of(1)
+    if t_one > budget_s:
+        return 0, 0.0
+    return last_fitting(t_of, budget_s, 1, t_one, top, base_s, step)
+
+
+def largest_chunk(
+    roof: Roofline,
+    budget_s: float,
+    batch: int,
+    context: int,
+    prefix: int,
+    step: int,
+    max_chunk: int,
+    base_s: float | None = None,
+) -> tuple[int, float]:
+    """(largest grid chunk P with ``t(batch, context, P; prefix) <= budget_s``, its step time);
+    (0, 0.0) when not even one grid step fits. ``base_s`` is ``t(batch, context)`` if known."""
+    base = roof.step_s(batch, context) if base_s is None else base_s
+    t_of, _ = _memo(roof, batch, context, prefix, step)
+    return _largest(t_of, budget_s, step, max_chunk // step, base)
+
+
+def best_chunk(
+    roof: Roofline,
+    budget_s: float,
+    batch: int,
+    context: int,
+    prefix: int,
+    step: int,
+    max_chunk: int,
+    base_s: float | None = None,
+) -> tuple[int, float]:
+    """(the grid chunk with the highest rate ``P / t`` among those within the budget, its t).
+
+    Usually the largest that fits (fixed step costs amortise over more tokens); when the
+    chunk's attention, quadratic in P, dominates, the rate peaks below it: ``P / t(P)`` is
+    unimodal in P, so a check one grid step down says which, and a ternary search finds the
+    peak in the rare second case. The best rate over a set that shrinks as the load grows (or
+    the budget tightens) never rises, which keeps every credit monotonic."""
+    base = roof.step_s(batch, context) if base_s is None else base_s
+    t_of, seen = _memo(roof, batch, context, prefix, step)
+    size, t = _largest(t_of, budget_s, step, max_chunk // step, base)
+    n = size // step
+    if n <= 1:
+        return size, t
+    above = seen.get(n + 1)
+    if above is not None and (above - t) * n <= t:
+        # step time is convex in the chunk here (a max of terms linear or quadratic in it), so
+        # the rise from n - 1 is at most the rise to n + 1: the rate still grows at n
+        return size, t
+    if (n - 1) / t_of(n - 1) <= n / t:
+        return size, t
+    lo, hi = 1, n - 1
+    while hi - lo > 2:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if m1 / t_of(m1) < m2 / t_of(m2):
+            lo = m1 + 1
+        else:
+            hi = m2
+    best = max(range(lo, hi + 1), key=lambda k: k / t_of(k))
+    return best * step, t_of(best)
+
+
+def last_fitting(
+    t_of: Callable[[int], float],
+    budget: float,
+    lo: int,
+    t_lo: float,
+    top: int,
+    t_zero: float,
+    scale: int = 1,
+) -> tuple[int, float]:
+    """Largest n in [lo, top] with ``t_of(n) <= budget`` for increasing ``t_of``, given that
+    ``t_of(lo) = t_lo <= budget`` and ``t_of(0) = t_zero``; returns (n * scale, t_of(n)).
+
+    A secant through the two latest points guesses the crossing, kept strictly inside the
+    bracket (lo, hi): two to four evaluations where a scan of the grid takes dozens."""
+    hi = top + 1
+    a_n, a_t, b_n, b_t = 0, t_zero, lo, t_lo
+    while hi - lo > 1:
+        slope = (b_t - a_t) / (b_n - a_n)
+        guess = hi - 1 if slope <= 0.0 else b_n + int((budget - b_t) / slope)
+        n = min(hi - 1, max(lo + 1, guess))
+        t_n = t_of(n)
+        a_n, a_t, b_n, b_t = b_n, b_t, n, t_n
+        if t_n <= budget:
+            lo, t_lo = n, t_n
+        else:
+            hi = n
+    return lo * scale, t_lo
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSizer:
+    """An engine's borrowed-chunk rule: the best-rate grid chunk that keeps the step within the
+    ITL budget for this prompt's prefix at the current decode load (at least one grid step, so
+    work in hand always progresses)."""
+
+    roof: Roofline
+    budget_s: float
+    step: int
+    max_chunk: int
+
+    def chunk(self, batch: int, context: int, prefix: int) -> int:
+        size, _ = best_chunk(
+            self.roof, self.budget_s, batch, context, prefix, self.step, self.max_chunk
+        )
+        return size or self.step
+
+
+class PrefillCoefficients(NamedTuple):
+    """Seconds of node time per borrowed uncached token: ``a + b * attended_context``."""
+
+    a_s: float = 0.0
+    b_s: float = 0.0
+
+    def cost_s(self, uncached: int, cached: int) -> float:
+        """Node seconds to prefill ``uncached`` tokens over a ``cached`` prefix."""
+        return uncached * (self.a_s + self.b_s * (cached + uncached / 2.0))
+
+
+FAR_PREFIX_TOKENS = 40_960
+"""Where the second point of the cost line is taken (real agent prefixes reach p90 18-36k)."""
+
+
+def prefill_coefficients(
+    roof: Roofline,
+    budget_s: float,
+    batch: int,
+    context: int,
+    chunk: int,
+    chunk_s: float,
+    base_s: float,
+    step: int,
+    max_chunk: int,
+) -> PrefillCoefficients:
+    """``a`` and ``b`` at the current decode load: the line through the engine's per-token time
+    with no prefix and with ``FAR_PREFIX_TOKENS`` of prefix, each run in its own best chunk (as
+    :class:`ChunkSizer` does; the smallest grid chunk when none fits the budget).
+
+    ``chunk`` / ``chunk_s`` are the best chunk with no prefix and its step time. Per-token time
+    rises a little faster than linearly with the prefix at first, so the line over-prices
+    prompts between the two points by up to ~15% (safe: the debit is a little high) and is
+    close at both ends. Both points are non-decreasing in the load, with fixed weights, so the
+    price of every prompt is too."""
+    if chunk <= 0 or chunk_s <= 0.0:
+        return PrefillCoefficients()
+    s0 = chunk_s / chunk
+    far, t_far = best_chunk(
+        roof, budget_s, batch, context, FAR_PREFIX_TOKENS, step, max_chunk, base_s
+    )
+    if far == 0:
+        far, t_far = step, roof.step_s(batch, context, step, FAR_PREFIX_TOKENS)
+    slope = max(0.0, (t_far / far - s0) / FAR_PREFIX_TOKENS)
+    return PrefillCoefficients(a_s=s0, b_s=slope)
+
+
+def compute_debit(uncached: int, cached: int, a_s: float, b_s: float, rate_tps: float) -> int:
+    """The compute credit one prompt takes: its node seconds x the lease's borrowed-prefill rate.
+
+    The compute credit counts *tokens at the lease's rate* (seconds of borrowed prefill x
+    ``rate_tps``). A lease without coefficients (``a_s == 0``) prices every token alike, so the
+    debit is the uncached tokens, as before coefficients existed."""
+    if a_s <= 0.0 or rate_tps <= 0.0:
+        return uncached
+    seconds = uncached * (a_s + b_s * (cached + uncached / 2.0))
+    return min(MAX_TOKENS, math.ceil(seconds * rate_tps - 1e-9))
+
+
+@dataclass(slots=True)
+class OpenDebits:
+    """The reservations the broker still counts against this node, as its notices tell.
+
+    GRANT opens one (with its debit), RELEASE and EXPIRE close it; COMMIT changes nothing the
+    broker counts. ``compute`` and ``kv`` are the sums of the open debits. Feed each notice once
+    (the agent skips sequence numbers it has seen)."""
+
+    debits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    compute: int = 0
+    kv: int = 0
+
+    def record(self, kind: NoticeKind, reservation_id: str, compute: int, kv: int) -> None:
+        if kind is NoticeKind.GRANT and reservation_id not in self.debits:
+            self.debits[reservation_id] = (compute, kv)
+            self.compute += compute
+            self.kv += kv
+        elif kind is NoticeKind.RELEASE or kind is NoticeKind.EXPIRE:
+            gone = self.debits.pop(reservation_id, None)
+            if gone is not None:
+                self.compute -= gone[0]
+                self.kv -= gone[1]
+
+    def apply(self, notices: list[Notice]) -> None:
+        for n in notices:
+            self.record(n.kind, n.reservation_id, n.debit.compute_tokens, n.debit.kv_tokens)
+
+    def totals(self) -> OpenDebits:
+        """A copy of the sums alone, frozen in time (for a lease computed later)."""
+        return OpenDebits(compute=self.compute, kv=self.kv)

@@ -1,0 +1,155 @@
+"""Borrowed-work cost and accounting: chunk search, per-prompt cost, open debits (issue #10)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, roofline
+from crossflow_ctl.domain.lease_credits import LeaseSettings, compute_capacity
+from crossflow_ctl.domain.lending import (
+    ChunkSizer,
+    OpenDebits,
+    best_chunk,
+    compute_debit,
+    largest_chunk,
+)
+from crossflow_ctl.domain.models import Credits, Notice, NoticeKind
+from crossflow_ctl.domain.telemetry import EngineSnapshot
+
+GPT_OSS = MODEL_PRESETS["gpt-oss-120b"]
+H200, GB300 = NODE_PRESETS["h200"], NODE_PRESETS["gb300"]
+models = st.sampled_from(sorted(MODEL_PRESETS))
+nodes = st.sampled_from(sorted(NODE_PRESETS))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    models,
+    nodes,
+    st.floats(0.005, 0.5),
+    st.integers(0, 256),
+    st.integers(0, 4000),
+    st.integers(0, 64_000),
+    st.sampled_from([64, 256, 512]),
+    st.integers(1, 64),
+)
+def test_chunk_searches_match_a_scan_of_the_grid(
+    model, node, budget, batch, per_request, prefix, step, steps
+) -> None:  # type: ignore[no-untyped-def]
+    r = roofline(MODEL_PRESETS[model], NODE_PRESETS[node])
+    context = batch * per_request
+    grid = [k * step for k in range(1, steps + 1)]
+    fits = [(p, r.step_s(batch, context, p, prefix)) for p in grid]
+    fits = [(p, t) for p, t in fits if t <= budget]
+    got = largest_chunk(r, budget, batch, context, prefix, step, steps * step)
+    assert got == (fits[-1] if fits else (0, 0.0))
+    best = best_chunk(r, budget, batch, context, prefix, step, steps * step)
+    if not fits:
+        assert best == (0, 0.0)
+    else:
+        top_rate = max(p / t for p, t in fits)
+        assert best[0] / best[1] == pytest.approx(top_rate, rel=1e-9)
+
+
+def test_a_longer_prefix_gets_a_smaller_chunk_within_the_same_budget() -> None:
+    """The engine sizes each borrowed prompt's chunk for its prefix, so a 36k-token prefix keeps
+    the step inside the ITL budget instead of overrunning it (the 8k-prefix sizing did)."""
+    sizer = ChunkSizer(roofline(GPT_OSS, GB300), 0.045, 256, 16_384)
+    r = sizer.roof
+    short, long = sizer.chunk(16, 64_000, 8_192), sizer.chunk(16, 64_000, 36_000)
+    assert 0 < long < short
+    assert r.step_s(16, 64_000, long, 36_000) <= 0.045
+    assert r.step_s(16, 64_000, short, 36_000) > 0.045  # the 8k-sized chunk overruns
+
+
+def _capacity(node=GB300, ledger=None, **snap):  # type: ignore[no-untyped-def]
+    base = {"taken_at_ms": 1, "running_requests": 16, "decode_context_tokens": 64_000,
+            "kv_used_tokens": 64_000, "kv_total_tokens": 1_000_000}  # fmt: skip
+    return compute_capacity(
+        EngineSnapshot(**{**base, **snap}), GPT_OSS, node, LeaseSettings(), ledger
+    )
+
+
+@pytest.mark.parametrize("prefix", [0, 4_096, 18_000, 36_000, 64_000])
+def test_the_leases_coefficients_price_a_prompt_close_to_its_real_prefill_time(prefix) -> None:  # type: ignore[no-untyped-def]
+    """The lease's ``U * (a + b * (X + U/2))`` against the engine running that prompt in chunks
+    sized for each step's prefix at the same load: within 20% from no prefix to 64k tokens."""
+    cap = _capacity()
+    a, b = cap.coefficients
+    uncached = 8_000
+    sizer = ChunkSizer(roofline(GPT_OSS, GB300), cap.budget_s, 256, 16_384)
+    real, done = 0.0, 0
+    while done < uncached:
+        p = min(sizer.chunk(16, 64_000, prefix + done), uncached - done)
+        real += sizer.roof.step_s(16, 64_000, p, prefix + done)
+        assert real > 0 and sizer.roof.step_s(16, 64_000, p, prefix + done) <= cap.budget_s
+        done += p
+    predicted = cap.coefficients.cost_s(uncached, prefix)
+    print(f"prefix {prefix}: predicted {predicted * 1e3:.1f} ms, engine {real * 1e3:.1f} ms")
+    assert predicted == pytest.approx(real, rel=0.2)
+    assert a > 0 and b > 0
+
+
+def test_debit_prices_each_prompt_by_its_prefix_in_reference_tokens() -> None:
+    cap = _capacity()
+    a, b = cap.coefficients
+    rate = cap.borrowed_prefill_rate_tps
+    ref = LeaseSettings().borrowed_prefix_tokens
+    # a prompt over the reference prefix debits its own uncached tokens ...
+    at_ref = compute_debit(1_000, ref - 500, a, b, rate)
+    assert at_ref == 1_000
+    # ... a longer prefix costs more, no prefix less
+    assert compute_debit(1_000, 36_000, a, b, rate) > at_ref > compute_debit(1_000, 0, a, b, rate)
+    # a lease without coefficients debits the uncached tokens, as before
+    assert compute_debit(1_000, 36_000, 0.0, 0.0, rate) == 1_000
+
+
+def test_open_debits_follow_grants_releases_and_expiries_once() -> None:
+    def n(seq: int, kind: NoticeKind, rid: str, compute: int = 0, kv: int = 0) -> Notice:
+        debit = Credits(compute_tokens=compute, kv_tokens=kv)
+        return Notice(node_id="d", seq=seq, kind=kind, reservation_id=rid, debit=debit)
+
+    ledger = OpenDebits()
+    ledger.apply([n(1, NoticeKind.GRANT, "r1", 100, 1_000), n(2, NoticeKind.GRANT, "r2", 50, 500)])
+    ledger.apply([n(3, NoticeKind.COMMIT, "r1"), n(4, NoticeKind.GRANT, "r1", 100, 1_000)])
+    assert (ledger.compute, ledger.kv) == (150, 1_500)
+    ledger.apply([n(5, NoticeKind.RELEASE, "r1"), n(6, NoticeKind.EXPIRE, "r2")])
+    ledger.apply([n(7, NoticeKind.RELEASE, "r1")])  # already closed: nothing to undo
+    assert (ledger.compute, ledger.kv) == (0, 0) and not ledger.debits
+
+
+def test_borrowed_work_is_counted_once_by_the_broker_not_again_by_the_lease() -> None:
+    """A borrowed prompt of 5,000 uncached tokens was granted (debit D) and reached the engine:
+    telemetry shows it outstanding and holding KV. The broker subtracts D from the lease; the
+    lease must not subtract the same work again (it did before: credit - telemetry - D)."""
+    debit = Credits(compute_tokens=5_000, kv_tokens=20_000, output_tokens=50, slots=1)
+    idle = _capacity().credits
+    ledger = OpenDebits(compute=debit.compute_tokens, kv=debit.kv_tokens)
+    # the engine shows the borrowed request: 5,000 tokens queued, 20,000 KV slots reserved
+    seen = {"outstanding_uncached_tokens": 5_000, "borrowed_kv_tokens": 20_000,
+            "kv_used_tokens": 84_000}  # fmt: skip
+    counted_once = _capacity(ledger=ledger, **seen)
+    counted_twice = _capacity(**seen)
+    available_once = counted_once.credits.minus(debit)
+    assert available_once.compute_tokens == idle.compute_tokens - debit.compute_tokens
+    assert available_once.kv_tokens == idle.kv_tokens - debit.kv_tokens
+    assert counted_twice.credits.minus(debit).compute_tokens == idle.compute_tokens - 10_000
+    # the queue wait still counts all of it: the wait is real whoever holds the debit
+    assert counted_once.queue_wait_ms == counted_twice.queue_wait_ms > 0
+    # work the broker no longer counts (expired reservation still running) is subtracted
+    partly = _capacity(ledger=OpenDebits(compute=2_000, kv=0), **seen)
+    assert partly.credits.compute_tokens == idle.compute_tokens - 3_000
+
+
+def test_slots_are_the_decode_batch_room_not_a_fixed_eight() -> None:
+    light = _capacity(node=H200, running_requests=4, decode_context_tokens=16_000)
+    heavy = _capacity(node=H200, running_requests=120, decode_context_tokens=480_000)
+    assert light.credits.slots > 8  # the old cap of 8 (x share 0.5 = 4) bound for no reason
+    assert 0 < heavy.credits.slots < light.credits.slots  # room shrinks as the batch grows
+    r = roofline(GPT_OSS, H200)
+    length = LeaseSettings().borrowed_context_tokens
+    b = heavy.credits.slots
+    assert r.step_s(120 + b, 480_000 + b * length) <= heavy.budget_s
+    assert r.step_s(120 + b + 1, 480_000 + (b + 1) * length) > heavy.budget_s
