@@ -84,6 +84,8 @@ class DecodeAgent:
         self.stirred = True
         """Something happened on the server or the node's reservations since the last tick."""
         self.dormant = False
+        self.zero = True
+        """Whether the last lease published was a zero lease (no room to signal)."""
         self.open_borrows = 0
         """Reservations granted on this node and not yet released (no fast-forward while > 0:
         their expiry would change what the agent reads)."""
@@ -144,6 +146,7 @@ class DecodeAgent:
         )
         chunk = decision.capacity.chunk_tokens if decision.capacity is not None else 0
         self._count(lease, chunk, 1)
+        self.zero = lease.zero_reason is not None
         await broker.ingest_lease(lease)
         self.next_s = t + self.period_s
         key = _snapshot_key(snapshot)

@@ -62,8 +62,15 @@ class SimConfig(Frozen):
     late_binding: bool = True
     """Leases policy: the router holds prompts that found no room while the prefill pool is
     behind, and re-offers them when room appears (the client library's AdmissionQueue)."""
-    queue: QueueConfig = QueueConfig()
-    """The router's AdmissionQueue settings (hold deadline, order, bound)."""
+    queue: QueueConfig = QueueConfig(max_hold_ms=60_000, max_held=100_000)
+    """The router's AdmissionQueue settings. A held prompt goes to prefill as soon as prefill
+    has room (``prefill_room_ms``); the hold deadline is a safety net (under overload the
+    prefill queue itself waits minutes), and the bound is what one router process can keep."""
+    prefill_room_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2000.0
+    """The router's word that prefill has room for a held prompt: the prefill pool's estimated
+    wait (outstanding uncached tokens over its nominal rate) is at most this. The default keeps
+    about one borrow horizon of work queued at prefill (so Demand and Benefit see the pool
+    behind) and holds the rest for leases."""
     fast_forward_agents: bool = True
     """Agents at a fixed point sleep until their node changes (exact; see sim/agents.py)."""
     agent_period_ms: Annotated[int, Field(gt=0, le=60_000)] = 200

@@ -8,7 +8,8 @@ live router uses it, with the broker in-process as its :class:`Admitter`:
 * a released prompt is submitted once; BORROW goes to its decode node, NORMAL to prefill, and a
   NORMAL for want of room while the prefill pool is behind is *held*;
 * held prompts are re-offered on a room update, read from the store (``Broker.room_view``) after
-  every decode lease and every release, while anything is held;
+  every non-zero decode lease while anything is held (a release frees room only once a later
+  lease of its node arrives, DESIGN.md §5.4, so the lease is the signal);
 * a held prompt goes to prefill when the prefill pool has room (its estimated wait is at or
   below the policy's demand threshold: asked on every room update and prefill completion), when
   its hold deadline passes, or when Demand stops holding.
@@ -145,7 +146,7 @@ class ControlPlane:
             self.events.push(agent.next_s, kind, target)
         else:
             self._sleeping[agent] = None
-        if kind == EV_AGENT and self.queue.held:
+        if kind == EV_AGENT and self.queue.held and not self.decode_agents[target].zero:
             await self._room(t)
 
     async def stir(self, agent: DecodeAgent | PrefillAgent, t: float) -> None:
@@ -223,8 +224,6 @@ class ControlPlane:
             await self.broker.release(req.reservation_id, "prefilled")
         except CrossflowError:
             self.record.release_failures += 1
-        if self.queue.held:
-            await self._room(t)
 
     async def prefill_freed(self, t: float) -> None:
         if self.queue.held:
@@ -233,7 +232,7 @@ class ControlPlane:
             await self._handle(await self.queue.tick(), t)
 
     def _prefill_room(self, request: AdmissionRequest) -> bool:
-        return self.pool_wait_s(self.now) * 1000.0 <= self.cfg.broker_policy.demand_threshold_ms
+        return self.pool_wait_s(self.now) * 1000.0 <= self.cfg.prefill_room_ms
 
     async def _room(self, t: float) -> None:
         await self._catch_up(t)

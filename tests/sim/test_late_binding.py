@@ -66,8 +66,9 @@ async def test_held_prompts_go_to_prefill_by_deadline_or_prefill_room() -> None:
     sim = Simulation(_bursts(1, 60, 1.0), cfg)
     rec = await sim.run()
     assert rec.completed == 60
+    assert sum(rec.outcomes.values()) == 60  # one outcome each
     held = {k: v for k, v in rec.outcomes.items() if k not in ("borrowed", "not_held")}
-    assert sum(held.values()) == rec.held > 0
+    assert sum(held.values()) >= rec.held > 0  # prefill_room also counts prompts never held
     assert held.get("deadline", 0) + held.get("prefill_room", 0) > 0
     assert sim.control is not None and sim.control.queue.held == 0
 
