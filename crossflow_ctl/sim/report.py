@@ -78,6 +78,33 @@ def key_table(summaries: Sequence[Summary]) -> list[str]:
     return lines
 
 
+def targets_table(summaries: Sequence[Summary]) -> list[str]:
+    """Per trace and load: the best static split, then leases and the heuristic on 2P4D and
+    4P2D, in absolute figures (the issue's targets are read off this table)."""
+    cmp = Comparison(summaries)
+    lines = [
+        "| trace | load | config | in tok/s | out tok/s | steady in / out tok/s "
+        "| TTFT mean / p99 (ms) | ITL p99 (ms) | borrowed | over-commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for trace, load in cmp.groups():
+        best = cmp.best_static(trace, load)
+        rows = [best] if best is not None else []
+        for label in ("2P4D/leases", "2P4D/threshold", "4P2D/leases", "4P2D/threshold"):
+            found = cmp.find(trace, load, label)
+            if found is not None:
+                rows.append(found)
+        for s in rows:
+            name = f"{s.label} (best static)" if s is best else s.label
+            lines.append(
+                f"| {trace} | {load:g}x | {name} | {_f(s.input_tps)} | {_f(s.output_tps)} "
+                f"| {_f(s.steady_input_tps)} / {_f(s.steady_output_tps)} "
+                f"| {_f(s.ttft_mean_ms)} / {_f(s.ttft_p99_ms)} | {_f(s.itl_p99_ms, 1)} "
+                f"| {s.borrowed_share * 100:.1f} % | {s.overcommits} |"
+            )
+    return lines
+
+
 def _mean(sums: dict[str, float], name: str, count: int, digits: int = 0) -> str:
     return _f(sums.get(name, 0.0) / count, digits) if count else "n/a"
 
@@ -152,6 +179,10 @@ def write_report(
         "",
         *key_table(summaries),
         "",
+        "## Targets: best static, leases and the heuristic",
+        "",
+        *targets_table(summaries),
+        "",
         "## Every run",
         "",
         *runs_table(summaries, show_wall),
@@ -168,7 +199,10 @@ def write_report(
             parts = ", ".join(f"{k} {v}" for k, v in sorted(r.admit_reasons.items()))
             short = ", ".join(f"{k} {v}" for k, v in sorted(r.short_credits.items()))
             extra = f" (short credits on candidate nodes: {short})" if short else ""
-            lines.append(f"- {r.trace} {r.scale:g}x {r.label}: {parts}{extra}")
+            queue = ", ".join(f"{k} {v}" for k, v in sorted(r.outcomes.items()))
+            late = f"; router queue: held {r.held}, re-offers {r.reoffers}" if r.held else ""
+            late += f"; outcomes: {queue}" if queue else ""
+            lines.append(f"- {r.trace} {r.scale:g}x {r.label}: {parts}{extra}{late}")
         lines += ["", "## Decode agents' leases (leases runs)", "", *lease_table(reasons), ""]
     if plots:
         lines += _plots(out_dir, records, summaries)

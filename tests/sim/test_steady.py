@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
-from crossflow_ctl.sim.cluster import Simulation
-from crossflow_ctl.sim.config import SimConfig
+from crossflow_ctl.sim.cluster import Simulation, simulate
+from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.metrics import summarize
+from crossflow_ctl.sim.report import write_report
+from crossflow_ctl.sim.sweep import Comparison
 from crossflow_ctl.sim.traces import Trace, TraceRequest
 
 CFG = SimConfig(prefill_nodes=1, decode_nodes=1)
@@ -52,3 +55,27 @@ async def test_no_release_after_the_warm_up_gives_no_steady_figure() -> None:
     rec = await Simulation(Trace(name="one", requests=reqs, warmup_s=1.0), CFG).run()
     assert rec.steady_s == 0.0
     assert math.isnan(summarize(rec).steady_input_tps)
+
+
+async def test_report_targets_table_shows_best_static_then_leases(tmp_path: Path) -> None:
+    reqs = tuple(TraceRequest(12_000, 100, arrival_s=i * 0.05, cached_tokens=0) for i in range(40))
+    trace = Trace(name="burst", requests=reqs)
+    records = []
+    for p, d, policy in (
+        (2, 4, PolicyKind.STATIC),
+        (3, 3, PolicyKind.STATIC),
+        (2, 4, PolicyKind.LEASES),
+    ):
+        cfg = SimConfig(prefill_nodes=p, decode_nodes=d, policy=policy)
+        records.append(await simulate(trace, cfg))
+    summaries = [summarize(r) for r in records]
+    best = Comparison(summaries).best_static("burst", 1.0)
+    assert best is not None
+    text = write_report(tmp_path, records, CFG, plots=False).read_text()
+    section = text.split("## Targets", 1)[1].split("##", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| burst |")]
+    assert rows[0].startswith(f"| burst | 1x | {best.label} (best static) |")
+    leases = summaries[2]
+    assert rows[1].startswith("| burst | 1x | 2P4D/leases |")
+    assert f"| {leases.steady_input_tps:,.0f} / {leases.steady_output_tps:,.0f} |" in rows[1]
+    assert len(rows) == 2  # no threshold or 4P2D runs in this sweep
