@@ -27,7 +27,7 @@ SCHEMA_FILE = CHART / "values.schema.json"
 
 # Keys of the settings files that the chart computes itself (ports, Redis, observability).
 BROKER_MANAGED: tuple[str, ...] = ("listen", "redis_url", "metrics_listen", "otlp_endpoint")
-BROKER_MANAGED += ("log_level", "log_json", "redis_namespace", "broker_id")
+BROKER_MANAGED += ("log_level", "log_json", "redis_namespace", "broker_id", "redis_ca_file")
 AGENT_MANAGED: tuple[str, ...] = ("brokers", "node_id", "role", "source", "metrics_url")
 AGENT_MANAGED += ("metrics_listen", "otlp_endpoint", "log_level", "log_json")
 SETTINGS_MODELS = {
@@ -200,6 +200,8 @@ class BundledRedis(Values):
 class ExternalRedis(Values):
     url: Annotated[str, Field(pattern=r"^$|^(redis|rediss|unix)://[^@]*$")] = ""
     """Redis URL without credentials (the password comes from a Secret)."""
+    caSecret: str = ""
+    """Secret whose ca.crt the Redis server's certificate must chain to (rediss://)."""
 
 
 class Redis(Values):
@@ -225,6 +227,50 @@ class Redis(Values):
     bundled: BundledRedis = BundledRedis()
 
 
+class ServerTLSValues(Values):
+    enabled: bool = False
+    """Serve TLS on the broker's gRPC port."""
+    secretName: str = ""
+    """Secret with tls.crt, tls.key and ca.crt; empty uses the cert-manager Certificate's."""
+    mutual: bool = False
+    """Require client certificates (mutual TLS)."""
+    serverName: str = ""
+    """Name callers check the broker's certificate against."""
+
+
+class AgentCredentials(Values):
+    tlsSecret: str = ""
+    """Secret with <node>.crt and <node>.key per node."""
+    tokenSecret: str = ""
+    """Secret with one bearer token per node name."""
+
+
+class IssuerRef(Values):
+    name: str = ""
+    kind: Literal["Issuer", "ClusterIssuer"] = "Issuer"
+    group: str = "cert-manager.io"
+
+
+class CertManager(Values):
+    enabled: bool = False
+    """Create cert-manager Certificates."""
+    issuerRef: IssuerRef = IssuerRef()
+    duration: Duration = "2160h"
+    renewBefore: Duration = "360h"
+    agentNodes: list[Annotated[str, Field(min_length=1, max_length=128)]] = []
+    """Node names to issue agent certificates for."""
+
+
+class Security(Values):
+    required: bool = False
+    """Refuse to start the broker unless callers are authenticated."""
+    tls: ServerTLSValues = ServerTLSValues()
+    tokenHashesSecret: str = ""
+    """Secret whose key `tokens` holds the token hashes."""
+    agentCredentials: AgentCredentials = AgentCredentials()
+    certManager: CertManager = CertManager()
+
+
 class NetworkPolicy(Values):
     enabled: bool = True
     grpcFrom: list[dict[str, Any]] = []
@@ -244,6 +290,7 @@ class ChartValues(Values):
     broker: Broker = Broker()
     agent: Agent = Agent()
     redis: Redis = Redis()
+    security: Security = Security()
     networkPolicy: NetworkPolicy = NetworkPolicy()
 
 

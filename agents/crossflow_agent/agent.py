@@ -105,6 +105,7 @@ class Agent:
             stall_timeout_s=max(1.0, 10 * settings.period_ms / 1000),
             max_message_bytes=settings.max_message_bytes,
             on_change=self._wake.set,
+            credentials=settings.broker_auth,
         )
 
     def _hello(self, last_notice_seq: int) -> lease_pb2.ConnectRequest:

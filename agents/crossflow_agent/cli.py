@@ -17,6 +17,8 @@ from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.domain.models import NodeRole
 
+AUTH_FLAGS = ("ca_file", "cert_file", "key_file", "server_name", "token_file")
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
@@ -69,6 +71,11 @@ def _load(config_file: Path | None, flags: dict[str, Any]) -> AgentSettings:
 @cli.command()
 @_settings_options
 @click.option("--broker", "brokers", multiple=True, help="Broker host:port (repeatable).")
+@click.option("--ca-file", type=click.Path(dir_okay=False), help="CA bundle; turns TLS on.")
+@click.option("--cert-file", type=click.Path(dir_okay=False), help="Node certificate (mTLS).")
+@click.option("--key-file", type=click.Path(dir_okay=False), help="Node key (mTLS).")
+@click.option("--server-name", help="Name to check the broker's certificate against.")
+@click.option("--token-file", type=click.Path(dir_okay=False), help="Bearer token file.")
 @click.option("--metrics-listen", help="host:port of the agent's own /metrics endpoint.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--log-json/--log-text", "log_json", default=None)
@@ -78,6 +85,9 @@ def run(config_file: Path | None, **flags: Any) -> None:
     from crossflow_ctl.observability import setup_logging
 
     flags["brokers"] = list(flags["brokers"]) or None
+    auth = {k: flags.pop(k) for k in AUTH_FLAGS}
+    if any(v is not None for v in auth.values()):
+        flags["broker_auth"] = {k: v for k, v in auth.items() if v is not None}
     settings = _load(config_file, flags)
     setup_logging(json=settings.log_json, level=settings.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise

@@ -21,6 +21,7 @@ from crossflow_agent.sources.synthetic import EngineScript
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import ID_PATTERN, MAX_ID_LEN, NodeRole
+from crossflow_ctl.security import ClientCredentials
 from crossflow_ctl.settings_sources import LayeredSettings, host_port, load_layered
 
 
@@ -64,6 +65,9 @@ class AgentSettings(LayeredSettings):
 
     brokers: Annotated[list[str], Field(min_length=1, max_length=64)] = ["127.0.0.1:50051"]
     """Broker endpoints (host:port), tried in turn with jittered backoff."""
+    broker_auth: ClientCredentials = ClientCredentials()
+    """TLS to the brokers (CA bundle), this node's certificate and key (mutual TLS: its SPIFFE
+    URI must name this node), or a bearer token file."""
     period_ms: Annotated[int, Field(ge=20, le=10_000)] = 200
     """Lease period: one scrape and one lease (or pool load) per period."""
     ttl_periods: Annotated[int, Field(ge=2, le=50)] = 3

@@ -1,12 +1,14 @@
 """The agent's gRPC stream to a broker (LeaseService.Connect), with reconnects.
 
-One session at a time: Hello (node, role, epoch, last notice seq seen) -> Welcome, then a writer
-drains the outbox (leases / pool load / heartbeats, newest kept when the outbox is full) while a
-reader takes acks and notices. A session ends when the broker closes the stream, the call fails,
-or nothing has come back for ``stall_timeout_s`` while writes went unanswered (the broker acks
-every lease and echoes every heartbeat). Then the next endpoint of the list is tried after a
-jittered exponential backoff; a session that had a lease accepted resets the backoff (one that
-is welcomed and then fails at once, say on a broken store, keeps backing off).
+Channels are secured by ``credentials`` (TLS, mutual TLS with the node's certificate, or a bearer
+token: crossflow_ctl.security). One session at a time: Hello (node, role, epoch, last notice seq
+seen) -> Welcome, then a writer drains the outbox (leases / pool load / heartbeats, newest kept
+when the outbox is full) while a reader takes acks and notices. A session ends when the broker
+closes the stream, the call fails, or nothing has come back for ``stall_timeout_s`` while writes
+went unanswered (the broker acks every lease and echoes every heartbeat). Then the next endpoint of
+the list is tried after a jittered exponential backoff; a session that had a lease accepted resets
+the backoff (one that is welcomed and then fails at once, say on a broken store, keeps backing
+off).
 
 What the broker tells the agent is kept in :class:`StreamState`: the highest notice sequence
 seen (DESIGN.md §5.4; the lease loop reads it *before* each scrape), the open reservations the
@@ -32,6 +34,8 @@ from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
 from crossflow_ctl.domain.lending import OpenDebits
 from crossflow_ctl.domain.models import NoticeKind
 from crossflow_ctl.observability import AgentMetrics
+from crossflow_ctl.security import ClientCredentials
+from crossflow_ctl.security.channel import check_credentials, open_channel
 
 log = structlog.get_logger()
 
@@ -87,9 +91,13 @@ class LeaseStream:
         max_message_bytes: int = 4 * 1024 * 1024,
         on_change: Callable[[], None] | None = None,
         rng: random.Random | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("at least one broker endpoint is needed")
+        # Unreadable files stop the start here (ConfigError); each session reads them again,
+        # so rotated certificates and tokens are picked up at the next reconnect.
+        self._credentials = check_credentials(credentials or ClientCredentials())
         self.endpoints = list(endpoints)
         self.state = StreamState()
         self._hello = hello
@@ -172,7 +180,7 @@ class LeaseStream:
 
     async def _session(self, target: str) -> bool:
         """One connection to ``target``; True once it had been welcomed."""
-        channel = grpc.aio.insecure_channel(target, options=self._options)
+        channel = open_channel(target, self._credentials, self._options)
         call = lease_pb2_grpc.LeaseServiceStub(channel).Connect()
         welcomed = False
         try:

@@ -1,4 +1,5 @@
-"""``crossflow-broker serve [--config FILE] [--listen ADDR] [--redis-url URL | --embedded-store]``.
+"""``crossflow-broker serve [--config FILE] [--listen ADDR] [--redis-url URL | --embedded-store]``
+and ``crossflow-broker hash-token ROLE/NAME`` (a token-file line for the token on stdin).
 
 The entry point: the only place that configures logging and installs signal handlers (which
 only set the stop event). Prints ``listening on HOST:PORT`` once serving, so a supervisor or a
@@ -25,6 +26,8 @@ from crossflow_ctl.observability import (
     setup_metrics,
     setup_tracing,
 )
+from crossflow_ctl.security import hash_token
+from crossflow_ctl.security.identity import parse_identity_uri
 from crossflow_ctl.service.config import BrokerSettings, load_settings
 
 
@@ -73,6 +76,25 @@ def serve(config_file: Path | None, **flags: Any) -> None:
         asyncio.run(_serve(settings))
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+@cli.command("hash-token")
+@click.argument("identity")
+@click.option("--trust-domain", default="crossflow", show_default=True)
+def hash_token_cmd(identity: str, trust_domain: str) -> None:
+    """Read a bearer token on stdin; print its token-file line for IDENTITY (role/name).
+
+    \b
+    e.g.  head -c 32 /dev/urandom | base64 | tee router-a.token \\
+            | crossflow-broker hash-token router/router-a >> tokens
+    """
+    who = parse_identity_uri(f"spiffe://{trust_domain}/{identity}", trust_domain)
+    if who is None:
+        raise click.UsageError(f"IDENTITY must be <node|router|admin>/<name>, got {identity!r}")
+    token = click.get_text_stream("stdin").read().strip()
+    if not token or any(ch.isspace() for ch in token):
+        raise click.UsageError("stdin must hold one token (no spaces)")
+    click.echo(f"{hash_token(token)} {who.uri(trust_domain)}")
 
 
 @cli.command()

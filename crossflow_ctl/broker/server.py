@@ -28,13 +28,25 @@ from crossflow_ctl.api.v1 import (
     lease_pb2,
     lease_pb2_grpc,
 )
+from crossflow_ctl.broker.auth import (
+    AuthInterceptor,
+    check_startup,
+    load_tokens,
+    server_credentials,
+)
 from crossflow_ctl.broker.servicers.admin import AdminServicer
 from crossflow_ctl.broker.servicers.admission import AdmissionServicer
 from crossflow_ctl.broker.streams import LeaseStreamServicer, StreamRegistry
 from crossflow_ctl.domain.clock import Clock, SystemClock
-from crossflow_ctl.domain.errors import ConfigError, CrossflowError
+from crossflow_ctl.domain.errors import (
+    ConfigError,
+    CrossflowError,
+    StoreAuthFailed,
+    StoreUnavailable,
+)
 from crossflow_ctl.observability import BrokerMetrics, TracingInterceptor
 from crossflow_ctl.observability.gauges import NodeGauges, poll_node_gauges
+from crossflow_ctl.security.channel import read_secret
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import Store
@@ -77,11 +89,26 @@ class Supervisor:
 
 
 def make_store(settings: BrokerSettings) -> Store:
-    """RedisStore when ``redis_url`` is set, else the embedded in-process store."""
+    """RedisStore when ``redis_url`` is set, else the embedded in-process store.
+
+    Credentials come from the URL (``redis://user:password@host``) or ``redis_password_file``
+    (and ``redis_username``); ``rediss://`` URLs use TLS, checked against ``redis_ca_file``."""
     if settings.redis_url:
+        from crossflow_ctl.store.redis_connect import RedisConnection
         from crossflow_ctl.store.redis_store import RedisStore
 
-        return RedisStore(settings.redis_url, namespace=settings.redis_namespace)
+        password = None
+        if settings.redis_password_file is not None:
+            raw = read_secret(settings.redis_password_file, "redis_password_file")
+            password = raw.decode(errors="replace").strip()
+        connection = RedisConnection(
+            username=settings.redis_username,
+            password=password,
+            ca_file=str(settings.redis_ca_file) if settings.redis_ca_file else None,
+        )
+        return RedisStore(
+            settings.redis_url, namespace=settings.redis_namespace, connection=connection
+        )
     from crossflow_ctl.store.memory import MemoryStore
 
     return MemoryStore()
@@ -107,8 +134,12 @@ class BrokerServer:
         self.health = health.aio.HealthServicer()
         self._stop_policy = asyncio.Event()
         limit = settings.max_message_bytes
+        interceptors: list[grpc.aio.ServerInterceptor] = [TracingInterceptor()]
+        if settings.auth.authenticates:
+            interceptors.append(AuthInterceptor(settings.auth, load_tokens(settings.auth)))
+        self._credentials = server_credentials(settings.auth)
         self._server = grpc.aio.server(
-            interceptors=[TracingInterceptor()],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -136,12 +167,17 @@ class BrokerServer:
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
+        check_startup(self.settings.auth, self.settings.listen)
         try:
-            self.port = server.add_insecure_port(self.settings.listen)
+            if self._credentials is None:
+                self.port = server.add_insecure_port(self.settings.listen)
+            else:
+                self.port = server.add_secure_port(self.settings.listen, self._credentials)
         except RuntimeError as exc:
             raise ConfigError(
                 f"cannot listen on {self.settings.listen}: {exc}", field="listen"
             ) from None
+        await self._check_store()
         try:
             await self.broker.load_policy()
         except CrossflowError as exc:
@@ -162,8 +198,26 @@ class BrokerServer:
                 "metrics-gauges",
                 poll_node_gauges(gauges, broker.list_nodes, interval_s, self._stop_policy),
             )
-        log.info("broker.started", listen=self.settings.listen, port=self.port)
+        log.info(
+            "broker.started",
+            listen=self.settings.listen,
+            port=self.port,
+            tls=self._credentials is not None,
+            authenticates=self.settings.auth.authenticates,
+        )
         return self.port
+
+    async def _check_store(self) -> None:
+        """Refused credentials stop the start (a config error); an unreachable store does not
+        (admission fails closed until it answers)."""
+        try:
+            await self.store.ping()
+        except StoreAuthFailed as exc:
+            with contextlib.suppress(CrossflowError):
+                await self.store.close()
+            raise ConfigError(str(exc), field="redis_url") from None
+        except StoreUnavailable as exc:
+            log.warning("store.unreachable_at_start", error=str(exc))
 
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.stream_grace_s if grace_s is None else grace_s

@@ -1,6 +1,9 @@
 """LeaseService.Connect: one bidirectional stream per node agent.
 
-Hello first (INVALID_ARGUMENT otherwise), the node is registered and answered with a Welcome.
+Hello first (INVALID_ARGUMENT otherwise); when the broker authenticates callers, Hello.node_id
+must be the node named by the caller's identity (PERMISSION_DENIED otherwise, nothing stored), and
+every lease and pool load on the stream must name that same node. The node is registered and
+answered with a Welcome.
 Then, concurrently: a reader acks each lease (ACCEPTED, STALE with the stored epoch/version, or
 INVALID naming the field; the stream stays up), stores pool load and echoes heartbeats; and a
 relay reads the node's notices from the STORE (after the agent's ``last_notice_seq``) and sends
@@ -20,6 +23,7 @@ import structlog
 
 from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
+from crossflow_ctl.broker.auth import caller
 from crossflow_ctl.broker.servicers import status_for, status_message
 from crossflow_ctl.domain.errors import (
     CrossflowError,
@@ -98,6 +102,14 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hello: must be sent first")
             return
         hello = first.hello
+        who = caller()
+        if who is not None and who.uri_path != f"node/{hello.node_id}":
+            log.info("stream.denied", identity=who.uri_path, node_id=hello.node_id[:128])
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"hello.node_id: {who.uri_path} may not publish for node {hello.node_id[:128]!r}",
+            )
+            return
         try:
             role = c.role_from_proto(hello.role, "hello.role") or NodeRole.DECODE
             info = await self._broker.register(

@@ -1,13 +1,13 @@
 """The CLI's one door to the broker: a session over the public client library.
 
-Commands call these methods and get the client library's domain values back. The only transport
-detail here is building a TLS channel when the context names a CA bundle.
+Commands call these methods and get the client library's domain values back. The channel is
+secured as the context (or the global flags) say: TLS, mutual TLS, a bearer token
+(crossflow_ctl.security.channel).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -20,35 +20,19 @@ from crossflow_ctl.domain.admission import Admission, AdmissionRequest
 from crossflow_ctl.domain.errors import BrokerUnavailable, StoreUnavailable
 from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.security import ClientCredentials
+from crossflow_ctl.security.channel import open_channel
 
 
 @dataclass(frozen=True)
 class Target:
     server: str
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
+    credentials: ClientCredentials = field(default_factory=ClientCredentials)
     timeout_s: float = 5.0
 
 
-def _read(path: Path | None, what: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return path.expanduser().read_bytes()
-    except OSError as exc:
-        raise CliError(f"cannot read {what} {path}: {exc.strerror}", ExitCode.USAGE) from None
-
-
 def _channel(target: Target) -> grpc.aio.Channel:
-    if target.ca_file is None:
-        return grpc.aio.insecure_channel(target.server, options=channel_options())
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=_read(target.ca_file, "CA file"),
-        private_key=_read(target.key_file, "key file"),
-        certificate_chain=_read(target.cert_file, "certificate file"),
-    )
-    return grpc.aio.secure_channel(target.server, creds, options=channel_options())
+    return open_channel(target.server, target.credentials, channel_options())
 
 
 class BrokerSession:

@@ -89,6 +89,10 @@ def config_use_context(ctx: click.Context, name: str) -> None:
 @click.option(
     "--key-file", type=click.Path(dir_okay=False), default=None, help="Client key (mutual TLS)."
 )
+@click.option("--server-name", default=None, help="Name to check the broker's certificate against.")
+@click.option(
+    "--token-file", type=click.Path(dir_okay=False), default=None, help="Bearer token file."
+)
 @click.option(
     "--default-output",
     type=click.Choice([f.value for f in OutputFormat]),
@@ -111,6 +115,8 @@ def config_set_context(
     ca_file: str | None,
     cert_file: str | None,
     key_file: str | None,
+    server_name: str | None,
+    token_file: str | None,
     default_output: str | None,
     pool: str | None,
     timeout_s: float | None,
@@ -132,6 +138,8 @@ def config_set_context(
         ca_file=Path(ca_file) if ca_file else old.ca_file,
         cert_file=Path(cert_file) if cert_file else old.cert_file,
         key_file=Path(key_file) if key_file else old.key_file,
+        server_name=server_name or old.server_name,
+        token_file=Path(token_file) if token_file else old.token_file,
         defaults=ContextDefaults.model_validate(defaults),
     )
     update: dict[str, object] = {"contexts": {**cfg.contexts, name: new}}

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from click.shell_completion import CompletionItem
 
-from crossflow_ctl.cli.config import Context, CtlConfig, CtlSettings, load_config
+from crossflow_ctl.cli.config import (
+    CREDENTIAL_FIELDS,
+    Context,
+    CtlConfig,
+    CtlSettings,
+    load_config,
+)
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import FORMATS, OutputFormat
 from crossflow_ctl.settings_sources import host_port
@@ -31,10 +37,17 @@ class CtlState:
     config_path: Path
     server_override: str | None
     context_override: str | None
+    credential_flags: dict[str, Any] = field(default_factory=dict)
+    """``--ca-file`` and friends given on the command line (they win over the context)."""
 
     @classmethod
     def create(
-        cls, *, server: str | None, context: str | None, config_path: str | None
+        cls,
+        *,
+        server: str | None,
+        context: str | None,
+        config_path: str | None,
+        **credential_flags: Any,
     ) -> CtlState:
         settings = CtlSettings()
         path = Path(config_path).expanduser() if config_path else settings.config_path()
@@ -43,6 +56,7 @@ class CtlState:
             config_path=path,
             server_override=server or settings.server,
             context_override=context or settings.context,
+            credential_flags=credential_flags,
         )
 
     def load(self) -> CtlConfig:
@@ -63,9 +77,7 @@ class CtlState:
 
         return Target(
             server=server,
-            ca_file=ctx.ca_file,
-            cert_file=ctx.cert_file,
-            key_file=ctx.key_file,
+            credentials=ctx.credentials(**self.credential_flags),
             timeout_s=ctx.defaults.timeout_s,
         )
 
@@ -109,6 +121,7 @@ def complete_node(
             server=params.get("server"),
             context=params.get("context_name"),
             config_path=params.get("config_path"),
+            **{k: params.get(k) for k in CREDENTIAL_FIELDS},
         )
 
         async def names() -> list[str]:

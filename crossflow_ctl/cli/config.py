@@ -10,12 +10,16 @@ shaped::
         ca-file: null          # TLS: a CA bundle turns TLS on
         cert-file: null        # client certificate and key (mutual TLS)
         key-file: null
+        server-name: null      # name to check the broker's certificate against
+        token-file: null       # bearer token (authorization metadata on every call)
         defaults:              # default settings for commands run in this context
           output: table
           pool: default
           timeout-s: 5.0
 
-``--server`` and ``--context`` on the command line win over the file; the file wins over defaults.
+``--server``, ``--context`` and the TLS flags (``--ca-file``, ``--cert-file``, ``--key-file``,
+``--server-name``, ``--token-file``) on the command line win over the file; the file wins over
+defaults.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from crossflow_ctl.cli.output import OutputFormat
 from crossflow_ctl.domain.errors import ConfigError
+from crossflow_ctl.security import ClientCredentials
 from crossflow_ctl.settings_sources import host_port
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 DEFAULT_CONFIG_PATH = Path("~/.config/crossflow/config.yaml")
+CREDENTIAL_FIELDS = ("ca_file", "cert_file", "key_file", "server_name", "token_file")
 
 
 class CtlSettings(BaseSettings):
@@ -68,6 +74,8 @@ class Context(_Kebab):
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
+    server_name: str | None = None
+    token_file: Path | None = None
     defaults: ContextDefaults = ContextDefaults()
 
     @field_validator("server")
@@ -78,6 +86,15 @@ class Context(_Kebab):
     @property
     def tls(self) -> bool:
         return self.ca_file is not None
+
+    def credentials(self, **flags: Any) -> ClientCredentials:
+        """This context's credentials, with the given (non-None) flags overriding them."""
+        fields: dict[str, Any] = {name: getattr(self, name) for name in CREDENTIAL_FIELDS}
+        fields.update({k: v for k, v in flags.items() if v is not None})
+        try:
+            return ClientCredentials(**fields)
+        except ValidationError as exc:
+            raise ConfigError(exc.errors()[0]["msg"], field="credentials") from None
 
 
 class CtlConfig(_Kebab):

@@ -14,7 +14,10 @@ from crossflow_ctl.cli.common import CtlState, run_cli
 
 EPILOG = """\b
 Exit codes: 0 ok, 1 error, 2 usage or invalid value, 3 not found,
-4 broker unavailable, 5 timed out (drain --timeout)."""
+4 broker unavailable, 5 timed out (drain --timeout),
+6 refused: unauthenticated or not permitted."""
+
+FILE = click.Path(dir_okay=False)
 
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -65,12 +68,24 @@ class LazyGroup(click.Group):
     type=click.Path(dir_okay=False),
     help="Config file (default $CROSSFLOWCTL_CONFIG or ~/.config/crossflow/config.yaml).",
 )
+@click.option("--ca-file", type=FILE, help="CA bundle of the broker; turns TLS on.")
+@click.option("--cert-file", type=FILE, help="Client certificate (mutual TLS).")
+@click.option("--key-file", type=FILE, help="Client key (mutual TLS).")
+@click.option("--server-name", help="Name to check the broker's certificate against.")
+@click.option("--token-file", type=FILE, help="Bearer token file.")
 @click.pass_context
 def cli(
-    ctx: click.Context, server: str | None, context_name: str | None, config_path: str | None
+    ctx: click.Context,
+    /,
+    server: str | None,
+    context_name: str | None,
+    config_path: str | None,
+    **credential_flags: str | None,
 ) -> None:
     """Operate a Crossflow control plane."""
-    ctx.obj = CtlState.create(server=server, context=context_name, config_path=config_path)
+    ctx.obj = CtlState.create(
+        server=server, context=context_name, config_path=config_path, **credential_flags
+    )
 
 
 def main() -> None:

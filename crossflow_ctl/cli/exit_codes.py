@@ -6,6 +6,7 @@
     3  NOT_FOUND    the named node or reservation does not exist
     4  UNAVAILABLE  the broker could not be reached (wrong address, down, TLS refused)
     5  TIMEOUT      a wait (``drain --timeout``) ran out before the state was reached
+    6  DENIED       the broker refused the caller: no valid identity, or not permitted
 
 Every error is printed to stderr as one line, ``error: <what went wrong>``.
 """
@@ -18,6 +19,8 @@ from crossflow_ctl.domain.errors import (
     ConfigError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -29,6 +32,7 @@ class ExitCode(IntEnum):
     NOT_FOUND = 3
     UNAVAILABLE = 4
     TIMEOUT = 5
+    DENIED = 6
 
 
 class CliError(Exception):
@@ -53,6 +57,8 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         return exc.code
     if isinstance(exc, NotFound):
         return ExitCode.NOT_FOUND
+    if isinstance(exc, PermissionDenied | Unauthenticated):
+        return ExitCode.DENIED
     if isinstance(exc, InvalidArgument | ConfigError):
         return ExitCode.USAGE
     if _is_unavailable(exc):

@@ -3,6 +3,7 @@
 ``AdmissionClient`` (Admit/Commit/Release/WatchRoom, optional fail-closed Admit) and
 ``AdminClient`` return domain models and raise the domain's error classes (see
 ``client.errors``). ``AdmissionQueue`` (``client.queue``) does late binding over any admitter.
+``ClientCredentials`` secures the clients' channel: TLS, mutual TLS, a bearer token.
 """
 
 from crossflow_ctl.client.admin import AdminClient
@@ -17,12 +18,14 @@ from crossflow_ctl.client.queue import (
     QueueStats,
     Ticket,
 )
+from crossflow_ctl.security import ClientCredentials
 
 __all__ = [
     "AdminClient",
     "AdmissionClient",
     "AdmissionQueue",
     "Admitter",
+    "ClientCredentials",
     "CommitResult",
     "Dispatch",
     "NodeDetailView",

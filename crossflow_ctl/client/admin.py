@@ -13,6 +13,7 @@ from crossflow_ctl.client.admission import _Base
 from crossflow_ctl.client.models import NodeDetailView, NodeEventView, NodeView
 from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.security import ClientCredentials
 from crossflow_ctl.wire import convert as c
 
 
@@ -26,9 +27,14 @@ def _node_view(msg: admin_pb2.NodeStatus) -> NodeView:
 
 class AdminClient(_Base):
     def __init__(
-        self, target: str, *, timeout_s: float = 5.0, channel: grpc.aio.Channel | None = None
+        self,
+        target: str,
+        *,
+        timeout_s: float = 5.0,
+        channel: grpc.aio.Channel | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
-        super().__init__(target, timeout_s=timeout_s, channel=channel)
+        super().__init__(target, timeout_s=timeout_s, channel=channel, credentials=credentials)
         self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
 
     async def list_nodes(self, role: NodeRole | None = None, selector: str = "") -> list[NodeView]:

@@ -29,6 +29,8 @@ from crossflow_ctl.domain.errors import (
 )
 from crossflow_ctl.domain.models import validated
 from crossflow_ctl.domain.room import RoomUpdate, RoomWatchRequest, unknown_room
+from crossflow_ctl.security import ClientCredentials
+from crossflow_ctl.security.channel import open_channel
 from crossflow_ctl.wire.convert_admission import admission_from_proto, admit_request_to_proto
 from crossflow_ctl.wire.convert_room import room_update_from_proto, watch_request_to_proto
 
@@ -47,13 +49,21 @@ def channel_options(max_message_bytes: int = 4 * 1024 * 1024) -> list[tuple[str,
 
 
 class _Base:
+    """``credentials`` secure the channel the client opens (TLS, mTLS, bearer token: see
+    crossflow_ctl.security.channel); a supplied ``channel`` is used as it is."""
+
     def __init__(
-        self, target: str, *, timeout_s: float, channel: grpc.aio.Channel | None = None
+        self,
+        target: str,
+        *,
+        timeout_s: float,
+        channel: grpc.aio.Channel | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self._own_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=channel_options())
+        self._channel = channel or open_channel(target, credentials, channel_options())
 
     async def close(self) -> None:
         if self._own_channel:
@@ -87,8 +97,9 @@ class AdmissionClient(_Base):
         timeout_s: float = 0.25,
         fail_closed: bool = False,
         channel: grpc.aio.Channel | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
-        super().__init__(target, timeout_s=timeout_s, channel=channel)
+        super().__init__(target, timeout_s=timeout_s, channel=channel, credentials=credentials)
         self.fail_closed = fail_closed
         self._stub = admission_pb2_grpc.AdmissionServiceStub(self._channel)
 

@@ -4,6 +4,8 @@
     NOT_FOUND            -> NotFound
     FAILED_PRECONDITION  -> FailedPrecondition
     RESOURCE_EXHAUSTED   -> InvalidArgument (a message over the size limit)
+    PERMISSION_DENIED    -> PermissionDenied
+    UNAUTHENTICATED      -> Unauthenticated
     UNAVAILABLE whose message the broker marked "store unavailable: " -> StoreUnavailable
     UNAVAILABLE, DEADLINE_EXCEEDED, anything else (gRPC's own: the broker was not reached or
     did not answer)      -> BrokerUnavailable
@@ -23,7 +25,9 @@ from crossflow_ctl.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     StoreUnavailable,
+    Unauthenticated,
 )
 
 STORE_UNAVAILABLE_PREFIX = "store unavailable: "
@@ -34,6 +38,8 @@ _CLASS_FOR: dict[grpc.StatusCode, type[CrossflowError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,  # message over the size limit
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.*)$", re.DOTALL)
 

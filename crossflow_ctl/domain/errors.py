@@ -7,7 +7,10 @@
     │   └── StaleLease         a lease whose (epoch, version) is not newer than the stored one
     ├── Unavailable            something could not answer in time (callers fail closed)
     │   ├── StoreUnavailable   the broker's store errored or timed out
+    │   │   └── StoreAuthFailed  the store refused the credentials (a broker does not start)
     │   └── BrokerUnavailable  the broker could not be reached or did not answer (client side)
+    ├── Unauthenticated        the caller proved no identity
+    ├── PermissionDenied       the caller's identity may not do this; nothing was changed
     └── ConfigError            settings refused at start
 
 The broker maps each class to one gRPC status code at the boundary; the client maps the codes
@@ -62,6 +65,19 @@ class StoreUnavailable(Unavailable):
 
 class BrokerUnavailable(Unavailable):
     """The broker could not be reached or did not answer in time (raised by clients)."""
+
+
+class StoreAuthFailed(StoreUnavailable):
+    """The store refused the credentials (wrong password, unknown user, no permission)."""
+
+
+class Unauthenticated(CrossflowError):
+    """The caller presented no valid identity (certificate or bearer token)."""
+
+
+class PermissionDenied(CrossflowError):
+    """The caller's identity may not do this (another router's reservation, another node's
+    lease, an admin RPC); nothing was changed."""
 
 
 class ConfigError(CrossflowError):

@@ -288,6 +288,9 @@ class Reservation(Frozen):
     grant_seq: int
     release_seq: int = 0
     request_id: str = ""
+    owner: str = ""
+    """Identity of the router it was granted to (``router/<name>``); "" without authentication.
+    Only that router (or an admin) may commit or release it."""
 
 
 class NoticeKind(StrEnum):

@@ -162,10 +162,13 @@ class Broker:
         return new
 
     # -- admission -------------------------------------------------------------------------------
-    async def admit(self, request: AdmissionRequest) -> Admission:
-        """Always answers; NORMAL with a reason on any doubt (§5.6). Counted, timed, logged."""
+    async def admit(self, request: AdmissionRequest, owner: str = "") -> Admission:
+        """Always answers; NORMAL with a reason on any doubt (§5.6). Counted, timed, logged.
+
+        A granted reservation records ``owner`` (the router's identity, "" without
+        authentication): only it, or an admin, may commit or release it."""
         started = time.perf_counter()
-        answer = await self._decide(request)
+        answer = await self._decide(request, owner)
         shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
         self.metrics.record_admission(
             answer.decision, answer.reason, time.perf_counter() - started, shadow_decision=shadow
@@ -180,14 +183,14 @@ class Broker:
         )
         return answer
 
-    async def _decide(self, request: AdmissionRequest) -> Admission:
+    async def _decide(self, request: AdmissionRequest, owner: str) -> Admission:
         policy = self._policy
         with structlog.contextvars.bound_contextvars(request_id=request.request_id):
             if not policy.enabled:
                 return Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled")
             try:
                 async with asyncio.timeout(policy.admit_timeout_ms / 1000.0):
-                    return await self._admit(request, policy)
+                    return await self._admit(request, policy, owner)
             except TimeoutError:
                 log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms)
                 return Admission.normal(
@@ -200,7 +203,9 @@ class Broker:
                 log.exception("admit.failed")
                 return Admission.normal(Reason.STORE_UNAVAILABLE, f"admission failed: {exc!r}")
 
-    async def _admit(self, request: AdmissionRequest, policy: PolicySettings) -> Admission:
+    async def _admit(
+        self, request: AdmissionRequest, policy: PolicySettings, owner: str
+    ) -> Admission:
         now = self.clock.now_ms()
         pool, nodes = await self._timed(
             "admission_view",
@@ -227,7 +232,7 @@ class Broker:
                 plan=plan,
                 shadow_decision=Decision.BORROW,
             )
-        return await self._debit(request, plan, policy, now)
+        return await self._debit(request, plan, policy, now, owner)
 
     def _shadow(self, plan: Plan) -> Admission:
         would = Decision.BORROW if plan.reason is Reason.BORROWED else Decision.NORMAL
@@ -238,7 +243,7 @@ class Broker:
         return answer.model_copy(update={"shadow_decision": would})
 
     async def _debit(
-        self, request: AdmissionRequest, plan: Plan, policy: PolicySettings, now: int
+        self, request: AdmissionRequest, plan: Plan, policy: PolicySettings, now: int, owner: str
     ) -> Admission:
         refusals: list[str] = []
         normal_ms = plan.normal_path.total_ms if plan.normal_path else 0.0
@@ -252,6 +257,7 @@ class Broker:
                     now,
                     policy.hold_ttl_ms,
                     request.request_id,
+                    owner,
                 ),
             )
             if outcome.granted and outcome.reservation is not None:
@@ -297,18 +303,22 @@ class Broker:
         """Room updates for ``request`` (see :mod:`crossflow_ctl.service.room`)."""
         return self.rooms.watch(request)
 
-    async def commit(self, reservation_id: str) -> Reservation:
+    async def commit(self, reservation_id: str, owner: str | None = None) -> Reservation:
+        """Commit; with ``owner`` (a router's identity) only a reservation it was granted."""
         check_reservation_id(reservation_id)
-        res = await self._admin_call(
-            self.store.commit(reservation_id, self.clock.now_ms(), self._policy.commit_ttl_ms)
-        )
+        now, ttl = self.clock.now_ms(), self._policy.commit_ttl_ms
+        res = await self._admin_call(self.store.commit(reservation_id, now, ttl, owner))
         self.metrics.record_reservation_event("commit")
         annotate_node(res.node_id)
         return res
 
-    async def release(self, reservation_id: str, outcome: str = "") -> Reservation:
+    async def release(
+        self, reservation_id: str, outcome: str = "", owner: str | None = None
+    ) -> Reservation:
+        """Release; with ``owner`` (a router's identity) only a reservation it was granted."""
         check_reservation_id(reservation_id)
-        res = await self._admin_call(self.store.release(reservation_id, self.clock.now_ms()))
+        now = self.clock.now_ms()
+        res = await self._admin_call(self.store.release(reservation_id, now, owner))
         log.debug("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
         self.metrics.record_reservation_event("release")
         annotate_node(res.node_id)

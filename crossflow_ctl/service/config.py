@@ -13,10 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.security import AuthSettings
 from crossflow_ctl.settings_sources import LayeredSettings, host_port, load_layered
 
 MiB = 1024 * 1024
@@ -57,10 +58,18 @@ class BrokerSettings(LayeredSettings):
     """gRPC listen address, host:port (port 0 picks a free one)."""
     redis_url: str | None = None
     """Redis URL of the shared store; None runs the embedded in-process store (one replica)."""
+    redis_username: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """Redis ACL user (or put it in the URL)."""
+    redis_password_file: Path | None = None
+    """File holding the Redis password (a mounted Secret); wins over a password in the URL."""
+    redis_ca_file: Path | None = None
+    """PEM CA bundle the Redis server's certificate must chain to (``rediss://`` URLs)."""
     redis_namespace: Annotated[str, Field(min_length=1, max_length=64)] = "crossflow"
     """Key prefix of every Redis key this control plane writes."""
     broker_id: Annotated[str, Field(max_length=128)] = ""
     """Name of this replica in Welcome messages and logs; empty picks host:pid."""
+    auth: AuthSettings = AuthSettings()
+    """TLS, caller identities (mTLS, bearer tokens) and what each may call."""
     policy: PolicySettings = PolicySettings()
     """Initial policy, written to the store only when the store holds none."""
     policy_refresh_ms: Annotated[int, Field(ge=50, le=60_000)] = 1_000
@@ -90,6 +99,12 @@ class BrokerSettings(LayeredSettings):
     @classmethod
     def _listen_has_port(cls, value: str) -> str:
         return host_port(value, port_zero=True)
+
+    @model_validator(mode="after")
+    def _redis_tls(self) -> BrokerSettings:
+        if self.redis_ca_file is not None and not (self.redis_url or "").startswith("rediss://"):
+            raise ValueError("redis_ca_file needs a rediss:// redis_url")
+        return self
 
     @field_validator("redis_url")
     @classmethod

@@ -20,6 +20,7 @@ Semantics (both implementations, proved by tests/store/test_contract.py):
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Sequence
 
 from crossflow_ctl.domain.errors import InvalidArgument
@@ -39,12 +40,28 @@ from crossflow_ctl.domain.models import (
 from crossflow_ctl.domain.policy import PolicySettings
 
 
-def check_debit_args(share: float, hold_ttl_ms: int) -> None:
+def check_debit_args(share: float, hold_ttl_ms: int, owner: str = "") -> None:
     """The arguments of :meth:`Store.try_debit` every implementation refuses alike."""
     if not 0.0 <= share <= 1.0:
         raise InvalidArgument(f"share must be within [0, 1], got {share}", field="share")
     if hold_ttl_ms <= 0:
         raise InvalidArgument("hold_ttl_ms must be positive", field="hold_ttl_ms")
+    check_owner(owner)
+
+
+def check_owner(owner: str) -> str:
+    """An owner is ``<role>/<name>`` of an identity (no ``|`` or ``*``), or ""."""
+    if owner and (len(owner) > 256 or not _OWNER.match(owner)):
+        raise InvalidArgument(f"malformed owner {owner[:80]!r}", field="owner")
+    return owner
+
+
+def owner_arg(owner: str | None) -> str:
+    """The owner filter of commit/release as the Redis scripts take it (``*``: anyone)."""
+    return "*" if owner is None else check_owner(owner)
+
+
+_OWNER = re.compile(r"^[a-z]+/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class LeaseOutcome(Frozen):
@@ -112,18 +129,26 @@ class Store(abc.ABC):
         now_ms: int,
         hold_ttl_ms: int,
         request_id: str = "",
+        owner: str = "",
     ) -> DebitOutcome:
-        """Atomically check room on every credit and record a HELD reservation."""
+        """Atomically check room on every credit and record a HELD reservation owned by
+        ``owner`` (the granted router's identity, "" without authentication)."""
 
     @abc.abstractmethod
-    async def commit(self, reservation_id: str, now_ms: int, commit_ttl_ms: int) -> Reservation:
+    async def commit(
+        self, reservation_id: str, now_ms: int, commit_ttl_ms: int, owner: str | None = None
+    ) -> Reservation:
         """HELD -> COMMITTED (expiry now + commit_ttl). NotFound if unknown or expired;
-        FailedPrecondition if already released. Committing twice is idempotent."""
+        FailedPrecondition if already released; PermissionDenied, changing nothing, when
+        ``owner`` is given and is not the reservation's. Committing twice is idempotent."""
 
     @abc.abstractmethod
-    async def release(self, reservation_id: str, now_ms: int) -> Reservation:
-        """HELD/COMMITTED -> RELEASED with a RELEASE notice. NotFound if unknown or expired.
-        Releasing twice is idempotent."""
+    async def release(
+        self, reservation_id: str, now_ms: int, owner: str | None = None
+    ) -> Reservation:
+        """HELD/COMMITTED -> RELEASED with a RELEASE notice. NotFound if unknown or expired;
+        PermissionDenied, changing nothing, when ``owner`` is given and is not the
+        reservation's. Releasing twice is idempotent."""
 
     # -- operators --------------------------------------------------------------------------
     @abc.abstractmethod

@@ -13,7 +13,12 @@ import asyncio
 import random
 from collections.abc import Sequence
 
-from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from crossflow_ctl.domain.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from crossflow_ctl.domain.models import (
     CREDIT_NAMES,
     Credits,
@@ -38,6 +43,7 @@ from crossflow_ctl.store.base import (
     NodeEvent,
     Store,
     check_debit_args,
+    check_owner,
 )
 from crossflow_ctl.store.keys import (
     new_reservation_id,
@@ -96,7 +102,10 @@ class MemoryStore(Store):
             info=node.info, lease=node.lease, open_debits=debits, open_reservations=count
         )
 
-    def _reservation(self, reservation_id: str, now_ms: int) -> tuple[NodeLedger, Reservation]:
+    def _reservation(
+        self, reservation_id: str, now_ms: int, owner: str | None
+    ) -> tuple[NodeLedger, Reservation]:
+        owner = None if owner is None else check_owner(owner)
         node_id = node_of_reservation(reservation_id)
         node = self._nodes.get(node_id)
         res = node.reservations.get(reservation_id) if node is not None else None
@@ -105,6 +114,11 @@ class MemoryStore(Store):
         if res.expires_at_ms <= now_ms:
             node.purge_expired(now_ms)
             raise NotFound(f"reservation {reservation_id!r} expired", field="reservation_id")
+        if owner is not None and res.owner != owner:
+            raise PermissionDenied(
+                f"reservation {reservation_id!r} belongs to another router",
+                field="reservation_id",
+            )
         return node, res
 
     # -- agents -----------------------------------------------------------------------------
@@ -196,8 +210,9 @@ class MemoryStore(Store):
         now_ms: int,
         hold_ttl_ms: int,
         request_id: str = "",
+        owner: str = "",
     ) -> DebitOutcome:
-        check_debit_args(share, hold_ttl_ms)
+        check_debit_args(share, hold_ttl_ms, owner)
         async with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
@@ -248,6 +263,7 @@ class MemoryStore(Store):
                 expires_at_ms=now_ms + hold_ttl_ms,
                 grant_seq=node.seq + 1,
                 request_id=request_id,
+                owner=owner,
             )
             node.notify(NoticeKind.GRANT, now_ms, res)
             node.put(res)
@@ -255,11 +271,13 @@ class MemoryStore(Store):
                 granted=True, reservation=res, lease_epoch=epoch, lease_version=version
             )
 
-    async def commit(self, reservation_id: str, now_ms: int, commit_ttl_ms: int) -> Reservation:
+    async def commit(
+        self, reservation_id: str, now_ms: int, commit_ttl_ms: int, owner: str | None = None
+    ) -> Reservation:
         if commit_ttl_ms <= 0:
             raise InvalidArgument("commit_ttl_ms must be positive", field="commit_ttl_ms")
         async with self._lock:
-            node, res = self._reservation(reservation_id, now_ms)
+            node, res = self._reservation(reservation_id, now_ms, owner)
             if res.state is ReservationState.RELEASED:
                 raise FailedPrecondition(
                     f"reservation {reservation_id!r} was released", field="reservation_id"
@@ -276,9 +294,11 @@ class MemoryStore(Store):
             node.notify(NoticeKind.COMMIT, now_ms, res)
             return res
 
-    async def release(self, reservation_id: str, now_ms: int) -> Reservation:
+    async def release(
+        self, reservation_id: str, now_ms: int, owner: str | None = None
+    ) -> Reservation:
         async with self._lock:
-            node, res = self._reservation(reservation_id, now_ms)
+            node, res = self._reservation(reservation_id, now_ms, owner)
             if res.state is ReservationState.RELEASED:
                 return res
             seq = node.seq + 1

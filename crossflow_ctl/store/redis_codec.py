@@ -55,7 +55,7 @@ def info_from(node_id: str, fields: Mapping[str, str]) -> NodeInfo:
 
 
 def reservation_from(reservation_id: str, node_id: str, record: Raw) -> Reservation:
-    f = text(record).split("|", 12)
+    f = text(record).split("|", 13)
     return Reservation(
         reservation_id=reservation_id,
         node_id=node_id,
@@ -67,7 +67,8 @@ def reservation_from(reservation_id: str, node_id: str, record: Raw) -> Reservat
         grant_seq=int(f[9]),
         lease_epoch=int(f[10]),
         lease_version=int(f[11]),
-        request_id=f[12],
+        owner=f[12],
+        request_id=f[13],
     )
 
 

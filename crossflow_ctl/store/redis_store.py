@@ -32,14 +32,14 @@ from typing import Any
 
 import structlog
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from crossflow_ctl.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
+    StoreAuthFailed,
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import (
@@ -66,6 +66,7 @@ from crossflow_ctl.store.base import (
     NodeEvent,
     Store,
     check_debit_args,
+    owner_arg,
 )
 from crossflow_ctl.store.keys import (
     EVENTS_CAP,
@@ -77,6 +78,7 @@ from crossflow_ctl.store.keys import (
     node_of_reservation,
 )
 from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
+from crossflow_ctl.store.redis_connect import RedisConnection, connect
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_scripts import Scripts
 
@@ -108,16 +110,10 @@ class RedisStore(Store):
         socket_timeout_s: float = 1.0,
         op_timeout_s: float = 3.0,
         cache_max_age_ms: int = DEFAULT_CACHE_MAX_AGE_MS,
+        connection: RedisConnection | None = None,
     ) -> None:
         if isinstance(client, str):
-            client = Redis.from_url(
-                client,
-                socket_timeout=socket_timeout_s,
-                socket_connect_timeout=socket_timeout_s,
-                # No client-side retry: a debit script retried after a lost reply would grant
-                # twice. One failure is StoreUnavailable and admission fails closed (§5.6).
-                retry=Retry(NoBackoff(), retries=0),
-            )
+            client = connect(client, connection or RedisConnection(), socket_timeout_s)
             self._owned = True
         else:
             self._owned = False
@@ -135,6 +131,13 @@ class RedisStore(Store):
         try:
             async with asyncio.timeout(self._op_timeout_s + extra_s):
                 yield
+        except AuthenticationError as exc:
+            raise StoreAuthFailed(f"redis refused the credentials: {exc}") from None
+        except ResponseError as exc:
+            if str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+                raise StoreAuthFailed(f"redis refused the credentials: {exc}") from None
+            log.warning("store_unavailable", op=what, error=repr(exc))
+            raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("store_unavailable", op=what, error=repr(exc))
             raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
@@ -284,8 +287,9 @@ class RedisStore(Store):
         now_ms: int,
         hold_ttl_ms: int,
         request_id: str = "",
+        owner: str = "",
     ) -> DebitOutcome:
-        check_debit_args(share, hold_ttl_ms)
+        check_debit_args(share, hold_ttl_ms, owner)
         if not is_node_id(node_id):
             return DebitOutcome(granted=False, refusal="unknown_node")
         k = self._k.node(node_id)
@@ -296,7 +300,7 @@ class RedisStore(Store):
             out = await self._run(
                 "try_debit",
                 [k.info, k.lease, k.reservations, k.notices, k.expiries],
-                [*args, NOTICES_CAP],
+                [*args, NOTICES_CAP, owner],
             )
         status = codec.text(out[0])
         if status == "unknown_node":
@@ -326,6 +330,7 @@ class RedisStore(Store):
             expires_at_ms=expires,
             grant_seq=int(out[3]),
             request_id=request_id,
+            owner=owner,
         )
         return DebitOutcome.model_construct(
             granted=True, reservation=res, lease_epoch=epoch, lease_version=version
@@ -341,20 +346,30 @@ class RedisStore(Store):
             raise NotFound(f"unknown reservation {reservation_id!r}", field="reservation_id")
         if status == "expired":
             raise NotFound(f"reservation {reservation_id!r} expired", field="reservation_id")
+        if status == "not_owner":
+            raise PermissionDenied(
+                f"reservation {reservation_id!r} belongs to another router",
+                field="reservation_id",
+            )
         if status == "released":
             raise FailedPrecondition(
                 f"reservation {reservation_id!r} was released", field="reservation_id"
             )
         return codec.reservation_from(reservation_id, node_id, out[1])
 
-    async def commit(self, reservation_id: str, now_ms: int, commit_ttl_ms: int) -> Reservation:
+    async def commit(
+        self, reservation_id: str, now_ms: int, commit_ttl_ms: int, owner: str | None = None
+    ) -> Reservation:
         if commit_ttl_ms <= 0:
             raise InvalidArgument("commit_ttl_ms must be positive", field="commit_ttl_ms")
-        args = [now_ms, reservation_id, now_ms + commit_ttl_ms, NOTICES_CAP]
+        args = [now_ms, reservation_id, now_ms + commit_ttl_ms, NOTICES_CAP, owner_arg(owner)]
         return await self._change("commit", reservation_id, args)
 
-    async def release(self, reservation_id: str, now_ms: int) -> Reservation:
-        return await self._change("release", reservation_id, [now_ms, reservation_id, NOTICES_CAP])
+    async def release(
+        self, reservation_id: str, now_ms: int, owner: str | None = None
+    ) -> Reservation:
+        args = [now_ms, reservation_id, NOTICES_CAP, owner_arg(owner)]
+        return await self._change("release", reservation_id, args)
 
     # -- operators --------------------------------------------------------------------------
     async def set_cordon(self, node_id: str, cordoned: bool, reason: str, now_ms: int) -> NodeInfo:

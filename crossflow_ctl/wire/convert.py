@@ -209,6 +209,7 @@ def reservation_to_proto(r: Reservation) -> admin_pb2.Reservation:
         grant_seq=r.grant_seq,
         release_seq=r.release_seq,
         request_id=r.request_id,
+        owner=r.owner,
     )
 
 
@@ -228,6 +229,7 @@ def reservation_from_proto(msg: admin_pb2.Reservation) -> Reservation:
         grant_seq=msg.grant_seq,
         release_seq=msg.release_seq,
         request_id=msg.request_id,
+        owner=msg.owner,
     )
 
 

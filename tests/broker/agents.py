@@ -9,6 +9,8 @@ from typing import Any
 import grpc
 
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2, lease_pb2_grpc
+from crossflow_ctl.security import ClientCredentials
+from crossflow_ctl.security.channel import open_channel
 
 DEFAULT_CREDITS = {
     "compute_tokens": 8_000,
@@ -51,6 +53,7 @@ class FakeAgent:
         pool: str = "default",
         labels: dict[str, str] | None = None,
         last_notice_seq: int = 0,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         self.node_id = node_id
         self.epoch = epoch
@@ -63,7 +66,7 @@ class FakeAgent:
             labels=labels or {},
             last_notice_seq=last_notice_seq,
         )
-        self._channel = grpc.aio.insecure_channel(target)
+        self._channel = open_channel(target, credentials)
         self._stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
         self.acks: asyncio.Queue[lease_pb2.LeaseAck] = asyncio.Queue()
         self.heartbeats: asyncio.Queue[lease_pb2.Heartbeat] = asyncio.Queue()

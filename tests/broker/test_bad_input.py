@@ -165,7 +165,7 @@ async def test_reservation_and_node_errors(node) -> None:
                 await admin.get_node(node_id)
             assert bad.value.field == "node_id"
         with pytest.raises(InvalidArgument) as bad:
-            await admin.list_nodes(selector="novalue")
+            await admin.list_nodes(selector="=novalue")
         assert bad.value.field == "selector"
         assert await admin.list_reservations() == []
 

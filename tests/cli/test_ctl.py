@@ -270,7 +270,7 @@ async def test_tls_context_with_unreadable_ca_is_a_usage_error(ctl: Ctl, tmp_pat
     res = await ctl("get", "nodes", server=False)
     assert res.rc == 2
     assert res.err.splitlines() == [
-        f"error: cannot read CA file {missing}: No such file or directory"
+        f"error: ca_file: cannot read {missing}: No such file or directory"
     ]
 
 

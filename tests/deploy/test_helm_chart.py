@@ -79,6 +79,14 @@ def check_service_monitor(doc: dict[str, Any]) -> None:
         assert endpoint["path"] == "/metrics"
 
 
+def check_certificate(doc: dict[str, Any]) -> None:
+    """No offline schema for cert-manager's CRD: check the fields cert-manager requires."""
+    assert doc["apiVersion"] == "cert-manager.io/v1"
+    spec = doc["spec"]
+    assert spec["secretName"] and spec["issuerRef"]["name"]
+    assert spec.get("dnsNames") or spec.get("uris")
+
+
 # -- lint and validate ----------------------------------------------------------------------
 
 
@@ -97,6 +105,9 @@ def test_every_rendered_manifest_is_valid_kubernetes(values: str | None) -> None
     for doc in docs:
         if doc["kind"] == "ServiceMonitor":
             check_service_monitor(doc)
+            continue
+        if doc["kind"] == "Certificate":
+            check_certificate(doc)
             continue
         for version in K8S_VERSIONS:
             try:
@@ -345,6 +356,82 @@ def test_values_yaml_documents_every_value() -> None:
 
 
 @needs_helm
+def test_mtls_mounts_secrets_and_issues_certificates() -> None:
+    docs = render(*values_args("mtls.yaml"))
+    certs = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Certificate"}
+    assert sorted(certs) == [
+        "cf-crossflow-agent-gpu-1", "cf-crossflow-agent-gpu-2", "cf-crossflow-broker-tls",
+    ]  # fmt: skip
+    assert certs["cf-crossflow-broker-tls"]["dnsNames"][0] == "cf-crossflow-broker.serving.svc"
+    assert certs["cf-crossflow-agent-gpu-1"]["uris"] == ["spiffe://serving.example/node/gpu-1"]
+    assert certs["cf-crossflow-agent-gpu-2"]["issuerRef"]["kind"] == "ClusterIssuer"
+
+    config = yaml.safe_load(find(docs, "ConfigMap", "cf-crossflow-broker")["data"]["broker.yaml"])
+    assert config["auth"] == {
+        "required": True,
+        "tls": {
+            "cert_file": "/var/run/crossflow/tls/tls.crt",
+            "key_file": "/var/run/crossflow/tls/tls.key",
+            "client_ca_file": "/var/run/crossflow/tls/ca.crt",
+        },
+        "token_file": "/var/run/crossflow/tokens/tokens",
+        "trust_domain": "serving.example",
+        "routers_read_nodes": False,
+    }
+    assert config["redis_ca_file"] == "/var/run/crossflow/redis-ca/ca.crt"
+    spec = find(docs, "Deployment")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "cf-crossflow-broker-tls"
+    assert volumes["tokens"]["secret"]["secretName"] == "crossflow-token-hashes"
+    assert volumes["redis-ca"]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    [broker] = spec["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in broker["volumeMounts"]}
+    assert mounts["tls"] == "/var/run/crossflow/tls"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert broker[probe]["tcpSocket"]["port"] == 50051  # kubelet gRPC probes are plaintext
+
+    ds = find(docs, "DaemonSet", "cf-crossflow-agent-decode")["spec"]["template"]["spec"]
+    [agent] = ds["containers"]
+    env = env_of(agent)
+    assert env["CROSSFLOW_AGENT_BROKER_AUTH__CA_FILE"]["value"].endswith("/broker-ca/ca.crt")
+    assert env["CROSSFLOW_AGENT_BROKER_AUTH__SERVER_NAME"]["value"] == (
+        "cf-crossflow-broker.serving.svc"
+    )
+    assert env["CROSSFLOW_AGENT_BROKER_AUTH__CERT_FILE"]["value"] == (
+        "/var/run/crossflow/agent-tls/$(NODE_NAME).crt"
+    )
+    names = list(env)
+    assert names.index("NODE_NAME") < names.index("CROSSFLOW_AGENT_BROKER_AUTH__CERT_FILE")
+    agent_volumes = {v["name"]: v for v in ds["volumes"]}
+    # Agents get the CA only, never the broker's private key.
+    assert agent_volumes["broker-ca"]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    sources = agent_volumes["agent-tls"]["projected"]["sources"]
+    assert [s["secret"]["name"] for s in sources] == [
+        "cf-crossflow-agent-gpu-1", "cf-crossflow-agent-gpu-2",
+    ]  # fmt: skip
+    assert sources[0]["secret"]["items"][0] == {"key": "tls.crt", "path": "gpu-1.crt"}
+
+
+@needs_helm
+def test_tls_needs_a_secret_or_cert_manager() -> None:
+    result = helm("template", "cf", str(CHART), "--set", "security.tls.enabled=true")
+    assert result.returncode != 0
+    assert "security.tls.secretName or security.certManager.enabled" in result.stderr
+
+
+@needs_helm
+def test_without_security_values_nothing_changes() -> None:
+    spec = find(render(), "Deployment")["spec"]["template"]["spec"]
+    assert [v["name"] for v in spec["volumes"]] == ["config", "tmp"]
+    ds = find(render(), "DaemonSet", "cf-crossflow-agent-decode")["spec"]["template"]["spec"]
+    assert not [e for e in env_of(ds["containers"][0]) if "BROKER_AUTH" in e]
+    config = yaml.safe_load(
+        find(render(), "ConfigMap", "cf-crossflow-broker")["data"]["broker.yaml"]
+    )
+    assert config["auth"] == {"required": False}
+
+
+@needs_helm
 def test_broker_configmap_loads_with_the_broker_settings(tmp_path: Path) -> None:
     from crossflow_ctl.service.config import load_settings
 
@@ -353,7 +440,9 @@ def test_broker_configmap_loads_with_the_broker_settings(tmp_path: Path) -> None
         cms = [d for d in docs if d["kind"] == "ConfigMap" and "broker.yaml" in d["data"]]
         config = tmp_path / "broker.yaml"
         config.write_text(cms[0]["data"]["broker.yaml"], encoding="utf-8")
-        settings = load_settings(config, {"redis_url": "redis://127.0.0.1:6379/0"})
+        # What the Deployment's environment adds: the URL (TLS when a Redis CA is mounted).
+        scheme = "rediss" if "redis_ca_file" in cms[0]["data"]["broker.yaml"] else "redis"
+        settings = load_settings(config, {"redis_url": f"{scheme}://127.0.0.1:6379/0"})
         assert settings.listen == "0.0.0.0:50051"
 
 

@@ -6,7 +6,12 @@ import asyncio
 
 import pytest
 
-from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from crossflow_ctl.domain.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from crossflow_ctl.domain.models import (
     CREDIT_NAMES,
     Credits,
@@ -187,6 +192,34 @@ async def test_reservation_lifecycle(store: Store) -> None:
     assert await store.list_reservations(None, NOW + 90) == [released]
     kinds = [n.kind for n in await store.read_notices("d1", 0, 10)]
     assert kinds == [NoticeKind.GRANT, NoticeKind.COMMIT, NoticeKind.RELEASE]
+
+
+async def test_only_the_owner_commits_or_releases_and_a_refusal_changes_nothing(
+    store: Store,
+) -> None:
+    await register(store, "d1")
+    await store.upsert_lease(lease(), NOW, MAX_TTL)
+    outcome = await store.try_debit("d1", credits(5), 1.0, NOW, 10_000, "q|9", owner="router/a")
+    res = outcome.reservation
+    assert res is not None and (res.owner, res.request_id) == ("router/a", "q|9")
+    assert await store.list_reservations("d1", NOW) == [res]
+    before = await snapshot(store)
+    with pytest.raises(PermissionDenied) as denied:
+        await store.commit(res.reservation_id, NOW + 1, 10_000, owner="router/b")
+    assert denied.value.field == "reservation_id"
+    with pytest.raises(PermissionDenied):
+        await store.release(res.reservation_id, NOW + 1, owner="router/b")
+    with pytest.raises(PermissionDenied):  # the unauthenticated owner "" is an owner too
+        await store.release(res.reservation_id, NOW + 1, owner="")
+    assert await snapshot(store) == before
+    committed = await store.commit(res.reservation_id, NOW + 2, 10_000, owner="router/a")
+    assert committed.owner == "router/a"
+    released = await store.release(res.reservation_id, NOW + 3)  # None: anyone (an admin)
+    assert released.state is ReservationState.RELEASED and released.owner == "router/a"
+    with pytest.raises(InvalidArgument):
+        await store.try_debit("d1", credits(1), 1.0, NOW, 100, owner="router/a|x")
+    with pytest.raises(InvalidArgument):
+        await store.release(res.reservation_id, NOW + 4, owner="*")
 
 
 async def test_held_and_committed_reservations_expire(store: Store) -> None:

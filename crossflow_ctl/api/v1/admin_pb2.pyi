@@ -56,6 +56,7 @@ class Reservation(_message.Message):
     GRANT_SEQ_FIELD_NUMBER: _builtins.int
     RELEASE_SEQ_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
     node_id: _builtins.str
     state: Global___ReservationState.ValueType
@@ -66,6 +67,8 @@ class Reservation(_message.Message):
     grant_seq: _builtins.int
     release_seq: _builtins.int
     request_id: _builtins.str
+    owner: _builtins.str
+    """Identity of the router it was granted to ("router/<name>"); empty without authentication."""
     @_builtins.property
     def debit(self) -> _common_pb2.Credits: ...
     def __init__(
@@ -82,10 +85,11 @@ class Reservation(_message.Message):
         grant_seq: _builtins.int = ...,
         release_seq: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["debit", b"debit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_unix_ms", b"created_unix_ms", "debit", b"debit", "expires_unix_ms", b"expires_unix_ms", "grant_seq", b"grant_seq", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "node_id", b"node_id", "release_seq", b"release_seq", "request_id", b"request_id", "reservation_id", b"reservation_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_unix_ms", b"created_unix_ms", "debit", b"debit", "expires_unix_ms", b"expires_unix_ms", "grant_seq", b"grant_seq", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "node_id", b"node_id", "owner", b"owner", "release_seq", b"release_seq", "request_id", b"request_id", "reservation_id", b"reservation_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

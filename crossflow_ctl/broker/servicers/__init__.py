@@ -13,7 +13,9 @@ from crossflow_ctl.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     StoreUnavailable,
+    Unauthenticated,
 )
 
 P = ParamSpec("P")
@@ -24,6 +26,8 @@ STATUS_FOR: tuple[tuple[type[CrossflowError], grpc.StatusCode], ...] = (
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
 )
 
 

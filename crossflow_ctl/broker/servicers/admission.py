@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
+from crossflow_ctl.broker.auth import owner_filter, reservation_owner
 from crossflow_ctl.broker.servicers import maps_errors, status_for
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.service.broker import Broker
@@ -24,14 +25,15 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     async def Admit(
         self, request: admission_pb2.AdmitRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.AdmitResponse:
-        admission = await self._broker.admit(admit_request_from_proto(request))
+        owner = reservation_owner()
+        admission = await self._broker.admit(admit_request_from_proto(request), owner)
         return admission_to_proto(admission)
 
     @maps_errors
     async def Commit(
         self, request: admission_pb2.CommitRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.CommitResponse:
-        res = await self._broker.commit(request.reservation_id)
+        res = await self._broker.commit(request.reservation_id, owner_filter())
         return admission_pb2.CommitResponse(
             reservation_id=res.reservation_id, expires_unix_ms=res.expires_at_ms
         )
@@ -43,7 +45,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         outcome = admission_pb2.ReleaseOutcome.Name(request.outcome).removeprefix(
             "RELEASE_OUTCOME_"
         )
-        res = await self._broker.release(request.reservation_id, outcome.lower())
+        res = await self._broker.release(request.reservation_id, outcome.lower(), owner_filter())
         return admission_pb2.ReleaseResponse(reservation_id=res.reservation_id)
 
     async def WatchRoom(

@@ -4,26 +4,28 @@
 -- Returns: nothing.
 --
 -- A reservation is stored in the node's reservation HASH as one '|'-separated record:
---   state|expires_at_ms|release_seq|c1|c2|c3|c4|c5|created_at_ms|grant_seq|epoch|version|request_id
--- where c1..c5 are the debit (compute, kv, kv_transfer, output, slots) and request_id comes last
--- so it may contain any character. Numbers that Lua only copies are kept as strings.
+--   state|expires_at_ms|release_seq|c1|c2|c3|c4|c5|created_at_ms|grant_seq|epoch|version|owner|
+--   request_id
+-- where c1..c5 are the debit (compute, kv, kv_transfer, output, slots), owner the identity of
+-- the router that was granted it ('router/<name>', '' without authentication; never holds '|')
+-- and request_id comes last so it may contain any character. Numbers that Lua only copies are kept as strings.
 -- Each reservation's expiry is also a member of the node's expiry ZSET (score expires_at_ms),
 -- and the info HASH keeps running totals, so a debit never scans the reservations.
 
 local function cf_parse(rec)
   local f = {}
   local pos = 1
-  for _ = 1, 12 do
+  for _ = 1, 13 do
     local bar = string.find(rec, '|', pos, true)
     f[#f + 1] = string.sub(rec, pos, bar - 1)
     pos = bar + 1
   end
-  f[13] = string.sub(rec, pos)
+  f[14] = string.sub(rec, pos)
   return f
 end
 
 local function cf_format(f)
-  return table.concat(f, '|', 1, 13)
+  return table.concat(f, '|', 1, 14)
 end
 
 local function cf_int(x)

@@ -1,8 +1,10 @@
 -- HELD -> COMMITTED with a new expiry and a COMMIT notice; committing twice changes nothing.
 -- KEYS[1] info HASH, KEYS[2] reservations HASH, KEYS[3] notices STREAM,
 -- KEYS[4] reservation expiries ZSET.
--- ARGV[1] now_ms, ARGV[2] reservation id, ARGV[3] commit expires_at_ms, ARGV[4] notices MAXLEN.
+-- ARGV[1] now_ms, ARGV[2] reservation id, ARGV[3] commit expires_at_ms, ARGV[4] notices MAXLEN,
+-- ARGV[5] the owner the reservation must have ('*': any).
 -- Returns {'not_found'}, {'expired'} (the reservation is purged with an EXPIRE notice),
+-- {'not_owner'} (nothing changed),
 -- {'released', record} or {'ok', record} (the record as stored after the call).
 local info, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local now, rid, maxlen = ARGV[1], ARGV[2], ARGV[4]
@@ -10,6 +12,9 @@ local now, rid, maxlen = ARGV[1], ARGV[2], ARGV[4]
 local f, rec = cf_live_reservation(info, res, exp, notices, maxlen, now, rid)
 if not f then
   return {rec}
+end
+if ARGV[5] ~= '*' and f[13] ~= ARGV[5] then
+  return {'not_owner'}
 end
 if f[1] == 'released' then
   return {'released', rec}

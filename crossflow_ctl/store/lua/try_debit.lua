@@ -2,7 +2,8 @@
 -- KEYS[1] info HASH, KEYS[2] lease HASH, KEYS[3] reservations HASH, KEYS[4] notices STREAM,
 -- KEYS[5] reservation expiries ZSET.
 -- ARGV[1] now_ms, ARGV[2] share (0..1, exact float text), ARGV[3] hold expires_at_ms,
--- ARGV[4] reservation id, ARGV[5] request id, ARGV[6..10] debit c1..c5, ARGV[11] notices MAXLEN.
+-- ARGV[4] reservation id, ARGV[5] request id, ARGV[6..10] debit c1..c5, ARGV[11] notices MAXLEN,
+-- ARGV[12] owner (the granted router's identity, '' without authentication).
 -- Returns {refusal} for an unknown node; {refusal, epoch, version} for cordoned, no_lease,
 -- expired, zero_lease; {'short', epoch, version, 'name,name'} (1-based credit indexes);
 -- {'granted', epoch, version, grant_seq}.
@@ -39,7 +40,7 @@ if #short > 0 then
   return {'short', epoch, version, table.concat(short, ',')}
 end
 local f = {'held', ARGV[3], '0', ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], now, '0', epoch,
-  version, ARGV[5]}
+  version, ARGV[12], ARGV[5]}
 local seq = cf_notice(info, notices, maxlen, 'grant', ARGV[4], f, now)
 f[10] = seq
 cf_put(info, res, exp, ARGV[4], f, false)

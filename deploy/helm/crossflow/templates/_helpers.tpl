@@ -117,3 +117,23 @@ fsGroup: {{ .Values.securityContext.runAsGroup }}
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
+
+{{/* The Secret with the broker's tls.crt, tls.key and ca.crt, or "" without TLS. */}}
+{{- define "crossflow.brokerTlsSecret" -}}
+{{- $s := .Values.security -}}
+{{- if $s.tls.enabled }}
+{{- if $s.tls.secretName }}
+{{- $s.tls.secretName }}
+{{- else if $s.certManager.enabled }}
+{{- include "crossflow.componentName" (dict "root" . "component" "broker-tls") }}
+{{- else }}
+{{- fail "security.tls.enabled needs security.tls.secretName or security.certManager.enabled" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The name callers check the broker's certificate against. */}}
+{{- define "crossflow.brokerServerName" -}}
+{{- $broker := include "crossflow.componentName" (dict "root" . "component" "broker") -}}
+{{- default (printf "%s.%s.svc" $broker .Release.Namespace) .Values.security.tls.serverName }}
+{{- end }}

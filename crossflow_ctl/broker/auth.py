@@ -1,0 +1,249 @@
+"""Authentication and authorization of every broker RPC: one server interceptor, one rule table.
+
+Who: the SPIFFE URI in the peer's verified client certificate (mutual TLS), else the identity of
+an ``authorization: Bearer <token>`` header found in the token file (crossflow_ctl.security).
+Neither -> UNAUTHENTICATED. What: :data:`RULES` names the roles allowed per service and method:
+
+    LeaseService/*                  node (and only for its own node: checked on the stream)
+    AdmissionService/*              router, admin (Commit/Release: own reservations, admin any)
+    AdminService read-only RPCs     admin, and router when ``auth.routers_read_nodes``
+    AdminService/* (the rest)       admin
+    auth.open_services              anyone (health, reflection by default)
+
+An RPC of a known service that the table does not list falls to its service's default, so a new
+RPC is never open by accident; an unknown service is refused. The identity of the caller is
+available to the servicers through :func:`caller` (a context variable set for the RPC).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
+from typing import Any
+
+import grpc
+import structlog
+
+from crossflow_ctl.domain.errors import ConfigError
+from crossflow_ctl.security import AuthSettings, Identity, Role, TokenTable
+from crossflow_ctl.security.channel import read_secret
+from crossflow_ctl.security.identity import parse_identity_uri
+
+log = structlog.get_logger()
+
+_caller: ContextVar[Identity | None] = ContextVar("crossflow_caller", default=None)
+
+LEASE = "crossflow.v1.LeaseService"
+ADMISSION = "crossflow.v1.AdmissionService"
+ADMIN = "crossflow.v1.AdminService"
+
+SERVICE_DEFAULTS: dict[str, frozenset[Role]] = {
+    LEASE: frozenset({Role.NODE}),
+    ADMISSION: frozenset({Role.ROUTER, Role.ADMIN}),
+    ADMIN: frozenset({Role.ADMIN}),
+}
+READ_ONLY_ADMIN = ("ListNodes", "GetNode", "ListPools", "GetPolicy")
+"""Admin RPCs that change nothing and reveal no reservation id (ListReservations does)."""
+
+
+def rules(settings: AuthSettings) -> dict[str, frozenset[Role]]:
+    """Method path (``/pkg.Service/Method``) or service name -> the roles allowed."""
+    table: dict[str, frozenset[Role]] = dict(SERVICE_DEFAULTS)
+    if settings.routers_read_nodes:
+        for method in READ_ONLY_ADMIN:
+            table[f"/{ADMIN}/{method}"] = frozenset({Role.ADMIN, Role.ROUTER})
+    return table
+
+
+def caller() -> Identity | None:
+    """The authenticated caller of the current RPC; None when the broker authenticates no one."""
+    return _caller.get()
+
+
+def reservation_owner() -> str:
+    """What Admit records as the owner of a reservation: ``router/<name>``, or "" (no auth)."""
+    who = _caller.get()
+    return who.uri_path if who is not None else ""
+
+
+def owner_filter() -> str | None:
+    """The owner a Commit/Release must match: None (anyone) for admins and without auth."""
+    who = _caller.get()
+    if who is None or who.role is Role.ADMIN:
+        return None
+    return who.uri_path
+
+
+def peer_identity(context: grpc.aio.ServicerContext, trust_domain: str) -> Identity | None:
+    """The identity among the verified client certificate's SAN entries, if any."""
+    for raw in context.peer_identities() or ():
+        who = parse_identity_uri(raw.decode(errors="replace"), trust_domain)
+        if who is not None:
+            return who
+    return None
+
+
+def _bearer(metadata: Any) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Authenticates the caller, applies :func:`rules`, and exposes the caller to the handler."""
+
+    def __init__(self, settings: AuthSettings, tokens: TokenTable | None) -> None:
+        self._settings = settings
+        self._tokens = tokens
+        self._rules = rules(settings)
+        self._open = frozenset(settings.open_services)
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+
+    def allowed(self, method: str) -> frozenset[Role] | None:
+        """The roles allowed to call ``method``; None when anyone may."""
+        service = method.lstrip("/").partition("/")[0]
+        if service in self._open:
+            return None
+        return self._rules.get(method, self._rules.get(service, frozenset()))
+
+    def authenticate(
+        self, context: grpc.aio.ServicerContext, metadata: Any
+    ) -> tuple[Identity | None, str]:
+        who = peer_identity(context, self._settings.trust_domain)
+        if who is not None:
+            return who, ""
+        token = _bearer(metadata)
+        if token is not None and self._tokens is not None:
+            who = self._tokens.lookup(token)
+            return who, "" if who else "unknown bearer token"
+        if token is not None:
+            return None, "bearer tokens are not accepted by this broker"
+        return None, "no client certificate identity and no bearer token"
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method: str = details.method
+        roles = self.allowed(method)
+        if handler is None or roles is None:
+            return handler
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:  # one wrapper per method: the check reads the call's own context
+            wrapped = self._wrapped[method] = _wrap(handler, self._checker(method, roles))
+        return wrapped
+
+    def _checker(
+        self, method: str, roles: frozenset[Role]
+    ) -> Callable[[grpc.aio.ServicerContext], Awaitable[Identity]]:
+        async def check(context: grpc.aio.ServicerContext) -> Identity:
+            who, why = self.authenticate(context, context.invocation_metadata())
+            if who is None:
+                log.info("auth.unauthenticated", method=method, why=why)
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authorization: {why}")
+                raise AssertionError("unreachable: abort raises")
+            if who.role not in roles:
+                log.info("auth.denied", method=method, identity=who.uri_path)
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"authorization: {who.uri_path} may not call {method}",
+                )
+            return who
+
+        return check
+
+
+def _wrap(
+    handler: grpc.RpcMethodHandler,
+    check: Callable[[grpc.aio.ServicerContext], Awaitable[Identity]],
+) -> grpc.RpcMethodHandler:
+    """``handler`` with ``check`` run first and the caller set for the behaviour's duration."""
+
+    def unary_response(behavior: Any) -> Any:
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            token = _caller.set(await check(context))
+            try:
+                return await behavior(request, context)
+            finally:
+                _caller.reset(token)
+
+        return run
+
+    def stream_response(behavior: Any) -> Any:
+        if not inspect.isasyncgenfunction(behavior):
+            return unary_response(behavior)  # a coroutine that writes with context.write
+
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            _caller.set(await check(context))  # this RPC's own task: nothing to reset
+            async for item in behavior(request, context):
+                yield item
+
+        return run
+
+    h: Any = handler
+    kwargs = {
+        "request_deserializer": h.request_deserializer,
+        "response_serializer": h.response_serializer,
+    }
+    if h.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary_response(h.unary_unary), **kwargs)
+    if h.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream_response(h.unary_stream), **kwargs)
+    if h.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary_response(h.stream_unary), **kwargs)
+    return grpc.stream_stream_rpc_method_handler(stream_response(h.stream_stream), **kwargs)
+
+
+def server_credentials(settings: AuthSettings) -> grpc.ServerCredentials | None:
+    """TLS server credentials from ``settings.tls``; None when the broker serves plaintext."""
+    tls = settings.tls
+    if tls.cert_file is None or tls.key_file is None:
+        return None
+    key = read_secret(tls.key_file, "auth.tls.key_file")
+    cert = read_secret(tls.cert_file, "auth.tls.cert_file")
+    client_ca = (
+        read_secret(tls.client_ca_file, "auth.tls.client_ca_file")
+        if tls.client_ca_file is not None
+        else None
+    )
+    return grpc.ssl_server_credentials(
+        [(key, cert)],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def load_tokens(settings: AuthSettings) -> TokenTable | None:
+    if settings.token_file is None:
+        return None
+    return TokenTable.load(settings.token_file, settings.trust_domain)
+
+
+def is_loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def check_startup(settings: AuthSettings, listen: str) -> None:
+    """Refuse to start unauthenticated when ``required``; warn when exposed without auth."""
+    if settings.authenticates:
+        return
+    if settings.required:
+        raise ConfigError(
+            "auth.required is set but no caller can be authenticated: set "
+            "auth.tls.client_ca_file (mutual TLS) or auth.token_file",
+            field="auth.required",
+        )
+    if not is_loopback(listen):
+        log.warning(
+            "auth.disabled",
+            listen=listen,
+            message="listening beyond loopback without authentication: anyone who can reach "
+            "this port can publish leases, admit, release and change policy",
+        )

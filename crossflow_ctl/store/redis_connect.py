@@ -1,0 +1,48 @@
+"""Building the Redis client from a URL and credentials (AUTH, TLS).
+
+``redis://[user:password@]host:port/db`` or ``rediss://`` (TLS). ``RedisConnection`` adds what
+should not sit in a URL: a password read from a secret file, a username, a CA bundle that the
+server's certificate must chain to (``rediss://`` only). Credentials Redis refuses raise
+:class:`~crossflow_ctl.domain.errors.StoreAuthFailed`, so a broker refuses to start on them
+instead of failing every call (see ``RedisStore._backend``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from crossflow_ctl.domain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RedisConnection:
+    username: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    """PEM CA bundle for ``rediss://`` URLs (the server's certificate is verified)."""
+
+
+def connect(url: str, connection: RedisConnection, socket_timeout_s: float) -> Redis:
+    extra: dict[str, object] = {}
+    if connection.username is not None:
+        extra["username"] = connection.username
+    if connection.password is not None:
+        extra["password"] = connection.password
+    if connection.ca_file is not None:
+        if not url.startswith("rediss://"):
+            raise ConfigError("a CA file needs a rediss:// URL", field="redis_ca_file")
+        extra["ssl_ca_certs"] = connection.ca_file
+        extra["ssl_cert_reqs"] = "required"
+    return Redis.from_url(
+        url,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+        # No client-side retry: a debit script retried after a lost reply would grant
+        # twice. One failure is StoreUnavailable and admission fails closed (§5.6).
+        retry=Retry(NoBackoff(), retries=0),
+        **extra,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,104 @@
+"""Identities from SPIFFE URIs, the token file, the settings' checks and the hash-token command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from crossflow_ctl.broker.__main__ import cli as broker_cli
+from crossflow_ctl.broker.auth import AuthInterceptor, is_loopback
+from crossflow_ctl.domain.errors import ConfigError
+from crossflow_ctl.security import AuthSettings, ClientCredentials, Identity, Role, TokenTable
+from crossflow_ctl.security.channel import check_credentials
+from crossflow_ctl.security.identity import parse_identity_uri
+from crossflow_ctl.service.config import load_settings
+
+
+@pytest.mark.parametrize(
+    ("uri", "expected"),
+    [
+        ("spiffe://crossflow/node/gpu-7", Identity(role=Role.NODE, name="gpu-7")),
+        ("spiffe://crossflow/router/r.a_1", Identity(role=Role.ROUTER, name="r.a_1")),
+        ("spiffe://crossflow/admin/alice", Identity(role=Role.ADMIN, name="alice")),
+        ("spiffe://other/admin/alice", None),  # another trust domain
+        ("spiffe://crossflow/root/alice", None),  # no such role
+        ("spiffe://crossflow/admin/", None),
+        ("spiffe://crossflow/admin/a/b", None),
+        ("spiffe://crossflow/node/" + "x" * 129, None),
+        ("https://crossflow/admin/alice", None),
+    ],
+)
+def test_identity_uris(uri: str, expected: Identity | None) -> None:
+    assert parse_identity_uri(uri, "crossflow") == expected
+
+
+def test_hash_token_lines_load_and_only_the_token_matches(tmp_path: Path) -> None:
+    runner = CliRunner()
+    lines = []
+    for token, who in (("tok-router", "router/r1"), ("tok-admin", "admin/ops")):
+        result = runner.invoke(broker_cli, ["hash-token", who], input=token + "\n")
+        assert result.exit_code == 0, result.output
+        assert token not in result.output  # only the hash is written down
+        lines.append(result.output.strip())
+    path = tmp_path / "tokens"
+    path.write_text("# comment\n\n" + "\n".join(lines) + "\n")
+    table = TokenTable.load(path, "crossflow")
+    assert len(table) == 2
+    assert table.lookup("tok-router") == Identity(role=Role.ROUTER, name="r1")
+    assert table.lookup("tok-admin") == Identity(role=Role.ADMIN, name="ops")
+    assert table.lookup("tok-router ") is None and table.lookup("") is None
+    bad = runner.invoke(broker_cli, ["hash-token", "root/x"], input="t\n")
+    assert bad.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "content", ["", "# only a comment\n", "sha256:abc spiffe://crossflow/admin/a\n"]
+)
+def test_unusable_token_files_are_refused(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "tokens"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as refused:
+        TokenTable.load(path, "crossflow")
+    assert refused.value.field == "auth.token_file"
+
+
+def test_settings_refuse_half_configured_tls(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_settings(None, {"auth": {"tls": {"cert_file": str(tmp_path / "c")}}})
+    assert refused.value.field == "auth.tls"
+    with pytest.raises(ConfigError) as refused:
+        load_settings(None, {"auth": {"tls": {"client_ca_file": str(tmp_path / "ca")}}})
+    assert "client_ca_file needs cert_file" in str(refused.value)
+    with pytest.raises(ValueError, match="cert_file needs ca_file"):
+        ClientCredentials(cert_file=tmp_path / "c", key_file=tmp_path / "k")
+
+
+def test_unreadable_credentials_name_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as refused:
+        check_credentials(ClientCredentials(ca_file=tmp_path / "missing.pem"))
+    assert refused.value.field == "ca_file"
+    token = tmp_path / "token"
+    token.write_text("two words\n")
+    with pytest.raises(ConfigError) as refused:
+        check_credentials(ClientCredentials(token_file=token))
+    assert refused.value.field == "token_file"
+
+
+def test_rule_table_defaults_fail_closed() -> None:
+    rules = AuthInterceptor(AuthSettings(token_file=Path("/unused")), None)
+    assert rules.allowed("/grpc.health.v1.Health/Check") is None
+    assert rules.allowed("/crossflow.v1.LeaseService/Connect") == {Role.NODE}
+    assert rules.allowed("/crossflow.v1.AdmissionService/Release") == {Role.ROUTER, Role.ADMIN}
+    # A new RPC of a known service falls to its service's default, never open.
+    assert rules.allowed("/crossflow.v1.AdminService/DeleteNode") == {Role.ADMIN}
+    assert rules.allowed("/crossflow.v1.AdminService/ListNodes") == {Role.ADMIN, Role.ROUTER}
+    assert rules.allowed("/crossflow.v1.AdminService/ListReservations") == {Role.ADMIN}
+    assert rules.allowed("/some.Other/Thing") == frozenset()
+
+
+def test_loopback_addresses() -> None:
+    assert is_loopback("127.0.0.1:0") and is_loopback("localhost:50051")
+    assert is_loopback("[::1]:50051")
+    assert not is_loopback("0.0.0.0:50051") and not is_loopback("10.0.0.5:50051")
