@@ -34,6 +34,36 @@ from crossflow_ctl.service import Broker
 from crossflow_ctl.sim.servers import DecodeServer, PrefillServer
 
 
+class Period:
+    """An agent's schedule: period k falls at ``phase_s + k * period_s``. One formula for ticking
+    and for sleeping, so an agent that sleeps over periods lands on the very same times."""
+
+    def __init__(self, period_s: float, phase_s: float = 0.0) -> None:
+        self.period_s = period_s
+        self.phase_s = phase_s
+        self.k = 0
+
+    @property
+    def next_s(self) -> float:
+        return self.phase_s + self.k * self.period_s
+
+    def advance(self) -> None:
+        self.k += 1
+
+    def skip_to(self, t: float) -> tuple[int, float]:
+        """Pass every period at or before ``t``: (how many, when the last one fell)."""
+        if self.next_s > t:
+            return 0, 0.0
+        n = int((t - self.next_s) // self.period_s) + 1
+        while self.phase_s + (self.k + n) * self.period_s <= t:
+            n += 1
+        while n > 1 and self.phase_s + (self.k + n - 1) * self.period_s > t:
+            n -= 1
+        last = self.phase_s + (self.k + n - 1) * self.period_s
+        self.k += n
+        return n, last
+
+
 class DecodeAgent:
     def __init__(
         self,
@@ -79,8 +109,7 @@ class DecodeAgent:
         """Sum of each credit over the non-zero leases (for the report's mean lease)."""
         self.chunk_sum = 0
         """Sum of the sized borrowed chunk over the non-zero leases."""
-        self.next_s = 0.0
-        """When the next period falls (ticking or dormant)."""
+        self.schedule = Period(period_s)
         self.stirred = True
         """Something happened on the server or the node's reservations since the last tick."""
         self.dormant = False
@@ -148,7 +177,7 @@ class DecodeAgent:
         self._count(lease, chunk, 1)
         self.zero = lease.zero_reason is not None
         await broker.ingest_lease(lease)
-        self.next_s = t + self.period_s
+        self.schedule.advance()
         key = _snapshot_key(snapshot)
         fixed = (
             self.fast_forward
@@ -179,13 +208,11 @@ class DecodeAgent:
 
     async def catch_up(self, broker: Broker, t: float, sync: Callable[[float], int]) -> None:
         """Dormant: publish the lease of the latest period at or before ``t`` (see module doc)."""
-        if not self.dormant or self._fixed is None or self.next_s > t:
+        if not self.dormant or self._fixed is None:
             return
-        n, last = 0, self.next_s
-        while self.next_s <= t:
-            last = self.next_s
-            self.next_s += self.period_s
-            n += 1
+        n, last = self.schedule.skip_to(t)
+        if n == 0:
+            return
         lease, chunk = self._fixed
         self.version += n
         lease = lease.model_copy(update={"version": self.version})
@@ -201,7 +228,7 @@ class DecodeAgent:
         self.dormant = False
         self._fixed = None
         self.stirred = True
-        return self.next_s
+        return self.schedule.next_s
 
 
 class PrefillAgent:
@@ -223,7 +250,7 @@ class PrefillAgent:
         self.ttl_ms = ttl_ms
         self.kv_total_tokens = kv_total_tokens
         self.last_processed = 0.0
-        self.next_s = 0.0
+        self.schedule = Period(period_s)
         self.stirred = True
         self.dormant = False
         self._key: tuple[object, ...] | None = None
@@ -265,7 +292,7 @@ class PrefillAgent:
         )
         if load is not None:
             await _put_load(broker, load)
-        self.next_s = t + self.period_s
+        self.schedule.advance()
         key = _snapshot_key(snapshot)
         fixed = self.fast_forward and not self.stirred and key == self._key
         self._key = key
@@ -276,13 +303,10 @@ class PrefillAgent:
         return not fixed
 
     async def catch_up(self, broker: Broker, t: float, sync: Callable[[float], int]) -> None:
-        if not self.dormant or self.next_s > t:
+        if not self.dormant:
             return
-        last = self.next_s
-        while self.next_s <= t:
-            last = self.next_s
-            self.next_s += self.period_s
-        if self._fixed is not None:
+        n, last = self.schedule.skip_to(t)
+        if n and self._fixed is not None:
             sync(last)
             await _put_load(broker, self._fixed)
             sync(t)
@@ -292,7 +316,7 @@ class PrefillAgent:
         self.dormant = False
         self._fixed = None
         self.stirred = True
-        return self.next_s
+        return self.schedule.next_s
 
 
 async def _put_load(broker: Broker, load: PoolLoad) -> None:

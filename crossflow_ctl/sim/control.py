@@ -128,10 +128,12 @@ class ControlPlane:
             await self.broker.register(agent.node_id, NodeRole.PREFILL, "default", {})
         period = self.cfg.agent_period_ms / 1000.0
         n = len(self.decode_agents) + len(self.prefill_agents)
-        for i in range(len(self.decode_agents)):
-            self.events.push(period * i / n, EV_AGENT, i)
-        for i in range(len(self.prefill_agents)):
-            self.events.push(period * (len(self.decode_agents) + i) / n, EV_POOL, i)
+        for i, decode_agent in enumerate(self.decode_agents):
+            decode_agent.schedule.phase_s = period * i / n
+            self.events.push(decode_agent.schedule.next_s, EV_AGENT, i)
+        for i, pool_agent in enumerate(self.prefill_agents):
+            pool_agent.schedule.phase_s = period * (len(self.decode_agents) + i) / n
+            self.events.push(pool_agent.schedule.next_s, EV_POOL, i)
 
     async def on_event(self, kind: int, target: int, t: float) -> None:
         """An agent period or a hold deadline."""
@@ -143,7 +145,7 @@ class ControlPlane:
         agent: DecodeAgent | PrefillAgent
         agent = self.decode_agents[target] if kind == EV_AGENT else self.prefill_agents[target]
         if await agent.tick(self.broker, t, self.sync(t)):
-            self.events.push(agent.next_s, kind, target)
+            self.events.push(agent.schedule.next_s, kind, target)
         else:
             self._sleeping[agent] = None
         if kind == EV_AGENT and self.queue.held and not self.decode_agents[target].zero:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from crossflow_ctl.client.holding import QueueConfig
+from crossflow_ctl.sim.agents import Period
 from crossflow_ctl.sim.cluster import Simulation, simulate
 from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.traces import Trace, TraceRequest
@@ -78,3 +79,15 @@ async def test_a_full_queue_sends_prompts_to_prefill_at_once() -> None:
     rec = await simulate(_bursts(1, 60, 1.0), cfg)
     assert rec.outcomes.get("overflow", 0) > 0
     assert rec.completed == 60
+
+
+def test_period_schedule_skips_to_the_same_times_it_ticks() -> None:
+    ticking, sleeping = Period(0.2, 0.05), Period(0.2, 0.05)
+    times = []
+    while ticking.next_s <= 1234.5:
+        times.append(ticking.next_s)
+        ticking.advance()
+    n, last = sleeping.skip_to(1234.5)
+    assert (n, last) == (len(times), times[-1])
+    assert sleeping.next_s == ticking.next_s
+    assert sleeping.skip_to(sleeping.next_s - 1e-9) == (0, 0.0)
