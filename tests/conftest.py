@@ -99,6 +99,78 @@ def redis_namespace(redis_url: str) -> Iterator[str]:
         client.close()
 
 
+def _cluster_ok(port: int) -> bool:
+    try:
+        client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        try:
+            return bool(client.cluster("info").get("cluster_state") == "ok")
+        finally:
+            client.close()
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """A real 3-master Redis Cluster on loopback, started for the session and torn down after
+    (``redis-server --cluster-enabled yes`` on free ports, each with its bus on its own free
+    ``--cluster-port``, joined with ``redis-cli --cluster
+    create``); the URL names one master (the client discovers the others)."""
+    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if server is None or cli is None:
+        pytest.skip("redis-server and redis-cli are needed to start a Redis Cluster")
+    ports = [free_port() for _ in range(3)]
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as workdir:
+        try:
+            for port in ports:
+                node_dir = Path(workdir) / str(port)
+                node_dir.mkdir()
+                procs.append(
+                    subprocess.Popen(
+                        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                         "--appendonly", "no", "--cluster-enabled", "yes",
+                         "--cluster-config-file", "nodes.conf",
+                         "--cluster-port", str(free_port())],
+                        cwd=node_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    )
+                )  # fmt: skip
+            for port in ports:
+                deadline = time.monotonic() + 10
+                while not _answers(f"redis://127.0.0.1:{port}/0"):
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"cluster node on port {port} did not start")
+                    time.sleep(0.05)
+            subprocess.run(
+                [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
+            )  # fmt: skip
+            deadline = time.monotonic() + 30
+            while not all(_cluster_ok(p) for p in ports):
+                if time.monotonic() > deadline:
+                    pytest.fail("the Redis Cluster did not reach cluster_state:ok")
+                time.sleep(0.1)
+            yield f"redis://127.0.0.1:{ports[0]}/0"
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(timeout=10)
+
+
+def delete_cluster_namespace(url: str, namespace: str) -> None:
+    """Delete one namespace's keys from every master of the cluster at ``url``."""
+    client = redis.RedisCluster.from_url(url)
+    try:
+        for node in client.get_primaries():
+            keys = list(client.scan_iter(match=f"{namespace}*", count=1000, target_nodes=node))
+            for key in keys:
+                client.delete(key)
+    finally:
+        client.close()
+
+
 @pytest.fixture(scope="session")
 def traces_dir() -> Path:
     """../shared/traces next to the checkout; tests that need it skip when it is missing."""

@@ -207,6 +207,10 @@ class LeaseStream:
         s.connected, s.endpoint, s.broker_id = True, target, welcome.broker_id
         s.max_lease_ttl_ms = welcome.max_lease_ttl_ms
         s.cordoned = welcome.cordoned
+        if welcome.notice_seq < s.last_notice_seq:
+            # The broker's sequence went back: the node was deleted and registered anew. Seen
+            # sequences of the old node must not vouch for the new one's releases (§5.4).
+            s.last_notice_seq = welcome.notice_seq
         s.sessions += 1
         self._unanswered_since = None
         self._outbox = asyncio.Queue(maxsize=OUTBOX_SIZE)

@@ -1,5 +1,6 @@
-"""``crossflow-broker serve [--config FILE] [--listen ADDR] [--redis-url URL | --embedded-store]``
-and ``crossflow-broker hash-token ROLE/NAME`` (a token-file line for the token on stdin).
+"""``crossflow-broker serve [--config FILE] [--listen ADDR] [--redis-url URL [--redis-cluster] |
+--embedded-store]`` and ``crossflow-broker hash-token ROLE/NAME`` (a token-file line for the
+token on stdin).
 
 The entry point: the only place that configures logging and installs signal handlers (which
 only set the stop event). Prints ``listening on HOST:PORT`` once serving, so a supervisor or a
@@ -37,7 +38,12 @@ def cli() -> None:
 
 
 def overrides_from(
-    *, listen: str | None, redis_url: str | None, embedded_store: bool, redis_namespace: str | None
+    *,
+    listen: str | None,
+    redis_url: str | None,
+    embedded_store: bool,
+    redis_namespace: str | None,
+    redis_cluster: bool = False,
 ) -> dict[str, Any]:
     """The settings the flags given override (flags beat env, file and defaults)."""
     if redis_url and embedded_store:
@@ -51,6 +57,8 @@ def overrides_from(
         out["redis_url"] = None
     if redis_namespace:
         out["redis_namespace"] = redis_namespace
+    if redis_cluster:
+        out["redis_cluster"] = True
     return out
 
 
@@ -65,6 +73,7 @@ def overrides_from(
 @click.option("--redis-url", help="Shared Redis store.")
 @click.option("--embedded-store", is_flag=True, help="In-process store (one replica only).")
 @click.option("--redis-namespace", help="Key prefix in Redis.")
+@click.option("--redis-cluster", is_flag=True, help="--redis-url names a Redis Cluster node.")
 def serve(config_file: Path | None, **flags: Any) -> None:
     """Run one broker replica until SIGINT/SIGTERM."""
     try:

@@ -107,7 +107,11 @@ def make_store(settings: BrokerSettings) -> Store:
             ca_file=str(settings.redis_ca_file) if settings.redis_ca_file else None,
         )
         return RedisStore(
-            settings.redis_url, namespace=settings.redis_namespace, connection=connection
+            settings.redis_url,
+            namespace=settings.redis_namespace,
+            connection=connection,
+            cluster=settings.redis_cluster,
+            max_connections=settings.redis_max_connections,
         )
     from crossflow_ctl.store.memory import MemoryStore
 
@@ -188,6 +192,10 @@ class BrokerServer:
         self.supervisor.spawn(
             "policy-refresh", self.broker.refresh_policy_forever(self._stop_policy)
         )
+        if self.settings.node_expiry_s > 0:
+            self.supervisor.spawn(
+                "node-expiry", self.broker.expire_nodes_forever(self._stop_policy)
+            )
         if self._metrics_enabled:
             broker = self.broker
             gauges = NodeGauges(

@@ -27,6 +27,7 @@ from crossflow_ctl.broker.auth import caller
 from crossflow_ctl.broker.servicers import status_for, status_message
 from crossflow_ctl.domain.errors import (
     CrossflowError,
+    FailedPrecondition,
     InvalidArgument,
     StaleLease,
     StoreUnavailable,
@@ -176,6 +177,9 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             queue.put_nowait(_End())
         except StoreUnavailable as exc:
             queue.put_nowait(_End(grpc.StatusCode.UNAVAILABLE, status_message(exc)))
+        except FailedPrecondition:  # deleted (by hand or expiry) while the agent streamed
+            msg = f"node {node_id!r} is no longer registered; reconnect to register it again"
+            queue.put_nowait(_End(grpc.StatusCode.NOT_FOUND, msg))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the agent went away mid-read
@@ -203,6 +207,8 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         except StoreUnavailable:
             raise
         except CrossflowError as exc:
+            if isinstance(exc, FailedPrecondition) and exc.field == "node_id":
+                raise  # the node is not registered (any more): _read ends the stream
             self._broker.metrics.record_lease("invalid")
             ack.result = lease_pb2.LEASE_RESULT_INVALID
             ack.message = str(exc)

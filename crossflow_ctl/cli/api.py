@@ -17,7 +17,7 @@ from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.client import AdminClient, AdmissionClient, NodeDetailView, NodeView
 from crossflow_ctl.client.admission import channel_options
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest
-from crossflow_ctl.domain.errors import BrokerUnavailable, StoreUnavailable
+from crossflow_ctl.domain.errors import BrokerUnavailable, FailedPrecondition, StoreUnavailable
 from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.security import ClientCredentials
@@ -108,6 +108,16 @@ class BrokerSession:
 
     async def uncordon(self, name: str) -> NodeView:
         result: NodeView = await self._call(self.admin.uncordon(name))
+        return result
+
+    async def delete_node(self, name: str, force: bool) -> int:
+        try:
+            result: int = await self._call(self.admin.delete_node(name, force))
+        except FailedPrecondition as exc:
+            if exc.field != "force":
+                raise
+            message = f"{exc.message}: use --force to delete it anyway"
+            raise CliError(message, ExitCode.ERROR) from None
         return result
 
     async def get_policy(self) -> PolicySettings:

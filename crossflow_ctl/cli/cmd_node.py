@@ -1,4 +1,4 @@
-"""``describe node``, ``cordon``, ``uncordon`` and ``drain``."""
+"""``describe node``, ``delete node``, ``cordon``, ``uncordon`` and ``drain``."""
 
 from __future__ import annotations
 
@@ -173,6 +173,29 @@ def describe_node(ctx: click.Context, name: str, output: str | None) -> None:
     detail = run(go())
     at = now_ms()
     click.echo(render_object(detail_data(detail, at), fmt, describe_text(detail, at)))
+
+
+@click.group()
+def delete() -> None:
+    """Remove a resource."""
+
+
+@delete.command("node")
+@click.argument("name", shell_complete=complete_node)
+@click.option("--force", is_flag=True, help="Delete even with open reservations.")
+@click.pass_context
+def delete_node(ctx: click.Context, name: str, force: bool) -> None:
+    """Remove NAME and all its state (a node that has gone away). Refused while it has open
+    reservations unless --force; an agent still streaming registers it again on reconnect."""
+    st = state(ctx)
+
+    async def go() -> int:
+        async with st.session() as session:
+            return await session.delete_node(name, force)
+
+    dropped = run(go())
+    extra = f" ({dropped} open reservation(s) dropped)" if dropped else ""
+    click.echo(f"node/{name} deleted{extra}")
 
 
 @click.command()

@@ -23,6 +23,7 @@ FILE = click.Path(dir_okay=False)
 COMMANDS: dict[str, tuple[str, str]] = {
     "get": ("crossflow_ctl.cli.cmd_get", "List nodes, leases, reservations or pools."),
     "describe": ("crossflow_ctl.cli.cmd_node", "Show everything known about one resource."),
+    "delete": ("crossflow_ctl.cli.cmd_node", "Remove a resource."),
     "cordon": ("crossflow_ctl.cli.cmd_node", "Stop lending from NAME: its lease counts..."),
     "uncordon": ("crossflow_ctl.cli.cmd_node", "Let NAME lend again."),
     "drain": ("crossflow_ctl.cli.cmd_node", "Cordon NAME (its lease counts as zero),..."),

@@ -1,6 +1,7 @@
 """The public client library (what routers and crossflowctl use): async, over grpc.aio.
 
-``AdmissionClient`` (Admit/Commit/Release/WatchRoom, optional fail-closed Admit) and
+``AdmissionClient`` (Admit/Commit/Release/WatchRoom, optional fail-closed Admit),
+``AdmissionStream`` (AdmitStream for high-QPS routers, fail-closed per request) and
 ``AdminClient`` return domain models and raise the domain's error classes (see
 ``client.errors``). ``AdmissionQueue`` (``client.queue``) does late binding over any admitter.
 ``ClientCredentials`` secures the clients' channel: TLS, mutual TLS, a bearer token.
@@ -8,6 +9,7 @@
 
 from crossflow_ctl.client.admin import AdminClient
 from crossflow_ctl.client.admission import AdmissionClient
+from crossflow_ctl.client.admission_stream import AdmissionStream
 from crossflow_ctl.client.holding import Dispatch, QueueConfig
 from crossflow_ctl.client.models import CommitResult, NodeDetailView, NodeEventView, NodeView
 from crossflow_ctl.client.queue import (
@@ -24,6 +26,7 @@ __all__ = [
     "AdminClient",
     "AdmissionClient",
     "AdmissionQueue",
+    "AdmissionStream",
     "Admitter",
     "ClientCredentials",
     "CommitResult",

@@ -74,6 +74,13 @@ class AdminClient(_Base):
         msg = await self._call(self._stub.Uncordon, admin_pb2.UncordonRequest(node_id=node_id))
         return _node_view(msg.node)
 
+    async def delete_node(self, node_id: str, force: bool = False) -> int:
+        """Remove a node; FailedPrecondition while it has open reservations (unless ``force``).
+        Returns the open reservations dropped with it."""
+        req = admin_pb2.DeleteNodeRequest(node_id=node_id, force=force)
+        msg = await self._call(self._stub.DeleteNode, req)
+        return int(msg.open_reservations_dropped)
+
     async def get_policy(self) -> PolicySettings:
         msg = await self._call(self._stub.GetPolicy, admin_pb2.GetPolicyRequest())
         return c.policy_from_json(msg.policy_json)

@@ -41,12 +41,19 @@ _CLASS_FOR: dict[grpc.StatusCode, type[CrossflowError]] = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
+_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.*)$", re.DOTALL)
 
 
 def error_from_rpc(exc: grpc.aio.AioRpcError) -> CrossflowError:
     code = exc.code()
-    details = exc.details() or code.name
+    return error_from_status(code, exc.details() or code.name)
+
+
+def error_from_status(code: grpc.StatusCode | int, details: str) -> CrossflowError:
+    """The domain error for a status (a StatusCode or its number, as AdmitStream sends it)."""
+    if isinstance(code, int):
+        code = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
     cls = _CLASS_FOR.get(code)
     if code == grpc.StatusCode.UNAVAILABLE and details.startswith(STORE_UNAVAILABLE_PREFIX):
         return StoreUnavailable(details.removeprefix(STORE_UNAVAILABLE_PREFIX))

@@ -16,6 +16,7 @@ from crossflow_ctl.domain.models import (
     Reservation,
     ZeroReason,
 )
+from crossflow_ctl.domain.safety import over_committed
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -68,7 +69,7 @@ class Observations:
             debits = Credits()
             for r in held:
                 debits = debits.plus(r.debit)
-            over = lease.credits.scaled(share).short_of(debits)
+            over = over_committed(lease.credits, debits, share)
             if over:
                 self.over_commits.append(f"{node_id}: {', '.join(over)}")
             self.checked += 1

@@ -27,6 +27,7 @@ from crossflow_ctl.domain.models import (
     PoolSnapshot,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.safety import room_left, short_of_room
 
 
 class Decision(StrEnum):
@@ -266,8 +267,9 @@ def check_node(
     if lease.zero_reason is not None:
         detail = f"zero lease: {lease.zero_reason.value}"
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail=detail, **base)
-    available = node.available(now_ms, settings.borrow_share)
-    short = tuple(available.short_of(debit))
+    room = room_left(lease.credits, node.open_debits, settings.borrow_share)
+    available = Credits.from_tuple(room)  # floored at zero, for display; Safety uses ``room``
+    short = short_of_room(room, debit)
     service_ms = (
         lease.prefill_service_s(request.uncached_prompt_tokens, request.cached_prefix_tokens)
         * 1000.0
@@ -306,9 +308,13 @@ def plan_admission(
     nodes: Sequence[NodeState],
     settings: PolicySettings,
     now_ms: int,
+    demand: DemandCheck | None = None,
 ) -> Plan:
-    """Demand, then Benefit and Safety on every candidate; rank the nodes that pass both."""
-    demand = check_demand(pool, settings)
+    """Demand, then Benefit and Safety on every candidate; rank the nodes that pass both.
+
+    ``demand``: ``check_demand(pool, settings)`` when the caller already has it (a batch of
+    requests planned on one view shares it)."""
+    demand = demand if demand is not None else check_demand(pool, settings)
     normal = estimate_normal_path(request, demand, pool, settings)
     checks = tuple(check_node(request, n, normal, settings, now_ms) for n in nodes)
     ranked = tuple(

@@ -110,16 +110,6 @@ class Credits(Frozen):
     def is_zero(self) -> bool:
         return not any(self.as_tuple())
 
-    def short_of(self, debit: Credits) -> list[str]:
-        """Names of the credits on which ``debit`` does not fit in ``self``."""
-        return [
-            name
-            for name, have, need in zip(
-                CREDIT_NAMES, self.as_tuple(), debit.as_tuple(), strict=True
-            )
-            if need > have
-        ]
-
     def minus(self, other: Credits) -> Credits:
         """Credit by credit, floored at zero."""
         return Credits.from_tuple(

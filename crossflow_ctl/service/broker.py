@@ -1,28 +1,22 @@
 """The broker's domain class: admission, reservations, lease ingest and the admin operations.
 
 Given its store, clock and settings; knows nothing of gRPC (the servicers translate). Admission
-fails closed: any store error or a store slower than ``policy.admit_timeout_ms`` answers NORMAL
-with reason STORE_UNAVAILABLE or TIMEOUT, never an error (DESIGN.md §5.6).
+(:mod:`crossflow_ctl.service.admission`) fails closed: any store error or a store slower than
+``policy.admit_timeout_ms`` answers NORMAL with reason STORE_UNAVAILABLE or TIMEOUT, never an
+error (DESIGN.md §5.6).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 import structlog
 
-from crossflow_ctl.domain.admission import (
-    Admission,
-    AdmissionRequest,
-    Decision,
-    Plan,
-    Reason,
-    plan_admission,
-)
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import (
     CrossflowError,
@@ -53,7 +47,8 @@ from crossflow_ctl.domain.room import (
     unknown_room,
 )
 from crossflow_ctl.domain.selectors import Selector
-from crossflow_ctl.observability import BrokerMetrics, annotate_decision, annotate_node
+from crossflow_ctl.observability import BrokerMetrics, annotate_node
+from crossflow_ctl.service.admission import Admitter, timed
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.service.room import RoomWatches
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
@@ -61,8 +56,6 @@ from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 log = structlog.get_logger()
 T = TypeVar("T")
 
-MAX_DEBIT_TRIES = 3
-"""Ranked nodes tried when a concurrent Admit took the room between the read and the debit."""
 MAX_RESERVATION_ID_LEN = 256
 _ID_RE = re.compile(ID_PATTERN)
 
@@ -115,8 +108,7 @@ class Broker:
         """Last zero-lease reason per node ("" once it lends again), for state-change logs."""
         self.broker_id = broker_id or settings.broker_id or "broker"
         self._policy = settings.policy
-        self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
-        """Count of decisions made in shadow mode, by what they would have been."""
+        self._admitter = Admitter(store, clock, self.metrics, lambda: self._policy)
         self.rooms = RoomWatches(settings.room, clock, self.room_view)
         """This replica's WatchRoom subscriptions (late binding)."""
 
@@ -167,121 +159,18 @@ class Broker:
 
         A granted reservation records ``owner`` (the router's identity, "" without
         authentication): only it, or an admin, may commit or release it."""
-        started = time.perf_counter()
-        answer = await self._decide(request, owner)
-        shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
-        self.metrics.record_admission(
-            answer.decision, answer.reason, time.perf_counter() - started, shadow_decision=shadow
-        )
-        annotate_decision(answer.decision, answer.reason, answer.node_id)
-        log.debug(
-            "admit.decided",
-            request_id=request.request_id,
-            decision=answer.decision.value,
-            reason=answer.reason.value,
-            node_id=answer.node_id,
-        )
-        return answer
+        return (await self._admitter.admit_many((request,), owner))[0]
 
-    async def _decide(self, request: AdmissionRequest, owner: str) -> Admission:
-        policy = self._policy
-        with structlog.contextvars.bound_contextvars(request_id=request.request_id):
-            if not policy.enabled:
-                return Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled")
-            try:
-                async with asyncio.timeout(policy.admit_timeout_ms / 1000.0):
-                    return await self._admit(request, policy, owner)
-            except TimeoutError:
-                log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms)
-                return Admission.normal(
-                    Reason.TIMEOUT, f"store slower than {policy.admit_timeout_ms} ms"
-                )
-            except StoreUnavailable as exc:
-                log.warning("admit.store_unavailable", error=str(exc))
-                return Admission.normal(Reason.STORE_UNAVAILABLE, f"store unavailable: {exc}")
-            except Exception as exc:  # fail closed on anything unforeseen, never raise
-                log.exception("admit.failed")
-                return Admission.normal(Reason.STORE_UNAVAILABLE, f"admission failed: {exc!r}")
+    async def admit_many(
+        self, requests: Sequence[AdmissionRequest], owner: str = ""
+    ) -> list[Admission]:
+        """One answer per request, in order, with the debits of a batch sent together."""
+        return await self._admitter.admit_many(requests, owner)
 
-    async def _admit(
-        self, request: AdmissionRequest, policy: PolicySettings, owner: str
-    ) -> Admission:
-        now = self.clock.now_ms()
-        pool, nodes = await self._timed(
-            "admission_view",
-            self.store.admission_view(
-                request.pool, request.candidate_node_ids, policy.candidate_sample, now
-            ),
-        )
-        plan = plan_admission(request, pool, nodes, policy, now)
-        if policy.shadow_mode:
-            return self._shadow(plan)
-        if plan.reason is not Reason.BORROWED:
-            return Admission.normal(plan.reason, plan.summary(), plan)
-        if request.dry_run:
-            best = plan.ranked[0]
-            return Admission(
-                decision=Decision.NORMAL,
-                reason=Reason.DRY_RUN,
-                message=f"dry run: {plan.summary()}",
-                node_id=best.node_id,
-                lease_epoch=best.lease_epoch,
-                lease_version=best.lease_version,
-                predicted_ttft_ms=best.predicted_ttft_ms,
-                normal_ttft_ms=plan.normal_path.total_ms if plan.normal_path else 0.0,
-                plan=plan,
-                shadow_decision=Decision.BORROW,
-            )
-        return await self._debit(request, plan, policy, now, owner)
-
-    def _shadow(self, plan: Plan) -> Admission:
-        would = Decision.BORROW if plan.reason is Reason.BORROWED else Decision.NORMAL
-        self.shadow_decisions[would] += 1
-        best = plan.ranked[0].node_id if plan.ranked else ""
-        log.info("admit.shadow", would=would.value, plan_reason=plan.reason.value, node_id=best)
-        answer = Admission.normal(Reason.SHADOW_MODE, f"shadow mode: {plan.summary()}", plan)
-        return answer.model_copy(update={"shadow_decision": would})
-
-    async def _debit(
-        self, request: AdmissionRequest, plan: Plan, policy: PolicySettings, now: int, owner: str
-    ) -> Admission:
-        refusals: list[str] = []
-        normal_ms = plan.normal_path.total_ms if plan.normal_path else 0.0
-        for check in plan.ranked[:MAX_DEBIT_TRIES]:
-            outcome = await self._timed(
-                "debit",
-                self.store.try_debit(
-                    check.node_id,
-                    check.debit,
-                    policy.borrow_share,
-                    now,
-                    policy.hold_ttl_ms,
-                    request.request_id,
-                    owner,
-                ),
-            )
-            if outcome.granted and outcome.reservation is not None:
-                res = outcome.reservation
-                log.debug("admit.borrow", node_id=check.node_id, reservation_id=res.reservation_id)
-                return Admission(
-                    decision=Decision.BORROW,
-                    reason=Reason.BORROWED,
-                    message=plan.summary(),
-                    node_id=check.node_id,
-                    reservation_id=res.reservation_id,
-                    lease_epoch=outcome.lease_epoch,
-                    lease_version=outcome.lease_version,
-                    expires_at_ms=res.expires_at_ms,
-                    predicted_ttft_ms=check.predicted_ttft_ms,
-                    normal_ttft_ms=normal_ms,
-                    plan=plan,
-                )
-            refusals.append(f"{check.node_id}: {outcome.refusal}")
-        return Admission.normal(
-            Reason.NO_ROOM,
-            "room taken by concurrent admissions (" + "; ".join(refusals) + ")",
-            plan,
-        )
+    @property
+    def shadow_decisions(self) -> dict[Decision, int]:
+        """Count of decisions made in shadow mode, by what they would have been."""
+        return self._admitter.shadow_decisions
 
     # -- late binding ----------------------------------------------------------------------------
     async def room_view(self, request: RoomWatchRequest) -> RoomView:
@@ -292,7 +181,7 @@ class Broker:
         )
         try:
             async with asyncio.timeout(limit_ms / 1000.0):
-                pool, nodes = await self._timed("room_view", view)
+                pool, nodes = await timed(self.metrics, "room_view", view)
         except Exception as exc:  # fail closed on a store error, overrun or anything unforeseen
             detail = f"store slower than {limit_ms} ms" if isinstance(exc, TimeoutError) else exc
             log.warning("room_view.failed", error=repr(exc))
@@ -424,23 +313,40 @@ class Broker:
         self.rooms.poke()
         return await self._admin_call(self.store.get_node(node_id, now))
 
-    # -- helpers ---------------------------------------------------------------------------------
-    async def _timed(self, operation: str, call: Awaitable[T]) -> T:
-        """A store call with its latency (and failure) recorded under ``operation``."""
-        started = time.perf_counter()
-        try:
-            result = await call
-        except BaseException:
-            self.metrics.record_store_operation(operation, time.perf_counter() - started, ok=False)
-            raise
-        self.metrics.record_store_operation(operation, time.perf_counter() - started)
-        return result
+    async def delete_node(self, node_id: str, force: bool = False) -> int:
+        """Remove a node by hand; FailedPrecondition (field ``force``) while reservations count
+        and ``force`` is false. Returns the reservations that still counted."""
+        check_node_id(node_id)
+        dropped = await self._admin_call(
+            self.store.delete_node(node_id, force, self.clock.now_ms())
+        )
+        log.info("node.deleted", node_id=node_id, force=force, open_reservations=dropped)
+        return dropped
 
+    async def expire_nodes_forever(self, stop: asyncio.Event) -> None:
+        """Every ``node_sweep_s``: delete the nodes not heard of for ``node_expiry_s`` (no
+        lease, no pool load, no registration) and holding no counting reservation. Any
+        replica may sweep; the store makes it idempotent. Errors are logged and retried."""
+        idle_ms = int(self.settings.node_expiry_s * 1000)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.node_sweep_s):
+                    await stop.wait()
+                    return
+            try:
+                gone = await self.store.expire_nodes(idle_ms, self.clock.now_ms())
+            except CrossflowError as exc:
+                log.warning("node_expiry.failed", error=str(exc))
+                continue
+            if gone:
+                log.info("node_expiry.deleted", nodes=gone[:20], count=len(gone))
+
+    # -- helpers ---------------------------------------------------------------------------------
     async def _admin_call(self, call: Awaitable[T]) -> T:
         """A store call bounded by ``admin_timeout_ms``; StoreUnavailable when it overruns."""
         try:
             async with asyncio.timeout(self.settings.admin_timeout_ms / 1000.0):
-                return await self._timed("admin", call)
+                return await timed(self.metrics, "admin", call)
         except TimeoutError:
             raise StoreUnavailable(
                 f"store did not answer within {self.settings.admin_timeout_ms} ms"

@@ -78,12 +78,24 @@ class BrokerSettings(LayeredSettings):
     """Largest gRPC message accepted or sent."""
     stream_grace_s: Annotated[float, Field(ge=0.0, le=300.0)] = 5.0
     """Time agent streams get to finish on shutdown before they are cancelled."""
-    notice_block_ms: Annotated[int, Field(ge=10, le=30_000)] = 1_000
-    """How long one relay read of the node's notices waits in the store."""
+    notice_block_ms: Annotated[int, Field(ge=10, le=300_000)] = 30_000
+    """How long one relay read of the node's notices waits for a wake before it looks again.
+    Wakes are pushed (one pub/sub subscription per replica), so a long wait costs nothing;
+    a short one makes every idle agent stream wake the replica that often."""
     notice_batch: Annotated[int, Field(ge=1, le=10_000)] = 256
     """Most notices relayed per read."""
     admin_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 2_000
     """Store deadline for admin, commit, release and lease calls (StoreUnavailable after)."""
+    redis_cluster: bool = False
+    """``redis_url`` names a node of a Redis Cluster (keys spread over its masters)."""
+    redis_max_connections: Annotated[int, Field(ge=2, le=10_000)] = 128
+    """Most Redis connections this replica opens (per Cluster node), whatever the number of
+    agents it serves; callers wait for a free one."""
+    node_expiry_s: Annotated[float, Field(ge=0.0, le=30 * 86_400)] = 3_600.0
+    """A node not heard of for this long (no lease, no pool load, no registration) and with no
+    open reservation is removed from the store; 0 keeps nodes until deleted by hand."""
+    node_sweep_s: Annotated[float, Field(gt=0.0, le=86_400)] = 60.0
+    """How often a replica looks for expired nodes (when ``node_expiry_s`` > 0)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_json: bool = True
     metrics_listen: str | None = None

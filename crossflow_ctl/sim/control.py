@@ -28,6 +28,7 @@ from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.models import NodeRole
 from crossflow_ctl.domain.room import RoomUpdate, RoomWatchRequest
+from crossflow_ctl.domain.safety import over_committed
 from crossflow_ctl.service import Broker, BrokerSettings
 from crossflow_ctl.sim.agents import DecodeAgent, PrefillAgent
 from crossflow_ctl.sim.config import SimConfig
@@ -273,6 +274,6 @@ class ControlPlane:
         if state.lease is None:
             self.record.overcommits += 1
             return
-        cap = state.lease.lease.credits.scaled(self.cfg.broker_policy.borrow_share)
-        if cap.short_of(state.open_debits):
+        share = self.cfg.broker_policy.borrow_share
+        if over_committed(state.lease.lease.credits, state.open_debits, share):
             self.record.overcommits += 1

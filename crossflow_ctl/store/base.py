@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import (
@@ -81,6 +82,16 @@ class DebitOutcome(Frozen):
     lease_version: int = 0
 
 
+class DebitRequest(NamedTuple):
+    """One debit of a batch (:meth:`Store.try_debits`)."""
+
+    node_id: str
+    debit: Credits
+    request_id: str = ""
+    owner: str = ""
+    """The granted router's identity ("" without authentication)."""
+
+
 class NodeEvent(Frozen):
     at_ms: int
     kind: str
@@ -134,6 +145,19 @@ class Store(abc.ABC):
         """Atomically check room on every credit and record a HELD reservation owned by
         ``owner`` (the granted router's identity, "" without authentication)."""
 
+    async def try_debits(
+        self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
+    ) -> list[DebitOutcome]:
+        """:meth:`try_debit` for each item, in order; each one atomic on its own node (a batch
+        is not a transaction). Stores with a network round trip send the batch as one."""
+        check_debit_args(share, hold_ttl_ms)
+        return [
+            await self.try_debit(
+                d.node_id, d.debit, share, now_ms, hold_ttl_ms, d.request_id, d.owner
+            )
+            for d in debits
+        ]
+
     @abc.abstractmethod
     async def commit(
         self, reservation_id: str, now_ms: int, commit_ttl_ms: int, owner: str | None = None
@@ -154,6 +178,19 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def set_cordon(self, node_id: str, cordoned: bool, reason: str, now_ms: int) -> NodeInfo:
         """Cordon or uncordon a known node (NotFound otherwise), with a notice."""
+
+    @abc.abstractmethod
+    async def delete_node(self, node_id: str, force: bool, now_ms: int) -> int:
+        """Remove a node and all its state (lease, reservations, notices, history, events)
+        from every index; returns how many of its reservations still counted. NotFound if
+        unknown; FailedPrecondition naming ``force`` when reservations still count and
+        ``force`` is false (nothing changes then)."""
+
+    @abc.abstractmethod
+    async def expire_nodes(self, idle_ms: int, now_ms: int) -> list[str]:
+        """Delete every node not heard of (registered, or an accepted lease or pool load) for
+        ``idle_ms`` and with no reservation still counting; returns their ids, sorted.
+        Idempotent: any replica may sweep, at any time."""
 
     @abc.abstractmethod
     async def list_nodes(self, now_ms: int) -> list[NodeState]:

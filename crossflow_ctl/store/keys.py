@@ -3,7 +3,8 @@
 Per-node keys share the hash tag ``{<ns>:n:<node_id>}`` so that all of one node's state (info,
 lease, reservations, notice stream, history, events) lives on one Redis Cluster slot and each
 per-node Lua script touches one slot only. Global keys (node index, lender index, pools, policy)
-carry their own tags and are never passed to a per-node script.
+carry their own tags and are never passed to a per-node script; the node and lender indexes
+are split into ``INDEX_BUCKETS`` buckets by a CRC32 of the node id, each with its own tag.
 
 Every key starts with ``<ns>:`` (before the tag) so one namespace's keys can be found with a
 prefix scan (tests clean up this way); the slot is chosen by the first ``{...}`` only.
@@ -15,6 +16,7 @@ from the id alone, with no global lookup.
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 
 from crossflow_ctl.domain.errors import InvalidArgument
@@ -26,6 +28,10 @@ EVENTS_CAP = 64
 """State-change events kept per node for ``node_events``."""
 NOTICES_CAP = 10_000
 """Notices kept per node (about); an agent further behind resumes from the oldest kept."""
+
+INDEX_BUCKETS = 16
+"""The node and lender indexes are split into this many hash-tagged buckets, so that on Redis
+Cluster they spread over the masters instead of making one hot slot."""
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _RESERVATION_ID = re.compile(r"^([0-9a-f]{32})@([A-Za-z0-9][A-Za-z0-9._-]*)$")
@@ -91,15 +97,23 @@ class Keys:
             expiries=f"{tag}:exp",
         )
 
-    @property
-    def nodes(self) -> str:
-        """SET: every known node id."""
-        return f"{self.namespace}:{{{self.namespace}:g}}:nodes"
+    def bucket(self, node_id: str) -> int:
+        """The index bucket of ``node_id`` (stable across processes: CRC32, not ``hash``)."""
+        return zlib.crc32(node_id.encode()) % INDEX_BUCKETS
+
+    def nodes(self, bucket: int) -> str:
+        """SET: the known node ids of one index bucket."""
+        return f"{self.namespace}:{{{self.namespace}:g:{bucket}}}:nodes"
+
+    def lenders(self, bucket: int) -> str:
+        """ZSET: one bucket's nodes with a live non-zero lease and no cordon, scored by lease
+        expiry (ms)."""
+        return f"{self.namespace}:{{{self.namespace}:g:{bucket}}}:lenders"
 
     @property
-    def lenders(self) -> str:
-        """ZSET: nodes with a live non-zero lease and no cordon, scored by lease expiry (ms)."""
-        return f"{self.namespace}:{{{self.namespace}:g}}:lenders"
+    def notice_wakes(self) -> str:
+        """Pub/sub channel: the id of every node whose notice stream grew (``cf_notice``)."""
+        return f"{self.namespace}:notices"
 
     @property
     def pools(self) -> str:

@@ -10,6 +10,7 @@ suite as the Redis store (tests/store/test_contract.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Sequence
 
@@ -20,7 +21,6 @@ from crossflow_ctl.domain.errors import (
     PermissionDenied,
 )
 from crossflow_ctl.domain.models import (
-    CREDIT_NAMES,
     Credits,
     Lease,
     NodeInfo,
@@ -37,6 +37,7 @@ from crossflow_ctl.domain.models import (
     validated,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.safety import short_credits
 from crossflow_ctl.store.base import (
     DebitOutcome,
     LeaseOutcome,
@@ -79,6 +80,8 @@ class MemoryStore(Store):
         self._lenders: dict[str, int] = {}
         """Nodes with a live non-zero lease and no cordon -> lease expiry (for sampling)."""
         self._policy: PolicySettings | None = None
+        self._seen: dict[str, int] = {}
+        """Node -> when it was last heard of (registration, accepted lease or pool load), ms."""
 
     # -- helpers ----------------------------------------------------------------------------
     def _node(self, node_id: str) -> NodeLedger:
@@ -141,6 +144,7 @@ class MemoryStore(Store):
                 node.info = node.info.model_copy(
                     update={"role": role, "pool": pool, "labels": dict(labels)}
                 )
+            self._seen[node_id] = now_ms
             return node.info
 
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
@@ -167,6 +171,7 @@ class MemoryStore(Store):
             node.lease = stored
             node.history.append(stored)
             self._update_lender(node, now_ms)
+            self._seen[lease.node_id] = now_ms
             return LeaseOutcome(
                 accepted=True,
                 stored_epoch=lease.epoch,
@@ -181,6 +186,8 @@ class MemoryStore(Store):
                 received_at_ms=now_ms,
                 expires_at_ms=now_ms + min(load.ttl_ms, max_ttl_ms),
             )
+            if load.node_id in self._nodes:
+                self._seen[load.node_id] = now_ms
 
     # -- admission --------------------------------------------------------------------------
     def _snapshot(self, pool: str, now_ms: int) -> PoolSnapshot:
@@ -238,17 +245,7 @@ class MemoryStore(Store):
                 return refuse("expired")
             if stored.lease.is_zero:
                 return refuse("zero_lease")
-            # Not Credits.minus: it floors at zero, and open debits above a shrunken lease
-            # must leave no room, not zero room (a zero debit would then pass).
-            open_debits = node.open_totals()
-            limit = stored.lease.credits.as_tuple()
-            short = tuple(
-                name
-                for name, have, used, need in zip(
-                    CREDIT_NAMES, limit, open_debits, debit.as_tuple(), strict=True
-                )
-                if need > int(have * share) - used
-            )
+            short = short_credits(stored.lease.credits, node.open_totals(), share, debit)
             if short:
                 return refuse("short", short)
             rid = new_reservation_id(node_id, self._rng.getrandbits(128))
@@ -322,6 +319,34 @@ class MemoryStore(Store):
                 node.events.append(NodeEvent(at_ms=now_ms, kind=kind.value, message=text))
             self._update_lender(node, now_ms)
             return node.info
+
+    def _drop(self, node_id: str, force: bool, now_ms: int) -> int:
+        """Delete a node (under the lock); FailedPrecondition while reservations count."""
+        _, open_count = self._node(node_id).open_debits(now_ms)
+        if open_count and not force:
+            raise FailedPrecondition(
+                f"node {node_id!r} has {open_count} open reservation(s)",
+                field="force",
+            )
+        del self._nodes[node_id]
+        self._lenders.pop(node_id, None)
+        self._seen.pop(node_id, None)
+        return open_count
+
+    async def delete_node(self, node_id: str, force: bool, now_ms: int) -> int:
+        async with self._lock:
+            return self._drop(node_id, force, now_ms)
+
+    async def expire_nodes(self, idle_ms: int, now_ms: int) -> list[str]:
+        gone: list[str] = []
+        async with self._lock:
+            for node_id in sorted(self._nodes):
+                if self._seen.get(node_id, 0) >= now_ms - idle_ms:
+                    continue
+                with contextlib.suppress(FailedPrecondition):
+                    self._drop(node_id, False, now_ms)
+                    gone.append(node_id)
+        return gone
 
     async def list_nodes(self, now_ms: int) -> list[NodeState]:
         return [self._state(self._nodes[n], now_ms) for n in sorted(self._nodes)]

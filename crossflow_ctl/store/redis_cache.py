@@ -1,9 +1,13 @@
-"""Replica-side, short-lived caches of the admission view's slow-changing reads.
+"""Replica-side, short-lived caches of the admission view, so a warm Admit is ONE round trip.
 
-Agents refresh a prefill pool's load and the lender index every period (200 ms by default), yet
-admission read both on every request: a round trip to sample the lender index and an HGETALL of
-the pool's reports. Each replica now keeps them for at most ``max_age_ms`` (judged on the
-process's monotonic clock, so a test's manual clock cannot keep an entry forever) and:
+Agents refresh a prefill pool's load, the lender index and their node's lease every period
+(200 ms by default), yet admission read all three on every request before its debit. Each
+replica now keeps them for at most ``max_age_ms`` (judged on the process's monotonic clock, so a
+test's manual clock cannot keep an entry forever): the pool's reports, a draw from the lender
+index, and each node's state (lease and open debits; :class:`NodeCache`). Admission plans on
+that view, then the debit script re-checks Safety against the live lease and open debits,
+atomically, and its reply (lease epoch/version and open debits after the call) refreshes the
+node's entry, so planning needs no read of its own while debits flow. The caches:
 
 * **fails closed when stale**: liveness is judged on the caller's clock at every use. A cached
   pool snapshot is used only while every report in it is unexpired at ``now_ms`` (else the pool
@@ -11,10 +15,14 @@ process's monotonic clock, so a test's manual clock cannot keep an entry forever
   ``now_ms``. The clock going backwards also forces a re-read.
 * **never caches absence**: an empty pool or lender index is read again on the next request, so
   a missing pool load never outlives the write that fixes it.
-* **drops an entry on every local write** that could change it (pool load, lease, cordon).
+* **drops an entry on every local write** that could change it (pool load, lease, cordon), and
+  a node's entry on any debit refusal other than ``short`` or when the debit's reply names
+  another lease version than the one cached.
 
-Nothing here decides safety: lender ids only steer sampling (every sampled node is re-read), and
-the debit script re-checks every credit against the latest lease, atomically.
+Nothing here decides safety: a plan made on a cached node only chooses which node to try, and
+the debit script re-checks every credit against the latest lease and open debits, atomically.
+A stale entry can only make a plan try a node that then refuses (the next ranked node is
+tried), or answer NORMAL where a fresh read might have borrowed: never over-commit.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from crossflow_ctl.domain.models import PoolSnapshot, StoredPoolLoad
+from crossflow_ctl.domain.models import Credits, NodeState, PoolSnapshot, StoredPoolLoad
 
 Monotonic = Callable[[], float]
 
@@ -128,3 +136,68 @@ class LenderSample:
 
     def drop(self) -> None:
         self._members = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _NodeEntry:
+    state: NodeState
+    fetched_at_s: float
+    fetched_now_ms: int
+
+
+class NodeCache:
+    """Node states by node id, as admission sees them (see module docstring)."""
+
+    def __init__(self, max_age_ms: int, monotonic: Monotonic = time.monotonic) -> None:
+        self._max_age_s = max_age_ms / 1000.0
+        self._monotonic = monotonic
+        self._items: dict[str, _NodeEntry] = {}
+
+    def get(self, node_id: str, now_ms: int) -> NodeState | None:
+        """The cached state if younger than the age bound and not from a later clock."""
+        entry = self._items.get(node_id)
+        if entry is None:
+            return None
+        if (
+            self._monotonic() - entry.fetched_at_s >= self._max_age_s
+            or now_ms < entry.fetched_now_ms
+        ):
+            del self._items[node_id]
+            return None
+        return entry.state
+
+    def put(self, state: NodeState, now_ms: int) -> None:
+        if self._max_age_s > 0:
+            self._items[state.info.node_id] = _NodeEntry(state, self._monotonic(), now_ms)
+
+    def debited(
+        self, node_id: str, epoch: int, version: int, totals: Sequence[int], now_ms: int
+    ) -> None:
+        """Refresh the entry from a debit's reply: the lease (``epoch``, ``version``) the script
+        checked and the node's open debits after it (``totals``: five credits and a count),
+        exact at ``now_ms``. Dropped instead when the lease is not the cached one."""
+        entry = self._items.get(node_id)
+        if entry is None:
+            return
+        stored = entry.state.lease
+        if stored is None or (stored.lease.epoch, stored.lease.version) != (epoch, version):
+            del self._items[node_id]
+            return
+        # The script's own numbers (non-negative sums of validated debits): no re-validation.
+        open_debits = Credits.model_construct(
+            compute_tokens=totals[0],
+            kv_tokens=totals[1],
+            kv_transfer_bytes=totals[2],
+            output_tokens=totals[3],
+            slots=totals[4],
+        )
+        state = NodeState.model_construct(
+            info=entry.state.info,
+            lease=stored,
+            open_debits=open_debits,
+            open_reservations=totals[5],
+        )
+        self._items[node_id] = _NodeEntry(state, self._monotonic(), now_ms)
+
+    def drop(self, node_id: str) -> None:
+        self._items.pop(node_id, None)

@@ -10,8 +10,9 @@ instead of failing every call (see ``RedisStore._backend``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -26,8 +27,19 @@ class RedisConnection:
     """PEM CA bundle for ``rediss://`` URLs (the server's certificate is verified)."""
 
 
-def connect(url: str, connection: RedisConnection, socket_timeout_s: float) -> Redis:
-    extra: dict[str, object] = {}
+def connect(
+    url: str,
+    connection: RedisConnection,
+    socket_timeout_s: float,
+    *,
+    client_name: str | None = None,
+    cluster: bool = False,
+    max_connections: int = 128,
+    pool_timeout_s: float = 3.0,
+) -> Redis | RedisCluster:
+    """A client for ``url``: at most ``max_connections`` connections (per node of a Cluster);
+    a caller waits up to ``pool_timeout_s`` for a free one."""
+    extra: dict[str, Any] = {}
     if connection.username is not None:
         extra["username"] = connection.username
     if connection.password is not None:
@@ -37,12 +49,18 @@ def connect(url: str, connection: RedisConnection, socket_timeout_s: float) -> R
             raise ConfigError("a CA file needs a rediss:// URL", field="redis_ca_file")
         extra["ssl_ca_certs"] = connection.ca_file
         extra["ssl_cert_reqs"] = "required"
-    return Redis.from_url(
-        url,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=socket_timeout_s,
-        # No client-side retry: a debit script retried after a lost reply would grant
-        # twice. One failure is StoreUnavailable and admission fails closed (§5.6).
-        retry=Retry(NoBackoff(), retries=0),
-        **extra,  # type: ignore[arg-type]
-    )
+    if client_name is not None:
+        extra["client_name"] = client_name
+    # No client-side retry: a debit script retried after a lost reply would grant
+    # twice. One failure is StoreUnavailable and admission fails closed (§5.6).
+    retry = Retry(NoBackoff(), retries=0)
+    timeouts = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s}
+    if cluster:
+        return RedisCluster.from_url(
+            url, max_connections=max_connections, retry=retry, **timeouts, **extra
+        )
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=pool_timeout_s, retry=retry,
+        **timeouts, **extra,
+    )  # fmt: skip
+    return Redis(connection_pool=pool, retry=retry)

@@ -1,36 +1,162 @@
-"""Reading a node's notice stream for the Redis store (its agent stream's relay waits on it).
+"""Reading nodes' notice streams for the Redis store, through a bounded number of connections.
 
-A waiting read checks the node and starts XREAD BLOCK in one round trip (XREAD BLOCK answers at
-once when entries are there); a replica that has already seen the node skips the check (nodes
-are never deleted). Long waits go in chunks under the socket timeout, so they are not errors.
+Every script that appends a notice to a node's stream also PUBLISHes the node id on the
+namespace's wake channel (``cf_notice`` in ``lua/_lib.lua``; classic PUBLISH reaches every
+subscriber of a Redis Cluster whatever the slot). Each replica holds ONE subscription to that
+channel (:class:`WakeHub`) and fans the wakes out in-process to the relays of the agent streams
+it serves. A relay's read is a plain XRANGE on the shared, bounded connection pool; a waiting
+read parks on the node's in-process signal instead of a blocking XREAD, so the number of Redis
+connections no longer grows with the number of agents (issue #11: one blocking XREAD connection
+per stream capped a replica at about 95 nodes).
+
+The stream stays the source of truth (order, the per-node sequence, resume after the agent's
+last seen sequence: DESIGN.md §5.4, §6); a wake is only a hint to read it. Nothing is missed:
+
+* the node's signal is taken BEFORE the XRANGE, so a notice written after the read was sent
+  wakes the waiter;
+* a wait that ends with no wake skips the next XRANGE only while the subscription has been up,
+  without a break, since before the empty read (same ``generation``); any break wakes every
+  waiter, and while the subscription is down waiting reads poll their stream instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio import Redis
+import structlog
+from redis.asyncio import Redis, RedisCluster
+from redis.exceptions import RedisError
 
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import Notice
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.keys import Keys
 
+log = structlog.get_logger()
+
 KNOWN_NODES_CAP = 100_000
+SIGNAL_IDLE_S = 120.0
+"""A node's signal nobody has waited on for this long is dropped (at the next wake sweep)."""
+RESUBSCRIBE_S = 0.2
+UNSUBSCRIBED_POLL_S = 0.25
+"""How often a waiting read polls its stream while the wake subscription is down."""
+PING_EVERY_S = 5.0
 
 Backend = Callable[[str, float], AbstractAsyncContextManager[None]]
 """``RedisStore._backend``: bounds a call in time and maps backend errors to StoreUnavailable."""
 
 
+@dataclass(slots=True)
+class _Signal:
+    """One node's wake counter; ``event`` is replaced at every wake (a waiter keeps its own)."""
+
+    count: int = 0
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    used_at_s: float = 0.0
+    empty_at: tuple[int, int, int] | None = None
+    """(after_seq, count, generation) of the last read that found nothing."""
+
+    def wake(self) -> None:
+        self.count += 1
+        self.empty_at = None
+        self.event.set()
+        self.event = asyncio.Event()
+
+
+class WakeHub:
+    """One replica's subscription to the namespace's wake channel, fanned out per node."""
+
+    def __init__(self, client: Redis | RedisCluster, channel: str) -> None:
+        self._r = client
+        self.channel = channel
+        self._signals: dict[str, _Signal] = {}
+        self.generation = 0
+        """Bumped whenever the subscription (re)starts or breaks."""
+        self.live = False
+        """Subscribed and not known broken: a wait with no wake means no new notice."""
+        self._task: asyncio.Task[None] | None = None
+        self.wakes = 0
+
+    def signal(self, node_id: str) -> _Signal:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="crossflow-notice-wakes")
+        sig = self._signals.get(node_id)
+        if sig is None:
+            sig = self._signals[node_id] = _Signal()
+        sig.used_at_s = time.monotonic()
+        return sig
+
+    def _break(self) -> None:
+        """The subscription is down: every waiter reads its stream again."""
+        self.live = False
+        self.generation += 1
+        for sig in self._signals.values():
+            sig.wake()
+
+    def _sweep(self) -> None:
+        cutoff = time.monotonic() - SIGNAL_IDLE_S
+        for node_id in [n for n, s in self._signals.items() if s.used_at_s < cutoff]:
+            del self._signals[node_id]
+
+    async def _run(self) -> None:
+        while True:
+            pubsub: Any = self._r.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                await self._listen(pubsub)
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.warning("notice_wakes.broken", error=repr(exc))
+            finally:
+                self._break()
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    await pubsub.aclose()
+            await asyncio.sleep(RESUBSCRIBE_S)
+
+    async def _listen(self, pubsub: Any) -> None:
+        quiet_s = 0.0
+        while True:
+            message = await pubsub.get_message(timeout=1.0)
+            if message is None:
+                quiet_s += 1.0
+                if quiet_s >= 3 * PING_EVERY_S:
+                    raise TimeoutError("wake subscription silent (no pong)")
+                if quiet_s % PING_EVERY_S == 0:
+                    await pubsub.ping()
+                    self._sweep()
+                continue
+            quiet_s = 0.0
+            kind = codec.text(message["type"])
+            if kind == "subscribe":
+                self.generation += 1
+                self.live = True
+                for sig in self._signals.values():  # notices written before we subscribed
+                    sig.wake()
+            elif kind == "message":
+                self.wakes += 1
+                woken = self._signals.get(codec.text(message["data"]))
+                if woken is not None:
+                    woken.wake()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
 class NoticeReader:
-    def __init__(self, client: Redis, keys: Keys, backend: Backend, block_chunk_ms: int) -> None:
+    def __init__(self, client: Redis | RedisCluster, keys: Keys, backend: Backend) -> None:
         self._r = client
         self._k = keys
         self._backend = backend
-        self._block_chunk_ms = block_chunk_ms
+        self.hub = WakeHub(client, keys.notice_wakes)
         self._known: set[str] = set()
         """Nodes this replica has seen registered."""
 
@@ -39,32 +165,48 @@ class NoticeReader:
             self._known.clear()
         self._known.add(node_id)
 
-    async def read(self, node_id: str, after_seq: int, limit: int, block_ms: int) -> list[Notice]:
-        """Notices after ``after_seq`` (a checked node id, ``limit`` > 0), waiting ``block_ms``."""
-        key = self._k.node(node_id).notices
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + block_ms / 1000.0
-        first = min(block_ms, self._block_chunk_ms)
-        async with self._backend("read_notices", first / 1000.0):
-            if first > 0 and node_id in self._known:
-                got: Any = await self._r.xread({key: f"{after_seq}-0"}, count=limit, block=first)
-                exists = 1
+    def forget(self, node_id: str) -> None:
+        self._known.discard(node_id)
+
+    async def _range(self, node_id: str, after_seq: int, limit: int) -> list[Notice]:
+        """XRANGE after ``after_seq`` (one round trip; with an existence check if unknown)."""
+        k = self._k.node(node_id)
+        start = f"{after_seq + 1}-0"
+        async with self._backend("read_notices", 0.0):
+            if node_id in self._known:
+                got: Any = await self._r.xrange(k.notices, min=start, max="+", count=limit)
             else:
                 pipe = self._r.pipeline(transaction=False)
-                pipe.exists(self._k.node(node_id).info)
-                if first > 0:
-                    pipe.xread({key: f"{after_seq}-0"}, count=limit, block=first)
-                else:
-                    pipe.xrange(key, min=f"{after_seq + 1}-0", max="+", count=limit)
-                out: list[Any] = await pipe.execute()
-                exists, got = out[0], out[1]
-        if not exists:  # (an unknown node is refused after the first wait, at most a chunk)
-            raise NotFound(f"unknown node {node_id!r}", field="node_id")
-        self.remember(node_id)
-        entries = (got[0][1] if got else []) if first > 0 else got
-        while not entries and (left_ms := int((deadline - loop.time()) * 1000)) > 0:
-            chunk = min(left_ms, self._block_chunk_ms)
-            async with self._backend("read_notices", chunk / 1000.0):
-                more: Any = await self._r.xread({key: f"{after_seq}-0"}, count=limit, block=chunk)
-            entries = more[0][1] if more else []
-        return [codec.notice_from(node_id, eid, fields) for eid, fields in entries]
+                pipe.exists(k.info)
+                pipe.xrange(k.notices, min=start, max="+", count=limit)
+                exists, got = await pipe.execute()
+                if not exists:
+                    raise NotFound(f"unknown node {node_id!r}", field="node_id")
+                self.remember(node_id)
+        return [codec.notice_from(node_id, eid, fields) for eid, fields in got]
+
+    async def read(self, node_id: str, after_seq: int, limit: int, block_ms: int) -> list[Notice]:
+        """Notices after ``after_seq`` (a checked node id, ``limit`` > 0), waiting ``block_ms``."""
+        if block_ms <= 0:
+            return await self._range(node_id, after_seq, limit)
+        hub = self.hub
+        sig = hub.signal(node_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + block_ms / 1000.0
+        while True:
+            count, generation = sig.count, hub.generation
+            if not (hub.live and sig.empty_at == (after_seq, count, generation)):
+                found = await self._range(node_id, after_seq, limit)
+                if found:
+                    return found
+                if hub.live and hub.generation == generation:
+                    sig.empty_at = (after_seq, count, generation)
+            left_s = deadline - loop.time()
+            if left_s <= 0:
+                return []
+            if sig.count == count:
+                # Subscribed: sleep until a wake. Not (yet): poll, a wake may never come.
+                wait_s = left_s if hub.live else min(left_s, UNSUBSCRIBED_POLL_S)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait_s):
+                        await sig.event.wait()

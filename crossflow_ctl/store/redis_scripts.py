@@ -11,15 +11,14 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
-from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
+from redis.asyncio import Redis, RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 PER_NODE = ("upsert_lease", "try_debit", "commit", "release", "set_cordon", "node_view")
 """Scripts over one node's keys (one hash tag); they share ``_lib.lua``."""
-GLOBAL = ("put_pool_load",)
-"""Scripts over one pool's keys."""
+STANDALONE = ("put_pool_load", "delete_node", "touch_node")
+"""Scripts without the shared helpers: one pool's keys; deleting or touching one node."""
 
 
 def load_script(name: str) -> str:
@@ -34,10 +33,10 @@ def load_script(name: str) -> str:
 class Scripts:
     """Every script, registered on one client (``register_script``: EVALSHA, NOSCRIPT fallback)."""
 
-    def __init__(self, client: Redis) -> None:
+    def __init__(self, client: Redis | RedisCluster) -> None:
         self._r = client
         self.by_name: dict[str, AsyncScript] = {
-            name: client.register_script(load_script(name)) for name in (*PER_NODE, *GLOBAL)
+            name: client.register_script(load_script(name)) for name in (*PER_NODE, *STANDALONE)
         }
 
     async def run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -53,11 +52,60 @@ class Scripts:
             script.sha = await self._r.script_load(script.script)
             return await self._r.evalsha(script.sha, len(keys), *keys, *args)
 
-    async def queue(
-        self, name: str, keys: Sequence[str], args: Sequence[Any], pipe: Pipeline
-    ) -> None:
-        """Queue the script on ``pipe`` (redis-py checks SCRIPT EXISTS at execute)."""
-        await self.by_name[name](keys=list(keys), args=list(args), client=pipe)
+    async def run_many(
+        self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+    ) -> list[Any]:
+        """Each (keys, args) call of script ``name`` as EVALSHA, in ONE pipeline round trip
+        (per Cluster master); the replies in order, raising the first error.
+
+        A pipeline is not a transaction: each script is atomic on its own. On NOSCRIPT (nothing
+        ran for that call) the script is loaded and the calls that met it are sent again."""
+        out = await self.run_each(name, calls)
+        for reply in out:
+            if isinstance(reply, Exception):
+                raise reply
+        return out
+
+    async def run_each(
+        self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+    ) -> list[Any]:
+        """Like :meth:`run_many`, but each call's reply or its own error (an exception object)
+        in order, so one refused call fails only its caller."""
+        script = self.by_name[name]
+        out: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(2):
+            pipe = self._r.pipeline(transaction=False)
+            for i in todo:
+                keys, args = calls[i]
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            replies = await pipe.execute(raise_on_error=False)
+            for i, reply in zip(todo, replies, strict=True):
+                out[i] = reply
+            todo = [i for i in todo if isinstance(out[i], NoScriptError)]
+            if not todo or attempt:
+                break
+            script.sha = await self._r.script_load(script.script)
+        return out
+
+    async def run_with(
+        self, name: str, keys: Sequence[str], args: Sequence[Any], *after: tuple[Any, ...]
+    ) -> list[Any]:
+        """The script, then plain commands ``after``, in ONE pipeline round trip (two, once,
+        after NOSCRIPT: nothing ran then, and the commands are sent again with it)."""
+        script = self.by_name[name]
+        for attempt in range(2):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            for command in after:
+                pipe.execute_command(*command)
+            try:
+                return list(await pipe.execute())
+            except NoScriptError:
+                if attempt:
+                    raise
+                script.sha = await self._r.script_load(script.script)
+        raise AssertionError("unreachable")
 
     async def views(
         self,
@@ -77,7 +125,7 @@ class Scripts:
             for command in before:
                 pipe.execute_command(*command)
             for keys in node_keys:
-                pipe.evalsha(script.sha, len(keys), *keys, now_ms)
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, now_ms)
             try:
                 return list(await pipe.execute())
             except NoScriptError:

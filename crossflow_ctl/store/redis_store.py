@@ -1,24 +1,26 @@
 """The Redis store: production state shared by every broker replica (DESIGN.md §3, §6).
 
-Every per-node change (lease upsert, check-and-debit, commit, release, cordon) is one Lua script
-(``lua/*.lua``, EVALSHA with NOSCRIPT fallback) that also appends the node's notice to its
-stream in the same atomic step, so notices and state never disagree.
+Every per-node change (lease upsert, check-and-debit, commit, release, cordon, delete) is one
+Lua script (``lua/*.lua``, EVALSHA with NOSCRIPT fallback) that also appends the node's notice
+to its stream (and PUBLISHes a wake) in the same atomic step, so notices and state never
+disagree.
 
-Redis Cluster compatible by construction: a node's keys share the hash tag ``{<ns>:n:<node>}``
-(see :mod:`crossflow_ctl.store.keys`), so each script touches one slot and only keys passed in
-KEYS; the global keys (node index, lender index, pool index, policy) are only read or written by
-plain commands, never inside a per-node script; a pool's reports have their own tag and script;
-no MULTI spans slots (pipelines are non-transactional). The cluster-wide
-borrowing limit is the ``share`` factor applied inside each node's own check (see
-``PolicySettings.borrow_share``), so it needs no cross-slot operation.
+Redis Cluster: a node's keys share the hash tag ``{<ns>:n:<node>}`` (:mod:`.keys`), so each
+script touches one slot and only keys passed in KEYS; the node and lender indexes are split into
+hash-tagged buckets (:mod:`.redis_index`) written by plain commands, never inside a per-node
+script; no MULTI spans slots (pipelines are non-transactional, split per master by redis-py).
+The cluster-wide borrowing limit is the ``share`` factor inside each node's own check.
 
-Round trips: ``try_debit``, ``commit``, ``release`` one each; ``admission_view`` one (the
-read-only ``node_view`` script per candidate, pipelined; a plain EVALSHA for one node), with the
-pool's reports and a draw from the lender index reused for up to ``cache_max_age_ms`` by each
-replica (:mod:`crossflow_ctl.store.redis_cache`: fails closed when stale, never caches absence);
-on a cache miss the pool's reports join the same pipeline and a lender draw costs one more trip.
-Flat in fleet size. Lease upsert and cordon two (the script, then the lender index, which is
-only a sampling hint).
+Round trips: ``try_debit``, ``commit``, ``release`` one each (``try_debits``: one for a whole
+batch, one script call per node, pipelined); ``admission_view`` none when warm: the pool's
+reports, a draw from the lender index and each node's state are reused for up to
+``cache_max_age_ms`` by each replica (:mod:`.redis_cache`: fails closed when stale, never caches
+absence), and each debit's reply refreshes its node's entry, so a warm Admit is the debit's one
+round trip. On a miss, the missing nodes' ``node_view`` scripts and the pool's reports go in one
+pipeline; a lender draw (from every index bucket) takes the pool's reports along, and costs one
+more trip only when nodes it drew are not cached. Flat in fleet size. Lease upserts arriving
+together share one pipeline, then one lender index update (:mod:`.redis_ingest`); waiting notice
+reads cost nothing until a wake (:mod:`.redis_notices`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import structlog
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from crossflow_ctl.domain.errors import (
@@ -43,7 +44,6 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import (
-    CREDIT_NAMES,
     Credits,
     Lease,
     NodeInfo,
@@ -53,7 +53,6 @@ from crossflow_ctl.domain.models import (
     PoolLoad,
     PoolSnapshot,
     Reservation,
-    ReservationState,
     StoredLease,
     StoredPoolLoad,
     validated,
@@ -62,23 +61,32 @@ from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.base import (
     DebitOutcome,
+    DebitRequest,
     LeaseOutcome,
     NodeEvent,
     Store,
     check_debit_args,
+    check_owner,
     owner_arg,
 )
 from crossflow_ctl.store.keys import (
     EVENTS_CAP,
-    HISTORY_CAP,
     NOTICES_CAP,
     Keys,
     is_node_id,
-    new_reservation_id,
     node_of_reservation,
 )
-from crossflow_ctl.store.redis_cache import LenderSample, PoolCache
+from crossflow_ctl.store.redis_admin import RedisAdmin
+from crossflow_ctl.store.redis_cache import LenderSample, NodeCache, PoolCache
 from crossflow_ctl.store.redis_connect import RedisConnection, connect
+from crossflow_ctl.store.redis_debit import (
+    UNKNOWN_NODE,
+    DebitCall,
+    refresh_cache,
+    script_calls,
+)
+from crossflow_ctl.store.redis_index import NodeIndex
+from crossflow_ctl.store.redis_ingest import LeaseIngest
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_scripts import Scripts
 
@@ -86,17 +94,21 @@ log = structlog.get_logger()
 
 DEFAULT_CACHE_MAX_AGE_MS = 50
 """A quarter of the agents' default 200 ms period: the staleness a cached pool read adds."""
-LENDER_DRAW = 64
-"""Lenders drawn from the index per refresh; each admission samples its candidates among them."""
+DEFAULT_MAX_CONNECTIONS = 128
+"""Connections one store opens to Redis (per Cluster node), whatever the number of agents."""
 
 
 class RedisStore(Store):
-    """``client``: a ``redis.asyncio.Redis`` (not closed by :meth:`close`) or a URL (owned).
+    """``client``: a ``redis.asyncio.Redis`` or ``RedisCluster`` (not closed by :meth:`close`),
+    or a URL (owned; ``cluster=True`` connects to a Redis Cluster through it).
 
-    A URL gets socket timeouts of ``socket_timeout_s`` and no client-side retries; a supplied
-    client keeps its own settings (give it timeouts, and no retry on timeout, for the same
-    guarantees). The key layout and scripts are slot-safe for Redis Cluster (module docstring);
-    running with a cluster client (``redis.asyncio.RedisCluster``) is not yet wired or tested.
+    A URL gets socket timeouts of ``socket_timeout_s``, no client-side retries and at most
+    ``max_connections`` connections (per Cluster node; callers wait for a free one up to
+    ``op_timeout_s``); a supplied client keeps its own settings (give it timeouts, and no retry
+    on timeout, for the same guarantees). Notices wait on one pub/sub subscription per store
+    (:mod:`crossflow_ctl.store.redis_notices`), so the connection count does not grow with the
+    number of agent streams. The key layout and scripts are slot-safe (module docstring);
+    ``tests/store/test_cluster.py`` runs the contract suite on a real 3-master cluster.
 
     ``cache_max_age_ms`` bounds how long this replica reuses a pool's load reports and a draw
     from the lender index on the admission path (:mod:`crossflow_ctl.store.redis_cache`; 0
@@ -104,27 +116,40 @@ class RedisStore(Store):
 
     def __init__(
         self,
-        client: Redis | str,
+        client: Redis | RedisCluster | str,
         namespace: str = "cf",
         *,
         socket_timeout_s: float = 1.0,
         op_timeout_s: float = 3.0,
         cache_max_age_ms: int = DEFAULT_CACHE_MAX_AGE_MS,
         connection: RedisConnection | None = None,
+        cluster: bool = False,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         if isinstance(client, str):
-            client = connect(client, connection or RedisConnection(), socket_timeout_s)
+            client = connect(
+                client,
+                connection or RedisConnection(),
+                socket_timeout_s,
+                client_name=f"crossflow:{namespace}",  # CLIENT LIST shows whose they are
+                cluster=cluster,
+                max_connections=max_connections,
+                pool_timeout_s=op_timeout_s,
+            )
             self._owned = True
         else:
             self._owned = False
-        self._r: Redis = client
+        self._r: Redis | RedisCluster = client
         self._k = Keys(namespace)
         self._op_timeout_s = op_timeout_s
         self._scripts = Scripts(client)
         self._pools = PoolCache(cache_max_age_ms)
         self._lenders = LenderSample(cache_max_age_ms)
-        block_chunk_ms = max(1, int(socket_timeout_s * 250))  # 3/4 of the timeout as slack
-        self._notices = NoticeReader(client, self._k, self._backend, block_chunk_ms)
+        self._node_cache = NodeCache(cache_max_age_ms)
+        self._index = NodeIndex(client, self._k)
+        self._notices = NoticeReader(client, self._k, self._backend)
+        self._ingest = LeaseIngest(self._k, self._scripts, self._index_lenders)
+        self._admin = RedisAdmin(client, self._k, self._scripts, self._index, self._forget)
 
     @contextlib.asynccontextmanager
     async def _backend(self, what: str, extra_s: float = 0.0) -> AsyncIterator[None]:
@@ -142,21 +167,26 @@ class RedisStore(Store):
             log.warning("store_unavailable", op=what, error=repr(exc))
             raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
 
-    async def _index_lender(self, node_id: str, lease_expires_ms: int | None) -> None:
-        """Add or drop ``node_id`` in the lender index, best effort.
+    async def _index_lenders(self, changes: dict[str, int | None]) -> None:
+        """Add (lease expiry) or drop (None) lenders, best effort.
 
         The index only steers sampling (admission re-checks the node's real state, and entries
         leave by score once their lease expires), so a failure here must not turn a change
         that is already stored into an error for the caller."""
         self._lenders.drop()
+        for node_id in changes:
+            self._node_cache.drop(node_id)
         try:
             async with asyncio.timeout(self._op_timeout_s):
-                if lease_expires_ms is None:
-                    await self._r.zrem(self._k.lenders, node_id)
-                else:
-                    await self._r.zadd(self._k.lenders, {node_id: lease_expires_ms})
+                await self._index.set_lenders(changes)
         except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("lender_index_update_failed", node_id=node_id, error=repr(exc))
+            log.warning("lender_index_update_failed", nodes=len(changes), error=repr(exc))
+
+    def _forget(self, node_id: str) -> None:
+        """A node was deleted: this replica's caches must not vouch for it."""
+        self._notices.forget(node_id)
+        self._node_cache.drop(node_id)
+        self._lenders.drop()
 
     async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return await self._scripts.run(name, keys, args)
@@ -192,44 +222,18 @@ class RedisStore(Store):
         async with self._backend("register_node"):
             pipe = self._r.pipeline(transaction=False)
             fields = ["role", role.value, "pool", pool, "labels", json.dumps(labels)]
-            pipe.hset(k.info, items=list(fields))
+            pipe.hset(k.info, items=[*fields, "seen", now_ms])
             for name in ("cordoned", "cordon_reason", "seq"):
                 pipe.hsetnx(k.info, name, "0" if name != "cordon_reason" else "")
-            pipe.sadd(self._k.nodes, node_id)
             pipe.hgetall(k.info)
+            self._index.queue_add(pipe, node_id)
             out = await pipe.execute()
         self._notices.remember(node_id)
-        return codec.info_from(node_id, codec.text_map(out[-1]))
+        return codec.info_from(node_id, codec.text_map(out[-2]))
 
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
-        k = self._k.node(lease.node_id)
-        expires = now_ms + min(lease.ttl_ms, max_ttl_ms)
-        stored = StoredLease(lease=lease, received_at_ms=now_ms, expires_at_ms=expires)
-        zero = ""
-        if lease.zero_reason is not None:
-            zero = lease.zero_reason.value
-        elif lease.credits.is_zero():
-            zero = "no_capacity"
-        args: list[Any] = [
-            now_ms,
-            f"{lease.epoch:020d}{lease.version:020d}",
-            lease.epoch,
-            lease.version,
-            expires,
-            zero,
-            *lease.credits.as_tuple(),
-            lease.last_notice_seq,
-            stored.model_dump_json(),
-            HISTORY_CAP,
-            EVENTS_CAP,
-            NOTICES_CAP,
-        ]
-        keys = [k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries]
         async with self._backend("upsert_lease"):
-            out = await self._run("upsert_lease", keys, args)
-        if int(out[0]) == 1:
-            lends = not zero and not int(out[4])
-            await self._index_lender(lease.node_id, expires if lends else None)
+            out = await self._ingest.upsert(lease, now_ms, max_ttl_ms)
         if int(out[0]) == -1:
             raise FailedPrecondition(f"node {lease.node_id!r} is not registered", field="node_id")
         return LeaseOutcome(
@@ -245,10 +249,10 @@ class RedisStore(Store):
         keys = [self._k.pool(load.pool), self._k.pool_expiries(load.pool)]
         args: list[str | int] = [now_ms, load.node_id, stored.model_dump_json(), expires]
         async with self._backend("put_pool_load"):
-            pipe = self._r.pipeline(transaction=False)
-            await self._scripts.queue("put_pool_load", keys, args, pipe)
-            pipe.sadd(self._k.pools, load.pool)
-            await pipe.execute()
+            await self._scripts.run_with(
+                "put_pool_load", keys, args, ("SADD", self._k.pools, load.pool)
+            )
+            await self._run("touch_node", [self._k.node(load.node_id).info], [now_ms])
         self._pools.drop(load.pool)
 
     # -- admission --------------------------------------------------------------------------
@@ -257,27 +261,44 @@ class RedisStore(Store):
     ) -> tuple[PoolSnapshot | None, list[NodeState]]:
         ids = [n for n in dict.fromkeys(node_ids) if is_node_id(n)]
         snapshot = self._pools.get(pool, now_ms)
+        picked = self._lenders.pick(sample, now_ms) if not node_ids and sample > 0 else ids
+        if snapshot is not None and picked is not None:  # warm: no round trip, no I/O at all
+            cached = [s for n in picked if (s := self._node_cache.get(n, now_ms)) is not None]
+            if len(cached) == len(picked):
+                return snapshot, cached
+        read_pool = snapshot is None
+        reports: Any = None
         async with self._backend("admission_view"):
-            if not node_ids and sample > 0:
-                picked = self._lenders.pick(sample, now_ms)
-                ids = picked if picked is not None else await self._draw_lenders(sample, now_ms)
-            if snapshot is not None and not ids:
-                return snapshot, []
-            reports, states = await self._views(ids, now_ms, None if snapshot else pool)
+            if picked is None:  # a new lender draw; the pool's reports, when due, come along
+                ids, reports = await self._draw_lenders(sample, now_ms, pool if read_pool else None)
+                read_pool = False
+            else:
+                ids = picked
+            cached_by_id = {n: s for n in ids if (s := self._node_cache.get(n, now_ms)) is not None}
+            missing = [n for n in ids if n not in cached_by_id]
+            states: list[NodeState] = []
+            if missing or read_pool:
+                pool_reports, states = await self._views(
+                    missing, now_ms, pool if read_pool else None
+                )
+                reports = pool_reports if read_pool else reports
+        for state in states:
+            self._node_cache.put(state, now_ms)
         if snapshot is None:
             snapshot = self._pools.put(pool, codec.live_pool_loads(reports, now_ms), now_ms)
-        return snapshot, states
+        found = {**cached_by_id, **{s.info.node_id: s for s in states}}
+        return snapshot, [found[n] for n in ids if n in found]
 
-    async def _draw_lenders(self, sample: int, now_ms: int) -> list[str]:
-        """Drop expired lenders and draw up to LENDER_DRAW of them (one round trip), keep the
-        draw for the next requests, and pick ``sample`` of the live ones."""
-        pipe = self._r.pipeline(transaction=False)
-        pipe.zremrangebyscore(self._k.lenders, "-inf", now_ms)
-        pipe.zrandmember(self._k.lenders, max(sample, LENDER_DRAW), withscores=True)
-        flat = (await pipe.execute())[1] or []
-        members = [(codec.text(flat[i]), int(float(flat[i + 1]))) for i in range(0, len(flat), 2)]
+    async def _draw_lenders(
+        self, sample: int, now_ms: int, pool: str | None
+    ) -> tuple[list[str], Any]:
+        """Drop expired lenders and draw some from every index bucket, with ``pool``'s reports
+        when asked (one round trip); keep the draw for the next requests, and pick ``sample``
+        of the live ones."""
+        pool_key = self._k.pool(pool) if pool is not None else None
+        members, reports = await self._index.draw_lenders(sample, now_ms, pool_key)
         self._lenders.put(members, now_ms)
-        return self._lenders.choose(members, sample, now_ms)
+        return self._lenders.choose(members, sample, now_ms), reports
 
     async def try_debit(
         self,
@@ -289,52 +310,37 @@ class RedisStore(Store):
         request_id: str = "",
         owner: str = "",
     ) -> DebitOutcome:
-        check_debit_args(share, hold_ttl_ms, owner)
-        if not is_node_id(node_id):
-            return DebitOutcome(granted=False, refusal="unknown_node")
-        k = self._k.node(node_id)
-        rid = new_reservation_id(node_id, secrets.randbits(128))
-        expires = now_ms + hold_ttl_ms
-        args = [now_ms, repr(float(share)), expires, rid, request_id, *debit.as_tuple()]
+        request = DebitRequest(node_id, debit, request_id, owner)
+        return (await self.try_debits((request,), share, now_ms, hold_ttl_ms))[0]
+
+    async def try_debits(
+        self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
+    ) -> list[DebitOutcome]:
+        """ONE script call per node, all of them in ONE round trip (pipelined when several)."""
+        check_debit_args(share, hold_ttl_ms)
+        for d in debits:
+            check_owner(d.owner)
+        calls = [
+            DebitCall.build(d.node_id, d.debit, now_ms, hold_ttl_ms, d.request_id, d.owner)
+            for d in debits
+            if is_node_id(d.node_id)
+        ]
+        groups = script_calls(self._k, calls, share)
         async with self._backend("try_debit"):
-            out = await self._run(
-                "try_debit",
-                [k.info, k.lease, k.reservations, k.notices, k.expiries],
-                [*args, NOTICES_CAP, owner],
-            )
-        status = codec.text(out[0])
-        if status == "unknown_node":
-            return DebitOutcome(granted=False, refusal=status)
-        epoch, version = int(codec.text(out[1])), int(codec.text(out[2]))
-        if status != "granted":
-            short: tuple[str, ...] = ()
-            if status == "short":
-                short = tuple(CREDIT_NAMES[int(i) - 1] for i in codec.text(out[3]).split(","))
-            return DebitOutcome(
-                granted=False,
-                refusal=status,
-                short_credits=short,
-                lease_epoch=epoch,
-                lease_version=version,
-            )
-        # Every field is already valid (a checked node id, a validated debit, numbers this
-        # store produced), so the grant skips re-validation on the admission path.
-        res = Reservation.model_construct(
-            reservation_id=rid,
-            node_id=node_id,
-            state=ReservationState.HELD,
-            debit=debit,
-            lease_epoch=epoch,
-            lease_version=version,
-            created_at_ms=now_ms,
-            expires_at_ms=expires,
-            grant_seq=int(out[3]),
-            request_id=request_id,
-            owner=owner,
-        )
-        return DebitOutcome.model_construct(
-            granted=True, reservation=res, lease_epoch=epoch, lease_version=version
-        )
+            if len(groups) == 1:
+                replies = [await self._run("try_debit", groups[0].keys, groups[0].args)]
+            else:
+                replies = await self._scripts.run_many(
+                    "try_debit", [(g.keys, g.args) for g in groups]
+                )
+        by_call: list[DebitOutcome] = [UNKNOWN_NODE] * len(calls)
+        for group, reply in zip(groups, replies, strict=True):
+            for position, item in zip(group.positions, reply, strict=True):
+                by_call[position] = calls[position].outcome(item)
+            node_id = calls[group.positions[0]].node_id
+            refresh_cache(self._node_cache, node_id, reply[-1], now_ms)
+        found = iter(by_call)
+        return [next(found) if is_node_id(d.node_id) else UNKNOWN_NODE for d in debits]
 
     async def _change(self, name: str, reservation_id: str, args: list[Any]) -> Reservation:
         node_id = node_of_reservation(reservation_id)
@@ -383,11 +389,19 @@ class RedisStore(Store):
             raise NotFound(f"unknown node {node_id!r}", field="node_id")
         lease_exp, zero = codec.text(out[2]), codec.text(out[3])
         lends = not cordoned and lease_exp and not zero and int(lease_exp) > now_ms
-        await self._index_lender(node_id, int(lease_exp) if lends else None)
+        await self._index_lenders({node_id: int(lease_exp) if lends else None})
         return codec.info_from(node_id, codec.flat_pairs(out[1]))
 
+    async def delete_node(self, node_id: str, force: bool, now_ms: int) -> int:
+        async with self._backend("delete_node"):
+            return await self._admin.delete_node(node_id, force, now_ms)
+
+    async def expire_nodes(self, idle_ms: int, now_ms: int) -> list[str]:
+        async with self._backend("expire_nodes"):
+            return await self._admin.expire_nodes(idle_ms, now_ms)
+
     async def _node_ids(self) -> list[str]:
-        return sorted(codec.text(n) for n in await self._r.smembers(self._k.nodes))
+        return await self._index.node_ids()
 
     async def list_nodes(self, now_ms: int) -> list[NodeState]:
         async with self._backend("list_nodes"):
@@ -404,58 +418,22 @@ class RedisStore(Store):
         return states[0]
 
     async def list_reservations(self, node_id: str | None, now_ms: int) -> list[Reservation]:
-        if node_id is not None and not is_node_id(node_id):
-            raise NotFound(f"unknown node {node_id!r}", field="node_id")
         async with self._backend("list_reservations"):
-            ids = [node_id] if node_id is not None else await self._node_ids()
-            pipe = self._r.pipeline(transaction=False)
-            for n in ids:
-                pipe.exists(self._k.node(n).info)
-                pipe.hgetall(self._k.node(n).reservations)
-            out = await pipe.execute()
-        if node_id is not None and not out[0]:
-            raise NotFound(f"unknown node {node_id!r}", field="node_id")
-        found = [
-            codec.reservation_from(codec.text(rid), n, rec)
-            for n, raw in zip(ids, out[1::2], strict=True)
-            for rid, rec in raw.items()
-        ]
-        return sorted(
-            (r for r in found if r.expires_at_ms > now_ms),
-            key=lambda r: (r.created_at_ms, r.node_id, r.grant_seq),
-        )
+            return await self._admin.list_reservations(node_id, now_ms)
 
     async def list_pools(self, now_ms: int) -> list[PoolSnapshot]:
         async with self._backend("list_pools"):
-            pools = sorted(codec.text(p) for p in await self._r.smembers(self._k.pools))
-            pipe = self._r.pipeline(transaction=False)
-            for p in pools:
-                pipe.hgetall(self._k.pool(p))
-            out = await pipe.execute()
-        return [
-            PoolSnapshot(pool=p, reports=tuple(s.load for s in codec.live_pool_loads(raw, now_ms)))
-            for p, raw in zip(pools, out, strict=True)
-        ]
-
-    async def _node_list(self, node_id: str, key: str, limit: int) -> list[Any]:
-        if not is_node_id(node_id):
-            raise NotFound(f"unknown node {node_id!r}", field="node_id")
-        k = self._k.node(node_id)
-        async with self._backend("read_list"):
-            pipe = self._r.pipeline(transaction=False)
-            pipe.exists(k.info)
-            pipe.lrange(getattr(k, key), 0, max(0, limit) - 1)
-            exists, items = await pipe.execute()
-        if not exists:
-            raise NotFound(f"unknown node {node_id!r}", field="node_id")
-        return list(items) if limit > 0 else []
+            return await self._admin.list_pools(now_ms)
 
     async def lease_history(self, node_id: str, limit: int) -> list[StoredLease]:
-        items = await self._node_list(node_id, "history", limit)
+        async with self._backend("read_list"):
+            items = await self._admin.node_list(node_id, "history", limit)
         return [StoredLease.model_validate_json(i) for i in items]
 
     async def node_events(self, node_id: str, limit: int) -> list[NodeEvent]:
-        return [codec.event_from(i) for i in await self._node_list(node_id, "events", limit)]
+        async with self._backend("read_list"):
+            items = await self._admin.node_list(node_id, "events", limit)
+        return [codec.event_from(i) for i in items]
 
     # -- notices ----------------------------------------------------------------------------
     async def read_notices(
@@ -483,6 +461,11 @@ class RedisStore(Store):
             await self._r.ping()
 
     async def close(self) -> None:
+        await self._ingest.close()
+        await self._notices.hub.close()
         if self._owned:
             with contextlib.suppress(RedisError, OSError):
-                await self._r.aclose()
+                if isinstance(self._r, Redis):  # its pool was built here, so close it too
+                    await self._r.aclose(close_connection_pool=True)
+                else:
+                    await self._r.aclose()

@@ -175,7 +175,8 @@ def plan_from_proto(msg: admission_pb2.Explanation, plan_reason: Reason) -> Plan
     )
 
 
-def admission_to_proto(a: Admission) -> admission_pb2.AdmitResponse:
+def admission_to_proto(a: Admission, explain: bool = True) -> admission_pb2.AdmitResponse:
+    """``explain=False`` leaves the explanation out (AdmitStream's decisions, but dry runs)."""
     msg = admission_pb2.AdmitResponse(
         decision=decision_to_proto(a.decision),  # type: ignore[arg-type]
         reason=reason_to_proto(a.reason),  # type: ignore[arg-type]
@@ -189,7 +190,7 @@ def admission_to_proto(a: Admission) -> admission_pb2.AdmitResponse:
         normal_ttft_ms=_finite(a.normal_ttft_ms),
         shadow_decision=decision_to_proto(a.shadow_decision),  # type: ignore[arg-type]
     )
-    if a.plan is not None:
+    if a.plan is not None and explain:
         msg.explanation.CopyFrom(plan_to_proto(a.plan))
     return msg
 
@@ -270,6 +271,11 @@ WIRE_ONLY: dict[str, str] = {
     "crossflow.v1.ConnectResponse": "oneof envelope",
     "crossflow.v1.Welcome": "built from settings and NodeInfo",
     "crossflow.v1.LeaseAck": "built from LeaseOutcome / StaleLease / InvalidArgument",
+    "crossflow.v1.AdmitStreamRequest": "repeated AdmitStreamItem",
+    "crossflow.v1.AdmitStreamItem": "client id and an AdmitRequest",
+    "crossflow.v1.AdmitStreamResponse": "repeated AdmitStreamResult",
+    "crossflow.v1.AdmitStreamResult": "client id and an AdmitResponse or an AdmitStreamError",
+    "crossflow.v1.AdmitStreamError": "status code and message of a refused item",
     "crossflow.v1.CommitRequest": "reservation id only",
     "crossflow.v1.CommitResponse": "reservation id and expiry",
     "crossflow.v1.ReleaseRequest": "reservation id and outcome",
@@ -286,6 +292,8 @@ WIRE_ONLY: dict[str, str] = {
     "crossflow.v1.CordonRequest": "node id and reason",
     "crossflow.v1.CordonResponse": "NodeStatus",
     "crossflow.v1.UncordonRequest": "node id only",
+    "crossflow.v1.DeleteNodeRequest": "node id and the force flag",
+    "crossflow.v1.DeleteNodeResponse": "node id and a count",
     "crossflow.v1.UncordonResponse": "NodeStatus",
     "crossflow.v1.GetPolicyRequest": "empty",
     "crossflow.v1.SetPolicyRequest": "key -> text updates, see convert.policy_updates_from_proto",

@@ -98,3 +98,23 @@ async def agents() -> AsyncIterator[Callable[..., Awaitable[FakeAgent]]]:
         yield open_agent
     finally:
         await asyncio.gather(*(a.close() for a in opened))
+
+
+@pytest.fixture
+async def blackhole() -> AsyncIterator[int]:
+    """A TCP server that accepts and never answers: a hung Redis."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        while await reader.read(65536):
+            pass
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    try:
+        yield int(server.sockets[0].getsockname()[1])
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -29,26 +28,6 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture
-async def blackhole() -> AsyncIterator[int]:
-    """A TCP server that accepts and never answers: a hung Redis."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-        while await reader.read(65536):
-            pass
-
-    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
-    try:
-        yield int(server.sockets[0].getsockname()[1])
-    finally:
-        for w in held:
-            w.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def _broker_on(url: str) -> BrokerServer:

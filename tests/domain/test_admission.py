@@ -23,6 +23,7 @@ from crossflow_ctl.domain.models import (
     ZeroReason,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.safety import fits
 
 NOW = 1_000_000
 # 1 KiB per token over 1,024,000 B/s keeps transfer times easy: 1 token = 1 ms.
@@ -216,7 +217,7 @@ def test_a_ranked_node_always_satisfies_all_three_conditions(
         assert plan.demand.holds
         assert plan.normal_path is not None
         assert check.predicted_ttft_ms < plan.normal_path.total_ms
-        assert not credits.short_of(check.debit)
+        assert fits(credits, Credits(), SETTINGS.borrow_share, check.debit)
 
 
 def _priced(node_id: str = "d0") -> NodeState:

@@ -5,13 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import (
     MAX_TOKENS,
-    Credits,
     Lease,
     PoolLoad,
     PoolSnapshot,
@@ -20,16 +17,6 @@ from crossflow_ctl.domain.models import (
     validated,
 )
 from crossflow_ctl.domain.policy import PolicySettings
-
-credit_values = st.integers(min_value=0, max_value=10_000)
-credits = st.builds(
-    Credits,
-    compute_tokens=credit_values,
-    kv_tokens=credit_values,
-    kv_transfer_bytes=credit_values,
-    output_tokens=credit_values,
-    slots=st.integers(0, 100),
-)
 
 
 def lease(**overrides: object) -> Lease:
@@ -82,15 +69,6 @@ def test_expired_or_zero_stored_lease_counts_as_zero() -> None:
         lease=lease(zero_reason=ZeroReason.CORDONED), received_at_ms=0, expires_at_ms=10**9
     )
     assert zero.effective_credits(5).is_zero()
-
-
-@given(credits, credits)
-def test_short_of_names_exactly_the_credits_that_do_not_fit(have: Credits, need: Credits) -> None:
-    short = have.short_of(need)
-    for name in ("compute_tokens", "kv_tokens", "kv_transfer_bytes", "output_tokens", "slots"):
-        assert (name in short) == (getattr(need, name) > getattr(have, name))
-    if not short:
-        assert have.minus(need).plus(need) == have
 
 
 def test_pool_wait_is_outstanding_over_rate() -> None:

@@ -16,8 +16,8 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
-from crossflow_ctl.client import AdminClient, AdmissionClient
-from crossflow_ctl.domain.admission import Decision
+from crossflow_ctl.client import AdminClient, AdmissionClient, AdmissionStream
+from crossflow_ctl.domain.admission import Decision, Reason
 from crossflow_ctl.domain.errors import (
     ConfigError,
     NotFound,
@@ -275,3 +275,41 @@ async def test_watch_room_is_for_routers_not_nodes(brokers: Brokers) -> None:
         async for update in router.watch_room(pool="default"):
             assert update.seq >= 1  # the stream answers a router
             break
+
+
+async def test_streamed_grants_are_owned_by_the_streams_caller(brokers: Brokers) -> None:
+    server = await brokers.start(brokers.mtls())
+    agents = await _lending_cluster(
+        brokers, server, brokers.creds("node", "d1"), brokers.creds("node", "p1")
+    )
+    t = target(server)
+    try:
+        async with (
+            AdmissionStream(t, timeout_s=5, credentials=brokers.creds("router", "a")) as a,
+            AdmissionClient(t, timeout_s=5, credentials=brokers.creds("router", "b")) as b,
+            AdminClient(t, credentials=brokers.creds("admin", "ops")) as admin,
+        ):
+            granted = await a.admit(uncached_prompt_tokens=1_000, expected_output_tokens=100)
+            assert granted.decision is Decision.BORROW, granted.message
+            held = await admin.list_reservations()
+            assert [(r.reservation_id, r.owner) for r in held] == [
+                (granted.reservation_id, "router/a")
+            ]
+            with pytest.raises(PermissionDenied):
+                await b.release(granted.reservation_id)
+        # A node may not admit: its stream is refused, and its request fails closed.
+        async with AdmissionStream(t, timeout_s=5, credentials=brokers.creds("node", "d1")) as n:
+            refused = await n.admit(uncached_prompt_tokens=1_000)
+            assert (refused.decision, refused.reason) == (
+                Decision.NORMAL,
+                Reason.BROKER_UNAVAILABLE,
+            )
+            assert "PERMISSION_DENIED" in refused.message
+            assert len(await admin_list(brokers, t)) == 1  # nothing granted
+    finally:
+        await _close(agents)
+
+
+async def admin_list(brokers: Brokers, t: str) -> list[Any]:
+    async with AdminClient(t, credentials=brokers.creds("admin", "ops")) as admin:
+        return await admin.list_reservations()

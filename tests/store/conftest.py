@@ -1,7 +1,9 @@
-"""Store fixtures: every contract test runs on the MemoryStore and on a RedisStore (real Redis)."""
+"""Store fixtures: every contract test runs on the MemoryStore, a RedisStore on real Redis and a
+RedisStore on a real Redis Cluster."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -9,16 +11,27 @@ import pytest
 from crossflow_ctl.store.base import Store
 from crossflow_ctl.store.memory import MemoryStore
 from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import delete_cluster_namespace
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """The contract suite runs on each: the embedded store, one Redis, and a real 3-master
+    Redis Cluster (``redis_cluster_url``) through ``redis.asyncio.RedisCluster``."""
+    cleanup = None
     if request.param == "memory":
         s: Store = MemoryStore(seed=1)
-    else:
+    elif request.param == "redis":
         url = request.getfixturevalue("redis_url")
         s = RedisStore(url, namespace=request.getfixturevalue("redis_namespace"))
+    else:
+        url = request.getfixturevalue("redis_cluster_url")
+        namespace = f"cft-{uuid.uuid4().hex[:12]}"
+        s = RedisStore(url, namespace=namespace, cluster=True)
+        cleanup = (url, namespace)
     try:
         yield s
     finally:
         await s.close()
+        if cleanup is not None:
+            delete_cluster_namespace(*cleanup)

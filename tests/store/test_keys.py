@@ -8,8 +8,14 @@ import pytest
 from redis.crc import key_slot
 
 from crossflow_ctl.domain.errors import InvalidArgument
-from crossflow_ctl.store.keys import Keys, is_node_id, new_reservation_id, node_of_reservation
-from crossflow_ctl.store.redis_scripts import GLOBAL, PER_NODE
+from crossflow_ctl.store.keys import (
+    INDEX_BUCKETS,
+    Keys,
+    is_node_id,
+    new_reservation_id,
+    node_of_reservation,
+)
+from crossflow_ctl.store.redis_scripts import PER_NODE, STANDALONE
 
 
 def slots(*keys: str) -> set[int]:
@@ -33,6 +39,15 @@ def test_nodes_spread_and_pool_keys_share_a_slot() -> None:
     assert Keys("a").node("d1").info != Keys("b").node("d1").info
 
 
+def test_global_indexes_are_buckets_spread_over_slots() -> None:
+    keys = Keys("cf")
+    buckets = {keys.bucket(f"decode-{i}") for i in range(1_000)}
+    assert buckets == set(range(INDEX_BUCKETS))  # every bucket used: no hot one
+    assert len(slots(*(keys.nodes(b) for b in buckets))) == INDEX_BUCKETS
+    assert len(slots(*(keys.lenders(b) for b in buckets))) == INDEX_BUCKETS
+    assert keys.bucket("decode-7") == Keys("other").bucket("decode-7")  # stable, not hash()
+
+
 def test_reservation_ids_name_their_node() -> None:
     rid = new_reservation_id("d-1.x", 2**128 - 1)
     assert rid == "f" * 32 + "@d-1.x"
@@ -46,7 +61,7 @@ def test_reservation_ids_name_their_node() -> None:
     assert is_node_id("d1") and not is_node_id("d 1") and not is_node_id("{d1}")
 
 
-@pytest.mark.parametrize("name", [*PER_NODE, *GLOBAL, "_lib"])
+@pytest.mark.parametrize("name", [*PER_NODE, *STANDALONE, "_lib"])
 def test_every_script_states_its_keys_args_and_return(name: str) -> None:
     text = resources.files("crossflow_ctl.store").joinpath(f"lua/{name}.lua").read_text()
     header = []
@@ -58,7 +73,7 @@ def test_every_script_states_its_keys_args_and_return(name: str) -> None:
     assert header and "KEYS" in joined and "ARGV" in joined and "Returns" in joined
 
 
-@pytest.mark.parametrize("name", [*PER_NODE, *GLOBAL, "_lib"])
+@pytest.mark.parametrize("name", [*PER_NODE, *STANDALONE, "_lib"])
 def test_scripts_touch_only_the_keys_they_are_given(name: str) -> None:
     """Cluster routes a script by its KEYS; a key name built inside Lua could cross slots."""
     text = resources.files("crossflow_ctl.store").joinpath(f"lua/{name}.lua").read_text()
@@ -67,5 +82,7 @@ def test_scripts_touch_only_the_keys_they_are_given(name: str) -> None:
     for call in code.split("redis.call(")[1:]:
         args = call.split(")")[0]
         assert "'" in args.split(",")[0], f"command name must be a literal: {args}"
+        if args.startswith("'PUBLISH'"):
+            continue  # a channel, not a key: classic pub/sub is not slot-bound
         key = args.split(",")[1].strip() if "," in args else ""
         assert ".." not in key and ":" not in key, f"{name}: key built in Lua: {args}"

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.models import Credits, NodeState, ZeroReason
+from crossflow_ctl.domain.safety import over_committed
 from crossflow_ctl.store.base import DebitOutcome, Store
 from crossflow_ctl.store.memory import MemoryStore
 from crossflow_ctl.store.redis_store import RedisStore
@@ -131,8 +132,8 @@ class Lockstep:
         for store in self.stores:
             state = await store.get_node(node, self.now)
             assert state.lease is not None
-            limit = state.lease.lease.credits.scaled(share)
-            assert not limit.short_of(state.open_debits), (limit, state.open_debits)
+            limit = state.lease.lease.credits
+            assert not over_committed(limit, state.open_debits, share), (limit, state.open_debits)
 
     async def run(self, step: tuple[Any, ...]) -> None:
         kind = step[0]

@@ -54,7 +54,12 @@ async def race(
 
 @pytest.fixture
 async def clients(redis_url: str, redis_namespace: str) -> AsyncIterator[list[RedisStore]]:
-    stores = [RedisStore(redis_url, namespace=redis_namespace) for _ in range(4)]
+    # 300 racing calls on a shared, loaded test Redis: a roomy socket timeout keeps a slow moment
+    # from failing the race (the invariant checked does not depend on timing).
+    stores = [
+        RedisStore(redis_url, namespace=redis_namespace, socket_timeout_s=10.0, op_timeout_s=20.0)
+        for _ in range(4)
+    ]
     try:
         yield stores
     finally:

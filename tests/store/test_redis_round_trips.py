@@ -1,7 +1,7 @@
 """Round trips of the Redis store's hot paths on real Redis: the admission-path caches
 (crossflow_ctl.store.redis_cache: round trips saved, failing closed when stale, absence never
-cached, local writes seen at once, other replicas' writes seen after the age bound) and the
-notice relay's waiting read."""
+cached, local writes seen at once, other replicas' writes seen after the age bound, node views
+refreshed by debit replies), batched debits, and the notice relay's waiting read."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from redis.asyncio import Connection, Redis
 
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import NodeRole, PoolLoad
+from crossflow_ctl.store.base import DebitRequest
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.store.helpers import NOW, credits, lease, register
 
@@ -51,7 +52,9 @@ async def pair(redis_url: str, redis_namespace: str) -> AsyncIterator[tuple[Redi
         await b.close()
 
 
-async def test_warm_admission_view_is_one_round_trip(redis_url: str, redis_namespace: str) -> None:
+async def test_warm_admission_view_needs_no_round_trip(
+    redis_url: str, redis_namespace: str
+) -> None:
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
     store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
     try:
@@ -76,9 +79,9 @@ async def test_warm_admission_view_is_one_round_trip(redis_url: str, redis_names
     assert sorted(n.info.node_id for n in nodes) == ["d1", "d2"]
     assert sorted(n.info.node_id for n in nodes_again) == ["d1", "d2"]
     assert [n.info.node_id for n in one] == ["d1"]
-    assert cold == 2  # lender draw, then pool reports + node views
-    assert warm == 1  # node views only (one pipeline)
-    assert single == 1  # one EVALSHA
+    assert cold == 1  # lender draw with the pool's reports (nodes cached by the first read)
+    assert warm == 0  # pool, lender draw and node states all cached
+    assert single == 0
 
 
 async def test_cached_pool_fails_closed_once_a_report_expires(pair: tuple[RedisStore, ...]) -> None:
@@ -188,6 +191,12 @@ async def test_a_waiting_read_with_notices_there_is_one_round_trip(
         await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
         await store.try_debit("d1", credits(1), 1.0, NOW, 100)
         await store.try_debit("d1", credits(1), 1.0, NOW, 100)
+        # The first wait subscribes the store to notice wakes (its own connection, once).
+        assert await store.read_notices("d1", 2, 10, block_ms=100) == []
+        for _ in range(100):
+            if store._notices.hub.live:
+                break
+            await asyncio.sleep(0.05)
         before = CountingConnection.sent
         found = await store.read_notices("d1", 0, 10, block_ms=10_000)
         sent = CountingConnection.sent - before
@@ -220,13 +229,13 @@ async def test_parsed_node_info_follows_every_change(pair: tuple[RedisStore, ...
     a, b = pair
     await a.register_node("d1", NodeRole.DECODE, "default", {"zone": "a"}, NOW)
     await a.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
-    first = (await a.admission_view("default", ["d1"], 8, NOW))[1][0]
+    first = await a.get_node("d1", NOW)
     await a.try_debit("d1", credits(1), 1.0, NOW, 100)
-    second = (await a.admission_view("default", ["d1"], 8, NOW))[1][0]
+    second = await a.get_node("d1", NOW)
     await b.register_node("d1", NodeRole.DECODE, "default", {"zone": "b"}, NOW)
     await b.set_cordon("d1", True, "maintenance", NOW)
     await b.upsert_lease(lease("d1", version=2, value=50, ttl_ms=TTL), NOW, TTL)
-    third = (await a.admission_view("default", ["d1"], 8, NOW))[1][0]
+    third = await a.get_node("d1", NOW)
     assert (first.info.notice_seq, second.info.notice_seq, third.info.notice_seq) == (0, 1, 2)
     assert first.info.labels == second.info.labels == {"zone": "a"}
     assert third.info.labels == {"zone": "b"}
@@ -237,3 +246,120 @@ async def test_parsed_node_info_follows_every_change(pair: tuple[RedisStore, ...
     assert (first.lease.lease.version, third.lease.lease.version) == (1, 2)
     assert third.lease.lease.credits == credits(50)
     assert third == await b.get_node("d1", NOW)
+
+
+async def test_warm_admission_is_one_round_trip_and_debits_refresh_the_view(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Plan on the cached view (no trip), debit (one trip); the debit's reply is the new view."""
+    client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
+    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
+    try:
+        await register(store, "d1")
+        await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
+        await store.put_pool_load(load(), NOW, TTL)
+        await store.admission_view("default", [], 8, NOW)  # cold: fills the caches
+        before = CountingConnection.sent
+        _, nodes = await store.admission_view("default", [], 8, NOW + 1)
+        out = await store.try_debit("d1", credits(3), 1.0, NOW + 1, 500)
+        _, after = await store.admission_view("default", [], 8, NOW + 2)
+        trips = CountingConnection.sent - before
+        fresh = await store.get_node("d1", NOW + 2)
+    finally:
+        await store.close()
+        await client.aclose()
+    assert out.granted
+    assert [n.open_reservations for n in nodes] == [0]
+    assert trips == 1
+    assert after[0].open_debits == credits(3) == fresh.open_debits
+    assert after[0].open_reservations == 1 == fresh.open_reservations
+
+
+async def test_a_cached_view_never_over_commits_and_is_dropped_when_the_debit_disagrees(
+    pair: tuple[RedisStore, ...],
+) -> None:
+    """Another replica shrinks the lease and cordons: the cached view still says roomy, but the
+    debit script checks the live lease; its reply drops the stale entry."""
+    a, b = pair
+    await register(a, "d1")
+    await a.upsert_lease(lease("d1", value=100, ttl_ms=TTL), NOW, TTL)
+    (_, [seen]) = await a.admission_view("default", ["d1"], 8, NOW)
+    await b.upsert_lease(lease("d1", version=2, value=10, ttl_ms=TTL), NOW, TTL)
+    (_, [stale]) = await a.admission_view("default", ["d1"], 8, NOW)
+    assert stale == seen  # within the age bound: planned on the cached lease ...
+    refused = await a.try_debit("d1", credits(50), 1.0, NOW, 500)
+    assert not refused.granted and refused.refusal == "short"  # ... checked against the live one
+    assert refused.lease_version == 2
+    (_, [fresh]) = await a.admission_view("default", ["d1"], 8, NOW)
+    assert fresh.lease is not None and fresh.lease.lease.version == 2  # entry dropped, re-read
+    # A grant refreshes the entry from the reply; a cordon elsewhere is caught by the script.
+    assert (await a.try_debit("d1", credits(4), 1.0, NOW, 500)).granted
+    await b.set_cordon("d1", True, "maintenance", NOW)
+    (_, [cached]) = await a.admission_view("default", ["d1"], 8, NOW)
+    assert not cached.info.cordoned and cached.open_debits == credits(4)
+    cordoned = await a.try_debit("d1", credits(1), 1.0, NOW, 500)
+    assert cordoned.refusal == "cordoned"
+    (_, [now_seen]) = await a.admission_view("default", ["d1"], 8, NOW)
+    assert now_seen.info.cordoned
+
+
+async def test_cached_node_views_are_bounded_in_age_and_by_the_clock(
+    redis_url: str, redis_namespace: str
+) -> None:
+    reader = RedisStore(redis_url, namespace=redis_namespace, cache_max_age_ms=20)
+    writer = RedisStore(redis_url, namespace=redis_namespace)
+    try:
+        await register(writer, "d1")
+        await writer.upsert_lease(lease("d1", ttl_ms=60_000), NOW, 60_000)
+        assert (await reader.admission_view("default", ["d1"], 8, NOW))[1][0].open_reservations == 0
+        await writer.try_debit("d1", credits(1), 1.0, NOW, 60_000)
+        # A clock that went backwards re-reads rather than trusting what it cached.
+        (_, [back]) = await reader.admission_view("default", ["d1"], 8, NOW - 1)
+        assert back.open_reservations == 1
+        await writer.try_debit("d1", credits(1), 1.0, NOW, 60_000)
+        seen = 1
+        for _ in range(200):  # bounded; the entry is at most 20 ms old
+            await asyncio.sleep(0.01)
+            seen = (await reader.admission_view("default", ["d1"], 8, NOW))[1][0].open_reservations
+            if seen == 2:
+                break
+        assert seen == 2
+    finally:
+        await reader.close()
+        await writer.close()
+
+
+async def test_a_batch_of_debits_is_one_round_trip_each_atomic_in_order(
+    redis_url: str, redis_namespace: str
+) -> None:
+    client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
+    store = RedisStore(client, namespace=redis_namespace)
+    try:
+        await register(store, "d1", "d2")
+        await store.upsert_lease(lease("d1", value=10, ttl_ms=TTL), NOW, TTL)
+        await store.upsert_lease(lease("d2", value=10, ttl_ms=TTL), NOW, TTL)
+        await store.try_debit("d1", credits(0), 1.0, NOW, 100)  # the script is loaded
+        batch = [
+            DebitRequest("d1", credits(6), "r0"),
+            DebitRequest("d2", credits(6), "r1"),
+            DebitRequest("d1", credits(6), "r2"),  # after r0 on the same node: no room left
+            DebitRequest("ghost", credits(1), "r3"),
+            DebitRequest("bad id!", credits(1), "r4"),
+            DebitRequest("d1", credits(4), "r5"),
+        ]
+        before = CountingConnection.sent
+        outs = await store.try_debits(batch, 1.0, NOW, 100)
+        trips = CountingConnection.sent - before
+        # NOSCRIPT (a restarted Redis): the calls that met it are sent again, once.
+        store._scripts.by_name["try_debit"].sha = "0" * 40
+        again = await store.try_debits([DebitRequest("d2", credits(4), "r6")] * 2, 1.0, NOW, 100)
+        open_d1 = (await store.get_node("d1", NOW)).open_debits
+    finally:
+        await store.close()
+        await client.aclose()
+    assert trips == 1
+    assert [o.granted for o in outs] == [True, True, False, False, False, True]
+    assert [o.refusal for o in outs[2:5]] == ["short", "unknown_node", "unknown_node"]
+    assert [o.reservation.request_id for o in outs if o.reservation] == ["r0", "r1", "r5"]
+    assert open_d1 == credits(10)
+    assert [o.granted for o in again] == [True, False]

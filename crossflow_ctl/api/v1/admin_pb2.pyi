@@ -485,6 +485,52 @@ class UncordonResponse(_message.Message):
 Global___UncordonResponse: _TypeAlias = UncordonResponse  # noqa: Y015
 
 @_typing.final
+class DeleteNodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    force: _builtins.bool
+    """Delete even with open reservations (they stop counting at once)."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        force: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteNodeRequest: _TypeAlias = DeleteNodeRequest  # noqa: Y015
+
+@_typing.final
+class DeleteNodeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    OPEN_RESERVATIONS_DROPPED_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    open_reservations_dropped: _builtins.int
+    """Reservations that still counted when the node was deleted (only with force)."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        open_reservations_dropped: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "open_reservations_dropped", b"open_reservations_dropped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteNodeResponse: _TypeAlias = DeleteNodeResponse  # noqa: Y015
+
+@_typing.final
 class GetPolicyRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -75,6 +75,11 @@ class AdminServiceStub:
                 request_serializer=crossflow_dot_v1_dot_admin__pb2.SetPolicyRequest.SerializeToString,
                 response_deserializer=crossflow_dot_v1_dot_admin__pb2.SetPolicyResponse.FromString,
                 _registered_method=True)
+        self.DeleteNode = channel.unary_unary(
+                '/crossflow.v1.AdminService/DeleteNode',
+                request_serializer=crossflow_dot_v1_dot_admin__pb2.DeleteNodeRequest.SerializeToString,
+                response_deserializer=crossflow_dot_v1_dot_admin__pb2.DeleteNodeResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -129,6 +134,14 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteNode(self, request, context):
+        """Remove a node and all its state (lease, reservations, notices, history).
+        FAILED_PRECONDITION while reservations still count, unless force.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +184,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.SetPolicy,
                     request_deserializer=crossflow_dot_v1_dot_admin__pb2.SetPolicyRequest.FromString,
                     response_serializer=crossflow_dot_v1_dot_admin__pb2.SetPolicyResponse.SerializeToString,
+            ),
+            'DeleteNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteNode,
+                    request_deserializer=crossflow_dot_v1_dot_admin__pb2.DeleteNodeRequest.FromString,
+                    response_serializer=crossflow_dot_v1_dot_admin__pb2.DeleteNodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -390,6 +408,33 @@ class AdminService:
             '/crossflow.v1.AdminService/SetPolicy',
             crossflow_dot_v1_dot_admin__pb2.SetPolicyRequest.SerializeToString,
             crossflow_dot_v1_dot_admin__pb2.SetPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crossflow.v1.AdminService/DeleteNode',
+            crossflow_dot_v1_dot_admin__pb2.DeleteNodeRequest.SerializeToString,
+            crossflow_dot_v1_dot_admin__pb2.DeleteNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

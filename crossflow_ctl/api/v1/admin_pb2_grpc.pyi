@@ -41,6 +41,10 @@ class AdminServiceStub:
     Uncordon: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UncordonRequest, _admin_pb2.UncordonResponse]
     GetPolicy: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetPolicyRequest, _admin_pb2.GetPolicyResponse]
     SetPolicy: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetPolicyRequest, _admin_pb2.SetPolicyResponse]
+    DeleteNode: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteNodeRequest, _admin_pb2.DeleteNodeResponse]
+    """Remove a node and all its state (lease, reservations, notices, history).
+    FAILED_PRECONDITION while reservations still count, unless force.
+    """
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -55,6 +59,10 @@ class AdminServiceAsyncStub(AdminServiceStub):
     Uncordon: _aio.UnaryUnaryMultiCallable[_admin_pb2.UncordonRequest, _admin_pb2.UncordonResponse]  # type: ignore[assignment]
     GetPolicy: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetPolicyRequest, _admin_pb2.GetPolicyResponse]  # type: ignore[assignment]
     SetPolicy: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetPolicyRequest, _admin_pb2.SetPolicyResponse]  # type: ignore[assignment]
+    DeleteNode: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteNodeRequest, _admin_pb2.DeleteNodeResponse]  # type: ignore[assignment]
+    """Remove a node and all its state (lease, reservations, notices, history).
+    FAILED_PRECONDITION while reservations still count, unless force.
+    """
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     """For crossflowctl and operators."""
@@ -114,5 +122,15 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.SetPolicyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.SetPolicyResponse, _abc.Awaitable[_admin_pb2.SetPolicyResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteNode(
+        self,
+        request: _admin_pb2.DeleteNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.DeleteNodeResponse, _abc.Awaitable[_admin_pb2.DeleteNodeResponse]]:
+        """Remove a node and all its state (lease, reservations, notices, history).
+        FAILED_PRECONDITION while reservations still count, unless force.
+        """
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -363,6 +363,125 @@ class AdmitResponse(_message.Message):
 Global___AdmitResponse: _TypeAlias = AdmitResponse  # noqa: Y015
 
 @_typing.final
+class AdmitStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdmitStreamItem]: ...
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___AdmitStreamItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitStreamRequest: _TypeAlias = AdmitStreamRequest  # noqa: Y015
+
+@_typing.final
+class AdmitStreamItem(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the client; the result carries it back."""
+    @_builtins.property
+    def request(self) -> Global___AdmitRequest: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        request: Global___AdmitRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitStreamItem: _TypeAlias = AdmitStreamItem  # noqa: Y015
+
+@_typing.final
+class AdmitStreamResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdmitStreamResult]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___AdmitStreamResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitStreamResponse: _TypeAlias = AdmitStreamResponse  # noqa: Y015
+
+@_typing.final
+class AdmitStreamResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    DECISION_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    @_builtins.property
+    def decision(self) -> Global___AdmitResponse: ...
+    @_builtins.property
+    def error(self) -> Global___AdmitStreamError: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        decision: Global___AdmitResponse | None = ...,
+        error: Global___AdmitStreamError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "error", b"error", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "error", b"error", "id", b"id", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["decision", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___AdmitStreamResult: _TypeAlias = AdmitStreamResult  # noqa: Y015
+
+@_typing.final
+class AdmitStreamError(_message.Message):
+    """Why one item got no decision."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A google.rpc.Code number (3: INVALID_ARGUMENT)."""
+    message: _builtins.str
+    """"field: detail"."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitStreamError: _TypeAlias = AdmitStreamError  # noqa: Y015
+
+@_typing.final
 class CommitRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

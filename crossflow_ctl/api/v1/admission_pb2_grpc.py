@@ -41,6 +41,11 @@ class AdmissionServiceStub:
                 request_serializer=crossflow_dot_v1_dot_admission__pb2.AdmitRequest.SerializeToString,
                 response_deserializer=crossflow_dot_v1_dot_admission__pb2.AdmitResponse.FromString,
                 _registered_method=True)
+        self.AdmitStream = channel.stream_stream(
+                '/crossflow.v1.AdmissionService/AdmitStream',
+                request_serializer=crossflow_dot_v1_dot_admission__pb2.AdmitStreamRequest.SerializeToString,
+                response_deserializer=crossflow_dot_v1_dot_admission__pb2.AdmitStreamResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/crossflow.v1.AdmissionService/Commit',
                 request_serializer=crossflow_dot_v1_dot_admission__pb2.CommitRequest.SerializeToString,
@@ -65,6 +70,16 @@ class AdmissionServiceServicer:
 
     def Admit(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdmitStream(self, request_iterator, context):
+        """Admit for high-QPS routers: requests in, decisions out, on one stream. Each item carries a
+        client-chosen id and its result comes back with that id (batched, in any order). Every
+        item is answered: a decision (NORMAL on any doubt, as Admit) or, for a bad item, an error
+        for that item alone; the stream stays up. Decisions carry an explanation for dry runs only.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -99,6 +114,11 @@ def add_AdmissionServiceServicer_to_server(servicer, server):
                     servicer.Admit,
                     request_deserializer=crossflow_dot_v1_dot_admission__pb2.AdmitRequest.FromString,
                     response_serializer=crossflow_dot_v1_dot_admission__pb2.AdmitResponse.SerializeToString,
+            ),
+            'AdmitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.AdmitStream,
+                    request_deserializer=crossflow_dot_v1_dot_admission__pb2.AdmitStreamRequest.FromString,
+                    response_serializer=crossflow_dot_v1_dot_admission__pb2.AdmitStreamResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -145,6 +165,33 @@ class AdmissionService:
             '/crossflow.v1.AdmissionService/Admit',
             crossflow_dot_v1_dot_admission__pb2.AdmitRequest.SerializeToString,
             crossflow_dot_v1_dot_admission__pb2.AdmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/crossflow.v1.AdmissionService/AdmitStream',
+            crossflow_dot_v1_dot_admission__pb2.AdmitStreamRequest.SerializeToString,
+            crossflow_dot_v1_dot_admission__pb2.AdmitStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

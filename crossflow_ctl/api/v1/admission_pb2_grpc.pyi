@@ -36,6 +36,12 @@ class AdmissionServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> AdmissionServiceAsyncStub: ...
     Admit: _grpc.UnaryUnaryMultiCallable[_admission_pb2.AdmitRequest, _admission_pb2.AdmitResponse]
+    AdmitStream: _grpc.StreamStreamMultiCallable[_admission_pb2.AdmitStreamRequest, _admission_pb2.AdmitStreamResponse]
+    """Admit for high-QPS routers: requests in, decisions out, on one stream. Each item carries a
+    client-chosen id and its result comes back with that id (batched, in any order). Every
+    item is answered: a decision (NORMAL on any doubt, as Admit) or, for a bad item, an error
+    for that item alone; the stream stays up. Decisions carry an explanation for dry runs only.
+    """
     Commit: _grpc.UnaryUnaryMultiCallable[_admission_pb2.CommitRequest, _admission_pb2.CommitResponse]
     Release: _grpc.UnaryUnaryMultiCallable[_admission_pb2.ReleaseRequest, _admission_pb2.ReleaseResponse]
     WatchRoom: _grpc.UnaryStreamMultiCallable[_admission_pb2.WatchRoomRequest, _admission_pb2.WatchRoomResponse]
@@ -54,6 +60,12 @@ class AdmissionServiceAsyncStub(AdmissionServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Admit: _aio.UnaryUnaryMultiCallable[_admission_pb2.AdmitRequest, _admission_pb2.AdmitResponse]  # type: ignore[assignment]
+    AdmitStream: _aio.StreamStreamMultiCallable[_admission_pb2.AdmitStreamRequest, _admission_pb2.AdmitStreamResponse]  # type: ignore[assignment]
+    """Admit for high-QPS routers: requests in, decisions out, on one stream. Each item carries a
+    client-chosen id and its result comes back with that id (batched, in any order). Every
+    item is answered: a decision (NORMAL on any doubt, as Admit) or, for a bad item, an error
+    for that item alone; the stream stays up. Decisions carry an explanation for dry runs only.
+    """
     Commit: _aio.UnaryUnaryMultiCallable[_admission_pb2.CommitRequest, _admission_pb2.CommitResponse]  # type: ignore[assignment]
     Release: _aio.UnaryUnaryMultiCallable[_admission_pb2.ReleaseRequest, _admission_pb2.ReleaseResponse]  # type: ignore[assignment]
     WatchRoom: _aio.UnaryStreamMultiCallable[_admission_pb2.WatchRoomRequest, _admission_pb2.WatchRoomResponse]  # type: ignore[assignment]
@@ -75,6 +87,18 @@ class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admission_pb2.AdmitRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admission_pb2.AdmitResponse, _abc.Awaitable[_admission_pb2.AdmitResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def AdmitStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_admission_pb2.AdmitStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_admission_pb2.AdmitStreamResponse], _abc.AsyncIterator[_admission_pb2.AdmitStreamResponse]]:
+        """Admit for high-QPS routers: requests in, decisions out, on one stream. Each item carries a
+        client-chosen id and its result comes back with that id (batched, in any order). Every
+        item is answered: a decision (NORMAL on any doubt, as Admit) or, for a bad item, an error
+        for that item alone; the stream stays up. Decisions carry an explanation for dry runs only.
+        """
 
     @_abc_1.abstractmethod
     def Commit(

@@ -78,6 +78,15 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.UncordonResponse(node=self._status(node))
 
     @maps_errors
+    async def DeleteNode(
+        self, request: admin_pb2.DeleteNodeRequest, context: Ctx
+    ) -> admin_pb2.DeleteNodeResponse:
+        dropped = await self._broker.delete_node(request.node_id, request.force)
+        return admin_pb2.DeleteNodeResponse(
+            node_id=request.node_id, open_reservations_dropped=dropped
+        )
+
+    @maps_errors
     async def GetPolicy(
         self, request: admin_pb2.GetPolicyRequest, context: Ctx
     ) -> admin_pb2.GetPolicyResponse:

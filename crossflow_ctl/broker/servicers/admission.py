@@ -1,6 +1,6 @@
-"""AdmissionService: Admit always answers (NORMAL on any store doubt); Commit and Release map
-domain errors to status codes; WatchRoom streams room updates (INVALID_ARGUMENT on a bad
-subscription, before the first update)."""
+"""AdmissionService: Admit and AdmitStream always answer (NORMAL on any store doubt); Commit and
+Release map domain errors to status codes; WatchRoom streams room updates (INVALID_ARGUMENT on a
+bad subscription, before the first update)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
+from crossflow_ctl.broker.admit_stream import answer_stream
 from crossflow_ctl.broker.auth import owner_filter, reservation_owner
 from crossflow_ctl.broker.servicers import maps_errors, status_for
 from crossflow_ctl.domain.errors import CrossflowError
@@ -28,6 +29,15 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         owner = reservation_owner()
         admission = await self._broker.admit(admit_request_from_proto(request), owner)
         return admission_to_proto(admission)
+
+    async def AdmitStream(
+        self,
+        request_iterator: AsyncIterator[admission_pb2.AdmitStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[admission_pb2.AdmitStreamResponse]:
+        owner = reservation_owner()
+        async for response in answer_stream(self._broker, request_iterator, owner):
+            yield response
 
     @maps_errors
     async def Commit(

@@ -32,7 +32,11 @@ local function cf_int(x)
   return string.format('%d', x)
 end
 
--- Append one notice with the node's next sequence number; returns the sequence (a string).
+-- Append one notice with the node's next sequence number and PUBLISH the node id on the
+-- namespace's wake channel '<ns>:notices' (the key is '<ns>:{<ns>:n:<node>}:notices'), which
+-- wakes the relay of the replica holding the node's agent stream; returns the sequence (a
+-- string). A classic PUBLISH is not a key: it is allowed in a one-slot script on a Cluster and
+-- reaches subscribers on every shard.
 local function cf_notice(info_key, notices_key, maxlen, kind, rid, f, now)
   local seq = cf_int(redis.call('HINCRBY', info_key, 'seq', 1))
   local debit = '0,0,0,0,0'
@@ -41,6 +45,10 @@ local function cf_notice(info_key, notices_key, maxlen, kind, rid, f, now)
   end
   redis.call('XADD', notices_key, 'MAXLEN', '~', maxlen, seq .. '-0',
     'k', kind, 'r', rid, 'd', debit, 't', now)
+  local ns, node = string.match(notices_key, '^(.-):{.-:n:(.*)}:notices$')
+  if ns then
+    redis.call('PUBLISH', ns .. ':notices', node)
+  end
   return seq
 end
 
@@ -59,13 +67,18 @@ local function cf_totals(info_key)
   return t
 end
 
--- Write totals (as read by cf_totals) back to the info HASH.
-local function cf_set_totals(info_key, t)
+-- Totals (as read by cf_totals) as text: "c1,c2,c3,c4,c5,count".
+local function cf_totals_text(t)
   local out = {}
   for i = 1, 6 do
     out[i] = cf_int(t[i])
   end
-  redis.call('HSET', info_key, 'open', table.concat(out, ','))
+  return table.concat(out, ',')
+end
+
+-- Write totals (as read by cf_totals) back to the info HASH.
+local function cf_set_totals(info_key, t)
+  redis.call('HSET', info_key, 'open', cf_totals_text(t))
 end
 
 -- Add (sign 1) or remove (sign -1) one reservation record's debit to/from totals t in memory.

@@ -1,49 +1,76 @@
--- Check room on every credit and record a HELD reservation with a GRANT notice, atomically.
+-- Check room on every credit and record a HELD reservation with a GRANT notice, atomically, for
+-- each of one or more debits on ONE node, in order (each sees the ones before it).
 -- KEYS[1] info HASH, KEYS[2] lease HASH, KEYS[3] reservations HASH, KEYS[4] notices STREAM,
 -- KEYS[5] reservation expiries ZSET.
 -- ARGV[1] now_ms, ARGV[2] share (0..1, exact float text), ARGV[3] hold expires_at_ms,
--- ARGV[4] reservation id, ARGV[5] request id, ARGV[6..10] debit c1..c5, ARGV[11] notices MAXLEN,
--- ARGV[12] owner (the granted router's identity, '' without authentication).
--- Returns {refusal} for an unknown node; {refusal, epoch, version} for cordoned, no_lease,
--- expired, zero_lease; {'short', epoch, version, 'name,name'} (1-based credit indexes);
--- {'granted', epoch, version, grant_seq}.
+-- ARGV[4] notices MAXLEN, then 8 per debit: reservation id, request id, owner (the granted
+-- router's identity, '' without authentication), debit c1..c5.
+-- Returns one reply per debit, in order: {refusal} for an unknown node; {refusal, epoch,
+-- version} for cordoned, no_lease, expired, zero_lease; {'short', epoch, version, 'i,i', open}
+-- (1-based credit indexes); {'granted', epoch, version, grant_seq, open}, where open is the
+-- node's open debits after that debit, "c1,c2,c3,c4,c5,count" (exact at now_ms: expired
+-- reservations are purged first), so the replica can refresh its cached view of the node
+-- without reading it again.
+-- Safety is crossflow_ctl/domain/safety.py's: floor(lease x share) - open >= debit, per credit.
 local info, lease, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local now, share, maxlen = ARGV[1], tonumber(ARGV[2]), ARGV[11]
+local now, share, expires, maxlen = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local count = (#ARGV - 4) / 8
+
+local function each(reply)
+  local out = {}
+  for i = 1, count do
+    out[i] = reply
+  end
+  return out
+end
 
 if redis.call('EXISTS', info) == 0 then
-  return {'unknown_node'}
+  return each({'unknown_node'})
 end
 local _, open = cf_purge_expired(info, res, exp, notices, maxlen, now)
 local l = redis.call('HMGET', lease, 'epoch', 'version', 'exp', 'zero', 'c1', 'c2', 'c3', 'c4', 'c5')
 local epoch, version = l[1] or '0', l[2] or '0'
 if redis.call('HGET', info, 'cordoned') == '1' then
-  return {'cordoned', epoch, version}
+  return each({'cordoned', epoch, version})
 end
 if not l[1] then
-  return {'no_lease', epoch, version}
+  return each({'no_lease', epoch, version})
 end
 if tonumber(l[3]) <= tonumber(now) then
-  return {'expired', epoch, version}
+  return each({'expired', epoch, version})
 end
 if l[4] ~= '' then
-  return {'zero_lease', epoch, version}
+  return each({'zero_lease', epoch, version})
 end
 open = open or cf_totals(info)
-local short = {}
+local limit = {}
 for c = 1, 5 do
-  local room = math.floor(tonumber(l[4 + c]) * share) - open[c]
-  if tonumber(ARGV[5 + c]) > room then
-    short[#short + 1] = tostring(c)
+  limit[c] = math.floor(tonumber(l[4 + c]) * share)
+end
+local out = {}
+local granted = false
+for i = 0, count - 1 do
+  local a = 5 + 8 * i  -- reservation id; request id a + 1; owner a + 2; c1..c5 a + 3 .. a + 7
+  local short = {}
+  for c = 1, 5 do
+    if tonumber(ARGV[a + 2 + c]) > limit[c] - open[c] then
+      short[#short + 1] = tostring(c)
+    end
+  end
+  if #short > 0 then
+    out[#out + 1] = {'short', epoch, version, table.concat(short, ','), cf_totals_text(open)}
+  else
+    local f = {'held', expires, '0', ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6],
+      ARGV[a + 7], now, '0', epoch, version, ARGV[a + 2], ARGV[a + 1]}
+    local seq = cf_notice(info, notices, maxlen, 'grant', ARGV[a], f, now)
+    f[10] = seq
+    cf_put(info, res, exp, ARGV[a], f, false)
+    cf_add(open, f, 1)
+    granted = true
+    out[#out + 1] = {'granted', epoch, version, seq, cf_totals_text(open)}
   end
 end
-if #short > 0 then
-  return {'short', epoch, version, table.concat(short, ',')}
+if granted then
+  cf_set_totals(info, open)
 end
-local f = {'held', ARGV[3], '0', ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], now, '0', epoch,
-  version, ARGV[12], ARGV[5]}
-local seq = cf_notice(info, notices, maxlen, 'grant', ARGV[4], f, now)
-f[10] = seq
-cf_put(info, res, exp, ARGV[4], f, false)
-cf_add(open, f, 1)
-cf_set_totals(info, open)
-return {'granted', epoch, version, seq}
+return out

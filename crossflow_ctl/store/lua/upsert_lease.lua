@@ -8,6 +8,7 @@
 -- ARGV[6] zero reason ("" when the lease is not zero; "no_capacity" for all-zero credits),
 -- ARGV[7..11] credits c1..c5, ARGV[12] last_notice_seq, ARGV[13] stored lease JSON,
 -- ARGV[14] history cap, ARGV[15] events cap, ARGV[16] notices MAXLEN.
+-- An accepted lease also marks the node as heard of now (info 'seen', read by node expiry).
 -- Returns {-1} for an unregistered node; {0, stored_epoch, stored_version, 0} for a stale lease
 -- (nothing changed); {1, epoch, version, purged, cordoned(0/1)} when stored.
 local info, lease, res, notices, history, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -49,6 +50,7 @@ redis.call('LTRIM', events, 0, tonumber(ARGV[15]) - 1)
 redis.call('HSET', lease, 'ev', ev, 'epoch', epoch, 'version', ARGV[4], 'exp', ARGV[5],
   'zero', zero, 'c1', ARGV[7], 'c2', ARGV[8], 'c3', ARGV[9], 'c4', ARGV[10], 'c5', ARGV[11],
   'json', ARGV[13])
+redis.call('HSET', info, 'seen', now)
 redis.call('LPUSH', history, ARGV[13])
 redis.call('LTRIM', history, 0, tonumber(ARGV[14]) - 1)
 local cordoned = 0

@@ -1,0 +1,402 @@
+"""Fleet scale: one broker process on Redis serving N real agent streams (issue #11).
+
+    python benchmarks/scale.py [--nodes 8,512,4096] [--redis-url redis://127.0.0.1:6379/0]
+                               [--seconds 3] [--cluster]
+
+For each N, a fresh ``crossflow-broker serve`` process (its own key namespace, deleted after)
+and a fleet process that opens N real LeaseService.Connect streams to it (many streams per
+process, on a few HTTP/2 connections), each with a Hello and a first lease. Then, with the
+fleet connected (every relay waiting for notices, N lenders in the index):
+
+* floors, measured here in the same run: ``redis``, a PING round trip to the same Redis, and
+  ``grpc``, grpc.health.v1 Health/Check on the same broker (the bare grpc.aio unary call);
+* ``admit``: sequential AdmissionService.Admit calls that borrow (no candidates given, so the
+  broker samples lenders among the N), p50/p99;
+* ``ingest``: every stream keeps leases in flight (a new version as soon as one is acked) for
+  ``--seconds``; accepted leases per second at the broker;
+* ``cpu b/f``: CPU seconds per second the broker and the fleet process used while ingesting
+  (the machine's other load shows as a broker below 1.0 with the fleet not at 1.0 either);
+* ``conns``: the broker's connections to Redis (CLIENT LIST, by client name), which must
+  not grow with N.
+
+Prints one row per N, then admit p99 at the largest N over p99 at the smallest (target <= 1.5)
+and ingest at the largest N (target >= 10,000 leases/s). Streams' leases carry a 60 s TTL and
+huge credits so admission always finds room; holds expire after 200 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from crossflow_ctl.api.v1 import (
+    admission_pb2,
+    admission_pb2_grpc,
+    common_pb2,
+    lease_pb2,
+    lease_pb2_grpc,
+)
+
+THIS_FILE = os.path.abspath(__file__)
+STREAMS_PER_CHANNEL = 64
+BIG = common_pb2.Credits(
+    compute_tokens=10**9,
+    kv_tokens=10**9,
+    kv_transfer_bytes=10**15,
+    output_tokens=10**9,
+    slots=100_000,
+)
+
+
+# -- the fleet (a child process) -----------------------------------------------------------------
+class Stream:
+    def __init__(self, stub: Any, node_id: str, window: int) -> None:
+        self.node_id = node_id
+        self.version = 0
+        self.accepted = 0
+        self.refused = 0
+        self.notices = 0
+        self.retries = 0
+        self.ended = ""
+        """How the stream ended (a status name), "" while open."""
+        self._stub = stub
+        self._call: Any = None
+        self._window = asyncio.Semaphore(window)
+        self._acked = asyncio.Event()
+
+    async def open(self) -> None:
+        """Hello until welcomed: like a real agent, retry with backoff when the broker refuses
+        (a registration storm can find every Redis connection busy: UNAVAILABLE)."""
+        hello = lease_pb2.Hello(node_id=self.node_id, role=common_pb2.NODE_ROLE_DECODE, epoch=1)
+        for attempt in range(30):
+            self._call = self._stub.Connect()
+            try:
+                await self._call.write(lease_pb2.ConnectRequest(hello=hello))
+                first = await self._call.read()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                first = None
+            if first is not None and first is not grpc.aio.EOF:
+                break
+            self.retries += 1
+            self._call.cancel()
+            await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
+        assert first is not None and first.WhichOneof("body") == "welcome", first
+        asyncio.get_running_loop().create_task(self._read())
+        await self.send()
+        await self._acked.wait()
+
+    def _lease(self) -> Any:
+        self.version += 1
+        return common_pb2.Lease(
+            node_id=self.node_id,
+            epoch=1,
+            version=self.version,
+            ttl_ms=60_000,
+            credits=BIG,
+            queue_wait_ms=1.0,
+            borrowed_prefill_rate_tps=50_000.0,
+        )
+
+    async def send(self) -> None:
+        await self._window.acquire()
+        await self._call.write(lease_pb2.ConnectRequest(lease=self._lease()))
+
+    async def _read(self) -> None:
+        try:
+            await self._read_all()
+        except grpc.aio.AioRpcError as exc:
+            self.ended = exc.code().name
+        finally:
+            self.ended = self.ended or "OK"
+            self._window.release()  # a pump waiting on this stream stops
+
+    async def _read_all(self) -> None:
+        while True:
+            msg = await self._call.read()
+            if msg is grpc.aio.EOF:
+                return
+            body = msg.WhichOneof("body")
+            if body == "lease_ack":
+                if msg.lease_ack.result == lease_pb2.LEASE_RESULT_ACCEPTED:
+                    self.accepted += 1
+                else:
+                    self.refused += 1
+                self._window.release()
+                self._acked.set()
+            elif body == "notice":
+                self.notices += 1
+
+    async def pump(self, stop_at: float) -> None:
+        while time.perf_counter() < stop_at and not self.ended:
+            await self._window.acquire()
+            if self.ended:
+                return
+            await self._call.write(lease_pb2.ConnectRequest(lease=self._lease()))
+
+
+async def fleet(addr: str, nodes: int, prefix: str) -> None:
+    """N streams to ``addr``; commands on stdin: ``ingest SECONDS``, ``quit``."""
+    window = max(1, 1024 // nodes)
+    channels = [
+        grpc.aio.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range((nodes + STREAMS_PER_CHANNEL - 1) // STREAMS_PER_CHANNEL)
+    ]
+    stubs = [lease_pb2_grpc.LeaseServiceStub(c) for c in channels]
+    streams = [Stream(stubs[i % len(stubs)], f"{prefix}-{i:05d}", window) for i in range(nodes)]
+    t0 = time.perf_counter()
+    for start in range(0, nodes, 256):  # open in waves: registration is a store write each
+        await asyncio.gather(*(s.open() for s in streams[start : start + 256]))
+    retries = sum(s.retries for s in streams)
+    print(f"ready {time.perf_counter() - t0:.2f} {retries}", flush=True)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := (await reader.readline()).decode().split():
+        if line[0] == "ingest":
+            before = sum(s.accepted for s in streams)
+            refused = sum(s.refused for s in streams)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(s.pump(t0 + float(line[1])) for s in streams))
+            elapsed = time.perf_counter() - t0
+            accepted = sum(s.accepted for s in streams) - before
+            refused = sum(s.refused for s in streams) - refused
+            ended = sum(1 for s in streams if s.ended)
+            print(f"ingest {accepted} {refused} {elapsed:.3f} {ended}", flush=True)
+        elif line[0] == "notices":
+            print(f"notices {sum(s.notices for s in streams)}", flush=True)
+        else:
+            break
+    for c in channels:
+        await c.close()
+
+
+# -- the driver ------------------------------------------------------------------------------------
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def child(*args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *args,
+        env=env,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+
+async def expect(proc: asyncio.subprocess.Process, word: str, timeout_s: float) -> list[str]:
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), timeout=timeout_s)).decode()
+    if not line.startswith(word):
+        raise SystemExit(f"expected {word!r}, got {line!r}")
+    return line.split()[1:]
+
+
+async def start_broker(args: argparse.Namespace, namespace: str) -> tuple[Any, str]:
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "CROSSFLOW_POLICY__BORROW_SHARE": "1.0",
+        "CROSSFLOW_POLICY__HOLD_TTL_MS": "200",
+        "CROSSFLOW_POLICY__MAX_LEASE_TTL_MS": "60000",
+        "CROSSFLOW_POLICY__ADMIT_TIMEOUT_MS": "2000",
+        "CROSSFLOW_ADMIN_TIMEOUT_MS": "10000",
+        "CROSSFLOW_LOG_LEVEL": "warning",
+    }
+    cmd = [sys.executable, "-m", "crossflow_ctl.broker", "serve", "--listen", "127.0.0.1:0"]
+    cmd += ["--redis-url", args.redis_url, "--redis-namespace", namespace]
+    if args.cluster:
+        cmd.append("--redis-cluster")
+    proc = await child(*cmd, env=env)
+    return proc, (await expect(proc, "listening on", 60))[-1]
+
+
+async def latencies(call: Callable[[], Awaitable[Any]], seconds: float) -> dict[str, float]:
+    for _ in range(50):
+        await call()
+    out: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        await call()
+        out.append(time.perf_counter() - t0)
+    q = statistics.quantiles(out, n=100)
+    return {"p50": q[49] * 1e3, "p99": q[98] * 1e3, "n": len(out)}
+
+
+async def prefill_load(channel: grpc.aio.Channel) -> Any:
+    """One prefill server with a long queue, so Demand holds for every Admit."""
+    call = lease_pb2_grpc.LeaseServiceStub(channel).Connect()
+    hello = lease_pb2.Hello(node_id="bench-prefill", role=common_pb2.NODE_ROLE_PREFILL)
+    await call.write(lease_pb2.ConnectRequest(hello=hello))
+    await call.read()
+    load = common_pb2.PoolLoad(
+        node_id="bench-prefill",
+        outstanding_uncached_tokens=500_000,
+        processing_rate_tps=20_000.0,
+        ttl_ms=600_000,
+    )
+    await call.write(lease_pb2.ConnectRequest(pool_load=load))
+    await call.write(lease_pb2.ConnectRequest(heartbeat=lease_pb2.Heartbeat()))
+    await call.read()
+    return call
+
+
+async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, float]:
+    namespace = f"bench-scale-{uuid.uuid4().hex[:8]}"
+    broker, addr = await start_broker(args, namespace)
+    fleet_proc = None
+    try:
+        fleet_proc = await child(
+            sys.executable, THIS_FILE, "--fleet", addr, "--nodes", str(nodes), "--prefix", "d"
+        )
+        opened = await expect(fleet_proc, "ready", 900)
+        opened_s, open_retries = float(opened[0]), int(opened[1])
+        channel = grpc.aio.insecure_channel(addr)
+        prefill = await prefill_load(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        admission = admission_pb2_grpc.AdmissionServiceStub(channel)
+        req = admission_pb2.AdmitRequest(uncached_prompt_tokens=2_000, expected_output_tokens=100)
+        admits = {"borrowed": 0}
+
+        async def admit() -> None:
+            answer = await admission.Admit(req)
+            admits["borrowed"] += answer.decision == admission_pb2.DECISION_BORROW
+
+        redis_floor = await latencies(r.ping, args.seconds)
+        grpc_floor = await latencies(
+            lambda: health.Check(health_pb2.HealthCheckRequest()), args.seconds
+        )
+        admit_lat = await latencies(admit, args.seconds)
+        listing = await r.client_list()
+        conns = sum(1 for c in listing if c.get("name") == f"crossflow:{namespace}")
+        assert fleet_proc.stdin is not None
+        fleet_proc.stdin.write(f"ingest {args.seconds}\n".encode())
+        cpu_before = cpu_s(broker.pid), cpu_s(fleet_proc.pid)
+        accepted, refused, elapsed, ended = await expect(fleet_proc, "ingest", 120 + args.seconds)
+        broker_cpu = (cpu_s(broker.pid) - cpu_before[0]) / float(elapsed)
+        fleet_cpu = (cpu_s(fleet_proc.pid) - cpu_before[1]) / float(elapsed)
+        fleet_proc.stdin.write(b"notices\n")
+        (notices,) = await expect(fleet_proc, "notices", 60)
+        prefill.cancel()
+        await channel.close()
+        return {
+            "nodes": nodes,
+            "open_s": opened_s,
+            "open_retries": open_retries,
+            "redis_p50": redis_floor["p50"],
+            "redis_p99": redis_floor["p99"],
+            "grpc_p50": grpc_floor["p50"],
+            "grpc_p99": grpc_floor["p99"],
+            "admit_p50": admit_lat["p50"],
+            "admit_p99": admit_lat["p99"],
+            "admit_n": admit_lat["n"],
+            "borrowed_share": admits["borrowed"] / max(1, admit_lat["n"] + 50),
+            "ingest_per_s": int(accepted) / float(elapsed),
+            "refused": int(refused),
+            "ended": int(ended),
+            "notices": int(notices),
+            "conns": conns,
+            "broker_cpu": broker_cpu,
+            "fleet_cpu": fleet_cpu,
+        }
+    finally:
+        for proc in (fleet_proc, broker):
+            if proc is not None and proc.returncode is None:
+                proc.terminate()
+                await proc.wait()
+        keys = [k async for k in r.scan_iter(match=f"{namespace}*", count=1000)]
+        for i in range(0, len(keys), 500):
+            for key in keys[i : i + 500]:
+                await r.delete(key)  # one by one: keys live in many slots on a Cluster
+
+
+async def main(args: argparse.Namespace) -> None:
+    sizes = [int(n) for n in args.nodes.split(",")]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 4 * max(sizes) // STREAMS_PER_CHANNEL + 256
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(need, 4096)), hard))
+    if args.cluster:
+        r: Any = aioredis.RedisCluster.from_url(args.redis_url)
+    else:
+        r = aioredis.Redis.from_url(args.redis_url)
+    print(
+        f"scale: one broker process on {'Redis Cluster' if args.cluster else 'Redis'} "
+        f"{args.redis_url}, {args.seconds:g} s per figure, {os.cpu_count()} CPUs"
+    )
+    head = (
+        f"{'nodes':>6} {'open s':>7} {'redis p50/p99 ms':>17} {'grpc p50/p99 ms':>16} "
+        f"{'admit p50/p99 ms':>17} {'borrowed':>8} {'ingest/s':>9} {'cpu b/f':>9} "
+        f"{'notices':>8} {'conns':>5}"
+    )
+    print(head)
+    rows = []
+    try:
+        for n in sizes:
+            row = await one_size(args, n, r)
+            rows.append(row)
+            print(
+                f"{n:>6} {row['open_s']:>7.1f} "
+                f"{row['redis_p50']:>8.2f}/{row['redis_p99']:<8.2f} "
+                f"{row['grpc_p50']:>7.2f}/{row['grpc_p99']:<8.2f} "
+                f"{row['admit_p50']:>8.2f}/{row['admit_p99']:<8.2f} "
+                f"{row['borrowed_share']:>8.0%} {row['ingest_per_s']:>9.0f} "
+                f"{row['broker_cpu']:>4.2f}/{row['fleet_cpu']:<4.2f} "
+                f"{row['notices']:>8} {row['conns']:>5}",
+                flush=True,
+            )
+    finally:
+        await r.aclose()
+    first, last = rows[0], rows[-1]
+    print(
+        f"admit p99 at {last['nodes']} nodes / at {first['nodes']} nodes: "
+        f"{last['admit_p99'] / first['admit_p99']:.2f}x (target <= 1.5x); "
+        f"p50 {last['admit_p50'] / first['admit_p50']:.2f}x"
+    )
+    print(
+        f"admit p50 over its floors at {last['nodes']} nodes: "
+        f"{last['admit_p50'] / last['grpc_p50']:.1f}x grpc, "
+        f"{last['admit_p50'] / last['redis_p50']:.1f}x redis"
+    )
+    print(
+        f"lease ingest at {last['nodes']} nodes: {last['ingest_per_s']:.0f} leases/s "
+        f"(target >= 10,000), {last['ingest_per_s'] / last['broker_cpu']:.0f} per broker CPU "
+        f"second; stale or refused: {sum(r['refused'] for r in rows)}; streams the broker "
+        f"ended (store unavailable): {', '.join(str(r['ended']) for r in rows)}; "
+        f"broker Redis connections: {', '.join(str(r['conns']) for r in rows)}; "
+        f"Hellos retried while opening: {', '.join(str(r['open_retries']) for r in rows)}"
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="8,512,4096", help="comma-separated stream counts")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--cluster", action="store_true", help="--redis-url is a Cluster node")
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--fleet", help=argparse.SUPPRESS)
+    parser.add_argument("--prefix", default="d", help=argparse.SUPPRESS)
+    cli = parser.parse_args()
+    if cli.fleet:
+        asyncio.run(fleet(cli.fleet, int(cli.nodes), cli.prefix))
+    else:
+        asyncio.run(main(cli))

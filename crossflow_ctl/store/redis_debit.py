@@ -1,0 +1,144 @@
+"""The Redis store's check-and-debit: the ``try_debit`` script's calls and replies.
+
+A batch's debits are grouped by node: ONE script call per node checks and debits all of them in
+order, atomically (each sees the ones before it), and the calls for different nodes go out in
+one pipeline (not a transaction: each node's call is atomic on its own, on its own slot).
+
+Kept apart from :mod:`crossflow_ctl.store.redis_store` because it is the admission hot path:
+nothing here validates what the store itself produced, and each reply refreshes the replica's
+cached view of the node (:class:`crossflow_ctl.store.redis_cache.NodeCache`), so the next plan
+needs no read of its own.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from crossflow_ctl.domain.models import CREDIT_NAMES, Credits, Reservation, ReservationState
+from crossflow_ctl.store import redis_codec as codec
+from crossflow_ctl.store.base import DebitOutcome
+from crossflow_ctl.store.keys import NOTICES_CAP, Keys, new_reservation_id
+from crossflow_ctl.store.redis_cache import NodeCache
+
+UNKNOWN_NODE = DebitOutcome(granted=False, refusal="unknown_node")
+
+
+@dataclass(frozen=True, slots=True)
+class DebitCall:
+    """One debit of a ``try_debit`` script call, with what its reply needs to become a
+    DebitOutcome."""
+
+    node_id: str
+    debit: Credits
+    request_id: str
+    owner: str
+    reservation_id: str
+    now_ms: int
+    expires_at_ms: int
+
+    @classmethod
+    def build(
+        cls,
+        node_id: str,
+        debit: Credits,
+        now_ms: int,
+        hold_ttl_ms: int,
+        request_id: str,
+        owner: str,
+    ) -> DebitCall:
+        return cls(
+            node_id=node_id,
+            debit=debit,
+            request_id=request_id,
+            owner=owner,
+            reservation_id=new_reservation_id(node_id, secrets.randbits(128)),
+            now_ms=now_ms,
+            expires_at_ms=now_ms + hold_ttl_ms,
+        )
+
+    def outcome(self, out: Any) -> DebitOutcome:
+        """This debit's reply as a DebitOutcome."""
+        status = codec.text(out[0])
+        if status == "unknown_node":
+            return UNKNOWN_NODE
+        epoch, version = int(codec.text(out[1])), int(codec.text(out[2]))
+        if status not in ("granted", "short"):
+            return DebitOutcome(
+                granted=False, refusal=status, lease_epoch=epoch, lease_version=version
+            )
+        if status == "short":
+            short = tuple(CREDIT_NAMES[int(i) - 1] for i in codec.text(out[3]).split(","))
+            return DebitOutcome(
+                granted=False,
+                refusal=status,
+                short_credits=short,
+                lease_epoch=epoch,
+                lease_version=version,
+            )
+        # Every field is already valid (a checked node id, a validated debit, numbers this
+        # store produced), so the grant skips re-validation on the admission path.
+        res = Reservation.model_construct(
+            reservation_id=self.reservation_id,
+            node_id=self.node_id,
+            state=ReservationState.HELD,
+            debit=self.debit,
+            lease_epoch=epoch,
+            lease_version=version,
+            created_at_ms=self.now_ms,
+            expires_at_ms=self.expires_at_ms,
+            grant_seq=int(out[3]),
+            release_seq=0,
+            request_id=self.request_id,
+            owner=self.owner,
+        )
+        return DebitOutcome.model_construct(
+            granted=True,
+            reservation=res,
+            short_credits=(),
+            refusal="",
+            lease_epoch=epoch,
+            lease_version=version,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptCall:
+    """One ``try_debit`` script call: every debit of a batch on one node, in batch order."""
+
+    keys: list[str]
+    args: list[Any]
+    positions: list[int]
+    """Where each of its debits sits in the batch."""
+
+
+def refresh_cache(cache: NodeCache, node_id: str, last: Any, now_ms: int) -> None:
+    """Refresh the node's cached view from the LAST reply of its script call (the node's state
+    after all of its debits), or drop it when the node refused before Safety."""
+    status = codec.text(last[0])
+    if status not in ("granted", "short"):
+        cache.drop(node_id)
+        return
+    totals = [int(v) for v in codec.text(last[4]).split(",")]
+    cache.debited(node_id, int(codec.text(last[1])), int(codec.text(last[2])), totals, now_ms)
+
+
+def script_calls(keys: Keys, calls: Sequence[DebitCall], share: float) -> list[ScriptCall]:
+    """The batch grouped by node (one atomic script call per node), nodes in first-seen order."""
+    by_node: dict[str, ScriptCall] = {}
+    for position, call in enumerate(calls):
+        group = by_node.get(call.node_id)
+        if group is None:
+            k = keys.node(call.node_id)
+            group = by_node[call.node_id] = ScriptCall(
+                keys=[k.info, k.lease, k.reservations, k.notices, k.expiries],
+                args=[call.now_ms, repr(float(share)), call.expires_at_ms, NOTICES_CAP],
+                positions=[],
+            )
+        group.args.extend(
+            (call.reservation_id, call.request_id, call.owner, *call.debit.as_tuple())
+        )
+        group.positions.append(position)
+    return list(by_node.values())

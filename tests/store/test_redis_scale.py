@@ -1,0 +1,145 @@
+"""Fleet scale on real Redis (issue #11): notices for many agent streams through a bounded
+number of connections, and lease upserts coalesced into pipelines without weakening the
+monotonic check."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from crossflow_ctl.store.redis_store import RedisStore
+from tests.store.helpers import NOW, credits, lease, register
+
+NODES = 300
+
+
+async def _connections(redis_url: str, name: str) -> int:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        listing = await client.client_list()
+    finally:
+        await client.aclose()
+    return sum(1 for c in listing if c.get("name") == name)
+
+
+async def test_many_waiting_relays_share_a_bounded_set_of_connections(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """300 relays wait at once on a store allowed 8 connections (one blocking XREAD each
+    needed 300 and failed past the pool's size); every one wakes on its own node's notice."""
+    store = RedisStore(redis_url, namespace=redis_namespace, max_connections=8)
+    nodes = [f"d{i:03d}" for i in range(NODES)]
+    try:
+        await register(store, *nodes)
+        await asyncio.gather(*(store.upsert_lease(lease(n), NOW, 60_000) for n in nodes))
+        readers = [
+            asyncio.create_task(store.read_notices(n, 0, 10, block_ms=20_000)) for n in nodes
+        ]
+        await asyncio.sleep(0.5)
+        assert not any(r.done() for r in readers)
+        waiting = await _connections(redis_url, f"crossflow:{redis_namespace}")
+        grants = await asyncio.gather(
+            *(store.try_debit(n, credits(1), 1.0, NOW, 60_000) for n in nodes)
+        )
+        got = await asyncio.wait_for(asyncio.gather(*readers), timeout=30)
+        busy = await _connections(redis_url, f"crossflow:{redis_namespace}")
+    finally:
+        await store.close()
+    assert all(g.granted for g in grants)
+    for node, notices, grant in zip(nodes, got, grants, strict=True):
+        assert grant.reservation is not None
+        assert [(n.node_id, n.seq, n.reservation_id) for n in notices] == [
+            (node, 1, grant.reservation.reservation_id)
+        ]
+    assert 1 <= waiting <= 8 and busy <= 8
+
+
+async def test_a_wait_with_no_notice_costs_no_round_trip_once_subscribed(
+    redis_url: str, redis_namespace: str
+) -> None:
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    try:
+        await register(store, "d1")
+        await store.read_notices("d1", 0, 10, block_ms=300)  # subscribes, reads once
+        hub = store._notices.hub
+        assert hub.live
+        calls = 0
+        real = store._notices._range
+
+        async def counting(*args: object) -> object:
+            nonlocal calls
+            calls += 1
+            return await real(*args)  # type: ignore[arg-type]
+
+        store._notices._range = counting  # type: ignore[method-assign]
+        for _ in range(3):
+            assert await store.read_notices("d1", 0, 10, block_ms=30) == []
+        idle_calls = calls
+        await store.upsert_lease(lease("d1"), NOW, 60_000)
+        await store.try_debit("d1", credits(1), 1.0, NOW, 60_000)
+        woke = await store.read_notices("d1", 0, 10, block_ms=5_000)
+    finally:
+        await store.close()
+    assert idle_calls == 0
+    assert [n.seq for n in woke] == [1] and calls == 1
+
+
+async def test_leases_arriving_together_go_in_few_pipelines_and_stay_monotonic(
+    redis_url: str, redis_namespace: str
+) -> None:
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    nodes = [f"d{i:03d}" for i in range(200)]
+    try:
+        await register(store, *nodes)
+        before = store._ingest.batches
+        newer = [store.upsert_lease(lease(n, version=2), NOW, 60_000) for n in nodes]
+        older = [store.upsert_lease(lease(n, version=1), NOW, 60_000) for n in nodes]
+        outcomes = await asyncio.gather(*newer, *older)
+        batches = store._ingest.batches - before
+        states = {s.info.node_id: s for s in await store.list_nodes(NOW)}
+        view = await store.admission_view("default", [], 400, NOW)
+    finally:
+        await store.close()
+    assert [o.accepted for o in outcomes] == [True] * 200 + [False] * 200
+    assert {(o.stored_epoch, o.stored_version) for o in outcomes} == {(1, 2)}
+    assert 1 <= batches < 20
+    assert all(s.lease is not None and s.lease.lease.version == 2 for s in states.values())
+    assert len(view[1]) == 200  # every node reached the (bucketed) lender index
+
+
+async def test_a_broken_wake_subscription_loses_no_notice(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Kill the store's own pub/sub connection while a relay waits: the waiter reads its
+    stream again (and polls until the subscription is back), so the notice still arrives."""
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    writer = RedisStore(redis_url, namespace=redis_namespace)
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        await register(store, "d1")
+        await writer.upsert_lease(lease("d1"), NOW, 60_000)
+        await store.read_notices("d1", 0, 10, block_ms=200)  # subscribed now
+        generation = store._notices.hub.generation
+        reader = asyncio.create_task(store.read_notices("d1", 0, 10, block_ms=20_000))
+        await asyncio.sleep(0.2)
+        ours = [
+            c
+            for c in await admin.client_list()
+            if c.get("name") == f"crossflow:{redis_namespace}" and "subscribe" in c.get("cmd", "")
+        ]
+        assert len(ours) == 1
+        await admin.client_kill_filter(_id=ours[0]["id"])
+        granted = await writer.try_debit("d1", credits(1), 1.0, NOW, 60_000)
+        notices = await asyncio.wait_for(reader, timeout=15)
+        for _ in range(100):  # and the subscription comes back on its own
+            if store._notices.hub.live and store._notices.hub.generation > generation + 1:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await store.close()
+        await writer.close()
+        await admin.aclose()
+    assert granted.reservation is not None
+    assert [n.reservation_id for n in notices] == [granted.reservation.reservation_id]
+    assert store._notices.hub.generation > generation + 1
