@@ -38,3 +38,35 @@ async def test_cancel_and_wait_ends_every_task_and_keeps_a_real_failure() -> Non
     await asyncio.sleep(0)
     with pytest.raises(RuntimeError, match="boom"):
         await cancel_and_wait([failed])
+
+
+async def test_cancel_and_wait_cancels_again_a_task_that_swallowed_its_cancel(monkeypatch) -> None:
+    import crossflow_ctl.aio as aio
+
+    monkeypatch.setattr(aio, "RECANCEL_S", 0.05)
+    swallowed = 0
+
+    async def stubborn() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed += 1  # like a retry loop that saw a TimeoutError instead
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(aio.cancel_and_wait([task]), timeout=5)
+    assert task.cancelled() and swallowed == 1
+
+
+async def test_cancel_and_wait_still_raises_a_tasks_own_failure() -> None:
+    async def broken() -> None:
+        raise ValueError("boom")
+
+    task = asyncio.create_task(broken())
+    await asyncio.sleep(0)
+    with pytest.raises(ValueError, match="boom"):
+        await cancel_and_wait([task])

@@ -8,7 +8,9 @@ result per item. While a batch is decided the next one queues, so the batch grow
 
 Per item: a bad request gets an error result naming the field (INVALID_ARGUMENT) and the rest
 of its batch is decided as usual; a store error or timeout gives NORMAL decisions (fail closed).
-The stream itself stays up until the client half-closes or cancels it.
+The stream itself stays up until the client half-closes or cancels it; a message that is not a
+valid request (undecodable bytes) ends it with INVALID_ARGUMENT naming ``request``, after every
+item before it was answered.
 """
 
 from __future__ import annotations
@@ -64,11 +66,14 @@ async def answer_stream(
     queue: asyncio.Queue[admission_pb2.AdmitStreamRequest | None] = asyncio.Queue(QUEUED_MESSAGES)
 
     done = asyncio.Event()
+    refused: list[InvalidArgument] = []
 
     async def read() -> None:
         try:
             async for message in requests:
                 await queue.put(message)
+        except InvalidArgument as exc:  # bytes that are not a request message (decoding.py)
+            refused.append(exc)
         finally:
             done.set()
             with contextlib.suppress(asyncio.QueueFull):  # full: the loop sees ``done``
@@ -93,6 +98,8 @@ async def answer_stream(
             batch, items = items[:MAX_BATCH], items[MAX_BATCH:]
             if batch:
                 yield await decide(broker, batch, owner)
+        if refused:  # what came before it was answered; the stream ends naming the field
+            raise refused[0]
     finally:
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -34,6 +34,7 @@ from crossflow_ctl.broker.auth import (
     load_tokens,
     server_credentials,
 )
+from crossflow_ctl.broker.decoding import DecodingInterceptor
 from crossflow_ctl.broker.servicers.admin import AdminServicer
 from crossflow_ctl.broker.servicers.admission import AdmissionServicer
 from crossflow_ctl.broker.streams import LeaseStreamServicer, StreamRegistry
@@ -141,6 +142,8 @@ class BrokerServer:
         interceptors: list[grpc.aio.ServerInterceptor] = [TracingInterceptor()]
         if settings.auth.authenticates:
             interceptors.append(AuthInterceptor(settings.auth, load_tokens(settings.auth)))
+        # Innermost: undecodable bytes are INVALID_ARGUMENT, after authentication has run.
+        interceptors.append(DecodingInterceptor())
         self._credentials = server_credentials(settings.auth)
         self._server = grpc.aio.server(
             interceptors=interceptors,
@@ -238,6 +241,7 @@ class BrokerServer:
         await stopping
         self._stop_policy.set()
         await self.supervisor.shutdown()
+        await self.broker.drain(grace)
         with contextlib.suppress(CrossflowError):
             await self.store.close()
         log.info("broker.stopped", streams_drained=drained)

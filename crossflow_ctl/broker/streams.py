@@ -24,7 +24,7 @@ import structlog
 from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
 from crossflow_ctl.broker.auth import caller
-from crossflow_ctl.broker.servicers import status_for, status_message
+from crossflow_ctl.broker.servicers import abort_with, status_message
 from crossflow_ctl.domain.errors import (
     CrossflowError,
     FailedPrecondition,
@@ -32,7 +32,7 @@ from crossflow_ctl.domain.errors import (
     StaleLease,
     StoreUnavailable,
 )
-from crossflow_ctl.domain.models import NodeRole
+from crossflow_ctl.domain.models import NodeInfo, NodeRole
 from crossflow_ctl.observability import span
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire import convert as c
@@ -98,7 +98,11 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
     ) -> AsyncIterator[lease_pb2.ConnectResponse]:
         if self._registry.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "broker is shutting down")
-        first = await anext(aiter(request_iterator), None)
+        try:
+            first = await anext(aiter(request_iterator), None)
+        except InvalidArgument as exc:  # undecodable bytes (broker.decoding)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
         if first is None or first.WhichOneof("body") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hello: must be sent first")
             return
@@ -117,7 +121,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                 hello.node_id, role, hello.pool or "default", dict(hello.labels)
             )
         except CrossflowError as exc:
-            await context.abort(status_for(exc), status_message(exc))
+            await abort_with(context, exc)
             return
         node_id = info.node_id
         policy = self._broker.policy
@@ -136,7 +140,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         after = min(hello.last_notice_seq, info.notice_seq)
         with structlog.contextvars.bound_contextvars(node_id=node_id):
             log.info("stream.open", epoch=hello.epoch, resume_after=after)
-            reader = asyncio.create_task(self._read(request_iterator, node_id, queue))
+            reader = asyncio.create_task(self._read(request_iterator, info, queue))
             relay = asyncio.create_task(self._relay(node_id, after, queue))
             try:
                 while True:
@@ -155,17 +159,18 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
     async def _read(
         self,
         requests: AsyncIterator[lease_pb2.ConnectRequest],
-        node_id: str,
+        info: NodeInfo,
         queue: asyncio.Queue[Any],
     ) -> None:
+        node_id = info.node_id
         try:
             async for req in requests:
                 body = req.WhichOneof("body")
                 if body == "lease":
                     with span("crossflow.lease_batch", {"crossflow.node_id": node_id}):
-                        queue.put_nowait(await self._ack(req.lease, node_id))
+                        queue.put_nowait(await self._ack(req.lease, info))
                 elif body == "pool_load":
-                    await self._pool_load(req.pool_load, node_id)
+                    await self._pool_load(req.pool_load, info)
                 elif body == "heartbeat":
                     now = self._broker.clock.now_ms()
                     hb = lease_pb2.Heartbeat(sent_unix_ms=now)
@@ -177,6 +182,8 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             queue.put_nowait(_End())
         except StoreUnavailable as exc:
             queue.put_nowait(_End(grpc.StatusCode.UNAVAILABLE, status_message(exc)))
+        except InvalidArgument as exc:  # undecodable bytes (broker.decoding)
+            queue.put_nowait(_End(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
         except FailedPrecondition:  # deleted (by hand or expiry) while the agent streamed
             msg = f"node {node_id!r} is no longer registered; reconnect to register it again"
             queue.put_nowait(_End(grpc.StatusCode.NOT_FOUND, msg))
@@ -186,16 +193,16 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             log.info("stream.read_ended", error=repr(exc))
             queue.put_nowait(_End())
 
-    async def _ack(self, msg: Any, node_id: str) -> lease_pb2.ConnectResponse:
+    async def _ack(self, msg: Any, info: NodeInfo) -> lease_pb2.ConnectResponse:
         ack = lease_pb2.LeaseAck(epoch=msg.epoch, version=msg.version)
         try:
             lease = c.lease_from_proto(msg)
-            if lease.node_id != node_id:
+            if lease.node_id != info.node_id:
                 raise InvalidArgument(
-                    f"{lease.node_id!r} is not this stream's node {node_id!r}",
+                    f"{lease.node_id!r} is not this stream's node {info.node_id!r}",
                     field="lease.node_id",
                 )
-            outcome = await self._broker.ingest_lease(lease)
+            outcome = await self._broker.ingest_lease(lease, info.role)
             self._broker.metrics.record_lease("accepted", lease.zero_reason)
             ack.result = lease_pb2.LEASE_RESULT_ACCEPTED
             ack.stored_epoch, ack.stored_version = outcome.stored_epoch, outcome.stored_version
@@ -215,16 +222,19 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             log.warning("lease.invalid", error=str(exc))
         return lease_pb2.ConnectResponse(lease_ack=ack)
 
-    async def _pool_load(self, msg: Any, node_id: str) -> None:
+    async def _pool_load(self, msg: Any, info: NodeInfo) -> None:
+        """Store a pool load report; a refused one is logged (pool load has no ack)."""
         try:
             load = c.pool_load_from_proto(msg)
-            if load.node_id != node_id:
+            if load.node_id != info.node_id:
                 raise InvalidArgument(
                     f"{load.node_id!r} is not this stream's node", field="pool_load.node_id"
                 )
-            await self._broker.ingest_pool_load(load)
-        except InvalidArgument as exc:
-            log.warning("pool_load.invalid", error=str(exc))
+            await self._broker.ingest_pool_load(load, info.role, info.pool)
+        except StoreUnavailable:
+            raise
+        except CrossflowError as exc:
+            log.warning("pool_load.refused", error=str(exc))
 
     async def _relay(self, node_id: str, after_seq: int, queue: asyncio.Queue[Any]) -> None:
         """Notices from the store, in order, resuming after ``after_seq``; retries on errors."""

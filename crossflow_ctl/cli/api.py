@@ -17,9 +17,14 @@ from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.client import AdminClient, AdmissionClient, NodeDetailView, NodeView
 from crossflow_ctl.client.admission import channel_options
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest
-from crossflow_ctl.domain.errors import BrokerUnavailable, FailedPrecondition, StoreUnavailable
+from crossflow_ctl.domain.errors import (
+    Aborted,
+    BrokerUnavailable,
+    FailedPrecondition,
+    StoreUnavailable,
+)
 from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
-from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.security import ClientCredentials
 from crossflow_ctl.security.channel import open_channel
 
@@ -120,12 +125,20 @@ class BrokerSession:
             raise CliError(message, ExitCode.ERROR) from None
         return result
 
-    async def get_policy(self) -> PolicySettings:
-        result: PolicySettings = await self._call(self.admin.get_policy())
+    async def get_policy(self) -> VersionedPolicy:
+        result: VersionedPolicy = await self._call(self.admin.get_policy())
         return result
 
-    async def set_policy(self, updates: dict[str, str]) -> PolicySettings:
-        result: PolicySettings = await self._call(self.admin.set_policy(dict(updates)))
+    async def set_policy(self, updates: dict[str, str], expected_version: int) -> VersionedPolicy:
+        try:
+            result: VersionedPolicy = await self._call(
+                self.admin.set_policy(dict(updates), expected_version)
+            )
+        except Aborted as exc:
+            raise CliError(
+                f"policy changed meanwhile ({exc.message}); read it again and retry",
+                ExitCode.ERROR,
+            ) from None
         return result
 
     async def admit(self, request: AdmissionRequest) -> Admission:

@@ -12,7 +12,7 @@ from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, key_values, render_object, table
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Plan, Reason
 from crossflow_ctl.domain.models import validated
-from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.policy import VersionedPolicy
 
 NODE_CHECK_COLUMNS = [
     Column("NODE", "node_id"),
@@ -192,8 +192,12 @@ def policy() -> None:
     """Show or change the admission policy shared by every broker replica."""
 
 
-def _policy_text(p: PolicySettings) -> str:
-    return key_values([(k, json.dumps(v)) for k, v in p.model_dump(mode="json").items()])
+def _policy_data(p: VersionedPolicy) -> dict[str, Any]:
+    return {"version": p.version, **p.policy.model_dump(mode="json")}
+
+
+def _policy_text(p: VersionedPolicy) -> str:
+    return key_values([(k, json.dumps(v)) for k, v in _policy_data(p).items()])
 
 
 @policy.command("get")
@@ -203,12 +207,12 @@ def policy_get(ctx: click.Context, output: str | None) -> None:
     """Print the current policy."""
     st = state(ctx)
 
-    async def go() -> PolicySettings:
+    async def go() -> VersionedPolicy:
         async with st.session() as session:
             return await session.get_policy()
 
     p = run(go())
-    click.echo(render_object(p.model_dump(mode="json"), st.output(output), _policy_text(p)))
+    click.echo(render_object(_policy_data(p), st.output(output), _policy_text(p)))
 
 
 def parse_updates(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -223,21 +227,33 @@ def parse_updates(pairs: tuple[str, ...]) -> dict[str, str]:
 
 @policy.command("set")
 @click.argument("pairs", nargs=-1, required=True, metavar="KEY=VALUE...")
+@click.option(
+    "--expected-version",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Apply only if the policy is still at this version (default: the version just read).",
+)
 @output_option()
 @click.pass_context
-def policy_set(ctx: click.Context, pairs: tuple[str, ...], output: str | None) -> None:
-    """Change policy settings (validated here and by the broker), e.g. borrow_share=0.3."""
+def policy_set(
+    ctx: click.Context, pairs: tuple[str, ...], expected_version: int | None, output: str | None
+) -> None:
+    """Change policy settings (validated here and by the broker), e.g. borrow_share=0.3.
+
+    The write names the version it was based on, so a concurrent change is never overwritten
+    unseen: it fails with exit code 1 and the policy stays as the other writer left it."""
     st = state(ctx)
     updates = parse_updates(pairs)
 
-    async def go() -> PolicySettings:
+    async def go() -> VersionedPolicy:
         async with st.session() as session:
             current = await session.get_policy()
-            current.updated({k: _loose(v) for k, v in updates.items()})  # fail before sending
-            return await session.set_policy(updates)
+            current.policy.updated({k: _loose(v) for k, v in updates.items()})  # fail early
+            base = current.version if expected_version is None else expected_version
+            return await session.set_policy(updates, base)
 
     p = run(go())
-    click.echo(render_object(p.model_dump(mode="json"), st.output(output), _policy_text(p)))
+    click.echo(render_object(_policy_data(p), st.output(output), _policy_text(p)))
 
 
 def _loose(text: str) -> Any:

@@ -12,7 +12,7 @@ from crossflow_ctl.api.v1 import admin_pb2, admin_pb2_grpc
 from crossflow_ctl.client.admission import _Base
 from crossflow_ctl.client.models import NodeDetailView, NodeEventView, NodeView
 from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
-from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.security import ClientCredentials
 from crossflow_ctl.wire import convert as c
 
@@ -81,12 +81,19 @@ class AdminClient(_Base):
         msg = await self._call(self._stub.DeleteNode, req)
         return int(msg.open_reservations_dropped)
 
-    async def get_policy(self) -> PolicySettings:
+    async def get_policy(self) -> VersionedPolicy:
         msg = await self._call(self._stub.GetPolicy, admin_pb2.GetPolicyRequest())
-        return c.policy_from_json(msg.policy_json)
+        return VersionedPolicy(policy=c.policy_from_json(msg.policy_json), version=msg.version)
 
-    async def set_policy(self, updates: dict[str, Any]) -> PolicySettings:
-        """Apply ``updates`` (name -> value); the broker validates and answers the new policy."""
+    async def set_policy(
+        self, updates: dict[str, Any], expected_version: int | None = None
+    ) -> VersionedPolicy:
+        """Apply ``updates`` (name -> value) as a new policy version; the broker validates them.
+        With ``expected_version``, Aborted (nothing changed) when the stored policy has another
+        version (someone else changed it since it was read)."""
         text = {k: v if isinstance(v, str) else json.dumps(v) for k, v in updates.items()}
-        msg = await self._call(self._stub.SetPolicy, admin_pb2.SetPolicyRequest(updates=text))
-        return c.policy_from_json(msg.policy_json)
+        req = admin_pb2.SetPolicyRequest(updates=text)
+        if expected_version is not None:
+            req.expected_version = expected_version
+        msg = await self._call(self._stub.SetPolicy, req)
+        return VersionedPolicy(policy=c.policy_from_json(msg.policy_json), version=msg.version)

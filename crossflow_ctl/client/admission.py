@@ -3,6 +3,11 @@
 With ``fail_closed=True`` an Admit that hits any transport error or its deadline returns a NORMAL
 :class:`Admission` (reason TIMEOUT or STORE_UNAVAILABLE) instead of raising, so a router can call
 it inline. Other calls raise the domain errors of :mod:`crossflow_ctl.client.errors`.
+
+Every call carries a request id (the caller's, or a fresh one) and is retried ``retries`` times
+with the SAME id after UNAVAILABLE or a deadline, so the broker's request records
+(crossflow_ctl.service.requests) make the outcome exact: a retried Admit never debits twice and
+gets the first call's answer; a retried Commit or Release tells how the first one ended.
 :meth:`AdmissionClient.room_updates` is the room signal of
 :class:`~crossflow_ctl.client.queue.AdmissionQueue` (late binding): it never ends on its own.
 """
@@ -10,6 +15,7 @@ it inline. Other calls raise the domain errors of :mod:`crossflow_ctl.client.err
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
@@ -39,6 +45,9 @@ _RELEASE_OUTCOMES = {
     "failed": admission_pb2.RELEASE_OUTCOME_FAILED,
     "cancelled": admission_pb2.RELEASE_OUTCOME_CANCELLED,
 }
+
+
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def channel_options(max_message_bytes: int = 4 * 1024 * 1024) -> list[tuple[str, Any]]:
@@ -96,18 +105,34 @@ class AdmissionClient(_Base):
         *,
         timeout_s: float = 0.25,
         fail_closed: bool = False,
+        retries: int = 1,
         channel: grpc.aio.Channel | None = None,
         credentials: ClientCredentials | None = None,
     ) -> None:
         super().__init__(target, timeout_s=timeout_s, channel=channel, credentials=credentials)
         self.fail_closed = fail_closed
+        self.retries = max(0, retries)
         self._stub = admission_pb2_grpc.AdmissionServiceStub(self._channel)
+
+    async def _retried(self, method: Any, request: Any) -> Any:
+        """``method(request)``, again (same request id, ``attempt`` counting) after UNAVAILABLE
+        or a deadline."""
+        for attempt in range(self.retries + 1):
+            request.attempt = attempt
+            try:
+                return await method(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if attempt == self.retries or exc.code() not in _RETRIED:
+                    raise
+        raise AssertionError("unreachable")
 
     async def admit(self, request: AdmissionRequest | None = None, **fields: Any) -> Admission:
         """Admit one request (an AdmissionRequest, or its fields as keywords)."""
         req = request if request is not None else validated(AdmissionRequest, **fields)
+        if not req.request_id and not req.dry_run:
+            req = req.model_copy(update={"request_id": uuid.uuid4().hex})
         try:
-            msg = await self._stub.Admit(admit_request_to_proto(req), timeout=self.timeout_s)
+            msg = await self._retried(self._stub.Admit, admit_request_to_proto(req))
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if not self.fail_closed or code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -122,21 +147,30 @@ class AdmissionClient(_Base):
             return Admission.normal(reason, str(error))
         return admission_from_proto(msg)
 
-    async def commit(self, reservation_id: str) -> CommitResult:
-        msg = await self._call(
-            self._stub.Commit, admission_pb2.CommitRequest(reservation_id=reservation_id)
+    async def _exact(self, method: Any, request: Any) -> Any:
+        try:
+            return await self._retried(method, request)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    async def commit(self, reservation_id: str, request_id: str = "") -> CommitResult:
+        req = admission_pb2.CommitRequest(
+            reservation_id=reservation_id, request_id=request_id or uuid.uuid4().hex
         )
+        msg = await self._exact(self._stub.Commit, req)
         return CommitResult(reservation_id=msg.reservation_id, expires_at_ms=msg.expires_unix_ms)
 
-    async def release(self, reservation_id: str, outcome: str = "finished") -> str:
+    async def release(
+        self, reservation_id: str, outcome: str = "finished", request_id: str = ""
+    ) -> str:
         if outcome not in _RELEASE_OUTCOMES:
             raise InvalidArgument(f"must be one of {sorted(_RELEASE_OUTCOMES)}", field="outcome")
-        msg = await self._call(
-            self._stub.Release,
-            admission_pb2.ReleaseRequest(
-                reservation_id=reservation_id, outcome=_RELEASE_OUTCOMES[outcome]
-            ),
+        req = admission_pb2.ReleaseRequest(
+            reservation_id=reservation_id,
+            outcome=_RELEASE_OUTCOMES[outcome],
+            request_id=request_id or uuid.uuid4().hex,
         )
+        msg = await self._exact(self._stub.Release, req)
         return str(msg.reservation_id)
 
     async def watch_room(

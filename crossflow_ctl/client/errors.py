@@ -3,6 +3,7 @@
     INVALID_ARGUMENT     -> InvalidArgument
     NOT_FOUND            -> NotFound
     FAILED_PRECONDITION  -> FailedPrecondition
+    ABORTED              -> Aborted (a policy write whose expected_version was not the stored one)
     RESOURCE_EXHAUSTED   -> InvalidArgument (a message over the size limit)
     PERMISSION_DENIED    -> PermissionDenied
     UNAUTHENTICATED      -> Unauthenticated
@@ -20,6 +21,7 @@ import re
 import grpc
 
 from crossflow_ctl.domain.errors import (
+    Aborted,
     BrokerUnavailable,
     CrossflowError,
     FailedPrecondition,
@@ -37,6 +39,7 @@ _CLASS_FOR: dict[grpc.StatusCode, type[CrossflowError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,  # message over the size limit
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,

@@ -141,7 +141,7 @@ class Demo:
         await self._start_agents(broker, prefill, decode)
         async with AdminClient(broker, timeout_s=2.0) as admin:
             await self._wait_ready(admin, len(prefill), len(decode))
-            self.share = (await admin.get_policy()).borrow_share
+            self.share = (await admin.get_policy()).policy.borrow_share
             if self.stop.is_set():
                 return 0
             params = ModelParams(

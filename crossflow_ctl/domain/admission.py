@@ -61,6 +61,8 @@ class AdmissionRequest(Frozen):
     candidate_node_ids: Annotated[tuple[NodeId, ...], Field(max_length=1024)] = ()
     dry_run: bool = False
     pool: PoolName = "default"
+    attempt: Annotated[int, Field(ge=0, le=1_000)] = 0
+    """0 on the first call of ``request_id``, n on its n-th retry (see service.requests)."""
 
 
 class DemandCheck(Frozen):
@@ -144,6 +146,8 @@ class Admission(Frozen):
     normal_ttft_ms: float = 0.0
     plan: Plan | None = None
     shadow_decision: Decision | None = None
+    replayed: bool = False
+    """The recorded outcome of an earlier call with the same request_id, not a new decision."""
 
     @classmethod
     def normal(cls, reason: Reason, message: str, plan: Plan | None = None) -> Admission:
@@ -277,9 +281,13 @@ def check_node(
     if debit.kv_transfer_bytes:
         service_ms += debit.kv_transfer_bytes / settings.kv_transfer_bytes_per_s * 1000.0
     predicted = lease.queue_wait_ms + service_ms
-    benefit = predicted + settings.benefit_margin_ms < normal.total_ms
+    # An empty prompt (nothing uncached) has no prefill to move: borrowing cannot help it.
+    has_work = request.uncached_prompt_tokens > 0
+    benefit = has_work and predicted + settings.benefit_margin_ms < normal.total_ms
     safe = not short
-    if not benefit:
+    if not has_work:
+        verdict, detail = Reason.NO_BENEFIT, "no uncached prompt tokens: nothing to prefill"
+    elif not benefit:
         verdict, detail = (
             Reason.NO_BENEFIT,
             f"predicted {predicted:.1f} ms >= normal {normal.total_ms:.1f} ms",

@@ -5,6 +5,7 @@
     ├── NotFound               an unknown node or reservation
     ├── FailedPrecondition     valid input the current state refuses
     │   └── StaleLease         a lease whose (epoch, version) is not newer than the stored one
+    ├── Aborted                a conditional write lost a race (expected version did not match)
     ├── Unavailable            something could not answer in time (callers fail closed)
     │   ├── StoreUnavailable   the broker's store errored or timed out
     │   │   └── StoreAuthFailed  the store refused the credentials (a broker does not start)
@@ -53,6 +54,14 @@ class StaleLease(FailedPrecondition):
         super().__init__(message, field=field)
         self.stored_epoch = stored_epoch
         self.stored_version = stored_version
+
+
+class Aborted(CrossflowError):
+    """A conditional write found another version than the one expected; nothing was changed."""
+
+    def __init__(self, message: str, *, current_version: int = 0, field: str | None = None) -> None:
+        super().__init__(message, field=field)
+        self.current_version = current_version
 
 
 class Unavailable(CrossflowError):

@@ -7,10 +7,18 @@ ValidationError into :class:`InvalidArgument` naming the field at fault.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from crossflow_ctl.domain.errors import InvalidArgument
 
@@ -27,6 +35,15 @@ MAX_S_PER_TOKEN = 1.0
 MAX_S_PER_TOKEN_CONTEXT = 1e-3
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 MAX_ID_LEN = 128
+MAX_LABELS = 32
+MAX_LABEL_KEY_LEN = 128
+MAX_LABEL_VALUE_LEN = 256
+LABEL_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
+MAX_EPOCH_LEAD_MS = 3_600_000
+"""How far a lease's epoch may be ahead of the broker's clock (unix ms). Agents take their start
+time in unix ms as their epoch (or any smaller counter), so an epoch later than an hour from now
+is not a start time: refused, so that one bad lease cannot put a node's epoch out of reach of
+every later agent start (an epoch of 2^63-1 would otherwise brick the node for good)."""
 
 NodeId = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, pattern=ID_PATTERN)]
 PoolName = Annotated[str, Field(min_length=1, max_length=64, pattern=ID_PATTERN)]
@@ -35,6 +52,7 @@ Ms = Annotated[float, Field(ge=0.0, le=MAX_MS, allow_inf_nan=False)]
 Tps = Annotated[float, Field(ge=0.0, le=MAX_RATE_TPS, allow_inf_nan=False)]
 
 M = TypeVar("M", bound=BaseModel)
+_LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
 
 
 class Frozen(BaseModel):
@@ -303,16 +321,49 @@ class Notice(Frozen):
     at_ms: int = 0
 
 
+def check_epoch(epoch: int, now_ms: int, field: str = "lease.epoch") -> None:
+    """InvalidArgument when ``epoch`` is more than MAX_EPOCH_LEAD_MS ahead of ``now_ms``."""
+    if epoch > now_ms + MAX_EPOCH_LEAD_MS:
+        raise InvalidArgument(
+            f"epoch {epoch} is more than {MAX_EPOCH_LEAD_MS} ms ahead of the broker clock "
+            f"({now_ms}); an epoch is the agent's start time in unix ms",
+            field=field,
+        )
+
+
 class NodeInfo(Frozen):
-    """What the store knows of a node besides its lease."""
+    """What the store knows of a node besides its lease.
+
+    Its identity (``role``, ``pool``) is fixed once registered: a Hello that names another role
+    or pool is refused unless the node is cordoned (the operator's way to move a server between
+    roles: cordon, drain, restart its agent with the new role, uncordon)."""
 
     node_id: NodeId
     role: NodeRole = NodeRole.DECODE
-    pool: str = "default"
+    pool: PoolName = "default"
     cordoned: bool = False
     cordon_reason: str = ""
     labels: dict[str, str] = Field(default_factory=dict)
+    """At most MAX_LABELS; keys match LABEL_KEY_PATTERN (at most MAX_LABEL_KEY_LEN characters),
+    values at most MAX_LABEL_VALUE_LEN characters."""
     notice_seq: int = 0
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_bounded(cls, labels: dict[str, str]) -> dict[str, str]:
+        if len(labels) > MAX_LABELS:
+            raise ValueError(f"at most {MAX_LABELS} labels, got {len(labels)}")
+        for key, value in labels.items():
+            if not 0 < len(key) <= MAX_LABEL_KEY_LEN or not _LABEL_KEY.match(key):
+                raise ValueError(
+                    f"label key {key[:40]!r} must match {LABEL_KEY_PATTERN} "
+                    f"(at most {MAX_LABEL_KEY_LEN} characters)"
+                )
+            if len(value) > MAX_LABEL_VALUE_LEN:
+                raise ValueError(
+                    f"label {key!r}: value longer than {MAX_LABEL_VALUE_LEN} characters"
+                )
+        return labels
 
 
 class NodeState(Frozen):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
@@ -67,3 +68,50 @@ class PolicySettings(Frozen):
         if unknown:
             raise InvalidArgument(f"unknown policy setting {unknown[0]!r}", field=unknown[0])
         return validated(PolicySettings, **{**self.model_dump(), **updates})
+
+
+MAX_POLICY_UPDATES = 64
+"""Most settings one SetPolicy may change (the policy has fewer knobs than this)."""
+MAX_POLICY_VALUE_CHARS = 256
+"""Longest text value of one update: every setting is a JSON scalar."""
+
+
+class VersionedPolicy(Frozen):
+    """The shared policy with its resource version (like a Kubernetes ``resourceVersion``).
+
+    Every write raises the version by one; a write naming an ``expected_version`` that is not
+    the stored one is refused (ABORTED) and changes nothing, so concurrent operators cannot
+    overwrite each other unseen. Version 0 means "never written"."""
+
+    policy: PolicySettings
+    version: Annotated[int, Field(ge=0, lt=2**63)] = 0
+
+
+def parse_policy_updates(updates: dict[str, str]) -> dict[str, Any]:
+    """Text values (as SetPolicy carries them) to JSON scalars: ``"0.3"`` -> 0.3, ``"true"``
+    -> True, anything that is not JSON stays text. InvalidArgument naming the key for too many
+    updates, an over-long value, or a JSON object or array (no setting takes one, and a deeply
+    nested one must not reach the parser's recursion limit)."""
+    if len(updates) > MAX_POLICY_UPDATES:
+        raise InvalidArgument(
+            f"at most {MAX_POLICY_UPDATES} updates, got {len(updates)}", field="updates"
+        )
+    known = PolicySettings.model_fields
+    out: dict[str, Any] = {}
+    for key, text in updates.items():
+        if key not in known:
+            raise InvalidArgument(
+                f"unknown policy setting {key[:64]!r}", field=f"updates.{key[:64]}"
+            )
+        field = f"updates.{key}"
+        if len(text) > MAX_POLICY_VALUE_CHARS:
+            raise InvalidArgument(
+                f"value longer than {MAX_POLICY_VALUE_CHARS} characters", field=field
+            )
+        if text.lstrip().startswith(("{", "[")):
+            raise InvalidArgument("must be a scalar, not a JSON object or array", field=field)
+        try:
+            out[key] = json.loads(text)
+        except ValueError:  # not JSON (plain text) or a number out of range
+            out[key] = text
+    return out

@@ -69,11 +69,14 @@ class Admitter:
         clock: Clock,
         metrics: BrokerMetrics,
         policy: Callable[[], PolicySettings],
+        abandoned: Callable[[asyncio.Future[list[DebitOutcome]]], None] = lambda _: None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.metrics = metrics
         self._policy = policy
+        self._abandoned = abandoned
+        """Called with debits an Admit stopped waiting for (timeout): they may still land."""
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
 
@@ -160,18 +163,20 @@ class Admitter:
             ]
             if not tries:
                 break
-            outcomes = await timed(
-                self.metrics,
-                "debit",
-                self.store.try_debits(
-                    [
-                        DebitRequest(c.node_id, c.debit, requests[i].request_id, owner)
-                        for i, _, c in tries
-                    ],
-                    policy.borrow_share,
-                    now,
-                    policy.hold_ttl_ms,
-                ),
+            outcomes = await self._shielded(
+                timed(
+                    self.metrics,
+                    "debit",
+                    self.store.try_debits(
+                        [
+                            DebitRequest(c.node_id, c.debit, requests[i].request_id, owner)
+                            for i, _, c in tries
+                        ],
+                        policy.borrow_share,
+                        now,
+                        policy.hold_ttl_ms,
+                    ),
+                )
             )
             for (i, plan, check), outcome in zip(tries, outcomes, strict=True):
                 if outcome.granted:
@@ -186,6 +191,16 @@ class Admitter:
                 plan,
             )
         return [a for a in answers if a is not None]
+
+    async def _shielded(self, call: Awaitable[list[DebitOutcome]]) -> list[DebitOutcome]:
+        """``call`` shielded: when admission times out, debits may still land in the store;
+        they are then waited for and released, never left for nobody (phantom holds)."""
+        debits = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(debits)
+        except asyncio.CancelledError:
+            debits.add_done_callback(self._abandoned)
+            raise
 
     def _without_debit(
         self, request: AdmissionRequest, plan: Plan, policy: PolicySettings

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -20,13 +19,12 @@ from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import (
     CrossflowError,
+    FailedPrecondition,
     InvalidArgument,
     StaleLease,
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import (
-    ID_PATTERN,
-    MAX_ID_LEN,
     Frozen,
     Lease,
     NodeInfo,
@@ -37,8 +35,10 @@ from crossflow_ctl.domain.models import (
     PoolSnapshot,
     Reservation,
     StoredLease,
+    check_epoch,
+    validated,
 )
-from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.domain.room import (
     RoomUpdate,
     RoomView,
@@ -49,15 +49,19 @@ from crossflow_ctl.domain.room import (
 from crossflow_ctl.domain.selectors import Selector
 from crossflow_ctl.observability import BrokerMetrics, annotate_node
 from crossflow_ctl.service.admission import Admitter, timed
+from crossflow_ctl.service.checks import (
+    check_node_id,
+    check_request_id,
+    check_reservation_id,
+)
 from crossflow_ctl.service.config import BrokerSettings
+from crossflow_ctl.service.policy_keeper import PolicyKeeper, refresh_forever
+from crossflow_ctl.service.requests import OrphanDebits, admit_once, run_once
 from crossflow_ctl.service.room import RoomWatches
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
 T = TypeVar("T")
-
-MAX_RESERVATION_ID_LEN = 256
-_ID_RE = re.compile(ID_PATTERN)
 
 
 class NodeDetail(Frozen):
@@ -67,26 +71,6 @@ class NodeDetail(Frozen):
     reservations: tuple[Reservation, ...] = ()
     recent_leases: tuple[StoredLease, ...] = ()
     events: tuple[NodeEvent, ...] = ()
-
-
-def check_node_id(node_id: str, field: str = "node_id") -> str:
-    if not node_id:
-        raise InvalidArgument("must not be empty", field=field)
-    if len(node_id) > MAX_ID_LEN:
-        raise InvalidArgument(f"longer than {MAX_ID_LEN} characters", field=field)
-    if not _ID_RE.match(node_id):
-        raise InvalidArgument(f"must match {ID_PATTERN}", field=field)
-    return node_id
-
-
-def check_reservation_id(reservation_id: str) -> str:
-    if not reservation_id:
-        raise InvalidArgument("must not be empty", field="reservation_id")
-    if len(reservation_id) > MAX_RESERVATION_ID_LEN:
-        raise InvalidArgument(
-            f"longer than {MAX_RESERVATION_ID_LEN} characters", field="reservation_id"
-        )
-    return reservation_id
 
 
 class Broker:
@@ -107,51 +91,36 @@ class Broker:
         self._zero_reasons: dict[str, str] = {}
         """Last zero-lease reason per node ("" once it lends again), for state-change logs."""
         self.broker_id = broker_id or settings.broker_id or "broker"
-        self._policy = settings.policy
-        self._admitter = Admitter(store, clock, self.metrics, lambda: self._policy)
+        self._policy = PolicyKeeper(store, settings.policy)
+        self._orphans = OrphanDebits(lambda rid: self.release(rid, "cancelled"))
+        """Releases debits that landed after their Admit had answered (see Admitter)."""
+        self._admitter = Admitter(
+            store, clock, self.metrics, lambda: self.policy, self._orphans.watch
+        )
         self.rooms = RoomWatches(settings.room, clock, self.room_view)
         """This replica's WatchRoom subscriptions (late binding)."""
 
     # -- policy, shared through the store and cached briefly -----------------------------------
     @property
     def policy(self) -> PolicySettings:
-        return self._policy
+        return self._policy.current.policy
 
     async def load_policy(self) -> PolicySettings:
-        """Adopt the store's policy, seeding it with the configured one when it holds none."""
-        stored = await self._admin_call(self.store.get_policy())
-        if stored is None:
-            await self._admin_call(self.store.set_policy(self.settings.policy))
-            stored = self.settings.policy
-        self._policy = stored
-        return stored
+        """Adopt the store's policy (seeding or restoring it: :mod:`.policy_keeper`)."""
+        return (await self._admin_call(self._policy.load())).policy
 
     async def refresh_policy_forever(self, stop: asyncio.Event) -> None:
         """Re-read the shared policy every ``policy_refresh_ms`` until ``stop`` is set."""
-        interval = self.settings.policy_refresh_ms / 1000.0
-        while not stop.is_set():
-            try:
-                await self.load_policy()
-            except CrossflowError as exc:
-                log.warning("policy.refresh_failed", error=str(exc))
-            try:
-                async with asyncio.timeout(interval):
-                    await stop.wait()
-            except TimeoutError:
-                pass
+        await refresh_forever(self.load_policy, stop, self.settings.policy_refresh_ms / 1000.0)
 
-    async def get_policy(self) -> PolicySettings:
-        return await self.load_policy()
+    async def get_policy(self) -> VersionedPolicy:
+        return await self._admin_call(self._policy.load())
 
-    async def set_policy(self, updates: dict[str, Any]) -> PolicySettings:
-        if not updates:
-            raise InvalidArgument("no updates given", field="updates")
-        current = await self.load_policy()
-        new = current.updated(updates)
-        await self._admin_call(self.store.set_policy(new))
-        self._policy = new
-        log.info("policy.set", updates=sorted(updates))
-        return new
+    async def set_policy(
+        self, updates: dict[str, Any], expected_version: int | None = None
+    ) -> VersionedPolicy:
+        """A new policy version; Aborted when ``expected_version`` is not the stored one."""
+        return await self._admin_call(self._policy.update(updates, expected_version))
 
     # -- admission -------------------------------------------------------------------------------
     async def admit(self, request: AdmissionRequest, owner: str = "") -> Admission:
@@ -159,7 +128,17 @@ class Broker:
 
         A granted reservation records ``owner`` (the router's identity, "" without
         authentication): only it, or an admin, may commit or release it."""
+        if request.request_id and not request.dry_run:
+
+            async def decide(one: AdmissionRequest) -> Admission:
+                return (await self._admitter.admit_many((one,), owner))[0]
+
+            return await admit_once(self.store, request, self.policy, decide, self._orphans.release)
         return (await self._admitter.admit_many((request,), owner))[0]
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait for background releases of late debits (at shutdown)."""
+        await self._orphans.drain(timeout_s)
 
     async def admit_many(
         self, requests: Sequence[AdmissionRequest], owner: str = ""
@@ -175,7 +154,7 @@ class Broker:
     # -- late binding ----------------------------------------------------------------------------
     async def room_view(self, request: RoomWatchRequest) -> RoomView:
         """The room for ``request`` now, from the store; UNKNOWN (no room) on any doubt."""
-        policy, now, limit_ms = self._policy, self.clock.now_ms(), self.settings.admin_timeout_ms
+        policy, now, limit_ms = self.policy, self.clock.now_ms(), self.settings.admin_timeout_ms
         view = self.store.admission_view(
             request.pool, request.candidate_node_ids, self.settings.room.max_nodes, now
         )
@@ -192,20 +171,68 @@ class Broker:
         """Room updates for ``request`` (see :mod:`crossflow_ctl.service.room`)."""
         return self.rooms.watch(request)
 
-    async def commit(self, reservation_id: str, owner: str | None = None) -> Reservation:
-        """Commit; with ``owner`` (a router's identity) only a reservation it was granted."""
+    async def commit(
+        self,
+        reservation_id: str,
+        owner: str | None = None,
+        request_id: str = "",
+        attempt: int = 0,
+    ) -> Reservation:
+        """Commit; with ``owner`` (a router's identity) only a reservation it was granted; with
+        ``request_id`` exact under retries (:mod:`.requests`)."""
         check_reservation_id(reservation_id)
-        now, ttl = self.clock.now_ms(), self._policy.commit_ttl_ms
+        check_request_id(request_id)
+        if not request_id:
+            return await self._commit(reservation_id, owner)
+        return await self._admin_call(
+            run_once(
+                self.store,
+                f"commit:{request_id}:{reservation_id}",
+                attempt,
+                self._record_ttl_ms(),
+                lambda: self._commit(reservation_id, owner),
+                lambda r: r.model_dump_json(),
+                Reservation.model_validate_json,
+            )
+        )
+
+    def _record_ttl_ms(self) -> int:
+        return self.policy.commit_ttl_ms + self.policy.hold_ttl_ms
+
+    async def _commit(self, reservation_id: str, owner: str | None) -> Reservation:
+        now, ttl = self.clock.now_ms(), self.policy.commit_ttl_ms
         res = await self._admin_call(self.store.commit(reservation_id, now, ttl, owner))
         self.metrics.record_reservation_event("commit")
         annotate_node(res.node_id)
         return res
 
     async def release(
-        self, reservation_id: str, outcome: str = "", owner: str | None = None
+        self,
+        reservation_id: str,
+        outcome: str = "",
+        owner: str | None = None,
+        request_id: str = "",
+        attempt: int = 0,
     ) -> Reservation:
-        """Release; with ``owner`` (a router's identity) only a reservation it was granted."""
+        """Release; with ``owner`` (a router's identity) only a reservation it was granted; with
+        ``request_id`` exact under retries (:mod:`.requests`)."""
         check_reservation_id(reservation_id)
+        check_request_id(request_id)
+        if not request_id:
+            return await self._release(reservation_id, outcome, owner)
+        return await self._admin_call(
+            run_once(
+                self.store,
+                f"release:{request_id}:{reservation_id}",
+                attempt,
+                self._record_ttl_ms(),
+                lambda: self._release(reservation_id, outcome, owner),
+                lambda r: r.model_dump_json(),
+                Reservation.model_validate_json,
+            )
+        )
+
+    async def _release(self, reservation_id: str, outcome: str, owner: str | None) -> Reservation:
         now = self.clock.now_ms()
         res = await self._admin_call(self.store.release(reservation_id, now, owner))
         log.debug("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
@@ -218,16 +245,32 @@ class Broker:
     async def register(
         self, node_id: str, role: NodeRole, pool: str, labels: dict[str, str]
     ) -> NodeInfo:
+        """Register on Hello; FailedPrecondition naming ``hello.role``/``hello.pool`` when it
+        would change the identity of a registered node that is not cordoned."""
         check_node_id(node_id, "hello.node_id")
         check_node_id(pool, "hello.pool")
-        return await self._admin_call(
-            self.store.register_node(node_id, role, pool, labels, self.clock.now_ms())
-        )
+        try:
+            validated(NodeInfo, node_id=node_id, role=role, pool=pool, labels=dict(labels))
+            return await self._admin_call(
+                self.store.register_node(node_id, role, pool, labels, self.clock.now_ms())
+            )
+        except (InvalidArgument, FailedPrecondition) as exc:
+            exc.field = f"hello.{exc.field}" if exc.field else "hello"
+            raise
 
-    async def ingest_lease(self, lease: Lease) -> LeaseOutcome:
-        """Store a newer lease; StaleLease (changing nothing) when it is not newer (§5.1)."""
+    async def ingest_lease(self, lease: Lease, role: NodeRole = NodeRole.DECODE) -> LeaseOutcome:
+        """Store a newer lease; StaleLease (changing nothing) when it is not newer (§5.1).
+
+        Only decode nodes lease (FailedPrecondition naming ``lease``); an epoch that is not
+        plausibly a start time is refused (:func:`check_epoch`)."""
+        if role is not NodeRole.DECODE:
+            raise FailedPrecondition(
+                f"node {lease.node_id!r} is a {role.value} node: only decode nodes lease",
+                field="lease",
+            )
+        check_epoch(lease.epoch, self.clock.now_ms())
         outcome = await self._admin_call(
-            self.store.upsert_lease(lease, self.clock.now_ms(), self._policy.max_lease_ttl_ms)
+            self.store.upsert_lease(lease, self.clock.now_ms(), self.policy.max_lease_ttl_ms)
         )
         if not outcome.accepted:
             raise StaleLease(
@@ -254,9 +297,23 @@ class Broker:
         else:
             log.info("lease.lending", node_id=lease.node_id, was=before)
 
-    async def ingest_pool_load(self, load: PoolLoad) -> None:
+    async def ingest_pool_load(
+        self, load: PoolLoad, role: NodeRole = NodeRole.PREFILL, pool: str | None = None
+    ) -> None:
+        """Record a prefill server's load; FailedPrecondition from a decode node (``pool_load``)
+        or for a pool other than the node's registered one (``pool_load.pool``)."""
+        if role is not NodeRole.PREFILL:
+            raise FailedPrecondition(
+                f"node {load.node_id!r} is a {role.value} node: only prefill nodes report load",
+                field="pool_load",
+            )
+        if pool is not None and load.pool != pool:
+            raise FailedPrecondition(
+                f"node {load.node_id!r} is registered in pool {pool!r}, not {load.pool!r}",
+                field="pool_load.pool",
+            )
         await self._admin_call(
-            self.store.put_pool_load(load, self.clock.now_ms(), self._policy.max_lease_ttl_ms)
+            self.store.put_pool_load(load, self.clock.now_ms(), self.policy.max_lease_ttl_ms)
         )
 
     async def read_notices(self, node_id: str, after_seq: int, block_ms: int) -> list[Notice]:

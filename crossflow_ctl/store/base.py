@@ -14,6 +14,13 @@ Semantics (both implementations, proved by tests/store/test_contract.py):
   purged (HELD, COMMITTED and RELEASED-but-not-yet-seen).
 * Every grant, commit, release, expiry and cordon change appends a notice with the node's next
   sequence number; agents' streams relay them (§6).
+* ``register_node`` keeps a node's identity: a role or pool other than the registered one is
+  refused (FailedPrecondition naming ``role`` or ``pool``) unless the node is cordoned.
+* The policy is versioned: ``set_policy`` writes only when the stored version (0 when none) is
+  ``expected_version``, raising :class:`Aborted` otherwise, and changes nothing then.
+* Request records (``read_request`` / ``record_request``) make retried Admit, Commit and Release
+  calls exact: the first outcome recorded under a key wins, later ones get it back; records
+  expire after their TTL.
 * Every method that touches the backend raises :class:`StoreUnavailable` on backend errors.
 """
 
@@ -24,7 +31,7 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
 from crossflow_ctl.domain.models import (
     Credits,
     Frozen,
@@ -38,7 +45,7 @@ from crossflow_ctl.domain.models import (
     Reservation,
     StoredLease,
 )
-from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.policy import VersionedPolicy
 
 
 def check_debit_args(share: float, hold_ttl_ms: int, owner: str = "") -> None:
@@ -63,6 +70,19 @@ def owner_arg(owner: str | None) -> str:
 
 
 _OWNER = re.compile(r"^[a-z]+/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def check_identity(info: NodeInfo, role: NodeRole, pool: str) -> None:
+    """FailedPrecondition when a Hello would change a registered, uncordoned node's identity."""
+    if info.cordoned:
+        return
+    for field, have, want in (("role", info.role.value, role.value), ("pool", info.pool, pool)):
+        if have != want:
+            raise FailedPrecondition(
+                f"node {info.node_id!r} is registered with {field} {have!r}, not {want!r}; "
+                "cordon it to change its identity",
+                field=field,
+            )
 
 
 class LeaseOutcome(Frozen):
@@ -111,7 +131,10 @@ class Store(abc.ABC):
         labels: dict[str, str],
         now_ms: int,
     ) -> NodeInfo:
-        """Create or refresh a node's info on agent Hello; keeps its cordon state."""
+        """Create or refresh a node's info on agent Hello; keeps its cordon state.
+
+        FailedPrecondition (field ``role`` or ``pool``) when the node is registered with another
+        role or pool and is not cordoned; nothing changes then."""
 
     @abc.abstractmethod
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
@@ -225,12 +248,24 @@ class Store(abc.ABC):
 
     # -- policy -----------------------------------------------------------------------------
     @abc.abstractmethod
-    async def get_policy(self) -> PolicySettings | None:
-        """The policy shared by all broker replicas, None if never set."""
+    async def get_policy(self) -> VersionedPolicy | None:
+        """The policy shared by all broker replicas with its version, None if never set."""
 
     @abc.abstractmethod
-    async def set_policy(self, settings: PolicySettings) -> None:
-        """Replace the shared policy."""
+    async def set_policy(self, policy: VersionedPolicy, expected_version: int) -> None:
+        """Store ``policy`` (with its version) if the stored version is ``expected_version``
+        (0: none stored); Aborted with the stored version otherwise."""
+
+    # -- request records (idempotent retries) -------------------------------------------------
+    @abc.abstractmethod
+    async def read_request(self, key: str) -> str | None:
+        """The outcome recorded under ``key``, None when none is (or it expired)."""
+
+    @abc.abstractmethod
+    async def record_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
+        """Record ``outcome`` under ``key`` unless one is recorded (None: this one was);
+        otherwise return the recorded one and change nothing. Of two calls racing to record,
+        exactly one wins."""
 
     # -- lifecycle --------------------------------------------------------------------------
     @abc.abstractmethod

@@ -15,6 +15,7 @@ from the id alone, with no global lookup.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import zlib
 from dataclasses import dataclass
@@ -130,5 +131,11 @@ class Keys:
 
     @property
     def policy(self) -> str:
-        """STRING: the shared PolicySettings as JSON."""
+        """HASH: the shared policy: ``version`` and ``json`` (PolicySettings)."""
         return f"{self.namespace}:{{{self.namespace}:g}}:policy"
+
+    def request(self, key: str) -> str:
+        """STRING: one request record (idempotent retries); its own tag, hashed from ``key``
+        (any text) so records spread over Cluster slots."""
+        digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+        return f"{self.namespace}:{{{self.namespace}:q:{digest}}}"

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections.abc import Sequence
 
 from crossflow_ctl.domain.errors import (
+    Aborted,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -36,7 +38,7 @@ from crossflow_ctl.domain.models import (
     StoredPoolLoad,
     validated,
 )
-from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.domain.safety import short_credits
 from crossflow_ctl.store.base import (
     DebitOutcome,
@@ -44,6 +46,7 @@ from crossflow_ctl.store.base import (
     NodeEvent,
     Store,
     check_debit_args,
+    check_identity,
     check_owner,
 )
 from crossflow_ctl.store.keys import (
@@ -51,6 +54,10 @@ from crossflow_ctl.store.keys import (
     node_of_reservation,
 )
 from crossflow_ctl.store.ledger import NodeLedger
+
+MAX_REQUEST_RECORDS = 100_000
+"""Request records kept before expired ones are swept (the store is clock-free otherwise; records
+expire on the process's monotonic clock, as Redis expires its keys on its own)."""
 
 
 def lease_event(old: StoredLease | None, new: Lease, now_ms: int) -> list[NodeEvent]:
@@ -79,7 +86,9 @@ class MemoryStore(Store):
         self._pools: dict[str, dict[str, StoredPoolLoad]] = {}
         self._lenders: dict[str, int] = {}
         """Nodes with a live non-zero lease and no cordon -> lease expiry (for sampling)."""
-        self._policy: PolicySettings | None = None
+        self._policy: VersionedPolicy | None = None
+        self._requests: dict[str, tuple[str, float]] = {}
+        """Request records: key -> (outcome, expiry on the monotonic clock)."""
         self._seen: dict[str, int] = {}
         """Node -> when it was last heard of (registration, accepted lease or pool load), ms."""
 
@@ -141,6 +150,8 @@ class MemoryStore(Store):
                 )
                 node = self._nodes[node_id] = NodeLedger(info=info)
             else:
+                check_identity(node.info, role, pool)
+                validated(NodeInfo, node_id=node_id, role=role, pool=pool, labels=dict(labels))
                 node.info = node.info.model_copy(
                     update={"role": role, "pool": pool, "labels": dict(labels)}
                 )
@@ -388,12 +399,52 @@ class MemoryStore(Store):
         return found
 
     # -- policy -----------------------------------------------------------------------------
-    async def get_policy(self) -> PolicySettings | None:
+    async def get_policy(self) -> VersionedPolicy | None:
         return self._policy
 
-    async def set_policy(self, settings: PolicySettings) -> None:
+    async def set_policy(self, policy: VersionedPolicy, expected_version: int) -> None:
         async with self._lock:
-            self._policy = settings
+            current = self._policy.version if self._policy is not None else 0
+            if current != expected_version:
+                raise Aborted(
+                    f"policy is at version {current}, not {expected_version}",
+                    current_version=current,
+                    field="expected_version",
+                )
+            self._policy = policy
+
+    # -- request records --------------------------------------------------------------------
+    def _live_record(self, key: str) -> str | None:
+        found = self._requests.get(key)
+        if found is None:
+            return None
+        if found[1] <= time.monotonic():
+            del self._requests[key]
+            return None
+        return found[0]
+
+    def _bound_requests(self) -> None:
+        """Past MAX_REQUEST_RECORDS, drop expired records, then the oldest half if need be
+        (amortised O(1) per record; a retry after its record was dropped decides afresh)."""
+        if len(self._requests) <= MAX_REQUEST_RECORDS:
+            return
+        now = time.monotonic()
+        live = [(k, v) for k, v in self._requests.items() if v[1] > now]
+        keep = live[len(live) // 2 :] if len(live) > MAX_REQUEST_RECORDS // 2 else live
+        self._requests = dict(keep)
+
+    async def read_request(self, key: str) -> str | None:
+        async with self._lock:
+            return self._live_record(key)
+
+    async def record_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
+        async with self._lock:
+            stored = self._live_record(key)
+            if stored is not None:
+                return stored
+            self._bound_requests()
+            self._requests[key] = (outcome, time.monotonic() + ttl_ms / 1000.0)
+            return None
 
     # -- lifecycle --------------------------------------------------------------------------
     async def ping(self) -> None:

@@ -33,6 +33,7 @@ import structlog
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import RedisError
 
+from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import Notice
 from crossflow_ctl.store import redis_codec as codec
@@ -81,10 +82,11 @@ class WakeHub:
         self.live = False
         """Subscribed and not known broken: a wait with no wake means no new notice."""
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
         self.wakes = 0
 
     def signal(self, node_id: str) -> _Signal:
-        if self._task is None:
+        if self._task is None and not self._closing:
             self._task = asyncio.create_task(self._run(), name="crossflow-notice-wakes")
         sig = self._signals.get(node_id)
         if sig is None:
@@ -105,7 +107,7 @@ class WakeHub:
             del self._signals[node_id]
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:  # a swallowed cancel must not keep resubscribing forever
             pubsub: Any = self._r.pubsub()
             try:
                 await pubsub.subscribe(self.channel)
@@ -115,8 +117,10 @@ class WakeHub:
             finally:
                 self._break()
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await pubsub.aclose()
-            await asyncio.sleep(RESUBSCRIBE_S)
+                    async with asyncio.timeout(RESUBSCRIBE_S * 5):
+                        await pubsub.aclose()
+            if not self._closing:
+                await asyncio.sleep(RESUBSCRIBE_S)
 
     async def _listen(self, pubsub: Any) -> None:
         quiet_s = 0.0
@@ -144,11 +148,11 @@ class WakeHub:
                     woken.wake()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        self._closing = True
+        task, self._task = self._task, None
+        if task is not None:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await cancel_and_wait([task])
 
 
 class NoticeReader:

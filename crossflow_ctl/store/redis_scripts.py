@@ -15,10 +15,19 @@ from redis.asyncio import Redis, RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-PER_NODE = ("upsert_lease", "try_debit", "commit", "release", "set_cordon", "node_view")
+PER_NODE = (
+    "upsert_lease",
+    "try_debit",
+    "commit",
+    "release",
+    "set_cordon",
+    "node_view",
+    "register_node",
+)
 """Scripts over one node's keys (one hash tag); they share ``_lib.lua``."""
-STANDALONE = ("put_pool_load", "delete_node", "touch_node")
-"""Scripts without the shared helpers: one pool's keys; deleting or touching one node."""
+STANDALONE = ("put_pool_load", "delete_node", "touch_node", "set_policy")
+"""Scripts without the shared helpers: one pool's keys; deleting or touching one node; the
+policy key."""
 
 
 def load_script(name: str) -> str:

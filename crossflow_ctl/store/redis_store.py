@@ -57,7 +57,7 @@ from crossflow_ctl.domain.models import (
     StoredPoolLoad,
     validated,
 )
-from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.base import (
     DebitOutcome,
@@ -66,6 +66,7 @@ from crossflow_ctl.store.base import (
     NodeEvent,
     Store,
     check_debit_args,
+    check_identity,
     check_owner,
     owner_arg,
 )
@@ -88,6 +89,7 @@ from crossflow_ctl.store.redis_debit import (
 from crossflow_ctl.store.redis_index import NodeIndex
 from crossflow_ctl.store.redis_ingest import LeaseIngest
 from crossflow_ctl.store.redis_notices import NoticeReader
+from crossflow_ctl.store.redis_records import RedisRecords
 from crossflow_ctl.store.redis_scripts import Scripts
 
 log = structlog.get_logger()
@@ -150,6 +152,7 @@ class RedisStore(Store):
         self._notices = NoticeReader(client, self._k, self._backend)
         self._ingest = LeaseIngest(self._k, self._scripts, self._index_lenders)
         self._admin = RedisAdmin(client, self._k, self._scripts, self._index, self._forget)
+        self._records = RedisRecords(client, self._k, self._scripts, self._backend)
 
     @contextlib.asynccontextmanager
     async def _backend(self, what: str, extra_s: float = 0.0) -> AsyncIterator[None]:
@@ -220,16 +223,18 @@ class RedisStore(Store):
         validated(NodeInfo, node_id=node_id, role=role, pool=pool, labels=dict(labels))
         k = self._k.node(node_id)
         async with self._backend("register_node"):
+            args = [role.value, pool, json.dumps(labels), now_ms]
+            out = await self._run("register_node", [k.info], args)
+            if codec.text(out[0]) == "identity":
+                stored = NodeInfo.model_construct(
+                    node_id=node_id, role=NodeRole(codec.text(out[1])), pool=codec.text(out[2])
+                )
+                check_identity(stored, role, pool)
             pipe = self._r.pipeline(transaction=False)
-            fields = ["role", role.value, "pool", pool, "labels", json.dumps(labels)]
-            pipe.hset(k.info, items=[*fields, "seen", now_ms])
-            for name in ("cordoned", "cordon_reason", "seq"):
-                pipe.hsetnx(k.info, name, "0" if name != "cordon_reason" else "")
-            pipe.hgetall(k.info)
             self._index.queue_add(pipe, node_id)
-            out = await pipe.execute()
+            await pipe.execute()
         self._notices.remember(node_id)
-        return codec.info_from(node_id, codec.text_map(out[-2]))
+        return codec.info_from(node_id, codec.flat_pairs(out[1]))
 
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
         async with self._backend("upsert_lease"):
@@ -446,14 +451,18 @@ class RedisStore(Store):
         return await self._notices.read(node_id, after_seq, limit, block_ms)
 
     # -- policy -----------------------------------------------------------------------------
-    async def get_policy(self) -> PolicySettings | None:
-        async with self._backend("get_policy"):
-            raw = await self._r.get(self._k.policy)
-        return PolicySettings.model_validate_json(raw) if raw else None
+    async def get_policy(self) -> VersionedPolicy | None:
+        return await self._records.get_policy()
 
-    async def set_policy(self, settings: PolicySettings) -> None:
-        async with self._backend("set_policy"):
-            await self._r.set(self._k.policy, settings.model_dump_json())
+    async def set_policy(self, policy: VersionedPolicy, expected_version: int) -> None:
+        await self._records.set_policy(policy, expected_version)
+
+    # -- request records (crossflow_ctl.store.redis_records) ----------------------------------
+    async def read_request(self, key: str) -> str | None:
+        return await self._records.read_request(key)
+
+    async def record_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
+        return await self._records.record_request(key, outcome, ttl_ms)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def ping(self) -> None:

@@ -306,14 +306,3 @@ def policy_from_json(text: str) -> PolicySettings:
         raise InvalidArgument(f"not JSON: {exc}", field="policy_json") from None
     result: PolicySettings = _validated(PolicySettings, "policy", **data)
     return result
-
-
-def policy_updates_from_proto(updates: dict[str, str]) -> dict[str, Any]:
-    """Text values to JSON scalars where they parse (``"0.3"`` -> 0.3, ``"true"`` -> True)."""
-    out: dict[str, Any] = {}
-    for key, text in updates.items():
-        try:
-            out[key] = json.loads(text)
-        except json.JSONDecodeError:
-            out[key] = text
-    return out

@@ -38,6 +38,17 @@ def reason_from_proto(number: int) -> Reason:
     )
 
 
+def release_outcome_from_proto(number: int) -> str:
+    """``RELEASE_OUTCOME_FINISHED`` -> "finished"; unspecified -> ""; unknown numbers are
+    InvalidArgument naming ``outcome``."""
+    try:
+        name = admission_pb2.ReleaseOutcome.Name(number)  # type: ignore[arg-type]
+    except ValueError:
+        raise InvalidArgument(f"unknown enum value {number}", field="outcome") from None
+    outcome = name.removeprefix("RELEASE_OUTCOME_").lower()
+    return "" if outcome == "unspecified" else outcome
+
+
 def decision_to_proto(decision: Decision | None) -> int:
     return c.enum_to_proto(decision, admission_pb2.Decision, "DECISION_")
 
@@ -56,6 +67,7 @@ def admit_request_to_proto(req: AdmissionRequest) -> admission_pb2.AdmitRequest:
         candidate_node_ids=list(req.candidate_node_ids),
         dry_run=req.dry_run,
         pool=req.pool,
+        attempt=req.attempt,
     )
 
 
@@ -71,6 +83,7 @@ def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionReques
         candidate_node_ids=tuple(msg.candidate_node_ids),
         dry_run=msg.dry_run,
         pool=msg.pool or "default",
+        attempt=msg.attempt,
     )
     return result
 
@@ -189,6 +202,7 @@ def admission_to_proto(a: Admission, explain: bool = True) -> admission_pb2.Admi
         predicted_ttft_ms=_finite(a.predicted_ttft_ms),
         normal_ttft_ms=_finite(a.normal_ttft_ms),
         shadow_decision=decision_to_proto(a.shadow_decision),  # type: ignore[arg-type]
+        replayed=a.replayed,
     )
     if a.plan is not None and explain:
         msg.explanation.CopyFrom(plan_to_proto(a.plan))
@@ -234,6 +248,7 @@ def admission_from_proto(msg: admission_pb2.AdmitResponse) -> Admission:
         normal_ttft_ms=msg.normal_ttft_ms,
         plan=plan,
         shadow_decision=decision_from_proto(msg.shadow_decision),
+        replayed=msg.replayed,
     )
 
 
@@ -276,9 +291,9 @@ WIRE_ONLY: dict[str, str] = {
     "crossflow.v1.AdmitStreamResponse": "repeated AdmitStreamResult",
     "crossflow.v1.AdmitStreamResult": "client id and an AdmitResponse or an AdmitStreamError",
     "crossflow.v1.AdmitStreamError": "status code and message of a refused item",
-    "crossflow.v1.CommitRequest": "reservation id only",
+    "crossflow.v1.CommitRequest": "reservation id and request id",
     "crossflow.v1.CommitResponse": "reservation id and expiry",
-    "crossflow.v1.ReleaseRequest": "reservation id and outcome",
+    "crossflow.v1.ReleaseRequest": "reservation id, outcome and request id",
     "crossflow.v1.ReleaseResponse": "reservation id only",
     "crossflow.v1.ListNodesRequest": "filters",
     "crossflow.v1.ListNodesResponse": "repeated NodeStatus",
@@ -296,5 +311,5 @@ WIRE_ONLY: dict[str, str] = {
     "crossflow.v1.DeleteNodeResponse": "node id and a count",
     "crossflow.v1.UncordonResponse": "NodeStatus",
     "crossflow.v1.GetPolicyRequest": "empty",
-    "crossflow.v1.SetPolicyRequest": "key -> text updates, see convert.policy_updates_from_proto",
+    "crossflow.v1.SetPolicyRequest": "key -> text updates, see policy.parse_policy_updates",
 }

@@ -10,11 +10,21 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc, common_pb2, lease_pb2
+from crossflow_ctl.api.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    admission_pb2,
+    admission_pb2_grpc,
+    common_pb2,
+    lease_pb2,
+)
 from crossflow_ctl.client import AdminClient, AdmissionClient
+from crossflow_ctl.domain.admission import Decision, Reason
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from crossflow_ctl.domain.models import MAX_BYTES, MAX_SLOTS, MAX_TOKENS
 from tests.broker.agents import FakeAgent, lease_msg
@@ -186,7 +196,7 @@ async def test_bad_policy_update_is_refused_and_policy_unchanged(cluster) -> Non
                 assert bad.value.field is not None and named in bad.value.field, bad.value
         assert await admin.get_policy() == before
         after = await admin.set_policy({"borrow_share": 0.25, "shadow_mode": True})
-        assert after.borrow_share == 0.25 and after.shadow_mode
+        assert after.policy.borrow_share == 0.25 and after.policy.shadow_mode
 
 
 async def test_commit_after_release_fails_precondition(node, agents) -> None:
@@ -245,3 +255,141 @@ async def test_any_credit_is_stored_iff_valid(node, credits: dict[str, int]) -> 
     else:
         assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
         assert await _stored_version(server) == (agent.version, credits["compute_tokens"])
+
+
+# -- issue 12: nothing reaches a caller as UNKNOWN; refusals carry google.rpc details ------------
+def _bad_request_fields(err: grpc.aio.AioRpcError) -> list[str]:
+    """The fields named by the google.rpc.BadRequest in the call's trailers."""
+    status = rpc_status.from_call(err)
+    assert status is not None, "no google.rpc.Status in the trailers"
+    assert status.code == err.code().value[0]
+    fields = []
+    for detail in status.details:
+        bad = error_details_pb2.BadRequest()
+        assert detail.Unpack(bad), detail.type_url
+        fields += [v.field for v in bad.field_violations]
+    return fields
+
+
+async def test_release_with_unknown_outcome_names_the_field(node) -> None:
+    server, _ = node
+    async with grpc.aio.insecure_channel(target(server)) as channel:
+        stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+        request = admission_pb2.ReleaseRequest(reservation_id="0" * 32 + "@d1", outcome=99)  # type: ignore[arg-type]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Release(request, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("outcome:")
+    assert _bad_request_fields(err.value) == ["outcome"]
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "/crossflow.v1.AdmissionService/Admit",
+        "/crossflow.v1.AdmissionService/Release",
+        "/crossflow.v1.AdminService/SetPolicy",
+        "/crossflow.v1.AdminService/GetNode",
+    ],
+)
+async def test_corrupt_protobuf_bytes_are_invalid_argument(node, method: str) -> None:
+    server, _ = node
+    before = await _stored_version(server)
+    async with grpc.aio.insecure_channel(target(server)) as channel:
+        call = channel.unary_unary(method)  # raw bytes in and out, no (de)serializer
+        for junk in (b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x08" + b"\x80" * 11):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(junk, timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert _bad_request_fields(err.value) == ["request"]
+    assert await _stored_version(server) == before
+
+
+async def test_corrupt_bytes_on_the_agent_stream_end_it_invalid(node) -> None:
+    server, _ = node
+    hello = lease_pb2.ConnectRequest(hello=lease_pb2.Hello(node_id="d9")).SerializeToString()
+    async with grpc.aio.insecure_channel(target(server)) as channel:
+        for first in ([], [hello]):  # junk instead of the Hello, and junk after it
+            call = channel.stream_stream("/crossflow.v1.LeaseService/Connect")()
+            for data in first:
+                await call.write(data)
+            await call.write(b"\xff\xff\xff")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while True:
+                    await call.read()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (err.value.details() or "").startswith("request:")
+
+
+async def test_corrupt_bytes_on_admit_stream_end_it_invalid_after_answering_the_rest(
+    node,
+) -> None:
+    server, _ = node
+    good = admission_pb2.AdmitStreamRequest(
+        items=[
+            admission_pb2.AdmitStreamItem(
+                id=7, request=admission_pb2.AdmitRequest(uncached_prompt_tokens=100)
+            )
+        ]
+    ).SerializeToString()
+    async with grpc.aio.insecure_channel(target(server)) as channel:
+        call = channel.stream_stream("/crossflow.v1.AdmissionService/AdmitStream")()
+        await call.write(good)
+        answered = admission_pb2.AdmitStreamResponse.FromString(await call.read())
+        assert [r.id for r in answered.results] == [7]
+        await call.write(b"\xff\xff\xff")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while True:
+                await call.read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert (err.value.details() or "").startswith("request:")
+
+
+async def test_huge_or_nested_policy_values_name_the_key(cluster) -> None:
+    server = await cluster.start()
+    async with grpc.aio.insecure_channel(target(server)) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
+        before = await stub.GetPolicy(admin_pb2.GetPolicyRequest(), timeout=5)
+        cases = [
+            ({"borrow_share": "[" * 100_000 + "]" * 100_000}, "updates.borrow_share"),
+            ({"borrow_share": '{"a":' * 50 + "1" + "}" * 50}, "updates.borrow_share"),
+            ({"hold_ttl_ms": "9" * 5_000}, "updates.hold_ttl_ms"),
+            ({"hold_ttl_ms": "1e999999"}, "hold_ttl_ms"),
+            ({f"k{i}": "1" for i in range(1_000)}, "updates"),
+        ]
+        for updates, named in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.SetPolicy(admin_pb2.SetPolicyRequest(updates=updates), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert _bad_request_fields(err.value)[0].startswith(named), err.value.details()
+        after = await stub.GetPolicy(admin_pb2.GetPolicyRequest(), timeout=5)
+        assert after == before
+
+
+async def test_unexpected_exception_is_internal_and_logged(cluster, monkeypatch) -> None:
+    server = await cluster.start()
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server.broker, "list_pools", broken)
+    async with grpc.aio.insecure_channel(target(server)) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ListPools(admin_pb2.ListPoolsRequest(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "a bug" not in (err.value.details() or "")  # no internals leak to callers
+
+
+async def test_empty_admit_never_borrows(node, agents) -> None:
+    server, _ = node
+    prefill = await agents(server, "p1", role=common_pb2.NODE_ROLE_PREFILL)
+    await prefill.send_pool_load()
+    await prefill.sync()
+    async with AdmissionClient(target(server), timeout_s=5) as client:
+        assert (await client.admit(uncached_prompt_tokens=100)).reservation_id  # room exists
+        for fields in ({}, {"cached_prefix_tokens": 5_000, "expected_output_tokens": 10}):
+            adm = await client.admit(uncached_prompt_tokens=0, **fields)
+            assert adm.decision is Decision.NORMAL and not adm.reservation_id, adm
+            assert adm.reason is Reason.NO_BENEFIT
+        assert len(await AdminClient(target(server)).list_reservations()) == 1

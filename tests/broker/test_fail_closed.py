@@ -229,4 +229,4 @@ async def test_policy_is_shared_through_the_store(cluster, agents) -> None:
             await asyncio.sleep(0.02)
         assert adm.reason is Reason.BORROWING_DISABLED
     async with AdminClient(target(b)) as admin:
-        assert not (await admin.get_policy()).enabled
+        assert not (await admin.get_policy()).policy.enabled

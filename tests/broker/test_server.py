@@ -111,7 +111,7 @@ async def test_real_broker_process_on_redis(redis_url, redis_namespace, tmp_path
             await prefill.sync()
             assert (await agent.send_lease()).result == lease_pb2.LEASE_RESULT_ACCEPTED
             async with AdmissionClient(addr, timeout_s=5) as client, AdminClient(addr) as admin:
-                policy = await admin.get_policy()
+                policy = (await admin.get_policy()).policy
                 assert policy.borrow_share == 1.0 and policy.hold_ttl_ms == 5000
                 adm = await client.admit(uncached_prompt_tokens=500)
                 assert adm.decision is Decision.BORROW, adm.message

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from crossflow_ctl.domain.errors import (
+    Aborted,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -21,7 +22,7 @@ from crossflow_ctl.domain.models import (
     ReservationState,
     ZeroReason,
 )
-from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.store.base import Store
 from tests.store.helpers import MAX_TTL, NOW, credits, lease, register
 
@@ -388,12 +389,51 @@ async def test_list_get_history_and_events(store: Store) -> None:
     assert d1.info.cordoned and d1.lease is not None and d1.lease.lease.epoch == 2
 
 
-async def test_policy_round_trip(store: Store) -> None:
+async def test_policy_round_trip_is_versioned_compare_and_set(store: Store) -> None:
     assert await store.get_policy() is None
-    policy = PolicySettings().updated({"borrow_share": 0.3, "hold_ttl_ms": 1234})
-    await store.set_policy(policy)
-    assert await store.get_policy() == policy
+    first = VersionedPolicy(
+        policy=PolicySettings().updated({"borrow_share": 0.3, "hold_ttl_ms": 1234}), version=1
+    )
+    await store.set_policy(first, expected_version=0)
+    assert await store.get_policy() == first
+    second = VersionedPolicy(policy=PolicySettings(shadow_mode=True), version=2)
+    for stale in (0, 2, 7):  # not the stored version: refused, nothing changes
+        with pytest.raises(Aborted) as lost:
+            await store.set_policy(second, expected_version=stale)
+        assert lost.value.current_version == 1 and lost.value.field == "expected_version"
+        assert await store.get_policy() == first
+    await store.set_policy(second, expected_version=1)
+    assert await store.get_policy() == second
     await store.ping()
+
+
+async def test_request_records_first_outcome_wins(store: Store) -> None:
+    assert await store.read_request("admit:r1") is None
+    assert await store.record_request("admit:r1", "first", 60_000) is None
+    assert await store.record_request("admit:r1", "second", 60_000) == "first"  # lost the race
+    assert await store.read_request("admit:r1") == "first"
+    assert await store.record_request("short", "x", 1) is None
+    await asyncio.sleep(0.05)
+    assert await store.read_request("short") is None  # the record expired
+    assert await store.record_request("short", "y", 60_000) is None
+
+
+async def test_identity_is_fixed_unless_cordoned(store: Store) -> None:
+    await store.register_node("n1", NodeRole.DECODE, "default", {"zone": "a"}, NOW)
+    for role, pool, named in (
+        (NodeRole.PREFILL, "default", "role"),
+        (NodeRole.DECODE, "other", "pool"),
+    ):
+        with pytest.raises(FailedPrecondition) as refused:
+            await store.register_node("n1", role, pool, {}, NOW)
+        assert refused.value.field == named
+    info = (await store.get_node("n1", NOW)).info
+    assert (info.role, info.pool, info.labels) == (NodeRole.DECODE, "default", {"zone": "a"})
+    # Same identity: a re-register refreshes labels.
+    await store.register_node("n1", NodeRole.DECODE, "default", {"zone": "b"}, NOW)
+    await store.set_cordon("n1", True, "moving to prefill", NOW)
+    moved = await store.register_node("n1", NodeRole.PREFILL, "p2", {}, NOW)
+    assert (moved.role, moved.pool, moved.cordoned) == (NodeRole.PREFILL, "p2", True)
 
 
 # -- §5.7 bad input ----------------------------------------------------------------------------

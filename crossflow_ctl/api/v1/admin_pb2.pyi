@@ -554,15 +554,19 @@ class GetPolicyResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     POLICY_JSON_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     policy_json: _builtins.str
+    version: _builtins.int
+    """Resource version of the stored policy: raised by one on every write; 0 = never written."""
     def __init__(
         self,
         *,
         policy_json: _builtins.str = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_json", b"policy_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_json", b"policy_json", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -593,6 +597,11 @@ class SetPolicyRequest(_message.Message):
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     UPDATES_FIELD_NUMBER: _builtins.int
+    EXPECTED_VERSION_FIELD_NUMBER: _builtins.int
+    expected_version: _builtins.int
+    """When set, the write applies only if the stored policy still has this version
+    (ABORTED otherwise, nothing changed), like a Kubernetes resourceVersion.
+    """
     @_builtins.property
     def updates(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """key -> value (as text), validated against the policy model."""
@@ -601,12 +610,15 @@ class SetPolicyRequest(_message.Message):
         self,
         *,
         updates: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        expected_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "expected_version", b"expected_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "expected_version", b"expected_version", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__expected_version: _TypeAlias = _typing.Literal["expected_version"]  # noqa: Y015
+    _WhichOneofArgType__expected_version: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_version) -> _WhichOneofReturnType__expected_version | None: ...
 
 Global___SetPolicyRequest: _TypeAlias = SetPolicyRequest  # noqa: Y015
 
@@ -615,15 +627,19 @@ class SetPolicyResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     POLICY_JSON_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     policy_json: _builtins.str
+    version: _builtins.int
+    """The version this write stored."""
     def __init__(
         self,
         *,
         policy_json: _builtins.str = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_json", b"policy_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_json", b"policy_json", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -126,6 +126,7 @@ class AdmitRequest(_message.Message):
     CANDIDATE_NODE_IDS_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
     POOL_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     uncached_prompt_tokens: _builtins.int
     cached_prefix_tokens: _builtins.int
@@ -135,6 +136,10 @@ class AdmitRequest(_message.Message):
     dry_run: _builtins.bool
     """Decide and explain, debit nothing."""
     pool: _builtins.str
+    attempt: _builtins.int
+    """0 on the first call of a request_id, n on its n-th retry (the broker then looks for the
+    recorded outcome of an earlier call before deciding).
+    """
     @_builtins.property
     def candidate_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -148,10 +153,11 @@ class AdmitRequest(_message.Message):
         candidate_node_ids: _abc.Iterable[_builtins.str] | None = ...,
         dry_run: _builtins.bool = ...,
         pool: _builtins.str = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prefix_node_id", b"cached_prefix_node_id", "cached_prefix_tokens", b"cached_prefix_tokens", "candidate_node_ids", b"candidate_node_ids", "dry_run", b"dry_run", "expected_output_tokens", b"expected_output_tokens", "pool", b"pool", "request_id", b"request_id", "uncached_prompt_tokens", b"uncached_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_prefix_node_id", b"cached_prefix_node_id", "cached_prefix_tokens", b"cached_prefix_tokens", "candidate_node_ids", b"candidate_node_ids", "dry_run", b"dry_run", "expected_output_tokens", b"expected_output_tokens", "pool", b"pool", "request_id", b"request_id", "uncached_prompt_tokens", b"uncached_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -324,6 +330,7 @@ class AdmitResponse(_message.Message):
     NORMAL_TTFT_MS_FIELD_NUMBER: _builtins.int
     EXPLANATION_FIELD_NUMBER: _builtins.int
     SHADOW_DECISION_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
     decision: Global___Decision.ValueType
     reason: Global___Reason.ValueType
     message: _builtins.str
@@ -336,6 +343,10 @@ class AdmitResponse(_message.Message):
     normal_ttft_ms: _builtins.float
     shadow_decision: Global___Decision.ValueType
     """What a decision would have been in shadow mode."""
+    replayed: _builtins.bool
+    """True when this answer is the recorded outcome of an earlier call with the same
+    request_id (a retry), not a new decision.
+    """
     @_builtins.property
     def explanation(self) -> Global___Explanation: ...
     def __init__(
@@ -353,10 +364,11 @@ class AdmitResponse(_message.Message):
         normal_ttft_ms: _builtins.float = ...,
         explanation: Global___Explanation | None = ...,
         shadow_decision: Global___Decision.ValueType = ...,
+        replayed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["explanation", b"explanation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "expires_unix_ms", b"expires_unix_ms", "explanation", b"explanation", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "message", b"message", "node_id", b"node_id", "normal_ttft_ms", b"normal_ttft_ms", "predicted_ttft_ms", b"predicted_ttft_ms", "reason", b"reason", "reservation_id", b"reservation_id", "shadow_decision", b"shadow_decision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "expires_unix_ms", b"expires_unix_ms", "explanation", b"explanation", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "message", b"message", "node_id", b"node_id", "normal_ttft_ms", b"normal_ttft_ms", "predicted_ttft_ms", b"predicted_ttft_ms", "reason", b"reason", "replayed", b"replayed", "reservation_id", b"reservation_id", "shadow_decision", b"shadow_decision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -486,15 +498,23 @@ class CommitRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
+    request_id: _builtins.str
+    """Idempotency key: a retry with the same id gets the first call's outcome."""
+    attempt: _builtins.int
+    """0 on the first call, n on the n-th retry with the same request_id."""
     def __init__(
         self,
         *,
         reservation_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "request_id", b"request_id", "reservation_id", b"reservation_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -528,17 +548,25 @@ class ReleaseRequest(_message.Message):
 
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
     OUTCOME_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
     outcome: Global___ReleaseOutcome.ValueType
+    request_id: _builtins.str
+    """Idempotency key: a retry with the same id gets the first call's outcome."""
+    attempt: _builtins.int
+    """0 on the first call, n on the n-th retry with the same request_id."""
     def __init__(
         self,
         *,
         reservation_id: _builtins.str = ...,
         outcome: Global___ReleaseOutcome.ValueType = ...,
+        request_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome", "reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "outcome", b"outcome", "request_id", b"request_id", "reservation_id", b"reservation_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

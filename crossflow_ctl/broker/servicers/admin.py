@@ -10,6 +10,7 @@ import grpc
 from crossflow_ctl.api.v1 import admin_pb2, admin_pb2_grpc
 from crossflow_ctl.broker.servicers import maps_errors
 from crossflow_ctl.domain.models import NodeState
+from crossflow_ctl.domain.policy import parse_policy_updates
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire import convert as c
 
@@ -90,13 +91,18 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def GetPolicy(
         self, request: admin_pb2.GetPolicyRequest, context: Ctx
     ) -> admin_pb2.GetPolicyResponse:
-        policy = await self._broker.get_policy()
-        return admin_pb2.GetPolicyResponse(policy_json=c.policy_to_json(policy))
+        current = await self._broker.get_policy()
+        return admin_pb2.GetPolicyResponse(
+            policy_json=c.policy_to_json(current.policy), version=current.version
+        )
 
     @maps_errors
     async def SetPolicy(
         self, request: admin_pb2.SetPolicyRequest, context: Ctx
     ) -> admin_pb2.SetPolicyResponse:
-        updates = c.policy_updates_from_proto(dict(request.updates))
-        policy = await self._broker.set_policy(updates)
-        return admin_pb2.SetPolicyResponse(policy_json=c.policy_to_json(policy))
+        updates = parse_policy_updates(dict(request.updates))
+        expected = request.expected_version if request.HasField("expected_version") else None
+        new = await self._broker.set_policy(updates, expected)
+        return admin_pb2.SetPolicyResponse(
+            policy_json=c.policy_to_json(new.policy), version=new.version
+        )

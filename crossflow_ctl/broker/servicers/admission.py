@@ -11,10 +11,14 @@ import grpc
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
 from crossflow_ctl.broker.admit_stream import answer_stream
 from crossflow_ctl.broker.auth import owner_filter, reservation_owner
-from crossflow_ctl.broker.servicers import maps_errors, status_for
+from crossflow_ctl.broker.servicers import abort_with, maps_errors
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.service.broker import Broker
-from crossflow_ctl.wire.convert_admission import admission_to_proto, admit_request_from_proto
+from crossflow_ctl.wire.convert_admission import (
+    admission_to_proto,
+    admit_request_from_proto,
+    release_outcome_from_proto,
+)
 from crossflow_ctl.wire.convert_room import room_update_to_proto, watch_request_from_proto
 
 
@@ -36,14 +40,19 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[admission_pb2.AdmitStreamResponse]:
         owner = reservation_owner()
-        async for response in answer_stream(self._broker, request_iterator, owner):
-            yield response
+        try:
+            async for response in answer_stream(self._broker, request_iterator, owner):
+                yield response
+        except CrossflowError as exc:
+            await abort_with(context, exc)
 
     @maps_errors
     async def Commit(
         self, request: admission_pb2.CommitRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.CommitResponse:
-        res = await self._broker.commit(request.reservation_id, owner_filter())
+        res = await self._broker.commit(
+            request.reservation_id, owner_filter(), request.request_id, request.attempt
+        )
         return admission_pb2.CommitResponse(
             reservation_id=res.reservation_id, expires_unix_ms=res.expires_at_ms
         )
@@ -52,10 +61,10 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     async def Release(
         self, request: admission_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.ReleaseResponse:
-        outcome = admission_pb2.ReleaseOutcome.Name(request.outcome).removeprefix(
-            "RELEASE_OUTCOME_"
+        outcome = release_outcome_from_proto(request.outcome)
+        res = await self._broker.release(
+            request.reservation_id, outcome, owner_filter(), request.request_id, request.attempt
         )
-        res = await self._broker.release(request.reservation_id, outcome.lower(), owner_filter())
         return admission_pb2.ReleaseResponse(reservation_id=res.reservation_id)
 
     async def WatchRoom(
@@ -63,8 +72,9 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     ) -> AsyncIterator[admission_pb2.WatchRoomResponse]:
         try:
             updates = self._broker.watch_room(watch_request_from_proto(request))
-        except CrossflowError as exc:
-            await context.abort(status_for(exc), str(exc))
-            return
-        async for update in updates:
-            yield room_update_to_proto(update)
+            async for update in updates:
+                yield room_update_to_proto(update)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # a refusal with its status, a bug as INTERNAL: never UNKNOWN
+            await abort_with(context, exc)

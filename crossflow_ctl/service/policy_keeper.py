@@ -1,0 +1,110 @@
+"""The shared admission policy: versioned writes, and a durable answer when the store forgets.
+
+Source of truth: the store's versioned policy (``VersionedPolicy``). Every replica keeps the
+newest version it has seen. When the store answers with no policy, or with an OLDER version
+than one this replica saw (Redis restarted without persistence, or was restored from an old
+snapshot), the replica writes back the newest policy it saw, with its version, and logs an
+error; the startup policy from settings is only ever written into an empty store by a replica
+that has seen nothing newer. Writes are compare-and-set on the version: an operator's
+``expected_version`` that is not the stored one is refused with Aborted (ABORTED), and a write
+without one retries on a concurrent change, never overwriting what it did not read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from crossflow_ctl.domain.errors import Aborted, CrossflowError, InvalidArgument
+from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
+from crossflow_ctl.store.base import Store
+
+log = structlog.get_logger()
+
+WRITE_TRIES = 3
+"""Compare-and-set attempts of an unconditional write that races other writers."""
+
+
+class PolicyKeeper:
+    def __init__(self, store: Store, initial: PolicySettings) -> None:
+        self._store = store
+        self._initial = initial
+        self.current = VersionedPolicy(policy=initial, version=0)
+        """The newest policy this replica has seen (version 0: only the startup one)."""
+
+    async def load(self) -> VersionedPolicy:
+        """Adopt the store's policy; restore the newest seen one if the store lost it."""
+        for _ in range(WRITE_TRIES):
+            stored = await self._store.get_policy()
+            stored_version = stored.version if stored is not None else 0
+            if stored is not None and stored.version >= self.current.version:
+                self.current = stored
+                return stored
+            seen = self.current
+            if seen.version > 0:
+                log.error(
+                    "policy.store_lost_it",
+                    stored_version=stored_version,
+                    restoring_version=seen.version,
+                    detail="the store holds no policy or an older one; writing back the newest "
+                    "seen (not the startup default)",
+                )
+                write = seen
+            else:
+                write = VersionedPolicy(policy=self._initial, version=1)
+            try:
+                await self._store.set_policy(write, expected_version=stored_version)
+            except Aborted:
+                continue  # another replica wrote meanwhile: read again
+            self.current = write
+            return write
+        return self.current
+
+    async def update(
+        self, updates: dict[str, Any], expected_version: int | None = None
+    ) -> VersionedPolicy:
+        """Apply ``updates`` to the stored policy as a new version (see module docstring)."""
+        if not updates:
+            raise InvalidArgument("no updates given", field="updates")
+        for _ in range(WRITE_TRIES):
+            base = await self.load()
+            if expected_version is not None and expected_version != base.version:
+                raise Aborted(
+                    f"policy is at version {base.version}, not {expected_version}",
+                    current_version=base.version,
+                    field="expected_version",
+                )
+            new = VersionedPolicy(policy=base.policy.updated(updates), version=base.version + 1)
+            try:
+                await self._store.set_policy(new, expected_version=base.version)
+            except Aborted:
+                if expected_version is not None:
+                    raise
+                continue
+            self.current = new
+            log.info("policy.set", updates=sorted(updates), version=new.version)
+            return new
+        raise Aborted(
+            "policy changed concurrently; retry",
+            current_version=self.current.version,
+            field="expected_version",
+        )
+
+
+async def refresh_forever(
+    load: Callable[[], Awaitable[object]], stop: asyncio.Event, interval_s: float
+) -> None:
+    """Call ``load`` every ``interval_s`` until ``stop`` is set; failures are logged."""
+    while not stop.is_set():
+        try:
+            await load()
+        except CrossflowError as exc:
+            log.warning("policy.refresh_failed", error=str(exc))
+        try:
+            async with asyncio.timeout(interval_s):
+                await stop.wait()
+        except TimeoutError:
+            pass

@@ -1,0 +1,165 @@
+"""Issue 12, phantom holds: outcomes are exact under timeouts and retries.
+
+An Admit the broker answered NORMAL because the store was slow must not leave a debit that no
+router can release; a retry with the same request_id gets the first call's outcome and never a
+second debit; Commit and Release replay their recorded outcome. Real gRPC, both stores; the
+slow store delays the debit so it lands after the broker gave up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc, common_pb2, lease_pb2
+from crossflow_ctl.client import AdminClient, AdmissionClient
+from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
+from crossflow_ctl.domain.errors import FailedPrecondition
+from crossflow_ctl.domain.models import ReservationState
+from crossflow_ctl.domain.policy import PolicySettings
+from tests.broker.conftest import TEST_POLICY, target
+
+
+class SlowDebits:
+    """The broker's store, with every debit landing ``delay_s`` late, as a Redis script does
+    whose reply is slow: once sent it runs, whether or not the caller still waits."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self._inner = inner
+        self.delay_s = delay_s
+        self.debits = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def try_debits(self, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.shield(asyncio.ensure_future(self._land(*args, **kwargs)))
+
+    async def _land(self, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(self.delay_s)
+        self.debits += 1
+        return await self._inner.try_debits(*args, **kwargs)
+
+
+PATIENT = TEST_POLICY.updated({"admit_timeout_ms": 2_000})
+"""A loaded machine must not turn an Admit into NORMAL (TIMEOUT) where that is not the point."""
+
+
+async def _lending_cluster(cluster, agents, policy: PolicySettings = PATIENT):
+    """A broker over a SlowDebits store (no delay until a test sets one), one decode node
+    leasing and one prefill node reporting; returns the server, the decode agent and the
+    store."""
+    inner = cluster.store_factory
+    cluster.store_factory = lambda: SlowDebits(inner(), delay_s=0.0)
+    server = await cluster.start(policy=policy)
+    decode = await agents(server, "d1")
+    assert (await decode.send_lease()).result == lease_pb2.LEASE_RESULT_ACCEPTED
+    prefill = await agents(server, "p1", role=common_pb2.NODE_ROLE_PREFILL)
+    await prefill.send_pool_load()
+    await prefill.sync()
+    return server, decode, server.store
+
+
+async def _settled_reservations(server, want: int) -> list[Any]:
+    """Open reservations once ``want`` exist and none is HELD or COMMITTED any more."""
+    async with AdminClient(target(server)) as admin:
+        async with asyncio.timeout(10):
+            while True:
+                found = await admin.list_reservations()
+                if len(found) >= want and all(r.state is ReservationState.RELEASED for r in found):
+                    return found
+                await asyncio.sleep(0.05)
+
+
+async def test_a_debit_landing_after_a_timeout_is_released(cluster, agents) -> None:
+    server, decode, slow = await _lending_cluster(
+        cluster, agents, TEST_POLICY.updated({"admit_timeout_ms": 50})
+    )
+    slow.delay_s = 0.3
+    async with AdmissionClient(target(server), timeout_s=5) as client:
+        answer = await client.admit(request_id="late-1", uncached_prompt_tokens=100)
+        assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
+        found = await _settled_reservations(server, 1)
+        assert slow.debits == 1 and [r.request_id for r in found] == ["late-1"]
+        # The agent heard of both the grant and its release (its next lease frees the credit).
+        rid = found[0].reservation_id
+        await decode.wait_notice(
+            lambda n: n.reservation_id == rid and n.kind == lease_pb2.NOTICE_KIND_RELEASE
+        )
+        # A retry times out the same way, and its late debit is released too.
+        again = await client.admit(
+            AdmissionRequest(request_id="late-1", uncached_prompt_tokens=100, attempt=1)
+        )
+        assert again.reason is Reason.TIMEOUT
+        assert len(await _settled_reservations(server, 2)) == 2 and slow.debits == 2
+
+
+async def test_a_retried_admit_gets_the_same_reservation(cluster, agents) -> None:
+    server, _, _ = await _lending_cluster(cluster, agents)
+    async with AdmissionClient(target(server), timeout_s=5) as client:
+        first = await client.admit(request_id="r-1", uncached_prompt_tokens=100)
+        assert first.decision is Decision.BORROW and not first.replayed
+        for attempt in (1, 0):  # a retry, and a router reusing the id without saying so
+            retry = await client.admit(
+                AdmissionRequest(request_id="r-1", uncached_prompt_tokens=100, attempt=attempt)
+            )
+            assert retry.replayed and retry.reservation_id == first.reservation_id
+        other = await client.admit(request_id="r-2", uncached_prompt_tokens=100)
+        assert other.reservation_id not in ("", first.reservation_id)
+    async with AdminClient(target(server)) as admin:
+        live = [r for r in await admin.list_reservations() if r.state is ReservationState.HELD]
+        assert sorted(r.reservation_id for r in live) == sorted(
+            (first.reservation_id, other.reservation_id)
+        )
+
+
+async def test_a_retry_racing_the_first_call_gets_one_outcome_and_no_orphan(
+    cluster, agents
+) -> None:
+    server, _, slow = await _lending_cluster(
+        cluster, agents, TEST_POLICY.updated({"admit_timeout_ms": 5_000})
+    )
+    slow.delay_s = 0.5
+    async with AdmissionClient(target(server), timeout_s=5, retries=0) as client:
+        first = asyncio.create_task(client.admit(request_id="r-3", uncached_prompt_tokens=100))
+        await asyncio.sleep(0.2)  # the first call is debiting
+        retry = await client.admit(
+            AdmissionRequest(request_id="r-3", uncached_prompt_tokens=100, attempt=1)
+        )
+        late = await first
+    # Both calls answer the one recorded outcome ...
+    assert retry.decision is late.decision is Decision.BORROW
+    assert retry.reservation_id == late.reservation_id and (retry.replayed or late.replayed)
+    # ... and the other debit is released, not left for nobody.
+    async with AdminClient(target(server)) as admin, asyncio.timeout(10):
+        while True:
+            found = await admin.list_reservations()
+            held = [r.reservation_id for r in found if r.state is ReservationState.HELD]
+            if len(found) == 2 and held == [late.reservation_id]:
+                break
+            await asyncio.sleep(0.05)
+
+
+async def test_commit_and_release_replay_their_recorded_outcome(cluster, agents) -> None:
+    server, _, _ = await _lending_cluster(cluster, agents)
+    async with (
+        AdmissionClient(target(server), timeout_s=5) as client,
+        grpc.aio.insecure_channel(target(server)) as channel,
+    ):
+        stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+        rid = (await client.admit(uncached_prompt_tokens=100)).reservation_id
+        commit = admission_pb2.CommitRequest(reservation_id=rid, request_id="c-1")
+        committed = await stub.Commit(commit, timeout=5)
+        await client.release(rid, request_id="x-1")
+        # Retries with the same ids replay the first outcomes, though the reservation moved on
+        commit.attempt = 1
+        assert await stub.Commit(commit, timeout=5) == committed
+        release = admission_pb2.ReleaseRequest(reservation_id=rid, request_id="x-1", attempt=1)
+        assert (await stub.Release(release, timeout=5)).reservation_id == rid
+        # ... while a new commit sees the release, and its refusal records nothing.
+        for attempt in (0, 1):
+            with pytest.raises(FailedPrecondition):
+                await client.commit(rid, request_id=f"c-2-{attempt}")
