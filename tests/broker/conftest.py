@@ -23,7 +23,12 @@ from tests.broker.agents import FakeAgent
 
 HAVE_REDIS_STORE = importlib.util.find_spec("crossflow_ctl.store.redis_store") is not None
 
-TEST_POLICY = PolicySettings(borrow_share=1.0, hold_ttl_ms=2_000, max_lease_ttl_ms=2_000)
+TEST_POLICY = PolicySettings(
+    borrow_share=1.0, hold_ttl_ms=2_000, max_lease_ttl_ms=2_000, admit_timeout_ms=2_000
+)
+"""Admission's store deadline is 2 s here, not the production 50 ms: on a loaded CI machine a
+50 ms deadline turns BORROW into NORMAL(timeout) in tests that are not about timeouts. Tests of
+the deadline set their own (test_fail_closed, test_exact_outcomes)."""
 
 
 @pytest.fixture(params=["memory", "redis"])

@@ -34,7 +34,7 @@ async def _broker_on(url: str) -> BrokerServer:
     settings = BrokerSettings(
         listen="127.0.0.1:0",
         redis_url=url,
-        policy=TEST_POLICY,
+        policy=TEST_POLICY.updated({"admit_timeout_ms": 50}),  # below the store's 200 ms socket
         admin_timeout_ms=300,
         stream_grace_s=0.5,
     )
