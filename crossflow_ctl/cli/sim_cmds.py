@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from crossflow_ctl.client.holding import QueueConfig
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.lease_credits import LeaseSettings
@@ -99,6 +100,26 @@ def _quiet_logs() -> None:
 @click.option("--horizon-ms", default=2000, show_default=True, help="Borrow horizon.")
 @click.option("--borrow-share", default=0.5, show_default=True, help="Cluster-wide borrow limit.")
 @click.option(
+    "--late-binding/--no-late-binding",
+    default=True,
+    show_default=True,
+    help="Leases: the router holds prompts that found no room and re-offers them.",
+)
+@click.option(
+    "--max-hold-ms",
+    type=click.IntRange(0, 600_000),
+    default=60_000,
+    show_default=True,
+    help="Late binding: longest a prompt is held before it goes to prefill.",
+)
+@click.option(
+    "--prefill-room-ms",
+    type=click.FloatRange(0.0, 600_000.0),
+    default=2000.0,
+    show_default=True,
+    help="Late binding: a held prompt goes to prefill once the pool's wait is at most this.",
+)
+@click.option(
     "--cache-scope",
     type=click.Choice([c.value for c in CacheScope]),
     default="cluster",
@@ -129,6 +150,9 @@ def sim(
     itl_slo_ms: float,
     horizon_ms: int,
     borrow_share: float,
+    late_binding: bool,
+    max_hold_ms: int,
+    prefill_room_ms: float,
     cache_scope: str,
     session_rate: float | None,
     seed: int,
@@ -167,6 +191,9 @@ def sim(
         seed=seed,
         lease=LeaseSettings(itl_slo_ms=itl_slo_ms, horizon_ms=horizon_ms),
         broker_policy=policy,
+        late_binding=late_binding,
+        queue=QueueConfig(max_hold_ms=max_hold_ms, max_held=SimConfig().queue.max_held),
+        prefill_room_ms=prefill_room_ms,
     )
     runs = plan_runs(
         loaded,
@@ -195,7 +222,8 @@ def sim(
     for s in (summarize(r) for r in records):
         click.echo(
             f"{s.trace} {s.scale:g}x {s.label}: TTFT mean {s.ttft_mean_ms:.0f} ms, "
-            f"out {s.output_tps:.0f} tok/s, borrowed {s.borrowed_share * 100:.1f} %, "
+            f"out {s.output_tps:.0f} tok/s (steady {s.steady_output_tps:.0f}), "
+            f"borrowed {s.borrowed_share * 100:.1f} %, "
             f"over-commit {s.overcommits}"
         )
     click.echo(f"report: {path} ({len(runs)} runs in {wall:.1f} s)")

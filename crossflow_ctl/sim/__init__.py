@@ -11,7 +11,8 @@ What is real and what is modelled:
   agent's lease rules and pool-load report (``domain.leasing.decide`` / ``pool_load`` on an
   ``EngineSnapshot``), the broker's admission (``service.Broker``: ``plan_admission``,
   ``debit_for``, fail-closed answers, up to three debit tries) and the store (``MemoryStore``;
-  ``RedisStore`` with ``--redis URL``), moved by a ``ManualClock``.
+  ``RedisStore`` with ``--redis URL``), moved by a ``ManualClock``; the router is the client
+  library's ``AdmissionQueue`` (late binding) over the broker in-process (``sim/control.py``).
 * Modelled (see servers.py for the exact rules): prefill servers run one prompt at a time in
   chunks; decode servers batch continuously and advance several identical steps as one event
   (timed at the mid-point context); a borrowed prefill chunk (``borrow_chunk_tokens``) rides on
@@ -20,7 +21,9 @@ What is real and what is modelled:
   network bandwidth with no contention; the router knows each request's true output length
   (the lease debit uses it); cached prefixes live in the prefill pool, so a borrowed request
   pulls its cached prefix over the network first. The first token counts when the request joins
-  a decode batch. Agents see exact state (no scrape noise), sampled every ``agent_period_ms``.
+  a decode batch. Agents see exact state (no scrape noise), sampled every ``agent_period_ms``;
+  an agent at a fixed point (idle node) sleeps and catches up before any store read, with the
+  same result as ticking (``fast_forward_agents``).
 * Prefix cache (Mooncake ``hash_ids``): a bounded LRU of 512-token blocks, cluster-wide by
   default (``--cache-scope node`` gives one per prefill server with prefix-aware routing).
 * Not modelled: preemption and recompute, network contention, engine scheduling noise,

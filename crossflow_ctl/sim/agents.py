@@ -6,21 +6,62 @@ rates and ITL quantiles over the last period); the lease comes from
 and prefill load from :func:`crossflow_ctl.domain.leasing.pool_load`, exactly as the agent
 daemon computes them. Leases go to the broker domain class (and so the store) every period;
 each lease is stamped with the last notice the agent had read (DESIGN.md §5.4).
+
+**Fast-forward over a fixed point** (exact, for speed): an agent whose server had no event for a
+whole period, whose snapshot and ITL guard came out as in the period before and which read no
+new notice, would publish the same lease (only the version grows) every period until something
+happens on its node. It stops ticking (``dormant``); the simulator wakes it at the next event
+on its server or its node's reservations, and before any read of the store (an admission)
+it publishes the lease of the latest period that would have passed, with that period's version
+and receipt time. Counters (leases, zero reasons, mean credits) count every skipped period, so
+a run reports what eager ticking would; ``SimConfig.fast_forward_agents=False`` ticks every
+period (the tests compare both).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, roofline
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.leasing import ItlGuard, decide, pool_load
 from crossflow_ctl.domain.lending import ChunkSizer, OpenDebits
-from crossflow_ctl.domain.models import CREDIT_NAMES
+from crossflow_ctl.domain.models import CREDIT_NAMES, Lease, PoolLoad
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.service import Broker
 from crossflow_ctl.sim.servers import DecodeServer, PrefillServer
+
+
+class Period:
+    """An agent's schedule: period k falls at ``phase_s + k * period_s``. One formula for ticking
+    and for sleeping, so an agent that sleeps over periods lands on the very same times."""
+
+    def __init__(self, period_s: float, phase_s: float = 0.0) -> None:
+        self.period_s = period_s
+        self.phase_s = phase_s
+        self.k = 0
+
+    @property
+    def next_s(self) -> float:
+        return self.phase_s + self.k * self.period_s
+
+    def advance(self) -> None:
+        self.k += 1
+
+    def skip_to(self, t: float) -> tuple[int, float]:
+        """Pass every period at or before ``t``: (how many, when the last one fell)."""
+        if self.next_s > t:
+            return 0, 0.0
+        n = int((t - self.next_s) // self.period_s) + 1
+        while self.phase_s + (self.k + n) * self.period_s <= t:
+            n += 1
+        while n > 1 and self.phase_s + (self.k + n - 1) * self.period_s > t:
+            n -= 1
+        last = self.phase_s + (self.k + n - 1) * self.period_s
+        self.k += n
+        return n, last
 
 
 class DecodeAgent:
@@ -34,8 +75,10 @@ class DecodeAgent:
         period_s: float,
         ttl_ms: int,
         follow_chunk: bool = True,
+        fast_forward: bool = True,
     ) -> None:
         self.server = server
+        self.fast_forward = fast_forward
         self.node_id = node_id
         self.model = model
         self.node = node
@@ -66,6 +109,18 @@ class DecodeAgent:
         """Sum of each credit over the non-zero leases (for the report's mean lease)."""
         self.chunk_sum = 0
         """Sum of the sized borrowed chunk over the non-zero leases."""
+        self.schedule = Period(period_s)
+        self.stirred = True
+        """Something happened on the server or the node's reservations since the last tick."""
+        self.dormant = False
+        self.zero = True
+        """Whether the last lease published was a zero lease (no room to signal)."""
+        self.open_borrows = 0
+        """Reservations granted on this node and not yet released (no fast-forward while > 0:
+        their expiry would change what the agent reads)."""
+        self._key: tuple[object, ...] | None = None
+        self._fixed: tuple[Lease, int] | None = None
+        """While dormant: the lease it keeps publishing, and the sized chunk behind it."""
 
     def snapshot(self, t: float, now_ms: int) -> EngineSnapshot:
         s = self.server
@@ -91,13 +146,16 @@ class DecodeAgent:
             window_s=self.period_s,
         )
 
-    async def tick(self, broker: Broker, t: float, now_ms: int) -> None:
+    async def tick(self, broker: Broker, t: float, now_ms: int) -> bool:
+        """One period; False when the agent went dormant (schedule no next tick)."""
         notices = await broker.read_notices(self.node_id, self.last_notice_seq, 0)
         if notices:
             self.last_notice_seq = notices[-1].seq
             self.open_debits.apply(notices)
+        snapshot = self.snapshot(t, now_ms)
+        guard = self.guard
         decision = decide(
-            self.snapshot(t, now_ms),
+            snapshot,
             now_ms=now_ms,
             model=self.model,
             node=self.node,
@@ -115,17 +173,62 @@ class DecodeAgent:
             ttl_ms=self.ttl_ms,
             last_notice_seq=self.last_notice_seq,
         )
-        self.leases += 1
+        chunk = decision.capacity.chunk_tokens if decision.capacity is not None else 0
+        self._count(lease, chunk, 1)
+        self.zero = lease.zero_reason is not None
+        await broker.ingest_lease(lease)
+        self.schedule.advance()
+        key = _snapshot_key(snapshot)
+        fixed = (
+            self.fast_forward
+            and not self.stirred
+            and not notices
+            and self.open_borrows == 0
+            and key == self._key
+            and decision.guard == guard
+        )
+        self._key = key
+        self.stirred = False
+        if fixed:
+            self.dormant = True
+            self._fixed = (lease, chunk)
+        return not fixed
+
+    def _count(self, lease: Lease, chunk: int, n: int) -> None:
+        """Count ``n`` publications of ``lease`` (sized chunk ``chunk``) in the run's figures."""
+        self.leases += n
         if lease.zero_reason is not None:
-            self.zero_leases += 1
+            self.zero_leases += n
             why = lease.zero_reason.value
-            self.zero_reasons[why] = self.zero_reasons.get(why, 0) + 1
+            self.zero_reasons[why] = self.zero_reasons.get(why, 0) + n
         else:
             for name, value in zip(CREDIT_NAMES, lease.credits.as_tuple(), strict=True):
-                self.credit_sums[name] += value
-            if decision.capacity is not None:
-                self.chunk_sum += decision.capacity.chunk_tokens
+                self.credit_sums[name] += value * n
+            self.chunk_sum += chunk * n
+
+    async def catch_up(self, broker: Broker, t: float, sync: Callable[[float], int]) -> None:
+        """Dormant: publish the lease of the latest period at or before ``t`` (see module doc)."""
+        if not self.dormant or self._fixed is None:
+            return
+        n, last = self.schedule.skip_to(t)
+        if n == 0:
+            return
+        lease, chunk = self._fixed
+        self.version += n
+        lease = lease.model_copy(update={"version": self.version})
+        self._fixed = (lease, chunk)
+        self._count(lease, chunk, n)
+        sync(last)
         await broker.ingest_lease(lease)
+        sync(t)
+
+    async def wake(self, broker: Broker, t: float, sync: Callable[[float], int]) -> float:
+        """Leave the fixed point at ``t``; returns when the next period falls."""
+        await self.catch_up(broker, t, sync)
+        self.dormant = False
+        self._fixed = None
+        self.stirred = True
+        return self.schedule.next_s
 
 
 class PrefillAgent:
@@ -137,14 +240,21 @@ class PrefillAgent:
         period_s: float,
         ttl_ms: int,
         kv_total_tokens: int,
+        fast_forward: bool = True,
     ) -> None:
         self.server = server
+        self.fast_forward = fast_forward
         self.node_id = node_id
         self.settings = settings
         self.period_s = period_s
         self.ttl_ms = ttl_ms
         self.kv_total_tokens = kv_total_tokens
         self.last_processed = 0.0
+        self.schedule = Period(period_s)
+        self.stirred = True
+        self.dormant = False
+        self._key: tuple[object, ...] | None = None
+        self._fixed: PoolLoad | None = None
 
     def snapshot(self, t: float, now_ms: int) -> EngineSnapshot:
         s = self.server
@@ -169,9 +279,11 @@ class PrefillAgent:
             window_s=self.period_s,
         )
 
-    async def tick(self, broker: Broker, t: float, now_ms: int) -> None:
+    async def tick(self, broker: Broker, t: float, now_ms: int) -> bool:
+        """One period; False when the agent went dormant (see the module doc)."""
+        snapshot = self.snapshot(t, now_ms)
         load = pool_load(
-            self.snapshot(t, now_ms),
+            snapshot,
             now_ms=now_ms,
             node_id=self.node_id,
             pool="default",
@@ -179,6 +291,52 @@ class PrefillAgent:
             settings=self.settings,
         )
         if load is not None:
-            # Fail closed: on a store error the pool load expires and Demand fails.
-            with contextlib.suppress(CrossflowError):
-                await broker.ingest_pool_load(load)
+            await _put_load(broker, load)
+        self.schedule.advance()
+        key = _snapshot_key(snapshot)
+        fixed = self.fast_forward and not self.stirred and key == self._key
+        self._key = key
+        self.stirred = False
+        if fixed:
+            self.dormant = True
+            self._fixed = load
+        return not fixed
+
+    async def catch_up(self, broker: Broker, t: float, sync: Callable[[float], int]) -> None:
+        if not self.dormant:
+            return
+        n, last = self.schedule.skip_to(t)
+        if n and self._fixed is not None:
+            sync(last)
+            await _put_load(broker, self._fixed)
+            sync(t)
+
+    async def wake(self, broker: Broker, t: float, sync: Callable[[float], int]) -> float:
+        await self.catch_up(broker, t, sync)
+        self.dormant = False
+        self._fixed = None
+        self.stirred = True
+        return self.schedule.next_s
+
+
+async def _put_load(broker: Broker, load: PoolLoad) -> None:
+    # Fail closed: on a store error the pool load expires and Demand fails.
+    with contextlib.suppress(CrossflowError):
+        await broker.ingest_pool_load(load)
+
+
+def _snapshot_key(s: EngineSnapshot) -> tuple[object, ...]:
+    """Every field a lease or pool load depends on, but the time it was taken."""
+    return (
+        s.running_requests,
+        s.queued_requests,
+        s.kv_used_tokens,
+        s.decode_context_tokens,
+        s.generation_rate_tps,
+        s.prompt_rate_tps,
+        s.itl_p50_ms,
+        s.itl_p99_ms,
+        s.outstanding_uncached_tokens,
+        s.borrowed_kv_tokens,
+        s.prefill_processing_rate_tps,
+    )

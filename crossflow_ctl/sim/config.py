@@ -8,6 +8,7 @@ from typing import Annotated
 
 from pydantic import Field
 
+from crossflow_ctl.client.holding import QueueConfig
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, ModelSpec, NodeProfile
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.lease_credits import LeaseSettings
@@ -58,6 +59,20 @@ class SimConfig(Frozen):
     lease: LeaseSettings = LeaseSettings()
     """The agents' lease settings; its ``itl_slo_ms`` is also the ITL SLO of the metrics."""
     broker_policy: PolicySettings = PolicySettings()
+    late_binding: bool = True
+    """Leases policy: the router holds prompts that found no room while the prefill pool is
+    behind, and re-offers them when room appears (the client library's AdmissionQueue)."""
+    queue: QueueConfig = QueueConfig(max_hold_ms=60_000, max_held=100_000)
+    """The router's AdmissionQueue settings. A held prompt goes to prefill as soon as prefill
+    has room (``prefill_room_ms``); the hold deadline is a safety net (under overload the
+    prefill queue itself waits minutes), and the bound is what one router process can keep."""
+    prefill_room_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2000.0
+    """The router's word that prefill has room for a held prompt: the prefill pool's estimated
+    wait (outstanding uncached tokens over its nominal rate) is at most this. The default keeps
+    about one borrow horizon of work queued at prefill (so Demand and Benefit see the pool
+    behind) and holds the rest for leases."""
+    fast_forward_agents: bool = True
+    """Agents at a fixed point sleep until their node changes (exact; see sim/agents.py)."""
     agent_period_ms: Annotated[int, Field(gt=0, le=60_000)] = 200
     lease_ttl_ms: Annotated[int, Field(gt=0, le=60_000)] = 600
 

@@ -7,7 +7,10 @@ Definitions (the report repeats them):
   (mean and p99 over every token produced after the warm-up); per request, the mean ITL is
   ``(finish - first token) / (output - 1)``.
 * **Throughput**: input (or output) tokens of the measured requests over the span from the first
-  measured release to the last measured finish.
+  measured release to the last measured finish (the drain of the queues included).
+* **Steady-state throughput**: input (or output) tokens of the requests that finished between
+  the end of the warm-up and the last release, over that window: the rate while the offered load
+  is still arriving, so a saturated run is not judged by how long its backlog takes to drain.
 * **SLO attainment**: share of measured requests with TTFT <= the TTFT SLO and mean ITL <= the
   ITL SLO.
 * **Stranded capacity**: share of server-seconds (all servers, whole run) not spent stepping.
@@ -42,6 +45,11 @@ class RunRecord:
     borrowed: int = 0
     slo_ok: int = 0
     span_s: float = 0.0
+    steady_s: float = 0.0
+    """Length of the steady-state window (end of warm-up to last release), simulated seconds."""
+    steady_input_tokens: int = 0
+    steady_output_tokens: int = 0
+    """Tokens of the requests that finished inside the steady-state window."""
     busy_s: float = 0.0
     capacity_s: float = 0.0
     overcommits: int = 0
@@ -60,6 +68,12 @@ class RunRecord:
     """Sum of the agents' sized borrowed chunk over the non-zero leases."""
     windows: list[tuple[float, float, float, float]] = field(default_factory=list)
     """Per window: (start, R = uncached in / out, borrowed share, mean TTFT s)."""
+    held: int = 0
+    """Prompts the router's queue held (late binding) before their outcome."""
+    outcomes: dict[str, int] = field(default_factory=dict)
+    """The router's queue: prompts by how they got their outcome (``client.holding.Dispatch``:
+    borrowed, borrowed_late, not_held, prefill_room, deadline, no_demand, ...)."""
+    reoffers: int = 0
     sim_events: int = 0
     wall_s: float = 0.0
 
@@ -77,6 +91,8 @@ class Summary(Frozen):
     itl_p99_ms: float
     input_tps: float
     output_tps: float
+    steady_input_tps: float
+    steady_output_tps: float
     slo_attainment: float
     stranded: float
     borrowed_share: float
@@ -104,6 +120,7 @@ def summarize(rec: RunRecord) -> Summary:
     ttft = rec.ttft_s
     itl_mean, itl_p99 = _hist_stats(rec.itl_hist)
     span = rec.span_s if rec.span_s > 0 else math.nan
+    steady = rec.steady_s if rec.steady_s > 0 else math.nan
     return Summary(
         label=rec.label,
         trace=rec.trace,
@@ -117,6 +134,8 @@ def summarize(rec: RunRecord) -> Summary:
         itl_p99_ms=itl_p99 * 1000.0,
         input_tps=rec.input_tokens / span,
         output_tps=rec.output_tokens / span,
+        steady_input_tps=rec.steady_input_tokens / steady,
+        steady_output_tps=rec.steady_output_tokens / steady,
         slo_attainment=rec.slo_ok / rec.measured if rec.measured else math.nan,
         stranded=1.0 - rec.busy_s / rec.capacity_s if rec.capacity_s > 0 else math.nan,
         borrowed_share=rec.borrowed / rec.measured if rec.measured else 0.0,

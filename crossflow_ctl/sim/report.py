@@ -28,16 +28,19 @@ def _pct(x: float) -> str:
 def runs_table(summaries: Sequence[Summary], show_wall: bool = False) -> list[str]:
     head = (
         "| trace | load | config | TTFT mean / p50 / p99 (ms) | ITL mean / p99 (ms) "
-        "| in tok/s | out tok/s | SLO ok | stranded | borrowed | KV waits | over-commit |"
+        "| in tok/s | out tok/s | steady in / out tok/s | SLO ok | stranded | borrowed "
+        "| KV waits | over-commit |"
     )
     lines = [head + (" wall s |" if show_wall else "")]
-    lines.append("|---" * (12 + show_wall) + "|")
+    lines.append("|---" * (13 + show_wall) + "|")
     for s in summaries:
         row = (
             f"| {s.trace} | {s.scale:g}x | {s.label} "
             f"| {_f(s.ttft_mean_ms)} / {_f(s.ttft_p50_ms)} / {_f(s.ttft_p99_ms)} "
             f"| {_f(s.itl_mean_ms, 1)} / {_f(s.itl_p99_ms, 1)} "
-            f"| {_f(s.input_tps)} | {_f(s.output_tps)} | {s.slo_attainment * 100:.1f} % "
+            f"| {_f(s.input_tps)} | {_f(s.output_tps)} "
+            f"| {_f(s.steady_input_tps)} / {_f(s.steady_output_tps)} "
+            f"| {s.slo_attainment * 100:.1f} % "
             f"| {s.stranded * 100:.1f} % | {s.borrowed_share * 100:.1f} % | {s.borrow_kv_waits} "
             f"| {s.overcommits} |"
         )
@@ -50,8 +53,9 @@ def key_table(summaries: Sequence[Summary]) -> list[str]:
     cmp = Comparison(summaries)
     lines = [
         "| trace | load | best static | config | in tok/s vs best | out tok/s vs best "
-        "| TTFT mean vs best | ITL mean vs best | SLO ok (best static) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| steady in / out vs best | TTFT mean vs best | ITL mean vs best "
+        "| SLO ok (best static) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for trace, load in cmp.groups():
         best = cmp.best_static(trace, load)
@@ -65,9 +69,38 @@ def key_table(summaries: Sequence[Summary]) -> list[str]:
                 f"| {trace} | {load:g}x | {best.label} | {label} "
                 f"| {_pct(rel(s.input_tps, best.input_tps))} "
                 f"| {_pct(rel(s.output_tps, best.output_tps))} "
+                f"| {_pct(rel(s.steady_input_tps, best.steady_input_tps))} / "
+                f"{_pct(rel(s.steady_output_tps, best.steady_output_tps))} "
                 f"| {_pct(rel(s.ttft_mean_ms, best.ttft_mean_ms))} "
                 f"| {_pct(rel(s.itl_mean_ms, best.itl_mean_ms))} "
                 f"| {s.slo_attainment * 100:.1f} % ({best.slo_attainment * 100:.1f} %) |"
+            )
+    return lines
+
+
+def targets_table(summaries: Sequence[Summary]) -> list[str]:
+    """Per trace and load: the best static split, then leases and the heuristic on 2P4D and
+    4P2D, in absolute figures (the issue's targets are read off this table)."""
+    cmp = Comparison(summaries)
+    lines = [
+        "| trace | load | config | in tok/s | out tok/s | steady in / out tok/s "
+        "| TTFT mean / p99 (ms) | ITL p99 (ms) | borrowed | over-commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for trace, load in cmp.groups():
+        best = cmp.best_static(trace, load)
+        rows = [best] if best is not None else []
+        for label in ("2P4D/leases", "2P4D/threshold", "4P2D/leases", "4P2D/threshold"):
+            found = cmp.find(trace, load, label)
+            if found is not None:
+                rows.append(found)
+        for s in rows:
+            name = f"{s.label} (best static)" if s is best else s.label
+            lines.append(
+                f"| {trace} | {load:g}x | {name} | {_f(s.input_tps)} | {_f(s.output_tps)} "
+                f"| {_f(s.steady_input_tps)} / {_f(s.steady_output_tps)} "
+                f"| {_f(s.ttft_mean_ms)} / {_f(s.ttft_p99_ms)} | {_f(s.itl_p99_ms, 1)} "
+                f"| {s.borrowed_share * 100:.1f} % | {s.overcommits} |"
             )
     return lines
 
@@ -106,7 +139,9 @@ def lease_table(records: Sequence[RunRecord]) -> list[str]:
 DEFINITIONS = """\
 Definitions: TTFT is release to first token (the request joins a decode batch); ITL is per
 token (step times weighted by the batch), after the warm-up; throughput is tokens of measured
-requests over the span from the first measured release to the last measured finish; SLO ok is
+requests over the span from the first measured release to the last measured finish (the drain
+included); steady is the tokens of requests that finished between the end of the warm-up and the
+last release, over that window (offered load still arriving, no drain); SLO ok is
 the share of requests with TTFT <= the TTFT SLO and mean ITL <= the ITL SLO; stranded is the
 share of server-seconds not spent stepping; borrowed is the share of prompts prefilled on a
 decode node; KV waits counts borrowed prompts that found no KV room on their node when they
@@ -144,6 +179,10 @@ def write_report(
         "",
         *key_table(summaries),
         "",
+        "## Targets: best static, leases and the heuristic",
+        "",
+        *targets_table(summaries),
+        "",
         "## Every run",
         "",
         *runs_table(summaries, show_wall),
@@ -160,7 +199,10 @@ def write_report(
             parts = ", ".join(f"{k} {v}" for k, v in sorted(r.admit_reasons.items()))
             short = ", ".join(f"{k} {v}" for k, v in sorted(r.short_credits.items()))
             extra = f" (short credits on candidate nodes: {short})" if short else ""
-            lines.append(f"- {r.trace} {r.scale:g}x {r.label}: {parts}{extra}")
+            queue = ", ".join(f"{k} {v}" for k, v in sorted(r.outcomes.items()))
+            late = f"; router queue: held {r.held}, re-offers {r.reoffers}" if r.held else ""
+            late += f"; outcomes: {queue}" if queue else ""
+            lines.append(f"- {r.trace} {r.scale:g}x {r.label}: {parts}{extra}{late}")
         lines += ["", "## Decode agents' leases (leases runs)", "", *lease_table(reasons), ""]
     if plots:
         lines += _plots(out_dir, records, summaries)

@@ -41,6 +41,8 @@ class Req:
     measured: bool
     borrowed: bool = False
     reservation_id: str = ""
+    node_id: str = ""
+    """The decode node it borrowed on (leases policy)."""
     prefilled: int = 0
     kv_reserved: bool = False
     first_token_s: float = -1.0

@@ -56,3 +56,16 @@ def test_sim_refuses_a_malformed_session_file(tmp_path: Path) -> None:
     result = _ctl("sim", "--trace", str(bad), "--out", str(tmp_path / "x"))
     assert result.returncode != 0
     assert "line 1" in result.stderr and "cached_prefix_tokens" in result.stderr
+
+
+def test_sim_refuses_a_negative_hold_naming_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "s.jsonl"
+    bad.write_text(
+        '{"session_id": "a", "seq": 0, "parent_session_id": null, "offset_s": null,'
+        ' "think_time_s": 0, "input_length": 5, "cached_prefix_tokens": 1,'
+        ' "output_length": 1}\n'
+    )
+    result = _ctl("sim", "--trace", str(bad), "--max-hold-ms", "-5", "--out", str(tmp_path / "x"))
+    assert result.returncode == 2, result.stderr
+    assert "--max-hold-ms" in result.stderr
+    assert not (tmp_path / "x").exists()

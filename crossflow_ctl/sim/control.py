@@ -1,0 +1,279 @@
+"""The leases policy's side of a simulation: broker, store, agents and the router's queue.
+
+The broker is the real service class (:class:`crossflow_ctl.service.broker.Broker`) over the
+in-process :class:`MemoryStore` (or a given store), on a :class:`ManualClock` the simulator
+moves. The router is the client library's :class:`AdmissionQueue` (late binding), exactly as a
+live router uses it, with the broker in-process as its :class:`Admitter`:
+
+* a released prompt is submitted once; BORROW goes to its decode node, NORMAL to prefill, and a
+  NORMAL for want of room while the prefill pool is behind is *held*;
+* held prompts are re-offered on a room update, read from the store (``Broker.room_view``) after
+  every non-zero decode lease while anything is held (a release frees room only once a later
+  lease of its node arrives, DESIGN.md §5.4, so the lease is the signal);
+* a held prompt goes to prefill when the prefill pool has room (its estimated wait is at or
+  below the policy's demand threshold: asked on every room update and prefill completion), when
+  its hold deadline passes, or when Demand stops holding.
+
+Agents tick every period, or sleep over a fixed point (see :mod:`crossflow_ctl.sim.agents`):
+every read of the store (an Admit, a room view) first brings sleeping agents up to date.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from crossflow_ctl.client.queue import AdmissionQueue, Outcome
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
+from crossflow_ctl.domain.clock import ManualClock
+from crossflow_ctl.domain.errors import CrossflowError
+from crossflow_ctl.domain.models import NodeRole
+from crossflow_ctl.domain.room import RoomUpdate, RoomWatchRequest
+from crossflow_ctl.domain.safety import over_committed
+from crossflow_ctl.service import Broker, BrokerSettings
+from crossflow_ctl.sim.agents import DecodeAgent, PrefillAgent
+from crossflow_ctl.sim.config import SimConfig
+from crossflow_ctl.sim.metrics import RunRecord
+from crossflow_ctl.sim.servers import DecodeServer, EventQueue, PrefillServer, Req
+from crossflow_ctl.store.base import Store
+from crossflow_ctl.store.memory import MemoryStore
+
+EV_AGENT = 6
+EV_POOL = 7
+EV_QUEUE = 8
+
+CLOCK_BASE_MS = 1_700_000_000_000
+
+Handoff = Callable[[Req, int | None, float], Awaitable[None]]
+"""The cluster's hand-off: ``(request, decode node index or None for prefill, time)``."""
+
+
+class ControlPlane:
+    """Broker + agents + queue for one run (see the module doc)."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        decode: list[DecodeServer],
+        prefill: list[PrefillServer],
+        events: EventQueue,
+        record: RunRecord,
+        dispatch: Handoff,
+        pool_wait_s: Callable[[float], float],
+        store: Store | None = None,
+    ) -> None:
+        self.cfg = config
+        self.events = events
+        self.record = record
+        self.dispatch = dispatch
+        self.pool_wait_s = pool_wait_s
+        self.clock = ManualClock(CLOCK_BASE_MS)
+        self.store: Store = store if store is not None else MemoryStore(seed=config.seed)
+        self.broker = Broker(
+            self.store, self.clock, BrokerSettings(policy=config.broker_policy), "sim"
+        )
+        self.decode_ids = tuple(f"decode-{s.idx}" for s in decode)
+        self._index = {node_id: i for i, node_id in enumerate(self.decode_ids)}
+        period = config.agent_period_ms / 1000.0
+        ff = config.fast_forward_agents
+        self.decode_agents = [
+            DecodeAgent(
+                s,
+                self.decode_ids[s.idx],
+                config.model_spec,
+                config.node_profile,
+                config.lease,
+                period,
+                config.lease_ttl_ms,
+                follow_chunk=config.lease_sized_chunks,
+                fast_forward=ff,
+            )
+            for s in decode
+        ]
+        self.prefill_agents = [
+            PrefillAgent(
+                s,
+                f"prefill-{s.idx}",
+                config.lease,
+                period,
+                config.lease_ttl_ms,
+                config.kv_capacity_tokens,
+                fast_forward=ff,
+            )
+            for s in prefill
+        ]
+        self._sleeping: dict[DecodeAgent | PrefillAgent, None] = {}
+        self.reqs: dict[int, Req] = {}
+        self.now = 0.0
+        self.queue = AdmissionQueue(
+            self,
+            config.queue
+            if config.late_binding
+            else config.queue.model_copy(update={"max_held": 0}),
+            clock=self.clock,
+            prefill_room=self._prefill_room,
+        )
+        self._watch = RoomWatchRequest(candidate_node_ids=self.decode_ids)
+        self._room_seq = 0
+
+    # -- clock and agents ----------------------------------------------------------------------
+    def sync(self, t: float) -> int:
+        now_ms = CLOCK_BASE_MS + int(t * 1000.0)
+        self.clock.set(now_ms)
+        return now_ms
+
+    async def start(self) -> None:
+        self.sync(0.0)
+        for node_id in self.decode_ids:
+            await self.broker.register(node_id, NodeRole.DECODE, "default", {})
+        for agent in self.prefill_agents:
+            await self.broker.register(agent.node_id, NodeRole.PREFILL, "default", {})
+        period = self.cfg.agent_period_ms / 1000.0
+        n = len(self.decode_agents) + len(self.prefill_agents)
+        for i, decode_agent in enumerate(self.decode_agents):
+            decode_agent.schedule.phase_s = period * i / n
+            self.events.push(decode_agent.schedule.next_s, EV_AGENT, i)
+        for i, pool_agent in enumerate(self.prefill_agents):
+            pool_agent.schedule.phase_s = period * (len(self.decode_agents) + i) / n
+            self.events.push(pool_agent.schedule.next_s, EV_POOL, i)
+
+    async def on_event(self, kind: int, target: int, t: float) -> None:
+        """An agent period or a hold deadline."""
+        self.now = t
+        if kind == EV_QUEUE:
+            self.sync(t)
+            await self._handle(await self.queue.tick(), t)
+            return
+        agent: DecodeAgent | PrefillAgent
+        agent = self.decode_agents[target] if kind == EV_AGENT else self.prefill_agents[target]
+        if await agent.tick(self.broker, t, self.sync(t)):
+            self.events.push(agent.schedule.next_s, kind, target)
+        else:
+            self._sleeping[agent] = None
+        if kind == EV_AGENT and self.queue.held and not self.decode_agents[target].zero:
+            await self._room(t)
+
+    async def stir(self, agent: DecodeAgent | PrefillAgent, t: float) -> None:
+        """Something happened on ``agent``'s server or node: a sleeping agent wakes."""
+        if not agent.dormant:
+            agent.stirred = True
+            return
+        del self._sleeping[agent]
+        kind = EV_AGENT if isinstance(agent, DecodeAgent) else EV_POOL
+        self.events.push(await agent.wake(self.broker, t, self.sync), kind, agent.server.idx)
+
+    async def _catch_up(self, t: float) -> None:
+        for agent in self._sleeping:
+            await agent.catch_up(self.broker, t, self.sync)
+
+    async def finish(self, t: float) -> None:
+        """Count the periods sleeping agents slept through, up to the end of the run."""
+        await self._catch_up(t)
+        rec = self.record
+        for agent in self.decode_agents:
+            rec.leases += agent.leases
+            rec.lease_chunk_sum += agent.chunk_sum
+            for why, n in agent.zero_reasons.items():
+                rec.zero_reasons[why] = rec.zero_reasons.get(why, 0) + n
+            for name, v in agent.credit_sums.items():
+                rec.lease_credit_sums[name] = rec.lease_credit_sums.get(name, 0.0) + v
+        stats = self.queue.stats
+        rec.held = stats.held_outcomes
+        rec.outcomes = {cause.value: n for cause, n in sorted(stats.by_dispatch.items())}
+        rec.reoffers = stats.reoffers
+
+    # -- the router ------------------------------------------------------------------------------
+    async def admit(self, request: AdmissionRequest) -> Admission:
+        """The queue's :class:`Admitter`: the broker in-process, on an up-to-date store."""
+        t = self.now
+        await self._catch_up(t)
+        self.sync(t)
+        answer = await self.broker.admit(request)
+        reasons = self.record.admit_reasons
+        reasons[answer.reason.value] = reasons.get(answer.reason.value, 0) + 1
+        if answer.plan is not None and answer.reason is Reason.NO_ROOM:
+            short = self.record.short_credits
+            for check in answer.plan.nodes:
+                for name in check.short_credits:
+                    short[name] = short.get(name, 0) + 1
+        return answer
+
+    async def offer(self, req: Req, t: float) -> None:
+        """Submit a released prompt; its outcome reaches ``dispatch`` now or once decided."""
+        self.now = t
+        self.reqs[req.rid] = req
+        request = AdmissionRequest(
+            request_id=str(req.rid),
+            uncached_prompt_tokens=req.uncached_tokens,
+            cached_prefix_tokens=req.cached_tokens,
+            expected_output_tokens=req.output_tokens,
+            candidate_node_ids=self.decode_ids,
+        )
+        ticket = await self.queue.submit(request)
+        if ticket.outcome is not None:
+            await self._handle([ticket.outcome], t)
+        else:
+            deadline = self.queue.next_deadline_ms()
+            if deadline is not None:
+                self.events.push((deadline - CLOCK_BASE_MS + 0.5) / 1000.0, EV_QUEUE, 0)
+
+    async def released(self, req: Req, t: float) -> None:
+        """``req``'s borrowed prefill finished on its node: release the reservation."""
+        self.now = t
+        node = self._index.get(req.node_id, -1)
+        if node >= 0:
+            self.decode_agents[node].open_borrows -= 1
+        try:
+            self.sync(t)
+            await self.broker.release(req.reservation_id, "prefilled")
+        except CrossflowError:
+            self.record.release_failures += 1
+
+    async def prefill_freed(self, t: float) -> None:
+        if self.queue.held:
+            self.now = t
+            self.sync(t)
+            await self._handle(await self.queue.tick(), t)
+
+    def _prefill_room(self, request: AdmissionRequest) -> bool:
+        return self.pool_wait_s(self.now) * 1000.0 <= self.cfg.prefill_room_ms
+
+    async def _room(self, t: float) -> None:
+        await self._catch_up(t)
+        self.sync(t)
+        view = await self.broker.room_view(self._watch)
+        self._room_seq += 1
+        update = RoomUpdate(seq=self._room_seq, at_ms=self.clock.now_ms(), view=view)
+        await self._handle(await self.queue.on_room(update), t)
+
+    async def _handle(self, outcomes: list[Outcome], t: float) -> None:
+        for outcome in outcomes:
+            req = self.reqs.pop(int(outcome.request.request_id))
+            answer = outcome.admission
+            node: int | None = None
+            if answer.decision is Decision.BORROW:
+                node = await self._commit(req, answer, t)
+            await self.dispatch(req, node, t)
+
+    async def _commit(self, req: Req, answer: Admission, t: float) -> int | None:
+        await self._check_overcommit(answer.node_id, t)
+        try:
+            await self.broker.commit(answer.reservation_id)
+        except CrossflowError:
+            self.record.release_failures += 1
+            return None
+        node = self._index[answer.node_id]
+        req.reservation_id = answer.reservation_id
+        req.node_id = answer.node_id
+        agent = self.decode_agents[node]
+        agent.open_borrows += 1
+        await self.stir(agent, t)
+        return node
+
+    async def _check_overcommit(self, node_id: str, t: float) -> None:
+        state = await self.store.get_node(node_id, self.sync(t))
+        if state.lease is None:
+            self.record.overcommits += 1
+            return
+        share = self.cfg.broker_policy.borrow_share
+        if over_committed(state.lease.lease.credits, state.open_debits, share):
+            self.record.overcommits += 1
