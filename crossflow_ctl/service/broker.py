@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import structlog
@@ -180,17 +180,35 @@ class Broker:
     ) -> Reservation:
         """Commit; with ``owner`` (a router's identity) only a reservation it was granted; with
         ``request_id`` exact under retries (:mod:`.requests`)."""
+        return await self._exactly_once(
+            "commit",
+            reservation_id,
+            request_id,
+            attempt,
+            lambda: self._commit(reservation_id, owner),
+        )
+
+    async def _exactly_once(
+        self,
+        kind: str,
+        reservation_id: str,
+        request_id: str,
+        attempt: int,
+        call: Callable[[], Awaitable[Reservation]],
+    ) -> Reservation:
+        """``call`` once per ``request_id`` (a retry gets the first outcome back); without a
+        request id, simply ``call``."""
         check_reservation_id(reservation_id)
         check_request_id(request_id)
         if not request_id:
-            return await self._commit(reservation_id, owner)
+            return await call()
         return await self._admin_call(
             run_once(
                 self.store,
-                f"commit:{request_id}:{reservation_id}",
+                f"{kind}:{request_id}:{reservation_id}",
                 attempt,
                 self._record_ttl_ms(),
-                lambda: self._commit(reservation_id, owner),
+                call,
                 lambda r: r.model_dump_json(),
                 Reservation.model_validate_json,
             )
@@ -216,20 +234,12 @@ class Broker:
     ) -> Reservation:
         """Release; with ``owner`` (a router's identity) only a reservation it was granted; with
         ``request_id`` exact under retries (:mod:`.requests`)."""
-        check_reservation_id(reservation_id)
-        check_request_id(request_id)
-        if not request_id:
-            return await self._release(reservation_id, outcome, owner)
-        return await self._admin_call(
-            run_once(
-                self.store,
-                f"release:{request_id}:{reservation_id}",
-                attempt,
-                self._record_ttl_ms(),
-                lambda: self._release(reservation_id, outcome, owner),
-                lambda r: r.model_dump_json(),
-                Reservation.model_validate_json,
-            )
+        return await self._exactly_once(
+            "release",
+            reservation_id,
+            request_id,
+            attempt,
+            lambda: self._release(reservation_id, outcome, owner),
         )
 
     async def _release(self, reservation_id: str, outcome: str, owner: str | None) -> Reservation:
