@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,7 @@ def hash_token_cmd(identity: str, trust_domain: str) -> None:
     who = parse_identity_uri(f"spiffe://{trust_domain}/{identity}", trust_domain)
     if who is None:
         raise click.UsageError(f"IDENTITY must be <node|router|admin>/<name>, got {identity!r}")
-    token = click.get_text_stream("stdin").read().strip()
+    token = sys.stdin.read().strip()  # click.get_text_stream is deprecated in click 8.5
     if not token or any(ch.isspace() for ch in token):
         raise click.UsageError("stdin must hold one token (no spaces)")
     click.echo(f"{hash_token(token)} {who.uri(trust_domain)}")
