@@ -11,7 +11,6 @@ from tests.conftest import REPO_ROOT
 
 CASES = """
 import pytest
-pytestmark = []
 
 def test_runs():
     pass

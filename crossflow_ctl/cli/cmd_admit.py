@@ -37,8 +37,7 @@ def conditions(plan: Plan) -> list[str]:
         lines.append("1. Demand   fails  no live load report from the prefill pool")
     else:
         cmp = ">" if d.holds else "<="
-        no_rate = d.outstanding_uncached_tokens > 0 and d.processing_rate_tps <= 0
-        wait = "unbounded (no rate)" if no_rate else f"{d.pool_wait_ms:.1f} ms"
+        wait = "unbounded (no rate)" if d.no_rate else f"{d.pool_wait_ms:.1f} ms"
         lines.append(
             f"1. Demand   {_holds(d.holds)} prefill wait {wait} {cmp} threshold "
             f"{d.threshold_ms:.1f} ms ({d.outstanding_uncached_tokens} outstanding tokens / "

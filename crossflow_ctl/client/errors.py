@@ -31,9 +31,7 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
     Unauthenticated,
 )
-
-STORE_UNAVAILABLE_PREFIX = "store unavailable: "
-"""How the broker marks its own UNAVAILABLE answers (crossflow_ctl.broker.servicers)."""
+from crossflow_ctl.wire.convert import STORE_UNAVAILABLE_PREFIX
 
 _CLASS_FOR: dict[grpc.StatusCode, type[CrossflowError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,

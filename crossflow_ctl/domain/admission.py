@@ -73,6 +73,11 @@ class DemandCheck(Frozen):
     processing_rate_tps: float = 0.0
     reporting_nodes: int = 0
 
+    @property
+    def no_rate(self) -> bool:
+        """Work outstanding, no rate reported: the wait is unbounded (``PoolSnapshot.no_rate``)."""
+        return self.outstanding_uncached_tokens > 0 and self.processing_rate_tps <= 0
+
 
 class NormalPath(Frozen):
     wait_ms: float

@@ -35,6 +35,10 @@ from crossflow_ctl.domain.policy import PolicySettings
 
 E = TypeVar("E", bound=Enum)
 
+STORE_UNAVAILABLE_PREFIX = "store unavailable: "
+"""Starts the message of every UNAVAILABLE the broker itself answers, so a client tells "the
+broker's store is down" from "the broker cannot be reached" (gRPC's own UNAVAILABLE)."""
+
 NO_POOL_WAIT_MS = -1.0
 """``DemandCheck.pool_wait_ms`` on the wire when no pool reports (proto3 has no null double)."""
 

@@ -29,6 +29,7 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
     Unauthenticated,
 )
+from crossflow_ctl.wire.convert import STORE_UNAVAILABLE_PREFIX
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -43,11 +44,6 @@ STATUS_FOR: tuple[tuple[type[CrossflowError], grpc.StatusCode], ...] = (
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
 )
-
-
-STORE_UNAVAILABLE_PREFIX = "store unavailable: "
-"""Starts the message of every UNAVAILABLE the broker itself answers, so a client tells "the
-broker's store is down" from "the broker cannot be reached" (gRPC's own UNAVAILABLE)."""
 
 
 def status_message(exc: CrossflowError) -> str:
