@@ -128,6 +128,8 @@ LEASE_FIELDS: dict[str, str] = {
 floats as ``repr``, which reads back exactly). ``upsert_leases.lua`` writes them all at once;
 ``try_debit.lua``, ``set_cordon.lua`` and ``node_view.lua`` read them. The first ten are what the
 scripts themselves use."""
+ZERO_FIELD = list(LEASE_FIELDS).index("zero")
+"""Where ``zero`` is among :func:`lease_hash_values`."""
 LEASE_FIELD_NAMES = "|".join(LEASE_FIELDS)
 """The names as ``upsert_leases.lua`` takes them (one argument per call)."""
 PACKED_SEPARATOR = "\x1f"

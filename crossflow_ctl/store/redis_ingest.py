@@ -130,7 +130,7 @@ for 16), so debits queued behind it wait no longer than behind a few pipelined c
 
 
 class UpsertCall(NamedTuple):
-    keys: list[str]
+    keys: tuple[str, ...]
     """The node's seven keys, in the script's order."""
     slot: int
     """The node's Cluster hash slot (0 on a plain Redis): calls of one slot share a script."""
@@ -166,9 +166,9 @@ class LeaseIngest:
         self._cache = cache
         self._coalescer: Coalescer[UpsertCall] = Coalescer(self._batch, timeout_s=timeout_s)
 
-        def node_keys(node_id: str) -> tuple[list[str], int]:
+        def node_keys(node_id: str) -> tuple[tuple[str, ...], int]:
             k = keys.node(node_id)
-            flat = [k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries]
+            flat = (k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries)
             return flat, 0 if slot is None else slot(k.info)
 
         self._node_keys = codec.Memo(node_keys, capacity=1 << 16)
@@ -190,7 +190,7 @@ class LeaseIngest:
             lease=lease,
             received_at_ms=now_ms,
             expires_at_ms=expires,
-            lends=not values[4],  # the 'zero' field: '' when the lease lends
+            lends=not values[codec.ZERO_FIELD],  # '' when the lease lends
         )
         return await self._coalescer.submit(call)
 
