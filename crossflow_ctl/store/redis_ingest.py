@@ -16,6 +16,7 @@ deadline timer, not one per lease (:class:`Coalescer`).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -78,12 +79,12 @@ class Coalescer(Generic[Call]):
         """The next batch: calls still waiting, in order; those queued past the deadline fail."""
         batch = self._pending[: self._max_batch]
         del self._pending[: self._max_batch]
-        oldest = -1.0 if self._timeout_s is None else time.monotonic() - self._timeout_s
+        oldest = -math.inf if self._timeout_s is None else time.monotonic() - self._timeout_s
         live = []
         for call, fut, submitted in batch:
             if fut.done():
                 continue
-            if submitted < oldest:
+            if submitted <= oldest:
                 fut.set_exception(TimeoutError(f"queued over {self._timeout_s} s"))
             else:
                 live.append((call, fut))
