@@ -209,8 +209,9 @@ class Simulation:
     def _least_loaded_prefill(self, t: float) -> int:
         return min(range(len(self.prefill)), key=lambda j: self.prefill[j].outstanding_tokens(t))
 
-    def _pool_wait_s(self, t: float) -> float:
-        out = sum(p.outstanding_tokens(t) for p in self.prefill)
+    def _pool_wait_s(self, t: float, extra_tokens: int = 0) -> float:
+        """The prefill pool's estimated wait, with ``extra_tokens`` more uncached work queued."""
+        out = sum(p.outstanding_tokens(t) for p in self.prefill) + extra_tokens
         return out / (self.nominal_prefill_tps * len(self.prefill))
 
     def _threshold(self, req: Req, t: float) -> int | None:
