@@ -151,3 +151,24 @@ async def test_a_slow_host_changes_no_admission() -> None:
     assert "timeout" not in stalled.admit_reasons
     assert stalled.admit_reasons == quick.admit_reasons
     assert stalled.outcomes == quick.outcomes
+
+
+async def test_under_overload_held_prompts_wait_for_room_not_for_a_deadline() -> None:
+    """A minute and a half of prompts faster than prefill and borrowing together serve. A held
+    prompt sent to prefill at its deadline starts there no sooner than one still held, but can
+    no longer borrow: with a 20 s deadline prompts pile up at prefill and fewer borrow; with
+    the default (a safety net) every prompt goes to prefill only when prefill has room."""
+    trace = Trace(
+        name="overload",
+        requests=tuple(
+            TraceRequest(6_000, 50, arrival_s=i * 0.04, cached_tokens=0) for i in range(2000)
+        ),
+    )
+    deadline = LEASES.queue.model_copy(update={"max_hold_ms": 20_000})
+    short = await simulate(trace, LEASES.model_copy(update={"queue": deadline}))
+    default = await simulate(trace, LEASES)
+    assert short.outcomes.get("deadline", 0) > 0
+    assert "deadline" not in default.outcomes
+    assert default.borrowed > short.borrowed
+    assert default.completed == short.completed == 2000
+    assert default.overcommits == short.overcommits == 0
