@@ -110,7 +110,7 @@ class MemoryStore(Store):
     @staticmethod
     def _state(node: NodeLedger, now_ms: int) -> NodeState:
         debits, count = node.open_debits(now_ms)
-        return NodeState(
+        return NodeState.trusted(
             info=node.info, lease=node.lease, open_debits=debits, open_reservations=count
         )
 
@@ -183,7 +183,7 @@ class MemoryStore(Store):
             node.history.append(stored)
             self._update_lender(node, now_ms)
             self._seen[lease.node_id] = now_ms
-            return LeaseOutcome(
+            return LeaseOutcome.trusted(
                 accepted=True,
                 stored_epoch=lease.epoch,
                 stored_version=lease.version,
@@ -204,7 +204,7 @@ class MemoryStore(Store):
     def _snapshot(self, pool: str, now_ms: int) -> PoolSnapshot:
         reports = self._pools.get(pool, {})
         live = [reports[k].load for k in sorted(reports) if reports[k].expires_at_ms > now_ms]
-        return PoolSnapshot(pool=pool, reports=tuple(live))
+        return PoolSnapshot.trusted(pool=pool, reports=tuple(live))
 
     def _sample(self, sample: int, now_ms: int) -> list[str]:
         for node_id in [n for n, exp in self._lenders.items() if exp <= now_ms]:
