@@ -13,6 +13,7 @@ import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import islice
 from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import Field
@@ -207,8 +208,8 @@ class HoldBook(Generic[K]):
         if not view.has_room:
             return []
         biggest = view.max_compute_tokens
-        fits = [h for h in self.ordered() if h.request.uncached_prompt_tokens <= biggest]
-        return fits[: self.config.max_reoffers_per_update]
+        fits = (h for h in self.ordered() if h.request.uncached_prompt_tokens <= biggest)
+        return list(islice(fits, self.config.max_reoffers_per_update))  # not a scan of all
 
     @staticmethod
     def reoffer_request(held: Held[K]) -> AdmissionRequest:
