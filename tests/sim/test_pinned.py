@@ -17,20 +17,20 @@ from crossflow_ctl.sim.traces import load_mooncake
 
 PINNED: dict[str, Any] = {
     "completed": 400,
-    "borrowed": 223,
+    "borrowed": 261,
     "overcommits": 0,
-    "held": 235,
-    "reoffers": 131,
-    "leases": 1617,
-    "outcomes": {"borrowed": 151, "borrowed_late": 72, "not_held": 10, "prefill_room": 167},
-    "admit_reasons": {"pool_load_missing": 10, "borrowed": 223, "no_benefit": 17, "no_room": 281},
-    "zero_reasons": {"itl_over_slo": 9},
+    "held": 231,
+    "reoffers": 521,
+    "leases": 1589,
+    "outcomes": {"borrowed": 148, "borrowed_late": 113, "not_held": 10, "prefill_room": 129},
+    "admit_reasons": {"pool_load_missing": 10, "borrowed": 261, "no_benefit": 42, "no_room": 608},
+    "zero_reasons": {"itl_over_slo": 10, "no_capacity": 5},
     "tokens": (5_710_530, 146_073),
-    "lease_chunk_sum": 1_286_912,
-    "lease_compute_sum": 39_156_289,
-    "ttft_mean_ms": 10_519.617,
-    "ttft_p99_ms": 41_354.971,
-    "itl_p99_ms": 45.8,
+    "lease_chunk_sum": 1_200_128,
+    "lease_compute_sum": 37_297_860,
+    "ttft_mean_ms": 9_198.274,
+    "ttft_p99_ms": 36_919.22,
+    "itl_p99_ms": 46.3,
 }
 
 
