@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 
+from crossflow_ctl.broker.gc_policy import tune_for_fleet
 from crossflow_ctl.broker.server import BrokerServer, make_store
 from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.observability import (
@@ -127,6 +128,7 @@ async def _serve(settings: BrokerSettings) -> None:
         metrics = BrokerMetrics(endpoint.meter_provider) if endpoint else None
         server = BrokerServer(settings, make_store(settings), metrics=metrics)
         await server.start()
+        tune_for_fleet()
         host = settings.listen.rpartition(":")[0]
         click.echo(f"listening on {host}:{server.port}")
         try:
