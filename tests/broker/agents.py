@@ -121,6 +121,16 @@ class FakeAgent:
         async with asyncio.timeout(5):
             return await self.acks.get()
 
+    async def write_lease(self, **kw: Any) -> None:
+        """The next version, without waiting for its ack (it lands in ``acks``)."""
+        self.version += 1
+        msg = lease_msg(self.node_id, self.epoch, self.version, **kw)
+        await self._call.write(lease_pb2.ConnectRequest(lease=msg))
+
+    async def write_heartbeat(self) -> None:
+        """A heartbeat, without waiting for its echo (it lands in ``heartbeats``)."""
+        await self._call.write(lease_pb2.ConnectRequest(heartbeat=lease_pb2.Heartbeat()))
+
     async def send_pool_load(
         self,
         outstanding: int = 200_000,
