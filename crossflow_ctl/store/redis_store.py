@@ -36,6 +36,7 @@ from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from crossflow_ctl.domain.errors import (
+    CrossflowError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -100,6 +101,16 @@ DEFAULT_MAX_CONNECTIONS = 128
 """Connections one store opens to Redis (per Cluster node), whatever the number of agents."""
 
 
+def backend_error(what: str, exc: RedisError | OSError | TimeoutError) -> CrossflowError:
+    """The store error for a failed Redis call: refused credentials, or unavailable."""
+    if isinstance(exc, AuthenticationError) or (
+        isinstance(exc, ResponseError) and str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM"))
+    ):
+        return StoreAuthFailed(f"redis refused the credentials: {exc}")
+    log.warning("store_unavailable", op=what, error=repr(exc))
+    return StoreUnavailable(f"redis {what} failed: {exc!r}")
+
+
 class RedisStore(Store):
     """``client``: a ``redis.asyncio.Redis`` or ``RedisCluster`` (not closed by :meth:`close`),
     or a URL (owned; ``cluster=True`` connects to a Redis Cluster through it).
@@ -107,10 +118,13 @@ class RedisStore(Store):
     A URL gets socket timeouts of ``socket_timeout_s``, no client-side retries and at most
     ``max_connections`` connections (per Cluster node; callers wait for a free one up to
     ``op_timeout_s``); a supplied client keeps its own settings (give it timeouts, and no retry
-    on timeout, for the same guarantees). Notices wait on one pub/sub subscription per store
-    (:mod:`crossflow_ctl.store.redis_notices`), so the connection count does not grow with the
-    number of agent streams. The key layout and scripts are slot-safe (module docstring);
-    ``tests/store/test_cluster.py`` runs the contract suite on a real 3-master cluster.
+    on timeout, for the same guarantees). Every call is also bounded by ``op_timeout_s`` as a
+    whole, except the debit (:meth:`try_debits`, the admission hot path): its caller's
+    deadline bounds it (``admit_timeout_ms``), and the socket timeouts otherwise. Notices wait
+    on one pub/sub subscription per store (:mod:`crossflow_ctl.store.redis_notices`), so the
+    connection count does not grow with the number of agent streams. The key layout and
+    scripts are slot-safe (module docstring); ``tests/store/test_cluster.py`` runs the
+    contract suite on a real 3-master cluster.
 
     ``cache_max_age_ms`` bounds how long this replica reuses a pool's load reports and a draw
     from the lender index on the admission path (:mod:`crossflow_ctl.store.redis_cache`; 0
@@ -159,16 +173,8 @@ class RedisStore(Store):
         try:
             async with asyncio.timeout(self._op_timeout_s + extra_s):
                 yield
-        except AuthenticationError as exc:
-            raise StoreAuthFailed(f"redis refused the credentials: {exc}") from None
-        except ResponseError as exc:
-            if str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
-                raise StoreAuthFailed(f"redis refused the credentials: {exc}") from None
-            log.warning("store_unavailable", op=what, error=repr(exc))
-            raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
         except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("store_unavailable", op=what, error=repr(exc))
-            raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
+            raise backend_error(what, exc) from None
 
     async def _index_lenders(self, changes: dict[str, int | None]) -> None:
         """Add (lease expiry) or drop (None) lenders, best effort.
@@ -331,13 +337,15 @@ class RedisStore(Store):
             if is_node_id(d.node_id)
         ]
         groups = script_calls(self._k, calls, share)
-        async with self._backend("try_debit"):
+        try:  # no timeout of its own: the admission deadline (or the socket timeouts) bound it
             if len(groups) == 1:
                 replies = [await self._run("try_debit", groups[0].keys, groups[0].args)]
             else:
                 replies = await self._scripts.run_many(
                     "try_debit", [(g.keys, g.args) for g in groups]
                 )
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise backend_error("try_debit", exc) from None
         by_call: list[DebitOutcome] = [UNKNOWN_NODE] * len(calls)
         for group, reply in zip(groups, replies, strict=True):
             for position, item in zip(group.positions, reply, strict=True):
