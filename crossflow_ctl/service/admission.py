@@ -39,7 +39,8 @@ from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import NodeState, PoolSnapshot
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision
-from crossflow_ctl.store.base import DebitOutcome, DebitRequest, Store
+from crossflow_ctl.service.requests import admit_record, borrow_record, replay_admission
+from crossflow_ctl.store.base import DebitOutcome, DebitRequest, RequestRecord, Store
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -99,7 +100,7 @@ class Admitter:
         metrics: BrokerMetrics,
         policy: Callable[[], PolicySettings],
         abandoned: Callable[[asyncio.Future[list[DebitOutcome]]], None] = lambda _: None,
-        release_late: Callable[[str, str], None] = lambda _rid, _why: None,
+        release_late: Callable[[str, str, str], None] = lambda _rid, _why, _key: None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -108,7 +109,8 @@ class Admitter:
         self._abandoned = abandoned
         """Called with debits an Admit stopped waiting for (timeout): they may still land."""
         self._release_late = release_late
-        """Releases a reservation granted to a caller that stopped waiting (cancelled)."""
+        """Releases a reservation granted to a caller that stopped waiting (cancelled), and
+        deletes the request record written with it (key; "" when none)."""
         self._queue: list[_Queued] = []
         self._flusher: asyncio.Task[None] | None = None
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
@@ -185,9 +187,13 @@ class Admitter:
         if not queued.answers.done():
             queued.answers.set_result(answers)
             return
-        for answer in answers:  # the caller went away (cancelled): release what it was granted
-            if answer.decision is Decision.BORROW and answer.reservation_id:
-                self._release_late(answer.reservation_id, "the caller stopped waiting")
+        policy = self._policy()
+        for request, answer in zip(queued.requests, answers, strict=True):
+            # The caller went away (cancelled): release what it was granted (not a replay).
+            if answer.decision is Decision.BORROW and answer.reservation_id and not answer.replayed:
+                record = admit_record(self.store, request, policy)
+                key = record[0] if record is not None else ""
+                self._release_late(answer.reservation_id, "the caller stopped waiting", key)
 
     async def _decide_queued(self, batch: Sequence[_Queued]) -> list[list[Admission]]:
         """Answers per queued entry, the batch decided together."""
@@ -264,30 +270,35 @@ class Admitter:
             else:
                 answers[i] = answer
         refusals: dict[int, list[str]] = {i: [] for i, _ in pending}
+        records = {i: admit_record(self.store, requests[i], policy) for i, _ in pending}
         for attempt in range(MAX_DEBIT_TRIES):
             tries = [
                 (i, plan, plan.ranked[attempt]) for i, plan in pending if attempt < len(plan.ranked)
             ]
             if not tries:
                 break
+            debits = [
+                DebitRequest(
+                    c.node_id,
+                    c.debit,
+                    requests[i].request_id,
+                    owners[i],
+                    _record(records[i], plan, c),
+                )
+                for i, plan, c in tries
+            ]
             outcomes = await self._shielded(
                 timed(
                     self.metrics,
                     "debit",
-                    self.store.try_debits(
-                        [
-                            DebitRequest(c.node_id, c.debit, requests[i].request_id, owners[i])
-                            for i, _, c in tries
-                        ],
-                        policy.borrow_share,
-                        now,
-                        policy.hold_ttl_ms,
-                    ),
+                    self.store.try_debits(debits, policy.borrow_share, now, policy.hold_ttl_ms),
                 )
             )
             for (i, plan, check), outcome in zip(tries, outcomes, strict=True):
                 if outcome.granted:
                     answers[i] = _borrowed(plan, check, outcome)
+                elif outcome.recorded is not None:  # an earlier call's outcome: nothing debited
+                    answers[i] = replay_admission(outcome.recorded)
                 else:
                     refusals[i].append(f"{check.node_id}: {outcome.refusal}")
             pending = [(i, plan) for i, plan in pending if answers[i] is None]
@@ -342,19 +353,33 @@ class Admitter:
         return answer.model_copy(update={"shadow_decision": would})
 
 
-def _borrowed(plan: Plan, check: NodeCheck, outcome: DebitOutcome) -> Admission:
-    res = outcome.reservation
-    assert res is not None  # a granted outcome carries its reservation
+def _borrow(plan: Plan, check: NodeCheck) -> Admission:
+    """The BORROW answer for ``check`` without the grant's facts (a record's template)."""
     return Admission(
         decision=Decision.BORROW,
         reason=Reason.BORROWED,
         message=plan.summary(),
         node_id=check.node_id,
-        reservation_id=res.reservation_id,
-        lease_epoch=outcome.lease_epoch,
-        lease_version=outcome.lease_version,
-        expires_at_ms=res.expires_at_ms,
         predicted_ttft_ms=check.predicted_ttft_ms,
         normal_ttft_ms=plan.normal_path.total_ms if plan.normal_path else 0.0,
         plan=plan,
     )
+
+
+def _borrowed(plan: Plan, check: NodeCheck, outcome: DebitOutcome) -> Admission:
+    res = outcome.reservation
+    assert res is not None  # a granted outcome carries its reservation
+    grant = {
+        "reservation_id": res.reservation_id,
+        "lease_epoch": outcome.lease_epoch,
+        "lease_version": outcome.lease_version,
+        "expires_at_ms": res.expires_at_ms,
+    }
+    return _borrow(plan, check).model_copy(update=grant)
+
+
+def _record(record: tuple[str, int] | None, plan: Plan, check: NodeCheck) -> RequestRecord | None:
+    """The request record a debit on ``check``'s node writes with its grant, if any."""
+    if record is None:
+        return None
+    return borrow_record(*record, _borrow(plan, check))

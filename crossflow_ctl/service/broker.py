@@ -92,7 +92,7 @@ class Broker:
         """Last zero-lease reason per node ("" once it lends again), for state-change logs."""
         self.broker_id = broker_id or settings.broker_id or "broker"
         self._policy = PolicyKeeper(store, settings.policy)
-        self._orphans = OrphanDebits(lambda rid: self.release(rid, "cancelled"))
+        self._orphans = OrphanDebits(lambda rid: self.release(rid, "cancelled"), store)
         """Releases debits that landed after their Admit had answered (see Admitter)."""
         self._admitter = Admitter(
             store,

@@ -25,9 +25,9 @@ PER_NODE = (
     "register_node",
 )
 """Scripts over one node's keys (one hash tag); they share ``_lib.lua``."""
-STANDALONE = ("put_pool_load", "delete_node", "touch_node", "set_policy")
+STANDALONE = ("put_pool_load", "delete_node", "touch_node", "set_policy", "forget_request")
 """Scripts without the shared helpers: one pool's keys; deleting or touching one node; the
-policy key."""
+policy key; one request record."""
 
 
 def load_script(name: str) -> str:

@@ -156,6 +156,9 @@ class RedisStore(Store):
         else:
             self._owned = False
         self._r: Redis | RedisCluster = client
+        self.folds_request_records = not isinstance(client, RedisCluster)
+        """Standalone Redis: a record and a node's keys may meet in one script (one round
+        trip for a BORROW with a request id); on a Cluster they lie in different slots."""
         self._k = Keys(namespace)
         self._op_timeout_s = op_timeout_s
         self._scripts = Scripts(client)
@@ -331,11 +334,9 @@ class RedisStore(Store):
         check_debit_args(share, hold_ttl_ms)
         for d in debits:
             check_owner(d.owner)
-        calls = [
-            DebitCall.build(d.node_id, d.debit, now_ms, hold_ttl_ms, d.request_id, d.owner)
-            for d in debits
-            if is_node_id(d.node_id)
-        ]
+            if d.record is not None and not self.folds_request_records:
+                raise InvalidArgument("a Redis Cluster store takes no record with a debit")
+        calls = [DebitCall.build(d, now_ms, hold_ttl_ms) for d in debits if is_node_id(d.node_id)]
         groups = script_calls(self._k, calls, share)
         try:  # no timeout of its own: the admission deadline (or the socket timeouts) bound it
             if len(groups) == 1:
@@ -471,6 +472,9 @@ class RedisStore(Store):
 
     async def record_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
         return await self._records.record_request(key, outcome, ttl_ms)
+
+    async def forget_request(self, key: str, reservation_id: str) -> None:
+        await self._records.forget_request(key, reservation_id)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def ping(self) -> None:
