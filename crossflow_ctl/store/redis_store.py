@@ -91,7 +91,7 @@ from crossflow_ctl.store.redis_index import NodeIndex
 from crossflow_ctl.store.redis_ingest import LeaseIngest
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_records import RedisRecords
-from crossflow_ctl.store.redis_scripts import Scripts
+from crossflow_ctl.store.redis_scripts import DedicatedLine, Scripts
 
 log = structlog.get_logger()
 
@@ -162,6 +162,9 @@ class RedisStore(Store):
         self._k = Keys(namespace)
         self._op_timeout_s = op_timeout_s
         self._scripts = Scripts(client)
+        self._debit_line = (
+            DedicatedLine(client, self._scripts, "try_debit") if isinstance(client, Redis) else None
+        )
         self._pools = PoolCache(cache_max_age_ms)
         self._lenders = LenderSample(cache_max_age_ms)
         self._node_cache = NodeCache(cache_max_age_ms)
@@ -339,7 +342,9 @@ class RedisStore(Store):
         calls = [DebitCall.build(d, now_ms, hold_ttl_ms) for d in debits if is_node_id(d.node_id)]
         groups = script_calls(self._k, calls, share)
         try:  # no timeout of its own: the admission deadline (or the socket timeouts) bound it
-            if len(groups) == 1:
+            if len(groups) == 1 and self._debit_line is not None:
+                replies = [await self._debit_line.run(groups[0].keys, groups[0].args)]
+            elif len(groups) == 1:
                 replies = [await self._run("try_debit", groups[0].keys, groups[0].args)]
             else:
                 replies = await self._scripts.run_many(
@@ -482,6 +487,8 @@ class RedisStore(Store):
             await self._r.ping()
 
     async def close(self) -> None:
+        if self._debit_line is not None:
+            await self._debit_line.close()
         await self._ingest.close()
         await self._notices.hub.close()
         if self._owned:

@@ -59,7 +59,8 @@ async def test_a_borrow_with_a_request_id_is_one_round_trip_where_records_fold(
 ) -> None:
     counted.folds_request_records = folds  # False: the record's slot is not the node's
     broker = await lending_broker(counted, PATIENT)
-    await broker.admit(ask())  # warm
+    await broker.admit(ask())  # warm: caches filled, script loaded, the debit's connection open
+    assert await counted.read_request("admit:none") is None  # and a pooled one for records
     before = CountingConnection.sent
     first = await broker.admit(ask("q-1"))
     trips = CountingConnection.sent - before
