@@ -108,9 +108,10 @@ def _quiet_logs() -> None:
 @click.option(
     "--max-hold-ms",
     type=click.IntRange(0, 600_000),
-    default=60_000,
+    default=SimConfig().queue.max_hold_ms,
     show_default=True,
-    help="Late binding: longest a prompt is held before it goes to prefill.",
+    help="Late binding: longest a prompt is held before it goes to prefill (a safety net: a "
+    "held prompt goes to prefill as soon as prefill has room).",
 )
 @click.option(
     "--prefill-room-ms",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import islice
 from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import Field
@@ -53,7 +54,10 @@ class QueueConfig(Frozen):
     max_held: Annotated[int, Field(ge=0, le=1_000_000)] = 256
     """Prompts held at once; more are dispatched to prefill at once (OVERFLOW)."""
     max_hold_ms: Annotated[int, Field(ge=0, le=600_000)] = 500
-    """Longest a prompt is held before it goes to prefill; keep it well inside the TTFT target."""
+    """Longest a prompt is held before it goes to prefill; keep it well inside the TTFT target.
+    With a ``prefill_room`` predicate a held prompt goes to prefill as soon as prefill has room,
+    so the deadline fires only under overload, where it moves the prompt to a prefill queue it
+    waits in just as long and where no lease can reach it: make it long there."""
     order: Literal["fifo", "shortest"] = "fifo"
     """Re-offer order: arrival, or fewest uncached prompt tokens first (ties by arrival)."""
     max_reoffers_per_update: Annotated[int, Field(ge=1, le=10_000)] = 16
@@ -178,8 +182,8 @@ class HoldBook(Generic[K]):
         if not view.has_room:
             return []
         biggest = view.max_compute_tokens
-        fits = [h for h in self.ordered() if h.request.uncached_prompt_tokens <= biggest]
-        return fits[: self.config.max_reoffers_per_update]
+        fits = (h for h in self.ordered() if h.request.uncached_prompt_tokens <= biggest)
+        return list(islice(fits, self.config.max_reoffers_per_update))
 
     @staticmethod
     def reoffer_request(held: Held[K]) -> AdmissionRequest:

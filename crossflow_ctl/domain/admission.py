@@ -15,7 +15,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from crossflow_ctl.domain.lending import compute_debit
+from crossflow_ctl.domain.lending import compute_debit, queue_wait_ms
 from crossflow_ctl.domain.models import (
     MAX_TOKENS,
     Credits,
@@ -95,6 +95,7 @@ class NodeCheck(Frozen):
     """BORROWED when this node passes Benefit and Safety, else why it does not."""
     detail: str = ""
     queue_wait_ms: float = 0.0
+    """The lease's wait plus that of the broker's open debits on the node (``lending``)."""
     service_ms: float = 0.0
     benefit: bool = False
     safe: bool = False
@@ -285,7 +286,8 @@ def check_node(
     )
     if debit.kv_transfer_bytes:
         service_ms += debit.kv_transfer_bytes / settings.kv_transfer_bytes_per_s * 1000.0
-    predicted = lease.queue_wait_ms + service_ms
+    wait_ms = queue_wait_ms(lease, node.open_debits.compute_tokens)
+    predicted = wait_ms + service_ms
     # An empty prompt (nothing uncached) has no prefill to move: borrowing cannot help it.
     has_work = request.uncached_prompt_tokens > 0
     benefit = has_work and predicted + settings.benefit_margin_ms < normal.total_ms
@@ -305,7 +307,7 @@ def check_node(
         node_id=node_id,
         verdict=verdict,
         detail=detail,
-        queue_wait_ms=lease.queue_wait_ms,
+        queue_wait_ms=wait_ms,
         service_ms=service_ms,
         benefit=benefit,
         safe=safe,

@@ -22,7 +22,9 @@ step time of :mod:`crossflow_ctl.domain.capacity`, H = borrow horizon in seconds
 * **compute** ``= rate * H - uncovered``: borrowed prefill the node can run within the horizon,
   in tokens at ``rate``. ``uncovered`` is the borrowed work queued on the node (telemetry) minus
   what the broker's open debits already count, so no borrowed prompt is subtracted twice.
-  ``queue_wait_ms = outstanding / rate`` (all of it: the wait is real whoever counts it).
+  ``queue_wait_ms = uncovered / rate``, the same split: the broker adds the wait of its own open
+  debits (:func:`~crossflow_ctl.domain.lending.queue_wait_ms`), which grows with every grant
+  between two leases.
 * **kv** ``= free - reserve + covered_kv`` with ``free = total - used`` and
   ``reserve = kv_reserve_fraction * total + kv_growth_tokens_per_request * B`` (room for the
   running requests' next output tokens, borrowed ones included once they decode);
@@ -175,7 +177,8 @@ class CapacityBreakdown(NamedTuple):
             f" = {self.borrowed_prefill_rate_tps:.0f} tok/s",
             f"compute = rate x horizon {h:g} s - (outstanding {self.outstanding_tokens}"
             f" - covered by open debits {self.covered_tokens})"
-            f" = {c.compute_tokens} tokens; queue wait {self.queue_wait_ms:.1f} ms",
+            f" = {c.compute_tokens} tokens; queue wait (uncovered / rate)"
+            f" {self.queue_wait_ms:.1f} ms",
             f"kv = free {self.kv_free_tokens} - reserve {self.kv_reserve_tokens}"
             f" + covered {self.kv_covered_tokens} = {c.kv_tokens} tokens",
             f"slots = extra batch b = {self.extra_batch} (cap {settings.max_slots})"
@@ -229,11 +232,12 @@ def compute_capacity(
     rate = min(1.0 / per_token, MAX_RATE_TPS) if chunk and per_token > 0 else 0.0
     outstanding = max(0, snapshot.outstanding_uncached_tokens)
     covered = min(outstanding, max(0, open_debits.compute)) if open_debits else 0
-    compute = max(0, int(rate * horizon_s) - (outstanding - covered))
-    if outstanding == 0:
+    uncovered = outstanding - covered
+    compute = max(0, int(rate * horizon_s) - uncovered)
+    if uncovered == 0:
         queue_wait_ms = 0.0
     elif rate > 0:
-        queue_wait_ms = min(MAX_MS, outstanding / rate * 1000.0)
+        queue_wait_ms = min(MAX_MS, uncovered / rate * 1000.0)
     else:
         queue_wait_ms = MAX_MS
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from crossflow_ctl.domain.capacity import Roofline
-from crossflow_ctl.domain.models import MAX_TOKENS, Notice, NoticeKind
+from crossflow_ctl.domain.models import MAX_MS, MAX_TOKENS, Lease, Notice, NoticeKind
 
 
 def _memo(
@@ -224,6 +224,21 @@ def compute_debit(uncached: int, cached: int, a_s: float, b_s: float, rate_tps: 
         return uncached
     seconds = uncached * (a_s + b_s * (cached + uncached / 2.0))
     return min(MAX_TOKENS, math.ceil(seconds * rate_tps - 1e-9))
+
+
+def queue_wait_ms(lease: Lease, open_compute_tokens: int) -> float:
+    """How long a prompt borrowed on this node now waits before its first chunk: the lease's
+    wait for the queued borrowed work the broker does not count, plus the broker's open
+    compute debits (tokens at the lease's rate) run at that rate. Each reservation granted since
+    the lease lengthens the wait, so prompts admitted within one lease period spread over the
+    nodes instead of queueing on the one the lease made look idle."""
+    rate = lease.borrowed_prefill_rate_tps
+    open_tokens = max(0, open_compute_tokens)
+    if open_tokens == 0:
+        return lease.queue_wait_ms
+    if rate <= 0.0:
+        return MAX_MS
+    return min(MAX_MS, lease.queue_wait_ms + open_tokens / rate * 1000.0)
 
 
 @dataclass(slots=True)

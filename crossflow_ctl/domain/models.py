@@ -155,6 +155,8 @@ class Lease(Frozen):
     zero_reason: ZeroReason | None = None
     zero_detail: Annotated[str, Field(max_length=512)] = ""
     queue_wait_ms: Ms = 0.0
+    """Wait of the queued borrowed work the broker's open debits do not cover; the broker adds
+    its open debits' (``lending.queue_wait_ms``)."""
     borrowed_prefill_rate_tps: Tps = 0.0
     """Borrowed-prefill rate for a prompt over the agent's reference prefix (tokens/s)."""
     prefill_s_per_token: Annotated[

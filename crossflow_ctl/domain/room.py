@@ -17,6 +17,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from crossflow_ctl.domain.admission import check_demand
+from crossflow_ctl.domain.lending import queue_wait_ms
 from crossflow_ctl.domain.models import (
     MAX_SLOTS,
     Frozen,
@@ -129,7 +130,7 @@ def node_room(node: NodeState, share: float, now_ms: int) -> NodeRoom | None:
         compute_tokens=available.compute_tokens,
         kv_tokens=available.kv_tokens,
         slots=available.slots,
-        queue_wait_ms=lease.queue_wait_ms,
+        queue_wait_ms=queue_wait_ms(lease, node.open_debits.compute_tokens),
         lease_epoch=lease.epoch,
         lease_version=lease.version,
     )

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from crossflow_ctl.sim.agents import DecodeAgent
 from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.control import EV_AGENT, EV_POOL, EV_QUEUE, ControlPlane
-from crossflow_ctl.sim.metrics import RunRecord
+from crossflow_ctl.sim.metrics import RunRecord, ttft_phases
 from crossflow_ctl.sim.prefix_cache import CacheScope, PrefixCacheModel
 from crossflow_ctl.sim.servers import (
     EV_DECODE_STEP,
@@ -193,6 +193,7 @@ class Simulation:
 
     async def _dispatch(self, req: Req, node: int | None, t: float) -> None:
         """Send ``req`` to decode node ``node`` to prefill there, or (None) to the prefill pool."""
+        req.dispatch_s = t
         if node is None:
             target = self._prefill_target.pop(req.rid)
             if self.cache.scope is not CacheScope.NODE:
@@ -209,8 +210,9 @@ class Simulation:
     def _least_loaded_prefill(self, t: float) -> int:
         return min(range(len(self.prefill)), key=lambda j: self.prefill[j].outstanding_tokens(t))
 
-    def _pool_wait_s(self, t: float) -> float:
-        out = sum(p.outstanding_tokens(t) for p in self.prefill)
+    def _pool_wait_s(self, t: float, extra_tokens: int = 0) -> float:
+        """The prefill pool's estimated wait, with ``extra_tokens`` more uncached work queued."""
+        out = sum(p.outstanding_tokens(t) for p in self.prefill) + extra_tokens
         return out / (self.nominal_prefill_tps * len(self.prefill))
 
     def _threshold(self, req: Req, t: float) -> int | None:
@@ -280,6 +282,7 @@ class Simulation:
         rec.input_tokens += req.input_tokens
         rec.output_tokens += req.output_tokens
         rec.borrowed += req.borrowed
+        rec.add_phases(req.borrowed, ttft_phases(req))
         cfg = self.cfg
         rec.slo_ok += ttft * 1000.0 <= cfg.ttft_slo_ms and itl * 1000.0 <= cfg.lease.itl_slo_ms
         rec.span_s = max(rec.span_s, req.finish_s)

@@ -62,10 +62,15 @@ class SimConfig(Frozen):
     late_binding: bool = True
     """Leases policy: the router holds prompts that found no room while the prefill pool is
     behind, and re-offers them when room appears (the client library's AdmissionQueue)."""
-    queue: QueueConfig = QueueConfig(max_hold_ms=60_000, max_held=100_000)
+    queue: QueueConfig = QueueConfig(max_hold_ms=600_000, max_held=100_000)
     """The router's AdmissionQueue settings. A held prompt goes to prefill as soon as prefill
-    has room (``prefill_room_ms``); the hold deadline is a safety net (under overload the
-    prefill queue itself waits minutes), and the bound is what one router process can keep."""
+    has room (``prefill_room_ms``), so the hold deadline fires only while prefill has had no
+    room that long, i.e. under overload. There it gains nothing (held prompts go to prefill in
+    arrival order, so one sent at its deadline starts no sooner than one still held) and costs
+    the prompt its chance to borrow: with a 60 s deadline, Mooncake at 16x on GB300 sent 62 %
+    of the prompts to a prefill queue 70 s deep, and once releases stopped the decode nodes
+    lent nothing for the last 230 s while 35 M queued tokens drained through two prefill
+    servers. So the deadline is the queue's longest; the bound is what one router can keep."""
     prefill_room_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2000.0
     """The router's word that prefill has room for a held prompt: the prefill pool's estimated
     wait (outstanding uncached tokens over its nominal rate) is at most this. The default keeps

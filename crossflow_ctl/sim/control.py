@@ -42,9 +42,21 @@ EV_POOL = 7
 EV_QUEUE = 8
 
 CLOCK_BASE_MS = 1_700_000_000_000
+ADMIT_TIMEOUT_MAX_MS = 10_000
+ADMIN_TIMEOUT_MAX_MS = 60_000
 
 Handoff = Callable[[Req, int | None, float], Awaitable[None]]
 """The cluster's hand-off: ``(request, decode node index or None for prefill, time)``."""
+
+
+def _sim_settings(config: SimConfig) -> BrokerSettings:
+    """The broker's settings in a simulation: the configured policy, with the wall-clock store
+    deadlines at their longest. Simulated time does not pass during a store call, so a deadline
+    on the host's clock can only fire when the host is slow (another process had the CPU), and
+    a TIMEOUT makes the router's queue send everything it holds to prefill: noise that changes
+    the results from one run to the next."""
+    policy = config.broker_policy.model_copy(update={"admit_timeout_ms": ADMIT_TIMEOUT_MAX_MS})
+    return BrokerSettings(policy=policy, admin_timeout_ms=ADMIN_TIMEOUT_MAX_MS)
 
 
 class ControlPlane:
@@ -58,7 +70,7 @@ class ControlPlane:
         events: EventQueue,
         record: RunRecord,
         dispatch: Handoff,
-        pool_wait_s: Callable[[float], float],
+        pool_wait_s: Callable[[float, int], float],
         store: Store | None = None,
     ) -> None:
         self.cfg = config
@@ -68,9 +80,7 @@ class ControlPlane:
         self.pool_wait_s = pool_wait_s
         self.clock = ManualClock(CLOCK_BASE_MS)
         self.store: Store = store if store is not None else MemoryStore(seed=config.seed)
-        self.broker = Broker(
-            self.store, self.clock, BrokerSettings(policy=config.broker_policy), "sim"
-        )
+        self.broker = Broker(self.store, self.clock, _sim_settings(config), "sim")
         self.decode_ids = tuple(f"decode-{s.idx}" for s in decode)
         self._index = {node_id: i for i, node_id in enumerate(self.decode_ids)}
         period = config.agent_period_ms / 1000.0
@@ -111,7 +121,11 @@ class ControlPlane:
             else config.queue.model_copy(update={"max_held": 0}),
             clock=self.clock,
             prefill_room=self._prefill_room,
+            on_outcome=self._decided,
         )
+        self._bound_tokens = 0
+        """Uncached tokens of prompts the queue sent to prefill that are not dispatched yet: a
+        pass that sends several held prompts to prefill sees each one it already sent."""
         self._watch = RoomWatchRequest(candidate_node_ids=self.decode_ids)
         self._room_seq = 0
 
@@ -235,7 +249,12 @@ class ControlPlane:
             await self._handle(await self.queue.tick(), t)
 
     def _prefill_room(self, request: AdmissionRequest) -> bool:
-        return self.pool_wait_s(self.now) * 1000.0 <= self.cfg.prefill_room_ms
+        wait_s = self.pool_wait_s(self.now, self._bound_tokens)
+        return wait_s * 1000.0 <= self.cfg.prefill_room_ms
+
+    def _decided(self, outcome: Outcome) -> None:
+        if not outcome.borrowed:
+            self._bound_tokens += outcome.request.uncached_prompt_tokens
 
     async def _room(self, t: float) -> None:
         await self._catch_up(t)
@@ -252,6 +271,8 @@ class ControlPlane:
             node: int | None = None
             if answer.decision is Decision.BORROW:
                 node = await self._commit(req, answer, t)
+            else:
+                self._bound_tokens -= outcome.request.uncached_prompt_tokens
             await self.dispatch(req, node, t)
 
     async def _commit(self, req: Req, answer: Admission, t: float) -> int | None:

@@ -16,6 +16,11 @@ Definitions (the report repeats them):
 * **Stranded capacity**: share of server-seconds (all servers, whole run) not spent stepping.
 * **Over-commit**: granted debits after which a node's open debits exceeded its latest lease x
   borrow share on some credit, as read back from the store (DESIGN.md §5.3; must be 0).
+* **Where TTFT goes** (:func:`ttft_phases`, which sum to the TTFT): *hold*, release to the
+  router sending it on (late binding); *queue*, waiting for its prefill to start (the prefill
+  pool's queue, or on its decode node behind other borrowed prompts and for KV room);
+  *prefill*; *transfer*, its KV from prefill to decode (normal path) or its cached prefix to
+  the decode node (borrowed); *KV wait*, on the decode node for KV room (normal path).
 """
 
 from __future__ import annotations
@@ -25,6 +30,23 @@ from dataclasses import dataclass, field
 
 from crossflow_ctl.domain.models import Frozen
 from crossflow_ctl.domain.sizing import percentile
+from crossflow_ctl.sim.servers import Req
+
+PHASES = ("hold", "queue", "prefill", "transfer", "kv_wait")
+"""The parts of a TTFT, in :func:`ttft_phases` order."""
+
+
+def ttft_phases(req: Req) -> tuple[float, float, float, float, float]:
+    """``req``'s TTFT split into PHASES (seconds; they sum to first token - release)."""
+    hold = req.dispatch_s - req.release_s
+    if req.borrowed:
+        transfer = req.arrive_s - req.dispatch_s
+        queue = req.start_s - req.arrive_s
+        return hold, queue, req.first_token_s - req.start_s, transfer, 0.0
+    queue = req.start_s - req.dispatch_s
+    prefill = req.prefilled_s - req.start_s
+    transfer = req.arrive_s - req.prefilled_s
+    return hold, queue, prefill, transfer, req.first_token_s - req.arrive_s
 
 
 @dataclass(slots=True)
@@ -74,8 +96,16 @@ class RunRecord:
     """The router's queue: prompts by how they got their outcome (``client.holding.Dispatch``:
     borrowed, borrowed_late, not_held, prefill_room, deadline, no_demand, ...)."""
     reoffers: int = 0
+    phase_sums: dict[str, list[float]] = field(default_factory=dict)
+    """Per path ("normal", "borrowed"): [measured requests, then the sum of each of PHASES]."""
     sim_events: int = 0
     wall_s: float = 0.0
+
+    def add_phases(self, borrowed: bool, phases: tuple[float, ...]) -> None:
+        sums = self.phase_sums.setdefault("borrowed" if borrowed else "normal", [0.0] * 6)
+        sums[0] += 1
+        for i, value in enumerate(phases, 1):
+            sums[i] += value
 
 
 class Summary(Frozen):

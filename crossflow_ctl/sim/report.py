@@ -136,6 +136,27 @@ def lease_table(records: Sequence[RunRecord]) -> list[str]:
     return lines
 
 
+def phase_table(records: Sequence[RunRecord]) -> list[str]:
+    """Per run and path: where the TTFT of a measured request goes, mean seconds."""
+    lines = [
+        "| trace | load | config | path | requests | hold | queue | prefill | transfer "
+        "| KV wait | TTFT |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        for path in ("normal", "borrowed"):
+            sums = r.phase_sums.get(path)
+            if not sums or not sums[0]:
+                continue
+            n = sums[0]
+            parts = " | ".join(_f(v / n, 2) for v in sums[1:])
+            lines.append(
+                f"| {r.trace} | {r.scale:g}x | {r.label} | {path} | {int(n):,} | {parts} "
+                f"| {_f(sum(sums[1:]) / n, 2)} |"
+            )
+    return lines
+
+
 DEFINITIONS = """\
 Definitions: TTFT is release to first token (the request joins a decode batch); ITL is per
 token (step times weighted by the batch), after the warm-up; throughput is tokens of measured
@@ -204,6 +225,16 @@ def write_report(
             late += f"; outcomes: {queue}" if queue else ""
             lines.append(f"- {r.trace} {r.scale:g}x {r.label}: {parts}{extra}{late}")
         lines += ["", "## Decode agents' leases (leases runs)", "", *lease_table(reasons), ""]
+    lines += [
+        "## Where TTFT goes (mean seconds per measured request)",
+        "",
+        "hold: in the router (late binding); queue: for its prefill to start (prefill pool, or"
+        " on its decode node); transfer: KV to decode, or the cached prefix to the decode node;"
+        " KV wait: for KV room on the decode node.",
+        "",
+        *phase_table(records),
+        "",
+    ]
     if plots:
         lines += _plots(out_dir, records, summaries)
     path = out_dir / "report.md"

@@ -49,6 +49,14 @@ class Req:
     finish_s: float = -1.0
     join_step: int = 0
     kv_waited: bool = False
+    dispatch_s: float = -1.0
+    """When the router sent it on (to the prefill pool or to its decode node)."""
+    start_s: float = -1.0
+    """When its prefill started (on a prefill server, or its first chunk on a decode node)."""
+    prefilled_s: float = -1.0
+    """When its prefill ended on a prefill server (normal path)."""
+    arrive_s: float = -1.0
+    """When it reached its decode node (its KV, or itself to prefill there)."""
 
     @property
     def uncached_tokens(self) -> int:
@@ -129,13 +137,14 @@ class PrefillServer:
         req = self.queue.popleft()
         self.queued_tokens -= req.uncached_tokens
         self.current = req
-        self.start_s = t
+        req.start_s = self.start_s = t
         self.end_s = t + self.steps.prefill_s(req.uncached_tokens, req.cached_tokens, self.chunk)
         self.events.push(self.end_s, EV_PREFILL_DONE, self.idx)
 
     def finish(self, t: float) -> Req:
         req = self.current
         assert req is not None
+        req.prefilled_s = t
         self.done_tokens += req.uncached_tokens
         self.busy_s += self.end_s - self.start_s
         self.current = None
@@ -211,10 +220,12 @@ class DecodeServer:
 
     # -- arrivals ---------------------------------------------------------------------------
     def arrive_normal(self, req: Req, t: float) -> None:
+        req.arrive_s = t
         self.waiting.append(req)
         self._poke(t)
 
     def arrive_borrowed(self, req: Req, t: float) -> None:
+        req.arrive_s = t
         self.borrow_q.append(req)
         self.borrowed_outstanding += req.uncached_tokens - req.prefilled
         self._poke(t)
@@ -306,6 +317,8 @@ class DecodeServer:
             prefix = head.cached_tokens + head.prefilled
             size = self.sizer.chunk(b, ctx, prefix) if self.sizer else self.borrow_chunk
             p = min(size, head.uncached_tokens - head.prefilled)
+            if head.start_s < 0.0:
+                head.start_s = t
             self.chunk_now, self.k = p, 1
             self.dt = self.steps.step_s(b, ctx, p, prefix)
         elif b:

@@ -16,6 +16,7 @@ from crossflow_ctl.domain.leasing import (
     implausibility,
     pool_load,
 )
+from crossflow_ctl.domain.lending import OpenDebits
 from crossflow_ctl.domain.models import ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
@@ -63,6 +64,11 @@ def test_outstanding_borrowed_work_lowers_compute_and_sets_queue_wait() -> None:
     busy = compute_capacity(snap(outstanding_uncached_tokens=5000), MODEL, NODE, LS)
     assert busy.credits.compute_tokens == idle.credits.compute_tokens - 5000
     assert busy.queue_wait_ms == pytest.approx(5000 / busy.borrowed_prefill_rate_tps * 1000)
+    # the part the broker's open debits count is its to add (lending.queue_wait_ms)
+    seen = compute_capacity(
+        snap(outstanding_uncached_tokens=5000), MODEL, NODE, LS, OpenDebits(compute=2000)
+    )
+    assert seen.queue_wait_ms == pytest.approx(3000 / seen.borrowed_prefill_rate_tps * 1000)
 
 
 def test_zero_compute_when_the_decode_step_alone_reaches_the_slo_budget() -> None:

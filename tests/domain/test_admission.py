@@ -170,6 +170,23 @@ def test_best_node_is_the_lowest_predicted_ttft() -> None:
     assert [c.node_id for c in plan.ranked] == ["d1", "d0"]
 
 
+def test_grants_since_the_lease_count_in_the_wait_so_prompts_spread_over_nodes() -> None:
+    """Two idle leases, and d0 already granted 1,200 tokens since its lease: the next prompt
+    waits 600 ms behind them there (1,200 at 2,000/s), so d1 ranks first. Before, the wait
+    came from the lease alone, every prompt of a lease period went to d0 and queued there."""
+    busy = node("d0", debits=Credits(compute_tokens=1_200, kv_tokens=2_000, slots=1))
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), [busy, node("d1")], SETTINGS, NOW)
+    assert [c.node_id for c in plan.ranked] == ["d1", "d0"]
+    by_id = {c.node_id: c for c in plan.nodes}
+    assert by_id["d0"].queue_wait_ms == pytest.approx(600.0)
+    assert by_id["d0"].predicted_ttft_ms == pytest.approx(600.0 + 500.0)
+    # and the wait can take the Benefit away: 3,000 ms of open work beats a 4,000 ms normal path
+    # no longer once the prompt's own 500 ms are added to 3,600 ms of queue
+    swamped = node("d0", debits=Credits(compute_tokens=7_200, kv_tokens=2_000, slots=1))
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), [swamped], SETTINGS, NOW)
+    assert plan.reason is Reason.NO_BENEFIT
+
+
 def test_remote_prefix_costs_transfer_credit_and_time_local_prefix_does_not() -> None:
     req = AdmissionRequest(
         uncached_prompt_tokens=1000, cached_prefix_tokens=500, cached_prefix_node_id="d1"

@@ -14,8 +14,9 @@ from crossflow_ctl.domain.lending import (
     best_chunk,
     compute_debit,
     largest_chunk,
+    queue_wait_ms,
 )
-from crossflow_ctl.domain.models import Credits, Notice, NoticeKind
+from crossflow_ctl.domain.models import MAX_MS, Credits, Lease, Notice, NoticeKind
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 GPT_OSS = MODEL_PRESETS["gpt-oss-120b"]
@@ -136,8 +137,18 @@ def test_borrowed_work_is_counted_once_by_the_broker_not_again_by_the_lease() ->
     assert available_once.compute_tokens == idle.compute_tokens - debit.compute_tokens
     assert available_once.kv_tokens == idle.kv_tokens - debit.kv_tokens
     assert counted_twice.credits.minus(debit).compute_tokens == idle.compute_tokens - 10_000
-    # the queue wait still counts all of it: the wait is real whoever holds the debit
-    assert counted_once.queue_wait_ms == counted_twice.queue_wait_ms > 0
+    # the wait is split the same way: the lease's part is the work the broker does not count,
+    # and the broker adds the wait of its open debits (queue_wait_ms below), so it counts once
+    assert counted_once.queue_wait_ms == 0.0 < counted_twice.queue_wait_ms
+    lease = Lease(
+        node_id="d",
+        epoch=1,
+        version=1,
+        ttl_ms=1000,
+        queue_wait_ms=counted_once.queue_wait_ms,
+        borrowed_prefill_rate_tps=counted_once.borrowed_prefill_rate_tps,
+    )
+    assert queue_wait_ms(lease, debit.compute_tokens) == pytest.approx(counted_twice.queue_wait_ms)
     # work the broker no longer counts (expired reservation still running) is subtracted
     partly = _capacity(ledger=OpenDebits(compute=2_000, kv=0), **seen)
     assert partly.credits.compute_tokens == idle.compute_tokens - 3_000
@@ -153,3 +164,32 @@ def test_slots_are_the_decode_batch_room_not_a_fixed_eight() -> None:
     b = heavy.credits.slots
     assert r.step_s(120 + b, 480_000 + b * length) <= heavy.budget_s
     assert r.step_s(120 + b + 1, 480_000 + (b + 1) * length) > heavy.budget_s
+
+
+def _lease(queue_ms: float = 0.0, rate: float = 2_000.0) -> Lease:
+    return Lease(
+        node_id="d",
+        epoch=1,
+        version=1,
+        ttl_ms=1000,
+        queue_wait_ms=queue_ms,
+        borrowed_prefill_rate_tps=rate,
+    )
+
+
+def test_queue_wait_adds_the_broker_open_debits_at_the_lease_rate() -> None:
+    """Grants made since the lease queue ahead of the next borrowed prompt: 3,000 tokens of
+    open debits at 2,000 tokens/s add 1.5 s to the lease's own 100 ms."""
+    assert queue_wait_ms(_lease(100.0), 0) == 100.0
+    assert queue_wait_ms(_lease(100.0), 3_000) == pytest.approx(1_600.0)
+    assert queue_wait_ms(_lease(100.0), -5) == 100.0  # debits above a shrunk lease: never below
+    # no rate: open work has no known end
+    assert queue_wait_ms(_lease(0.0, rate=0.0), 1) == MAX_MS
+    assert queue_wait_ms(_lease(0.0, rate=0.0), 0) == 0.0
+
+
+@given(st.floats(0.0, 1e6), st.floats(1.0, 1e6), st.integers(0, 10**9), st.integers(0, 10**9))
+def test_queue_wait_never_falls_as_debits_grow(q: float, rate: float, a: int, b: int) -> None:
+    lo, hi = sorted((a, b))
+    lease = _lease(q, rate)
+    assert queue_wait_ms(lease, lo) <= queue_wait_ms(lease, hi) <= MAX_MS

@@ -38,6 +38,7 @@ def node(node_id: str, credits: Credits = FULL, **kw: object) -> NodeState:
         credits=Credits() if zero else credits,
         zero_reason=zero,  # type: ignore[arg-type]
         queue_wait_ms=7.0,
+        borrowed_prefill_rate_tps=2_000.0,
     )
     expires = kw.pop("expires", NOW + 1_000)
     return NodeState(
@@ -68,7 +69,9 @@ def test_summary_lists_only_nodes_with_room_after_share_and_debits() -> None:
     assert [n.node_id for n in view.nodes] == ["d1", "d3"]
     d1 = view.nodes[0]
     assert (d1.compute_tokens, d1.slots, d1.kv_tokens) == (3_000, 1, 50_000)
-    assert d1.queue_wait_ms == 7.0 and d1.lease_version == 3
+    # the lease's 7 ms + the broker's 1,000 open tokens at 2,000/s
+    assert d1.queue_wait_ms == 507.0 and d1.lease_version == 3
+    assert view.nodes[1].queue_wait_ms == 7.0
     assert view.pool_wait_ms == 5_000.0 and view.demand_holds and view.has_room
     assert view.total_compute_tokens == 7_000 and view.max_compute_tokens == 4_000
 

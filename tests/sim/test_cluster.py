@@ -160,7 +160,7 @@ async def test_record_counts_zero_leases_by_reason_and_the_mean_live_lease(
     assert live.lease_credit_sums["compute_tokens"] > 0 and live.lease_chunk_sum > 0
 
     text = write_report(tmp_path, [zero, live], LEASES, plots=False).read_text()
-    section = text.split("## Decode agents' leases", 1)[1]
+    section = text.split("## Decode agents' leases", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| hand | 1x | 1P2D/leases")]
     assert len(rows) == 2
     assert f"| {zero.leases:,} | 100.0 % |" in rows[0]  # every lease of the first run was zero

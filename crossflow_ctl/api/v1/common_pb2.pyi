@@ -144,7 +144,10 @@ class Lease(_message.Message):
     zero_reason: Global___ZeroReason.ValueType
     zero_detail: _builtins.str
     queue_wait_ms: _builtins.float
-    """Wait before borrowed work would start on this node."""
+    """Wait before borrowed work would start on this node, for the queued borrowed work the
+    broker's open debits do not cover; the broker adds its open compute debits at
+    borrowed_prefill_rate_tps (each borrowed prompt counted once).
+    """
     borrowed_prefill_rate_tps: _builtins.float
     """Borrowed-prefill rate at the node's current decode load."""
     itl_ms: _builtins.float
