@@ -244,8 +244,11 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
     ) -> None:
         """Notices from the store, in order, resuming after ``after_seq``; retries on errors.
         With ``batches`` (the agent said ``Hello.notice_batches``) what one read found goes
-        down as ONE message (one write however many grants a batch of admissions made)."""
+        down as ONE message (one write however many grants a batch of admissions made).
+        After notices, the next read waits ``notice_linger_ms``, so a busy node's notices go
+        in few reads (the first after a quiet spell goes at once)."""
         block_ms = self._broker.settings.notice_block_ms
+        linger_s = self._broker.settings.notice_linger_ms / 1000.0
         while True:
             try:
                 notices = await self._broker.read_notices(node_id, after_seq, block_ms)
@@ -259,6 +262,8 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             if batches:
                 batch = lease_pb2.NoticeBatch(notices=[c.notice_to_proto(n) for n in notices])
                 queue.put_nowait(lease_pb2.ConnectResponse(notices=batch))
-                continue
-            for notice in notices:
-                queue.put_nowait(lease_pb2.ConnectResponse(notice=c.notice_to_proto(notice)))
+            else:
+                for notice in notices:
+                    queue.put_nowait(lease_pb2.ConnectResponse(notice=c.notice_to_proto(notice)))
+            if linger_s > 0:
+                await asyncio.sleep(linger_s)
