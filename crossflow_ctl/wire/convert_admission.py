@@ -284,6 +284,7 @@ WIRE_ONLY: dict[str, str] = {
     "crossflow.v1.Heartbeat": "keep-alive, no state",
     "crossflow.v1.ConnectRequest": "oneof envelope",
     "crossflow.v1.ConnectResponse": "oneof envelope",
+    "crossflow.v1.NoticeBatch": "repeated Notice (each converted by notice_to_proto)",
     "crossflow.v1.Welcome": "built from settings and NodeInfo",
     "crossflow.v1.LeaseAck": "built from LeaseOutcome / StaleLease / InvalidArgument",
     "crossflow.v1.AdmitStreamRequest": "repeated AdmitStreamItem",
