@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import structlog
 
+from crossflow_ctl.aio import within
 from crossflow_ctl.domain.admission import (
     Admission,
     AdmissionRequest,
@@ -229,8 +230,8 @@ class Admitter:
         if not policy.enabled:
             return [Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled")] * count
         try:
-            async with asyncio.timeout_at(deadline):
-                return await self._admit(requests, owners, policy)
+            left_s = deadline - asyncio.get_running_loop().time()
+            return await within(self._admit(requests, owners, policy), left_s)
         except TimeoutError:
             log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms, requests=count)
             answer = Admission.normal(

@@ -91,7 +91,8 @@ class BrokerSettings(LayeredSettings):
     count open debits between leases (every 200 ms by default): a few ms of delay is harmless,
     while a busy node's admissions stop costing a read and a write per grant."""
     admin_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 2_000
-    """Store deadline for admin, commit, release and lease calls (StoreUnavailable after)."""
+    """Store deadline for admin, commit and release calls (StoreUnavailable after). Lease
+    ingest is bounded by the store itself, per batch (RedisStore: its op timeout)."""
     redis_cluster: bool = False
     """``redis_url`` names a node of a Redis Cluster (keys spread over its masters)."""
     redis_max_connections: Annotated[int, Field(ge=2, le=10_000)] = 128

@@ -19,7 +19,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
 
 PER_NODE = (
-    "upsert_lease",
+    "upsert_leases",
     "try_debit",
     "commit",
     "release",

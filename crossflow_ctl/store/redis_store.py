@@ -13,14 +13,14 @@ The cluster-wide borrowing limit is the ``share`` factor inside each node's own 
 
 Round trips: ``try_debit``, ``commit``, ``release`` one each (``try_debits``: one for a whole
 batch, one script call per node, pipelined); ``admission_view`` none when warm: the pool's
-reports, a draw from the lender index and each node's state are reused for up to
-``cache_max_age_ms`` by each replica (:mod:`.redis_cache`: fails closed when stale, never caches
-absence), and each debit's reply refreshes its node's entry, so a warm Admit is the debit's one
-round trip. On a miss, the missing nodes' ``node_view`` scripts and the pool's reports go in one
-pipeline; a lender draw (from every index bucket) takes the pool's reports along, and costs one
-more trip only when nodes it drew are not cached. Flat in fleet size. Lease upserts arriving
-together share one pipeline, then one lender index update (:mod:`.redis_ingest`); waiting notice
-reads cost nothing until a wake (:mod:`.redis_notices`).
+reports, a working set drawn from the lender index and its nodes' states are reused for up to
+``cache_max_age_ms`` by each replica and renewed in the background before then
+(:mod:`.redis_view`, :mod:`.redis_cache`: fails closed when stale, never caches absence); each
+debit's reply and each lease this replica stores refresh the node's entry in place, so a warm
+Admit is the debit's one round trip. Flat in fleet size. Leases arriving together share
+``upsert_leases`` calls (16 leases of one slot each) in one pipeline, then one lender index
+update (:mod:`.redis_ingest`); waiting notice reads cost nothing until a wake
+(:mod:`.redis_notices`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from typing import Any
 
 import structlog
 from redis.asyncio import Redis, RedisCluster
+from redis.crc import key_slot
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from crossflow_ctl.domain.errors import (
-    CrossflowError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -79,7 +79,6 @@ from crossflow_ctl.store.keys import (
     node_of_reservation,
 )
 from crossflow_ctl.store.redis_admin import RedisAdmin
-from crossflow_ctl.store.redis_cache import LenderSample, NodeCache, PoolCache
 from crossflow_ctl.store.redis_connect import RedisConnection, connect
 from crossflow_ctl.store.redis_debit import (
     UNKNOWN_NODE,
@@ -92,6 +91,7 @@ from crossflow_ctl.store.redis_ingest import LeaseIngest
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_records import RedisRecords
 from crossflow_ctl.store.redis_scripts import DedicatedLine, Scripts
+from crossflow_ctl.store.redis_view import AdmissionView
 
 log = structlog.get_logger()
 
@@ -101,8 +101,8 @@ DEFAULT_MAX_CONNECTIONS = 128
 """Connections one store opens to Redis (per Cluster node), whatever the number of agents."""
 
 
-def backend_error(what: str, exc: RedisError | OSError | TimeoutError) -> CrossflowError:
-    """The store error for a failed Redis call: refused credentials, or unavailable."""
+def _failure(what: str, exc: BaseException) -> StoreAuthFailed | StoreUnavailable:
+    """The domain error for a failed Redis call (logged when the store is unavailable)."""
     if isinstance(exc, AuthenticationError) or (
         isinstance(exc, ResponseError) and str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM"))
     ):
@@ -165,12 +165,21 @@ class RedisStore(Store):
         self._debit_line = (
             DedicatedLine(client, self._scripts, "try_debit") if isinstance(client, Redis) else None
         )
-        self._pools = PoolCache(cache_max_age_ms)
-        self._lenders = LenderSample(cache_max_age_ms)
-        self._node_cache = NodeCache(cache_max_age_ms)
         self._index = NodeIndex(client, self._k)
+        self._view = AdmissionView(
+            self._k, self._index, self._views, self._backend, cache_max_age_ms, op_timeout_s
+        )
+        self._pools, self._lenders, self._node_cache = self._view.caches
         self._notices = NoticeReader(client, self._k, self._backend)
-        self._ingest = LeaseIngest(self._k, self._scripts, self._index_lenders)
+        slot = (lambda key: key_slot(key.encode())) if isinstance(client, RedisCluster) else None
+        self._ingest = LeaseIngest(
+            self._k,
+            self._scripts,
+            self._index_lenders,
+            self._node_cache,
+            slot,
+            timeout_s=op_timeout_s,
+        )
         self._admin = RedisAdmin(client, self._k, self._scripts, self._index, self._forget)
         self._records = RedisRecords(client, self._k, self._scripts, self._backend)
 
@@ -180,17 +189,16 @@ class RedisStore(Store):
             async with asyncio.timeout(self._op_timeout_s + extra_s):
                 yield
         except (RedisError, OSError, TimeoutError) as exc:
-            raise backend_error(what, exc) from None
+            raise _failure(what, exc) from None
 
     async def _index_lenders(self, changes: dict[str, int | None]) -> None:
-        """Add (lease expiry) or drop (None) lenders, best effort.
+        """Add (lease expiry) or drop (None) lenders, best effort; this replica's lender draw
+        follows at once (:meth:`LenderSample.changed`).
 
         The index only steers sampling (admission re-checks the node's real state, and entries
         leave by score once their lease expires), so a failure here must not turn a change
         that is already stored into an error for the caller."""
-        self._lenders.drop()
-        for node_id in changes:
-            self._node_cache.drop(node_id)
+        self._lenders.changed(changes)
         try:
             async with asyncio.timeout(self._op_timeout_s):
                 await self._index.set_lenders(changes)
@@ -249,8 +257,10 @@ class RedisStore(Store):
         return codec.info_from(node_id, codec.flat_pairs(out[1]))
 
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
-        async with self._backend("upsert_lease"):
+        try:  # bounded by the ingest's own per-batch deadline (no timer per lease)
             out = await self._ingest.upsert(lease, now_ms, max_ttl_ms)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _failure("upsert_lease", exc) from None
         if int(out[0]) == -1:
             raise FailedPrecondition(f"node {lease.node_id!r} is not registered", field="node_id")
         return LeaseOutcome(
@@ -276,46 +286,7 @@ class RedisStore(Store):
     async def admission_view(
         self, pool: str, node_ids: Sequence[str], sample: int, now_ms: int
     ) -> tuple[PoolSnapshot | None, list[NodeState]]:
-        ids = [n for n in dict.fromkeys(node_ids) if is_node_id(n)]
-        snapshot = self._pools.get(pool, now_ms)
-        picked = self._lenders.pick(sample, now_ms) if not node_ids and sample > 0 else ids
-        if snapshot is not None and picked is not None:  # warm: no round trip, no I/O at all
-            cached = [s for n in picked if (s := self._node_cache.get(n, now_ms)) is not None]
-            if len(cached) == len(picked):
-                return snapshot, cached
-        read_pool = snapshot is None
-        reports: Any = None
-        async with self._backend("admission_view"):
-            if picked is None:  # a new lender draw; the pool's reports, when due, come along
-                ids, reports = await self._draw_lenders(sample, now_ms, pool if read_pool else None)
-                read_pool = False
-            else:
-                ids = picked
-            cached_by_id = {n: s for n in ids if (s := self._node_cache.get(n, now_ms)) is not None}
-            missing = [n for n in ids if n not in cached_by_id]
-            states: list[NodeState] = []
-            if missing or read_pool:
-                pool_reports, states = await self._views(
-                    missing, now_ms, pool if read_pool else None
-                )
-                reports = pool_reports if read_pool else reports
-        for state in states:
-            self._node_cache.put(state, now_ms)
-        if snapshot is None:
-            snapshot = self._pools.put(pool, codec.live_pool_loads(reports, now_ms), now_ms)
-        found = {**cached_by_id, **{s.info.node_id: s for s in states}}
-        return snapshot, [found[n] for n in ids if n in found]
-
-    async def _draw_lenders(
-        self, sample: int, now_ms: int, pool: str | None
-    ) -> tuple[list[str], Any]:
-        """Drop expired lenders and draw some from every index bucket, with ``pool``'s reports
-        when asked (one round trip); keep the draw for the next requests, and pick ``sample``
-        of the live ones."""
-        pool_key = self._k.pool(pool) if pool is not None else None
-        members, reports = await self._index.draw_lenders(sample, now_ms, pool_key)
-        self._lenders.put(members, now_ms)
-        return self._lenders.choose(members, sample, now_ms), reports
+        return await self._view.read(pool, node_ids, sample, now_ms)
 
     async def try_debit(
         self,
@@ -351,7 +322,7 @@ class RedisStore(Store):
                     "try_debit", [(g.keys, g.args) for g in groups]
                 )
         except (RedisError, OSError, TimeoutError) as exc:
-            raise backend_error("try_debit", exc) from None
+            raise _failure("try_debit", exc) from None
         by_call: list[DebitOutcome] = [UNKNOWN_NODE] * len(calls)
         for group, reply in zip(groups, replies, strict=True):
             for position, item in zip(group.positions, reply, strict=True):
@@ -408,6 +379,7 @@ class RedisStore(Store):
             raise NotFound(f"unknown node {node_id!r}", field="node_id")
         lease_exp, zero = codec.text(out[2]), codec.text(out[3])
         lends = not cordoned and lease_exp and not zero and int(lease_exp) > now_ms
+        self._node_cache.drop(node_id)
         await self._index_lenders({node_id: int(lease_exp) if lends else None})
         return codec.info_from(node_id, codec.flat_pairs(out[1]))
 
@@ -489,6 +461,7 @@ class RedisStore(Store):
     async def close(self) -> None:
         if self._debit_line is not None:
             await self._debit_line.close()
+        await self._view.close()
         await self._ingest.close()
         await self._notices.hub.close()
         if self._owned:
