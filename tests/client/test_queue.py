@@ -409,13 +409,17 @@ async def test_any_interleaving_gives_every_prompt_exactly_one_outcome(
 ) -> None:
     """Random submits, room updates, clock moves, withdrawals and broker moods: no prompt is
     answered twice (Ticket raises), none stays held past its deadline once time is looked at,
-    the held gauge agrees, and after close() every prompt has exactly one outcome."""
+    the held gauge and the tokens sent as held ahead agree with what is held, and after
+    close() every prompt has exactly one outcome."""
     broker, clock = FakeBroker(room=0), ManualClock(0)
     order = "shortest" if shortest else "fifo"
     queue, seen = make(broker, clock, max_held=5, max_hold_ms=300, order=order)
     tickets: list[Ticket] = []
     for kind, *args in steps:
+        ahead = expected_ahead(queue, args[0], shortest) if kind == "submit" else None
         await apply(queue, broker, clock, tickets, kind, args)
+        if ahead is not None:  # the book's running total agrees with what it holds
+            assert broker.ahead[tickets[-1].request.request_id] == ahead
         assert queue.held <= 5 and queue.stats.held == queue.held
         if kind in ("room", "advance"):
             deadline = queue.next_deadline_ms()
@@ -428,6 +432,14 @@ async def test_any_interleaving_gives_every_prompt_exactly_one_outcome(
     for t in tickets:
         assert t.outcome is not None
         check_outcome(t.outcome)
+
+
+def expected_ahead(queue: AdmissionQueue, tokens: int, shortest: bool) -> int:
+    held = queue.held_requests()
+    if len(held) >= 5:
+        return 0
+    sizes = [r.uncached_prompt_tokens for r in held]
+    return sum(t for t in sizes if t <= tokens) if shortest else sum(sizes)
 
 
 async def apply(
