@@ -16,6 +16,9 @@ fleet connected (every relay waiting for notices, N lenders in the index):
   ``--seconds``; accepted leases per second at the broker;
 * ``cpu b/f``: CPU seconds per second the broker and the fleet process used while ingesting
   (the machine's other load shows as a broker below 1.0 with the fleet not at 1.0 either);
+* ``floor/s``: the ingest floor, measured here in the same run: the same fleet against a
+  no-op LeaseService in its own process (grpc.aio, acks every lease at once, no store), with
+  acks per CPU second of that server: what grpc.aio alone costs per lease on this machine;
 * ``conns``: the broker's connections to Redis (CLIENT LIST, by client name), which must
   not grow with N.
 
@@ -75,6 +78,16 @@ class Stream:
         self._call: Any = None
         self._window = asyncio.Semaphore(window)
         self._acked = asyncio.Event()
+        self._request = lease_pb2.ConnectRequest(
+            lease=common_pb2.Lease(
+                node_id=node_id,
+                epoch=1,
+                ttl_ms=60_000,
+                credits=BIG,
+                queue_wait_ms=1.0,
+                borrowed_prefill_rate_tps=50_000.0,
+            )
+        )
 
     async def open(self) -> None:
         """Hello until welcomed: like a real agent, retry with backoff when the broker refuses
@@ -98,20 +111,15 @@ class Stream:
         await self._acked.wait()
 
     def _lease(self) -> Any:
+        """The stream's one request, with the next version (grpc serializes it in ``write``, so
+        reusing it keeps the generator's cost per lease to a field set and a write)."""
         self.version += 1
-        return common_pb2.Lease(
-            node_id=self.node_id,
-            epoch=1,
-            version=self.version,
-            ttl_ms=60_000,
-            credits=BIG,
-            queue_wait_ms=1.0,
-            borrowed_prefill_rate_tps=50_000.0,
-        )
+        self._request.lease.version = self.version
+        return self._request
 
     async def send(self) -> None:
         await self._window.acquire()
-        await self._call.write(lease_pb2.ConnectRequest(lease=self._lease()))
+        await self._call.write(self._lease())
 
     async def _read(self) -> None:
         try:
@@ -143,7 +151,7 @@ class Stream:
             await self._window.acquire()
             if self.ended:
                 return
-            await self._call.write(lease_pb2.ConnectRequest(lease=self._lease()))
+            await self._call.write(self._lease())
 
 
 async def fleet(addr: str, nodes: int, prefix: str) -> None:
@@ -180,6 +188,32 @@ async def fleet(addr: str, nodes: int, prefix: str) -> None:
             break
     for c in channels:
         await c.close()
+
+
+class NoOpLeases(lease_pb2_grpc.LeaseServiceServicer):
+    """The ingest floor: welcomes every stream and acks every lease at once, storing nothing."""
+
+    async def Connect(self, requests: Any, context: Any) -> Any:
+        async for req in requests:
+            body = req.WhichOneof("body")
+            if body == "hello":
+                yield lease_pb2.ConnectResponse(welcome=lease_pb2.Welcome(broker_id="no-op"))
+            elif body == "lease":
+                ack = lease_pb2.LeaseAck(
+                    epoch=req.lease.epoch,
+                    version=req.lease.version,
+                    result=lease_pb2.LEASE_RESULT_ACCEPTED,
+                )
+                yield lease_pb2.ConnectResponse(lease_ack=ack)
+
+
+async def no_op_server() -> None:
+    server = grpc.aio.server()
+    lease_pb2_grpc.add_LeaseServiceServicer_to_server(NoOpLeases(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"listening on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -260,6 +294,30 @@ async def prefill_load(channel: grpc.aio.Channel) -> Any:
     return call
 
 
+async def ingest_floor(args: argparse.Namespace, nodes: int) -> tuple[float, float]:
+    """Acks per second, and per server CPU second, of the no-op LeaseService with ``nodes``
+    fleet streams pumping as in the broker's run."""
+    server = await child(sys.executable, THIS_FILE, "--no-op-server")
+    fleet_proc = None
+    try:
+        addr = (await expect(server, "listening on", 60))[-1]
+        fleet_proc = await child(
+            sys.executable, THIS_FILE, "--fleet", addr, "--nodes", str(nodes), "--prefix", "f"
+        )
+        await expect(fleet_proc, "ready", 900)
+        assert fleet_proc.stdin is not None
+        fleet_proc.stdin.write(f"ingest {args.seconds}\n".encode())
+        before = cpu_s(server.pid)
+        accepted, _, elapsed, _ = await expect(fleet_proc, "ingest", 120 + args.seconds)
+        used = cpu_s(server.pid) - before
+        return int(accepted) / float(elapsed), int(accepted) / used
+    finally:
+        for proc in (fleet_proc, server):
+            if proc is not None and proc.returncode is None:
+                proc.terminate()
+                await proc.wait()
+
+
 async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, float]:
     namespace = f"bench-scale-{uuid.uuid4().hex[:8]}"
     broker, addr = await start_broker(args, namespace)
@@ -298,6 +356,7 @@ async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, fl
         (notices,) = await expect(fleet_proc, "notices", 60)
         prefill.cancel()
         await channel.close()
+        floor_per_s, floor_per_cpu_s = await ingest_floor(args, nodes)
         return {
             "nodes": nodes,
             "open_s": opened_s,
@@ -317,6 +376,8 @@ async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, fl
             "conns": conns,
             "broker_cpu": broker_cpu,
             "fleet_cpu": fleet_cpu,
+            "floor_per_s": floor_per_s,
+            "floor_per_cpu_s": floor_per_cpu_s,
         }
     finally:
         for proc in (fleet_proc, broker):
@@ -346,7 +407,7 @@ async def main(args: argparse.Namespace) -> None:
     head = (
         f"{'nodes':>6} {'open s':>7} {'redis p50/p99 ms':>17} {'grpc p50/p99 ms':>16} "
         f"{'admit p50/p99 ms':>17} {'borrowed':>8} {'ingest/s':>9} {'cpu b/f':>9} "
-        f"{'notices':>8} {'conns':>5}"
+        f"{'floor/s':>8} {'notices':>8} {'conns':>5}"
     )
     print(head)
     rows = []
@@ -361,7 +422,7 @@ async def main(args: argparse.Namespace) -> None:
                 f"{row['admit_p50']:>8.2f}/{row['admit_p99']:<8.2f} "
                 f"{row['borrowed_share']:>8.0%} {row['ingest_per_s']:>9.0f} "
                 f"{row['broker_cpu']:>4.2f}/{row['fleet_cpu']:<4.2f} "
-                f"{row['notices']:>8} {row['conns']:>5}",
+                f"{row['floor_per_s']:>8.0f} {row['notices']:>8} {row['conns']:>5}",
                 flush=True,
             )
     finally:
@@ -380,7 +441,11 @@ async def main(args: argparse.Namespace) -> None:
     print(
         f"lease ingest at {last['nodes']} nodes: {last['ingest_per_s']:.0f} leases/s "
         f"(target >= 10,000), {last['ingest_per_s'] / last['broker_cpu']:.0f} per broker CPU "
-        f"second; stale or refused: {sum(r['refused'] for r in rows)}; streams the broker "
+        f"second; floor (no-op LeaseService, same fleet): {last['floor_per_s']:.0f} acks/s, "
+        f"{last['floor_per_cpu_s']:.0f} per server CPU second"
+    )
+    print(
+        f"stale or refused: {sum(r['refused'] for r in rows)}; streams the broker "
         f"ended (store unavailable): {', '.join(str(r['ended']) for r in rows)}; "
         f"broker Redis connections: {', '.join(str(r['conns']) for r in rows)}; "
         f"Hellos retried while opening: {', '.join(str(r['open_retries']) for r in rows)}"
@@ -394,9 +459,12 @@ if __name__ == "__main__":
     parser.add_argument("--cluster", action="store_true", help="--redis-url is a Cluster node")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--fleet", help=argparse.SUPPRESS)
+    parser.add_argument("--no-op-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", default="d", help=argparse.SUPPRESS)
     cli = parser.parse_args()
-    if cli.fleet:
+    if cli.no_op_server:
+        asyncio.run(no_op_server())
+    elif cli.fleet:
         asyncio.run(fleet(cli.fleet, int(cli.nodes), cli.prefix))
     else:
         asyncio.run(main(cli))

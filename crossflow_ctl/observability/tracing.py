@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import grpc
@@ -136,18 +136,21 @@ def rpc_span(
         yield span
 
 
-@contextmanager
 def span(
     name: str,
     attributes: Mapping[str, str | int | float | bool] | None = None,
     *,
     tracer_provider: trace.TracerProvider | None = None,
-) -> Iterator[Span]:
-    """An internal span (e.g. ``crossflow.lease_batch`` with the node id) under the current one."""
-    with _tracer(tracer_provider).start_as_current_span(
-        name, attributes=dict(attributes or {})
-    ) as current:
-        yield current
+) -> AbstractContextManager[Span]:
+    """An internal span (e.g. ``crossflow.lease_batch`` with the node id) under the current one.
+
+    Without an SDK provider (no :func:`setup_tracing`, none given) nothing could record it, so
+    none is made: the current span stays current, as a no-op child would leave it. The broker
+    opens one per lease, and the API's no-op spans cost a tenth of a lease's ingest."""
+    provider = tracer_provider or trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        return nullcontext(trace.get_current_span())
+    return _tracer(provider).start_as_current_span(name, attributes=dict(attributes or {}))
 
 
 def annotate_decision(decision: object, reason: object = None, node_id: str | None = None) -> None:

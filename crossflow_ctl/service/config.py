@@ -85,7 +85,8 @@ class BrokerSettings(LayeredSettings):
     notice_batch: Annotated[int, Field(ge=1, le=10_000)] = 256
     """Most notices relayed per read."""
     admin_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 2_000
-    """Store deadline for admin, commit, release and lease calls (StoreUnavailable after)."""
+    """Store deadline for admin, commit and release calls (StoreUnavailable after). Lease
+    ingest is bounded by the store itself, per batch (RedisStore: its op timeout)."""
     redis_cluster: bool = False
     """``redis_url`` names a node of a Redis Cluster (keys spread over its masters)."""
     redis_max_connections: Annotated[int, Field(ge=2, le=10_000)] = 128

@@ -15,9 +15,11 @@ node's entry, so planning needs no read of its own while debits flow. The caches
   ``now_ms``. The clock going backwards also forces a re-read.
 * **never caches absence**: an empty pool or lender index is read again on the next request, so
   a missing pool load never outlives the write that fixes it.
-* **drops an entry on every local write** that could change it (pool load, lease, cordon), and
-  a node's entry on any debit refusal other than ``short`` or when the debit's reply names
-  another lease version than the one cached.
+* **follows every local write** that could change an entry: a pool load or cordon drops it;
+  a lease this replica stores replaces the cached lease in place (dropping the entry when the
+  write purged reservations or the cordon differs) and moves the lender draw
+  (:meth:`LenderSample.changed`); a debit's reply refreshes the node's entry, which is dropped
+  on any refusal other than ``short`` or when the reply names another lease version.
 
 Nothing here decides safety: a plan made on a cached node only chooses which node to try, and
 the debit script re-checks every credit against the latest lease and open debits, atomically.
@@ -29,10 +31,17 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from crossflow_ctl.domain.models import Credits, NodeState, PoolSnapshot, StoredPoolLoad
+from crossflow_ctl.domain.models import (
+    Credits,
+    Lease,
+    NodeState,
+    PoolSnapshot,
+    StoredLease,
+    StoredPoolLoad,
+)
 
 Monotonic = Callable[[], float]
 
@@ -102,6 +111,8 @@ class LenderSample:
         self._fetched_at_s = 0.0
         self._fetched_now_ms = 0
         self._members: tuple[tuple[str, int], ...] = ()
+        self._size = 0
+        """The working-set size of the last draw (:meth:`working_set`)."""
 
     def pick(self, sample: int, now_ms: int) -> list[str] | None:
         """Up to ``sample`` distinct lenders live at ``now_ms``; None: draw from Redis again."""
@@ -133,6 +144,38 @@ class LenderSample:
         self._members = tuple(members)
         self._fetched_at_s = self._monotonic()
         self._fetched_now_ms = now_ms
+
+    def due(self) -> bool:
+        """Whether a held draw is past half its age bound: time to renew it in the background
+        (it is still used until the bound itself)."""
+        return bool(self._members) and (
+            self._monotonic() - self._fetched_at_s >= self._max_age_s / 2
+        )
+
+    def working_set(
+        self, members: Sequence[tuple[str, int]], size: int, now_ms: int
+    ) -> list[tuple[str, int]]:
+        """Up to ``size`` of ``members`` live at ``now_ms`` (a random subset when more): the
+        lenders whose states a replica keeps warm, so a warm Admit never reads before its
+        debit, however large the fleet."""
+        self._size = size
+        live = [m for m in members if m[1] > now_ms]
+        return live if len(live) <= size else self._rng.sample(live, size)
+
+    def changed(self, changes: Mapping[str, int | None]) -> None:
+        """This replica's writes to the lender index (node -> lease expiry, None: no longer
+        lends): members that stopped lending leave the draw, renewed ones take their new
+        expiry, and new lenders join while the draw is below its working-set size (so a small
+        fleet sees them at once, a large one at the next draw)."""
+        if not self._members:
+            return
+        members = dict(self._members)
+        for node_id, expires in changes.items():
+            if expires is None:
+                members.pop(node_id, None)
+            elif node_id in members or len(members) < self._size:
+                members[node_id] = expires
+        self._members = tuple(members.items())
 
     def drop(self) -> None:
         self._members = ()
@@ -169,6 +212,31 @@ class NodeCache:
     def put(self, state: NodeState, now_ms: int) -> None:
         if self._max_age_s > 0:
             self._items[state.info.node_id] = _NodeEntry(state, self._monotonic(), now_ms)
+
+    def due(self, node_id: str) -> bool:
+        """Whether the node has no entry or one past half its age bound (read it again)."""
+        entry = self._items.get(node_id)
+        return entry is None or self._monotonic() - entry.fetched_at_s >= self._max_age_s / 2
+
+    def leased(
+        self, lease: Lease, received_at_ms: int, expires_at_ms: int, purged: int, cordoned: bool
+    ) -> None:
+        """This replica stored a newer lease for the node: the entry takes it in place, so a
+        lease every agent period does not empty the cache. Dropped instead when the store's
+        reply says more changed than the lease (reservations purged, cordon differs). Its age
+        stays that of the open debits it holds."""
+        entry = self._items.get(lease.node_id)
+        if entry is None:
+            return
+        if purged or cordoned != entry.state.info.cordoned:
+            del self._items[lease.node_id]
+            return
+        # The lease was validated on its way in; the store's own times need no checking.
+        stored = StoredLease.model_construct(
+            lease=lease, received_at_ms=received_at_ms, expires_at_ms=expires_at_ms
+        )
+        state = entry.state.model_copy(update={"lease": stored})
+        self._items[lease.node_id] = _NodeEntry(state, entry.fetched_at_s, entry.fetched_now_ms)
 
     def debited(
         self, node_id: str, epoch: int, version: int, totals: Sequence[int], now_ms: int

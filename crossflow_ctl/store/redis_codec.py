@@ -113,7 +113,6 @@ LEASE_FIELDS: dict[str, str] = {
     "node": "lease.node_id",
     "ttl": "lease.ttl_ms",
     "reason": "lease.zero_reason ('' for None)",
-    "detail": "lease.zero_detail",
     "qwait": "lease.queue_wait_ms",
     "rate": "lease.borrowed_prefill_rate_tps",
     "a": "lease.prefill_s_per_token",
@@ -123,11 +122,19 @@ LEASE_FIELDS: dict[str, str] = {
     "nseq": "lease.last_notice_seq",
     "snap": "lease.snapshot_unix_ms",
     "recv": "received_at_ms (broker clock)",
+    "detail": "lease.zero_detail (last: the one free-text field, see PACKED_SEPARATOR)",
 }
 """The lease HASH: the one stored form of a node's current lease, one field each (decimal text;
-floats as ``repr``, which reads back exactly). ``upsert_lease.lua`` writes them all at once;
+floats as ``repr``, which reads back exactly). ``upsert_leases.lua`` writes them all at once;
 ``try_debit.lua``, ``set_cordon.lua`` and ``node_view.lua`` read them. The first ten are what the
 scripts themselves use."""
+ZERO_FIELD = list(LEASE_FIELDS).index("zero")
+"""Where ``zero`` is among :func:`lease_hash_values`."""
+LEASE_FIELD_NAMES = "|".join(LEASE_FIELDS)
+"""The names as ``upsert_leases.lua`` takes them (one argument per call)."""
+PACKED_SEPARATOR = "\x1f"
+"""Joins a lease's values into one script argument (:func:`packed_lease_values`): no value but
+the last (``detail``, free text) can hold it (ids, enum values and numbers do not)."""
 
 
 def zero_marker(lease: Lease) -> str:
@@ -137,36 +144,47 @@ def zero_marker(lease: Lease) -> str:
     return "no_capacity" if lease.credits.is_zero() else ""
 
 
-def stored_lease_to_fields(stored: StoredLease) -> dict[str, str]:
-    """The lease hash's fields for ``stored`` (:data:`LEASE_FIELDS`, in that order)."""
-    lease = stored.lease
-    c1, c2, c3, c4, c5 = lease.credits.as_tuple()
-    values = (
+def lease_hash_values(lease: Lease, received_at_ms: int, expires_at_ms: int) -> tuple[str, ...]:
+    """The lease hash's values (:data:`LEASE_FIELDS`, in that order) for ``lease`` received at
+    ``received_at_ms`` and expiring at ``expires_at_ms`` (broker clock)."""
+    c = lease.credits
+    reason = lease.zero_reason
+    return (
         f"{lease.epoch:020d}{lease.version:020d}",
-        lease.epoch,
-        lease.version,
-        stored.expires_at_ms,
+        str(lease.epoch),
+        str(lease.version),
+        str(expires_at_ms),
         zero_marker(lease),
-        c1,
-        c2,
-        c3,
-        c4,
-        c5,
+        str(c.compute_tokens),
+        str(c.kv_tokens),
+        str(c.kv_transfer_bytes),
+        str(c.output_tokens),
+        str(c.slots),
         lease.node_id,
-        lease.ttl_ms,
-        "" if lease.zero_reason is None else lease.zero_reason.value,
-        lease.zero_detail,
+        str(lease.ttl_ms),
+        "" if reason is None else reason.value,
         repr(lease.queue_wait_ms),
         repr(lease.borrowed_prefill_rate_tps),
         repr(lease.prefill_s_per_token),
         repr(lease.prefill_s_per_token_context),
         repr(lease.itl_ms),
         repr(lease.itl_slo_ms),
-        lease.last_notice_seq,
-        lease.snapshot_unix_ms,
-        stored.received_at_ms,
+        str(lease.last_notice_seq),
+        str(lease.snapshot_unix_ms),
+        str(received_at_ms),
+        lease.zero_detail,
     )
-    return {name: str(v) for name, v in zip(LEASE_FIELDS, values, strict=True)}
+
+
+def packed_lease_values(values: tuple[str, ...]) -> str:
+    """:func:`lease_hash_values` as ONE script argument (``upsert_leases.lua`` splits it)."""
+    return PACKED_SEPARATOR.join(values)
+
+
+def stored_lease_to_fields(stored: StoredLease) -> dict[str, str]:
+    """The lease hash's fields for ``stored`` (:data:`LEASE_FIELDS`, in that order)."""
+    values = lease_hash_values(stored.lease, stored.received_at_ms, stored.expires_at_ms)
+    return dict(zip(LEASE_FIELDS, values, strict=True))
 
 
 _INT_FIELDS = (

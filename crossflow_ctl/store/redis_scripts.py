@@ -16,7 +16,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 PER_NODE = (
-    "upsert_lease",
+    "upsert_leases",
     "try_debit",
     "commit",
     "release",

@@ -13,14 +13,14 @@ The cluster-wide borrowing limit is the ``share`` factor inside each node's own 
 
 Round trips: ``try_debit``, ``commit``, ``release`` one each (``try_debits``: one for a whole
 batch, one script call per node, pipelined); ``admission_view`` none when warm: the pool's
-reports, a draw from the lender index and each node's state are reused for up to
-``cache_max_age_ms`` by each replica (:mod:`.redis_cache`: fails closed when stale, never caches
-absence), and each debit's reply refreshes its node's entry, so a warm Admit is the debit's one
-round trip. On a miss, the missing nodes' ``node_view`` scripts and the pool's reports go in one
-pipeline; a lender draw (from every index bucket) takes the pool's reports along, and costs one
-more trip only when nodes it drew are not cached. Flat in fleet size. Lease upserts arriving
-together share one pipeline, then one lender index update (:mod:`.redis_ingest`); waiting notice
-reads cost nothing until a wake (:mod:`.redis_notices`).
+reports, a working set drawn from the lender index and its nodes' states are reused for up to
+``cache_max_age_ms`` by each replica and renewed in the background before then
+(:mod:`.redis_view`, :mod:`.redis_cache`: fails closed when stale, never caches absence); each
+debit's reply and each lease this replica stores refresh the node's entry in place, so a warm
+Admit is the debit's one round trip. Flat in fleet size. Leases arriving together share
+``upsert_leases`` calls (16 leases of one slot each) in one pipeline, then one lender index
+update (:mod:`.redis_ingest`); waiting notice reads cost nothing until a wake
+(:mod:`.redis_notices`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 
 import structlog
 from redis.asyncio import Redis, RedisCluster
+from redis.crc import key_slot
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from crossflow_ctl.domain.errors import (
@@ -78,7 +79,6 @@ from crossflow_ctl.store.keys import (
     node_of_reservation,
 )
 from crossflow_ctl.store.redis_admin import RedisAdmin
-from crossflow_ctl.store.redis_cache import LenderSample, NodeCache, PoolCache
 from crossflow_ctl.store.redis_connect import RedisConnection, connect
 from crossflow_ctl.store.redis_debit import (
     UNKNOWN_NODE,
@@ -91,6 +91,7 @@ from crossflow_ctl.store.redis_ingest import LeaseIngest
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_records import RedisRecords
 from crossflow_ctl.store.redis_scripts import Scripts
+from crossflow_ctl.store.redis_view import AdmissionView
 
 log = structlog.get_logger()
 
@@ -98,6 +99,16 @@ DEFAULT_CACHE_MAX_AGE_MS = 50
 """A quarter of the agents' default 200 ms period: the staleness a cached pool read adds."""
 DEFAULT_MAX_CONNECTIONS = 128
 """Connections one store opens to Redis (per Cluster node), whatever the number of agents."""
+
+
+def _failure(what: str, exc: BaseException) -> StoreAuthFailed | StoreUnavailable:
+    """The domain error for a failed Redis call (logged when the store is unavailable)."""
+    if isinstance(exc, AuthenticationError) or (
+        isinstance(exc, ResponseError) and str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM"))
+    ):
+        return StoreAuthFailed(f"redis refused the credentials: {exc}")
+    log.warning("store_unavailable", op=what, error=repr(exc))
+    return StoreUnavailable(f"redis {what} failed: {exc!r}")
 
 
 class RedisStore(Store):
@@ -145,12 +156,21 @@ class RedisStore(Store):
         self._k = Keys(namespace)
         self._op_timeout_s = op_timeout_s
         self._scripts = Scripts(client)
-        self._pools = PoolCache(cache_max_age_ms)
-        self._lenders = LenderSample(cache_max_age_ms)
-        self._node_cache = NodeCache(cache_max_age_ms)
         self._index = NodeIndex(client, self._k)
+        self._view = AdmissionView(
+            self._k, self._index, self._views, self._backend, cache_max_age_ms, op_timeout_s
+        )
+        self._pools, self._lenders, self._node_cache = self._view.caches
         self._notices = NoticeReader(client, self._k, self._backend)
-        self._ingest = LeaseIngest(self._k, self._scripts, self._index_lenders)
+        slot = (lambda key: key_slot(key.encode())) if isinstance(client, RedisCluster) else None
+        self._ingest = LeaseIngest(
+            self._k,
+            self._scripts,
+            self._index_lenders,
+            self._node_cache,
+            slot,
+            timeout_s=op_timeout_s,
+        )
         self._admin = RedisAdmin(client, self._k, self._scripts, self._index, self._forget)
         self._records = RedisRecords(client, self._k, self._scripts, self._backend)
 
@@ -159,26 +179,17 @@ class RedisStore(Store):
         try:
             async with asyncio.timeout(self._op_timeout_s + extra_s):
                 yield
-        except AuthenticationError as exc:
-            raise StoreAuthFailed(f"redis refused the credentials: {exc}") from None
-        except ResponseError as exc:
-            if str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
-                raise StoreAuthFailed(f"redis refused the credentials: {exc}") from None
-            log.warning("store_unavailable", op=what, error=repr(exc))
-            raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
         except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("store_unavailable", op=what, error=repr(exc))
-            raise StoreUnavailable(f"redis {what} failed: {exc!r}") from None
+            raise _failure(what, exc) from None
 
     async def _index_lenders(self, changes: dict[str, int | None]) -> None:
-        """Add (lease expiry) or drop (None) lenders, best effort.
+        """Add (lease expiry) or drop (None) lenders, best effort; this replica's lender draw
+        follows at once (:meth:`LenderSample.changed`).
 
         The index only steers sampling (admission re-checks the node's real state, and entries
         leave by score once their lease expires), so a failure here must not turn a change
         that is already stored into an error for the caller."""
-        self._lenders.drop()
-        for node_id in changes:
-            self._node_cache.drop(node_id)
+        self._lenders.changed(changes)
         try:
             async with asyncio.timeout(self._op_timeout_s):
                 await self._index.set_lenders(changes)
@@ -237,8 +248,10 @@ class RedisStore(Store):
         return codec.info_from(node_id, codec.flat_pairs(out[1]))
 
     async def upsert_lease(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> LeaseOutcome:
-        async with self._backend("upsert_lease"):
+        try:  # bounded by the ingest's own per-batch deadline (no timer per lease)
             out = await self._ingest.upsert(lease, now_ms, max_ttl_ms)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _failure("upsert_lease", exc) from None
         if int(out[0]) == -1:
             raise FailedPrecondition(f"node {lease.node_id!r} is not registered", field="node_id")
         return LeaseOutcome(
@@ -264,46 +277,7 @@ class RedisStore(Store):
     async def admission_view(
         self, pool: str, node_ids: Sequence[str], sample: int, now_ms: int
     ) -> tuple[PoolSnapshot | None, list[NodeState]]:
-        ids = [n for n in dict.fromkeys(node_ids) if is_node_id(n)]
-        snapshot = self._pools.get(pool, now_ms)
-        picked = self._lenders.pick(sample, now_ms) if not node_ids and sample > 0 else ids
-        if snapshot is not None and picked is not None:  # warm: no round trip, no I/O at all
-            cached = [s for n in picked if (s := self._node_cache.get(n, now_ms)) is not None]
-            if len(cached) == len(picked):
-                return snapshot, cached
-        read_pool = snapshot is None
-        reports: Any = None
-        async with self._backend("admission_view"):
-            if picked is None:  # a new lender draw; the pool's reports, when due, come along
-                ids, reports = await self._draw_lenders(sample, now_ms, pool if read_pool else None)
-                read_pool = False
-            else:
-                ids = picked
-            cached_by_id = {n: s for n in ids if (s := self._node_cache.get(n, now_ms)) is not None}
-            missing = [n for n in ids if n not in cached_by_id]
-            states: list[NodeState] = []
-            if missing or read_pool:
-                pool_reports, states = await self._views(
-                    missing, now_ms, pool if read_pool else None
-                )
-                reports = pool_reports if read_pool else reports
-        for state in states:
-            self._node_cache.put(state, now_ms)
-        if snapshot is None:
-            snapshot = self._pools.put(pool, codec.live_pool_loads(reports, now_ms), now_ms)
-        found = {**cached_by_id, **{s.info.node_id: s for s in states}}
-        return snapshot, [found[n] for n in ids if n in found]
-
-    async def _draw_lenders(
-        self, sample: int, now_ms: int, pool: str | None
-    ) -> tuple[list[str], Any]:
-        """Drop expired lenders and draw some from every index bucket, with ``pool``'s reports
-        when asked (one round trip); keep the draw for the next requests, and pick ``sample``
-        of the live ones."""
-        pool_key = self._k.pool(pool) if pool is not None else None
-        members, reports = await self._index.draw_lenders(sample, now_ms, pool_key)
-        self._lenders.put(members, now_ms)
-        return self._lenders.choose(members, sample, now_ms), reports
+        return await self._view.read(pool, node_ids, sample, now_ms)
 
     async def try_debit(
         self,
@@ -394,6 +368,7 @@ class RedisStore(Store):
             raise NotFound(f"unknown node {node_id!r}", field="node_id")
         lease_exp, zero = codec.text(out[2]), codec.text(out[3])
         lends = not cordoned and lease_exp and not zero and int(lease_exp) > now_ms
+        self._node_cache.drop(node_id)
         await self._index_lenders({node_id: int(lease_exp) if lends else None})
         return codec.info_from(node_id, codec.flat_pairs(out[1]))
 
@@ -470,6 +445,7 @@ class RedisStore(Store):
             await self._r.ping()
 
     async def close(self) -> None:
+        await self._view.close()
         await self._ingest.close()
         await self._notices.hub.close()
         if self._owned:

@@ -88,15 +88,18 @@ def credits_to_proto(c: Credits) -> common_pb2.Credits:
     )
 
 
-def credits_from_proto(msg: common_pb2.Credits, field: str = "credits") -> Credits:
-    data = {
+def _credits_data(msg: common_pb2.Credits) -> dict[str, int]:
+    return {
         "compute_tokens": msg.compute_tokens,
         "kv_tokens": msg.kv_tokens,
         "kv_transfer_bytes": msg.kv_transfer_bytes,
         "output_tokens": msg.output_tokens,
         "slots": msg.slots,
     }
-    result: Credits = _validated(Credits, field, **data)
+
+
+def credits_from_proto(msg: common_pb2.Credits, field: str = "credits") -> Credits:
+    result: Credits = _validated(Credits, field, **_credits_data(msg))
     return result
 
 
@@ -121,10 +124,16 @@ def lease_to_proto(lease: Lease) -> common_pb2.Lease:
 
 
 def lease_from_proto(msg: common_pb2.Lease, field: str = "lease") -> Lease:
-    credits = credits_from_proto(msg.credits, f"{field}.credits")
-    zero = enum_from_proto(
-        msg.zero_reason, common_pb2.ZeroReason, "ZERO_REASON_", ZeroReason, f"{field}.zero_reason"
-    )
+    """One validation pass (credits inside): a broker takes thousands a second."""
+    zero = None
+    if msg.zero_reason:  # 0 is UNSPECIFIED: no reason
+        zero = enum_from_proto(
+            msg.zero_reason,
+            common_pb2.ZeroReason,
+            "ZERO_REASON_",
+            ZeroReason,
+            f"{field}.zero_reason",
+        )
     result: Lease = _validated(
         Lease,
         field,
@@ -132,7 +141,7 @@ def lease_from_proto(msg: common_pb2.Lease, field: str = "lease") -> Lease:
         epoch=msg.epoch,
         version=msg.version,
         ttl_ms=msg.ttl_ms,
-        credits=credits,
+        credits=_credits_data(msg.credits),
         zero_reason=zero,
         zero_detail=msg.zero_detail,
         queue_wait_ms=msg.queue_wait_ms,

@@ -24,6 +24,7 @@ from crossflow_ctl.observability import (
     rpc_span,
     setup_logging,
     setup_tracing,
+    span,
 )
 from crossflow_ctl.observability.logs import reset_logging
 from crossflow_ctl.observability.tracing import OTLP_EXPORTER_MODULE
@@ -161,6 +162,36 @@ def test_rpc_span_without_metadata_starts_a_root(
     [finished] = exporter.get_finished_spans()
     assert finished.parent is None
     assert finished.name == "Release"
+
+
+def test_internal_span_is_recorded_under_the_rpc_span(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    attrs = {"crossflow.node_id": "d1"}
+    with (
+        rpc_span("Connect", None, tracer_provider=provider) as rpc,
+        span("crossflow.lease_batch", attrs, tracer_provider=provider),
+    ):
+        pass
+    inner, outer = exporter.get_finished_spans()
+    assert inner.name == "crossflow.lease_batch" and inner.attributes == {"crossflow.node_id": "d1"}
+    assert inner.parent is not None and inner.parent.span_id == rpc.get_span_context().span_id
+    assert outer.name == "Connect"
+
+
+def test_internal_span_without_an_sdk_keeps_the_current_context(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    """No SDK provider installed globally: nothing could record the span, so none is made and
+    the caller's span stays current (what a no-op child would leave)."""
+    provider, exporter = spans
+    with (
+        rpc_span("Connect", None, tracer_provider=provider) as rpc,
+        span("crossflow.lease_batch", {"crossflow.node_id": "d1"}) as inner,
+    ):
+        assert inner is rpc
+    assert [s.name for s in exporter.get_finished_spans()] == ["Connect"]
 
 
 def test_logs_without_a_span_have_no_trace_id(log_stream: io.StringIO) -> None:

@@ -1,0 +1,109 @@
+-- Store each of a batch of leases if its (epoch, version) is newer than the node's stored one;
+-- purge the node's expired and acknowledged-released reservations. One call per batch (per
+-- Cluster slot: every node of a call shares the slot), each lease checked on its own and a
+-- failing lease (say a key of the wrong type) failing only itself.
+-- KEYS: 7 per lease, lease i (from 0) at 7*i+1..7*i+7: info HASH, lease HASH, reservations
+-- HASH, notices STREAM, lease history LIST, node events LIST, reservation expiries ZSET (all
+-- one node, one hash tag).
+-- ARGV[1] history cap, ARGV[2] events cap, ARGV[3] notices MAXLEN, ARGV[4] the lease HASH's
+-- field names joined by '|' (LEASE_FIELDS in crossflow_ctl/store/redis_codec.py, 'detail'
+-- last); then two per lease: ARGV[5+2*i] the lease as one history entry (JSON: the history LIST
+-- is a log of past leases, read whole by lease_history), ARGV[6+2*i] the lease HASH's values in
+-- that order, joined by '\31' (only the last, the free-text detail, may hold that byte). The
+-- script reads ev ("<epoch:020d><version:020d>", 40 digits compared as text so 63-bit values
+-- stay exact), epoch, version, zero ('' when the lease lends), nseq (last_notice_seq) and recv
+-- (when the broker received it: "now" for that lease, broker clock) from them.
+-- An accepted lease also marks the node as heard of at recv (info 'seen', read by node expiry).
+-- Returns one reply per lease, in order: {-1} for an unregistered node; {0, stored_epoch,
+-- stored_version, 0} for a stale lease (nothing changed); {1, epoch, version, purged,
+-- cordoned(0/1)} when stored; {-2, error} when a command failed for that lease.
+local history_cap, events_cap, maxlen = tonumber(ARGV[1]) - 1, tonumber(ARGV[2]) - 1, ARGV[3]
+local names = {}
+for name in string.gmatch(ARGV[4], '[^|]+') do
+  names[#names + 1] = name
+end
+local count = #names
+
+-- The lease HASH as field/value pairs, and the values by name.
+local function unpack_fields(packed)
+  local pairs_, new = {}, {}
+  local pos = 1
+  for i = 1, count do
+    local value
+    if i < count then
+      local sep = string.find(packed, '\31', pos, true)
+      value = string.sub(packed, pos, sep - 1)
+      pos = sep + 1
+    else
+      value = string.sub(packed, pos)
+    end
+    pairs_[2 * i - 1], pairs_[2 * i] = names[i], value
+    new[names[i]] = value
+  end
+  return pairs_, new
+end
+
+local function upsert(base, entry, packed)
+  local info, lease, res, notices = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
+  local history, events, exp = KEYS[base + 5], KEYS[base + 6], KEYS[base + 7]
+  local node = redis.call('HMGET', info, 'role', 'cordoned')
+  if not node[1] then
+    return {-1}
+  end
+  local fields, new = unpack_fields(packed)
+  local ev, epoch, zero, last_seen = new.ev, new.epoch, new.zero, tonumber(new.nseq)
+  local now = new.recv
+  local old = redis.call('HMGET', lease, 'ev', 'epoch', 'version', 'exp', 'zero')
+  if old[1] and ev <= old[1] then
+    return {0, old[2], old[3], 0}
+  end
+
+  local purged = cf_purge_expired(info, res, exp, notices, maxlen, now)
+  local all = redis.call('HGETALL', res)
+  for i = 1, #all, 2 do
+    local f = cf_parse(all[i + 1])
+    if f[1] == 'released' and tonumber(f[3]) <= last_seen then
+      cf_drop(info, res, exp, all[i], f)
+      purged = purged + 1
+    end
+  end
+
+  local logged = false
+  local function event(kind, message)
+    redis.call('LPUSH', events, now .. '|' .. kind .. '|' .. message)
+    logged = true
+  end
+  if not old[1] or old[2] ~= epoch then
+    event('new_epoch', 'new epoch ' .. epoch)
+  end
+  if zero ~= '' and (not old[1] or old[5] == '') then
+    event('lease_zeroed', 'lease zeroed: ' .. zero)
+  elseif zero == '' and old[1] and (old[5] ~= '' or tonumber(old[4]) <= tonumber(now)) then
+    event('lease_restored', 'lease restored')
+  end
+  if logged then
+    redis.call('LTRIM', events, 0, events_cap)
+  end
+
+  -- Replace the hash whole, so no field of an older layout (such as a JSON copy) outlives it.
+  redis.call('DEL', lease)
+  redis.call('HSET', lease, unpack(fields))
+  redis.call('HSET', info, 'seen', now)
+  redis.call('LPUSH', history, entry)
+  redis.call('LTRIM', history, 0, history_cap)
+  local cordoned = 0
+  if node[2] == '1' then
+    cordoned = 1
+  end
+  return {1, epoch, new.version, purged, cordoned}
+end
+
+local out = {}
+for i = 0, #KEYS / 7 - 1 do
+  local ok, reply = pcall(upsert, 7 * i, ARGV[5 + 2 * i], ARGV[6 + 2 * i])
+  if not ok then
+    reply = {-2, type(reply) == 'table' and reply.err or tostring(reply)}
+  end
+  out[i + 1] = reply
+end
+return out
