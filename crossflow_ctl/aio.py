@@ -1,10 +1,12 @@
-"""Small asyncio helpers the agent and the demo share (no I/O, no third-party imports)."""
+"""Small asyncio helpers the agent, the service and the demo share (no I/O, no third parties)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Generator, Iterable
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 RECANCEL_S = 0.5
 """How long a cancelled task gets before it is cancelled again."""
@@ -38,3 +40,47 @@ async def wait_any(*events: asyncio.Event, timeout_s: float) -> None:
         await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         await cancel_and_wait(waiters)
+
+
+async def within(call: Awaitable[T], timeout_s: float) -> T:
+    """``await call`` under ``asyncio.timeout(timeout_s)``, without arming a timer for a call
+    that finishes without suspending (an in-process store's: no timer could fire then).
+
+    The call runs to its first suspension at once; only if it suspends does the rest run under
+    a timeout, due at the same loop time ``asyncio.timeout`` would have set, so a call that
+    suspends times out exactly as before (TimeoutError)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    steps = call.__await__()
+    try:
+        first = steps.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    async with asyncio.timeout_at(deadline):
+        return await _Resumed(steps, first)
+
+
+class _Resumed(Generic[T]):
+    """The rest of a call already run to its first suspension (``first``: what it yielded)."""
+
+    def __init__(self, steps: Generator[Any, Any, T], first: Any) -> None:
+        self._steps = steps
+        self._first = first
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        steps, pending = self._steps, self._first
+        while True:  # what ``yield from steps`` does, from its second step on
+            try:
+                sent = yield pending
+            except GeneratorExit:
+                steps.close()
+                raise
+            except BaseException as exc:  # a cancellation (the timeout's) goes to the call
+                try:
+                    pending = steps.throw(exc)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+            else:
+                try:
+                    pending = steps.send(sent)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]

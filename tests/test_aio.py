@@ -1,4 +1,5 @@
-"""crossflow_ctl.aio: wait_any wakes on the first event or its timeout; cancel_and_wait reaps."""
+"""crossflow_ctl.aio: wait_any wakes on the first event or its timeout; cancel_and_wait reaps;
+within bounds a call by a timeout, arming no timer for a call that never suspends."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import pytest
 
-from crossflow_ctl.aio import cancel_and_wait, wait_any
+from crossflow_ctl.aio import cancel_and_wait, wait_any, within
 
 
 async def test_wait_any_wakes_on_either_event_or_timeout_and_leaks_no_task() -> None:
@@ -70,3 +71,55 @@ async def test_cancel_and_wait_still_raises_a_tasks_own_failure() -> None:
     await asyncio.sleep(0)
     with pytest.raises(ValueError, match="boom"):
         await cancel_and_wait([task])
+
+
+async def test_within_returns_a_call_that_never_suspends_without_a_timer() -> None:
+    async def at_once() -> int:
+        return 7
+
+    loop = asyncio.get_running_loop()
+    before = len(loop._scheduled)  # type: ignore[attr-defined]
+    assert await within(at_once(), 0.05) == 7
+    assert len(loop._scheduled) == before  # type: ignore[attr-defined]
+
+
+async def test_within_times_out_a_call_that_suspends_past_its_deadline() -> None:
+    finished = []
+
+    async def slow() -> None:
+        await asyncio.sleep(0)
+        await asyncio.sleep(5)
+        finished.append(True)
+
+    with pytest.raises(TimeoutError):
+        await within(slow(), 0.01)
+    assert finished == []
+
+
+async def test_within_passes_on_results_and_errors_after_a_suspension() -> None:
+    async def later(fail: bool) -> str:
+        await asyncio.sleep(0)
+        if fail:
+            raise ValueError("boom")
+        return "done"
+
+    assert await within(later(False), 1.0) == "done"
+    with pytest.raises(ValueError, match="boom"):
+        await within(later(True), 1.0)
+
+
+async def test_within_outer_cancellation_reaches_the_call() -> None:
+    cleaned = asyncio.Event()
+
+    async def waits() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            cleaned.set()
+
+    task = asyncio.create_task(within(waits(), 10.0))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleaned.is_set()

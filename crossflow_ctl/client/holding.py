@@ -9,6 +9,7 @@ deterministic (same calls, same results), so tests drive it with plain integers 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -98,6 +99,14 @@ class Held(Generic[K]):
     offers: int = 1
 
 
+def _arrival(held: Held[K]) -> int:
+    return held.seq
+
+
+def _shortest(held: Held[K]) -> tuple[int, int]:
+    return (held.request.uncached_prompt_tokens, held.seq)
+
+
 class HoldBook(Generic[K]):
     """Held prompts by key, in arrival order (see module docstring)."""
 
@@ -107,6 +116,9 @@ class HoldBook(Generic[K]):
         self._seq = 0
         self._tokens = 0
         """Uncached prompt tokens of everything held."""
+        self._deadlines: list[tuple[int, int, K]] = []
+        """Heap of (deadline, seq, key) per hold; an entry whose hold has ended (its key is
+        gone or held again under a later seq) is dropped when it comes to the top."""
 
     def __len__(self) -> int:
         return len(self._held)
@@ -133,15 +145,17 @@ class HoldBook(Generic[K]):
         if key in self._held:
             raise ValueError("key is already held")
         self._seq += 1
+        deadline = now_ms + self.config.max_hold_ms
         self._held[key] = Held(
             key=key,
             request=request,
             seq=self._seq,
             since_ms=now_ms,
-            deadline_ms=now_ms + self.config.max_hold_ms,
+            deadline_ms=deadline,
             last=admission,
         )
         self._tokens += request.uncached_prompt_tokens
+        heapq.heappush(self._deadlines, (deadline, self._seq, key))
         return None
 
     def take(self, key: K) -> Held[K] | None:
@@ -165,9 +179,9 @@ class HoldBook(Generic[K]):
 
     def ordered(self) -> list[Held[K]]:
         """Held prompts in re-offer (and dispatch) order."""
-        entries = list(self._held.values())
+        entries = list(self._held.values())  # arrival order, which is seq order
         if self.config.order == "shortest":
-            entries.sort(key=lambda h: (h.request.uncached_prompt_tokens, h.seq))
+            entries.sort(key=_shortest)
         return entries
 
     def drain(self) -> list[Held[K]]:
@@ -175,17 +189,33 @@ class HoldBook(Generic[K]):
         out = self.ordered()
         self._held.clear()
         self._tokens = 0
+        self._deadlines.clear()
         return out
 
     def due(self, now_ms: int) -> list[Held[K]]:
         """Remove and return the prompts whose hold deadline has passed, in order."""
-        out = [h for h in self.ordered() if h.deadline_ms <= now_ms]
-        for h in out:
-            self.take(h.key)
+        out: list[Held[K]] = []
+        while (first := self._first_deadline()) is not None and first.deadline_ms <= now_ms:
+            heapq.heappop(self._deadlines)
+            self.take(first.key)
+            out.append(first)
+        out.sort(key=_shortest if self.config.order == "shortest" else _arrival)
         return out
 
     def next_deadline_ms(self) -> int | None:
-        return min((h.deadline_ms for h in self._held.values()), default=None)
+        first = self._first_deadline()
+        return first.deadline_ms if first is not None else None
+
+    def _first_deadline(self) -> Held[K] | None:
+        """The hold whose deadline falls first (a heap: O(log n), not a scan per call)."""
+        heap = self._deadlines
+        while heap:
+            _, seq, key = heap[0]
+            held = self._held.get(key)
+            if held is not None and held.seq == seq:
+                return held
+            heapq.heappop(heap)
+        return None
 
     def on_room(self, view: RoomView) -> Dispatch | None:
         """A room update: the reason to dispatch everything held, or None to re-offer."""

@@ -217,7 +217,7 @@ def debit_for(
             lease.borrowed_prefill_rate_tps,
         )
     output = horizon_output_tokens(request, itl_ms, settings)
-    return Credits.model_construct(
+    return Credits.trusted(
         compute_tokens=compute,
         kv_tokens=min(MAX_TOKENS, uncached + (cached if remote_prefix else 0) + output),
         kv_transfer_bytes=cached * settings.kv_bytes_per_token if remote_prefix else 0,

@@ -43,7 +43,7 @@ FLOP/s, bandwidth and the penalty on the node itself; host figures come from the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Annotated
 
@@ -184,6 +184,9 @@ class Roofline:
     full_layers: float
     window_layers: float
     window: float
+    gemm_s: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+    """GPU time of the dense and expert groups by tokens in the step (a function of that count
+    alone), as :meth:`step_s` meets each count: the lease arithmetic asks for the same few."""
 
     @classmethod
     def of(cls, model: ModelSpec, node: NodeProfile) -> Roofline:
@@ -254,18 +257,10 @@ class Roofline:
             return 0.0
         if not chunk:
             prefix = 0
-        inv_f, inv_b, pen, tile = self.inv_flops, self.inv_bw, self.penalty, self.tile
-        t_c = self.dense_flops_per_row * (tokens if tokens > tile else tile) * inv_f
-        t_m = self.dense_bytes * inv_b
-        gpu = t_c + pen * t_m if t_c > t_m else t_m + pen * t_c
-        if self.experts:
-            touched = self.experts * (1.0 - self.keep**tokens)
-            rows = tokens * self.per_token
-            if touched * tile > rows:
-                rows = touched * tile
-            t_c = self.expert_flops_per_row * rows * inv_f
-            t_m = self.expert_bytes * touched / self.experts * inv_b
-            gpu += t_c + pen * t_m if t_c > t_m else t_m + pen * t_c
+        inv_f, inv_b, pen = self.inv_flops, self.inv_bw, self.penalty
+        gpu = self.gemm_s.get(tokens)
+        if gpu is None:
+            gpu = self._gemm_s(tokens)
         pairs = self.full_layers * (context + chunk * (chunk / 2.0 + prefix))
         read = self.full_layers * (context + prefix + chunk)
         if self.window_layers:
@@ -280,6 +275,26 @@ class Roofline:
         host = self.host_s + self.host_req_s * (batch + 1 if chunk else batch)
         return (gpu if gpu > host else host) + self.overhead_s
 
+    def _gemm_s(self, tokens: int) -> float:
+        inv_f, inv_b, pen, tile = self.inv_flops, self.inv_bw, self.penalty, self.tile
+        t_c = self.dense_flops_per_row * (tokens if tokens > tile else tile) * inv_f
+        t_m = self.dense_bytes * inv_b
+        gpu = t_c + pen * t_m if t_c > t_m else t_m + pen * t_c
+        if self.experts:
+            touched = self.experts * (1.0 - self.keep**tokens)
+            rows = tokens * self.per_token
+            if touched * tile > rows:
+                rows = touched * tile
+            t_c = self.expert_flops_per_row * rows * inv_f
+            t_m = self.expert_bytes * touched / self.experts * inv_b
+            gpu += t_c + pen * t_m if t_c > t_m else t_m + pen * t_c
+        if len(self.gemm_s) < GEMM_CACHE:
+            self.gemm_s[tokens] = gpu
+        return gpu
+
+
+GEMM_CACHE = 1 << 16
+"""Token counts whose GEMM time a Roofline keeps (steps carry at most batch + one chunk)."""
 
 _BY_IDENTITY: dict[tuple[int, int], tuple[ModelSpec, NodeProfile, Roofline]] = {}
 

@@ -261,7 +261,7 @@ def compute_capacity(
     network = node.network_bytes_per_s * horizon_s * settings.kv_transfer_share
     transfer = int(min(network, kv * model.kv_bytes_per_token, MAX_BYTES))
 
-    credits = Credits.model_construct(
+    credits = Credits.trusted(
         compute_tokens=min(compute, MAX_TOKENS),
         kv_tokens=min(kv, MAX_TOKENS),
         kv_transfer_bytes=transfer,

@@ -10,6 +10,7 @@ lease arithmetic of :func:`crossflow_ctl.domain.lease_credits.compute_capacity`;
 from __future__ import annotations
 
 import math
+import sys
 from typing import NamedTuple
 
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile
@@ -38,8 +39,24 @@ _COUNTS = frozenset(n for n in NUMERIC_FIELDS if n.endswith(("_tokens", "_reques
 _ABSURD = MAX_TOKENS * 100
 
 
+_LIMITS = tuple(
+    (name, _ABSURD if name in _COUNTS else sys.float_info.max) for name in NUMERIC_FIELDS
+)
+"""Each numeric field and the most it may be: a plausible value is None or in [0, most]."""
+
+
 def implausibility(snapshot: EngineSnapshot) -> str:
     """Why a snapshot cannot be trusted ("" when it can)."""
+    values = snapshot.__dict__
+    for name, most in _LIMITS:  # the usual case, one comparison a field (NaN fails it too)
+        value = values[name]
+        if value is not None and not 0 <= value <= most:
+            return _why(snapshot)
+    return _inconsistency(snapshot)
+
+
+def _why(snapshot: EngineSnapshot) -> str:
+    """The first field out of range, named as the agent reports it."""
     for name in NUMERIC_FIELDS:
         value = getattr(snapshot, name)
         if value is None or isinstance(value, bool):
@@ -50,6 +67,10 @@ def implausibility(snapshot: EngineSnapshot) -> str:
             return f"{name} is negative ({value:g})"
         if value > _ABSURD and name in _COUNTS:
             return f"{name} is absurd ({value:g})"
+    return _inconsistency(snapshot)
+
+
+def _inconsistency(snapshot: EngineSnapshot) -> str:
     if snapshot.kv_total_tokens <= 0:
         return "kv_total_tokens is 0"
     if snapshot.kv_used_tokens > snapshot.kv_total_tokens:

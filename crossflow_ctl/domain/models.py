@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, cast
 
 from pydantic import (
     BaseModel,
@@ -52,11 +52,27 @@ Ms = Annotated[float, Field(ge=0.0, le=MAX_MS, allow_inf_nan=False)]
 Tps = Annotated[float, Field(ge=0.0, le=MAX_RATE_TPS, allow_inf_nan=False)]
 
 M = TypeVar("M", bound=BaseModel)
+F = TypeVar("F", bound="Frozen")
 _LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
 
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+
+    @classmethod
+    def trusted(cls: type[F], **values: Any) -> F:
+        """``model_construct(**values)`` (no validation: for values known valid), about twice
+        as fast when ``values`` names every field, in order: the same object without pydantic's
+        scan of each field for aliases and defaults. For hot loops (simulated telemetry, lease
+        credits, stored leases)."""
+        if cls.__pydantic_post_init__ or list(values) != list(cls.__pydantic_fields__):
+            return cast(F, cls.model_construct(**values))
+        model = cls.__new__(cls)
+        object.__setattr__(model, "__dict__", values)
+        object.__setattr__(model, "__pydantic_fields_set__", set(values))
+        object.__setattr__(model, "__pydantic_extra__", None)
+        object.__setattr__(model, "__pydantic_private__", None)
+        return model
 
 
 def validated(cls: type[M], /, **data: Any) -> M:
@@ -126,7 +142,13 @@ class Credits(Frozen):
         return cls(**dict(zip(CREDIT_NAMES, (max(0, int(v)) for v in values), strict=True)))
 
     def is_zero(self) -> bool:
-        return not any(self.as_tuple())
+        return not (
+            self.compute_tokens
+            or self.kv_tokens
+            or self.kv_transfer_bytes
+            or self.output_tokens
+            or self.slots
+        )
 
     def minus(self, other: Credits) -> Credits:
         """Credit by credit, floored at zero."""

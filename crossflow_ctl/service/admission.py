@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import structlog
 
+from crossflow_ctl.aio import within
 from crossflow_ctl.domain.admission import (
     Admission,
     AdmissionRequest,
@@ -116,8 +117,9 @@ class Admitter:
         if not policy.enabled:
             return [Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled")] * count
         try:
-            async with asyncio.timeout(policy.admit_timeout_ms / 1000.0):
-                return await self._admit(requests, policy, owner)
+            return await within(
+                self._admit(requests, policy, owner), policy.admit_timeout_ms / 1000.0
+            )
         except TimeoutError:
             log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms, requests=count)
             answer = Admission.normal(

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from crossflow_ctl.aio import within
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import (
@@ -159,8 +160,7 @@ class Broker:
             request.pool, request.candidate_node_ids, self.settings.room.max_nodes, now
         )
         try:
-            async with asyncio.timeout(limit_ms / 1000.0):
-                pool, nodes = await timed(self.metrics, "room_view", view)
+            pool, nodes = await within(timed(self.metrics, "room_view", view), limit_ms / 1000.0)
         except Exception as exc:  # fail closed on a store error, overrun or anything unforeseen
             detail = f"store slower than {limit_ms} ms" if isinstance(exc, TimeoutError) else exc
             log.warning("room_view.failed", error=repr(exc))
@@ -335,8 +335,9 @@ class Broker:
         limit = self.settings.notice_batch
         deadline = (block_ms + self.settings.admin_timeout_ms) / 1000.0
         try:
-            async with asyncio.timeout(deadline):
-                return await self.store.read_notices(node_id, after_seq, limit, block_ms)
+            return await within(
+                self.store.read_notices(node_id, after_seq, limit, block_ms), deadline
+            )
         except TimeoutError:
             raise StoreUnavailable("store did not answer a notice read in time") from None
 
@@ -416,8 +417,9 @@ class Broker:
     async def _admin_call(self, call: Awaitable[T]) -> T:
         """A store call bounded by ``admin_timeout_ms``; StoreUnavailable when it overruns."""
         try:
-            async with asyncio.timeout(self.settings.admin_timeout_ms / 1000.0):
-                return await timed(self.metrics, "admin", call)
+            return await within(
+                timed(self.metrics, "admin", call), self.settings.admin_timeout_ms / 1000.0
+            )
         except TimeoutError:
             raise StoreUnavailable(
                 f"store did not answer within {self.settings.admin_timeout_ms} ms"

@@ -127,7 +127,7 @@ class DecodeAgent:
         p50, p99, _ = s.recent_itl(t, self.period_s)
         produced = s.tokens_out - self.last_tokens
         self.last_tokens = s.tokens_out
-        return EngineSnapshot.model_construct(
+        return EngineSnapshot.trusted(
             taken_at_ms=now_ms,
             source="sim",
             running_requests=s.batch,
@@ -261,7 +261,7 @@ class PrefillAgent:
         processed = s.processed_tokens(t)
         rate = max(0.0, processed - self.last_processed) / self.period_s
         self.last_processed = processed
-        return EngineSnapshot.model_construct(
+        return EngineSnapshot.trusted(
             taken_at_ms=now_ms,
             source="sim",
             running_requests=1 if s.current is not None else 0,
@@ -275,6 +275,7 @@ class PrefillAgent:
             itl_p99_ms=None,
             kv_transfer_bytes_per_s=None,
             outstanding_uncached_tokens=s.outstanding_tokens(t),
+            borrowed_kv_tokens=0,
             prefill_processing_rate_tps=rate,
             window_s=self.period_s,
         )

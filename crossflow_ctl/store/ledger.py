@@ -37,6 +37,8 @@ class NodeLedger:
         self.history: deque[StoredLease] = deque(maxlen=HISTORY_CAP)
         self.events: deque[NodeEvent] = deque(maxlen=EVENTS_CAP)
         self._totals = [0, 0, 0, 0, 0]
+        self._open: Credits | None = None
+        """``_totals`` as Credits, kept until they change (admission reads them per node)."""
         self._expiries: list[tuple[int, int, str]] = []  # (expires_at_ms, grant_seq, id)
         self._released: deque[tuple[int, str]] = deque()  # (release_seq, id)
         self._changed: asyncio.Event | None = None
@@ -102,6 +104,7 @@ class NodeLedger:
         if old is None:
             for i, v in enumerate(res.debit.as_tuple()):
                 self._totals[i] += v
+            self._open = None
         self.reservations[rid] = res
         if old is None or old.expires_at_ms != res.expires_at_ms:
             heapq.heappush(self._expiries, (res.expires_at_ms, res.grant_seq, rid))
@@ -112,6 +115,7 @@ class NodeLedger:
         res = self.reservations.pop(rid)
         for i, v in enumerate(res.debit.as_tuple()):
             self._totals[i] -= v
+        self._open = None
 
     def _next_expiry(self) -> int | None:
         heap = self._expiries
@@ -149,7 +153,9 @@ class NodeLedger:
         """Sum and count of the reservations still counting at ``now_ms``."""
         nxt = self._next_expiry()
         if nxt is None or nxt > now_ms:
-            return Credits.from_tuple(self._totals), len(self.reservations)
+            if self._open is None:
+                self._open = Credits.from_tuple(self._totals)
+            return self._open, len(self.reservations)
         live = [r for r in self.reservations.values() if r.expires_at_ms > now_ms]
         totals = [sum(col) for col in zip(*(r.debit.as_tuple() for r in live), strict=True)]
         return Credits.from_tuple(totals or [0] * 5), len(live)

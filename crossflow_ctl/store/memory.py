@@ -65,13 +65,13 @@ def lease_event(old: StoredLease | None, new: Lease, now_ms: int) -> list[NodeEv
     events: list[NodeEvent] = []
     if old is None or old.lease.epoch != new.epoch:
         events.append(NodeEvent(at_ms=now_ms, kind="new_epoch", message=f"new epoch {new.epoch}"))
-    was_zero = old is None or old.lease.is_zero or old.expired(now_ms)
-    if new.is_zero and (old is None or not old.lease.is_zero):
+    new_zero = new.is_zero
+    if new_zero and (old is None or not old.lease.is_zero):
         reason = new.zero_reason.value if new.zero_reason is not None else "no_capacity"
         events.append(
             NodeEvent(at_ms=now_ms, kind="lease_zeroed", message=f"lease zeroed: {reason}")
         )
-    elif not new.is_zero and was_zero and old is not None:
+    elif not new_zero and old is not None and (old.lease.is_zero or old.expired(now_ms)):
         events.append(NodeEvent(at_ms=now_ms, kind="lease_restored", message="lease restored"))
     return events
 
@@ -110,7 +110,7 @@ class MemoryStore(Store):
     @staticmethod
     def _state(node: NodeLedger, now_ms: int) -> NodeState:
         debits, count = node.open_debits(now_ms)
-        return NodeState(
+        return NodeState.trusted(
             info=node.info, lease=node.lease, open_debits=debits, open_reservations=count
         )
 
@@ -173,7 +173,7 @@ class MemoryStore(Store):
                     stored_version=old.lease.version,
                 )
             purged = node.purge_expired(now_ms) + node.purge_released(lease.last_notice_seq)
-            stored = StoredLease(
+            stored = StoredLease.trusted(
                 lease=lease,
                 received_at_ms=now_ms,
                 expires_at_ms=now_ms + min(lease.ttl_ms, max_ttl_ms),
@@ -183,7 +183,7 @@ class MemoryStore(Store):
             node.history.append(stored)
             self._update_lender(node, now_ms)
             self._seen[lease.node_id] = now_ms
-            return LeaseOutcome(
+            return LeaseOutcome.trusted(
                 accepted=True,
                 stored_epoch=lease.epoch,
                 stored_version=lease.version,
@@ -192,7 +192,7 @@ class MemoryStore(Store):
 
     async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
         async with self._lock:
-            self._pools.setdefault(load.pool, {})[load.node_id] = StoredPoolLoad(
+            self._pools.setdefault(load.pool, {})[load.node_id] = StoredPoolLoad.trusted(
                 load=load,
                 received_at_ms=now_ms,
                 expires_at_ms=now_ms + min(load.ttl_ms, max_ttl_ms),
@@ -204,7 +204,7 @@ class MemoryStore(Store):
     def _snapshot(self, pool: str, now_ms: int) -> PoolSnapshot:
         reports = self._pools.get(pool, {})
         live = [reports[k].load for k in sorted(reports) if reports[k].expires_at_ms > now_ms]
-        return PoolSnapshot(pool=pool, reports=tuple(live))
+        return PoolSnapshot.trusted(pool=pool, reports=tuple(live))
 
     def _sample(self, sample: int, now_ms: int) -> list[str]:
         for node_id in [n for n, exp in self._lenders.items() if exp <= now_ms]:

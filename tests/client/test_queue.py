@@ -380,6 +380,59 @@ def test_hold_book_is_deterministic_and_pure() -> None:
     assert book.to_reoffer(room(0).view) == []
     assert [h.key for h in book.due(100)] == ["k1"] and len(book) == 1
     assert book.next_deadline_ms() == 150
+    # k1 held again after its hold ended: its old deadline no longer counts
+    assert book.hold("k1", req("a", 300), no_room, 120) is None
+    assert book.take("k2") is not None
+    assert book.hold("k4", req("d", 100), no_room, 130) is None
+    assert book.hold("k2", req("b", 200), no_room, 140) is None
+    assert book.next_deadline_ms() == 220
+    assert [h.key for h in book.due(235)] == ["k4", "k1"]
+    assert book.next_deadline_ms() == 240
+
+
+book_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["hold", "take", "borrow", "due", "drain"]),
+        st.integers(0, 5),  # key
+        st.integers(0, 200),  # clock step
+        st.integers(1, 3),  # prompt size (shortest order)
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=book_ops, shortest=st.booleans())
+def test_hold_book_deadlines_match_a_scan_of_everything_held(
+    steps: list[tuple[str, int, int, int]], shortest: bool
+) -> None:
+    """The deadline heap answers what a scan of every held prompt answers: the earliest
+    deadline, and the prompts due (in re-offer order), under holds, takes, borrows, drains and
+    keys held again after their hold ended."""
+    book: HoldBook[str] = HoldBook(
+        QueueConfig(max_hold_ms=300, order="shortest" if shortest else "fifo")
+    )
+    no_room = Admission.normal(Reason.NO_ROOM, "")
+    borrowed = Admission(decision=Decision.BORROW, reason=Reason.BORROWED, node_id="d1")
+    now = 0
+    for op, key_n, step, size in steps:
+        now += step
+        key = f"k{key_n}"
+        if op == "hold" and key not in book:
+            book.hold(key, req(key, size), no_room, now)
+        elif op == "take":
+            book.take(key)
+        elif op == "borrow":
+            held = next((h for h in book if h.key == key), None)
+            if held is not None:
+                book.answered(held, borrowed)
+        elif op == "due":
+            expected = [h.key for h in book.ordered() if h.deadline_ms <= now]
+            assert [h.key for h in book.due(now)] == expected
+        elif op == "drain":
+            book.drain()
+        earliest = min((h.deadline_ms for h in book), default=None)
+        assert book.next_deadline_ms() == earliest
 
 
 ops = st.one_of(

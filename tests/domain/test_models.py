@@ -9,6 +9,7 @@ import pytest
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import (
     MAX_TOKENS,
+    Credits,
     Lease,
     PoolLoad,
     PoolSnapshot,
@@ -97,3 +98,21 @@ def test_policy_updates_are_validated_and_named() -> None:
     assert info.value.field == "no_such_knob"
     with pytest.raises(InvalidArgument, match="commit_ttl_ms"):
         policy.updated({"commit_ttl_ms": 100, "borrow_horizon_ms": 5000})
+
+
+def test_trusted_builds_what_model_construct_builds() -> None:
+    full = {
+        "compute_tokens": 5,
+        "kv_tokens": 4,
+        "kv_transfer_bytes": 3,
+        "output_tokens": 2,
+        "slots": 1,
+    }
+    fast = Credits.trusted(**full)
+    assert fast == Credits.model_construct(**full) == Credits(**full)
+    assert fast.model_fields_set == set(full)
+    assert fast.model_dump_json() == Credits(**full).model_dump_json()
+    # a partial or reordered set takes pydantic's path: defaults filled, fields in order
+    partial = Credits.trusted(slots=2, kv_tokens=7)
+    assert partial == Credits(kv_tokens=7, slots=2)
+    assert list(partial.model_dump()) == list(full)
