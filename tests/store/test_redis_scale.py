@@ -32,7 +32,7 @@ def _count_ranges(store: RedisStore) -> list[int]:
         count[0] += 1
         return await real(*args)  # type: ignore[arg-type]
 
-    store._notices._range = counting  # type: ignore[method-assign]
+    store._notices._range = counting  # type: ignore[method-assign,assignment]
     return count
 
 
