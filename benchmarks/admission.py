@@ -150,9 +150,8 @@ async def feed(channel: grpc.aio.Channel) -> list[Any]:
         ("bench-p1", common_pb2.NODE_ROLE_PREFILL),
     ):
         call = stub.Connect()
-        await call.write(
-            lease_pb2.ConnectRequest(hello=lease_pb2.Hello(node_id=node_id, role=role))
-        )
+        hello = lease_pb2.Hello(node_id=node_id, role=role, notice_batches=True)  # as the agent
+        await call.write(lease_pb2.ConnectRequest(hello=hello))
         await call.read()  # Welcome
         calls.append(call)
     credits = common_pb2.Credits(

@@ -160,6 +160,7 @@ def test_admission_round_trips() -> None:
         candidate_node_ids=("d1", "d2"),
         dry_run=True,
         pool="p",
+        held_ahead_tokens=300,
     )
     assert ca.admit_request_from_proto(ca.admit_request_to_proto(req)) == req
     policy = PolicySettings(borrow_share=1.0)
@@ -186,6 +187,7 @@ def test_admission_round_trips() -> None:
     ]
     for pool in (PoolSnapshot(pool="p", reports=(LOAD,)), None):
         plan = plan_admission(req, pool, nodes, policy, NOW)
+        assert plan.normal_path is not None and plan.normal_path.hold_ms > 0
         borrow = Admission(
             decision=Decision.BORROW,
             reason=Reason.BORROWED,

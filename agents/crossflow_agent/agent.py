@@ -59,6 +59,7 @@ def hello_request(
         labels=labels,
         last_notice_seq=last_notice_seq,
         agent_version=AGENT_VERSION,
+        notice_batches=True,  # stream.py reads ConnectResponse.notices
     )
     return lease_pb2.ConnectRequest(hello=hello)
 

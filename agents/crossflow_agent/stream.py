@@ -262,7 +262,10 @@ class LeaseStream:
                 raise SessionError("the broker ended the stream")
             self._unanswered_since = None
             body = response.WhichOneof("body")
-            if body == "notice":
+            if body == "notices":
+                for notice in response.notices.notices:
+                    self._notice(notice)
+            elif body == "notice":
                 self._notice(response.notice)
             elif body == "lease_ack":
                 self._ack(response.lease_ack)

@@ -80,6 +80,10 @@ def _streaming(behavior: Any, check: Callable[[Any], Any]) -> Any:
 
 
 class DecodingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+        """One wrapped handler per method, built on its first call (not on every call)."""
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -88,6 +92,14 @@ class DecodingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
+        method: str = handler_call_details.method
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
+            wrapped = self._wrapped[method] = self._wrap(handler)
+        return wrapped
+
+    @staticmethod
+    def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         deserialize = _safe(handler.request_deserializer)
         if handler.unary_unary is not None:
             unary = handler.unary_unary

@@ -7,7 +7,8 @@ answered with a Welcome.
 Then, concurrently: a reader acks each lease (ACCEPTED, STALE with the stored epoch/version, or
 INVALID naming the field; the stream stays up), stores pool load and echoes heartbeats; and a
 relay reads the node's notices from the STORE (after the agent's ``last_notice_seq``) and sends
-them down, so a notice written by any replica reaches the agent wherever it streams (§6).
+them down, so a notice written by any replica reaches the agent wherever it streams (§6): one
+message per read to an agent that set ``Hello.notice_batches``, one per notice otherwise.
 One writer (the handler) drains a queue both feed. :class:`StreamRegistry` lets shutdown end
 every stream cleanly.
 """
@@ -141,7 +142,9 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         with structlog.contextvars.bound_contextvars(node_id=node_id):
             log.info("stream.open", epoch=hello.epoch, resume_after=after)
             reader = asyncio.create_task(self._read(request_iterator, info, queue))
-            relay = asyncio.create_task(self._relay(node_id, after, queue))
+            relay = asyncio.create_task(
+                self._relay(node_id, after, queue, batches=hello.notice_batches)
+            )
             try:
                 while True:
                     item = await queue.get()
@@ -236,9 +239,16 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         except CrossflowError as exc:
             log.warning("pool_load.refused", error=str(exc))
 
-    async def _relay(self, node_id: str, after_seq: int, queue: asyncio.Queue[Any]) -> None:
-        """Notices from the store, in order, resuming after ``after_seq``; retries on errors."""
+    async def _relay(
+        self, node_id: str, after_seq: int, queue: asyncio.Queue[Any], batches: bool = False
+    ) -> None:
+        """Notices from the store, in order, resuming after ``after_seq``; retries on errors.
+        With ``batches`` (the agent said ``Hello.notice_batches``) what one read found goes
+        down as ONE message (one write however many grants a batch of admissions made).
+        After notices, the next read waits ``notice_linger_ms``, so a busy node's notices go
+        in few reads (the first after a quiet spell goes at once)."""
         block_ms = self._broker.settings.notice_block_ms
+        linger_s = self._broker.settings.notice_linger_ms / 1000.0
         while True:
             try:
                 notices = await self._broker.read_notices(node_id, after_seq, block_ms)
@@ -246,6 +256,14 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                 log.warning("relay.read_failed", error=str(exc))
                 await asyncio.sleep(RELAY_RETRY_S)
                 continue
-            for notice in notices:
-                queue.put_nowait(lease_pb2.ConnectResponse(notice=c.notice_to_proto(notice)))
-                after_seq = notice.seq
+            if not notices:
+                continue
+            after_seq = notices[-1].seq
+            if batches:
+                batch = lease_pb2.NoticeBatch(notices=[c.notice_to_proto(n) for n in notices])
+                queue.put_nowait(lease_pb2.ConnectResponse(notices=batch))
+            else:
+                for notice in notices:
+                    queue.put_nowait(lease_pb2.ConnectResponse(notice=c.notice_to_proto(notice)))
+            if linger_s > 0:
+                await asyncio.sleep(linger_s)

@@ -29,6 +29,10 @@ def _holds(ok: bool) -> str:
     return "holds " if ok else "fails "
 
 
+def _held(hold_ms: float) -> str:
+    return f"held behind the router's queue {hold_ms:.1f} + " if hold_ms else ""
+
+
 def conditions(plan: Plan) -> list[str]:
     """Demand, Benefit and Safety, each with the numbers behind it (DESIGN.md §4)."""
     d = plan.demand
@@ -45,8 +49,8 @@ def conditions(plan: Plan) -> list[str]:
         )
     normal = plan.normal_path
     normal_text = (
-        f"normal {normal.total_ms:.1f} ms (wait {normal.wait_ms:.1f} + prefill "
-        f"{normal.prefill_ms:.1f} + KV transfer {normal.kv_transfer_ms:.1f})"
+        f"normal {normal.total_ms:.1f} ms ({_held(normal.hold_ms)}wait {normal.wait_ms:.1f} "
+        f"+ prefill {normal.prefill_ms:.1f} + KV transfer {normal.kv_transfer_ms:.1f})"
         if normal
         else "normal path unknown"
     )
@@ -143,6 +147,12 @@ def admission_data(a: Admission) -> dict[str, Any]:
     help="Expected output tokens.",
 )
 @click.option("--prefix-node", default=None, help="Decode node holding the cached prefix.")
+@click.option(
+    "--held-ahead",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Uncached tokens the router holds ahead of this prompt (late binding).",
+)
 @click.option("--node", "nodes", multiple=True, help="Candidate node (repeatable).")
 @click.option("--pool", default=None, help="Prefill pool (default: the context's).")
 @click.option("--dry-run", is_flag=True, help="Decide and explain, debit nothing.")
@@ -155,6 +165,7 @@ def admit(
     cached: int,
     output_tokens: int,
     prefix_node: str | None,
+    held_ahead: int,
     nodes: tuple[str, ...],
     pool: str | None,
     dry_run: bool,
@@ -173,6 +184,7 @@ def admit(
         cached_prefix_tokens=cached,
         cached_prefix_node_id=prefix_node,
         expected_output_tokens=output_tokens,
+        held_ahead_tokens=held_ahead,
         candidate_node_ids=nodes,
         dry_run=dry_run,
         pool=st.pool(pool),

@@ -114,6 +114,8 @@ class HoldBook(Generic[K]):
         self.config = config
         self._held: dict[K, Held[K]] = {}
         self._seq = 0
+        self._tokens = 0
+        """Uncached prompt tokens of everything held."""
         self._deadlines: list[tuple[int, int, K]] = []
         """Heap of (deadline, seq, key) per hold; an entry whose hold has ended (its key is
         gone or held again under a later seq) is dropped when it comes to the top."""
@@ -152,11 +154,28 @@ class HoldBook(Generic[K]):
             deadline_ms=deadline,
             last=admission,
         )
+        self._tokens += request.uncached_prompt_tokens
         heapq.heappush(self._deadlines, (deadline, self._seq, key))
         return None
 
     def take(self, key: K) -> Held[K] | None:
-        return self._held.pop(key, None)
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._tokens -= held.request.uncached_prompt_tokens
+        return held
+
+    def ahead_of_new(self, request: AdmissionRequest) -> int:
+        """Uncached tokens held ahead of ``request`` were it held now: they would reach
+        prefill before it (everything held, or in "shortest" order those no longer than it).
+        0 when the book is full: such a prompt goes to prefill at once (OVERFLOW)."""
+        if len(self._held) >= self.config.max_held:
+            return 0
+        if self.config.order == "fifo":
+            return self._tokens
+        size = request.uncached_prompt_tokens
+        return sum(
+            t for h in self._held.values() if (t := h.request.uncached_prompt_tokens) <= size
+        )
 
     def ordered(self) -> list[Held[K]]:
         """Held prompts in re-offer (and dispatch) order."""
@@ -169,6 +188,7 @@ class HoldBook(Generic[K]):
         """Remove and return everything held, in order."""
         out = self.ordered()
         self._held.clear()
+        self._tokens = 0
         self._deadlines.clear()
         return out
 
@@ -177,7 +197,8 @@ class HoldBook(Generic[K]):
         out: list[Held[K]] = []
         while (first := self._first_deadline()) is not None and first.deadline_ms <= now_ms:
             heapq.heappop(self._deadlines)
-            out.append(self._held.pop(first.key))
+            self.take(first.key)
+            out.append(first)
         out.sort(key=_shortest if self.config.order == "shortest" else _arrival)
         return out
 
@@ -204,34 +225,44 @@ class HoldBook(Generic[K]):
             return Dispatch.NO_DEMAND
         return None
 
-    def to_reoffer(self, view: RoomView) -> list[Held[K]]:
-        """The held prompts to re-offer on ``view``, in order, at most the configured number.
+    def to_reoffer(self, view: RoomView) -> list[tuple[Held[K], int]]:
+        """The held prompts to re-offer on ``view``, in order, at most the configured number,
+        each with the uncached tokens held ahead of it (:meth:`reoffer_request`).
 
-        A prompt is skipped when it needs more compute than any node in the view has spare."""
+        A prompt is skipped when it needs more compute than any node in the view has spare
+        (its tokens still count as ahead of the prompts after it)."""
         if not view.has_room:
             return []
         biggest = view.max_compute_tokens
-        fits = (h for h in self.ordered() if h.request.uncached_prompt_tokens <= biggest)
-        return list(islice(fits, self.config.max_reoffers_per_update))
+        return list(islice(self._fits_after(biggest), self.config.max_reoffers_per_update))
+
+    def _fits_after(self, biggest: int) -> Iterator[tuple[Held[K], int]]:
+        ahead = 0
+        for held in self.ordered():
+            tokens = held.request.uncached_prompt_tokens
+            if tokens <= biggest:
+                yield held, ahead
+            ahead += tokens
 
     @staticmethod
-    def reoffer_request(held: Held[K]) -> AdmissionRequest:
-        """The request a re-offer sends: the same prompt under a request id of its own
-        (``<id>#<offer>``), since a broker that keeps request records replays the first
-        answer to a repeated id. Each offer is a new admission attempt; only one can borrow,
-        as nothing is re-offered once borrowed. An empty id stays empty."""
+    def reoffer_request(held: Held[K], ahead_tokens: int = 0) -> AdmissionRequest:
+        """The request a re-offer sends: the same prompt with the tokens now held ahead of
+        it, under a request id of its own (``<id>#<offer>``), since a broker that keeps
+        request records replays the first answer to a repeated id. Each offer is a new
+        admission attempt; only one can borrow, as nothing is re-offered once borrowed. An
+        empty id stays empty."""
+        update: dict[str, object] = {"held_ahead_tokens": max(0, ahead_tokens)}
         base = held.request.request_id
-        if not base:
-            return held.request
-        suffix = f"#{held.offers + 1}"
-        request_id = base[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
-        return held.request.model_copy(update={"request_id": request_id})
+        if base:
+            suffix = f"#{held.offers + 1}"
+            update["request_id"] = base[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
+        return held.request.model_copy(update=update)
 
     def answered(self, held: Held[K], admission: Admission) -> Step:
         """Record a re-offer's answer; a BORROWED prompt is removed from the book."""
         held.offers += 1
         if admission.decision is Decision.BORROW:
-            self._held.pop(held.key, None)
+            self.take(held.key)
             return Step.BORROWED
         held.last = admission
         if self.worth_holding(admission):

@@ -185,7 +185,7 @@ class AdmissionQueue:
         prefill)."""
         ticket = Ticket(request)
         since = self.clock.now_ms()
-        admission = await self.admitter.admit(request)
+        admission = await self.admitter.admit(self._with_ahead(request))
         async with self._lock:
             self._step = []
             if admission.decision is Decision.BORROW:
@@ -219,14 +219,17 @@ class AdmissionQueue:
             if cause is not None:
                 self._dispatch_all(cause)
                 return self._step
-            for held in self._book.to_reoffer(update.view):
+            borrowed = 0  # tokens borrowed in this pass: no longer ahead of the next prompts
+            for held, ahead in self._book.to_reoffer(update.view):
                 if held.key not in self._book:
                     continue
                 for observer in self._observers:
                     observer.reoffered(held.request)
-                admission = await self._reoffer(self._book.reoffer_request(held))
+                request = self._book.reoffer_request(held, ahead - borrowed)
+                admission = await self._reoffer(request)
                 step = self._book.answered(held, admission)
                 if step is Step.BORROWED:
+                    borrowed += held.request.uncached_prompt_tokens
                     self._finish(held, admission, Dispatch.BORROWED_LATE)
                     continue
                 if step is Step.DISPATCH_ALL:
@@ -300,6 +303,16 @@ class AdmissionQueue:
                 async with asyncio.timeout(timeout_s):
                     await self._wake.wait()
             await self.tick()
+
+    # -- the first offer ------------------------------------------------------------------------
+    def _with_ahead(self, request: AdmissionRequest) -> AdmissionRequest:
+        """``request`` as first offered: with the tokens it would be held behind, so the
+        broker weighs borrowing against waiting for them (none when it would not be held).
+        Reads the book without the lock: nothing between here and the admit awaits."""
+        ahead = 0 if self._closed else self._book.ahead_of_new(request)
+        if ahead == request.held_ahead_tokens:
+            return request
+        return request.model_copy(update={"held_ahead_tokens": ahead})
 
     # -- helpers (called with the lock held) ----------------------------------------------------
     async def _reoffer(self, request: AdmissionRequest) -> Admission:

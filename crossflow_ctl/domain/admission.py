@@ -17,6 +17,7 @@ from pydantic import Field
 
 from crossflow_ctl.domain.lending import compute_debit, queue_wait_ms
 from crossflow_ctl.domain.models import (
+    MAX_MS,
     MAX_TOKENS,
     Credits,
     Frozen,
@@ -63,6 +64,9 @@ class AdmissionRequest(Frozen):
     pool: PoolName = "default"
     attempt: Annotated[int, Field(ge=0, le=1_000)] = 0
     """0 on the first call of ``request_id``, n on its n-th retry (see service.requests)."""
+    held_ahead_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
+    """Uncached prompt tokens the router holds back from the prefill pool ahead of this prompt
+    (late binding): they reach prefill before it does, so its normal path waits for them too."""
 
 
 class DemandCheck(Frozen):
@@ -83,10 +87,12 @@ class NormalPath(Frozen):
     wait_ms: float
     prefill_ms: float
     kv_transfer_ms: float
+    hold_ms: float = 0.0
+    """The prefill pool's time for the tokens the router holds ahead of the prompt."""
 
     @property
     def total_ms(self) -> float:
-        return self.wait_ms + self.prefill_ms + self.kv_transfer_ms
+        return self.hold_ms + self.wait_ms + self.prefill_ms + self.kv_transfer_ms
 
 
 class NodeCheck(Frozen):
@@ -242,10 +248,16 @@ def estimate_normal_path(
     pool: PoolSnapshot | None,
     settings: PolicySettings,
 ) -> NormalPath:
-    """Prefill-pool wait + prefill time + KV transfer of the whole prompt to decode."""
+    """Hold + prefill-pool wait + prefill time + KV transfer of the whole prompt to decode.
+
+    The hold is what a held prompt's alternative to borrowing still costs: the prompts the
+    router holds ahead of it (``held_ahead_tokens``) go to the pool first, at the pool's
+    processing rate (the per-request prefill rate when no server reports one)."""
     rate = (pool.prefill_rate_tps if pool else 0.0) or settings.default_prefill_rate_tps
     prompt = request.uncached_prompt_tokens + request.cached_prefix_tokens
+    pool_rate = demand.processing_rate_tps or rate
     return NormalPath(
+        hold_ms=min(MAX_MS, request.held_ahead_tokens / pool_rate * 1000.0),
         wait_ms=demand.pool_wait_ms or 0.0,
         prefill_ms=request.uncached_prompt_tokens / rate * 1000.0,
         kv_transfer_ms=prompt

@@ -189,6 +189,8 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
         self._tracer_provider = tracer_provider
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+        """One traced handler per method, built on its first call (not on every call)."""
 
     async def intercept_service(
         self,
@@ -199,6 +201,12 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method = str(handler_call_details.method)
         if handler is None or handler.unary_unary is None or method.startswith(UNTRACED_SERVICES):
             return handler
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
+            wrapped = self._wrapped[method] = self._traced(method, handler)
+        return wrapped
+
+    def _traced(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         behavior: Behavior = handler.unary_unary
         provider = self._tracer_provider
 

@@ -15,8 +15,10 @@ STORE_UNAVAILABLE or TIMEOUT for every request of the batch, never an error.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import structlog
@@ -38,7 +40,8 @@ from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import NodeState, PoolSnapshot
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision
-from crossflow_ctl.store.base import DebitOutcome, DebitRequest, Store
+from crossflow_ctl.service.requests import admit_record, borrow_record, replay_admission
+from crossflow_ctl.store.base import DebitOutcome, DebitRequest, RequestRecord, Store
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -47,6 +50,15 @@ _View = tuple[PoolSnapshot | None, list[NodeState], DemandCheck]
 
 MAX_DEBIT_TRIES = 3
 """Ranked nodes tried when a concurrent Admit took the room between the plan and the debit."""
+MAX_BATCH = 256
+"""Requests decided together by one group commit: planning them (CPU) stays well inside the
+policy's ``admit_timeout_ms``, and one round trip serves them all."""
+
+
+def log_decisions() -> bool:
+    """Whether per-decision debug lines are logged (checked once per call, not per line)."""
+    enabled = getattr(structlog.get_config()["wrapper_class"], "is_enabled_for", None)
+    return enabled is None or bool(enabled(None, logging.DEBUG))  # a filtering logger class
 
 
 async def timed(metrics: BrokerMetrics, operation: str, call: Awaitable[T]) -> T:
@@ -61,8 +73,26 @@ async def timed(metrics: BrokerMetrics, operation: str, call: Awaitable[T]) -> T
     return result
 
 
+@dataclass(slots=True)
+class _Queued:
+    """Requests waiting for the next group commit, answered together through ``answers``."""
+
+    requests: Sequence[AdmissionRequest]
+    owner: str
+    answers: asyncio.Future[list[Admission]]
+    arrived_s: float
+    """Loop time of arrival: its deadline is this plus the policy's ``admit_timeout_ms``."""
+
+
 class Admitter:
-    """Decides admissions for one replica; ``policy`` returns the replica's current policy."""
+    """Decides admissions for one replica; ``policy`` returns the replica's current policy.
+
+    Group commit: requests that arrive while a batch is being decided (or in the same event-loop
+    turn as the first) queue, and the next batch takes all of them, up to ``MAX_BATCH``
+    requests: one view, one plan each, and one store call per round for all their debits, each
+    request keeping its own answer, order and Safety re-check (the debit script checks each
+    debit after the ones before it). Each request is answered by its own deadline
+    (arrival + ``admit_timeout_ms``): a batch is bounded by the earliest deadline in it."""
 
     def __init__(
         self,
@@ -71,6 +101,7 @@ class Admitter:
         metrics: BrokerMetrics,
         policy: Callable[[], PolicySettings],
         abandoned: Callable[[asyncio.Future[list[DebitOutcome]]], None] = lambda _: None,
+        release_late: Callable[[str, str, str], None] = lambda _rid, _why, _key: None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -78,48 +109,129 @@ class Admitter:
         self._policy = policy
         self._abandoned = abandoned
         """Called with debits an Admit stopped waiting for (timeout): they may still land."""
+        self._release_late = release_late
+        """Releases a reservation granted to a caller that stopped waiting (cancelled), and
+        deletes the request record written with it (key; "" when none)."""
+        self._queue: list[_Queued] = []
+        self._flusher: asyncio.Task[None] | None = None
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
+
+    async def admit(self, request: AdmissionRequest, owner: str = "") -> Admission:
+        """One answer; always answers (NORMAL on any doubt). A granted reservation records
+        ``owner`` (the router's identity, "" without authentication)."""
+        return (await self.admit_many((request,), owner))[0]
 
     async def admit_many(
         self, requests: Sequence[AdmissionRequest], owner: str = ""
     ) -> list[Admission]:
-        """One answer per request, in order; always answers (NORMAL on any doubt). Granted
-        reservations record ``owner`` (the router's identity, "" without authentication)."""
+        """One answer per request, in order, decided with whatever else is queued (class
+        docstring); always answers (NORMAL on any doubt)."""
         if not requests:
             return []
-        started = time.perf_counter()
-        if len(requests) == 1:
-            with structlog.contextvars.bound_contextvars(request_id=requests[0].request_id):
-                answers = await self._decide(requests, owner)
-        else:
-            answers = await self._decide(requests, owner)
-        elapsed = time.perf_counter() - started
-        for request, answer in zip(requests, answers, strict=True):
-            shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
-            self.metrics.record_admission(
-                answer.decision, answer.reason, elapsed, shadow_decision=shadow
-            )
-            log.debug(
-                "admit.decided",
-                request_id=request.request_id,
-                decision=answer.decision.value,
-                reason=answer.reason.value,
-                node_id=answer.node_id,
-            )
+        loop = asyncio.get_running_loop()
+        queued = _Queued(requests, owner, loop.create_future(), loop.time())
+        self._queue.append(queued)
+        if self._flusher is None:
+            self._flusher = loop.create_task(self._flush(), name="admission-group-commit")
+        answers = await queued.answers
+        if log_decisions():
+            for request, answer in zip(requests, answers, strict=True):
+                log.debug(
+                    "admit.decided",
+                    request_id=request.request_id,
+                    decision=answer.decision.value,
+                    reason=answer.reason.value,
+                    node_id=answer.node_id,
+                )
         if len(answers) == 1:
             annotate_decision(answers[0].decision, answers[0].reason, answers[0].node_id)
         return answers
 
-    async def _decide(self, requests: Sequence[AdmissionRequest], owner: str) -> list[Admission]:
+    async def _flush(self) -> None:
+        """Decide the queue batch by batch until it is empty (the next arrival starts a new
+        flusher). Should deciding itself fail (cancelled at shutdown), every caller still
+        waiting gets that error rather than waiting forever."""
+        batch: list[_Queued] = []
+        try:
+            while self._queue:
+                batch = self._take()
+                answers = await self._decide_queued(batch)
+                for queued, answer in zip(batch, answers, strict=True):
+                    self._deliver(queued, answer)
+        except BaseException as exc:
+            waiting, self._queue = [*batch, *self._queue], []
+            for queued in waiting:
+                if not queued.answers.done():
+                    if isinstance(exc, asyncio.CancelledError):
+                        queued.answers.cancel()
+                    else:
+                        queued.answers.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._flusher = None
+
+    def _take(self) -> list[_Queued]:
+        """The next batch: queued entries in arrival order, up to ``MAX_BATCH`` requests (an
+        entry is never split; the first is taken whatever its size)."""
+        count, taken = 0, 0
+        for queued in self._queue:
+            if taken and count + len(queued.requests) > MAX_BATCH:
+                break
+            count += len(queued.requests)
+            taken += 1
+        batch, self._queue = self._queue[:taken], self._queue[taken:]
+        return batch
+
+    def _deliver(self, queued: _Queued, answers: list[Admission]) -> None:
+        if not queued.answers.done():
+            queued.answers.set_result(answers)
+            return
         policy = self._policy()
+        for request, answer in zip(queued.requests, answers, strict=True):
+            # The caller went away (cancelled): release what it was granted (not a replay).
+            if answer.decision is Decision.BORROW and answer.reservation_id and not answer.replayed:
+                record = admit_record(self.store, request, policy)
+                key = record[0] if record is not None else ""
+                self._release_late(answer.reservation_id, "the caller stopped waiting", key)
+
+    async def _decide_queued(self, batch: Sequence[_Queued]) -> list[list[Admission]]:
+        """Answers per queued entry, the batch decided together."""
+        requests = [r for queued in batch for r in queued.requests]
+        owners = [queued.owner for queued in batch for _ in queued.requests]
+        policy = self._policy()
+        timeout_s = policy.admit_timeout_ms / 1000.0
+        deadline = min(queued.arrived_s for queued in batch) + timeout_s
+        flat = await self._decide(requests, owners, policy, deadline)
+        loop_now = asyncio.get_running_loop().time()
+        out: list[list[Admission]] = []
+        start = 0
+        for queued in batch:
+            answers = flat[start : start + len(queued.requests)]
+            start += len(queued.requests)
+            elapsed = loop_now - queued.arrived_s
+            for answer in answers:
+                shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
+                self.metrics.record_admission(
+                    answer.decision, answer.reason, elapsed, shadow_decision=shadow
+                )
+            out.append(answers)
+        return out
+
+    async def _decide(
+        self,
+        requests: Sequence[AdmissionRequest],
+        owners: Sequence[str],
+        policy: PolicySettings,
+        deadline: float,
+    ) -> list[Admission]:
         count = len(requests)
         if not policy.enabled:
             return [Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled")] * count
         try:
-            return await within(
-                self._admit(requests, policy, owner), policy.admit_timeout_ms / 1000.0
-            )
+            left_s = deadline - asyncio.get_running_loop().time()
+            return await within(self._admit(requests, owners, policy), left_s)
         except TimeoutError:
             log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms, requests=count)
             answer = Admission.normal(
@@ -134,7 +246,7 @@ class Admitter:
         return [answer] * count
 
     async def _admit(
-        self, requests: Sequence[AdmissionRequest], policy: PolicySettings, owner: str
+        self, requests: Sequence[AdmissionRequest], owners: Sequence[str], policy: PolicySettings
     ) -> list[Admission]:
         now = self.clock.now_ms()
         answers: list[Admission | None] = [None] * len(requests)
@@ -159,30 +271,35 @@ class Admitter:
             else:
                 answers[i] = answer
         refusals: dict[int, list[str]] = {i: [] for i, _ in pending}
+        records = {i: admit_record(self.store, requests[i], policy) for i, _ in pending}
         for attempt in range(MAX_DEBIT_TRIES):
             tries = [
                 (i, plan, plan.ranked[attempt]) for i, plan in pending if attempt < len(plan.ranked)
             ]
             if not tries:
                 break
+            debits = [
+                DebitRequest(
+                    c.node_id,
+                    c.debit,
+                    requests[i].request_id,
+                    owners[i],
+                    _record(records[i], plan, c),
+                )
+                for i, plan, c in tries
+            ]
             outcomes = await self._shielded(
                 timed(
                     self.metrics,
                     "debit",
-                    self.store.try_debits(
-                        [
-                            DebitRequest(c.node_id, c.debit, requests[i].request_id, owner)
-                            for i, _, c in tries
-                        ],
-                        policy.borrow_share,
-                        now,
-                        policy.hold_ttl_ms,
-                    ),
+                    self.store.try_debits(debits, policy.borrow_share, now, policy.hold_ttl_ms),
                 )
             )
             for (i, plan, check), outcome in zip(tries, outcomes, strict=True):
                 if outcome.granted:
                     answers[i] = _borrowed(plan, check, outcome)
+                elif outcome.recorded is not None:  # an earlier call's outcome: nothing debited
+                    answers[i] = replay_admission(outcome.recorded)
                 else:
                     refusals[i].append(f"{check.node_id}: {outcome.refusal}")
             pending = [(i, plan) for i, plan in pending if answers[i] is None]
@@ -237,19 +354,33 @@ class Admitter:
         return answer.model_copy(update={"shadow_decision": would})
 
 
-def _borrowed(plan: Plan, check: NodeCheck, outcome: DebitOutcome) -> Admission:
-    res = outcome.reservation
-    assert res is not None  # a granted outcome carries its reservation
+def _borrow(plan: Plan, check: NodeCheck) -> Admission:
+    """The BORROW answer for ``check`` without the grant's facts (a record's template)."""
     return Admission(
         decision=Decision.BORROW,
         reason=Reason.BORROWED,
         message=plan.summary(),
         node_id=check.node_id,
-        reservation_id=res.reservation_id,
-        lease_epoch=outcome.lease_epoch,
-        lease_version=outcome.lease_version,
-        expires_at_ms=res.expires_at_ms,
         predicted_ttft_ms=check.predicted_ttft_ms,
         normal_ttft_ms=plan.normal_path.total_ms if plan.normal_path else 0.0,
         plan=plan,
     )
+
+
+def _borrowed(plan: Plan, check: NodeCheck, outcome: DebitOutcome) -> Admission:
+    res = outcome.reservation
+    assert res is not None  # a granted outcome carries its reservation
+    grant = {
+        "reservation_id": res.reservation_id,
+        "lease_epoch": outcome.lease_epoch,
+        "lease_version": outcome.lease_version,
+        "expires_at_ms": res.expires_at_ms,
+    }
+    return _borrow(plan, check).model_copy(update=grant)
+
+
+def _record(record: tuple[str, int] | None, plan: Plan, check: NodeCheck) -> RequestRecord | None:
+    """The request record a debit on ``check``'s node writes with its grant, if any."""
+    if record is None:
+        return None
+    return borrow_record(*record, _borrow(plan, check))

@@ -93,10 +93,15 @@ class Broker:
         """Last zero-lease reason per node ("" once it lends again), for state-change logs."""
         self.broker_id = broker_id or settings.broker_id or "broker"
         self._policy = PolicyKeeper(store, settings.policy)
-        self._orphans = OrphanDebits(lambda rid: self.release(rid, "cancelled"))
+        self._orphans = OrphanDebits(lambda rid: self.release(rid, "cancelled"), store)
         """Releases debits that landed after their Admit had answered (see Admitter)."""
         self._admitter = Admitter(
-            store, clock, self.metrics, lambda: self.policy, self._orphans.watch
+            store,
+            clock,
+            self.metrics,
+            lambda: self.policy,
+            self._orphans.watch,
+            self._orphans.release,
         )
         self.rooms = RoomWatches(settings.room, clock, self.room_view)
         """This replica's WatchRoom subscriptions (late binding)."""
@@ -132,10 +137,10 @@ class Broker:
         if request.request_id and not request.dry_run:
 
             async def decide(one: AdmissionRequest) -> Admission:
-                return (await self._admitter.admit_many((one,), owner))[0]
+                return await self._admitter.admit(one, owner)
 
             return await admit_once(self.store, request, self.policy, decide, self._orphans.release)
-        return (await self._admitter.admit_many((request,), owner))[0]
+        return await self._admitter.admit(request, owner)
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Wait for background releases of late debits (at shutdown)."""
@@ -144,7 +149,8 @@ class Broker:
     async def admit_many(
         self, requests: Sequence[AdmissionRequest], owner: str = ""
     ) -> list[Admission]:
-        """One answer per request, in order, with the debits of a batch sent together."""
+        """One answer per request, in order, decided together (and with any Admit queued
+        alongside: :class:`~crossflow_ctl.service.admission.Admitter`)."""
         return await self._admitter.admit_many(requests, owner)
 
     @property

@@ -84,6 +84,12 @@ class BrokerSettings(LayeredSettings):
     a short one makes every idle agent stream wake the replica that often."""
     notice_batch: Annotated[int, Field(ge=1, le=10_000)] = 256
     """Most notices relayed per read."""
+    notice_linger_ms: Annotated[int, Field(ge=0, le=1_000)] = 5
+    """After relaying notices, wait this long before the next read, so that notices written
+    meanwhile go in one read (and, to an agent that takes batches, one message) instead of
+    one each; the first notice after a quiet spell is relayed at once. Agents use notices to
+    count open debits between leases (every 200 ms by default): a few ms of delay is harmless,
+    while a busy node's admissions stop costing a read and a write per grant."""
     admin_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 2_000
     """Store deadline for admin, commit and release calls (StoreUnavailable after). Lease
     ingest is bounded by the store itself, per batch (RedisStore: its op timeout)."""

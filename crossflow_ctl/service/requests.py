@@ -3,14 +3,21 @@
 For router authors (also in README.md):
 
 * Send a ``request_id`` (unique per request) with Admit, ``attempt`` 0 on the first call and
-  n on the n-th retry. A BORROW is recorded under the id (one ``SET NX`` round trip); a retry
-  first looks for the record and gets the recorded reservation back with ``replayed`` set,
-  never a second debit. First calls that answer NORMAL record nothing (no cost on that path);
-  a retry records whatever it answers, so a first call still in flight that borrows later finds
-  the retry's answer recorded, answers that, and releases its own debit. Of any calls with one
-  id, exactly one outcome wins, and no debit is left that no router knows of.
+  n on the n-th retry. A BORROW is recorded under the id; a retry first looks for the record
+  and gets the recorded reservation back with ``replayed`` set, never a second debit. First
+  calls that answer NORMAL record nothing (no cost on that path); a retry records whatever it
+  answers, so a first call still in flight that borrows later finds the retry's answer
+  recorded, answers that, and debits nothing (or releases its own debit). Of any calls with
+  one id, exactly one outcome wins, and no debit is left that no router knows of.
+* Cost: on a store that ``folds_request_records`` (standalone Redis) a first call's record
+  rides in its debit's atomic script: a BORROW with a request id is ONE round trip, and a
+  record already there is answered without debiting. Elsewhere (Redis Cluster: the record and
+  the node lie in different slots) the BORROW is recorded after its debit (``SET NX``, one
+  more round trip) and a debit that lost the race is released. Retries (``attempt`` > 0) take
+  the second path everywhere.
 * An Admit the broker answers NORMAL because the store was slow may still see its debit land
-  later: the broker waits for that debit in the background and releases it.
+  later: the broker waits for that debit in the background and releases it (deleting its
+  record first, when it was recorded with the debit, so a retry decides afresh).
 * Commit and Release are idempotent per reservation; with a ``request_id`` their success is
   recorded, and a retry (``attempt`` > 0) gets the recorded outcome back. After UNAVAILABLE,
   retry with the same id: the call may have run, and the answer tells how it ended. Refusals
@@ -31,7 +38,7 @@ import structlog
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import CrossflowError, StoreUnavailable
 from crossflow_ctl.domain.policy import PolicySettings
-from crossflow_ctl.store.base import DebitOutcome, Store
+from crossflow_ctl.store.base import DebitOutcome, RequestRecord, Store
 
 T = TypeVar("T")
 log = structlog.get_logger()
@@ -55,9 +62,34 @@ async def run_once(
     return result
 
 
+GRANT_FACTS = frozenset({"reservation_id", "expires_at_ms", "lease_epoch", "lease_version"})
+"""An answer's fields a store adds to a record it writes with the debit (``RequestRecord``)."""
+
+
 def encode_admission(answer: Admission) -> str:
     """An answer as its request record (without the explanation, which is not replayed)."""
-    return answer.model_copy(update={"plan": None}).model_dump_json()
+    return answer.model_dump_json(exclude={"plan"})
+
+
+def admit_record_key(request: AdmissionRequest, policy: PolicySettings) -> tuple[str, int]:
+    """The key and TTL of an Admit's request record."""
+    return f"admit:{request.request_id}", policy.commit_ttl_ms + policy.hold_ttl_ms
+
+
+def admit_record(
+    store: Store, request: AdmissionRequest, policy: PolicySettings
+) -> tuple[str, int] | None:
+    """The key and TTL of the record a first call's debit writes itself (a store that
+    ``folds_request_records``); None when the record, if any, is written after the debit."""
+    if not (store.folds_request_records and request.request_id and request.attempt == 0):
+        return None
+    return None if request.dry_run else admit_record_key(request, policy)
+
+
+def borrow_record(key: str, ttl_ms: int, answer: Admission) -> RequestRecord:
+    """The record a debit writes with its grant: ``answer`` (a BORROW whose grant facts the
+    store fills in) as :func:`encode_admission` would write it."""
+    return RequestRecord(key, ttl_ms, answer.model_dump_json(exclude={"plan", *GRANT_FACTS}))
 
 
 def replay_admission(record: str) -> Admission:
@@ -73,7 +105,8 @@ async def admit_once(
 ) -> Admission:
     """Admit under a request record (module docstring). Fails closed (NORMAL) when a retry
     cannot read the record; a debit whose answer lost the race to record is released."""
-    key, ttl = f"admit:{request.request_id}", policy.commit_ttl_ms + policy.hold_ttl_ms
+    key, ttl = admit_record_key(request, policy)
+    folded = admit_record(store, request, policy) is not None
     limit_s = policy.admit_timeout_ms / 1000.0
     if request.attempt > 0:
         try:
@@ -90,8 +123,8 @@ async def admit_once(
         if stored is not None:
             return replay_admission(stored)
     answer = await decide(request)
-    if answer.decision is not Decision.BORROW and request.attempt == 0:
-        return answer
+    if folded or (answer.decision is not Decision.BORROW and request.attempt == 0):
+        return answer  # recorded with its debit (or replayed), or NORMAL on a first call
     try:
         async with asyncio.timeout(limit_s):
             stored = await store.record_request(key, encode_admission(answer), ttl)
@@ -106,11 +139,16 @@ async def admit_once(
 
 
 class OrphanDebits:
-    """Debits no router was told of (the Admit answered NORMAL before the debit landed, or its
-    answer lost the race to settle the request record), released in the background."""
+    """Debits no router was told of (the Admit answered NORMAL before the debit landed, its
+    caller stopped waiting, or its answer lost the race to settle the request record),
+    released in the background; a record written with such a debit is deleted first, so a
+    retry decides afresh rather than replaying a released reservation."""
 
-    def __init__(self, release: Callable[[str], Awaitable[object]]) -> None:
+    def __init__(
+        self, release: Callable[[str], Awaitable[object]], store: Store | None = None
+    ) -> None:
         self._release = release
+        self._store = store
         self._tasks: set[asyncio.Task[None]] = set()
 
     def watch(self, debits: asyncio.Future[list[DebitOutcome]]) -> None:
@@ -119,11 +157,17 @@ class OrphanDebits:
             return  # nothing landed, or the store failed: a HELD debit expires by itself
         for outcome in debits.result():
             if outcome.granted and outcome.reservation is not None:
-                self.release(outcome.reservation.reservation_id, "admission timed out")
+                rid = outcome.reservation.reservation_id
+                self.release(rid, "admission timed out", outcome.record_key)
 
-    def release(self, reservation_id: str, why: str) -> None:
+    def release(self, reservation_id: str, why: str, record_key: str = "") -> None:
+        """Release ``reservation_id`` in the background, after deleting the request record
+        under ``record_key`` (when given) if it names that reservation."""
+
         async def run() -> None:
             try:
+                if record_key and self._store is not None:
+                    await self._store.forget_request(record_key, reservation_id)
                 await self._release(reservation_id)
                 log.warning("admit.orphan_released", reservation_id=reservation_id, why=why)
             except CrossflowError as exc:  # expired meanwhile, or the store is down: it expires

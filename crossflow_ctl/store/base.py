@@ -20,7 +20,9 @@ Semantics (both implementations, proved by tests/store/test_contract.py):
   ``expected_version``, raising :class:`Aborted` otherwise, and changes nothing then.
 * Request records (``read_request`` / ``record_request``) make retried Admit, Commit and Release
   calls exact: the first outcome recorded under a key wins, later ones get it back; records
-  expire after their TTL.
+  expire after their TTL. A store that ``folds_request_records`` also takes a record with a
+  debit (``DebitRequest.record``), in the debit's own atomic step: a record already there is
+  returned and nothing is debited (refusal ``recorded``); a grant is recorded with it.
 * Every method that touches the backend raises :class:`StoreUnavailable` on backend errors.
 """
 
@@ -97,9 +99,31 @@ class DebitOutcome(Frozen):
     reservation: Reservation | None = None
     short_credits: tuple[str, ...] = ()
     refusal: str = ""
-    """Why nothing was debited: unknown_node, cordoned, no_lease, expired, zero_lease, short."""
+    """Why nothing was debited: unknown_node, cordoned, no_lease, expired, zero_lease, short,
+    or recorded (the debit's request record already held ``recorded``)."""
     lease_epoch: int = 0
     lease_version: int = 0
+    recorded: str | None = None
+    """With refusal ``recorded``: the record found under the debit's record key."""
+    record_key: str = ""
+    """A grant recorded under this request record key (``DebitRequest.record``), else ""."""
+
+
+class RequestRecord(NamedTuple):
+    """A request record written with a grant, in the debit's atomic step.
+
+    ``payload`` is a JSON object; the record is that object with the grant's facts added as
+    members: ``reservation_id``, ``expires_at_ms``, ``lease_epoch`` and ``lease_version``
+    (the payload must not hold them)."""
+
+    key: str
+    ttl_ms: int
+    payload: str
+
+
+def grant_member(reservation_id: str) -> str:
+    """How a request record (a compact JSON object) names the reservation it was granted."""
+    return f'"reservation_id":"{reservation_id}"'
 
 
 class DebitRequest(NamedTuple):
@@ -110,6 +134,8 @@ class DebitRequest(NamedTuple):
     request_id: str = ""
     owner: str = ""
     """The granted router's identity ("" without authentication)."""
+    record: RequestRecord | None = None
+    """Only for a store that ``folds_request_records`` (module docstring)."""
 
 
 class NodeEvent(Frozen):
@@ -120,6 +146,11 @@ class NodeEvent(Frozen):
 
 class Store(abc.ABC):
     """Leases, pool load, reservations, notices and the shared policy."""
+
+    folds_request_records: bool = False
+    """Whether :meth:`try_debits` takes request records with debits (``DebitRequest.record``),
+    saving the admission a round trip: a store whose record and node keys can meet in one
+    atomic step (standalone Redis; not Redis Cluster, where they lie in different slots)."""
 
     # -- agents -----------------------------------------------------------------------------
     @abc.abstractmethod
@@ -266,6 +297,11 @@ class Store(abc.ABC):
         """Record ``outcome`` under ``key`` unless one is recorded (None: this one was);
         otherwise return the recorded one and change nothing. Of two calls racing to record,
         exactly one wins."""
+
+    @abc.abstractmethod
+    async def forget_request(self, key: str, reservation_id: str) -> None:
+        """Delete the record under ``key`` if it names ``reservation_id`` (a grant recorded
+        with its debit that is being released because no caller heard of it)."""
 
     # -- lifecycle --------------------------------------------------------------------------
     @abc.abstractmethod

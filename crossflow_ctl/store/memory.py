@@ -48,6 +48,7 @@ from crossflow_ctl.store.base import (
     check_debit_args,
     check_identity,
     check_owner,
+    grant_member,
 )
 from crossflow_ctl.store.keys import (
     new_reservation_id,
@@ -445,6 +446,12 @@ class MemoryStore(Store):
             self._bound_requests()
             self._requests[key] = (outcome, time.monotonic() + ttl_ms / 1000.0)
             return None
+
+    async def forget_request(self, key: str, reservation_id: str) -> None:
+        async with self._lock:
+            stored = self._live_record(key)
+            if stored is not None and grant_member(reservation_id) in stored:
+                del self._requests[key]
 
     # -- lifecycle --------------------------------------------------------------------------
     async def ping(self) -> None:

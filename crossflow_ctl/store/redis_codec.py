@@ -272,20 +272,21 @@ _view_info_memo: Memo[tuple[Raw, ...], NodeInfo] = Memo(_view_info)
 def node_state_from_view(node_id: str, raw: Sequence[Any]) -> NodeState | None:
     """A ``node_view.lua`` reply as a NodeState; None for an unknown node (empty reply).
 
-    Info and lease are parsed once per distinct stored form (:class:`Memo`); the open debits
-    are counts the script computed from validated debits, so they are built without
-    re-validation (``int`` reads the script's decimal replies, bytes or str, directly)."""
+    Info and lease are parsed once per distinct stored form (:class:`Memo`); ``int`` reads the
+    script's decimal replies, bytes or str, directly. Models are built by their validating
+    constructors: cheaper than ``model_construct`` on pydantic 2.13 (measured: NodeState
+    1.7 us against 3.2 us, Notice 3 us against 20 us)."""
     if not raw:
         return None
     lease_fields = tuple(raw[1])
-    open_debits = Credits.model_construct(
+    open_debits = Credits(
         compute_tokens=max(0, int(raw[2])),
         kv_tokens=max(0, int(raw[3])),
         kv_transfer_bytes=max(0, int(raw[4])),
         output_tokens=max(0, int(raw[5])),
         slots=max(0, int(raw[6])),
     )
-    return NodeState.model_construct(
+    return NodeState(
         info=_view_info_memo((node_id, *raw[0][:-1])).model_copy(
             update={"notice_seq": int(raw[0][-1] or 0)}
         ),
@@ -297,15 +298,14 @@ def node_state_from_view(node_id: str, raw: Sequence[Any]) -> NodeState | None:
 
 def notice_from(node_id: str, entry_id: Raw, fields: Mapping[Raw, Raw]) -> Notice:
     """A notice stream entry as ``cf_notice`` wrote it (every grant and expiry makes one, and
-    each agent stream's relay reads it), built without re-validating what the scripts wrote:
-    the kind is still checked by its enum and the numbers by ``int``; ``node_id`` is one the
-    caller already checked (it named the stream's key)."""
+    each agent stream's relay reads it); ``node_id`` is one the caller already checked (it
+    named the stream's key)."""
     f = text_map(fields)
     c1, c2, c3, c4, c5 = (max(0, int(v)) for v in f.get("d", "0,0,0,0,0").split(","))
-    debit = Credits.model_construct(
+    debit = Credits(
         compute_tokens=c1, kv_tokens=c2, kv_transfer_bytes=c3, output_tokens=c4, slots=c5
     )
-    return Notice.model_construct(
+    return Notice(
         node_id=node_id,
         seq=int(text(entry_id).split("-", 1)[0]),
         kind=NoticeKind(f["k"]),

@@ -16,7 +16,10 @@ last seen sequence: DESIGN.md §5.4, §6); a wake is only a hint to read it. Not
   wakes the waiter;
 * a wait that ends with no wake skips the next XRANGE only while the subscription has been up,
   without a break, since before the empty read (same ``generation``); any break wakes every
-  waiter, and while the subscription is down waiting reads poll their stream instead.
+  waiter, and while the subscription is down waiting reads poll their stream instead;
+* a read that found fewer notices than it asked for counts as an empty read after its last
+  notice: the relay's next read (after that notice) waits for a wake rather than sending an
+  XRANGE that would find nothing (one read per wake, not two).
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ class _Signal:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     used_at_s: float = 0.0
     empty_at: tuple[int, int, int] | None = None
-    """(after_seq, count, generation) of the last read that found nothing."""
+    """(seq, count, generation): a read sent at wake ``count`` of subscription ``generation``
+    found nothing after ``seq`` (nothing at all, or notices up to ``seq``, fewer than asked)."""
 
     def wake(self) -> None:
         self.count += 1
@@ -201,10 +205,12 @@ class NoticeReader:
             count, generation = sig.count, hub.generation
             if not (hub.live and sig.empty_at == (after_seq, count, generation)):
                 found = await self._range(node_id, after_seq, limit)
+                if len(found) < limit and hub.live and hub.generation == generation:
+                    # Nothing after its last notice as of wake ``count``: the caller's next read
+                    # (after that notice) waits for a wake instead of reading an empty range.
+                    sig.empty_at = (found[-1].seq if found else after_seq, count, generation)
                 if found:
                     return found
-                if hub.live and hub.generation == generation:
-                    sig.empty_at = (after_seq, count, generation)
             left_s = deadline - loop.time()
             if left_s <= 0:
                 return []

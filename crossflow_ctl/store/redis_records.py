@@ -15,6 +15,7 @@ from redis.asyncio import Redis, RedisCluster
 from crossflow_ctl.domain.errors import Aborted
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.store import redis_codec as codec
+from crossflow_ctl.store.base import grant_member
 from crossflow_ctl.store.keys import Keys
 from crossflow_ctl.store.redis_scripts import Scripts
 
@@ -59,3 +60,8 @@ class RedisRecords:
         async with self._backend("record_request"):  # SET NX GET: one atomic round trip
             stored = await self._r.set(self._k.request(key), outcome, nx=True, px=ttl_ms, get=True)
         return None if stored is None else codec.text(stored)
+
+    async def forget_request(self, key: str, reservation_id: str) -> None:
+        member = grant_member(reservation_id)
+        async with self._backend("forget_request"):
+            await self._scripts.run("forget_request", [self._k.request(key)], [member])

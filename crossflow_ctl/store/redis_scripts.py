@@ -7,13 +7,16 @@ on NOSCRIPT (a restarted or flushed Redis) the script is loaded and the call ret
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 PER_NODE = (
     "upsert_leases",
@@ -25,9 +28,9 @@ PER_NODE = (
     "register_node",
 )
 """Scripts over one node's keys (one hash tag); they share ``_lib.lua``."""
-STANDALONE = ("put_pool_load", "delete_node", "touch_node", "set_policy")
+STANDALONE = ("put_pool_load", "delete_node", "touch_node", "set_policy", "forget_request")
 """Scripts without the shared helpers: one pool's keys; deleting or touching one node; the
-policy key."""
+policy key; one request record."""
 
 
 def load_script(name: str) -> str:
@@ -142,3 +145,57 @@ class Scripts:
                     raise
                 await self._r.script_load(script.script)
         raise AssertionError("unreachable")
+
+
+class DedicatedLine:
+    """One pooled connection held for one hot script (the admission debit, standalone Redis).
+
+    Admission's group commit sends one debit call at a time, so the connection is taken from
+    the pool once (it counts against the pool's size) and kept, instead of a checkout per call
+    (a condition, a timeout, a readiness probe of the socket, the release: more Python than
+    the call itself). Calls are serialised (a late, shielded debit may still be in flight when
+    the next batch sends); on any error or cancellation (a reply might still be on its way)
+    the connection is disconnected and handed back, and the next call takes one again. The
+    socket timeout bounds each read, as on every pooled connection."""
+
+    def __init__(self, client: Redis, scripts: Scripts, name: str) -> None:
+        self._client = client
+        self._script = scripts.by_name[name]
+        self._conn: AbstractConnection | None = None
+        self._lock = asyncio.Lock()
+
+    async def run(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """The script's reply (one round trip; two, once, after NOSCRIPT)."""
+        script = self._script
+        async with self._lock:
+            conn = self._conn or await self._connection()
+            self._conn = None
+            try:
+                try:
+                    await conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                    reply = await conn.read_response()
+                except NoScriptError:  # nothing ran: load it and send again
+                    script.sha = await self._client.script_load(script.script)
+                    await conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                    reply = await conn.read_response()
+            except BaseException:
+                await self._hand_back(conn)
+                raise
+            self._conn = conn
+            return reply
+
+    async def _connection(self) -> AbstractConnection:
+        """A connection taken from the pool (waiting for one, within the pool's timeout)."""
+        conn: AbstractConnection = await self._client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        return conn
+
+    async def _hand_back(self, conn: AbstractConnection) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await conn.disconnect(nowait=True)
+        await self._client.connection_pool.release(conn)
+
+    async def close(self) -> None:
+        async with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                await self._hand_back(conn)

@@ -90,7 +90,7 @@ from crossflow_ctl.store.redis_index import NodeIndex
 from crossflow_ctl.store.redis_ingest import LeaseIngest
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_records import RedisRecords
-from crossflow_ctl.store.redis_scripts import Scripts
+from crossflow_ctl.store.redis_scripts import DedicatedLine, Scripts
 from crossflow_ctl.store.redis_view import AdmissionView
 
 log = structlog.get_logger()
@@ -118,10 +118,13 @@ class RedisStore(Store):
     A URL gets socket timeouts of ``socket_timeout_s``, no client-side retries and at most
     ``max_connections`` connections (per Cluster node; callers wait for a free one up to
     ``op_timeout_s``); a supplied client keeps its own settings (give it timeouts, and no retry
-    on timeout, for the same guarantees). Notices wait on one pub/sub subscription per store
-    (:mod:`crossflow_ctl.store.redis_notices`), so the connection count does not grow with the
-    number of agent streams. The key layout and scripts are slot-safe (module docstring);
-    ``tests/store/test_cluster.py`` runs the contract suite on a real 3-master cluster.
+    on timeout, for the same guarantees). Every call is also bounded by ``op_timeout_s`` as a
+    whole, except the debit (:meth:`try_debits`, the admission hot path): its caller's
+    deadline bounds it (``admit_timeout_ms``), and the socket timeouts otherwise. Notices wait
+    on one pub/sub subscription per store (:mod:`crossflow_ctl.store.redis_notices`), so the
+    connection count does not grow with the number of agent streams. The key layout and
+    scripts are slot-safe (module docstring); ``tests/store/test_cluster.py`` runs the
+    contract suite on a real 3-master cluster.
 
     ``cache_max_age_ms`` bounds how long this replica reuses a pool's load reports and a draw
     from the lender index on the admission path (:mod:`crossflow_ctl.store.redis_cache`; 0
@@ -153,9 +156,15 @@ class RedisStore(Store):
         else:
             self._owned = False
         self._r: Redis | RedisCluster = client
+        self.folds_request_records = not isinstance(client, RedisCluster)
+        """Standalone Redis: a record and a node's keys may meet in one script (one round
+        trip for a BORROW with a request id); on a Cluster they lie in different slots."""
         self._k = Keys(namespace)
         self._op_timeout_s = op_timeout_s
         self._scripts = Scripts(client)
+        self._debit_line = (
+            DedicatedLine(client, self._scripts, "try_debit") if isinstance(client, Redis) else None
+        )
         self._index = NodeIndex(client, self._k)
         self._view = AdmissionView(
             self._k, self._index, self._views, self._backend, cache_max_age_ms, op_timeout_s
@@ -299,19 +308,21 @@ class RedisStore(Store):
         check_debit_args(share, hold_ttl_ms)
         for d in debits:
             check_owner(d.owner)
-        calls = [
-            DebitCall.build(d.node_id, d.debit, now_ms, hold_ttl_ms, d.request_id, d.owner)
-            for d in debits
-            if is_node_id(d.node_id)
-        ]
+            if d.record is not None and not self.folds_request_records:
+                raise InvalidArgument("a Redis Cluster store takes no record with a debit")
+        calls = [DebitCall.build(d, now_ms, hold_ttl_ms) for d in debits if is_node_id(d.node_id)]
         groups = script_calls(self._k, calls, share)
-        async with self._backend("try_debit"):
-            if len(groups) == 1:
+        try:  # no timeout of its own: the admission deadline (or the socket timeouts) bound it
+            if len(groups) == 1 and self._debit_line is not None:
+                replies = [await self._debit_line.run(groups[0].keys, groups[0].args)]
+            elif len(groups) == 1:
                 replies = [await self._run("try_debit", groups[0].keys, groups[0].args)]
             else:
                 replies = await self._scripts.run_many(
                     "try_debit", [(g.keys, g.args) for g in groups]
                 )
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _failure("try_debit", exc) from None
         by_call: list[DebitOutcome] = [UNKNOWN_NODE] * len(calls)
         for group, reply in zip(groups, replies, strict=True):
             for position, item in zip(group.positions, reply, strict=True):
@@ -439,12 +450,17 @@ class RedisStore(Store):
     async def record_request(self, key: str, outcome: str, ttl_ms: int) -> str | None:
         return await self._records.record_request(key, outcome, ttl_ms)
 
+    async def forget_request(self, key: str, reservation_id: str) -> None:
+        await self._records.forget_request(key, reservation_id)
+
     # -- lifecycle --------------------------------------------------------------------------
     async def ping(self) -> None:
         async with self._backend("ping"):
             await self._r.ping()
 
     async def close(self) -> None:
+        if self._debit_line is not None:
+            await self._debit_line.close()
         await self._view.close()
         await self._ingest.close()
         await self._notices.hub.close()

@@ -68,6 +68,7 @@ def admit_request_to_proto(req: AdmissionRequest) -> admission_pb2.AdmitRequest:
         dry_run=req.dry_run,
         pool=req.pool,
         attempt=req.attempt,
+        held_ahead_tokens=req.held_ahead_tokens,
     )
 
 
@@ -84,6 +85,7 @@ def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionReques
         dry_run=msg.dry_run,
         pool=msg.pool or "default",
         attempt=msg.attempt,
+        held_ahead_tokens=msg.held_ahead_tokens,
     )
     return result
 
@@ -159,6 +161,7 @@ def plan_to_proto(plan: Plan) -> admission_pb2.Explanation:
                 prefill_ms=p.prefill_ms,
                 kv_transfer_ms=p.kv_transfer_ms,
                 total_ms=p.total_ms,
+                hold_ms=p.hold_ms,
             )
         )
     return msg
@@ -177,7 +180,10 @@ def plan_from_proto(msg: admission_pb2.Explanation, plan_reason: Reason) -> Plan
     if msg.HasField("normal_path"):
         p = msg.normal_path
         normal = NormalPath(
-            wait_ms=p.wait_ms, prefill_ms=p.prefill_ms, kv_transfer_ms=p.kv_transfer_ms
+            wait_ms=p.wait_ms,
+            prefill_ms=p.prefill_ms,
+            kv_transfer_ms=p.kv_transfer_ms,
+            hold_ms=p.hold_ms,
         )
     return Plan(
         reason=plan_reason,
@@ -284,6 +290,7 @@ WIRE_ONLY: dict[str, str] = {
     "crossflow.v1.Heartbeat": "keep-alive, no state",
     "crossflow.v1.ConnectRequest": "oneof envelope",
     "crossflow.v1.ConnectResponse": "oneof envelope",
+    "crossflow.v1.NoticeBatch": "repeated Notice (each converted by notice_to_proto)",
     "crossflow.v1.Welcome": "built from settings and NodeInfo",
     "crossflow.v1.LeaseAck": "built from LeaseOutcome / StaleLease / InvalidArgument",
     "crossflow.v1.AdmitStreamRequest": "repeated AdmitStreamItem",

@@ -54,6 +54,7 @@ class FakeAgent:
         labels: dict[str, str] | None = None,
         last_notice_seq: int = 0,
         credentials: ClientCredentials | None = None,
+        notice_batches: bool = False,
     ) -> None:
         self.node_id = node_id
         self.epoch = epoch
@@ -65,12 +66,15 @@ class FakeAgent:
             pool=pool,
             labels=labels or {},
             last_notice_seq=last_notice_seq,
+            notice_batches=notice_batches,
         )
         self._channel = open_channel(target, credentials)
         self._stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
         self.acks: asyncio.Queue[lease_pb2.LeaseAck] = asyncio.Queue()
         self.heartbeats: asyncio.Queue[lease_pb2.Heartbeat] = asyncio.Queue()
         self.notices: list[lease_pb2.Notice] = []
+        self.batches = 0
+        """Messages that carried notices together (``notice_batches``)."""
         self._notice_event = asyncio.Event()
         self.welcome: lease_pb2.Welcome | None = None
         self.ended: grpc.StatusCode | None = None
@@ -104,6 +108,10 @@ class FakeAgent:
                     self.heartbeats.put_nowait(msg.heartbeat)
                 elif body == "notice":
                     self.notices.append(msg.notice)
+                    self._notice_event.set()
+                elif body == "notices":
+                    self.notices.extend(msg.notices.notices)
+                    self.batches += 1
                     self._notice_event.set()
         except grpc.aio.AioRpcError as exc:
             self.ended = exc.code()

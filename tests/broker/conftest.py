@@ -15,7 +15,9 @@ import pytest
 
 from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.domain.clock import ManualClock, SystemClock
+from crossflow_ctl.domain.models import Credits, Lease, NodeRole, PoolLoad
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import Store
 from crossflow_ctl.store.memory import MemoryStore
@@ -123,3 +125,22 @@ async def blackhole() -> AsyncIterator[int]:
             w.close()
         server.close()
         await server.wait_closed()
+
+
+async def lending_broker(
+    store: Store, policy: PolicySettings, decode: tuple[str, ...] = ("d1",), slots: int = 100
+) -> Broker:
+    """A Broker (no gRPC) on ``store`` with ``decode`` nodes leasing ``slots`` borrowed-prompt
+    slots each and a prefill pool with a long queue, so an Admit borrows while room lasts."""
+    broker = Broker(store, ManualClock(1_700_000_000_000), BrokerSettings(policy=policy))
+    for node_id in decode:
+        await broker.register(node_id, NodeRole.DECODE, "default", {})
+        credits = Credits(compute_tokens=10**6, kv_tokens=10**6, output_tokens=10**6, slots=slots)
+        lease = Lease(node_id=node_id, epoch=1, version=1, ttl_ms=60_000, credits=credits)
+        await broker.ingest_lease(lease.model_copy(update={"borrowed_prefill_rate_tps": 50_000.0}))
+    await broker.register("p1", NodeRole.PREFILL, "default", {})
+    load = PoolLoad(
+        node_id="p1", outstanding_uncached_tokens=10**6, processing_rate_tps=1e4, ttl_ms=60_000
+    )
+    await broker.ingest_pool_load(load)
+    return broker

@@ -14,13 +14,10 @@ from redis.asyncio import Redis
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc, common_pb2, lease_pb2
 from crossflow_ctl.client import AdminClient, AdmissionStream
 from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
-from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.errors import InvalidArgument
-from crossflow_ctl.domain.models import Credits, Lease, NodeRole, PoolLoad, ReservationState
-from crossflow_ctl.service.broker import Broker
-from crossflow_ctl.service.config import BrokerSettings
+from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.store.redis_store import RedisStore
-from tests.broker.conftest import TEST_POLICY, target
+from tests.broker.conftest import TEST_POLICY, lending_broker, target
 from tests.broker.test_fail_closed import _broker_on, _closed_port
 from tests.store.test_redis_round_trips import CountingConnection
 
@@ -158,21 +155,8 @@ async def test_a_batch_is_decided_with_one_redis_round_trip(
 ) -> None:
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
     store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
-    clock = ManualClock(1_700_000_000_000)
-    broker = Broker(store, clock, BrokerSettings(policy=PATIENT))
+    broker = await lending_broker(store, PATIENT, ("d1", "d2"), slots=3)
     try:
-        for node_id, role in (("d1", NodeRole.DECODE), ("d2", NodeRole.DECODE)):
-            await broker.register(node_id, role, "default", {})
-            credits = Credits(compute_tokens=10**6, kv_tokens=10**6, output_tokens=10**6, slots=3)
-            lease = Lease(node_id=node_id, epoch=1, version=1, ttl_ms=60_000, credits=credits)
-            await broker.ingest_lease(
-                lease.model_copy(update={"borrowed_prefill_rate_tps": 50_000.0})
-            )
-        await broker.register("p1", NodeRole.PREFILL, "default", {})
-        load = PoolLoad(
-            node_id="p1", outstanding_uncached_tokens=10**6, processing_rate_tps=1e4, ttl_ms=60_000
-        )
-        await broker.ingest_pool_load(load)
         requests = [AdmissionRequest(uncached_prompt_tokens=100) for _ in range(5)]
         await broker.admit_many(requests[:1])  # warm: caches filled, script loaded
         before = CountingConnection.sent

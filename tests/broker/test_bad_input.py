@@ -132,6 +132,16 @@ async def test_admit_bad_input_is_invalid_argument(cluster) -> None:
                 "candidate_node_ids.0",
             ),
             (admission_pb2.AdmitRequest(uncached_prompt_tokens=1, pool="no spaces"), "pool"),
+            (
+                admission_pb2.AdmitRequest(uncached_prompt_tokens=1, held_ahead_tokens=-1),
+                "held_ahead_tokens",
+            ),
+            (
+                admission_pb2.AdmitRequest(
+                    uncached_prompt_tokens=1, held_ahead_tokens=MAX_TOKENS + 1
+                ),
+                "held_ahead_tokens",
+            ),
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Admit(request, timeout=5)

@@ -133,12 +133,14 @@ async def test_a_retry_racing_the_first_call_gets_one_outcome_and_no_orphan(
     # Both calls answer the one recorded outcome ...
     assert retry.decision is late.decision is Decision.BORROW
     assert retry.reservation_id == late.reservation_id and (retry.replayed or late.replayed)
-    # ... and the other debit is released, not left for nobody.
+    # ... and the other debit is released, not left for nobody; where the record rides in the
+    # debit's script (standalone Redis) the later call finds it there and debits nothing.
+    debits = 1 if server.store.folds_request_records else 2
     async with AdminClient(target(server)) as admin, asyncio.timeout(10):
         while True:
             found = await admin.list_reservations()
             held = [r.reservation_id for r in found if r.state is ReservationState.HELD]
-            if len(found) == 2 and held == [late.reservation_id]:
+            if len(found) == debits and held == [late.reservation_id]:
                 break
             await asyncio.sleep(0.05)
 

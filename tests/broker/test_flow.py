@@ -13,7 +13,7 @@ import pytest
 
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.client import AdminClient, AdmissionClient
-from crossflow_ctl.domain.admission import Decision, Reason
+from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import ReservationState
 from tests.broker.conftest import target
@@ -184,6 +184,33 @@ async def test_notices_relay_from_replica_a_to_agent_on_replica_b(cluster, agent
     again = await agents(a, "d1", last_notice_seq=seen - 1)
     resumed = await again.wait_notice(lambda n: True)
     assert resumed.seq == seen and resumed.kind == lease_pb2.NOTICE_KIND_RELEASE
+
+
+@pytest.mark.parametrize("batches", [True, False], ids=["notice-batches", "one-per-message"])
+async def test_notices_of_admissions_decided_together_reach_the_agent(
+    cluster, agents, batches: bool
+) -> None:
+    """Admits decided in one group commit write their grants in one script: an agent that set
+    Hello.notice_batches gets what one read found as one message, an older agent one message
+    per notice; either way every grant, in order."""
+    server = await cluster.start()
+    decode = await agents(server, "d1", notice_batches=batches)
+    prefill = await agents(server, "p1", role=common_pb2.NODE_ROLE_PREFILL)
+    await prefill.send_pool_load()
+    await prefill.sync()
+    assert (await decode.send_lease(credits={"slots": 8})).result == lease_pb2.LEASE_RESULT_ACCEPTED
+    requests = [AdmissionRequest(uncached_prompt_tokens=100) for _ in range(6)]
+    answers = await server.broker.admit_many(requests)  # one batch: one script, one wake
+    assert [a.decision for a in answers] == [Decision.BORROW] * 6
+    last = await decode.wait_notice(lambda n: n.reservation_id == answers[-1].reservation_id)
+    grants = [n for n in decode.notices if n.kind == lease_pb2.NOTICE_KIND_GRANT]
+    assert [n.reservation_id for n in grants] == [a.reservation_id for a in answers]
+    assert [n.seq for n in decode.notices] == sorted({n.seq for n in decode.notices})
+    assert last.seq == decode.notices[-1].seq
+    if batches:  # the script is atomic: one read finds all six
+        assert decode.batches == 1
+    else:
+        assert decode.batches == 0
 
 
 async def test_reservations_expire_and_free_their_credit(cluster, agents, clock) -> None:  # §5.5

@@ -77,6 +77,12 @@ async def test_admit_explains_each_condition(ctl: Ctl, fleet: Fleet) -> None:
     too_big = await ctl("admit", "--uncached", "9000", "--dry-run", "--explain")
     assert "NORMAL" in too_big.out
     assert "3. Safety   fails" in too_big.out and "compute_tokens" in too_big.out
+    # 40,000 tokens held ahead at the pool's 20,000 tokens/s: 2 s more on the normal path.
+    held = await ctl(
+        "admit", "--uncached", "2000", "--held-ahead", "40000", "--dry-run", "--explain"
+    )
+    assert "held behind the router's queue 2000.0 + wait 10000.0" in held.out, held.out
+    assert (await ctl("admit", "--uncached", "1", "--held-ahead", "-1")).rc == 2
 
 
 async def test_cordon_stops_borrowing_and_uncordon_restores(ctl: Ctl, fleet: Fleet) -> None:

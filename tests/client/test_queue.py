@@ -32,10 +32,13 @@ class FakeBroker:
         self.records: dict[str, Admission] | None = None
         """When set, answers are replayed by request_id (a broker keeping request records)."""
         self.calls: list[str] = []
+        self.ahead: dict[str, int] = {}
+        """held_ahead_tokens of each call, by request_id."""
         self._rid = 0
 
     async def admit(self, request: AdmissionRequest) -> Admission:
         self.calls.append(request.request_id)
+        self.ahead[request.request_id] = request.held_ahead_tokens
         if self.records is not None and request.request_id in self.records:
             return self.records[request.request_id]
         answer = await self._answer(request)
@@ -159,6 +162,45 @@ async def test_shortest_first_order_and_prompts_too_big_for_any_node_are_skipped
     # c then b fit (3,500 of 4,000); a needs more than any node has and is never offered.
     assert broker.calls == ["c#2", "b#2"]
     assert dispatches(tickets) == [None, Dispatch.BORROWED_LATE, Dispatch.BORROWED_LATE]
+
+
+async def test_each_offer_carries_the_tokens_held_ahead_of_the_prompt() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock)
+    tickets = [await queue.submit(req(r, t)) for r, t in (("a", 2_000), ("b", 3_000), ("c", 500))]
+    assert broker.ahead == {"a": 0, "b": 2_000, "c": 5_000}
+    broker.room = 4_000
+    await queue.on_room(room(4_000))
+    # a borrows, so nothing is held ahead of b any more when b is offered.
+    assert (broker.ahead["a#2"], broker.ahead["b#2"]) == (0, 0)
+    await queue.on_room(room(1_000))  # b is too big for it and stays ahead of c
+    assert broker.ahead["c#2"] == 3_000 and dispatches(tickets)[2] is Dispatch.BORROWED_LATE
+    # What the router holds is its own: the ticket keeps the request as submitted.
+    assert tickets[1].request.held_ahead_tokens == 0
+
+
+async def test_shortest_order_counts_only_shorter_prompts_ahead() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock, order="shortest")
+    for r, t in (("a", 9_000), ("b", 3_000), ("c", 500), ("d", 3_000)):
+        await queue.submit(req(r, t))
+    assert broker.ahead == {"a": 0, "b": 0, "c": 0, "d": 3_500}
+    broker.room = 500
+    await queue.on_room(room(3_000))  # a is too big to offer; its tokens are behind d's anyway
+    assert [(r, broker.ahead[r]) for r in broker.calls[4:]] == [("c#2", 0), ("b#2", 0)]
+
+
+async def test_a_prompt_that_would_not_be_held_has_nothing_ahead() -> None:
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock, max_held=1)
+    await queue.submit(req("a"))
+    overflow = await queue.submit(req("b"))  # the book is full: b goes to prefill before a
+    assert overflow.outcome is not None and overflow.outcome.dispatch is Dispatch.OVERFLOW
+    queue2, _ = make(broker, clock)
+    await queue2.submit(req("c"))
+    await queue2.close()
+    await queue2.submit(req("d"))
+    assert broker.ahead == {"a": 0, "b": 0, "c": 0, "d": 0}
 
 
 async def test_deadline_dispatches_to_normal_with_the_last_reason() -> None:
@@ -334,7 +376,7 @@ def test_hold_book_is_deterministic_and_pure() -> None:
     with pytest.raises(ValueError):
         book.hold("k1", req("a"), no_room, 0)
     assert [h.key for h in book.ordered()] == ["k2", "k1"]
-    assert [h.key for h in book.to_reoffer(room(250).view)] == ["k2"]
+    assert [(h.key, ahead) for h, ahead in book.to_reoffer(room(250).view)] == [("k2", 0)]
     assert book.to_reoffer(room(0).view) == []
     assert [h.key for h in book.due(100)] == ["k1"] and len(book) == 1
     assert book.next_deadline_ms() == 150
@@ -420,13 +462,17 @@ async def test_any_interleaving_gives_every_prompt_exactly_one_outcome(
 ) -> None:
     """Random submits, room updates, clock moves, withdrawals and broker moods: no prompt is
     answered twice (Ticket raises), none stays held past its deadline once time is looked at,
-    the held gauge agrees, and after close() every prompt has exactly one outcome."""
+    the held gauge and the tokens sent as held ahead agree with what is held, and after
+    close() every prompt has exactly one outcome."""
     broker, clock = FakeBroker(room=0), ManualClock(0)
     order = "shortest" if shortest else "fifo"
     queue, seen = make(broker, clock, max_held=5, max_hold_ms=300, order=order)
     tickets: list[Ticket] = []
     for kind, *args in steps:
+        ahead = expected_ahead(queue, args[0], shortest) if kind == "submit" else None
         await apply(queue, broker, clock, tickets, kind, args)
+        if ahead is not None:  # the book's running total agrees with what it holds
+            assert broker.ahead[tickets[-1].request.request_id] == ahead
         assert queue.held <= 5 and queue.stats.held == queue.held
         if kind in ("room", "advance"):
             deadline = queue.next_deadline_ms()
@@ -439,6 +485,14 @@ async def test_any_interleaving_gives_every_prompt_exactly_one_outcome(
     for t in tickets:
         assert t.outcome is not None
         check_outcome(t.outcome)
+
+
+def expected_ahead(queue: AdmissionQueue, tokens: int, shortest: bool) -> int:
+    held = queue.held_requests()
+    if len(held) >= 5:
+        return 0
+    sizes = [r.uncached_prompt_tokens for r in held]
+    return sum(t for t in sizes if t <= tokens) if shortest else sum(sizes)
 
 
 async def apply(

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from crossflow_ctl.domain.admission import (
     AdmissionRequest,
     Reason,
+    check_demand,
     debit_for,
+    estimate_normal_path,
     plan_admission,
 )
 from crossflow_ctl.domain.models import (
@@ -284,3 +286,26 @@ def test_kv_debit_is_what_the_request_places_on_the_node() -> None:
     assert (remote.kv_tokens, remote.output_tokens) == (1000 + 4000 + 100, 100)
     local = debit_for(req, "d1", SETTINGS, lease.model_copy(update={"node_id": "d1"}))
     assert local.kv_tokens == 1000 + 100 and local.kv_transfer_bytes == 0
+
+
+def test_a_held_prompt_weighs_borrowing_against_the_tokens_held_ahead_of_it() -> None:
+    # Normal path 4,000 ms (wait 2000 + prefill 1000 + transfer 1000); the node needs 5,000 ms.
+    slow = node(rate=200.0)
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), [slow], SETTINGS, NOW)
+    assert plan.reason is Reason.NO_BENEFIT
+    # Held behind 2,000 tokens the router has not sent yet: the pool takes 2,000 ms more for
+    # them (its processing rate, 1,000 tokens/s) before this prompt's own wait begins.
+    held = REQUEST.model_copy(update={"held_ahead_tokens": 2000})
+    plan = plan_admission(held, pool(2000, 1000.0), [slow], SETTINGS, NOW)
+    assert plan.normal_path is not None
+    assert plan.normal_path.hold_ms == pytest.approx(2000.0)
+    assert plan.normal_path.total_ms == pytest.approx(6000.0)
+    assert plan.reason is Reason.BORROWED and plan.ranked[0].node_id == "d0"
+
+
+def test_the_hold_uses_the_prefill_rate_when_the_pool_reports_no_processing_rate() -> None:
+    idle = pool(0, 0.0, prefill_rate=500.0)
+    held = REQUEST.model_copy(update={"held_ahead_tokens": 1000})
+    normal = estimate_normal_path(held, check_demand(idle, SETTINGS), idle, SETTINGS)
+    assert normal.hold_ms == pytest.approx(2000.0)
+    assert estimate_normal_path(REQUEST, check_demand(idle, SETTINGS), idle, SETTINGS).hold_ms == 0

@@ -23,7 +23,7 @@ PINNED: dict[str, Any] = {
     "reoffers": 521,
     "leases": 1589,
     "outcomes": {"borrowed": 148, "borrowed_late": 113, "not_held": 10, "prefill_room": 129},
-    "admit_reasons": {"pool_load_missing": 10, "borrowed": 261, "no_benefit": 42, "no_room": 608},
+    "admit_reasons": {"pool_load_missing": 10, "borrowed": 261, "no_benefit": 11, "no_room": 639},
     "zero_reasons": {"itl_over_slo": 10, "no_capacity": 5},
     "tokens": (5_710_530, 146_073),
     "lease_chunk_sum": 1_200_128,

@@ -418,6 +418,17 @@ async def test_request_records_first_outcome_wins(store: Store) -> None:
     assert await store.record_request("short", "y", 60_000) is None
 
 
+async def test_a_record_is_forgotten_only_for_the_reservation_it_names(store: Store) -> None:
+    record = '{"decision":"borrow","reservation_id":"abc@d1","lease_epoch":1}'
+    assert await store.record_request("admit:r2", record, 60_000) is None
+    await store.forget_request("admit:r2", "ab")  # a prefix of the id is not the id
+    await store.forget_request("admit:r2", "other@d1")
+    assert await store.read_request("admit:r2") == record
+    await store.forget_request("admit:r2", "abc@d1")
+    assert await store.read_request("admit:r2") is None
+    await store.forget_request("admit:none", "abc@d1")  # nothing recorded: nothing happens
+
+
 async def test_identity_is_fixed_unless_cordoned(store: Store) -> None:
     await store.register_node("n1", NodeRole.DECODE, "default", {"zone": "a"}, NOW)
     for role, pool, named in (

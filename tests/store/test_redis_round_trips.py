@@ -259,6 +259,8 @@ async def test_warm_admission_is_one_round_trip_and_debits_refresh_the_view(
         await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
         await store.put_pool_load(load(), NOW, TTL)
         await store.admission_view("default", [], 8, NOW)  # cold: fills the caches
+        # The debit's own connection opens once per store (a refusal that changes nothing).
+        assert (await store.try_debit("ghost", credits(3), 1.0, NOW, 500)).refusal == "unknown_node"
         before = CountingConnection.sent
         _, nodes = await store.admission_view("default", [], 8, NOW + 1)
         out = await store.try_debit("d1", credits(3), 1.0, NOW + 1, 500)
@@ -338,7 +340,10 @@ async def test_a_batch_of_debits_is_one_round_trip_each_atomic_in_order(
         await register(store, "d1", "d2")
         await store.upsert_lease(lease("d1", value=10, ttl_ms=TTL), NOW, TTL)
         await store.upsert_lease(lease("d2", value=10, ttl_ms=TTL), NOW, TTL)
-        await store.try_debit("d1", credits(0), 1.0, NOW, 100)  # the script is loaded
+        # The script is loaded; the single debit's own connection and a pooled one are open.
+        await store.try_debit("d1", credits(0), 1.0, NOW, 100)
+        pair = [DebitRequest("d1", credits(0)), DebitRequest("d2", credits(0))]
+        await store.try_debits(pair, 1.0, NOW, 100)
         batch = [
             DebitRequest("d1", credits(6), "r0"),
             DebitRequest("d2", credits(6), "r1"),

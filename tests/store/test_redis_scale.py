@@ -23,6 +23,19 @@ async def _connections(redis_url: str, name: str) -> int:
     return sum(1 for c in listing if c.get("name") == name)
 
 
+def _count_ranges(store: RedisStore) -> list[int]:
+    """Wrap the store's notice XRANGE so a test can count it; the list's one item is the count."""
+    count = [0]
+    real = store._notices._range
+
+    async def counting(*args: object) -> object:
+        count[0] += 1
+        return await real(*args)  # type: ignore[arg-type]
+
+    store._notices._range = counting  # type: ignore[method-assign,assignment]
+    return count
+
+
 async def test_many_waiting_relays_share_a_bounded_set_of_connections(
     redis_url: str, redis_namespace: str
 ) -> None:
@@ -64,25 +77,48 @@ async def test_a_wait_with_no_notice_costs_no_round_trip_once_subscribed(
         await store.read_notices("d1", 0, 10, block_ms=300)  # subscribes, reads once
         hub = store._notices.hub
         assert hub.live
-        calls = 0
-        real = store._notices._range
-
-        async def counting(*args: object) -> object:
-            nonlocal calls
-            calls += 1
-            return await real(*args)  # type: ignore[arg-type]
-
-        store._notices._range = counting  # type: ignore[method-assign]
+        ranges = _count_ranges(store)
         for _ in range(3):
             assert await store.read_notices("d1", 0, 10, block_ms=30) == []
-        idle_calls = calls
+        idle_calls = ranges[0]
         await store.upsert_lease(lease("d1"), NOW, 60_000)
         await store.try_debit("d1", credits(1), 1.0, NOW, 60_000)
         woke = await store.read_notices("d1", 0, 10, block_ms=5_000)
     finally:
         await store.close()
     assert idle_calls == 0
-    assert [n.seq for n in woke] == [1] and calls == 1
+    assert [n.seq for n in woke] == [1] and ranges[0] == 1
+
+
+async def test_the_read_after_the_notices_it_found_waits_for_a_wake_not_a_round_trip(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """A relay's read that found notices (fewer than asked) and the next read after them: one
+    XRANGE, not a second one that finds nothing; a later notice still wakes it."""
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    try:
+        await register(store, "d1")
+        await store.upsert_lease(lease("d1"), NOW, 60_000)
+        await store.read_notices("d1", 0, 10, block_ms=300)  # subscribes, reads once
+        hub = store._notices.hub
+        assert hub.live
+        ranges = _count_ranges(store)
+        wakes = hub.wakes
+        await store.try_debit("d1", credits(1), 1.0, NOW, 60_000)
+        for _ in range(500):  # its wake is in before the read (a later one would read again)
+            if hub.wakes > wakes:
+                break
+            await asyncio.sleep(0.01)
+        found = await store.read_notices("d1", 0, 10, block_ms=5_000)
+        after = await store.read_notices("d1", found[-1].seq, 10, block_ms=30)
+        reads_for_one = ranges[0]
+        await store.try_debit("d1", credits(1), 1.0, NOW, 60_000)
+        woke = await store.read_notices("d1", found[-1].seq, 10, block_ms=5_000)
+    finally:
+        await store.close()
+    assert [n.seq for n in found] == [1] and after == []
+    assert reads_for_one == 1
+    assert [n.seq for n in woke] == [2]
 
 
 async def test_leases_arriving_together_go_in_few_pipelines_and_stay_monotonic(

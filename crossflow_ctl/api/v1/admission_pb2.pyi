@@ -127,6 +127,7 @@ class AdmitRequest(_message.Message):
     DRY_RUN_FIELD_NUMBER: _builtins.int
     POOL_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    HELD_AHEAD_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     uncached_prompt_tokens: _builtins.int
     cached_prefix_tokens: _builtins.int
@@ -139,6 +140,11 @@ class AdmitRequest(_message.Message):
     attempt: _builtins.int
     """0 on the first call of a request_id, n on its n-th retry (the broker then looks for the
     recorded outcome of an earlier call before deciding).
+    """
+    held_ahead_tokens: _builtins.int
+    """Uncached prompt tokens the router holds back from the prefill pool ahead of this prompt
+    (late binding): they reach prefill first, so the normal path waits for them as well.
+    0 when nothing is held ahead; negative is INVALID_ARGUMENT.
     """
     @_builtins.property
     def candidate_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -154,10 +160,11 @@ class AdmitRequest(_message.Message):
         dry_run: _builtins.bool = ...,
         pool: _builtins.str = ...,
         attempt: _builtins.int = ...,
+        held_ahead_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_prefix_node_id", b"cached_prefix_node_id", "cached_prefix_tokens", b"cached_prefix_tokens", "candidate_node_ids", b"candidate_node_ids", "dry_run", b"dry_run", "expected_output_tokens", b"expected_output_tokens", "pool", b"pool", "request_id", b"request_id", "uncached_prompt_tokens", b"uncached_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_prefix_node_id", b"cached_prefix_node_id", "cached_prefix_tokens", b"cached_prefix_tokens", "candidate_node_ids", b"candidate_node_ids", "dry_run", b"dry_run", "expected_output_tokens", b"expected_output_tokens", "held_ahead_tokens", b"held_ahead_tokens", "pool", b"pool", "request_id", b"request_id", "uncached_prompt_tokens", b"uncached_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -205,10 +212,13 @@ class NormalPathEstimate(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_MS_FIELD_NUMBER: _builtins.int
     TOTAL_MS_FIELD_NUMBER: _builtins.int
+    HOLD_MS_FIELD_NUMBER: _builtins.int
     wait_ms: _builtins.float
     prefill_ms: _builtins.float
     kv_transfer_ms: _builtins.float
     total_ms: _builtins.float
+    hold_ms: _builtins.float
+    """The pool's time for the tokens held ahead of the prompt (AdmitRequest.held_ahead_tokens)."""
     def __init__(
         self,
         *,
@@ -216,10 +226,11 @@ class NormalPathEstimate(_message.Message):
         prefill_ms: _builtins.float = ...,
         kv_transfer_ms: _builtins.float = ...,
         total_ms: _builtins.float = ...,
+        hold_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_transfer_ms", b"kv_transfer_ms", "prefill_ms", b"prefill_ms", "total_ms", b"total_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold_ms", b"hold_ms", "kv_transfer_ms", b"kv_transfer_ms", "prefill_ms", b"prefill_ms", "total_ms", b"total_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -95,6 +95,7 @@ class Hello(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     LAST_NOTICE_SEQ_FIELD_NUMBER: _builtins.int
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
+    NOTICE_BATCHES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     role: _common_pb2.NodeRole.ValueType
     epoch: _builtins.int
@@ -103,6 +104,10 @@ class Hello(_message.Message):
     last_notice_seq: _builtins.int
     """Last notice sequence the agent has seen; the broker resumes after it."""
     agent_version: _builtins.str
+    notice_batches: _builtins.bool
+    """The agent takes ConnectResponse.notices (all the notices one read found, in one message);
+    without it the broker sends each notice in its own ConnectResponse.notice.
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -115,10 +120,11 @@ class Hello(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         last_notice_seq: _builtins.int = ...,
         agent_version: _builtins.str = ...,
+        notice_batches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "epoch", b"epoch", "labels", b"labels", "last_notice_seq", b"last_notice_seq", "node_id", b"node_id", "pool", b"pool", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "epoch", b"epoch", "labels", b"labels", "last_notice_seq", b"last_notice_seq", "node_id", b"node_id", "notice_batches", b"notice_batches", "pool", b"pool", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -278,6 +284,28 @@ class Notice(_message.Message):
 Global___Notice: _TypeAlias = Notice  # noqa: Y015
 
 @_typing.final
+class NoticeBatch(_message.Message):
+    """Notices in ascending seq order, sent together (to an agent that set Hello.notice_batches)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NOTICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def notices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Notice]: ...
+    def __init__(
+        self,
+        *,
+        notices: _abc.Iterable[Global___Notice] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["notices", b"notices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NoticeBatch: _TypeAlias = NoticeBatch  # noqa: Y015
+
+@_typing.final
 class ConnectResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -285,6 +313,7 @@ class ConnectResponse(_message.Message):
     LEASE_ACK_FIELD_NUMBER: _builtins.int
     NOTICE_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    NOTICES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -293,6 +322,8 @@ class ConnectResponse(_message.Message):
     def notice(self) -> Global___Notice: ...
     @_builtins.property
     def heartbeat(self) -> Global___Heartbeat: ...
+    @_builtins.property
+    def notices(self) -> Global___NoticeBatch: ...
     def __init__(
         self,
         *,
@@ -300,12 +331,13 @@ class ConnectResponse(_message.Message):
         lease_ack: Global___LeaseAck | None = ...,
         notice: Global___Notice | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
+        notices: Global___NoticeBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "lease_ack", b"lease_ack", "notice", b"notice", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "lease_ack", b"lease_ack", "notice", b"notice", "notices", b"notices", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "lease_ack", b"lease_ack", "notice", b"notice", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "lease_ack", b"lease_ack", "notice", b"notice", "notices", b"notices", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "lease_ack", "notice", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "lease_ack", "notice", "heartbeat", "notices"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 

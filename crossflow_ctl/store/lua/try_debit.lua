@@ -2,19 +2,24 @@
 -- each of one or more debits on ONE node, in order (each sees the ones before it).
 -- KEYS[1] info HASH, KEYS[2] lease HASH, KEYS[3] reservations HASH, KEYS[4] notices STREAM,
 -- KEYS[5] reservation expiries ZSET.
+-- KEYS[6..] request record STRINGs (standalone Redis only: they lie in other slots).
 -- ARGV[1] now_ms, ARGV[2] share (0..1, exact float text), ARGV[3] hold expires_at_ms,
--- ARGV[4] notices MAXLEN, then 8 per debit: reservation id, request id, owner (the granted
--- router's identity, '' without authentication), debit c1..c5.
+-- ARGV[4] notices MAXLEN, then 12 per debit: reservation id, request id, owner (the granted
+-- router's identity, '' without authentication), debit c1..c5, then its request record: the
+-- index of its key in KEYS ('0': none), its TTL in ms, and its text around the lease: a grant
+-- records head .. '"lease_epoch":E,"lease_version":V' .. tail.
 -- Returns one reply per debit, in order: {refusal} for an unknown node; {refusal, epoch,
--- version} for cordoned, no_lease, expired, zero_lease; {'short', epoch, version, 'i,i', open}
--- (1-based credit indexes); {'granted', epoch, version, grant_seq, open}, where open is the
--- node's open debits after that debit, "c1,c2,c3,c4,c5,count" (exact at now_ms: expired
--- reservations are purged first), so the replica can refresh its cached view of the node
--- without reading it again.
+-- version} for cordoned, no_lease, expired, zero_lease; {'recorded', epoch, version, record,
+-- open} when its request record already exists (nothing debited); {'short', epoch, version,
+-- 'i,i', open} (1-based credit indexes); {'granted', epoch, version, grant_seq, open}, where
+-- open is the node's open debits after that debit, "c1,c2,c3,c4,c5,count" (exact at now_ms:
+-- expired reservations are purged first), so the replica can refresh its cached view of the
+-- node without reading it again.
 -- Safety is crossflow_ctl/domain/safety.py's: floor(lease x share) - open >= debit, per credit.
 local info, lease, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local now, share, expires, maxlen = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local count = (#ARGV - 4) / 8
+local STRIDE = 12
+local count = (#ARGV - 4) / STRIDE
 
 local function each(reply)
   local out = {}
@@ -50,14 +55,21 @@ end
 local out = {}
 local granted = false
 for i = 0, count - 1 do
-  local a = 5 + 8 * i  -- reservation id; request id a + 1; owner a + 2; c1..c5 a + 3 .. a + 7
+  -- reservation id a; request id a + 1; owner a + 2; c1..c5 a + 3 .. a + 7; record key index
+  -- a + 8, TTL a + 9, head a + 10, tail a + 11
+  local a = 5 + STRIDE * i
+  local r = tonumber(ARGV[a + 8])
+  local record_key = r > 0 and KEYS[5 + r] or nil
+  local recorded = record_key and redis.call('GET', record_key)
   local short = {}
   for c = 1, 5 do
     if tonumber(ARGV[a + 2 + c]) > limit[c] - open[c] then
       short[#short + 1] = tostring(c)
     end
   end
-  if #short > 0 then
+  if recorded then
+    out[#out + 1] = {'recorded', epoch, version, recorded, cf_totals_text(open)}
+  elseif #short > 0 then
     out[#out + 1] = {'short', epoch, version, table.concat(short, ','), cf_totals_text(open)}
   else
     local f = {'held', expires, '0', ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6],
@@ -67,6 +79,10 @@ for i = 0, count - 1 do
     cf_put(info, res, exp, ARGV[a], f, false)
     cf_add(open, f, 1)
     granted = true
+    if record_key then
+      redis.call('SET', record_key, ARGV[a + 10] .. '"lease_epoch":' .. epoch .. ',"lease_version":'
+        .. version .. ARGV[a + 11], 'PX', ARGV[a + 9])
+    end
     out[#out + 1] = {'granted', epoch, version, seq, cf_totals_text(open)}
   end
 end
