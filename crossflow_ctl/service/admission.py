@@ -354,8 +354,10 @@ class Admitter:
         return answer.model_copy(update={"shadow_decision": would})
 
 
-def _borrow(plan: Plan, check: NodeCheck) -> Admission:
-    """The BORROW answer for ``check`` without the grant's facts (a record's template)."""
+def _borrow(plan: Plan, check: NodeCheck, **grant: str | int) -> Admission:
+    """The BORROW answer for ``check``, with the grant's facts (``reservation_id``,
+    ``lease_epoch``, ``lease_version``, ``expires_at_ms``) when given; without them, a request
+    record's template."""
     return Admission(
         decision=Decision.BORROW,
         reason=Reason.BORROWED,
@@ -364,19 +366,21 @@ def _borrow(plan: Plan, check: NodeCheck) -> Admission:
         predicted_ttft_ms=check.predicted_ttft_ms,
         normal_ttft_ms=plan.normal_path.total_ms if plan.normal_path else 0.0,
         plan=plan,
+        **grant,
     )
 
 
 def _borrowed(plan: Plan, check: NodeCheck, outcome: DebitOutcome) -> Admission:
     res = outcome.reservation
     assert res is not None  # a granted outcome carries its reservation
-    grant = {
-        "reservation_id": res.reservation_id,
-        "lease_epoch": outcome.lease_epoch,
-        "lease_version": outcome.lease_version,
-        "expires_at_ms": res.expires_at_ms,
-    }
-    return _borrow(plan, check).model_copy(update=grant)
+    return _borrow(
+        plan,
+        check,
+        reservation_id=res.reservation_id,
+        lease_epoch=outcome.lease_epoch,
+        lease_version=outcome.lease_version,
+        expires_at_ms=res.expires_at_ms,
+    )
 
 
 def _record(record: tuple[str, int] | None, plan: Plan, check: NodeCheck) -> RequestRecord | None:
