@@ -32,7 +32,9 @@ from crossflow_ctl.domain.admission import (
     NodeCheck,
     Plan,
     Reason,
+    Room,
     check_demand,
+    node_rooms,
     plan_admission,
 )
 from crossflow_ctl.domain.clock import Clock
@@ -46,7 +48,7 @@ from crossflow_ctl.store.base import DebitOutcome, DebitRequest, RequestRecord, 
 log = structlog.get_logger()
 T = TypeVar("T")
 
-_View = tuple[PoolSnapshot | None, list[NodeState], DemandCheck]
+_View = tuple[PoolSnapshot | None, list[NodeState], DemandCheck, tuple[Room | None, ...]]
 
 MAX_DEBIT_TRIES = 3
 """Ranked nodes tried when a concurrent Admit took the room between the plan and the debit."""
@@ -262,9 +264,10 @@ class Admitter:
                         request.pool, request.candidate_node_ids, policy.candidate_sample, now
                     ),
                 )
-                views[key] = (pool, nodes, check_demand(pool, policy))
-            pool, nodes, demand = views[key]
-            plan = plan_admission(request, pool, nodes, policy, now, demand)
+                rooms = node_rooms(nodes, policy.borrow_share)
+                views[key] = (pool, nodes, check_demand(pool, policy), rooms)
+            pool, nodes, demand, rooms = views[key]
+            plan = plan_admission(request, pool, nodes, policy, now, demand, rooms)
             answer = self._without_debit(request, plan, policy)
             if answer is None:
                 pending.append((i, plan))
