@@ -4,12 +4,13 @@
 -- KEYS[5] reservation expiries ZSET.
 -- KEYS[6..] request record STRINGs (standalone Redis only: they lie in other slots).
 -- ARGV[1] now_ms, ARGV[2] share (0..1, exact float text), ARGV[3] hold expires_at_ms,
--- ARGV[4] notices MAXLEN, then ONE packed argument per debit (crossflow_ctl/store/redis_debit.py
--- ``pack_debit``): "rid,c1,c2,c3,c4,c5,r,ttl,nq,no,nh:" followed by the request id (nq bytes), the
--- owner (the granted router's identity, '' without authentication; no bytes), the record's head
--- (nh bytes) and its tail (the rest): rid the reservation id, c1..c5 the debit, r the index of
--- its request record's key in KEYS ('0': none), ttl the record's TTL in ms; a grant records
--- head .. '"lease_epoch":E,"lease_version":V' .. tail. The header holds no ':' (ids, numbers).
+-- ARGV[4] notices MAXLEN, then ONE packed argument per debit (``DebitCall.packed`` in
+-- crossflow_ctl/store/redis_debit.py): "rid,c1,c2,c3,c4,c5,r,ttl,nq,no,nh:" then the request id
+-- (nq bytes), the owner (the granted router's identity, '' without authentication; no bytes),
+-- the record's head (nh bytes) and its tail (the rest): rid the reservation id, c1..c5 the
+-- debit, r the index of its request record's key in KEYS ('0': none), ttl the record's TTL in
+-- ms; a grant records head .. '"lease_epoch":E,"lease_version":V' .. tail. The header holds no
+-- ':' (ids and numbers only).
 -- Returns one reply per debit, in order: {refusal} for an unknown node; {refusal, epoch,
 -- version} for cordoned, no_lease, expired, zero_lease; {'recorded', epoch, version, record,
 -- open} when its request record already exists (nothing debited); {'short', epoch, version,
