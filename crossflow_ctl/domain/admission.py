@@ -267,14 +267,35 @@ def estimate_normal_path(
     )
 
 
+Room = tuple[tuple[int, ...], Credits]
+"""A node's room per credit as Safety counts it (:func:`.safety.room_left`, may be negative),
+and the same floored at zero (``NodeCheck.available``)."""
+
+
+def node_rooms(nodes: Sequence[NodeState], share: float) -> tuple[Room | None, ...]:
+    """Each node's room at ``share`` (None without a lease): the same for every request planned
+    on these states, so a batch computes it once per node, not once per request and node."""
+    return tuple(
+        None if n.lease is None else _room(n.lease.lease.credits, n.open_debits, share)
+        for n in nodes
+    )
+
+
+def _room(lease: Credits, open_debits: Credits, share: float) -> Room:
+    room = room_left(lease, open_debits, share)
+    return room, Credits.from_tuple(room)
+
+
 def check_node(
     request: AdmissionRequest,
     node: NodeState,
     normal: NormalPath,
     settings: PolicySettings,
     now_ms: int,
+    room: Room | None = None,
 ) -> NodeCheck:
-    """Benefit and Safety on one node."""
+    """Benefit and Safety on one node; ``room``: the node's at ``settings.borrow_share``
+    (:func:`node_rooms`), computed here when not given."""
     node_id = node.info.node_id
     stored = node.lease
     debit = debit_for(request, node_id, settings, stored.lease if stored is not None else None)
@@ -289,9 +310,8 @@ def check_node(
     if lease.zero_reason is not None:
         detail = f"zero lease: {lease.zero_reason.value}"
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail=detail, **base)
-    room = room_left(lease.credits, node.open_debits, settings.borrow_share)
-    available = Credits.from_tuple(room)  # floored at zero, for display; Safety uses ``room``
-    short = short_of_room(room, debit)
+    left, available = room or _room(lease.credits, node.open_debits, settings.borrow_share)
+    short = short_of_room(left, debit)  # ``available`` is floored at zero, for display only
     service_ms = (
         lease.prefill_service_s(request.uncached_prompt_tokens, request.cached_prefix_tokens)
         * 1000.0
@@ -336,14 +356,21 @@ def plan_admission(
     settings: PolicySettings,
     now_ms: int,
     demand: DemandCheck | None = None,
+    rooms: Sequence[Room | None] | None = None,
 ) -> Plan:
     """Demand, then Benefit and Safety on every candidate; rank the nodes that pass both.
 
-    ``demand``: ``check_demand(pool, settings)`` when the caller already has it (a batch of
-    requests planned on one view shares it)."""
+    ``demand``: ``check_demand(pool, settings)``, and ``rooms``: ``node_rooms(nodes,
+    settings.borrow_share)``, when the caller already has them (a batch of requests planned on
+    one view shares them)."""
     demand = demand if demand is not None else check_demand(pool, settings)
     normal = estimate_normal_path(request, demand, pool, settings)
-    checks = tuple(check_node(request, n, normal, settings, now_ms) for n in nodes)
+    if rooms is None:
+        rooms = node_rooms(nodes, settings.borrow_share)
+    checks = tuple(
+        check_node(request, n, normal, settings, now_ms, r)
+        for n, r in zip(nodes, rooms, strict=True)
+    )
     ranked = tuple(
         sorted(
             (c for c in checks if c.verdict is Reason.BORROWED),

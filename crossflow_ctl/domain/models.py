@@ -139,7 +139,15 @@ class Credits(Frozen):
 
     @classmethod
     def from_tuple(cls, values: tuple[int, ...] | list[int]) -> Credits:
-        return cls(**dict(zip(CREDIT_NAMES, (max(0, int(v)) for v in values), strict=True)))
+        """Five amounts in CREDIT_NAMES order, each floored at zero (ValueError unless five)."""
+        c1, c2, c3, c4, c5 = values
+        return cls(
+            compute_tokens=max(0, int(c1)),
+            kv_tokens=max(0, int(c2)),
+            kv_transfer_bytes=max(0, int(c3)),
+            output_tokens=max(0, int(c4)),
+            slots=max(0, int(c5)),
+        )
 
     def is_zero(self) -> bool:
         return not (

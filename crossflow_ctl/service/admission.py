@@ -32,7 +32,9 @@ from crossflow_ctl.domain.admission import (
     NodeCheck,
     Plan,
     Reason,
+    Room,
     check_demand,
+    node_rooms,
     plan_admission,
 )
 from crossflow_ctl.domain.clock import Clock
@@ -46,7 +48,7 @@ from crossflow_ctl.store.base import DebitOutcome, DebitRequest, RequestRecord, 
 log = structlog.get_logger()
 T = TypeVar("T")
 
-_View = tuple[PoolSnapshot | None, list[NodeState], DemandCheck]
+_View = tuple[PoolSnapshot | None, list[NodeState], DemandCheck, tuple[Room | None, ...]]
 
 MAX_DEBIT_TRIES = 3
 """Ranked nodes tried when a concurrent Admit took the room between the plan and the debit."""
@@ -262,9 +264,10 @@ class Admitter:
                         request.pool, request.candidate_node_ids, policy.candidate_sample, now
                     ),
                 )
-                views[key] = (pool, nodes, check_demand(pool, policy))
-            pool, nodes, demand = views[key]
-            plan = plan_admission(request, pool, nodes, policy, now, demand)
+                rooms = node_rooms(nodes, policy.borrow_share)
+                views[key] = (pool, nodes, check_demand(pool, policy), rooms)
+            pool, nodes, demand, rooms = views[key]
+            plan = plan_admission(request, pool, nodes, policy, now, demand, rooms)
             answer = self._without_debit(request, plan, policy)
             if answer is None:
                 pending.append((i, plan))
@@ -354,8 +357,10 @@ class Admitter:
         return answer.model_copy(update={"shadow_decision": would})
 
 
-def _borrow(plan: Plan, check: NodeCheck) -> Admission:
-    """The BORROW answer for ``check`` without the grant's facts (a record's template)."""
+def _borrow(plan: Plan, check: NodeCheck, **grant: str | int) -> Admission:
+    """The BORROW answer for ``check``, with the grant's facts (``reservation_id``,
+    ``lease_epoch``, ``lease_version``, ``expires_at_ms``) when given; without them, a request
+    record's template."""
     return Admission(
         decision=Decision.BORROW,
         reason=Reason.BORROWED,
@@ -364,19 +369,21 @@ def _borrow(plan: Plan, check: NodeCheck) -> Admission:
         predicted_ttft_ms=check.predicted_ttft_ms,
         normal_ttft_ms=plan.normal_path.total_ms if plan.normal_path else 0.0,
         plan=plan,
+        **grant,
     )
 
 
 def _borrowed(plan: Plan, check: NodeCheck, outcome: DebitOutcome) -> Admission:
     res = outcome.reservation
     assert res is not None  # a granted outcome carries its reservation
-    grant = {
-        "reservation_id": res.reservation_id,
-        "lease_epoch": outcome.lease_epoch,
-        "lease_version": outcome.lease_version,
-        "expires_at_ms": res.expires_at_ms,
-    }
-    return _borrow(plan, check).model_copy(update=grant)
+    return _borrow(
+        plan,
+        check,
+        reservation_id=res.reservation_id,
+        lease_epoch=outcome.lease_epoch,
+        lease_version=outcome.lease_version,
+        expires_at_ms=res.expires_at_ms,
+    )
 
 
 def _record(record: tuple[str, int] | None, plan: Plan, check: NodeCheck) -> RequestRecord | None:

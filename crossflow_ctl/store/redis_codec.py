@@ -296,22 +296,33 @@ def node_state_from_view(node_id: str, raw: Sequence[Any]) -> NodeState | None:
     )
 
 
+def _notice_debit(stored: Raw) -> Credits:
+    c1, c2, c3, c4, c5 = (max(0, int(v)) for v in text(stored).split(","))
+    return Credits(
+        compute_tokens=c1, kv_tokens=c2, kv_transfer_bytes=c3, output_tokens=c4, slots=c5
+    )
+
+
+notice_debit: Memo[Raw, Credits] = Memo(_notice_debit)
+"""A notice's ``d`` field as Credits: a grant and its release or expiry carry the same debit,
+and requests of one shape the same one, so most notices a relay reads parse none."""
+
+_NOTICE_FIELDS = tuple((name.encode(), name) for name in ("k", "r", "d", "t"))
+
+
 def notice_from(node_id: str, entry_id: Raw, fields: Mapping[Raw, Raw]) -> Notice:
     """A notice stream entry as ``cf_notice`` wrote it (every grant and expiry makes one, and
     each agent stream's relay reads it); ``node_id`` is one the caller already checked (it
-    named the stream's key)."""
-    f = text_map(fields)
-    c1, c2, c3, c4, c5 = (max(0, int(v)) for v in f.get("d", "0,0,0,0,0").split(","))
-    debit = Credits(
-        compute_tokens=c1, kv_tokens=c2, kv_transfer_bytes=c3, output_tokens=c4, slots=c5
-    )
+    named the stream's key). Fields are read by their raw names (bytes or str replies alike),
+    not through a decoded copy of the entry: the relay reads every grant and expiry."""
+    k, r, d, t = (fields.get(raw, fields.get(name)) for raw, name in _NOTICE_FIELDS)
     return Notice(
         node_id=node_id,
         seq=int(text(entry_id).split("-", 1)[0]),
-        kind=NoticeKind(f["k"]),
-        reservation_id=f.get("r", ""),
-        debit=debit,
-        at_ms=int(f.get("t", "0")),
+        kind=NoticeKind(text(k) if k is not None else ""),
+        reservation_id=text(r) if r is not None else "",
+        debit=notice_debit(d) if d is not None else Credits(),
+        at_ms=int(t) if t is not None else 0,
     )
 
 

@@ -26,10 +26,6 @@ from crossflow_ctl.store.redis_cache import NodeCache
 UNKNOWN_NODE = DebitOutcome(granted=False, refusal="unknown_node")
 
 
-NO_RECORD = ("0", "0", "", "")
-"""A debit's record arguments when it carries no request record."""
-
-
 @dataclass(frozen=True, slots=True)
 class DebitCall:
     """One debit of a ``try_debit`` script call, with what its reply needs to become a
@@ -57,16 +53,25 @@ class DebitCall:
             record=request.record,
         )
 
-    def record_args(self, key_index: int) -> tuple[str | int, ...]:
-        """The script's record arguments: key index, TTL, and the record's text around the
-        lease (``try_debit.lua``): the grant's reservation id and expiry first, then the
-        payload's own members."""
-        if self.record is None:
-            return NO_RECORD
-        members = self.record.payload.strip()[1:]  # the payload object without its "{"
-        head = f'{{{grant_member(self.reservation_id)},"expires_at_ms":{self.expires_at_ms},'
-        tail = members if members.lstrip() == "}" else "," + members
-        return key_index, self.record.ttl_ms, head, tail
+    def packed(self, key_index: int) -> str:
+        """This debit as the script's ONE argument (``try_debit.lua``): a header of ids and
+        numbers, then the free texts (request id, owner, the record's head and tail) told apart
+        by their byte lengths in the header. ``key_index``: where its request record's key sits
+        among the call's record keys (0: none). A grant records the head, the lease, the tail:
+        the grant's reservation id and expiry first, then the payload's own members."""
+        head = tail = ""
+        ttl_ms = 0
+        if self.record is not None:
+            members = self.record.payload.strip()[1:]  # the payload object without its "{"
+            head = f'{{{grant_member(self.reservation_id)},"expires_at_ms":{self.expires_at_ms},'
+            tail = members if members.lstrip() == "}" else "," + members
+            ttl_ms = self.record.ttl_ms
+        d = self.debit
+        return (
+            f"{self.reservation_id},{d.compute_tokens},{d.kv_tokens},{d.kv_transfer_bytes},"
+            f"{d.output_tokens},{d.slots},{key_index},{ttl_ms},{_size(self.request_id)},"
+            f"{_size(self.owner)},{_size(head)}:{self.request_id}{self.owner}{head}{tail}"
+        )
 
     def outcome(self, out: Any) -> DebitOutcome:
         """This debit's reply as a DebitOutcome."""
@@ -144,6 +149,11 @@ def refresh_cache(cache: NodeCache, node_id: str, last: Any, now_ms: int) -> Non
     cache.debited(node_id, int(codec.text(last[1])), int(codec.text(last[2])), totals, now_ms)
 
 
+def _size(text: str) -> int:
+    """``text``'s length in bytes as Redis receives it (UTF-8)."""
+    return len(text) if text.isascii() else len(text.encode())
+
+
 NODE_KEYS = 5
 """The node's own keys of a ``try_debit`` call; request record keys follow them."""
 
@@ -165,14 +175,6 @@ def script_calls(keys: Keys, calls: Sequence[DebitCall], share: float) -> list[S
         if call.record is not None:
             group.keys.append(keys.request(call.record.key))
             key_index = len(group.keys) - NODE_KEYS
-        group.args.extend(
-            (
-                call.reservation_id,
-                call.request_id,
-                call.owner,
-                *call.debit.as_tuple(),
-                *call.record_args(key_index),
-            )
-        )
+        group.args.append(call.packed(key_index))
         group.positions.append(position)
     return list(by_node.values())

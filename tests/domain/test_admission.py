@@ -12,6 +12,7 @@ from crossflow_ctl.domain.admission import (
     check_demand,
     debit_for,
     estimate_normal_path,
+    node_rooms,
     plan_admission,
 )
 from crossflow_ctl.domain.models import (
@@ -309,3 +310,29 @@ def test_the_hold_uses_the_prefill_rate_when_the_pool_reports_no_processing_rate
     normal = estimate_normal_path(held, check_demand(idle, SETTINGS), idle, SETTINGS)
     assert normal.hold_ms == pytest.approx(2000.0)
     assert estimate_normal_path(REQUEST, check_demand(idle, SETTINGS), idle, SETTINGS).hold_ms == 0
+
+
+def test_a_batch_plans_on_rooms_computed_once_per_node_with_the_same_result() -> None:
+    """``node_rooms`` (what a batch computes once per view) gives each request's plan the same
+    verdicts as planning alone, and plan_admission checks Safety against the rooms it is given."""
+    nodes = [
+        node("d0"),
+        node("d1", credits=Credits(compute_tokens=1_500, kv_tokens=1_200, slots=1)),
+        node("d2", debits=Credits(compute_tokens=9_500, kv_tokens=99_000, slots=4)),  # full
+        node("d3", zero=ZeroReason.DRAINING),
+        NodeState(info=NodeInfo(node_id="d4")),  # no lease: no room
+    ]
+    half = SETTINGS.model_copy(update={"borrow_share": 0.5})
+    for settings in (SETTINGS, half):
+        rooms = node_rooms(nodes, settings.borrow_share)
+        assert rooms[4] is None
+        for prompt in (10, 1000, 3000):
+            req = AdmissionRequest(uncached_prompt_tokens=prompt, expected_output_tokens=100)
+            alone = plan_admission(req, pool(2000, 1000.0), nodes, settings, NOW)
+            batched = plan_admission(req, pool(2000, 1000.0), nodes, settings, NOW, None, rooms)
+            assert batched == alone
+    # The rooms given are the ones checked: d0 told it is full has no room.
+    full = node_rooms([node("d2", debits=ROOMY)], 1.0)
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), [node("d0")], SETTINGS, NOW, None, full)
+    assert plan.reason is Reason.NO_ROOM
+    assert plan.nodes[0].available == Credits()

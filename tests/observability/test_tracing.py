@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import pytest
 import structlog
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -230,3 +231,19 @@ def test_endpoint_without_the_otlp_package_is_a_config_error() -> None:
         setup_tracing("http://127.0.0.1:4317")
     assert err.value.field == "otlp_endpoint"
     assert OTLP_EXPORTER_MODULE.startswith("opentelemetry.exporter.otlp")
+
+
+def test_rpc_span_without_an_sdk_makes_the_callers_context_current() -> None:
+    """No SDK provider: no span is built, but the caller's trace context is current while the
+    RPC runs (as a no-op span would leave it: logs carry the caller's trace id) and not after."""
+    trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    metadata = (("traceparent", f"00-{trace_id}-{span_id}-01"),)
+    with rpc_span("/crossflow.v1.AdmissionService/Admit", metadata) as current:
+        assert not current.is_recording()
+        assert trace.get_current_span() is current
+        assert format(current.get_span_context().trace_id, "032x") == trace_id
+        assert format(current.get_span_context().span_id, "016x") == span_id
+    assert not trace.get_current_span().get_span_context().is_valid
+    with pytest.raises(RuntimeError), rpc_span("Release", None):
+        raise RuntimeError("handler failed")  # re-raised, the context restored
+    assert not trace.get_current_span().get_span_context().is_valid

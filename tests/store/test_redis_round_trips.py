@@ -6,6 +6,7 @@ refreshed by debit replies), batched debits, and the notice relay's waiting read
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from redis.asyncio import Connection, Redis
 
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import NodeRole, PoolLoad
-from crossflow_ctl.store.base import DebitRequest
+from crossflow_ctl.store.base import DebitRequest, RequestRecord
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.store.helpers import NOW, credits, lease, register
 
@@ -368,3 +369,50 @@ async def test_a_batch_of_debits_is_one_round_trip_each_atomic_in_order(
     assert [o.reservation.request_id for o in outs if o.reservation] == ["r0", "r1", "r5"]
     assert open_d1 == credits(10)
     assert [o.granted for o in again] == [True, False]
+
+
+@pytest.mark.parametrize(
+    ("request_id", "owner"),
+    [
+        ("", ""),
+        ("q:1,2|3\x1f", "router/a.b_c-1"),  # the header's separators inside a free text
+        ("é→≠:9,", "router/x"),  # multi-byte text: lengths are counted in bytes
+    ],
+)
+async def test_a_packed_debit_keeps_its_free_texts_and_record_whole(
+    redis_url: str, redis_namespace: str, request_id: str, owner: str
+) -> None:
+    """One argument per debit: the request id, owner and record text come back exactly as
+    sent, whatever bytes they hold, and the debit after it in the same call is unaffected."""
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    payload = '{"decision":"borrow","message":"ok: é,:|"}'
+    record = RequestRecord(f"key:{request_id}", 60_000, payload)
+    try:
+        await register(store, "d1")
+        await store.upsert_lease(lease("d1", value=10, ttl_ms=TTL), NOW, TTL)
+        outs = await store.try_debits(
+            [
+                DebitRequest("d1", credits(2), request_id, owner, record),
+                DebitRequest("d1", credits(3), "next", "router/z"),
+            ],
+            1.0,
+            NOW,
+            100,
+        )
+        stored = await store._r.get(store._k.request(record.key))
+        held = await store.list_reservations("d1", NOW)
+    finally:
+        await store.close()
+    first, second = (o.reservation for o in outs)
+    assert first is not None and second is not None
+    assert (first.request_id, first.owner, first.debit) == (request_id, owner, credits(2))
+    assert (second.request_id, second.owner, second.debit) == ("next", "router/z", credits(3))
+    assert {(r.request_id, r.owner) for r in held} == {(request_id, owner), ("next", "router/z")}
+    assert json.loads(stored) == {
+        "reservation_id": first.reservation_id,
+        "expires_at_ms": NOW + 100,
+        "lease_epoch": first.lease_epoch,
+        "lease_version": first.lease_version,
+        "decision": "borrow",
+        "message": "ok: é,:|",
+    }

@@ -4,10 +4,13 @@
 -- KEYS[5] reservation expiries ZSET.
 -- KEYS[6..] request record STRINGs (standalone Redis only: they lie in other slots).
 -- ARGV[1] now_ms, ARGV[2] share (0..1, exact float text), ARGV[3] hold expires_at_ms,
--- ARGV[4] notices MAXLEN, then 12 per debit: reservation id, request id, owner (the granted
--- router's identity, '' without authentication), debit c1..c5, then its request record: the
--- index of its key in KEYS ('0': none), its TTL in ms, and its text around the lease: a grant
--- records head .. '"lease_epoch":E,"lease_version":V' .. tail.
+-- ARGV[4] notices MAXLEN, then ONE packed argument per debit (``DebitCall.packed`` in
+-- crossflow_ctl/store/redis_debit.py): "rid,c1,c2,c3,c4,c5,r,ttl,nq,no,nh:" then the request id
+-- (nq bytes), the owner (the granted router's identity, '' without authentication; no bytes),
+-- the record's head (nh bytes) and its tail (the rest): rid the reservation id, c1..c5 the
+-- debit, r the index of its request record's key in KEYS ('0': none), ttl the record's TTL in
+-- ms; a grant records head .. '"lease_epoch":E,"lease_version":V' .. tail. The header holds no
+-- ':' (ids and numbers only).
 -- Returns one reply per debit, in order: {refusal} for an unknown node; {refusal, epoch,
 -- version} for cordoned, no_lease, expired, zero_lease; {'recorded', epoch, version, record,
 -- open} when its request record already exists (nothing debited); {'short', epoch, version,
@@ -18,8 +21,22 @@
 -- Safety is crossflow_ctl/domain/safety.py's: floor(lease x share) - open >= debit, per credit.
 local info, lease, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local now, share, expires, maxlen = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local STRIDE = 12
-local count = (#ARGV - 4) / STRIDE
+local count = #ARGV - 4
+
+-- One packed debit: its header fields (h[1] reservation id, h[2..6] c1..c5, h[7] record key
+-- index, h[8] record TTL) and its request id, owner, record head and record tail.
+local function unpack_debit(packed)
+  local colon = string.find(packed, ':', 1, true)
+  local h = {}
+  for v in string.gmatch(string.sub(packed, 1, colon - 1), '[^,]+') do
+    h[#h + 1] = v
+  end
+  local owner_at = colon + 1 + tonumber(h[9])
+  local head_at = owner_at + tonumber(h[10])
+  local tail_at = head_at + tonumber(h[11])
+  return h, string.sub(packed, colon + 1, owner_at - 1), string.sub(packed, owner_at, head_at - 1),
+    string.sub(packed, head_at, tail_at - 1), string.sub(packed, tail_at)
+end
 
 local function each(reply)
   local out = {}
@@ -54,16 +71,14 @@ for c = 1, 5 do
 end
 local out = {}
 local granted = false
-for i = 0, count - 1 do
-  -- reservation id a; request id a + 1; owner a + 2; c1..c5 a + 3 .. a + 7; record key index
-  -- a + 8, TTL a + 9, head a + 10, tail a + 11
-  local a = 5 + STRIDE * i
-  local r = tonumber(ARGV[a + 8])
+for i = 1, count do
+  local h, request_id, owner, head, tail = unpack_debit(ARGV[4 + i])
+  local r = tonumber(h[7])
   local record_key = r > 0 and KEYS[5 + r] or nil
   local recorded = record_key and redis.call('GET', record_key)
   local short = {}
   for c = 1, 5 do
-    if tonumber(ARGV[a + 2 + c]) > limit[c] - open[c] then
+    if tonumber(h[1 + c]) > limit[c] - open[c] then
       short[#short + 1] = tostring(c)
     end
   end
@@ -72,16 +87,16 @@ for i = 0, count - 1 do
   elseif #short > 0 then
     out[#out + 1] = {'short', epoch, version, table.concat(short, ','), cf_totals_text(open)}
   else
-    local f = {'held', expires, '0', ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6],
-      ARGV[a + 7], now, '0', epoch, version, ARGV[a + 2], ARGV[a + 1]}
-    local seq = cf_notice(info, notices, maxlen, 'grant', ARGV[a], f, now)
+    local f = {'held', expires, '0', h[2], h[3], h[4], h[5], h[6], now, '0', epoch, version,
+      owner, request_id}
+    local seq = cf_notice(info, notices, maxlen, 'grant', h[1], f, now)
     f[10] = seq
-    cf_put(info, res, exp, ARGV[a], f, false)
+    cf_put(info, res, exp, h[1], f, false)
     cf_add(open, f, 1)
     granted = true
     if record_key then
-      redis.call('SET', record_key, ARGV[a + 10] .. '"lease_epoch":' .. epoch .. ',"lease_version":'
-        .. version .. ARGV[a + 11], 'PX', ARGV[a + 9])
+      redis.call('SET', record_key, head .. '"lease_epoch":' .. epoch .. ',"lease_version":'
+        .. version .. tail, 'PX', h[8])
     end
     out[#out + 1] = {'granted', epoch, version, seq, cf_totals_text(open)}
   end
