@@ -108,7 +108,7 @@ class AdmissionStream:
                     del self._outbox[: self.max_batch]
                     await call.write(admission_pb2.AdmitStreamRequest(items=items))
         except Exception as exc:  # any write failure: the stream is gone, fail closed
-            self._broken(call, f"broker stream failed: {exc!r}")
+            self._broken(call, await _write_failure(call, exc))
 
     async def _read(self, call: Any) -> None:
         reason = "broker closed the stream"
@@ -184,3 +184,15 @@ class AdmissionStream:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+async def _write_failure(call: Any, exc: Exception) -> str:
+    """Why a write failed. A write fails when the broker has already ended the stream (e.g.
+    PERMISSION_DENIED for a caller whose role may not admit), and grpc then raises its internal
+    "execute_batch" error; the call's final status, usually in at once, says what happened."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            code = await call.code()
+            if code is not grpc.StatusCode.OK:
+                return f"broker stream failed ({code.name}): {await call.details()}"
+    return f"broker stream failed: {exc!r}"
