@@ -23,6 +23,31 @@ def add_trace_context(_logger: WrappedLogger, _method: str, event_dict: EventDic
     return event_dict
 
 
+_GRPC_CORE = "grpc._cython.cygrpc"
+_PEER_GONE = "ExecuteBatchError raised in core by servicer method"
+
+
+class PeerGone(logging.Filter):
+    """grpc.aio logs an ERROR with a traceback when a streaming handler writes to a call whose
+    peer has just gone (an agent or router closing its stream mid-write): a race no handler can
+    close, and nothing an operator can act on. It becomes one INFO line, ``stream.peer_gone``
+    naming the method, kept only when INFO is logged."""
+
+    def __init__(self, threshold: int) -> None:
+        super().__init__()
+        self.threshold = threshold
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == _GRPC_CORE and str(record.msg).startswith(_PEER_GONE):
+            method = str(record.msg).rpartition("[")[2].rstrip("]")
+            record.msg, record.args = "stream.peer_gone", None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info, record.exc_text = None, None
+            record.__dict__["method"] = method
+            return self.threshold <= logging.INFO
+        return True
+
+
 def _level(level: str | int) -> int:
     if isinstance(level, int):
         return level
@@ -60,13 +85,19 @@ def setup_logging(
     handler = logging.StreamHandler(out)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name, *exc],
+            foreign_pre_chain=[
+                *shared,
+                structlog.stdlib.add_logger_name,
+                structlog.stdlib.ExtraAdder(allow=("method",)),
+                *exc,
+            ],
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         )
     )
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, "_crossflow", False)]:
         root.removeHandler(old)
+    handler.addFilter(PeerGone(max(numeric, logging.INFO)))
     handler._crossflow = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(max(numeric, logging.INFO))  # third-party debug noise stays out

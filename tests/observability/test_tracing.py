@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -247,3 +248,29 @@ def test_rpc_span_without_an_sdk_makes_the_callers_context_current() -> None:
     with pytest.raises(RuntimeError), rpc_span("Release", None):
         raise RuntimeError("handler failed")  # re-raised, the context restored
     assert not trace.get_current_span().get_span_context().is_valid
+
+
+@pytest.mark.parametrize("level", ["info", "warning"])
+def test_a_write_to_a_gone_peer_is_one_info_line_not_an_error(level: str) -> None:
+    """grpc.aio's ERROR (with traceback) for a streaming write that lost the race with its peer
+    closing becomes one INFO ``stream.peer_gone`` line naming the method; other grpc errors stay."""
+    stream = io.StringIO()
+    setup_logging(json=True, level=level, stream=stream)
+    core = logging.getLogger("grpc._cython.cygrpc")
+    try:
+        try:
+            raise RuntimeError('Failed "execute_batch"')
+        except RuntimeError:
+            core.exception(
+                "ExecuteBatchError raised in core by servicer method "
+                "[/crossflow.v1.LeaseService/Connect]"
+            )
+            core.exception("Unexpected [AioRpcError] raised by servicer method [/x/Y]")
+    finally:
+        reset_logging()
+    lines = [json.loads(x) for x in stream.getvalue().splitlines()]
+    kept = [(x["event"], x["level"], x.get("method")) for x in lines]
+    gone = ("stream.peer_gone", "info", "/crossflow.v1.LeaseService/Connect")
+    other = ("Unexpected [AioRpcError] raised by servicer method [/x/Y]", "error", None)
+    assert kept == ([gone, other] if level == "info" else [other])
+    assert all("exception" not in x for x in lines if x["event"] == "stream.peer_gone")
