@@ -192,9 +192,7 @@ class AdmissionQueue:
                 self._decide(ticket, admission, Dispatch.BORROWED, since, 1)
                 return ticket
             if self._closed:
-                cause = (
-                    Dispatch.CLOSED if self._book.worth_holding(admission) else Dispatch.NOT_HELD
-                )
+                cause = self._closed_cause(self._book.worth_holding(admission))
                 self._decide(ticket, admission, cause, since, 1)
                 return ticket
             if self._book.worth_holding(admission) and self._prefill_has_room(request):

@@ -212,8 +212,8 @@ def compute_capacity(
     roof = roofline(model, node)
     batch = max(0, snapshot.running_requests)
     context = max(0, snapshot.decode_context_tokens)
-    horizon_s = settings.horizon_ms / 1000.0
-    budget = settings.itl_slo_ms / 1000.0 * settings.slo_margin
+    horizon_s = settings.horizon_s
+    budget = settings.budget_s
     base = roof.step_s(batch, context)
     throughput = batch / base if base > 0 else 0.0
 

@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from crossflow_ctl.domain.capacity import Roofline
-from crossflow_ctl.domain.models import MAX_MS, MAX_TOKENS, Lease, Notice, NoticeKind
+from crossflow_ctl.domain.models import (
+    MAX_MS,
+    MAX_TOKENS,
+    Lease,
+    Notice,
+    NoticeKind,
+    prefill_seconds,
+)
 
 
 def _memo(
@@ -175,7 +182,7 @@ class PrefillCoefficients(NamedTuple):
 
     def cost_s(self, uncached: int, cached: int) -> float:
         """Node seconds to prefill ``uncached`` tokens over a ``cached`` prefix."""
-        return uncached * (self.a_s + self.b_s * (cached + uncached / 2.0))
+        return prefill_seconds(uncached, cached, self.a_s, self.b_s)
 
 
 FAR_PREFIX_TOKENS = 40_960
@@ -222,7 +229,7 @@ def compute_debit(uncached: int, cached: int, a_s: float, b_s: float, rate_tps: 
     debit is the uncached tokens, as before coefficients existed."""
     if a_s <= 0.0 or rate_tps <= 0.0:
         return uncached
-    seconds = uncached * (a_s + b_s * (cached + uncached / 2.0))
+    seconds = prefill_seconds(uncached, cached, a_s, b_s)
     return min(MAX_TOKENS, math.ceil(seconds * rate_tps - 1e-9))
 
 

@@ -223,9 +223,16 @@ class Lease(Frozen):
         """Node seconds a borrowed prompt's prefill takes here (inf when the lease has no rate)."""
         if self.prefill_s_per_token > 0.0:
             a, b = self.prefill_s_per_token, self.prefill_s_per_token_context
-            return uncached * (a + b * (cached + uncached / 2.0))
+            return prefill_seconds(uncached, cached, a, b)
         rate = self.borrowed_prefill_rate_tps
         return uncached / rate if rate > 0 else float("inf")
+
+
+def prefill_seconds(uncached: int, cached: int, a_s: float, b_s: float) -> float:
+    """Node seconds to prefill ``uncached`` tokens over a ``cached`` prefix at ``a_s`` seconds per
+    token plus ``b_s`` per token of attended context: ``U * (a + b * (X + U/2))``. The one
+    pricing of a prompt, shared by the debit (Safety) and the service time (Benefit)."""
+    return uncached * (a_s + b_s * (cached + uncached / 2.0))
 
 
 class StoredLease(Frozen):

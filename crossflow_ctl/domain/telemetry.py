@@ -12,8 +12,6 @@ window had no samples (an idle engine, or the first scrape).
 
 from __future__ import annotations
 
-import math
-
 from crossflow_ctl.domain.models import Frozen
 
 
@@ -57,21 +55,9 @@ class EngineSnapshot(Frozen):
     window_s: float = 0.0
     """Length of the window behind the rates and quantiles (0 on a first scrape)."""
 
-    def numbers(self) -> dict[str, float]:
-        """Every numeric field, for plausibility checks (None fields left out)."""
-        out: dict[str, float] = {}
-        for name in NUMERIC_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                out[name] = float(value)
-        return out
-
     @property
     def kv_free_tokens(self) -> int:
         return max(0, self.kv_total_tokens - self.kv_used_tokens)
-
-    def finite(self) -> bool:
-        return all(math.isfinite(v) for v in self.numbers().values())
 
 
 NUMERIC_FIELDS: tuple[str, ...] = tuple(

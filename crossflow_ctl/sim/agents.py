@@ -90,15 +90,16 @@ class DecodeAgent:
         self.sizer = (
             ChunkSizer(
                 roofline(model, node),
-                settings.itl_slo_ms / 1000.0 * settings.slo_margin,
+                settings.budget_s,
                 settings.chunk_step_tokens,
                 settings.max_chunk_tokens,
             )
             if follow_chunk
             else None
         )
-        """The engine's chunk rule once the agent runs: each borrowed prompt's chunk is sized for
-        its prefix within the agent's ITL budget."""
+        """The engine's chunk rule: each borrowed prompt's chunk is sized for its prefix within the
+        agent's ITL budget (nothing is borrowed before the agent's first lease)."""
+        server.sizer = self.sizer
         self.version = 0
         self.last_notice_seq = 0
         self.last_tokens = 0
@@ -164,7 +165,6 @@ class DecodeAgent:
             open_debits=self.open_debits,
         )
         self.guard = decision.guard
-        self.server.sizer = self.sizer
         self.version += 1
         lease = decision.to_lease(
             node_id=self.node_id,
