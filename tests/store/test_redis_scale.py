@@ -8,6 +8,7 @@ import asyncio
 
 import redis.asyncio as aioredis
 
+from crossflow_ctl.domain.models import NoticeKind
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.store.helpers import NOW, credits, lease, register
 
@@ -179,3 +180,39 @@ async def test_a_broken_wake_subscription_loses_no_notice(
     assert granted.reservation is not None
     assert [n.reservation_id for n in notices] == [granted.reservation.reservation_id]
     assert store._notices.hub.generation > generation + 1
+
+
+async def test_one_lease_batch_that_expires_holds_on_two_nodes_wakes_both(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """upsert_leases purges expired holds of every lease in its call: each node whose stream got
+    an EXPIRE notice is woken, not only the first (a relay that found its stream drained waits
+    for a wake before it reads again)."""
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    listener = aioredis.Redis.from_url(redis_url)
+    pubsub = listener.pubsub()
+    try:
+        await register(store, "d1", "d2")
+        for node in ("d1", "d2"):
+            await store.upsert_lease(lease(node, version=1), NOW, 60_000)
+            await store.try_debit(node, credits(1), 1.0, NOW, 10)
+        await pubsub.subscribe(f"{redis_namespace}:notices")
+        await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+        before = store._ingest.batches
+        await asyncio.gather(
+            *(store.upsert_lease(lease(n, version=2), NOW + 1_000, 60_000) for n in ("d1", "d2"))
+        )
+        batches = store._ingest.batches - before
+        woken: set[bytes] = set()
+        for _ in range(20):
+            message = await pubsub.get_message(timeout=0.2)
+            if message is not None and message["type"] == "message":
+                woken.add(message["data"])
+        expired = {n: await store.read_notices(n, 1, 10) for n in ("d1", "d2")}
+    finally:
+        await pubsub.aclose()
+        await listener.aclose()
+        await store.close()
+    assert batches == 1, "both leases must go in one script call for this test to mean anything"
+    assert all([x.kind for x in notices] == [NoticeKind.EXPIRE] for notices in expired.values())
+    assert woken == {b"d1", b"d2"}

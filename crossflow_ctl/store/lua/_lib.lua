@@ -32,14 +32,16 @@ local function cf_int(x)
   return string.format('%d', x)
 end
 
--- Append one notice with the node's next sequence number and, for the script's first notice
--- only, PUBLISH the node id on the namespace's wake channel '<ns>:notices' (the key is
+-- Append one notice with the node's next sequence number and, for each node's first notice in
+-- the script, PUBLISH the node id on the namespace's wake channel '<ns>:notices' (the key is
 -- '<ns>:{<ns>:n:<node>}:notices'), which wakes the relay of the replica holding the node's
--- agent stream; returns the sequence (a string). One wake per script call is enough: the
--- script is atomic, so the read a wake triggers sees every notice it appended (a batch of
--- debits costs the relay one wake, not one per grant). A classic PUBLISH is not a key: it is
--- allowed in a one-slot script on a Cluster and reaches subscribers on every shard.
-local cf_woken = false
+-- agent stream; returns the sequence (a string). One wake per node per script call is enough:
+-- the script is atomic, so the read a wake triggers sees every notice it appended for that node
+-- (a batch of debits costs the relay one wake, not one per grant), while a script that touches
+-- several nodes (upsert_leases purging expired holds) wakes each of them. A classic PUBLISH is
+-- not a key: it is allowed in a one-slot script on a Cluster and reaches subscribers on every
+-- shard.
+local cf_woken = {}
 local function cf_notice(info_key, notices_key, maxlen, kind, rid, f, now)
   local seq = cf_int(redis.call('HINCRBY', info_key, 'seq', 1))
   local debit = '0,0,0,0,0'
@@ -49,9 +51,9 @@ local function cf_notice(info_key, notices_key, maxlen, kind, rid, f, now)
   redis.call('XADD', notices_key, 'MAXLEN', '~', maxlen, seq .. '-0',
     'k', kind, 'r', rid, 'd', debit, 't', now)
   local ns, node = string.match(notices_key, '^(.-):{.-:n:(.*)}:notices$')
-  if ns and not cf_woken then
+  if ns and not cf_woken[notices_key] then
     redis.call('PUBLISH', ns .. ':notices', node)
-    cf_woken = true
+    cf_woken[notices_key] = true
   end
   return seq
 end
