@@ -57,7 +57,7 @@ from crossflow_ctl.service.checks import (
 )
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.service.policy_keeper import PolicyKeeper, refresh_forever
-from crossflow_ctl.service.requests import OrphanDebits, admit_once, run_once
+from crossflow_ctl.service.requests import OrphanDebits, admit_once, admit_record, run_once
 from crossflow_ctl.service.room import RoomWatches
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
@@ -150,8 +150,24 @@ class Broker:
         self, requests: Sequence[AdmissionRequest], owner: str = ""
     ) -> list[Admission]:
         """One answer per request, in order, decided together (and with any Admit queued
-        alongside: :class:`~crossflow_ctl.service.admission.Admitter`)."""
-        return await self._admitter.admit_many(requests, owner)
+        alongside: :class:`~crossflow_ctl.service.admission.Admitter`). A request whose record
+        its debit cannot write (a retry, or a store that does not fold records) goes through
+        :meth:`admit`'s exactly-once path; it still joins the same group commit."""
+        policy = self.policy
+        alone = {
+            i
+            for i, r in enumerate(requests)
+            if r.request_id and not r.dry_run and admit_record(self.store, r, policy) is None
+        }
+        if not alone:
+            return await self._admitter.admit_many(requests, owner)
+        together = [r for i, r in enumerate(requests) if i not in alone]
+        batch, singles = await asyncio.gather(
+            self._admitter.admit_many(together, owner),
+            asyncio.gather(*(self.admit(requests[i], owner) for i in sorted(alone))),
+        )
+        in_batch, by_one = iter(batch), iter(singles)
+        return [next(by_one) if i in alone else next(in_batch) for i in range(len(requests))]
 
     @property
     def shadow_decisions(self) -> dict[Decision, int]:

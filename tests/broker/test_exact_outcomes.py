@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc, common_pb2, lease_pb2
-from crossflow_ctl.client import AdminClient, AdmissionClient
+from crossflow_ctl.client import AdminClient, AdmissionClient, AdmissionStream
 from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import FailedPrecondition
 from crossflow_ctl.domain.models import ReservationState
@@ -114,6 +114,34 @@ async def test_a_retried_admit_gets_the_same_reservation(cluster, agents) -> Non
         assert sorted(r.reservation_id for r in live) == sorted(
             (first.reservation_id, other.reservation_id)
         )
+
+
+async def test_a_retry_over_admit_stream_gets_the_first_outcome(cluster, agents) -> None:
+    """AdmitStream keeps Admit's exactly-once promise: a retry (attempt > 0) sent over the
+    stream replays the recorded answer, on every store, instead of debiting again."""
+    server, _, _ = await _lending_cluster(cluster, agents)
+    async with (
+        AdmissionClient(target(server), timeout_s=5) as client,
+        AdmissionStream(target(server), timeout_s=5) as stream,
+    ):
+        unary = await client.admit(request_id="u-1", uncached_prompt_tokens=100)
+        streamed = await stream.admit(request_id="s-1", uncached_prompt_tokens=100)
+        assert unary.decision is Decision.BORROW and streamed.decision is Decision.BORROW
+        retries = await asyncio.gather(
+            *(
+                stream.admit(
+                    AdmissionRequest(request_id=rid, uncached_prompt_tokens=100, attempt=1)
+                )
+                for rid in ("u-1", "s-1")
+            )
+        )
+    assert all(r.replayed for r in retries)
+    assert [r.reservation_id for r in retries] == [unary.reservation_id, streamed.reservation_id]
+    async with AdminClient(target(server)) as admin:
+        live = [r for r in await admin.list_reservations() if r.state is ReservationState.HELD]
+    assert sorted(r.reservation_id for r in live) == sorted(
+        (unary.reservation_id, streamed.reservation_id)
+    )
 
 
 async def test_a_retry_racing_the_first_call_gets_one_outcome_and_no_orphan(
