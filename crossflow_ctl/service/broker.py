@@ -57,7 +57,13 @@ from crossflow_ctl.service.checks import (
 )
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.service.policy_keeper import PolicyKeeper, refresh_forever
-from crossflow_ctl.service.requests import OrphanDebits, admit_once, admit_record, run_once
+from crossflow_ctl.service.requests import (
+    OrphanDebits,
+    admit_once,
+    admit_record,
+    record_ttl_ms,
+    run_once,
+)
 from crossflow_ctl.service.room import RoomWatches
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
@@ -229,15 +235,12 @@ class Broker:
                 self.store,
                 f"{kind}:{request_id}:{reservation_id}",
                 attempt,
-                self._record_ttl_ms(),
+                record_ttl_ms(self.policy),
                 call,
                 lambda r: r.model_dump_json(),
                 Reservation.model_validate_json,
             )
         )
-
-    def _record_ttl_ms(self) -> int:
-        return self.policy.commit_ttl_ms + self.policy.hold_ttl_ms
 
     async def _commit(self, reservation_id: str, owner: str | None) -> Reservation:
         now, ttl = self.clock.now_ms(), self.policy.commit_ttl_ms

@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from crossflow_ctl.aio import wait_any
 from crossflow_ctl.domain.errors import Aborted, CrossflowError, InvalidArgument
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.store.base import Store
@@ -103,8 +104,4 @@ async def refresh_forever(
             await load()
         except CrossflowError as exc:
             log.warning("policy.refresh_failed", error=str(exc))
-        try:
-            async with asyncio.timeout(interval_s):
-                await stop.wait()
-        except TimeoutError:
-            pass
+        await wait_any(stop, timeout_s=interval_s)

@@ -35,6 +35,7 @@ from typing import TypeVar
 
 import structlog
 
+from crossflow_ctl.aio import within
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import CrossflowError, StoreUnavailable
 from crossflow_ctl.domain.policy import PolicySettings
@@ -73,7 +74,13 @@ def encode_admission(answer: Admission) -> str:
 
 def admit_record_key(request: AdmissionRequest, policy: PolicySettings) -> tuple[str, int]:
     """The key and TTL of an Admit's request record."""
-    return f"admit:{request.request_id}", policy.commit_ttl_ms + policy.hold_ttl_ms
+    return f"admit:{request.request_id}", record_ttl_ms(policy)
+
+
+def record_ttl_ms(policy: PolicySettings) -> int:
+    """How long a request record outlives its call: a retry may come until the reservation it
+    names could have been held and committed."""
+    return policy.commit_ttl_ms + policy.hold_ttl_ms
 
 
 def admit_record(
@@ -110,8 +117,7 @@ async def admit_once(
     limit_s = policy.admit_timeout_ms / 1000.0
     if request.attempt > 0:
         try:
-            async with asyncio.timeout(limit_s):
-                stored = await store.read_request(key)
+            stored = await within(store.read_request(key), limit_s)
         except TimeoutError:
             log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms, step="record")
             return Admission.normal(
@@ -126,8 +132,7 @@ async def admit_once(
     if folded or (answer.decision is not Decision.BORROW and request.attempt == 0):
         return answer  # recorded with its debit (or replayed), or NORMAL on a first call
     try:
-        async with asyncio.timeout(limit_s):
-            stored = await store.record_request(key, encode_admission(answer), ttl)
+        stored = await within(store.record_request(key, encode_admission(answer), ttl), limit_s)
     except (TimeoutError, StoreUnavailable) as exc:  # unrecorded: the answer still stands
         log.warning("admit.record_failed", error=repr(exc))
         return answer

@@ -82,7 +82,10 @@ class RoomWatches:
         return len(self._feeds)
 
     def poke(self) -> None:
-        """Room may have changed here: every feed re-reads (not sooner than min_read_ms)."""
+        """Room may have changed here: every feed re-reads (not sooner than min_read_ms). Called
+        for every accepted lease, so with nothing watched it does nothing."""
+        if not self._feeds:
+            return
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
@@ -90,10 +93,6 @@ class RoomWatches:
         """End every watch (shutdown: routers re-subscribe to another replica)."""
         self._stop.set()
         self.poke()
-
-    @property
-    def closed(self) -> bool:
-        return self._stop.is_set()
 
     def watch(self, request: RoomWatchRequest) -> AsyncIterator[RoomUpdate]:
         """The updates of one subscription, until :meth:`close` or the consumer stops."""
