@@ -231,8 +231,8 @@ class NodeCache:
         if purged or cordoned != entry.state.info.cordoned:
             del self._items[lease.node_id]
             return
-        # The lease was validated on its way in; the store's own times need no checking.
-        stored = StoredLease.model_construct(
+        # Validating constructors: cheaper than model_construct on pydantic 2.13.
+        stored = StoredLease(
             lease=lease, received_at_ms=received_at_ms, expires_at_ms=expires_at_ms
         )
         state = entry.state.model_copy(update={"lease": stored})

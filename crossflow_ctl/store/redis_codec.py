@@ -144,13 +144,18 @@ def zero_marker(lease: Lease) -> str:
     return "no_capacity" if lease.credits.is_zero() else ""
 
 
+def order_marker(lease: Lease) -> str:
+    """The ``ev`` field: epoch and version as one string that sorts as the pair does."""
+    return f"{lease.epoch:020d}{lease.version:020d}"
+
+
 def lease_hash_values(lease: Lease, received_at_ms: int, expires_at_ms: int) -> tuple[str, ...]:
     """The lease hash's values (:data:`LEASE_FIELDS`, in that order) for ``lease`` received at
     ``received_at_ms`` and expiring at ``expires_at_ms`` (broker clock)."""
     c = lease.credits
     reason = lease.zero_reason
     return (
-        f"{lease.epoch:020d}{lease.version:020d}",
+        order_marker(lease),
         str(lease.epoch),
         str(lease.version),
         str(expires_at_ms),
@@ -181,12 +186,6 @@ def packed_lease_values(values: tuple[str, ...]) -> str:
     return PACKED_SEPARATOR.join(values)
 
 
-def stored_lease_to_fields(stored: StoredLease) -> dict[str, str]:
-    """The lease hash's fields for ``stored`` (:data:`LEASE_FIELDS`, in that order)."""
-    values = lease_hash_values(stored.lease, stored.received_at_ms, stored.expires_at_ms)
-    return dict(zip(LEASE_FIELDS, values, strict=True))
-
-
 _INT_FIELDS = (
     "epoch",
     "version",
@@ -206,9 +205,9 @@ _FLOAT_FIELDS = ("qwait", "rate", "a", "b", "itl", "itl_slo")
 
 
 def stored_lease_from_fields(raw: Mapping[Any, Raw]) -> StoredLease:
-    """A lease hash (as :func:`stored_lease_to_fields` wrote it) validated through the domain
-    model; a missing, malformed or inconsistent field raises StoreUnavailable naming it."""
-    f = {text(k): text(v) for k, v in raw.items()}
+    """A lease hash (as :func:`lease_hash_values` wrote it) validated through the domain model;
+    a missing, malformed or inconsistent field raises StoreUnavailable naming it."""
+    f = text_map(raw)
     field = next((name for name in LEASE_FIELDS if name not in f), "")
     try:
         if field:
@@ -240,7 +239,7 @@ def stored_lease_from_fields(raw: Mapping[Any, Raw]) -> StoredLease:
         )
         stored = StoredLease(lease=lease, received_at_ms=n["recv"], expires_at_ms=n["exp"])
         # The scripts decide on ``ev`` and ``zero``: they must agree with the lease they index.
-        expected = stored_lease_to_fields(stored)
+        expected = {"ev": order_marker(lease), "zero": zero_marker(lease)}
         field = next((name for name in ("ev", "zero") if f[name] != expected[name]), "")
         if field:
             raise ValueError(f"{f[field]!r} does not match the lease ({expected[field]!r})")
