@@ -117,12 +117,16 @@ class RoomWatchRequest(Frozen):
 
 def node_room(node: NodeState, share: float, now_ms: int) -> NodeRoom | None:
     """The node's room, or None when it has none (no, expired or zero lease, cordoned, or
-    short on compute, KV or slots)."""
+    short on compute, KV, output or slots: what Admit's Safety check would refuse a prompt
+    for, so a watcher is not told of room every re-offer would find gone)."""
     stored = node.lease
     if stored is None:
         return None
     available = node.available(now_ms, share)
-    if min(available.compute_tokens, available.kv_tokens, available.slots) <= 0:
+    if (
+        min(available.compute_tokens, available.kv_tokens, available.output_tokens, available.slots)
+        <= 0
+    ):
         return None
     lease = stored.lease
     return NodeRoom(

@@ -63,6 +63,7 @@ def test_summary_lists_only_nodes_with_room_after_share_and_debits() -> None:
         node("d4", expires=NOW),
         node("d5", cordoned=True),
         node("d6", debits=Credits(slots=2)),  # 4 x 0.5 = 2 slots, both taken
+        node("d8", debits=Credits(output_tokens=400)),  # 800 x 0.5 output, all taken
         NodeState(info=NodeInfo(node_id="d7")),
     ]
     view = summarize_room("default", pool(50_000), nodes, PolicySettings(borrow_share=0.5), NOW)
