@@ -4,10 +4,11 @@ With ``fail_closed=True`` an Admit that hits any transport error or its deadline
 :class:`Admission` (reason TIMEOUT or STORE_UNAVAILABLE) instead of raising, so a router can call
 it inline. Other calls raise the domain errors of :mod:`crossflow_ctl.client.errors`.
 
-Every call carries a request id (the caller's, or a fresh one) and is retried ``retries`` times
-with the SAME id after UNAVAILABLE or a deadline, so the broker's request records
-(crossflow_ctl.service.requests) make the outcome exact: a retried Admit never debits twice and
-gets the first call's answer; a retried Commit or Release tells how the first one ended.
+Every call carries a request id (the caller's, or a fresh one) and is retried ``retries`` times,
+within the same ``timeout_s``, with the SAME id after UNAVAILABLE or a deadline, so the broker's
+request records (crossflow_ctl.service.requests) make the outcome exact: a retried Admit never
+debits twice and gets the first call's answer; a retried Commit or Release tells how the first
+one ended.
 :meth:`AdmissionClient.room_updates` is the room signal of
 :class:`~crossflow_ctl.client.queue.AdmissionQueue` (late binding): it never ends on its own.
 """
@@ -116,13 +117,17 @@ class AdmissionClient(_Base):
 
     async def _retried(self, method: Any, request: Any) -> Any:
         """``method(request)``, again (same request id, ``attempt`` counting) after UNAVAILABLE
-        or a deadline."""
+        or a deadline, all attempts within the one ``timeout_s``: a fail-closed Admit answers by
+        its deadline, retries included."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         for attempt in range(self.retries + 1):
             request.attempt = attempt
             try:
-                return await method(request, timeout=self.timeout_s)
+                return await method(request, timeout=max(0.0, deadline - loop.time()))
             except grpc.aio.AioRpcError as exc:
-                if attempt == self.retries or exc.code() not in _RETRIED:
+                spent = loop.time() >= deadline
+                if attempt == self.retries or exc.code() not in _RETRIED or spent:
                     raise
         raise AssertionError("unreachable")
 
