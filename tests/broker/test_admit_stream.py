@@ -12,10 +12,13 @@ import pytest
 from redis.asyncio import Redis
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc, common_pb2, lease_pb2
+from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.client import AdminClient, AdmissionStream
 from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import ReservationState
+from crossflow_ctl.service.config import BrokerSettings
+from crossflow_ctl.store.memory import MemoryStore
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.conftest import TEST_POLICY, lending_broker, target
 from tests.broker.test_fail_closed import _broker_on, _closed_port
@@ -171,3 +174,26 @@ async def test_a_batch_is_decided_with_one_redis_round_trip(
     # the batch and the refused ones go to the next ranked node in a second round.
     assert trips == 2
     assert [a.node_id for a in answers].count("d1") == 2
+
+
+async def test_a_bug_behind_the_stream_ends_it_internal_not_unknown() -> None:
+    """The streaming handlers map errors as the unary ones do (servicers.maps_stream_errors)."""
+    server = BrokerServer(BrokerSettings(listen="127.0.0.1:0", policy=PATIENT), MemoryStore())
+    await server.start()
+
+    async def broken(*_: object, **__: object) -> list[Any]:
+        raise RuntimeError("a bug")
+
+    server.broker.admit_many = broken  # type: ignore[method-assign]
+    try:
+        async with grpc.aio.insecure_channel(target(server)) as channel:
+            call = admission_pb2_grpc.AdmissionServiceStub(channel).AdmitStream()
+            item = admission_pb2.AdmitStreamItem(
+                id=1, request=admission_pb2.AdmitRequest(uncached_prompt_tokens=100)
+            )
+            await call.write(admission_pb2.AdmitStreamRequest(items=[item]))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+    finally:
+        await server.stop()
+    assert err.value.code() == grpc.StatusCode.INTERNAL

@@ -9,7 +9,7 @@ with no detail, never UNKNOWN (the fuzz test proves none happen).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import wraps
 from typing import Any, ParamSpec, TypeVar
 
@@ -120,5 +120,24 @@ def maps_errors(
         except Exception as exc:  # every exception gets a status, never UNKNOWN
             await abort_with(args[-1], exc)
             raise AssertionError("unreachable: abort raises") from exc
+
+    return wrapper
+
+
+def maps_stream_errors(
+    method: Callable[P, AsyncIterator[R]],
+) -> Callable[P, AsyncIterator[R]]:
+    """:func:`maps_errors` for a server-streaming or bidirectional handler (an async
+    generator): a refusal ends the stream with its status, a bug with INTERNAL, never UNKNOWN."""
+
+    @wraps(method)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> AsyncIterator[R]:
+        try:
+            async for item in method(*args, **kwargs):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # every exception gets a status, never UNKNOWN
+            await abort_with(args[-1], exc)
 
     return wrapper

@@ -11,8 +11,7 @@ import grpc
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
 from crossflow_ctl.broker.admit_stream import answer_stream
 from crossflow_ctl.broker.auth import owner_filter, reservation_owner
-from crossflow_ctl.broker.servicers import abort_with, maps_errors
-from crossflow_ctl.domain.errors import CrossflowError
+from crossflow_ctl.broker.servicers import maps_errors, maps_stream_errors
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire.convert_admission import (
     admission_to_proto,
@@ -34,17 +33,15 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         admission = await self._broker.admit(admit_request_from_proto(request), owner)
         return admission_to_proto(admission)
 
+    @maps_stream_errors
     async def AdmitStream(
         self,
         request_iterator: AsyncIterator[admission_pb2.AdmitStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[admission_pb2.AdmitStreamResponse]:
         owner = reservation_owner()
-        try:
-            async for response in answer_stream(self._broker, request_iterator, owner):
-                yield response
-        except CrossflowError as exc:
-            await abort_with(context, exc)
+        async for response in answer_stream(self._broker, request_iterator, owner):
+            yield response
 
     @maps_errors
     async def Commit(
@@ -67,14 +64,9 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         )
         return admission_pb2.ReleaseResponse(reservation_id=res.reservation_id)
 
+    @maps_stream_errors
     async def WatchRoom(
         self, request: admission_pb2.WatchRoomRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admission_pb2.WatchRoomResponse]:
-        try:
-            updates = self._broker.watch_room(watch_request_from_proto(request))
-            async for update in updates:
-                yield room_update_to_proto(update)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # a refusal with its status, a bug as INTERNAL: never UNKNOWN
-            await abort_with(context, exc)
+        async for update in self._broker.watch_room(watch_request_from_proto(request)):
+            yield room_update_to_proto(update)
