@@ -203,8 +203,13 @@ class Store(abc.ABC):
         self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
     ) -> list[DebitOutcome]:
         """:meth:`try_debit` for each item, in order; each one atomic on its own node (a batch
-        is not a transaction). Stores with a network round trip send the batch as one."""
+        is not a transaction). Stores with a network round trip send the batch as one.
+
+        InvalidArgument, changing nothing, for an item with a ``record`` when the store does not
+        ``folds_request_records``: dropping it would leave a retry with no outcome to find."""
         check_debit_args(share, hold_ttl_ms)
+        if not self.folds_request_records and any(d.record is not None for d in debits):
+            raise InvalidArgument(f"{type(self).__name__} takes no request record with a debit")
         return [
             await self.try_debit(
                 d.node_id, d.debit, share, now_ms, hold_ttl_ms, d.request_id, d.owner

@@ -23,7 +23,7 @@ from crossflow_ctl.domain.models import (
     ZeroReason,
 )
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
-from crossflow_ctl.store.base import Store
+from crossflow_ctl.store.base import DebitRequest, RequestRecord, Store
 from tests.store.helpers import MAX_TTL, NOW, credits, lease, register
 
 
@@ -427,6 +427,29 @@ async def test_a_record_is_forgotten_only_for_the_reservation_it_names(store: St
     await store.forget_request("admit:r2", "abc@d1")
     assert await store.read_request("admit:r2") is None
     await store.forget_request("admit:none", "abc@d1")  # nothing recorded: nothing happens
+
+
+async def test_a_record_rides_with_its_debit_only_where_the_store_folds_records(
+    store: Store,
+) -> None:
+    """A store that cannot write the record in the debit's atomic step refuses it, debiting
+    nothing; dropping it would leave a retry of the request with no outcome to find."""
+    await register(store, "d1")
+    await store.upsert_lease(lease(value=80), NOW, MAX_TTL)
+    before = await snapshot(store)
+    record = RequestRecord(key="admit:r9", ttl_ms=60_000, payload="{}")
+    item = DebitRequest("d1", credits(10), "r9", "", record)
+    if not store.folds_request_records:
+        with pytest.raises(InvalidArgument):
+            await store.try_debits([item], 1.0, NOW, 100)
+        assert await snapshot(store) == before
+        assert await store.read_request("admit:r9") is None
+        return
+    (outcome,) = await store.try_debits([item], 1.0, NOW, 100)
+    assert outcome.granted and outcome.reservation is not None
+    assert outcome.record_key == "admit:r9"
+    stored = await store.read_request("admit:r9")
+    assert stored is not None and outcome.reservation.reservation_id in stored
 
 
 async def test_identity_is_fixed_unless_cordoned(store: Store) -> None:
