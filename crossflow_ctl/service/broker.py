@@ -225,11 +225,11 @@ class Broker:
         call: Callable[[], Awaitable[Reservation]],
     ) -> Reservation:
         """``call`` once per ``request_id`` (a retry gets the first outcome back); without a
-        request id, simply ``call``."""
+        request id, simply ``call``. Either way ONE admin deadline and timing bound it all."""
         check_reservation_id(reservation_id)
         check_request_id(request_id)
         if not request_id:
-            return await call()
+            return await self._admin_call(call())
         return await self._admin_call(
             run_once(
                 self.store,
@@ -244,7 +244,7 @@ class Broker:
 
     async def _commit(self, reservation_id: str, owner: str | None) -> Reservation:
         now, ttl = self.clock.now_ms(), self.policy.commit_ttl_ms
-        res = await self._admin_call(self.store.commit(reservation_id, now, ttl, owner))
+        res = await self.store.commit(reservation_id, now, ttl, owner)
         self.metrics.record_reservation_event("commit")
         annotate_node(res.node_id)
         return res
@@ -269,7 +269,7 @@ class Broker:
 
     async def _release(self, reservation_id: str, outcome: str, owner: str | None) -> Reservation:
         now = self.clock.now_ms()
-        res = await self._admin_call(self.store.release(reservation_id, now, owner))
+        res = await self.store.release(reservation_id, now, owner)
         log.debug("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
         self.metrics.record_reservation_event("release")
         annotate_node(res.node_id)
