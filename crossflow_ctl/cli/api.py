@@ -15,7 +15,7 @@ import grpc
 
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.client import AdminClient, AdmissionClient, NodeDetailView, NodeView
-from crossflow_ctl.client.admission import channel_options
+from crossflow_ctl.client.base import channel_options
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest
 from crossflow_ctl.domain.errors import (
     Aborted,

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from crossflow_ctl.api.v1 import admin_pb2, admin_pb2_grpc
-from crossflow_ctl.client.admission import _Base
+from crossflow_ctl.client.base import BrokerClient
 from crossflow_ctl.client.models import NodeDetailView, NodeEventView, NodeView
 from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
 from crossflow_ctl.domain.policy import VersionedPolicy
@@ -25,7 +25,7 @@ def _node_view(msg: admin_pb2.NodeStatus) -> NodeView:
     )
 
 
-class AdminClient(_Base):
+class AdminClient(BrokerClient):
     def __init__(
         self,
         target: str,

@@ -18,18 +18,17 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from types import TracebackType
 from typing import Any
 
 import grpc
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
+from crossflow_ctl.client.base import BrokerClient
 from crossflow_ctl.client.errors import error_from_rpc
 from crossflow_ctl.client.models import CommitResult
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
 from crossflow_ctl.domain.clock import SystemClock
 from crossflow_ctl.domain.errors import (
-    BrokerUnavailable,
     CrossflowError,
     InvalidArgument,
     StoreUnavailable,
@@ -37,7 +36,6 @@ from crossflow_ctl.domain.errors import (
 from crossflow_ctl.domain.models import validated
 from crossflow_ctl.domain.room import RoomUpdate, RoomWatchRequest, unknown_room
 from crossflow_ctl.security import ClientCredentials
-from crossflow_ctl.security.channel import open_channel
 from crossflow_ctl.wire.convert_admission import admission_from_proto, admit_request_to_proto
 from crossflow_ctl.wire.convert_room import room_update_from_proto, watch_request_to_proto
 
@@ -51,55 +49,7 @@ _RELEASE_OUTCOMES = {
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def channel_options(max_message_bytes: int = 4 * 1024 * 1024) -> list[tuple[str, Any]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
-
-
-class _Base:
-    """``credentials`` secure the channel the client opens (TLS, mTLS, bearer token: see
-    crossflow_ctl.security.channel); a supplied ``channel`` is used as it is."""
-
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout_s: float,
-        channel: grpc.aio.Channel | None = None,
-        credentials: ClientCredentials | None = None,
-    ) -> None:
-        self.target = target
-        self.timeout_s = timeout_s
-        self._own_channel = channel is None
-        self._channel = channel or open_channel(target, credentials, channel_options())
-
-    async def close(self) -> None:
-        if self._own_channel:
-            await self._channel.close()
-
-    async def __aenter__(self) -> Any:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
-    async def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return await method(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
-        except grpc.RpcError as exc:  # pragma: no cover - aio raises AioRpcError
-            raise BrokerUnavailable(str(exc)) from None
-
-
-class AdmissionClient(_Base):
+class AdmissionClient(BrokerClient):
     def __init__(
         self,
         target: str,

@@ -23,22 +23,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from types import TracebackType
 from typing import Any
 
 import grpc
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
-from crossflow_ctl.client.admission import channel_options
+from crossflow_ctl.client.base import BrokerClient
 from crossflow_ctl.client.errors import error_from_status
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.models import validated
 from crossflow_ctl.security import ClientCredentials
-from crossflow_ctl.security.channel import open_channel
 from crossflow_ctl.wire.convert_admission import admission_from_proto, admit_request_to_proto
 
 
-class AdmissionStream:
+class AdmissionStream(BrokerClient):
     """One AdmitStream to ``target`` (or over ``channel``), reopened after a failure;
     ``credentials`` secure the channel it opens (as for ``AdmissionClient``)."""
 
@@ -51,19 +49,14 @@ class AdmissionStream:
         channel: grpc.aio.Channel | None = None,
         credentials: ClientCredentials | None = None,
     ) -> None:
-        if channel is None and not target:
-            raise ValueError("give a target or a channel")
-        self.target = target
-        self.timeout_s = timeout_s
+        super().__init__(target, timeout_s=timeout_s, channel=channel, credentials=credentials)
         self.max_batch = max_batch
-        self._own_channel = channel is None
-        self._channel = channel or open_channel(target, credentials, channel_options())
         self._stub = admission_pb2_grpc.AdmissionServiceStub(self._channel)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Admission]] = {}
         self._outbox: list[admission_pb2.AdmitStreamItem] = []
         self._wake = asyncio.Event()
-        self._call: Any = None
+        self._stream: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._releases: set[asyncio.Task[Any]] = set()
 
@@ -71,7 +64,7 @@ class AdmissionStream:
         """Admit one request (an AdmissionRequest, or its fields as keywords); never raises for
         transport or broker trouble (NORMAL instead), raises InvalidArgument for a bad request."""
         req = request if request is not None else validated(AdmissionRequest, **fields)
-        if self._call is None:
+        if self._stream is None:
             self._open()
         item_id = next(self._ids)
         future: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
@@ -92,7 +85,7 @@ class AdmissionStream:
 
     def _open(self) -> None:
         call = self._stub.AdmitStream()
-        self._call = call
+        self._stream = call
         self._tasks = [
             asyncio.create_task(self._write(call), name="admission-stream-writer"),
             asyncio.create_task(self._read(call), name="admission-stream-reader"),
@@ -148,9 +141,9 @@ class AdmissionStream:
 
     def _broken(self, call: Any, reason: str) -> None:
         """Fail every waiting request closed; the next admit opens a new stream."""
-        if self._call is not call:
+        if self._stream is not call:
             return  # an older stream's task: its requests were failed when it broke
-        self._call = None
+        self._stream = None
         call.cancel()
         for task in self._tasks:
             if task is not asyncio.current_task():
@@ -161,7 +154,7 @@ class AdmissionStream:
         self._outbox.clear()
 
     async def close(self) -> None:
-        call, self._call = self._call, None
+        call, self._stream = self._stream, None
         if call is not None:
             with contextlib.suppress(Exception):  # half-close if the stream still works
                 async with asyncio.timeout(1.0):
@@ -171,19 +164,7 @@ class AdmissionStream:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._releases, return_exceptions=True)
         self._tasks = []
-        if self._own_channel:
-            await self._channel.close()
-
-    async def __aenter__(self) -> AdmissionStream:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
+        await super().close()
 
 
 async def _write_failure(call: Any, exc: Exception) -> str:
