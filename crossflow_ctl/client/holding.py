@@ -119,6 +119,22 @@ def _arrival(held: Held[K]) -> int:
     return held.seq
 
 
+@dataclass(frozen=True, slots=True)
+class _Room:
+    """The most spare compute and KV any node in a room view has."""
+
+    compute_tokens: int
+    kv_tokens: int
+
+    def fits(self, request: AdmissionRequest) -> bool:
+        """Whether some node might take ``request``: its uncached tokens within the compute
+        room, and the least KV it takes (its uncached tokens, and a cached prefix that does
+        not live on a decode node, which any node must pull in) within the KV room."""
+        uncached = request.uncached_prompt_tokens
+        remote = request.cached_prefix_tokens if request.cached_prefix_node_id is None else 0
+        return uncached <= self.compute_tokens and uncached + remote <= self.kv_tokens
+
+
 def _kv_tokens(request: AdmissionRequest) -> int:
     """The KV a borrowed prompt takes on its node: whole prompt and expected output."""
     return (
@@ -264,33 +280,49 @@ class HoldBook(Generic[K]):
         each with the uncached tokens held ahead of it (:meth:`reoffer_request`): those that
         go to prefill before it, whatever the re-offer order.
 
-        A prompt is skipped when it needs more compute than any node in the view has spare
-        (its tokens still count as ahead of the prompts after it)."""
+        A prompt is skipped when it needs more compute or KV than any node in the view has
+        spare (its tokens still count as ahead of the prompts after it)."""
         if not view.has_room:
             return []
-        biggest = view.max_compute_tokens
-        fits = self._fresh_first(biggest, now_ms) if self.behind(now_ms) else self._fits(biggest)
+        room = _Room(view.max_compute_tokens, max(n.kv_tokens for n in view.nodes))
+        fits = self._fresh_first(room, now_ms) if self.behind(now_ms) else self._fits(room)
         return list(islice(fits, self.config.max_reoffers_per_update))
 
-    def _fits(self, biggest: int) -> Iterator[tuple[Held[K], int]]:
+    def _fits(self, room: _Room) -> Iterator[tuple[Held[K], int]]:
         ahead = 0
         for held in self.ordered():
             tokens = held.request.uncached_prompt_tokens
-            if tokens <= biggest:
+            if room.fits(held.request):
                 yield held, ahead
             ahead += tokens
 
-    def _fresh_first(self, biggest: int, now_ms: int) -> Iterator[tuple[Held[K], int]]:
+    def _fresh_first(self, room: _Room, now_ms: int) -> Iterator[tuple[Held[K], int]]:
         assert self.config.fresh_first_ms is not None
         cutoff = now_ms - self.config.fresh_first_ms
-        fits = list(self._fits(biggest))
-        fresh = [(h, a) for h, a in fits if h.since_ms > cutoff]
+        if self.config.order == "fifo":
+            fresh = self._fresh_fifo(room, cutoff)
+        else:
+            fresh = [(h, a) for h, a in self._fits(room) if h.since_ms > cutoff]
         if self.config.fresh_order == "smallest":
             fresh.sort(key=lambda e: (_kv_tokens(e[0].request), -e[0].seq))
         else:
             fresh.sort(key=lambda e: -e[0].seq)
         yield from fresh
-        yield from ((h, a) for h, a in fits if h.since_ms <= cutoff)
+        yield from ((h, a) for h, a in self._fits(room) if h.since_ms <= cutoff)
+
+    def _fresh_fifo(self, room: _Room, cutoff: int) -> list[tuple[Held[K], int]]:
+        """The fresh prompts of a FIFO book with their tokens ahead, read from the newest end
+        (fresh prompts are the last held), so a pass costs the fresh prompts, not the book."""
+        out: list[tuple[Held[K], int]] = []
+        ahead = self._tokens
+        for held in reversed(self._held.values()):
+            if held.since_ms <= cutoff:
+                break
+            tokens = held.request.uncached_prompt_tokens
+            ahead -= tokens
+            if room.fits(held.request):
+                out.append((held, ahead))
+        return out
 
     @staticmethod
     def reoffer_request(held: Held[K], ahead_tokens: int = 0) -> AdmissionRequest:

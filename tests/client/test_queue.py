@@ -245,6 +245,31 @@ async def test_a_queue_behind_with_nothing_fresh_offers_room_oldest_first() -> N
     assert broker.calls == ["z#2", "y#2", "x#2"]
 
 
+async def test_prompts_needing_more_kv_than_any_node_has_are_not_offered() -> None:
+    """The least KV a prompt takes (uncached, plus a cached prefix no decode node holds)
+    above every node's KV room: skipped like a prompt too big for the compute room."""
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock)
+    remote = await queue.submit(req("remote", 500, cached=2_000))
+    local = await queue.submit(
+        AdmissionRequest(
+            request_id="local",
+            uncached_prompt_tokens=500,
+            cached_prefix_tokens=2_000,
+            cached_prefix_node_id="d1",
+        )
+    )
+    broker.calls.clear()
+    broker.room = 5_000
+    view = room(5_000).view
+    small_kv = view.model_copy(
+        update={"nodes": (view.nodes[0].model_copy(update={"kv_tokens": 1_000}),)}
+    )
+    await queue.on_room(RoomUpdate(seq=2, at_ms=0, view=small_kv))
+    assert broker.calls == ["local#2"]
+    assert dispatches([remote, local]) == [None, Dispatch.BORROWED_LATE]
+
+
 def test_fresh_first_ms_is_validated() -> None:
     with pytest.raises(ValueError, match="fresh_first_ms"):
         QueueConfig(fresh_first_ms=0)
