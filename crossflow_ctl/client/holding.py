@@ -19,7 +19,7 @@ from typing import Annotated, Generic, Literal, TypeVar
 from pydantic import Field
 
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
-from crossflow_ctl.domain.models import Frozen
+from crossflow_ctl.domain.models import MAX_TOKENS, Frozen
 from crossflow_ctl.domain.room import RoomStatus, RoomView
 
 K = TypeVar("K")
@@ -124,7 +124,8 @@ class _Room:
     """The most spare compute and KV any node in a room view has."""
 
     compute_tokens: int
-    kv_tokens: int
+    kv_tokens: int = MAX_TOKENS
+    """MAX_TOKENS: KV not looked at."""
 
     def fits(self, request: AdmissionRequest) -> bool:
         """Whether some node might take ``request``: its uncached tokens within the compute
@@ -280,13 +281,17 @@ class HoldBook(Generic[K]):
         each with the uncached tokens held ahead of it (:meth:`reoffer_request`): those that
         go to prefill before it, whatever the re-offer order.
 
-        A prompt is skipped when it needs more compute or KV than any node in the view has
-        spare (its tokens still count as ahead of the prompts after it)."""
+        A prompt is skipped when it needs more compute than any node in the view has spare,
+        or, when the queue is behind (refusals skip anyway), more KV (its tokens still count
+        as ahead of the prompts after it). In queue order a prompt short of KV is offered and
+        its refusal ends the pass, so later prompts do not overtake it for ever."""
         if not view.has_room:
             return []
+        most = self.config.max_reoffers_per_update
+        if not self.behind(now_ms):
+            return list(islice(self._fits(_Room(view.max_compute_tokens)), most))
         room = _Room(view.max_compute_tokens, max(n.kv_tokens for n in view.nodes))
-        fits = self._fresh_first(room, now_ms) if self.behind(now_ms) else self._fits(room)
-        return list(islice(fits, self.config.max_reoffers_per_update))
+        return list(islice(self._fresh_first(room, now_ms), most))
 
     def _fits(self, room: _Room) -> Iterator[tuple[Held[K], int]]:
         ahead = 0

@@ -35,6 +35,8 @@ class FakeBroker:
         self.ahead: dict[str, int] = {}
         """held_ahead_tokens of each call, by request_id."""
         self.on_call: Callable[[AdmissionRequest], None] | None = None
+        self.fits: Callable[[AdmissionRequest], bool] = lambda request: True
+        """Whether the prompt fits the room's other credits (KV), besides compute."""
         self._rid = 0
 
     async def admit(self, request: AdmissionRequest) -> Admission:
@@ -56,7 +58,7 @@ class FakeBroker:
             return Admission.normal(self.down_reason, "down")
         if not self.demand:
             return Admission.normal(Reason.NO_DEMAND, "prefill keeps up")
-        if request.uncached_prompt_tokens > self.room:
+        if request.uncached_prompt_tokens > self.room or not self.fits(request):
             return Admission.normal(Reason.NO_ROOM, "no room")
         self.room -= request.uncached_prompt_tokens
         self._rid += 1
@@ -245,11 +247,15 @@ async def test_a_queue_behind_with_nothing_fresh_offers_room_oldest_first() -> N
     assert broker.calls == ["z#2", "y#2", "x#2"]
 
 
-async def test_prompts_needing_more_kv_than_any_node_has_are_not_offered() -> None:
-    """The least KV a prompt takes (uncached, plus a cached prefix no decode node holds)
-    above every node's KV room: skipped like a prompt too big for the compute room."""
+@pytest.mark.parametrize("behind", [False, True])
+async def test_a_queue_behind_does_not_offer_prompts_needing_more_kv_than_any_node_has(
+    behind: bool,
+) -> None:
+    """Behind, a prompt whose least KV (uncached, plus a cached prefix no decode node holds)
+    is above every node's KV room is skipped like one too big for the compute room. In queue
+    order it is offered: its refusal ends the pass, so no later prompt overtakes it."""
     broker, clock = FakeBroker(room=0), ManualClock(0)
-    queue, _ = make(broker, clock)
+    queue, _ = make(broker, clock, max_hold_ms=60_000, fresh_first_ms=1_000)
     remote = await queue.submit(req("remote", 500, cached=2_000))
     local = await queue.submit(
         AdmissionRequest(
@@ -259,15 +265,21 @@ async def test_prompts_needing_more_kv_than_any_node_has_are_not_offered() -> No
             cached_prefix_node_id="d1",
         )
     )
+    clock.advance(2_000 if behind else 500)
     broker.calls.clear()
+    broker.fits = lambda r: r.request_id != "remote#2"  # the node's KV room, as Admit sees it
     broker.room = 5_000
     view = room(5_000).view
     small_kv = view.model_copy(
         update={"nodes": (view.nodes[0].model_copy(update={"kv_tokens": 1_000}),)}
     )
     await queue.on_room(RoomUpdate(seq=2, at_ms=0, view=small_kv))
-    assert broker.calls == ["local#2"]
-    assert dispatches([remote, local]) == [None, Dispatch.BORROWED_LATE]
+    if behind:
+        assert broker.calls == ["local#2"]
+        assert dispatches([remote, local]) == [None, Dispatch.BORROWED_LATE]
+    else:
+        assert broker.calls == ["remote#2"]
+        assert dispatches([remote, local]) == [None, None]
 
 
 def test_fresh_first_ms_is_validated() -> None:
