@@ -19,7 +19,7 @@ from typing import Annotated, Generic, Literal, TypeVar
 from pydantic import Field
 
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
-from crossflow_ctl.domain.models import Frozen
+from crossflow_ctl.domain.models import MAX_TOKENS, Frozen
 from crossflow_ctl.domain.room import RoomStatus, RoomView
 
 K = TypeVar("K")
@@ -60,7 +60,23 @@ class QueueConfig(Frozen):
     so the deadline fires only under overload, where it moves the prompt to a prefill queue it
     waits in just as long and where no lease can reach it: make it long there."""
     order: Literal["fifo", "shortest"] = "fifo"
-    """Re-offer order: arrival, or fewest uncached prompt tokens first (ties by arrival)."""
+    """Queue order: arrival, or fewest uncached prompt tokens first (ties by arrival). Held
+    prompts go to prefill in this order and are re-offered in it, unless the queue is behind
+    (``fresh_first_ms``)."""
+    fresh_first_ms: Annotated[int | None, Field(ge=1, le=600_000)] = 5_000
+    """Adaptive LIFO for room, under overload. Once the oldest held prompt has been held this
+    long (the queue is behind), a room update re-offers first the *fresh* prompts, held less
+    than this, in ``fresh_order``, then the others in queue order, and a refusal skips a
+    prompt instead of ending the pass. Prefill still takes the oldest. A FIFO queue that is
+    behind makes every prompt wait the whole backlog; this way room serves fresh prompts at
+    once while the rest drain through prefill in order, and once arrivals stop nothing is
+    fresh, so room and prefill both take the oldest and the tail is no longer than FIFO's.
+    Never acts while ``max_hold_ms`` is shorter. None: room follows ``order`` always."""
+    fresh_order: Literal["smallest", "newest"] = "smallest"
+    """Order of fresh prompts when the queue is behind: fewest prompt (cached and uncached)
+    plus expected output tokens first, the KV a borrowed prompt takes on its node, which is
+    the credit overloaded nodes run short of, so the room serves the most prompts (ties
+    newest first); or newest first."""
     max_reoffers_per_update: Annotated[int, Field(ge=1, le=10_000)] = 16
     """Admits one room update may cause at most."""
     hold_reasons: frozenset[Reason] = frozenset(
@@ -101,6 +117,32 @@ class Held(Generic[K]):
 
 def _arrival(held: Held[K]) -> int:
     return held.seq
+
+
+@dataclass(frozen=True, slots=True)
+class _Room:
+    """The most spare compute and KV any node in a room view has."""
+
+    compute_tokens: int
+    kv_tokens: int = MAX_TOKENS
+    """MAX_TOKENS: KV not looked at."""
+
+    def fits(self, request: AdmissionRequest) -> bool:
+        """Whether some node might take ``request``: its uncached tokens within the compute
+        room, and the least KV it takes (its uncached tokens, and a cached prefix that does
+        not live on a decode node, which any node must pull in) within the KV room."""
+        uncached = request.uncached_prompt_tokens
+        remote = request.cached_prefix_tokens if request.cached_prefix_node_id is None else 0
+        return uncached <= self.compute_tokens and uncached + remote <= self.kv_tokens
+
+
+def _kv_tokens(request: AdmissionRequest) -> int:
+    """The KV a borrowed prompt takes on its node: whole prompt and expected output."""
+    return (
+        request.uncached_prompt_tokens
+        + request.cached_prefix_tokens
+        + request.expected_output_tokens
+    )
 
 
 def _shortest(held: Held[K]) -> tuple[int, int]:
@@ -225,24 +267,67 @@ class HoldBook(Generic[K]):
             return Dispatch.NO_DEMAND
         return None
 
-    def to_reoffer(self, view: RoomView) -> list[tuple[Held[K], int]]:
-        """The held prompts to re-offer on ``view``, in order, at most the configured number,
-        each with the uncached tokens held ahead of it (:meth:`reoffer_request`).
+    def behind(self, now_ms: int) -> bool:
+        """Whether the queue is behind (``fresh_first_ms``): its oldest prompt has been held
+        at least that long. Then room goes to fresh prompts first and a refusal skips."""
+        after = self.config.fresh_first_ms
+        if after is None or not self._held:
+            return False
+        oldest = next(iter(self._held.values()))  # insertion is arrival order
+        return now_ms - oldest.since_ms >= after
 
-        A prompt is skipped when it needs more compute than any node in the view has spare
-        (its tokens still count as ahead of the prompts after it)."""
+    def to_reoffer(self, view: RoomView, now_ms: int = 0) -> list[tuple[Held[K], int]]:
+        """The held prompts to re-offer on ``view``, in order, at most the configured number,
+        each with the uncached tokens held ahead of it (:meth:`reoffer_request`): those that
+        go to prefill before it, whatever the re-offer order.
+
+        A prompt is skipped when it needs more compute than any node in the view has spare,
+        or, when the queue is behind (refusals skip anyway), more KV (its tokens still count
+        as ahead of the prompts after it). In queue order a prompt short of KV is offered and
+        its refusal ends the pass, so later prompts do not overtake it for ever."""
         if not view.has_room:
             return []
-        biggest = view.max_compute_tokens
-        return list(islice(self._fits_after(biggest), self.config.max_reoffers_per_update))
+        most = self.config.max_reoffers_per_update
+        if not self.behind(now_ms):
+            return list(islice(self._fits(_Room(view.max_compute_tokens)), most))
+        room = _Room(view.max_compute_tokens, max(n.kv_tokens for n in view.nodes))
+        return list(islice(self._fresh_first(room, now_ms), most))
 
-    def _fits_after(self, biggest: int) -> Iterator[tuple[Held[K], int]]:
+    def _fits(self, room: _Room) -> Iterator[tuple[Held[K], int]]:
         ahead = 0
         for held in self.ordered():
             tokens = held.request.uncached_prompt_tokens
-            if tokens <= biggest:
+            if room.fits(held.request):
                 yield held, ahead
             ahead += tokens
+
+    def _fresh_first(self, room: _Room, now_ms: int) -> Iterator[tuple[Held[K], int]]:
+        assert self.config.fresh_first_ms is not None
+        cutoff = now_ms - self.config.fresh_first_ms
+        if self.config.order == "fifo":
+            fresh = self._fresh_fifo(room, cutoff)
+        else:
+            fresh = [(h, a) for h, a in self._fits(room) if h.since_ms > cutoff]
+        if self.config.fresh_order == "smallest":
+            fresh.sort(key=lambda e: (_kv_tokens(e[0].request), -e[0].seq))
+        else:
+            fresh.sort(key=lambda e: -e[0].seq)
+        yield from fresh
+        yield from ((h, a) for h, a in self._fits(room) if h.since_ms <= cutoff)
+
+    def _fresh_fifo(self, room: _Room, cutoff: int) -> list[tuple[Held[K], int]]:
+        """The fresh prompts of a FIFO book with their tokens ahead, read from the newest end
+        (fresh prompts are the last held), so a pass costs the fresh prompts, not the book."""
+        out: list[tuple[Held[K], int]] = []
+        ahead = self._tokens
+        for held in reversed(self._held.values()):
+            if held.since_ms <= cutoff:
+                break
+            tokens = held.request.uncached_prompt_tokens
+            ahead -= tokens
+            if room.fits(held.request):
+                out.append((held, ahead))
+        return out
 
     @staticmethod
     def reoffer_request(held: Held[K], ahead_tokens: int = 0) -> AdmissionRequest:

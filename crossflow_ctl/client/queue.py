@@ -208,7 +208,9 @@ class AdmissionQueue:
 
     async def on_room(self, update: RoomUpdate) -> list[Outcome]:
         """A room update: dispatch everything if Demand is gone or room is unknown; else
-        re-offer held prompts in order until one is refused. Then deadlines and prefill room.
+        re-offer held prompts in order until one is refused (a queue that is behind offers
+        fresh prompts first and skips refusals: ``QueueConfig.fresh_first_ms``). Then
+        deadlines and prefill room.
         Returns the outcomes decided here, in order (also delivered to tickets and callback)."""
         async with self._lock:
             self._step = []
@@ -217,23 +219,31 @@ class AdmissionQueue:
             if cause is not None:
                 self._dispatch_all(cause)
                 return self._step
-            borrowed = 0  # tokens borrowed in this pass: no longer ahead of the next prompts
-            for held, ahead in self._book.to_reoffer(update.view):
+            # A queue that is behind skips a refused prompt; else the pass ends there, so no
+            # prompt overtakes an older one that found no room.
+            now_ms = self.clock.now_ms()
+            skip_refused = self._book.behind(now_ms)
+            borrowed: list[tuple[int, int]] = []
+            """(tokens held ahead, own tokens) of each prompt this pass borrowed: those ahead
+            of a later re-offered prompt (fewer tokens ahead) are no longer ahead of it."""
+            for held, ahead in self._book.to_reoffer(update.view, now_ms):
                 if held.key not in self._book:
                     continue
                 for observer in self._observers:
                     observer.reoffered(held.request)
-                request = self._book.reoffer_request(held, ahead - borrowed)
+                gone = sum(tokens for at, tokens in borrowed if at < ahead)
+                request = self._book.reoffer_request(held, ahead - gone)
                 admission = await self._reoffer(request)
                 step = self._book.answered(held, admission)
                 if step is Step.BORROWED:
-                    borrowed += held.request.uncached_prompt_tokens
+                    borrowed.append((ahead, held.request.uncached_prompt_tokens))
                     self._finish(held, admission, Dispatch.BORROWED_LATE)
                     continue
                 if step is Step.DISPATCH_ALL:
                     self._dispatch_all(self._book.dispatch_for(admission))
                     return self._step
-                break
+                if not skip_refused:
+                    break
             self._expire()
             self._to_prefill()
             return self._step

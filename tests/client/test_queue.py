@@ -7,7 +7,7 @@ while it has room for the prompt's uncached tokens (debiting it), NO_ROOM otherw
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -34,11 +34,16 @@ class FakeBroker:
         self.calls: list[str] = []
         self.ahead: dict[str, int] = {}
         """held_ahead_tokens of each call, by request_id."""
+        self.on_call: Callable[[AdmissionRequest], None] | None = None
+        self.fits: Callable[[AdmissionRequest], bool] = lambda request: True
+        """Whether the prompt fits the room's other credits (KV), besides compute."""
         self._rid = 0
 
     async def admit(self, request: AdmissionRequest) -> Admission:
         self.calls.append(request.request_id)
         self.ahead[request.request_id] = request.held_ahead_tokens
+        if self.on_call is not None:
+            self.on_call(request)
         if self.records is not None and request.request_id in self.records:
             return self.records[request.request_id]
         answer = await self._answer(request)
@@ -53,7 +58,7 @@ class FakeBroker:
             return Admission.normal(self.down_reason, "down")
         if not self.demand:
             return Admission.normal(Reason.NO_DEMAND, "prefill keeps up")
-        if request.uncached_prompt_tokens > self.room:
+        if request.uncached_prompt_tokens > self.room or not self.fits(request):
             return Admission.normal(Reason.NO_ROOM, "no room")
         self.room -= request.uncached_prompt_tokens
         self._rid += 1
@@ -65,8 +70,10 @@ class FakeBroker:
         )
 
 
-def req(rid: str, tokens: int = 1_000) -> AdmissionRequest:
-    return AdmissionRequest(request_id=rid, uncached_prompt_tokens=tokens)
+def req(rid: str, tokens: int = 1_000, cached: int = 0) -> AdmissionRequest:
+    return AdmissionRequest(
+        request_id=rid, uncached_prompt_tokens=tokens, cached_prefix_tokens=cached
+    )
 
 
 def room(compute: int, *, demand: bool = True, seq: int = 1) -> RoomUpdate:
@@ -188,6 +195,99 @@ async def test_shortest_order_counts_only_shorter_prompts_ahead() -> None:
     broker.room = 500
     await queue.on_room(room(3_000))  # a is too big to offer; its tokens are behind d's anyway
     assert [(r, broker.ahead[r]) for r in broker.calls[4:]] == [("c#2", 0), ("b#2", 0)]
+
+
+async def test_a_queue_behind_offers_room_to_fresh_prompts_smallest_first() -> None:
+    """Once the oldest prompt is held fresh_first_ms, room goes to the prompts held less than
+    that, fewest KV tokens (prompt, cached prefix included, and output) first; a refusal
+    skips; prefill still takes the oldest."""
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock, max_hold_ms=60_000, fresh_first_ms=1_000)
+    old = await queue.submit(req("old", 500))
+    clock.advance(600)
+    fresh = [
+        await queue.submit(req(r, t, cached))
+        for r, t, cached in (("big", 3_000, 0), ("cached", 500, 9_000), ("small", 1_000, 0))
+    ]
+    broker.calls.clear()
+    clock.advance(400)  # old has been held 1,000 ms: the queue is behind
+    broker.room = 1_000
+    await queue.on_room(room(3_000))
+    # small (1,000 KV) borrows; big (3,000) is refused and skipped; cached (9,500 KV) is
+    # refused; old, no longer fresh, comes last and is refused too.
+    assert broker.calls == ["small#2", "big#2", "cached#2", "old#2"]
+    assert dispatches([old, *fresh]) == [None, None, None, Dispatch.BORROWED_LATE]
+    # Each offer carries what prefill takes before it (arrival order), less what borrowed.
+    assert [broker.ahead[c] for c in broker.calls] == [4_000, 500, 3_500, 0]
+    assert [r.request_id for r in queue.held_requests()] == ["old", "big", "cached"]
+
+
+async def test_a_queue_behind_with_nothing_fresh_offers_room_oldest_first() -> None:
+    """When arrivals stop nothing is fresh: room takes the oldest, as prefill does, so the
+    tail is no longer than in arrival order. Newest order puts the fresh ones newest first."""
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock, max_hold_ms=60_000, fresh_first_ms=1_000)
+    for r in ("a", "b", "c"):
+        await queue.submit(req(r, 1_000))
+        clock.advance(10)
+    clock.advance(2_000)
+    broker.calls.clear()
+    broker.room = 2_000
+    await queue.on_room(room(2_000))
+    assert broker.calls == ["a#2", "b#2", "c#2"]
+    assert [r.request_id for r in queue.held_requests()] == ["c"]
+    newest, _ = make(broker, clock, max_hold_ms=60_000, fresh_first_ms=1_000, fresh_order="newest")
+    broker.room = 0
+    for r in ("x", "y", "z"):
+        await newest.submit(req(r, 1_000))
+        clock.advance(400)
+    broker.calls.clear()
+    broker.room = 1_000
+    await newest.on_room(room(1_000))  # x held 1,200 ms: behind; y and z are fresh
+    assert broker.calls == ["z#2", "y#2", "x#2"]
+
+
+@pytest.mark.parametrize("behind", [False, True])
+async def test_a_queue_behind_does_not_offer_prompts_needing_more_kv_than_any_node_has(
+    behind: bool,
+) -> None:
+    """Behind, a prompt whose least KV (uncached, plus a cached prefix no decode node holds)
+    is above every node's KV room is skipped like one too big for the compute room. In queue
+    order it is offered: its refusal ends the pass, so no later prompt overtakes it."""
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue, _ = make(broker, clock, max_hold_ms=60_000, fresh_first_ms=1_000)
+    remote = await queue.submit(req("remote", 500, cached=2_000))
+    local = await queue.submit(
+        AdmissionRequest(
+            request_id="local",
+            uncached_prompt_tokens=500,
+            cached_prefix_tokens=2_000,
+            cached_prefix_node_id="d1",
+        )
+    )
+    clock.advance(2_000 if behind else 500)
+    broker.calls.clear()
+    broker.fits = lambda r: r.request_id != "remote#2"  # the node's KV room, as Admit sees it
+    broker.room = 5_000
+    view = room(5_000).view
+    small_kv = view.model_copy(
+        update={"nodes": (view.nodes[0].model_copy(update={"kv_tokens": 1_000}),)}
+    )
+    await queue.on_room(RoomUpdate(seq=2, at_ms=0, view=small_kv))
+    if behind:
+        assert broker.calls == ["local#2"]
+        assert dispatches([remote, local]) == [None, Dispatch.BORROWED_LATE]
+    else:
+        assert broker.calls == ["remote#2"]
+        assert dispatches([remote, local]) == [None, None]
+
+
+def test_fresh_first_ms_is_validated() -> None:
+    with pytest.raises(ValueError, match="fresh_first_ms"):
+        QueueConfig(fresh_first_ms=0)
+    with pytest.raises(ValueError, match="fresh_order"):
+        QueueConfig.model_validate({"fresh_order": "oldest"})
+    assert not HoldBook(QueueConfig(fresh_first_ms=None)).behind(10**9)
 
 
 async def test_a_prompt_that_would_not_be_held_has_nothing_ahead() -> None:
@@ -456,17 +556,35 @@ FIRST_ONLY = {Dispatch.BORROWED, Dispatch.NOT_HELD, Dispatch.OVERFLOW}
 
 
 @settings(max_examples=150, deadline=None)
-@given(steps=st.lists(ops, min_size=1, max_size=60), shortest=st.booleans())
+@given(steps=st.lists(ops, min_size=1, max_size=60), shortest=st.booleans(), fresh=st.booleans())
 async def test_any_interleaving_gives_every_prompt_exactly_one_outcome(
-    steps: list[tuple[Any, ...]], shortest: bool
+    steps: list[tuple[Any, ...]], shortest: bool, fresh: bool
 ) -> None:
     """Random submits, room updates, clock moves, withdrawals and broker moods: no prompt is
     answered twice (Ticket raises), none stays held past its deadline once time is looked at,
-    the held gauge and the tokens sent as held ahead agree with what is held, and after
-    close() every prompt has exactly one outcome."""
+    the held gauge and the tokens sent as held ahead agree with what is held (every re-offer
+    too, in whatever order a queue behind re-offers), and after close() every prompt has
+    exactly one outcome."""
     broker, clock = FakeBroker(room=0), ManualClock(0)
     order = "shortest" if shortest else "fifo"
-    queue, seen = make(broker, clock, max_held=5, max_hold_ms=300, order=order)
+    queue, seen = make(
+        broker,
+        clock,
+        max_held=5,
+        max_hold_ms=300,
+        order=order,
+        fresh_first_ms=100 if fresh else None,
+    )
+
+    def reoffer_ahead_is_what_prefill_takes_first(request: AdmissionRequest) -> None:
+        if "#" not in request.request_id:
+            return
+        held = queue.held_requests()
+        ids = [r.request_id for r in held]
+        at = ids.index(request.request_id.split("#")[0])
+        assert request.held_ahead_tokens == sum(r.uncached_prompt_tokens for r in held[:at])
+
+    broker.on_call = reoffer_ahead_is_what_prefill_takes_first
     tickets: list[Ticket] = []
     for kind, *args in steps:
         ahead = expected_ahead(queue, args[0], shortest) if kind == "submit" else None

@@ -17,20 +17,20 @@ from crossflow_ctl.sim.traces import load_mooncake
 
 PINNED: dict[str, Any] = {
     "completed": 400,
-    "borrowed": 261,
+    "borrowed": 257,
     "overcommits": 0,
-    "held": 231,
-    "reoffers": 521,
-    "leases": 1589,
-    "outcomes": {"borrowed": 148, "borrowed_late": 113, "not_held": 10, "prefill_room": 129},
-    "admit_reasons": {"pool_load_missing": 10, "borrowed": 261, "no_benefit": 11, "no_room": 639},
-    "zero_reasons": {"itl_over_slo": 10, "no_capacity": 5},
+    "held": 221,
+    "reoffers": 654,
+    "leases": 1564,
+    "outcomes": {"borrowed": 158, "borrowed_late": 99, "not_held": 10, "prefill_room": 133},
+    "admit_reasons": {"pool_load_missing": 10, "borrowed": 257, "no_benefit": 11, "no_room": 776},
+    "zero_reasons": {"itl_over_slo": 8},
     "tokens": (5_710_530, 146_073),
-    "lease_chunk_sum": 1_200_128,
-    "lease_compute_sum": 37_297_860,
-    "ttft_mean_ms": 9_198.274,
-    "ttft_p99_ms": 36_919.22,
-    "itl_p99_ms": 46.3,
+    "lease_chunk_sum": 1_149_440,
+    "lease_compute_sum": 35_973_721,
+    "ttft_mean_ms": 8_806.706,
+    "ttft_p99_ms": 38_045.122,
+    "itl_p99_ms": 46.1,
 }
 
 
