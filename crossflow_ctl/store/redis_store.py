@@ -419,7 +419,7 @@ class RedisStore(Store):
     async def lease_history(self, node_id: str, limit: int) -> list[StoredLease]:
         async with self._backend("read_list"):
             items = await self._admin.node_list(node_id, "history", limit)
-        return [StoredLease.model_validate_json(i) for i in items]
+        return [codec.stored_lease_from_packed(i) for i in items]
 
     async def node_events(self, node_id: str, limit: int) -> list[NodeEvent]:
         async with self._backend("read_list"):
