@@ -34,7 +34,7 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import NodeInfo, NodeRole
-from crossflow_ctl.observability import span
+from crossflow_ctl.observability import span, tracing_installed
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire import convert as c
 
@@ -166,11 +166,15 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         queue: asyncio.Queue[Any],
     ) -> None:
         node_id = info.node_id
+        traced = tracing_installed()  # without an SDK a span per lease would make nothing
         try:
             async for req in requests:
                 body = req.WhichOneof("body")
                 if body == "lease":
-                    with span("crossflow.lease_batch", {"crossflow.node_id": node_id}):
+                    if traced:
+                        with span("crossflow.lease_batch", {"crossflow.node_id": node_id}):
+                            queue.put_nowait(await self._ack(req.lease, info))
+                    else:
                         queue.put_nowait(await self._ack(req.lease, info))
                 elif body == "pool_load":
                     await self._pool_load(req.pool_load, info)
@@ -197,7 +201,9 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             queue.put_nowait(_End())
 
     async def _ack(self, msg: Any, info: NodeInfo) -> lease_pb2.ConnectResponse:
-        ack = lease_pb2.LeaseAck(epoch=msg.epoch, version=msg.version)
+        response = lease_pb2.ConnectResponse()
+        ack = response.lease_ack  # filled in place: no message built and then copied in
+        ack.epoch, ack.version = msg.epoch, msg.version
         try:
             lease = c.lease_from_proto(msg)
             if lease.node_id != info.node_id:
@@ -223,7 +229,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             ack.result = lease_pb2.LEASE_RESULT_INVALID
             ack.message = str(exc)
             log.warning("lease.invalid", error=str(exc))
-        return lease_pb2.ConnectResponse(lease_ack=ack)
+        return response
 
     async def _pool_load(self, msg: Any, info: NodeInfo) -> None:
         """Store a pool load report; a refused one is logged (pool load has no ack)."""

@@ -172,5 +172,5 @@ async def test_history_entries_are_the_packed_lease_and_read_back_checked(
     ]
     assert await s.lease_history("d1", 10) == expected
     await raw.lset(key, 1, entries[1].replace(b"\x1f5000\x1f", b"\x1f-1\x1f", 1))
-    with pytest.raises(StoreUnavailable, match="stored lease is corrupt.*ttl_ms"):
+    with pytest.raises(StoreUnavailable, match=r"stored lease is corrupt.*ttl_ms"):
         await s.lease_history("d1", 10)
