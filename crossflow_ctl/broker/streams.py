@@ -9,8 +9,10 @@ INVALID naming the field; the stream stays up), stores pool load and echoes hear
 relay reads the node's notices from the STORE (after the agent's ``last_notice_seq``) and sends
 them down, so a notice written by any replica reaches the agent wherever it streams (§6): one
 message per read to an agent that set ``Hello.notice_batches``, one per notice otherwise.
-One writer (the handler) drains a queue both feed. :class:`StreamRegistry` lets shutdown end
-every stream cleanly.
+Both write straight to the call (``context.write``), one write at a time (:class:`_Out`): an
+ack passes no queue, no task switch and no generator layer of the handler or its wrappers.
+The handler waits for the stream's end; :class:`StreamRegistry` lets shutdown end every stream
+cleanly.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import NodeInfo, NodeRole
-from crossflow_ctl.observability import span
+from crossflow_ctl.observability import span, tracing_installed
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire import convert as c
 
@@ -44,39 +46,58 @@ RELAY_RETRY_S = 0.2
 
 
 class _End:
-    """Queue sentinel: the stream is over (``error`` set when it ends with a status)."""
+    """How a stream ends: OK, or with a status (``code`` set)."""
 
     def __init__(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
         self.code = code
         self.message = message
 
 
+class _Out:
+    """One stream's way out: ``send`` writes to the call, one write at a time (gRPC takes one
+    message in flight per call; the reader's acks and the relay's notices share it); ``end``
+    settles how the stream ends (the first end wins), which the handler waits for."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+        self._lock = asyncio.Lock()
+        self.ended: asyncio.Future[_End] = asyncio.get_running_loop().create_future()
+
+    async def send(self, message: lease_pb2.ConnectResponse) -> None:
+        async with self._lock:
+            await self._context.write(message)
+
+    def end(self, how: _End) -> None:
+        if not self.ended.done():
+            self.ended.set_result(how)
+
+
 class StreamRegistry:
     """The live agent streams of this replica, so shutdown can end them and wait."""
 
     def __init__(self) -> None:
-        self._queues: set[asyncio.Queue[Any]] = set()
+        self._streams: set[_Out] = set()
         self._idle = asyncio.Event()
         self._idle.set()
         self.closing = False
 
-    def add(self, queue: asyncio.Queue[Any]) -> None:
-        self._queues.add(queue)
+    def add(self, out: _Out) -> None:
+        self._streams.add(out)
         self._idle.clear()
 
-    def discard(self, queue: asyncio.Queue[Any]) -> None:
-        self._queues.discard(queue)
-        if not self._queues:
+    def discard(self, out: _Out) -> None:
+        self._streams.discard(out)
+        if not self._streams:
             self._idle.set()
 
     def __len__(self) -> int:
-        return len(self._queues)
+        return len(self._streams)
 
     def close_all(self) -> None:
         """Ask every stream to end with OK (agents reconnect to another replica)."""
         self.closing = True
-        for queue in self._queues:
-            queue.put_nowait(_End())
+        for out in self._streams:
+            out.end(_End())
 
     async def wait_idle(self, timeout_s: float) -> bool:
         try:
@@ -92,11 +113,11 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         self._broker = broker
         self._registry = registry
 
-    async def Connect(
+    async def Connect(  # type: ignore[override]  # grpc.aio's writer form, not in the stubs
         self,
         request_iterator: AsyncIterator[lease_pb2.ConnectRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[lease_pb2.ConnectResponse]:
+    ) -> None:
         if self._registry.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "broker is shutting down")
         try:
@@ -126,36 +147,34 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             return
         node_id = info.node_id
         policy = self._broker.policy
-        yield lease_pb2.ConnectResponse(
-            welcome=lease_pb2.Welcome(
-                broker_id=self._broker.broker_id,
-                max_lease_ttl_ms=policy.max_lease_ttl_ms,
-                borrow_horizon_ms=policy.borrow_horizon_ms,
-                cordoned=info.cordoned,
-                notice_seq=info.notice_seq,
+        await context.write(
+            lease_pb2.ConnectResponse(
+                welcome=lease_pb2.Welcome(
+                    broker_id=self._broker.broker_id,
+                    max_lease_ttl_ms=policy.max_lease_ttl_ms,
+                    borrow_horizon_ms=policy.borrow_horizon_ms,
+                    cordoned=info.cordoned,
+                    notice_seq=info.notice_seq,
+                )
             )
         )
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._registry.add(queue)
+        out = _Out(context)
+        self._registry.add(out)
         self._broker.metrics.stream_opened()
         after = min(hello.last_notice_seq, info.notice_seq)
         with structlog.contextvars.bound_contextvars(node_id=node_id):
             log.info("stream.open", epoch=hello.epoch, resume_after=after)
-            reader = asyncio.create_task(self._read(request_iterator, info, queue))
+            reader = asyncio.create_task(self._read(request_iterator, info, out))
             relay = asyncio.create_task(
-                self._relay(node_id, after, queue, batches=hello.notice_batches)
+                self._relay(node_id, after, out, batches=hello.notice_batches)
             )
             try:
-                while True:
-                    item = await queue.get()
-                    if isinstance(item, _End):
-                        if item.code is not None:
-                            await context.abort(item.code, item.message)
-                        return
-                    yield item
+                end = await out.ended
+                if end.code is not None:
+                    await context.abort(end.code, end.message)
             finally:
                 await cancel_and_wait((reader, relay))
-                self._registry.discard(queue)
+                self._registry.discard(out)
                 self._broker.metrics.stream_closed()
                 log.info("stream.closed")
 
@@ -163,41 +182,46 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         self,
         requests: AsyncIterator[lease_pb2.ConnectRequest],
         info: NodeInfo,
-        queue: asyncio.Queue[Any],
+        out: _Out,
     ) -> None:
         node_id = info.node_id
+        traced = tracing_installed()  # without an SDK a span per lease would make nothing
         try:
             async for req in requests:
                 body = req.WhichOneof("body")
                 if body == "lease":
-                    with span("crossflow.lease_batch", {"crossflow.node_id": node_id}):
-                        queue.put_nowait(await self._ack(req.lease, info))
+                    if traced:
+                        with span("crossflow.lease_batch", {"crossflow.node_id": node_id}):
+                            await out.send(await self._ack(req.lease, info))
+                    else:
+                        await out.send(await self._ack(req.lease, info))
                 elif body == "pool_load":
                     await self._pool_load(req.pool_load, info)
                 elif body == "heartbeat":
                     now = self._broker.clock.now_ms()
                     hb = lease_pb2.Heartbeat(sent_unix_ms=now)
-                    queue.put_nowait(lease_pb2.ConnectResponse(heartbeat=hb))
+                    await out.send(lease_pb2.ConnectResponse(heartbeat=hb))
                 elif body == "hello":
-                    code, msg = grpc.StatusCode.INVALID_ARGUMENT, "hello: sent twice"
-                    queue.put_nowait(_End(code, msg))
+                    out.end(_End(grpc.StatusCode.INVALID_ARGUMENT, "hello: sent twice"))
                     return
-            queue.put_nowait(_End())
+            out.end(_End())
         except StoreUnavailable as exc:
-            queue.put_nowait(_End(grpc.StatusCode.UNAVAILABLE, status_message(exc)))
+            out.end(_End(grpc.StatusCode.UNAVAILABLE, status_message(exc)))
         except InvalidArgument as exc:  # undecodable bytes (broker.decoding)
-            queue.put_nowait(_End(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            out.end(_End(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
         except FailedPrecondition:  # deleted (by hand or expiry) while the agent streamed
             msg = f"node {node_id!r} is no longer registered; reconnect to register it again"
-            queue.put_nowait(_End(grpc.StatusCode.NOT_FOUND, msg))
+            out.end(_End(grpc.StatusCode.NOT_FOUND, msg))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the agent went away mid-read
+        except Exception as exc:  # the agent went away mid-read or mid-write
             log.info("stream.read_ended", error=repr(exc))
-            queue.put_nowait(_End())
+            out.end(_End())
 
     async def _ack(self, msg: Any, info: NodeInfo) -> lease_pb2.ConnectResponse:
-        ack = lease_pb2.LeaseAck(epoch=msg.epoch, version=msg.version)
+        response = lease_pb2.ConnectResponse()
+        ack = response.lease_ack  # filled in place: no message built and then copied in
+        ack.epoch, ack.version = msg.epoch, msg.version
         try:
             lease = c.lease_from_proto(msg)
             if lease.node_id != info.node_id:
@@ -223,7 +247,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             ack.result = lease_pb2.LEASE_RESULT_INVALID
             ack.message = str(exc)
             log.warning("lease.invalid", error=str(exc))
-        return lease_pb2.ConnectResponse(lease_ack=ack)
+        return response
 
     async def _pool_load(self, msg: Any, info: NodeInfo) -> None:
         """Store a pool load report; a refused one is logged (pool load has no ack)."""
@@ -239,14 +263,21 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         except CrossflowError as exc:
             log.warning("pool_load.refused", error=str(exc))
 
-    async def _relay(
-        self, node_id: str, after_seq: int, queue: asyncio.Queue[Any], batches: bool = False
-    ) -> None:
+    async def _relay(self, node_id: str, after_seq: int, out: _Out, batches: bool = False) -> None:
         """Notices from the store, in order, resuming after ``after_seq``; retries on errors.
         With ``batches`` (the agent said ``Hello.notice_batches``) what one read found goes
         down as ONE message (one write however many grants a batch of admissions made).
         After notices, the next read waits ``notice_linger_ms``, so a busy node's notices go
         in few reads (the first after a quiet spell goes at once)."""
+        try:
+            await self._relay_notices(node_id, after_seq, out, batches)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a write failed: the agent went away
+            log.info("stream.relay_ended", error=repr(exc))
+            out.end(_End())
+
+    async def _relay_notices(self, node_id: str, after_seq: int, out: _Out, batches: bool) -> None:
         block_ms = self._broker.settings.notice_block_ms
         linger_s = self._broker.settings.notice_linger_ms / 1000.0
         while True:
@@ -261,9 +292,9 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             after_seq = notices[-1].seq
             if batches:
                 batch = lease_pb2.NoticeBatch(notices=[c.notice_to_proto(n) for n in notices])
-                queue.put_nowait(lease_pb2.ConnectResponse(notices=batch))
+                await out.send(lease_pb2.ConnectResponse(notices=batch))
             else:
                 for notice in notices:
-                    queue.put_nowait(lease_pb2.ConnectResponse(notice=c.notice_to_proto(notice)))
+                    await out.send(lease_pb2.ConnectResponse(notice=c.notice_to_proto(notice)))
             if linger_s > 0:
                 await asyncio.sleep(linger_s)

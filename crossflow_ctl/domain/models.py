@@ -77,6 +77,11 @@ class Frozen(BaseModel):
 
 def validated(cls: type[M], /, **data: Any) -> M:
     """Build ``cls`` or raise InvalidArgument naming the first field at fault."""
+    return validated_from(cls, data)
+
+
+def validated_from(cls: type[M], data: dict[str, Any]) -> M:
+    """:func:`validated` from a dict the caller built (no copy through keyword arguments)."""
     try:
         return cls.model_validate(data)
     except ValidationError as exc:

@@ -55,6 +55,7 @@ from crossflow_ctl.observability.tracing import (
     rpc_span,
     setup_tracing,
     span,
+    tracing_installed,
 )
 
 __all__ = [
@@ -75,4 +76,5 @@ __all__ = [
     "setup_metrics",
     "setup_tracing",
     "span",
+    "tracing_installed",
 ]

@@ -182,8 +182,16 @@ def lease_hash_values(lease: Lease, received_at_ms: int, expires_at_ms: int) -> 
 
 
 def packed_lease_values(values: tuple[str, ...]) -> str:
-    """:func:`lease_hash_values` as ONE script argument (``upsert_leases.lua`` splits it)."""
+    """:func:`lease_hash_values` as ONE script argument (``upsert_leases.lua`` splits it, and
+    pushes it whole as the lease's history entry: :func:`stored_lease_from_packed`)."""
     return PACKED_SEPARATOR.join(values)
+
+
+def stored_lease_from_packed(raw: Raw) -> StoredLease:
+    """A history entry (:func:`packed_lease_values`) as :func:`stored_lease_from_fields` reads
+    a lease hash: the same checks, the same StoreUnavailable naming a corrupt field."""
+    values = text(raw).split(PACKED_SEPARATOR, len(LEASE_FIELDS) - 1)
+    return stored_lease_from_fields(dict(zip(LEASE_FIELDS, values, strict=False)))
 
 
 _INT_FIELDS = (

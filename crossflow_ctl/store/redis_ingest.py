@@ -66,14 +66,16 @@ class Coalescer(Generic[Call]):
         self.batches = 0
         """Pipelines sent (a test reads it to see calls coalesce)."""
 
-    async def submit(self, call: Call) -> Any:
+    def submit(self, call: Call) -> asyncio.Future[Any]:
+        """Queue ``call``; the future its reply (or error) lands in. Not a coroutine: a lease
+        passes no await layer of its own here (the caller awaits the future)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append((call, future, time.monotonic()))
         if len(self._tasks) < self._max_in_flight:
             task = asyncio.create_task(self._drain(), name="crossflow-coalescer")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return await future
+        return future
 
     def _take(self) -> list[tuple[Call, asyncio.Future[Any]]]:
         """The next batch: calls still waiting, in order; those queued past the deadline fail."""
@@ -125,20 +127,24 @@ class Coalescer(Generic[Call]):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+_SCRIPT_HEAD = tuple(
+    str(v).encode() for v in (HISTORY_CAP, EVENTS_CAP, NOTICES_CAP, codec.LEASE_FIELD_NAMES)
+)
+"""``upsert_leases``' first four arguments, the same for every call (encoded once)."""
+
 LEASES_PER_SCRIPT = 16
 """Leases per ``upsert_leases`` call: one call runs them back to back inside Redis (about 1 ms
 for 16), so debits queued behind it wait no longer than behind a few pipelined commands."""
 
 
 class UpsertCall(NamedTuple):
-    keys: tuple[str, ...]
-    """The node's seven keys, in the script's order."""
+    keys: tuple[bytes, ...]
+    """The node's seven keys, in the script's order (encoded once per node, not per lease)."""
     slot: int
     """The node's Cluster hash slot (0 on a plain Redis): calls of one slot share a script."""
-    entry: str
-    """The lease as one history entry (StoredLease JSON)."""
     packed: str
-    """The lease hash's values as one argument (:func:`.redis_codec.packed_lease_values`)."""
+    """The lease hash's values as one argument (:func:`.redis_codec.packed_lease_values`): the
+    lease's one serialized form, stored as the hash and as the history entry."""
     lease: Lease
     received_at_ms: int
     expires_at_ms: int
@@ -167,10 +173,10 @@ class LeaseIngest:
         self._cache = cache
         self._coalescer: Coalescer[UpsertCall] = Coalescer(self._batch, timeout_s=timeout_s)
 
-        def node_keys(node_id: str) -> tuple[tuple[str, ...], int]:
+        def node_keys(node_id: str) -> tuple[tuple[bytes, ...], int]:
             k = keys.node(node_id)
             flat = (k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries)
-            return flat, 0 if slot is None else slot(k.info)
+            return tuple(key.encode() for key in flat), 0 if slot is None else slot(k.info)
 
         self._node_keys = codec.Memo(node_keys, capacity=1 << 16)
 
@@ -178,22 +184,22 @@ class LeaseIngest:
     def batches(self) -> int:
         return self._coalescer.batches
 
-    async def upsert(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> Any:
-        """The ``upsert_leases`` script's reply for ``lease`` (see the script's header)."""
+    def upsert(self, lease: Lease, now_ms: int, max_ttl_ms: int) -> asyncio.Future[Any]:
+        """The future of the ``upsert_leases`` script's reply for ``lease`` (see the script's
+        header). Not a coroutine: the lease is queued at once, the caller awaits the reply."""
         keys, slot = self._node_keys(lease.node_id)
         expires = now_ms + min(lease.ttl_ms, max_ttl_ms)
         values = codec.lease_hash_values(lease, now_ms, expires)
         call = UpsertCall(
             keys=keys,
             slot=slot,
-            entry=history_entry(lease, now_ms, expires),
             packed=codec.packed_lease_values(values),
             lease=lease,
             received_at_ms=now_ms,
             expires_at_ms=expires,
             lends=not values[codec.ZERO_FIELD],  # '' when the lease lends
         )
-        return await self._coalescer.submit(call)
+        return self._coalescer.submit(call)
 
     async def _batch(self, calls: Sequence[UpsertCall]) -> list[Any]:
         """The leases that arrived together: ``upsert_leases`` calls (each lease still checked
@@ -208,9 +214,8 @@ class LeaseIngest:
         ]
         script_calls = []
         for chunk in chunks:
-            args: list[Any] = [HISTORY_CAP, EVENTS_CAP, NOTICES_CAP, codec.LEASE_FIELD_NAMES]
-            for i in chunk:
-                args += (calls[i].entry, calls[i].packed)
+            args: list[Any] = [*_SCRIPT_HEAD]
+            args += (calls[i].packed for i in chunk)
             script_calls.append(([key for i in chunk for key in calls[i].keys], args))
         replies = await self._scripts.run_each("upsert_leases", script_calls)
         out: list[Any] = [None] * len(calls)
@@ -232,15 +237,6 @@ class LeaseIngest:
 
     async def close(self) -> None:
         await self._coalescer.close()
-
-
-def history_entry(lease: Lease, received_at_ms: int, expires_at_ms: int) -> str:
-    """``StoredLease(lease, received_at_ms, expires_at_ms).model_dump_json()``, without building
-    (or validating again) the StoredLease: the lease was validated on its way in."""
-    return (
-        f'{{"lease":{lease.model_dump_json()},"received_at_ms":{received_at_ms},'
-        f'"expires_at_ms":{expires_at_ms}}}'
-    )
 
 
 def _one(reply: Any) -> Any:

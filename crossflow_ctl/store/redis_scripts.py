@@ -65,7 +65,7 @@ class Scripts:
             return await self._r.evalsha(script.sha, len(keys), *keys, *args)
 
     async def run_many(
-        self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+        self, name: str, calls: Sequence[tuple[Sequence[str | bytes], Sequence[Any]]]
     ) -> list[Any]:
         """Each (keys, args) call of script ``name`` as EVALSHA, in ONE pipeline round trip
         (per Cluster master); the replies in order, raising the first error.
@@ -79,7 +79,7 @@ class Scripts:
         return out
 
     async def run_each(
-        self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+        self, name: str, calls: Sequence[tuple[Sequence[str | bytes], Sequence[Any]]]
     ) -> list[Any]:
         """Like :meth:`run_many`, but each call's reply or its own error (an exception object)
         in order, so one refused call fails only its caller."""

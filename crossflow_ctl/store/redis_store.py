@@ -263,10 +263,10 @@ class RedisStore(Store):
             raise _failure("upsert_lease", exc) from None
         if int(out[0]) == -1:
             raise FailedPrecondition(f"node {lease.node_id!r} is not registered", field="node_id")
-        return LeaseOutcome(
+        return LeaseOutcome.trusted(  # integers from the script, one reply a lease: unchecked
             accepted=int(out[0]) == 1,
-            stored_epoch=int(codec.text(out[1])),
-            stored_version=int(codec.text(out[2])),
+            stored_epoch=int(out[1]),
+            stored_version=int(out[2]),
             purged_reservations=int(out[3]),
         )
 
@@ -419,7 +419,7 @@ class RedisStore(Store):
     async def lease_history(self, node_id: str, limit: int) -> list[StoredLease]:
         async with self._backend("read_list"):
             items = await self._admin.node_list(node_id, "history", limit)
-        return [StoredLease.model_validate_json(i) for i in items]
+        return [codec.stored_lease_from_packed(i) for i in items]
 
     async def node_events(self, node_id: str, limit: int) -> list[NodeEvent]:
         async with self._backend("read_list"):

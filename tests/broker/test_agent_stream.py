@@ -1,14 +1,18 @@
 """One agent stream carries pipelined leases, heartbeats and notices at once.
 
 Leases are acked in the order sent and heartbeats echoed while the relay sends notices down the
-same stream; none is lost and the stream stays up.
+same stream; none is lost and the stream stays up. Both write straight to the call, one write
+at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
+
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
+from crossflow_ctl.broker.streams import _End, _Out
 from crossflow_ctl.client import AdmissionClient
 from crossflow_ctl.domain.admission import Decision
 from tests.broker.conftest import target
@@ -56,3 +60,42 @@ async def test_pipelined_leases_and_heartbeats_answer_in_order_beside_notices(
     seqs = [n.seq for n in decode.notices]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     assert decode.ended is None, "the stream stays up"
+
+
+class _SlowCall:
+    """A call whose writes take a few loop turns, recording overlaps (gRPC takes one at a
+    time: a second write while one is in flight fails the stream)."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.written: list[int] = []
+
+    async def write(self, message: lease_pb2.ConnectResponse) -> None:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        self.written.append(message.lease_ack.version)
+        self.in_flight -= 1
+
+
+async def test_acks_and_notices_share_the_call_one_write_at_a_time() -> None:
+    """The reader's acks and the relay's notices write straight to the call: never two at
+    once, each writer's messages in its order; the first end of the stream wins."""
+    call = _SlowCall()
+    out = _Out(call)  # type: ignore[arg-type]
+
+    async def writer(first: int) -> None:
+        for v in range(first, first + 5):
+            ack = lease_pb2.ConnectResponse()
+            ack.lease_ack.version = v
+            await out.send(ack)
+
+    await asyncio.gather(writer(100), writer(200))
+    assert call.most_in_flight == 1
+    assert [v for v in call.written if v < 200] == list(range(100, 105))
+    assert [v for v in call.written if v >= 200] == list(range(200, 205))
+    out.end(_End(grpc.StatusCode.UNAVAILABLE, "store down"))
+    out.end(_End())
+    assert (await out.ended).code is grpc.StatusCode.UNAVAILABLE

@@ -61,8 +61,7 @@ async def test_waits_are_bounded_per_batch_not_per_call() -> None:
 
     coalescer: Coalescer[str] = Coalescer(run_batch, max_batch=1, max_in_flight=1, timeout_s=0.1)
     try:
-        slow = asyncio.create_task(coalescer.submit("slow"))
-        queued = asyncio.create_task(coalescer.submit("queued"))
+        slow, queued = coalescer.submit("slow"), coalescer.submit("queued")
         results = await asyncio.gather(slow, queued, return_exceptions=True)
         after = await coalescer.submit("after")
     finally:

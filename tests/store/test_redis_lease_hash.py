@@ -131,3 +131,46 @@ async def test_a_corrupt_lease_hash_is_store_unavailable_naming_the_field(
         codec.stored_lease_from_fields(stored)
     with pytest.raises(StoreUnavailable, match="corrupt"):
         await s.get_node("d1", NOW + 1)
+
+
+async def test_a_hash_of_another_layout_is_replaced_whole(
+    store: tuple[RedisStore, Redis], redis_namespace: str
+) -> None:
+    """The script writes every field in place (no DEL per lease); a hash with a field it does
+    not write (an older layout's JSON copy) is still replaced whole."""
+    s, raw = store
+    key = Keys(redis_namespace).node("d1").lease
+    assert (
+        await s.upsert_lease(Lease(node_id="d1", epoch=1, version=1, ttl_ms=1_000), NOW, MAX_TTL)
+    ).accepted
+    await raw.hset(key, "json", '{"lease": {}}')
+    lease = LEASES["lending, every value set"]
+    assert (await s.upsert_lease(lease, NOW, MAX_TTL)).accepted
+    fields = {k.decode() for k in await raw.hkeys(key)}
+    assert fields == set(codec.LEASE_FIELDS)
+    node = await s.get_node("d1", NOW)
+    assert node is not None and node.lease is not None and node.lease.lease == lease
+
+
+async def test_history_entries_are_the_packed_lease_and_read_back_checked(
+    store: tuple[RedisStore, Redis], redis_namespace: str
+) -> None:
+    """The lease is serialized once: its history entry is the packed hash values (no JSON
+    copy); a corrupt entry reads as StoreUnavailable naming the field."""
+    s, raw = store
+    zero = LEASES["zero, with its detail"]
+    older = LEASES["lending, every value set"].model_copy(update={"version": 5})
+    for one in (older, zero):
+        assert (await s.upsert_lease(one, NOW, MAX_TTL)).accepted
+    key = Keys(redis_namespace).node("d1").history
+    entries = await raw.lrange(key, 0, -1)
+    hash_values = await raw.hmget(Keys(redis_namespace).node("d1").lease, list(codec.LEASE_FIELDS))
+    assert entries[0] == codec.PACKED_SEPARATOR.encode().join(hash_values)
+    expected = [
+        StoredLease(lease=x, received_at_ms=NOW, expires_at_ms=NOW + x.ttl_ms)
+        for x in (zero, older)
+    ]
+    assert await s.lease_history("d1", 10) == expected
+    await raw.lset(key, 1, entries[1].replace(b"\x1f5000\x1f", b"\x1f-1\x1f", 1))
+    with pytest.raises(StoreUnavailable, match=r"stored lease is corrupt.*ttl_ms"):
+        await s.lease_history("d1", 10)

@@ -7,9 +7,9 @@
 -- one node, one hash tag).
 -- ARGV[1] history cap, ARGV[2] events cap, ARGV[3] notices MAXLEN, ARGV[4] the lease HASH's
 -- field names joined by '|' (LEASE_FIELDS in crossflow_ctl/store/redis_codec.py, 'detail'
--- last); then two per lease: ARGV[5+2*i] the lease as one history entry (JSON: the history LIST
--- is a log of past leases, read whole by lease_history), ARGV[6+2*i] the lease HASH's values in
--- that order, joined by '\31' (only the last, the free-text detail, may hold that byte). The
+-- last); then one per lease: ARGV[5+i] the lease HASH's values in that order, joined by '\31'
+-- (only the last, the free-text detail, may hold that byte): the lease's one serialized form,
+-- also pushed whole onto the history LIST (a log of past leases, read by lease_history). The
 -- script reads ev ("<epoch:020d><version:020d>", 40 digits compared as text so 63-bit values
 -- stay exact), epoch, version, zero ('' when the lease lends), nseq (last_notice_seq) and recv
 -- (when the broker received it: "now" for that lease, broker clock) from them.
@@ -43,7 +43,7 @@ local function unpack_fields(packed)
   return pairs_, new
 end
 
-local function upsert(base, entry, packed)
+local function upsert(base, packed)
   local info, lease, res, notices = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local history, events, exp = KEYS[base + 5], KEYS[base + 6], KEYS[base + 7]
   local node = redis.call('HMGET', info, 'role', 'cordoned')
@@ -85,11 +85,15 @@ local function upsert(base, entry, packed)
     redis.call('LTRIM', events, 0, events_cap)
   end
 
-  -- Replace the hash whole, so no field of an older layout (such as a JSON copy) outlives it.
-  redis.call('DEL', lease)
+  -- HSET writes every field, replacing the hash's values in place (no DEL and re-create per
+  -- lease); a hash of another layout (say with a JSON copy) is deleted first, so none of its
+  -- fields outlives it.
+  if redis.call('HLEN', lease) ~= count then
+    redis.call('DEL', lease)
+  end
   redis.call('HSET', lease, unpack(fields))
   redis.call('HSET', info, 'seen', now)
-  redis.call('LPUSH', history, entry)
+  redis.call('LPUSH', history, packed)
   redis.call('LTRIM', history, 0, history_cap)
   local cordoned = 0
   if node[2] == '1' then
@@ -100,7 +104,7 @@ end
 
 local out = {}
 for i = 0, #KEYS / 7 - 1 do
-  local ok, reply = pcall(upsert, 7 * i, ARGV[5 + 2 * i], ARGV[6 + 2 * i])
+  local ok, reply = pcall(upsert, 7 * i, ARGV[5 + i])
   if not ok then
     reply = {-2, type(reply) == 'table' and reply.err or tostring(reply)}
   end

@@ -1,0 +1,75 @@
+"""The store's Redis connections pack commands with hiredis (C) instead of redis-py's asyncio
+Python packer: the bytes on the wire must be the same, odd argument types must still go
+through redis-py's own packer (and its errors), and a real client must work through it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from redis._parsers.encoders import Encoder
+from redis.asyncio.connection import AbstractConnection, Connection
+from redis.exceptions import DataError
+
+from crossflow_ctl.store.redis_connect import (
+    PackedConnection,
+    PackedSSLConnection,
+    RedisConnection,
+    connect,
+    hiredis_packed,
+)
+
+ARG = st.one_of(
+    st.binary(max_size=300),
+    st.text(max_size=300),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False),
+)
+HEAD = st.sampled_from([b"EVALSHA", "HSET", "CLIENT SETNAME", b"CONFIG GET", b"X"])
+
+
+_PYTHON_PACKER = SimpleNamespace(_buffer_cutoff=6000, encoder=Encoder("utf-8", "strict", False))
+
+
+def python_packed(*args: Any) -> bytes:
+    """What redis-py's asyncio connection sends for ``args`` (its own Python packer)."""
+    return b"".join(AbstractConnection.pack_command(_PYTHON_PACKER, *args))  # type: ignore[arg-type]
+
+
+@given(HEAD, st.lists(ARG, max_size=150))
+def test_hiredis_packs_every_command_as_redis_py_does(head: Any, args: list[Any]) -> None:
+    packed = hiredis_packed((head, *args))
+    assert packed is not None
+    assert b"".join(packed) == python_packed(head, *args)
+
+
+@pytest.mark.parametrize("cls", [PackedConnection, PackedSSLConnection])
+def test_other_argument_types_go_through_redis_py_own_packer(cls: type[Connection]) -> None:
+    conn = cls()
+    assert hiredis_packed((b"SET", bytearray(b"k"), memoryview(b"v"))) is None
+    assert b"".join(conn.pack_command(b"SET", bytearray(b"k"), memoryview(b"v"))) == (
+        python_packed(b"SET", b"k", b"v")
+    )
+    with pytest.raises(DataError):
+        conn.pack_command(b"SET", "k", True)  # type: ignore[arg-type]
+
+
+async def test_a_store_client_talks_to_redis_through_the_hiredis_packer(
+    redis_url: str, redis_namespace: str
+) -> None:
+    client = connect(redis_url, RedisConnection(), 5.0)
+    key = f"{redis_namespace}:packed"
+    value = "ünïcode \x1f\r\n" * 2000  # past redis-py's 6,000-byte chunking
+    try:
+        assert client.connection_pool.connection_class is PackedConnection  # type: ignore[union-attr]
+        pipe = client.pipeline(transaction=False)
+        pipe.execute_command("SET", key, value)
+        pipe.execute_command("APPEND", key, 1.5)
+        pipe.execute_command("GET", key)
+        replies = await pipe.execute()
+    finally:
+        await client.aclose(close_connection_pool=True)
+    assert replies[2] == (value + "1.5").encode()
