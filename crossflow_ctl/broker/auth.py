@@ -1,4 +1,5 @@
-"""Authentication and authorization of every broker RPC: one server interceptor, one rule table.
+"""Authentication and authorization of every broker RPC: one rule table, checked by the broker's
+server interceptor (:mod:`crossflow_ctl.broker.interceptor`) before each call.
 
 Who: the SPIFFE URI in the peer's verified client certificate (mutual TLS), else the identity of
 an ``authorization: Bearer <token>`` header found in the token file (crossflow_ctl.security).
@@ -17,9 +18,8 @@ available to the servicers through :func:`caller` (a context variable set for th
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextvars import ContextVar
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar, Token
 from typing import Any
 
 import grpc
@@ -93,15 +93,28 @@ def _bearer(metadata: Any) -> str | None:
     return None
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Authenticates the caller, applies :func:`rules`, and exposes the caller to the handler."""
+Check = Callable[[grpc.aio.ServicerContext], Awaitable[Identity]]
+"""Authenticates and authorizes one call of a method (aborting it when refused): its caller."""
+
+
+def bind_caller(who: Identity) -> Token[Identity | None]:
+    """Make ``who`` the caller of the current RPC (:func:`caller`); ``unbind_caller`` undoes it."""
+    return _caller.set(who)
+
+
+def unbind_caller(token: Token[Identity | None]) -> None:
+    _caller.reset(token)
+
+
+class Authorizer:
+    """Authenticates the caller and applies :func:`rules`; the broker's interceptor
+    (:mod:`crossflow_ctl.broker.interceptor`) runs :meth:`check_for`'s check before each call."""
 
     def __init__(self, settings: AuthSettings, tokens: TokenTable | None) -> None:
         self._settings = settings
         self._tokens = tokens
         self._rules = rules(settings)
         self._open = frozenset(settings.open_services)
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     def allowed(self, method: str) -> frozenset[Role] | None:
         """The roles allowed to call ``method``; None when anyone may."""
@@ -124,24 +137,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return None, "bearer tokens are not accepted by this broker"
         return None, "no client certificate identity and no bearer token"
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        method: str = details.method
+    def check_for(self, method: str) -> Check | None:
+        """The check to run before each call of ``method``; None when it is open to anyone."""
         roles = self.allowed(method)
-        if handler is None or roles is None:
-            return handler
-        wrapped = self._wrapped.get(method)
-        if wrapped is None:  # one wrapper per method: the check reads the call's own context
-            wrapped = self._wrapped[method] = _wrap(handler, self._checker(method, roles))
-        return wrapped
+        if roles is None:
+            return None
 
-    def _checker(
-        self, method: str, roles: frozenset[Role]
-    ) -> Callable[[grpc.aio.ServicerContext], Awaitable[Identity]]:
         async def check(context: grpc.aio.ServicerContext) -> Identity:
             who, why = self.authenticate(context, context.invocation_metadata())
             if who is None:
@@ -157,47 +158,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return who
 
         return check
-
-
-def _wrap(
-    handler: grpc.RpcMethodHandler,
-    check: Callable[[grpc.aio.ServicerContext], Awaitable[Identity]],
-) -> grpc.RpcMethodHandler:
-    """``handler`` with ``check`` run first and the caller set for the behaviour's duration."""
-
-    def unary_response(behavior: Any) -> Any:
-        async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            token = _caller.set(await check(context))
-            try:
-                return await behavior(request, context)
-            finally:
-                _caller.reset(token)
-
-        return run
-
-    def stream_response(behavior: Any) -> Any:
-        if not inspect.isasyncgenfunction(behavior):
-            return unary_response(behavior)  # a coroutine that writes with context.write
-
-        async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            _caller.set(await check(context))  # this RPC's own task: nothing to reset
-            async for item in behavior(request, context):
-                yield item
-
-        return run
-
-    h: Any = handler
-    kwargs = {
-        "request_deserializer": h.request_deserializer,
-        "response_serializer": h.response_serializer,
-    }
-    if h.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary_response(h.unary_unary), **kwargs)
-    if h.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(stream_response(h.unary_stream), **kwargs)
-    if h.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary_response(h.stream_unary), **kwargs)
-    return grpc.stream_stream_rpc_method_handler(stream_response(h.stream_stream), **kwargs)
 
 
 def server_credentials(settings: AuthSettings) -> grpc.ServerCredentials | None:

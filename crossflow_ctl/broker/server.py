@@ -29,12 +29,12 @@ from crossflow_ctl.api.v1 import (
     lease_pb2_grpc,
 )
 from crossflow_ctl.broker.auth import (
-    AuthInterceptor,
+    Authorizer,
     check_startup,
     load_tokens,
     server_credentials,
 )
-from crossflow_ctl.broker.decoding import DecodingInterceptor
+from crossflow_ctl.broker.interceptor import BrokerInterceptor
 from crossflow_ctl.broker.servicers.admin import AdminServicer
 from crossflow_ctl.broker.servicers.admission import AdmissionServicer
 from crossflow_ctl.broker.streams import LeaseStreamServicer, StreamRegistry
@@ -45,7 +45,7 @@ from crossflow_ctl.domain.errors import (
     StoreAuthFailed,
     StoreUnavailable,
 )
-from crossflow_ctl.observability import BrokerMetrics, TracingInterceptor
+from crossflow_ctl.observability import BrokerMetrics
 from crossflow_ctl.observability.gauges import NodeGauges, poll_node_gauges
 from crossflow_ctl.security.channel import read_secret
 from crossflow_ctl.service.broker import Broker
@@ -139,14 +139,15 @@ class BrokerServer:
         self.health = health.aio.HealthServicer()
         self._stop_policy = asyncio.Event()
         limit = settings.max_message_bytes
-        interceptors: list[grpc.aio.ServerInterceptor] = [TracingInterceptor()]
-        if settings.auth.authenticates:
-            interceptors.append(AuthInterceptor(settings.auth, load_tokens(settings.auth)))
-        # Innermost: undecodable bytes are INVALID_ARGUMENT, after authentication has run.
-        interceptors.append(DecodingInterceptor())
+        authorizer = (
+            Authorizer(settings.auth, load_tokens(settings.auth))
+            if settings.auth.authenticates
+            else None
+        )
         self._credentials = server_credentials(settings.auth)
         self._server = grpc.aio.server(
-            interceptors=interceptors,
+            # One wrapper per method: its span, then its caller's check, then its decoding.
+            interceptors=[BrokerInterceptor(authorizer)],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),

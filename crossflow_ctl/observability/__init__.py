@@ -3,15 +3,14 @@
 Usage, in a process entry point (configure once, there; library code only uses the API)::
 
     from crossflow_ctl.observability import (
-        BrokerMetrics, TracingInterceptor, parse_listen, setup_logging, setup_metrics,
-        setup_tracing,
+        BrokerMetrics, parse_listen, setup_logging, setup_metrics, setup_tracing,
     )
 
     setup_logging(json=settings.log_json, level=settings.log_level)
     setup_tracing(settings.otlp_endpoint)                  # None: nothing exported
     endpoint = await setup_metrics(*parse_listen(settings.metrics_listen))   # port 0 works
     metrics = BrokerMetrics(endpoint.meter_provider)       # or AgentMetrics(...)
-    server = grpc.aio.server(interceptors=[TracingInterceptor()])
+    # the broker's server interceptor wraps each RPC in rpc_span (crossflow_ctl.broker.interceptor)
     ...
     await endpoint.close()                                 # on shutdown
 
@@ -26,7 +25,7 @@ given (``BrokerMetrics.noop()`` in tests that do not care) and calls one method 
     agent_metrics.record_scrape(seconds, failure=None | "timeout" | ...)
     agent_metrics.record_lease_sent(lease.credits, lease.zero_reason)
 
-Inside an RPC (the interceptor made the span current)::
+Inside an RPC (the broker's interceptor made the span current)::
 
     annotate_decision(admission.decision, admission.reason, admission.node_id)
     structlog.get_logger().debug("admission decided", decision=..., reason=...)  # has trace_id
@@ -46,7 +45,6 @@ from crossflow_ctl.observability.instruments import AgentMetrics, BrokerMetrics
 from crossflow_ctl.observability.logs import add_trace_context, bound, setup_logging
 from crossflow_ctl.observability.metrics import MetricsEndpoint, parse_listen, setup_metrics
 from crossflow_ctl.observability.tracing import (
-    TracingInterceptor,
     annotate_decision,
     annotate_node,
     extract_context,
@@ -62,7 +60,6 @@ __all__ = [
     "AgentMetrics",
     "BrokerMetrics",
     "MetricsEndpoint",
-    "TracingInterceptor",
     "add_trace_context",
     "annotate_decision",
     "annotate_node",

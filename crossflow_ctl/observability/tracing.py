@@ -8,11 +8,10 @@ spans are OpenTelemetry API no-ops that still carry the caller's trace context, 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-import grpc
 import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -193,47 +192,3 @@ def mark_error(message: str) -> None:
     current = trace.get_current_span()
     if current.is_recording():
         current.set_status(Status(StatusCode.ERROR, message))
-
-
-Behavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
-
-
-class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Wraps every unary RPC (health and reflection excepted) in :func:`rpc_span`.
-
-    ``grpc.aio.server(interceptors=[TracingInterceptor()])``; servicers then call
-    :func:`annotate_decision` to put the decision and node on the span.
-    """
-
-    def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
-        self._tracer_provider = tracer_provider
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
-        """One traced handler per method, built on its first call (not on every call)."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = str(handler_call_details.method)
-        if handler is None or handler.unary_unary is None or method.startswith(UNTRACED_SERVICES):
-            return handler
-        wrapped = self._wrapped.get(method)
-        if wrapped is None:
-            wrapped = self._wrapped[method] = self._traced(method, handler)
-        return wrapped
-
-    def _traced(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        behavior: Behavior = handler.unary_unary
-        provider = self._tracer_provider
-
-        async def traced(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            with rpc_span(method, context.invocation_metadata(), tracer_provider=provider):
-                return await behavior(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            traced,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )

@@ -19,9 +19,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc
+from crossflow_ctl.broker.interceptor import BrokerInterceptor
 from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.observability import (
-    TracingInterceptor,
     annotate_decision,
     rpc_span,
     setup_logging,
@@ -77,7 +77,7 @@ def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
 
 
 async def serve(provider: TracerProvider | None) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(interceptors=[TracingInterceptor(tracer_provider=provider)])
+    server = grpc.aio.server(interceptors=[BrokerInterceptor(tracer_provider=provider)])
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(DecidingServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -190,6 +190,26 @@ async def test_no_credentials_is_unauthenticated_and_health_stays_open(brokers: 
     assert await brokers.store.list_nodes(0) == []
 
 
+async def test_undecodable_bytes_are_refused_only_after_the_caller_is_checked(
+    brokers: Brokers,
+) -> None:
+    """One interceptor runs the caller's check before the decoding check: an anonymous caller
+    learns nothing about its bytes, a known one is told they are not a message."""
+    server = await brokers.start(brokers.tokens({"router-token": "router/a"}))
+    junk = b"\xff\xff\xff\xff"
+    async with grpc.aio.insecure_channel(target(server)) as channel:
+        call = channel.unary_unary("/crossflow.v1.AdmissionService/Admit")  # raw bytes
+        for metadata, code in (
+            ((), grpc.StatusCode.UNAUTHENTICATED),
+            ((("authorization", "Bearer router-token"),), grpc.StatusCode.INVALID_ARGUMENT),
+        ):
+            for _ in range(2):  # the method's wrapper is built on its first call, then reused
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(junk, metadata=metadata, timeout=5)
+                assert refused.value.code() == code, refused.value
+    assert await brokers.store.list_nodes(0) == []
+
+
 async def test_mtls_broker_refuses_callers_without_a_certificate(brokers: Brokers) -> None:
     server = await brokers.start(brokers.mtls())
     t = target(server)

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from crossflow_ctl.broker.__main__ import cli as broker_cli
-from crossflow_ctl.broker.auth import AuthInterceptor, is_loopback
+from crossflow_ctl.broker.auth import Authorizer, is_loopback
 from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.security import AuthSettings, ClientCredentials, Identity, Role, TokenTable
 from crossflow_ctl.security.channel import check_credentials
@@ -87,7 +87,7 @@ def test_unreadable_credentials_name_the_setting(tmp_path: Path) -> None:
 
 
 def test_rule_table_defaults_fail_closed() -> None:
-    rules = AuthInterceptor(AuthSettings(token_file=Path("/unused")), None)
+    rules = Authorizer(AuthSettings(token_file=Path("/unused")), None)
     assert rules.allowed("/grpc.health.v1.Health/Check") is None
     assert rules.allowed("/crossflow.v1.LeaseService/Connect") == {Role.NODE}
     assert rules.allowed("/crossflow.v1.AdmissionService/Release") == {Role.ROUTER, Role.ADMIN}
