@@ -189,8 +189,18 @@ def packed_lease_values(values: tuple[str, ...]) -> str:
 
 def stored_lease_from_packed(raw: Raw) -> StoredLease:
     """A history entry (:func:`packed_lease_values`) as :func:`stored_lease_from_fields` reads
-    a lease hash: the same checks, the same StoreUnavailable naming a corrupt field."""
-    values = text(raw).split(PACKED_SEPARATOR, len(LEASE_FIELDS) - 1)
+    a lease hash: the same checks, the same StoreUnavailable naming a corrupt field.
+
+    An entry that earlier brokers wrote (a StoredLease JSON object, while a packed entry
+    opens with the 40 digits of ``ev``) is still read, so a rolling upgrade does not make the
+    node's history unreadable until 32 newer leases have pushed the old entries out."""
+    entry = text(raw)
+    if entry.startswith("{"):
+        try:
+            return StoredLease.model_validate_json(entry)
+        except ValueError as exc:
+            raise StoreUnavailable(f"stored lease history entry is corrupt: {exc}") from None
+    values = entry.split(PACKED_SEPARATOR, len(LEASE_FIELDS) - 1)
     return stored_lease_from_fields(dict(zip(LEASE_FIELDS, values, strict=False)))
 
 

@@ -174,3 +174,22 @@ async def test_history_entries_are_the_packed_lease_and_read_back_checked(
     await raw.lset(key, 1, entries[1].replace(b"\x1f5000\x1f", b"\x1f-1\x1f", 1))
     with pytest.raises(StoreUnavailable, match=r"stored lease is corrupt.*ttl_ms"):
         await s.lease_history("d1", 10)
+
+
+async def test_history_written_by_an_earlier_broker_still_reads(
+    store: tuple[RedisStore, Redis], redis_namespace: str
+) -> None:
+    """Earlier brokers pushed StoredLease JSON: after a rolling upgrade the node's history mixes
+    both forms until newer leases push the old ones out, and reads whole."""
+    s, raw = store
+    older = LEASES["lending, every value set"].model_copy(update={"version": 5})
+    assert (await s.upsert_lease(older, NOW, MAX_TTL)).accepted
+    key = Keys(redis_namespace).node("d1").history
+    was = StoredLease(lease=older.model_copy(update={"version": 4}), received_at_ms=NOW - 500,
+                      expires_at_ms=NOW + 4_500)  # fmt: skip
+    await raw.rpush(key, was.model_dump_json())
+    history = await s.lease_history("d1", 10)
+    assert [h.lease.version for h in history] == [5, 4] and history[1] == was
+    await raw.rpush(key, "{not json")
+    with pytest.raises(StoreUnavailable, match="history entry is corrupt"):
+        await s.lease_history("d1", 10)
