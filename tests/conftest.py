@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -110,53 +111,96 @@ def _cluster_ok(port: int) -> bool:
         return False
 
 
+def _distinct_free_ports(n: int) -> list[int]:
+    """``n`` different free ports (two calls to :func:`free_port` may return the same one)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _start_cluster(server: str, cli: str, workdir: Path, procs: list[Any]) -> str:
+    """Start 3 masters in ``workdir`` (appended to ``procs``) and join them; the URL of one, or
+    RuntimeError saying which step failed (with the nodes' logs)."""
+    ports = _distinct_free_ports(6)
+    for port, bus in zip(ports[:3], ports[3:], strict=True):
+        node_dir = workdir / str(port)
+        node_dir.mkdir(parents=True)
+        with (node_dir / "log").open("wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no", "--cluster-enabled", "yes",
+                     "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus)],
+                    cwd=node_dir, stdout=log, stderr=subprocess.STDOUT,
+                )
+            )  # fmt: skip
+
+    def logs() -> str:
+        return "\n".join(
+            f"--- {p}: " + (workdir / str(p) / "log").read_text(errors="replace")[-600:]
+            for p in ports[:3]
+        )
+
+    for port in ports[:3]:
+        deadline = time.monotonic() + 10
+        while not _answers(f"redis://127.0.0.1:{port}/0"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster node on port {port} did not start\n{logs()}")
+            time.sleep(0.05)
+    joined = subprocess.run(
+        [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports[:3]),
+         "--cluster-replicas", "0", "--cluster-yes"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60, check=False,
+    )  # fmt: skip
+    if joined.returncode != 0:
+        out = joined.stdout.decode(errors="replace")[-800:]
+        raise RuntimeError(f"redis-cli --cluster create failed: {out}\n{logs()}")
+    deadline = time.monotonic() + 30
+    while not all(_cluster_ok(p) for p in ports[:3]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the Redis Cluster did not reach cluster_state:ok\n{logs()}")
+        time.sleep(0.1)
+    return f"redis://127.0.0.1:{ports[0]}/0"
+
+
+def _stop(procs: list[Any]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.wait(timeout=10)
+    procs.clear()
+
+
 @pytest.fixture(scope="session")
 def redis_cluster_url() -> Iterator[str]:
     """A real 3-master Redis Cluster on loopback, started for the session and torn down after
     (``redis-server --cluster-enabled yes`` on free ports, each with its bus on its own free
-    ``--cluster-port``, joined with ``redis-cli --cluster
-    create``); the URL names one master (the client discovers the others)."""
+    ``--cluster-port``, joined with ``redis-cli --cluster create``); the URL names one master
+    (the client discovers the others). A start that fails (a free port taken in the meantime by
+    another test's server) is retried on fresh ports, twice; the last failure fails the tests
+    with the nodes' logs."""
     server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if server is None or cli is None:
         pytest.skip("redis-server and redis-cli are needed to start a Redis Cluster")
-    ports = [free_port() for _ in range(3)]
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Any] = []
     with tempfile.TemporaryDirectory() as workdir:
         try:
-            for port in ports:
-                node_dir = Path(workdir) / str(port)
-                node_dir.mkdir()
-                procs.append(
-                    subprocess.Popen(
-                        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                         "--appendonly", "no", "--cluster-enabled", "yes",
-                         "--cluster-config-file", "nodes.conf",
-                         "--cluster-port", str(free_port())],
-                        cwd=node_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    )
-                )  # fmt: skip
-            for port in ports:
-                deadline = time.monotonic() + 10
-                while not _answers(f"redis://127.0.0.1:{port}/0"):
-                    if time.monotonic() > deadline:
-                        pytest.fail(f"cluster node on port {port} did not start")
-                    time.sleep(0.05)
-            subprocess.run(
-                [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-                 "--cluster-replicas", "0", "--cluster-yes"],
-                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
-            )  # fmt: skip
-            deadline = time.monotonic() + 30
-            while not all(_cluster_ok(p) for p in ports):
-                if time.monotonic() > deadline:
-                    pytest.fail("the Redis Cluster did not reach cluster_state:ok")
-                time.sleep(0.1)
-            yield f"redis://127.0.0.1:{ports[0]}/0"
+            failures: list[str] = []
+            for attempt in range(3):
+                try:
+                    url = _start_cluster(server, cli, Path(workdir) / str(attempt), procs)
+                    break
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    failures.append(str(exc))
+                    _stop(procs)
+            else:
+                pytest.fail("could not start a Redis Cluster:\n" + "\n".join(failures))
+            yield url
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.wait(timeout=10)
+            _stop(procs)
 
 
 def delete_cluster_namespace(url: str, namespace: str) -> None:
