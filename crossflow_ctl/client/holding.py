@@ -70,7 +70,7 @@ class QueueConfig(Frozen):
     prompt instead of ending the pass. Prefill still takes the oldest. A FIFO queue that is
     behind makes every prompt wait the whole backlog; this way room serves fresh prompts at
     once while the rest drain through prefill in order, and once arrivals stop nothing is
-    fresh, so room and prefill both take the oldest and the tail is no longer than FIFO's.
+    fresh, so room and prefill both take the oldest and the tail stays close to FIFO's.
     Never acts while ``max_hold_ms`` is shorter. None: room follows ``order`` always."""
     fresh_order: Literal["smallest", "newest"] = "smallest"
     """Order of fresh prompts when the queue is behind: fewest prompt (cached and uncached)
@@ -98,7 +98,8 @@ class Step(StrEnum):
     BORROWED = "borrowed"
     """Hand it out; go on with the next held prompt."""
     REFUSED = "refused"
-    """No room for this one: keep it held and end the pass."""
+    """No room for this one: keep it held and end the pass (when the queue is behind, skip it
+    and go on: :meth:`HoldBook.behind`)."""
     DISPATCH_ALL = "dispatch_all"
     """Demand is gone or the broker is in doubt: every held prompt goes to prefill."""
 
@@ -276,7 +277,7 @@ class HoldBook(Generic[K]):
         oldest = next(iter(self._held.values()))  # insertion is arrival order
         return now_ms - oldest.since_ms >= after
 
-    def to_reoffer(self, view: RoomView, now_ms: int = 0) -> list[tuple[Held[K], int]]:
+    def to_reoffer(self, view: RoomView, now_ms: int) -> list[tuple[Held[K], int]]:
         """The held prompts to re-offer on ``view``, in order, at most the configured number,
         each with the uncached tokens held ahead of it (:meth:`reoffer_request`): those that
         go to prefill before it, whatever the re-offer order.
@@ -313,7 +314,10 @@ class HoldBook(Generic[K]):
         else:
             fresh.sort(key=lambda e: -e[0].seq)
         yield from fresh
-        yield from ((h, a) for h, a in self._fits(room) if h.since_ms <= cutoff)
+        # the rest: every prompt not offered as fresh (not "held before the cutoff": a prompt
+        # held after a later-stamped one, its Admit having come back later, is in neither)
+        offered = {h.seq for h, _ in fresh}
+        yield from ((h, a) for h, a in self._fits(room) if h.seq not in offered)
 
     def _fresh_fifo(self, room: _Room, cutoff: int) -> list[tuple[Held[K], int]]:
         """The fresh prompts of a FIFO book with their tokens ahead, read from the newest end

@@ -97,9 +97,11 @@ def connect(
             url, max_connections=max_connections, retry=retry, **timeouts, **extra
         )
     # (A Cluster client builds its connections itself: it keeps redis-py's Python packer.)
-    packed = PackedSSLConnection if url.startswith("rediss://") else PackedConnection
     pool = BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=pool_timeout_s, retry=retry,
-        connection_class=packed, **timeouts, **extra,
+        connection_class=PackedConnection, **timeouts, **extra,
     )  # fmt: skip
+    # from_url lets a rediss:// URL's own class win over the one passed: swap in its packer
+    if pool.connection_class is SSLConnection:
+        pool.connection_class = PackedSSLConnection
     return Redis(connection_pool=pool, retry=retry)

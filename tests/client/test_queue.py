@@ -465,6 +465,19 @@ async def test_cancelling_run_dispatches_everything_held() -> None:
     assert ticket.outcome is not None and ticket.outcome.dispatch is Dispatch.CLOSED
 
 
+def test_a_queue_behind_offers_every_prompt_held_out_of_stamp_order() -> None:
+    """A prompt's stamp is its submit time, but it is held when its Admit comes back, so
+    concurrent submits are held out of stamp order (and a wall clock can step back): every
+    fitting prompt is still offered; one held behind an older stamp counts as not fresh."""
+    book: HoldBook[str] = HoldBook(QueueConfig(max_hold_ms=60_000, fresh_first_ms=1_000))
+    no_room = Admission.normal(Reason.NO_ROOM, "")
+    for key, since in (("c", 0), ("b", 120), ("a", 100)):  # b's Admit came back before a's
+        assert book.hold(key, req(key, 100), no_room, since) is None
+    # at 1,110 the cutoff is 110: the newest held, a, is not fresh, so nothing is; b was
+    # left out of both parts before
+    assert [h.key for h, _ in book.to_reoffer(room(1_000).view, 1_110)] == ["c", "b", "a"]
+
+
 def test_hold_book_is_deterministic_and_pure() -> None:
     book: HoldBook[str] = HoldBook(QueueConfig(max_hold_ms=100, order="shortest"))
     no_room = Admission.normal(Reason.NO_ROOM, "")
@@ -476,8 +489,8 @@ def test_hold_book_is_deterministic_and_pure() -> None:
     with pytest.raises(ValueError):
         book.hold("k1", req("a"), no_room, 0)
     assert [h.key for h in book.ordered()] == ["k2", "k1"]
-    assert [(h.key, ahead) for h, ahead in book.to_reoffer(room(250).view)] == [("k2", 0)]
-    assert book.to_reoffer(room(0).view) == []
+    assert [(h.key, ahead) for h, ahead in book.to_reoffer(room(250).view, 0)] == [("k2", 0)]
+    assert book.to_reoffer(room(0).view, 0) == []
     assert [h.key for h in book.due(100)] == ["k1"] and len(book) == 1
     assert book.next_deadline_ms() == 150
     # k1 held again after its hold ended: its old deadline no longer counts

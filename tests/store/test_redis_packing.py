@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from redis._parsers.encoders import Encoder
-from redis.asyncio.connection import AbstractConnection, Connection
+from redis.asyncio.connection import AbstractConnection, Connection, UnixDomainSocketConnection
 from redis.exceptions import DataError
 
 from crossflow_ctl.store.redis_connect import (
@@ -73,3 +73,21 @@ async def test_a_store_client_talks_to_redis_through_the_hiredis_packer(
     finally:
         await client.aclose(close_connection_pool=True)
     assert replies[2] == (value + "1.5").encode()
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://127.0.0.1:1/0", PackedConnection),
+        ("rediss://127.0.0.1:1/0", PackedSSLConnection),
+        ("unix:///tmp/crossflow-none.sock", UnixDomainSocketConnection),
+    ],
+)
+async def test_each_url_scheme_gets_its_connection_class(url: str, expected: type) -> None:
+    """A rediss:// URL's own class would win over the one passed: TLS must get the packer too;
+    a unix socket keeps redis-py's (no connection is opened here)."""
+    client = connect(url, RedisConnection(), 1.0)
+    try:
+        assert client.connection_pool.connection_class is expected  # type: ignore[union-attr]
+    finally:
+        await client.aclose(close_connection_pool=True)
