@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 import click
 
@@ -114,6 +115,21 @@ def _quiet_logs() -> None:
     "held prompt goes to prefill as soon as prefill has room).",
 )
 @click.option(
+    "--fresh-first-ms",
+    type=click.IntRange(0, 600_000),
+    default=QueueConfig().fresh_first_ms,
+    show_default=True,
+    help="Late binding: once the oldest held prompt has waited this long, room goes first to "
+    "prompts held less than this (adaptive LIFO; 0: always queue order).",
+)
+@click.option(
+    "--fresh-order",
+    type=click.Choice(["smallest", "newest"]),
+    default=QueueConfig().fresh_order,
+    show_default=True,
+    help="Late binding: order of the fresh prompts when the queue is behind.",
+)
+@click.option(
     "--prefill-room-ms",
     type=click.FloatRange(0.0, 600_000.0),
     default=2000.0,
@@ -153,6 +169,8 @@ def sim(
     borrow_share: float,
     late_binding: bool,
     max_hold_ms: int,
+    fresh_first_ms: int,
+    fresh_order: Literal["smallest", "newest"],
     prefill_room_ms: float,
     cache_scope: str,
     session_rate: float | None,
@@ -193,7 +211,12 @@ def sim(
         lease=LeaseSettings(itl_slo_ms=itl_slo_ms, horizon_ms=horizon_ms),
         broker_policy=policy,
         late_binding=late_binding,
-        queue=QueueConfig(max_hold_ms=max_hold_ms, max_held=SimConfig().queue.max_held),
+        queue=QueueConfig(
+            max_hold_ms=max_hold_ms,
+            max_held=SimConfig().queue.max_held,
+            fresh_first_ms=fresh_first_ms or None,
+            fresh_order=fresh_order,
+        ),
         prefill_room_ms=prefill_room_ms,
     )
     runs = plan_runs(

@@ -171,6 +171,17 @@ open debits exceeded its lease x borrow share (must be 0). Best static: highest 
 throughput, then lowest mean TTFT among splits within 1 % of it."""
 
 
+def queue_words(config: SimConfig) -> str:
+    """How the leases runs' router queue orders held prompts (client QueueConfig)."""
+    if not config.late_binding:
+        return "off (no late binding)"
+    q = config.queue
+    words = f"{q.order}, hold up to {q.max_hold_ms:,} ms"
+    if q.fresh_first_ms is None or q.max_hold_ms < q.fresh_first_ms:
+        return words
+    return f"{words}, fresh-first ({q.fresh_order}) once behind {q.fresh_first_ms:,} ms"
+
+
 def write_report(
     out_dir: Path,
     records: Sequence[RunRecord],
@@ -194,7 +205,7 @@ def write_report(
         f"borrow horizon {config.lease.horizon_ms} ms, borrow share "
         f"{config.broker_policy.borrow_share:g}; "
         f"prefix cache {config.cache_scope.value} ({config.cache_capacity_tokens:,} tokens); "
-        f"seed {config.seed}.",
+        f"router queue {queue_words(config)}; seed {config.seed}.",
         "",
         "## Leases and the heuristic against the best static split",
         "",

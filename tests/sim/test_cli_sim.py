@@ -34,6 +34,10 @@ def test_sim_writes_a_report_with_plots(traces_dir: Path, tmp_path: Path) -> Non
     assert "| mooncake_conversation_trace | 4x | 2P4D/leases |" in text
     assert "| mooncake_conversation_trace | 4x | 2P4D/static | 2P4D/threshold |" in text
     assert "Over-commit count over all runs: **0**" in text
+    assert (
+        "router queue fifo, hold up to 600,000 ms, fresh-first (smallest) once behind 5,000 ms;"
+        in text
+    )
     for png in ("timeseries.png", "ttft_cdf.png", "itl_cdf.png", "sweep.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png})" in text
@@ -69,3 +73,26 @@ def test_sim_refuses_a_negative_hold_naming_the_field(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     assert "--max-hold-ms" in result.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_sim_refuses_an_unknown_fresh_order_naming_the_flag(tmp_path: Path) -> None:
+    result = _ctl("sim", "--synthetic", "--fresh-order", "oldest", "--out", str(tmp_path / "x"))
+    assert result.returncode == 2, result.stderr
+    assert "--fresh-order" in result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_report_says_how_the_router_queue_orders_held_prompts() -> None:
+    from crossflow_ctl.client.holding import QueueConfig
+    from crossflow_ctl.sim.config import SimConfig
+    from crossflow_ctl.sim.report import queue_words
+
+    def words(**queue: object) -> str:
+        return queue_words(SimConfig(queue=QueueConfig(max_held=1_000, **queue)))  # type: ignore[arg-type]
+
+    assert words(max_hold_ms=600_000, fresh_first_ms=None) == "fifo, hold up to 600,000 ms"
+    assert words(max_hold_ms=2_000) == "fifo, hold up to 2,000 ms"  # never behind: off
+    assert words(max_hold_ms=60_000, order="shortest", fresh_order="newest") == (
+        "shortest, hold up to 60,000 ms, fresh-first (newest) once behind 5,000 ms"
+    )
+    assert queue_words(SimConfig(late_binding=False)) == "off (no late binding)"
