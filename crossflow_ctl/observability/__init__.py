@@ -53,7 +53,6 @@ from crossflow_ctl.observability.tracing import (
     rpc_span,
     setup_tracing,
     span,
-    tracing_installed,
 )
 
 __all__ = [
@@ -73,5 +72,4 @@ __all__ = [
     "setup_metrics",
     "setup_tracing",
     "span",
-    "tracing_installed",
 ]

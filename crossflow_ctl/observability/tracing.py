@@ -147,12 +147,6 @@ def rpc_span(
         yield span
 
 
-def tracing_installed() -> bool:
-    """Whether an SDK provider is installed (:func:`setup_tracing`). Without one :func:`span`
-    makes nothing, so a caller on a per-lease path asks once (per stream) and skips it."""
-    return isinstance(trace.get_tracer_provider(), TracerProvider)
-
-
 def span(
     name: str,
     attributes: Mapping[str, str | int | float | bool] | None = None,

@@ -36,8 +36,9 @@ def lease(version: int, compute: int) -> Lease:
     )
 
 
-async def test_simulator_style_step_api_over_the_service_broker() -> None:
-    clock = ManualClock(1_700_000_000_000)
+async def lending_broker(clock: ManualClock, compute: int) -> Broker:
+    """A service Broker on MemoryStore with decode node d1 leasing ``compute`` tokens and a
+    prefill pool 10 s behind (Demand holds)."""
     broker = Broker(MemoryStore(seed=1), clock, BrokerSettings(policy=POLICY))
     await broker.register("d1", NodeRole.DECODE, "default", {})
     await broker.register("p1", NodeRole.PREFILL, "default", {})
@@ -45,7 +46,13 @@ async def test_simulator_style_step_api_over_the_service_broker() -> None:
         node_id="p1", outstanding_uncached_tokens=200_000, processing_rate_tps=20_000, ttl_ms=9_000
     )
     await broker.ingest_pool_load(load)
-    await broker.ingest_lease(lease(1, compute=500))
+    await broker.ingest_lease(lease(1, compute=compute))
+    return broker
+
+
+async def test_simulator_style_step_api_over_the_service_broker() -> None:
+    clock = ManualClock(1_700_000_000_000)
+    broker = await lending_broker(clock, compute=500)
     queue = AdmissionQueue(broker, QueueConfig(max_hold_ms=200), clock=clock)
 
     big = await queue.submit(AdmissionRequest(request_id="big", uncached_prompt_tokens=9_000))
