@@ -173,10 +173,12 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                 if end.code is not None:
                     await context.abort(end.code, end.message)
             finally:
-                await cancel_and_wait((reader, relay))
-                self._registry.discard(out)
-                self._broker.metrics.stream_closed()
-                log.info("stream.closed")
+                try:
+                    await cancel_and_wait((reader, relay))
+                finally:  # even when gRPC cancels the handler again while it waits
+                    self._registry.discard(out)
+                    self._broker.metrics.stream_closed()
+                    log.info("stream.closed")
 
     async def _read(
         self,

@@ -64,6 +64,23 @@ async def test_health_reflection_and_staged_shutdown_leak_nothing() -> None:
     assert not leaked, leaked
 
 
+async def test_streams_that_half_close_then_cancel_leave_the_registry() -> None:
+    """An agent closing its stream half-closes and then cancels. The handler's clean-up can be
+    cancelled again by gRPC while it waits for the stream's tasks: it must still leave the
+    registry (else shutdown waits out the whole grace and the open-streams gauge drifts)."""
+    settings = BrokerSettings(listen="127.0.0.1:0", policy=TEST_POLICY, stream_grace_s=3.0)
+    server = BrokerServer(settings, MemoryStore())
+    await server.start()
+    agents = [FakeAgent(target(server), f"d{i}") for i in range(16)]
+    for agent in agents:
+        await agent.connect()
+        await agent.send_lease()
+    assert len(server.streams) == len(agents)
+    await asyncio.gather(*(agent.close() for agent in agents))
+    await server.stop()
+    assert len(server.streams) == 0, "every closed stream left the registry"
+
+
 def _spawn(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.Popen(
