@@ -28,7 +28,7 @@ from crossflow_agent.sources.base import ScrapeError, TelemetrySource
 from crossflow_agent.stream import LeaseStream
 from crossflow_ctl.aio import wait_any
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
-from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps
 from crossflow_ctl.domain.clock import Clock, SystemClock
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseDecision, decide, pool_load
 from crossflow_ctl.domain.models import Credits, Lease, NodeRole, ZeroReason
@@ -186,6 +186,9 @@ class Agent:
                 pool=s.pool,
                 ttl_ms=s.ttl_ms,
                 settings=s.lease,
+                modelled_rate_tps=prefill_rate_tps(
+                    self.model, self.node, s.lease.prefill_chunk_tokens
+                ),
             )
             if load is not None:
                 self.stream.send(lease_pb2.ConnectRequest(pool_load=pool_load_to_proto(load)))

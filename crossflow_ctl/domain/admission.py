@@ -227,6 +227,8 @@ def debit_for(
 
 
 def check_demand(pool: PoolSnapshot | None, settings: PolicySettings) -> DemandCheck:
+    """Demand of the pool as a whole, at ``demand_threshold_ms``: whether it is behind for every
+    prompt (a prompt's own threshold is never higher: :func:`prompt_demand`)."""
     wait = pool.estimated_wait_ms() if pool is not None else None
     if pool is None or wait is None:
         return DemandCheck(
@@ -240,6 +242,24 @@ def check_demand(pool: PoolSnapshot | None, settings: PolicySettings) -> DemandC
         processing_rate_tps=pool.processing_rate_tps,
         reporting_nodes=len(pool.reports),
     )
+
+
+def prompt_demand(demand: DemandCheck, normal: NormalPath, settings: PolicySettings) -> DemandCheck:
+    """Demand for one prompt: the pool's wait above the lower of ``demand_threshold_ms`` and
+    ``demand_prefill_ratio`` x the prompt's own prefill time on the pool (``normal``).
+
+    The threshold says when the pool is behind *for this prompt*: queueing that adds more than
+    the ratio of its own prefill time to its TTFT. A short prompt meets it long before a long
+    one does, and only a prompt whose threshold is below the pool-wide one changes answer, so
+    the pool-wide Demand (:func:`check_demand`, what a room watch reports) still implies every
+    prompt's. A missing wait fails for every prompt, as before."""
+    ratio = settings.demand_prefill_ratio
+    if demand.pool_wait_ms is None or ratio is None:
+        return demand
+    own = ratio * normal.prefill_ms
+    if own >= demand.threshold_ms:
+        return demand
+    return demand.model_copy(update={"threshold_ms": own, "holds": demand.pool_wait_ms > own})
 
 
 def estimate_normal_path(
@@ -360,11 +380,13 @@ def plan_admission(
 ) -> Plan:
     """Demand, then Benefit and Safety on every candidate; rank the nodes that pass both.
 
-    ``demand``: ``check_demand(pool, settings)``, and ``rooms``: ``node_rooms(nodes,
+    ``demand``: ``check_demand(pool, settings)`` (made the prompt's own by
+    :func:`prompt_demand`), and ``rooms``: ``node_rooms(nodes,
     settings.borrow_share)``, when the caller already has them (a batch of requests planned on
     one view shares them)."""
-    demand = demand if demand is not None else check_demand(pool, settings)
-    normal = estimate_normal_path(request, demand, pool, settings)
+    pool_demand = demand if demand is not None else check_demand(pool, settings)
+    normal = estimate_normal_path(request, pool_demand, pool, settings)
+    demand = prompt_demand(pool_demand, normal, settings)
     if rooms is None:
         rooms = node_rooms(nodes, settings.borrow_share)
     checks = tuple(

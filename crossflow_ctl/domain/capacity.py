@@ -410,3 +410,12 @@ NODE_PRESETS: dict[str, NodeProfile] = {
         step_overhead_s=0.0005,
     ),
 }
+
+
+def prefill_rate_tps(model: ModelSpec, node: NodeProfile, chunk_tokens: int) -> float:
+    """Uncached prompt tokens per second of a prefill server running chunks of ``chunk_tokens``
+    with no cached prefix: the rate its outstanding work drains at while it runs (a cached
+    prefix only slows it, so this is the optimistic end)."""
+    if chunk_tokens <= 0:
+        return 0.0
+    return chunk_tokens / roofline(model, node).step_s(0, 0, chunk_tokens)

@@ -102,6 +102,9 @@ class LeaseSettings(Frozen):
     max_slots: Annotated[int, Field(gt=0, le=4096)] = 64
     """Cap on borrowed prompts at once (the engine's borrowed queue); the decode batch's room,
     which usually binds first, sets the slots below it."""
+    prefill_chunk_tokens: Annotated[int, Field(gt=0, le=1_048_576)] = 8_192
+    """Prefill role: the server's chunked-prefill size, for its modelled prefill rate
+    (:func:`~crossflow_ctl.domain.leasing.pool_load`)."""
     kv_transfer_share: Fraction = 1.0
     """Share of the node's network bandwidth borrowed requests may use for KV pulls."""
     stale_after_ms: Annotated[int, Field(gt=0, le=600_000)] = 1_000

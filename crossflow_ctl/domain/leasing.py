@@ -267,18 +267,28 @@ def pool_load(
     pool: str,
     ttl_ms: int,
     settings: LeaseSettings,
+    modelled_rate_tps: float = 0.0,
 ) -> PoolLoad | None:
     """A prefill server's load report, or None when its telemetry is missing, stale or odd.
 
     Sending nothing is the fail-closed choice: the broker's pool load then expires and the
     demand test fails (DESIGN.md §4).
+
+    The processing rate is the observed one, but at least ``modelled_rate_tps`` (the server's
+    roofline rate, :func:`~crossflow_ctl.domain.capacity.prefill_rate_tps`): the broker divides
+    the outstanding tokens by it to get the wait, and a server that idled through part of the
+    window processed fewer tokens than it drains once work is queued, so the observed rate alone
+    makes a burst after a lull look seconds deep (and one after a fully idle window, endless).
+    The floor errs toward a shorter wait: less Demand, so less borrowing, the safe side.
     """
     if snapshot is None or now_ms - snapshot.taken_at_ms > settings.stale_after_ms:
         return None
     if implausibility(snapshot):
         return None
-    rate = min(MAX_RATE_TPS, snapshot.prefill_processing_rate_tps or snapshot.prompt_rate_tps)
-    per_request = rate / snapshot.running_requests if snapshot.running_requests > 0 else 0.0
+    observed = snapshot.prefill_processing_rate_tps or snapshot.prompt_rate_tps
+    rate = min(MAX_RATE_TPS, max(observed, modelled_rate_tps))
+    running = snapshot.running_requests
+    per_request = rate / running if running > 0 else min(MAX_RATE_TPS, modelled_rate_tps)
     return PoolLoad(
         pool=pool,
         node_id=node_id,

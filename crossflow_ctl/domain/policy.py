@@ -22,7 +22,16 @@ class PolicySettings(Frozen):
     shadow_mode: bool = False
     """Decide and record everything, but always answer NORMAL and debit nothing."""
     demand_threshold_ms: Annotated[float, Field(ge=0.0, le=600_000.0, allow_inf_nan=False)] = 200.0
-    """Demand holds when the prefill pool's estimated wait is above this."""
+    """Demand holds when the prefill pool's estimated wait is above this (or above a prompt's
+    own threshold, when ``demand_prefill_ratio`` makes that lower)."""
+    demand_prefill_ratio: (
+        Annotated[float, Field(ge=0.0, le=1_000.0, allow_inf_nan=False)] | None
+    ) = 1.0
+    """A prompt's own Demand threshold, as a multiple of its prefill time on the prefill pool:
+    for it the pool is behind once the wait is above ``min(demand_threshold_ms, ratio x its
+    prefill time)``. A short prompt's TTFT is mostly queueing (a 100 ms wait triples that of a
+    50 ms prefill) while a long one's is mostly its own prefill, so the pool is behind for short
+    prompts sooner. None: every prompt uses ``demand_threshold_ms``."""
     benefit_margin_ms: Annotated[float, Field(ge=0.0, le=600_000.0, allow_inf_nan=False)] = 0.0
     """Borrowing must beat the normal path's TTFT by at least this much."""
     borrow_share: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.5

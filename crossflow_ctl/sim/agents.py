@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, roofline
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps, roofline
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.leasing import ItlGuard, decide, pool_load
@@ -249,6 +249,9 @@ class PrefillAgent:
         self.period_s = period_s
         self.ttl_ms = ttl_ms
         self.kv_total_tokens = kv_total_tokens
+        self.modelled_rate_tps = prefill_rate_tps(
+            server.steps.model, server.steps.node, server.chunk
+        )
         self.last_processed = 0.0
         self.schedule = Period(period_s)
         self.stirred = True
@@ -290,6 +293,7 @@ class PrefillAgent:
             pool="default",
             ttl_ms=self.ttl_ms,
             settings=self.settings,
+            modelled_rate_tps=self.modelled_rate_tps,
         )
         if load is not None:
             await _put_load(broker, load)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from crossflow_ctl.domain.capacity import prefill_rate_tps
 from crossflow_ctl.sim.agents import DecodeAgent
 from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.control import EV_AGENT, EV_POOL, EV_QUEUE, ControlPlane
@@ -63,8 +64,8 @@ class Simulation:
         self.cache = PrefixCacheModel(
             config.cache_scope, config.cache_capacity_tokens, config.prefill_nodes
         )
-        self.nominal_prefill_tps = config.prefill_chunk_tokens / self.steps.step_s(
-            0, 0, config.prefill_chunk_tokens
+        self.nominal_prefill_tps = prefill_rate_tps(
+            config.model_spec, config.node_profile, config.prefill_chunk_tokens
         )
         self.reqs: dict[int, Req] = {}
         self.children: dict[int, list[int]] = {}

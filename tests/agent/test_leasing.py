@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, StepShape, step_time_s
+from crossflow_ctl.domain.capacity import (
+    MODEL_PRESETS,
+    NODE_PRESETS,
+    StepShape,
+    prefill_rate_tps,
+    roofline,
+    step_time_s,
+)
 from crossflow_ctl.domain.lease_credits import LeaseSettings, compute_capacity
 from crossflow_ctl.domain.leasing import (
     ItlGuard,
@@ -197,6 +204,39 @@ def test_prefill_pool_load_from_snapshot() -> None:
     assert pool_load(None, now_ms=NOW, node_id="p1", pool="d", ttl_ms=600, settings=LS) is None
     stale = snap(taken_at_ms=NOW - 10_000)
     assert pool_load(stale, now_ms=NOW, node_id="p1", pool="d", ttl_ms=600, settings=LS) is None
+
+
+def test_a_prefill_server_that_idled_reports_its_modelled_rate_not_its_throughput() -> None:
+    """A burst after a lull: 16,000 tokens queued, 1,000 tok/s processed over a mostly idle
+    window. The wait is what the server drains, not 16 s at the window's throughput."""
+    model_rate = prefill_rate_tps(MODEL, NODE, LS.prefill_chunk_tokens)
+    assert model_rate == pytest.approx(8192 / roofline(MODEL, NODE).step_s(0, 0, 8192))
+    burst = snap(running=1, outstanding_uncached_tokens=16_000, prefill_processing_rate_tps=1000.0)
+    load = pool_load(
+        burst, now_ms=NOW, node_id="p1", pool="d", ttl_ms=600, settings=LS,
+        modelled_rate_tps=model_rate,
+    )  # fmt: skip
+    assert load is not None
+    assert load.processing_rate_tps == pytest.approx(model_rate)
+    assert load.prefill_rate_tps == pytest.approx(model_rate)
+    # a fully idle window (no rate at all) no longer reads as an endless wait
+    idle = snap(
+        running=0, context=0, outstanding_uncached_tokens=16_000, prefill_processing_rate_tps=0.0
+    )
+    load = pool_load(
+        idle, now_ms=NOW, node_id="p1", pool="d", ttl_ms=600, settings=LS,
+        modelled_rate_tps=model_rate,
+    )  # fmt: skip
+    assert load is not None and load.processing_rate_tps == pytest.approx(model_rate)
+    assert load.prefill_rate_tps == pytest.approx(model_rate)
+    # an observed rate above the model's is the truth, and is kept
+    fast = snap(running=2, outstanding_uncached_tokens=16_000, prefill_processing_rate_tps=2e6)
+    load = pool_load(
+        fast, now_ms=NOW, node_id="p1", pool="d", ttl_ms=600, settings=LS,
+        modelled_rate_tps=model_rate,
+    )  # fmt: skip
+    assert load is not None and load.processing_rate_tps == 2e6
+    assert load.prefill_rate_tps == 1e6
 
 
 # -- properties ----------------------------------------------------------------------------------

@@ -68,7 +68,8 @@ async def test_admit_explains_each_condition(ctl: Ctl, fleet: Fleet) -> None:
     )
     assert res.rc == 0, res.err
     assert "would BORROW on decode-" in res.out
-    assert "1. Demand   holds  prefill wait 10000.0 ms > threshold 200.0 ms" in res.out
+    # the prompt's own threshold: 1 x its 100 ms prefill (2,000 tokens at 20,000 tokens/s)
+    assert "1. Demand   holds  prefill wait 10000.0 ms > threshold 100.0 ms" in res.out
     assert "2. Benefit  holds" in res.out
     assert "3. Safety   holds" in res.out
     data = json.loads((await ctl("admit", "--uncached", "2000", "--dry-run", "-o", "json")).out)

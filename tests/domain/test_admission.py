@@ -107,6 +107,47 @@ def test_demand_below_threshold_takes_the_normal_path() -> None:
     assert not plan.ranked
 
 
+def test_a_short_prompt_has_demand_once_the_wait_exceeds_its_own_prefill_time() -> None:
+    # 50 ms wait: below the pool's 100 ms threshold, but 2.5x a 20-token prompt's 20 ms prefill
+    short = AdmissionRequest(uncached_prompt_tokens=20, expected_output_tokens=10)
+    plan = plan_admission(short, pool(50, 1000.0), [node()], SETTINGS, NOW)
+    assert plan.reason is Reason.BORROWED
+    assert plan.demand.threshold_ms == pytest.approx(20.0) and plan.demand.holds
+    # the 1,000-token prompt (1 s prefill) keeps the pool's threshold: no demand
+    plan = plan_admission(REQUEST, pool(50, 1000.0), [node()], SETTINGS, NOW)
+    assert plan.reason is Reason.NO_DEMAND and plan.demand.threshold_ms == 100.0
+    # the ratio scales the prompt's threshold; None turns it off
+    half = SETTINGS.updated({"demand_prefill_ratio": 2.5})
+    plan = plan_admission(short, pool(50, 1000.0), [node()], half, NOW)
+    assert plan.reason is Reason.NO_DEMAND and plan.demand.threshold_ms == pytest.approx(50.0)
+    off = SETTINGS.updated({"demand_prefill_ratio": None})
+    assert plan_admission(short, pool(50, 1000.0), [node()], off, NOW).reason is Reason.NO_DEMAND
+    # an idle pool has no demand for any prompt, however short
+    assert plan_admission(short, pool(0, 1000.0), [node()], SETTINGS, NOW).reason is (
+        Reason.NO_DEMAND
+    )
+
+
+@given(
+    outstanding=st.integers(0, 100_000),
+    rate=st.floats(0.0, 1e6),
+    uncached=st.integers(0, 200_000),
+    ratio=st.one_of(st.none(), st.floats(0.0, 1000.0)),
+)
+def test_pool_wide_demand_implies_every_prompts_demand(
+    outstanding: int, rate: float, uncached: int, ratio: float | None
+) -> None:
+    """What a room watch reports as Demand (the pool's threshold) holds for every prompt: a
+    prompt's own threshold is never above it."""
+    settings = SETTINGS.updated({"demand_prefill_ratio": ratio})
+    snapshot = pool(outstanding, rate)
+    request = AdmissionRequest(uncached_prompt_tokens=uncached)
+    plan = plan_admission(request, snapshot, [node()], settings, NOW)
+    assert plan.demand.threshold_ms <= settings.demand_threshold_ms
+    if check_demand(snapshot, settings).holds:
+        assert plan.demand.holds
+
+
 def test_missing_pool_load_fails_demand() -> None:
     plan = plan_admission(REQUEST, None, [node()], SETTINGS, NOW)
     assert plan.reason is Reason.POOL_LOAD_MISSING

@@ -23,7 +23,7 @@ PINNED: dict[str, Any] = {
     "reoffers": 654,
     "leases": 1564,
     "outcomes": {"borrowed": 158, "borrowed_late": 99, "not_held": 10, "prefill_room": 133},
-    "admit_reasons": {"pool_load_missing": 10, "borrowed": 257, "no_benefit": 11, "no_room": 776},
+    "admit_reasons": {"pool_load_missing": 10, "borrowed": 257, "no_benefit": 12, "no_room": 775},
     "zero_reasons": {"itl_over_slo": 8},
     "tokens": (5_710_530, 146_073),
     "lease_chunk_sum": 1_149_440,
