@@ -54,8 +54,19 @@ def _sim_settings(config: SimConfig) -> BrokerSettings:
     deadlines at their longest. Simulated time does not pass during a store call, so a deadline
     on the host's clock can only fire when the host is slow (another process had the CPU), and
     a TIMEOUT makes the router's queue send everything it holds to prefill: noise that changes
-    the results from one run to the next."""
-    policy = config.broker_policy.model_copy(update={"admit_timeout_ms": ADMIT_TIMEOUT_MAX_MS})
+    the results from one run to the next.
+
+    The KV size of a token and the network bandwidth are the simulated cluster's (the model and
+    node presets the servers and agents use), not the policy's defaults: the broker prices
+    transfers (Benefit's transfer times, the kv_transfer debit) with the same figures the
+    simulated network moves KV at and the agents size their kv_transfer credit with."""
+    policy = config.broker_policy.model_copy(
+        update={
+            "admit_timeout_ms": ADMIT_TIMEOUT_MAX_MS,
+            "kv_bytes_per_token": config.model_spec.kv_bytes_per_token,
+            "kv_transfer_bytes_per_s": config.node_profile.network_bytes_per_s,
+        }
+    )
     return BrokerSettings(policy=policy, admin_timeout_ms=ADMIN_TIMEOUT_MAX_MS)
 
 
