@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import islice
 from typing import Annotated, Generic, Literal, TypeVar
@@ -114,6 +114,17 @@ class Held(Generic[K]):
     last: Admission
     """The latest NORMAL answer: what the prompt is dispatched with when it leaves unborrowed."""
     offers: int = 1
+    compute_need: int = field(init=False)
+    """The compute a node needs spare to take it: its uncached tokens (:class:`_Room`)."""
+    kv_need: int = field(init=False)
+    """The least KV any node needs spare to take it: its uncached tokens, and a cached prefix
+    that does not live on a decode node, which any node must pull in."""
+
+    def __post_init__(self) -> None:
+        request = self.request
+        self.compute_need = request.uncached_prompt_tokens
+        remote = request.cached_prefix_tokens if request.cached_prefix_node_id is None else 0
+        self.kv_need = self.compute_need + remote
 
 
 def _arrival(held: Held[K]) -> int:
@@ -128,13 +139,9 @@ class _Room:
     kv_tokens: int = MAX_TOKENS
     """MAX_TOKENS: KV not looked at."""
 
-    def fits(self, request: AdmissionRequest) -> bool:
-        """Whether some node might take ``request``: its uncached tokens within the compute
-        room, and the least KV it takes (its uncached tokens, and a cached prefix that does
-        not live on a decode node, which any node must pull in) within the KV room."""
-        uncached = request.uncached_prompt_tokens
-        remote = request.cached_prefix_tokens if request.cached_prefix_node_id is None else 0
-        return uncached <= self.compute_tokens and uncached + remote <= self.kv_tokens
+    def fits(self, held: Held[K]) -> bool:
+        """Whether some node might take ``held``: its compute and KV needs within the room."""
+        return held.compute_need <= self.compute_tokens and held.kv_need <= self.kv_tokens
 
 
 def _kv_tokens(request: AdmissionRequest) -> int:
@@ -294,13 +301,19 @@ class HoldBook(Generic[K]):
         room = _Room(view.max_compute_tokens, max(n.kv_tokens for n in view.nodes))
         return list(islice(self._fresh_first(room, now_ms), most))
 
-    def _fits(self, room: _Room) -> Iterator[tuple[Held[K], int]]:
+    def _fits(
+        self, room: _Room, skip: frozenset[int] | set[int] = frozenset()
+    ) -> Iterator[tuple[Held[K], int]]:
+        """Held prompts that fit ``room`` in queue order (but those whose seq is in ``skip``),
+        each with the uncached tokens of every prompt before it. A room update scans the whole
+        book when little fits, so the test is inlined (``_Room.fits``)."""
+        compute, kv = room.compute_tokens, room.kv_tokens
         ahead = 0
         for held in self.ordered():
-            tokens = held.request.uncached_prompt_tokens
-            if room.fits(held.request):
+            need = held.compute_need
+            if need <= compute and held.kv_need <= kv and held.seq not in skip:
                 yield held, ahead
-            ahead += tokens
+            ahead += need
 
     def _fresh_first(self, room: _Room, now_ms: int) -> Iterator[tuple[Held[K], int]]:
         assert self.config.fresh_first_ms is not None
@@ -316,8 +329,7 @@ class HoldBook(Generic[K]):
         yield from fresh
         # the rest: every prompt not offered as fresh (not "held before the cutoff": a prompt
         # held after a later-stamped one, its Admit having come back later, is in neither)
-        offered = {h.seq for h, _ in fresh}
-        yield from ((h, a) for h, a in self._fits(room) if h.seq not in offered)
+        yield from self._fits(room, {h.seq for h, _ in fresh})
 
     def _fresh_fifo(self, room: _Room, cutoff: int) -> list[tuple[Held[K], int]]:
         """The fresh prompts of a FIFO book with their tokens ahead, read from the newest end
@@ -327,9 +339,8 @@ class HoldBook(Generic[K]):
         for held in reversed(self._held.values()):
             if held.since_ms <= cutoff:
                 break
-            tokens = held.request.uncached_prompt_tokens
-            ahead -= tokens
-            if room.fits(held.request):
+            ahead -= held.compute_need
+            if room.fits(held):
                 out.append((held, ahead))
         return out
 
