@@ -10,7 +10,7 @@ deterministic (same calls, same results), so tests drive it with plain integers 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import islice
@@ -229,10 +229,27 @@ class HoldBook(Generic[K]):
 
     def ordered(self) -> list[Held[K]]:
         """Held prompts in re-offer (and dispatch) order."""
-        entries = list(self._held.values())  # arrival order, which is seq order
+        return list(self._in_order())
+
+    def _in_order(self) -> Iterable[Held[K]]:
+        """:meth:`ordered`, without copying a FIFO book (arrival order is the dict's): for a
+        reader that does not change the book while it reads."""
         if self.config.order == "shortest":
-            entries.sort(key=_shortest)
-        return entries
+            return sorted(self._held.values(), key=_shortest)
+        return self._held.values()
+
+    def heads(self) -> Iterator[Held[K]]:
+        """:meth:`ordered` for a reader that takes each prompt it is given before it asks for
+        the next (or stops): a FIFO book yields its head each time, with no copy of the book
+        per call (the router asks on every room update and prefill completion, and usually
+        stops at the first); it stops should the reader not have taken the last one."""
+        if self.config.order == "shortest":
+            yield from self.ordered()
+            return
+        last: Held[K] | None = None
+        while (held := next(iter(self._held.values()), None)) is not None and held is not last:
+            yield held
+            last = held
 
     def drain(self) -> list[Held[K]]:
         """Remove and return everything held, in order."""
@@ -309,7 +326,7 @@ class HoldBook(Generic[K]):
         book when little fits, so the test is inlined (``_Room.fits``)."""
         compute, kv = room.compute_tokens, room.kv_tokens
         ahead = 0
-        for held in self.ordered():
+        for held in self._in_order():
             need = held.compute_need
             if need <= compute and held.kv_need <= kv and held.seq not in skip:
                 yield held, ahead
