@@ -160,8 +160,7 @@ class DecodeAgent(FixedPoint):
         self.zero_leases = 0
         self.leases = 0
         self.zero_reasons: dict[str, int] = {}
-        self.credit_sums: dict[str, float] = dict.fromkeys(CREDIT_NAMES, 0.0)
-        """Sum of each credit over the non-zero leases (for the report's mean lease)."""
+        self._credit_sums = [0.0] * len(CREDIT_NAMES)
         self.chunk_sum = 0
         """Sum of the sized borrowed chunk over the non-zero leases."""
         self.zero = True
@@ -240,9 +239,15 @@ class DecodeAgent(FixedPoint):
             why = lease.zero_reason.value
             self.zero_reasons[why] = self.zero_reasons.get(why, 0) + n
         else:
-            for name, value in zip(CREDIT_NAMES, lease.credits.as_tuple(), strict=True):
-                self.credit_sums[name] += value * n
+            sums = self._credit_sums
+            for i, value in enumerate(lease.credits.as_tuple()):
+                sums[i] += value * n
             self.chunk_sum += chunk * n
+
+    @property
+    def credit_sums(self) -> dict[str, float]:
+        """Sum of each credit over the non-zero leases (for the report's mean lease)."""
+        return dict(zip(CREDIT_NAMES, self._credit_sums, strict=True))
 
     async def _republish(
         self, broker: Broker, n: int, last_s: float, sync: Callable[[float], int], t: float
