@@ -24,6 +24,7 @@ import contextlib
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps, roofline
 from crossflow_ctl.domain.errors import CrossflowError
@@ -34,6 +35,8 @@ from crossflow_ctl.domain.models import CREDIT_NAMES, Lease, PoolLoad
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.service import Broker
 from crossflow_ctl.sim.servers import DecodeServer, PrefillServer
+
+P = TypeVar("P")
 
 
 class Period:
@@ -66,13 +69,13 @@ class Period:
         return n, last
 
 
-class FixedPoint(ABC):
+class FixedPoint(ABC, Generic[P]):
     """The fast-forward state both agents share (see the module doc): their schedule, whether
-    their node changed since the last tick (``stirred``) and whether they sleep (``dormant``).
+    their node changed since the last tick (``stirred``), whether they sleep (``dormant``) and,
+    while they do, what they keep publishing (a ``P``).
 
-    A subclass ticks, then calls :meth:`_settle` with its snapshot; while dormant it republishes
-    what it last published through :meth:`_republish` (for ``n`` periods, the last at
-    ``last_s``) and forgets it in :meth:`_forget` when it wakes."""
+    A subclass ticks, then calls :meth:`_settle` with its snapshot and what it published; while
+    dormant, :meth:`_republish` publishes that again for the periods it slept through."""
 
     def __init__(self, period_s: float, fast_forward: bool) -> None:
         self.period_s = period_s
@@ -82,16 +85,20 @@ class FixedPoint(ABC):
         """Something happened on the server or the node's reservations since the last tick."""
         self.dormant = False
         self._key: tuple[object, ...] | None = None
+        self._fixed: P | None = None
+        """While dormant: what it keeps publishing (None: nothing)."""
 
-    def _settle(self, snapshot: EngineSnapshot, steady: bool) -> bool:
-        """End a tick on ``snapshot``: True when the agent is at a fixed point and sleeps
-        (``steady``: nothing else the agent reads changed this period)."""
+    def _settle(self, snapshot: EngineSnapshot, steady: bool, published: P | None) -> bool:
+        """End a tick on ``snapshot`` that published ``published``: True when the agent is at a
+        fixed point and sleeps (``steady``: nothing else the agent reads changed this period)."""
         self.schedule.advance()
         key = snapshot_key(snapshot)
         fixed = self.fast_forward and steady and not self.stirred and key == self._key
         self._key = key
         self.stirred = False
         self.dormant = fixed
+        if fixed:
+            self._fixed = published
         return fixed
 
     async def catch_up(self, broker: Broker, t: float, sync: Callable[[float], int]) -> None:
@@ -99,27 +106,32 @@ class FixedPoint(ABC):
         if not self.dormant:
             return
         n, last = self.schedule.skip_to(t)
-        if n:
-            await self._republish(broker, n, last, sync, t)
+        if n and self._fixed is not None:
+            self._fixed = await self._republish(broker, self._fixed, n, last, sync, t)
 
     async def wake(self, broker: Broker, t: float, sync: Callable[[float], int]) -> float:
         """Leave the fixed point at ``t``; returns when the next period falls."""
         await self.catch_up(broker, t, sync)
         self.dormant = False
-        self._forget()
+        self._fixed = None
         self.stirred = True
         return self.schedule.next_s
 
     @abstractmethod
     async def _republish(
-        self, broker: Broker, n: int, last_s: float, sync: Callable[[float], int], t: float
-    ) -> None: ...
+        self,
+        broker: Broker,
+        fixed: P,
+        n: int,
+        last_s: float,
+        sync: Callable[[float], int],
+        t: float,
+    ) -> P:
+        """Publish ``fixed`` for the ``n`` periods slept through (the last at ``last_s``), as
+        received then; the clock is at ``t`` after. Returns what it keeps publishing."""
 
-    @abstractmethod
-    def _forget(self) -> None: ...
 
-
-class DecodeAgent(FixedPoint):
+class DecodeAgent(FixedPoint[tuple[Lease, int]]):
     def __init__(
         self,
         server: DecodeServer,
@@ -168,8 +180,6 @@ class DecodeAgent(FixedPoint):
         self.open_borrows = 0
         """Reservations granted on this node and not yet released (no fast-forward while > 0:
         their expiry would change what the agent reads)."""
-        self._fixed: tuple[Lease, int] | None = None
-        """While dormant: the lease it keeps publishing, and the sized chunk behind it."""
 
     def snapshot(self, t: float, now_ms: int) -> EngineSnapshot:
         s = self.server
@@ -226,10 +236,7 @@ class DecodeAgent(FixedPoint):
         self.zero = lease.zero_reason is not None
         await broker.ingest_lease(lease)
         steady = not notices and self.open_borrows == 0 and decision.guard == guard
-        if self._settle(snapshot, steady):
-            self._fixed = (lease, chunk)
-            return False
-        return True
+        return not self._settle(snapshot, steady, (lease, chunk))
 
     def _count(self, lease: Lease, chunk: int, n: int) -> None:
         """Count ``n`` publications of ``lease`` (sized chunk ``chunk``) in the run's figures."""
@@ -250,25 +257,26 @@ class DecodeAgent(FixedPoint):
         return dict(zip(CREDIT_NAMES, self._credit_sums, strict=True))
 
     async def _republish(
-        self, broker: Broker, n: int, last_s: float, sync: Callable[[float], int], t: float
-    ) -> None:
+        self,
+        broker: Broker,
+        fixed: tuple[Lease, int],
+        n: int,
+        last_s: float,
+        sync: Callable[[float], int],
+        t: float,
+    ) -> tuple[Lease, int]:
         """The lease of the latest skipped period: its version, received at its time."""
-        if self._fixed is None:
-            return
-        lease, chunk = self._fixed
+        lease, chunk = fixed
         self.version += n
         lease = lease.model_copy(update={"version": self.version})
-        self._fixed = (lease, chunk)
         self._count(lease, chunk, n)
         sync(last_s)
         await broker.ingest_lease(lease)
         sync(t)
-
-    def _forget(self) -> None:
-        self._fixed = None
+        return lease, chunk
 
 
-class PrefillAgent(FixedPoint):
+class PrefillAgent(FixedPoint[PoolLoad]):
     def __init__(
         self,
         server: PrefillServer,
@@ -289,8 +297,6 @@ class PrefillAgent(FixedPoint):
             server.steps.model, server.steps.node, server.chunk
         )
         self.last_processed = 0.0
-        self._fixed: PoolLoad | None = None
-        """While dormant: the pool load it keeps reporting (None: it reports none)."""
 
     def snapshot(self, t: float, now_ms: int) -> EngineSnapshot:
         s = self.server
@@ -330,21 +336,21 @@ class PrefillAgent(FixedPoint):
         )
         if load is not None:
             await _put_load(broker, load)
-        if self._settle(snapshot, steady=True):
-            self._fixed = load
-            return False
-        return True
+        return not self._settle(snapshot, True, load)
 
     async def _republish(
-        self, broker: Broker, n: int, last_s: float, sync: Callable[[float], int], t: float
-    ) -> None:
-        if self._fixed is not None:
-            sync(last_s)
-            await _put_load(broker, self._fixed)
-            sync(t)
-
-    def _forget(self) -> None:
-        self._fixed = None
+        self,
+        broker: Broker,
+        fixed: PoolLoad,
+        n: int,
+        last_s: float,
+        sync: Callable[[float], int],
+        t: float,
+    ) -> PoolLoad:
+        sync(last_s)
+        await _put_load(broker, fixed)
+        sync(t)
+        return fixed
 
 
 async def _put_load(broker: Broker, load: PoolLoad) -> None:
