@@ -10,8 +10,8 @@ deterministic (same calls, same results), so tests drive it with plain integers 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import islice
 from typing import Annotated, Generic, Literal, TypeVar
@@ -114,6 +114,17 @@ class Held(Generic[K]):
     last: Admission
     """The latest NORMAL answer: what the prompt is dispatched with when it leaves unborrowed."""
     offers: int = 1
+    compute_need: int = field(init=False)
+    """The compute a node needs spare to take it: its uncached tokens (:class:`_Room`)."""
+    kv_need: int = field(init=False)
+    """The least KV any node needs spare to take it: its uncached tokens, and a cached prefix
+    that does not live on a decode node, which any node must pull in."""
+
+    def __post_init__(self) -> None:
+        request = self.request
+        self.compute_need = request.uncached_prompt_tokens
+        remote = request.cached_prefix_tokens if request.cached_prefix_node_id is None else 0
+        self.kv_need = self.compute_need + remote
 
 
 def _arrival(held: Held[K]) -> int:
@@ -128,13 +139,9 @@ class _Room:
     kv_tokens: int = MAX_TOKENS
     """MAX_TOKENS: KV not looked at."""
 
-    def fits(self, request: AdmissionRequest) -> bool:
-        """Whether some node might take ``request``: its uncached tokens within the compute
-        room, and the least KV it takes (its uncached tokens, and a cached prefix that does
-        not live on a decode node, which any node must pull in) within the KV room."""
-        uncached = request.uncached_prompt_tokens
-        remote = request.cached_prefix_tokens if request.cached_prefix_node_id is None else 0
-        return uncached <= self.compute_tokens and uncached + remote <= self.kv_tokens
+    def fits(self, held: Held[K]) -> bool:
+        """Whether some node might take ``held``: its compute and KV needs within the room."""
+        return held.compute_need <= self.compute_tokens and held.kv_need <= self.kv_tokens
 
 
 def _kv_tokens(request: AdmissionRequest) -> int:
@@ -222,10 +229,27 @@ class HoldBook(Generic[K]):
 
     def ordered(self) -> list[Held[K]]:
         """Held prompts in re-offer (and dispatch) order."""
-        entries = list(self._held.values())  # arrival order, which is seq order
+        return list(self._in_order())
+
+    def _in_order(self) -> Iterable[Held[K]]:
+        """:meth:`ordered`, without copying a FIFO book (arrival order is the dict's): for a
+        reader that does not change the book while it reads."""
         if self.config.order == "shortest":
-            entries.sort(key=_shortest)
-        return entries
+            return sorted(self._held.values(), key=_shortest)
+        return self._held.values()
+
+    def heads(self) -> Iterator[Held[K]]:
+        """:meth:`ordered` for a reader that takes each prompt it is given before it asks for
+        the next (or stops): a FIFO book yields its head each time, with no copy of the book
+        per call (the router asks on every room update and prefill completion, and usually
+        stops at the first); it stops should the reader not have taken the last one."""
+        if self.config.order == "shortest":
+            yield from self.ordered()
+            return
+        last: Held[K] | None = None
+        while (held := next(iter(self._held.values()), None)) is not None and held is not last:
+            yield held
+            last = held
 
     def drain(self) -> list[Held[K]]:
         """Remove and return everything held, in order."""
@@ -294,13 +318,19 @@ class HoldBook(Generic[K]):
         room = _Room(view.max_compute_tokens, max(n.kv_tokens for n in view.nodes))
         return list(islice(self._fresh_first(room, now_ms), most))
 
-    def _fits(self, room: _Room) -> Iterator[tuple[Held[K], int]]:
+    def _fits(
+        self, room: _Room, skip: frozenset[int] | set[int] = frozenset()
+    ) -> Iterator[tuple[Held[K], int]]:
+        """Held prompts that fit ``room`` in queue order (but those whose seq is in ``skip``),
+        each with the uncached tokens of every prompt before it. A room update scans the whole
+        book when little fits, so the test is inlined (``_Room.fits``)."""
+        compute, kv = room.compute_tokens, room.kv_tokens
         ahead = 0
-        for held in self.ordered():
-            tokens = held.request.uncached_prompt_tokens
-            if room.fits(held.request):
+        for held in self._in_order():
+            need = held.compute_need
+            if need <= compute and held.kv_need <= kv and held.seq not in skip:
                 yield held, ahead
-            ahead += tokens
+            ahead += need
 
     def _fresh_first(self, room: _Room, now_ms: int) -> Iterator[tuple[Held[K], int]]:
         assert self.config.fresh_first_ms is not None
@@ -316,8 +346,7 @@ class HoldBook(Generic[K]):
         yield from fresh
         # the rest: every prompt not offered as fresh (not "held before the cutoff": a prompt
         # held after a later-stamped one, its Admit having come back later, is in neither)
-        offered = {h.seq for h, _ in fresh}
-        yield from ((h, a) for h, a in self._fits(room) if h.seq not in offered)
+        yield from self._fits(room, {h.seq for h, _ in fresh})
 
     def _fresh_fifo(self, room: _Room, cutoff: int) -> list[tuple[Held[K], int]]:
         """The fresh prompts of a FIFO book with their tokens ahead, read from the newest end
@@ -327,9 +356,8 @@ class HoldBook(Generic[K]):
         for held in reversed(self._held.values()):
             if held.since_ms <= cutoff:
                 break
-            tokens = held.request.uncached_prompt_tokens
-            ahead -= tokens
-            if room.fits(held.request):
+            ahead -= held.compute_need
+            if room.fits(held):
                 out.append((held, ahead))
         return out
 

@@ -345,7 +345,7 @@ class AdmissionQueue:
             self._finish(held, held.last, Dispatch.DEADLINE)
 
     def _to_prefill(self) -> None:
-        for held in self._book.ordered():
+        for held in self._book.heads():
             if not self._prefill_has_room(held.request):
                 break
             self._book.take(held.key)

@@ -355,7 +355,9 @@ def check_node(
         verdict, detail = Reason.NO_ROOM, "short on " + ", ".join(short)
     else:
         verdict, detail = Reason.BORROWED, f"predicted {predicted:.1f} ms"
-    return NodeCheck(
+    # Every field computed here, of its declared type: built without validation (``trusted``,
+    # in field order), as Admit plans every candidate node of every request.
+    return NodeCheck.trusted(
         node_id=node_id,
         verdict=verdict,
         detail=detail,
@@ -364,8 +366,10 @@ def check_node(
         benefit=benefit,
         safe=safe,
         available=available,
+        debit=debit,
         short_credits=short,
-        **base,
+        lease_epoch=lease.epoch,
+        lease_version=lease.version,
     )
 
 

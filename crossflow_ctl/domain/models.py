@@ -65,14 +65,25 @@ class Frozen(BaseModel):
         as fast when ``values`` names every field, in order: the same object without pydantic's
         scan of each field for aliases and defaults. For hot loops (simulated telemetry, lease
         credits, stored leases)."""
-        if cls.__pydantic_post_init__ or list(values) != list(cls.__pydantic_fields__):
+        order = _FIELD_ORDER.get(cls)
+        if order is None:
+            order = _FIELD_ORDER[cls] = (
+                () if cls.__pydantic_post_init__ else tuple(cls.__pydantic_fields__)
+            )
+        if tuple(values) != order or not order:
             return cast(F, cls.model_construct(**values))
         model = cls.__new__(cls)
-        object.__setattr__(model, "__dict__", values)
-        object.__setattr__(model, "__pydantic_fields_set__", set(values))
-        object.__setattr__(model, "__pydantic_extra__", None)
-        object.__setattr__(model, "__pydantic_private__", None)
+        _set(model, "__dict__", values)
+        _set(model, "__pydantic_fields_set__", set(values))
+        _set(model, "__pydantic_extra__", None)
+        _set(model, "__pydantic_private__", None)
         return model
+
+
+_FIELD_ORDER: dict[type[Frozen], tuple[str, ...]] = {}
+"""Each model's field names in order, as :meth:`Frozen.trusted` compares them (empty: the model
+has a post-init hook, so it always goes through ``model_construct``)."""
+_set = object.__setattr__
 
 
 def validated(cls: type[M], /, **data: Any) -> M:
@@ -146,12 +157,28 @@ class Credits(Frozen):
     def from_tuple(cls, values: tuple[int, ...] | list[int]) -> Credits:
         """Five amounts in CREDIT_NAMES order, each floored at zero (ValueError unless five)."""
         c1, c2, c3, c4, c5 = values
+        compute, kv, transfer = max(0, int(c1)), max(0, int(c2)), max(0, int(c3))
+        output, slots = max(0, int(c4)), max(0, int(c5))
+        if (
+            compute <= MAX_TOKENS
+            and kv <= MAX_TOKENS
+            and transfer <= MAX_BYTES
+            and output <= MAX_TOKENS
+            and slots <= MAX_SLOTS
+        ):  # within every field's bounds: nothing left to validate (admission's hot path)
+            return cls.trusted(
+                compute_tokens=compute,
+                kv_tokens=kv,
+                kv_transfer_bytes=transfer,
+                output_tokens=output,
+                slots=slots,
+            )
         return cls(
-            compute_tokens=max(0, int(c1)),
-            kv_tokens=max(0, int(c2)),
-            kv_transfer_bytes=max(0, int(c3)),
-            output_tokens=max(0, int(c4)),
-            slots=max(0, int(c5)),
+            compute_tokens=compute,
+            kv_tokens=kv,
+            kv_transfer_bytes=transfer,
+            output_tokens=output,
+            slots=slots,
         )
 
     def is_zero(self) -> bool:

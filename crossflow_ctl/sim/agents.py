@@ -21,7 +21,10 @@ period (the tests compare both).
 from __future__ import annotations
 
 import contextlib
+import operator
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps, roofline
 from crossflow_ctl.domain.errors import CrossflowError
@@ -32,6 +35,8 @@ from crossflow_ctl.domain.models import CREDIT_NAMES, Lease, PoolLoad
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.service import Broker
 from crossflow_ctl.sim.servers import DecodeServer, PrefillServer
+
+P = TypeVar("P")
 
 
 class Period:
@@ -64,7 +69,69 @@ class Period:
         return n, last
 
 
-class DecodeAgent:
+class FixedPoint(ABC, Generic[P]):
+    """The fast-forward state both agents share (see the module doc): their schedule, whether
+    their node changed since the last tick (``stirred``), whether they sleep (``dormant``) and,
+    while they do, what they keep publishing (a ``P``).
+
+    A subclass ticks, then calls :meth:`_settle` with its snapshot and what it published; while
+    dormant, :meth:`_republish` publishes that again for the periods it slept through."""
+
+    def __init__(self, period_s: float, fast_forward: bool) -> None:
+        self.period_s = period_s
+        self.fast_forward = fast_forward
+        self.schedule = Period(period_s)
+        self.stirred = True
+        """Something happened on the server or the node's reservations since the last tick."""
+        self.dormant = False
+        self._key: tuple[object, ...] | None = None
+        self._fixed: P | None = None
+        """While dormant: what it keeps publishing (None: nothing)."""
+
+    def _settle(self, snapshot: EngineSnapshot, steady: bool, published: P | None) -> bool:
+        """End a tick on ``snapshot`` that published ``published``: True when the agent is at a
+        fixed point and sleeps (``steady``: nothing else the agent reads changed this period)."""
+        self.schedule.advance()
+        key = snapshot_key(snapshot)
+        fixed = self.fast_forward and steady and not self.stirred and key == self._key
+        self._key = key
+        self.stirred = False
+        self.dormant = fixed
+        if fixed:
+            self._fixed = published
+        return fixed
+
+    async def catch_up(self, broker: Broker, t: float, sync: Callable[[float], int]) -> None:
+        """Dormant: publish again what the latest period at or before ``t`` would have."""
+        if not self.dormant:
+            return
+        n, last = self.schedule.skip_to(t)
+        if n and self._fixed is not None:
+            self._fixed = await self._republish(broker, self._fixed, n, last, sync, t)
+
+    async def wake(self, broker: Broker, t: float, sync: Callable[[float], int]) -> float:
+        """Leave the fixed point at ``t``; returns when the next period falls."""
+        await self.catch_up(broker, t, sync)
+        self.dormant = False
+        self._fixed = None
+        self.stirred = True
+        return self.schedule.next_s
+
+    @abstractmethod
+    async def _republish(
+        self,
+        broker: Broker,
+        fixed: P,
+        n: int,
+        last_s: float,
+        sync: Callable[[float], int],
+        t: float,
+    ) -> P:
+        """Publish ``fixed`` for the ``n`` periods slept through (the last at ``last_s``), as
+        received then; the clock is at ``t`` after. Returns what it keeps publishing."""
+
+
+class DecodeAgent(FixedPoint[tuple[Lease, int]]):
     def __init__(
         self,
         server: DecodeServer,
@@ -77,13 +144,12 @@ class DecodeAgent:
         follow_chunk: bool = True,
         fast_forward: bool = True,
     ) -> None:
+        super().__init__(period_s, fast_forward)
         self.server = server
-        self.fast_forward = fast_forward
         self.node_id = node_id
         self.model = model
         self.node = node
         self.settings = settings
-        self.period_s = period_s
         self.ttl_ms = ttl_ms
         self.guard = ItlGuard()
         self.open_debits = OpenDebits()
@@ -106,22 +172,14 @@ class DecodeAgent:
         self.zero_leases = 0
         self.leases = 0
         self.zero_reasons: dict[str, int] = {}
-        self.credit_sums: dict[str, float] = dict.fromkeys(CREDIT_NAMES, 0.0)
-        """Sum of each credit over the non-zero leases (for the report's mean lease)."""
+        self._credit_sums = [0.0] * len(CREDIT_NAMES)
         self.chunk_sum = 0
         """Sum of the sized borrowed chunk over the non-zero leases."""
-        self.schedule = Period(period_s)
-        self.stirred = True
-        """Something happened on the server or the node's reservations since the last tick."""
-        self.dormant = False
         self.zero = True
         """Whether the last lease published was a zero lease (no room to signal)."""
         self.open_borrows = 0
         """Reservations granted on this node and not yet released (no fast-forward while > 0:
         their expiry would change what the agent reads)."""
-        self._key: tuple[object, ...] | None = None
-        self._fixed: tuple[Lease, int] | None = None
-        """While dormant: the lease it keeps publishing, and the sized chunk behind it."""
 
     def snapshot(self, t: float, now_ms: int) -> EngineSnapshot:
         s = self.server
@@ -177,22 +235,8 @@ class DecodeAgent:
         self._count(lease, chunk, 1)
         self.zero = lease.zero_reason is not None
         await broker.ingest_lease(lease)
-        self.schedule.advance()
-        key = _snapshot_key(snapshot)
-        fixed = (
-            self.fast_forward
-            and not self.stirred
-            and not notices
-            and self.open_borrows == 0
-            and key == self._key
-            and decision.guard == guard
-        )
-        self._key = key
-        self.stirred = False
-        if fixed:
-            self.dormant = True
-            self._fixed = (lease, chunk)
-        return not fixed
+        steady = not notices and self.open_borrows == 0 and decision.guard == guard
+        return not self._settle(snapshot, steady, (lease, chunk))
 
     def _count(self, lease: Lease, chunk: int, n: int) -> None:
         """Count ``n`` publications of ``lease`` (sized chunk ``chunk``) in the run's figures."""
@@ -202,36 +246,37 @@ class DecodeAgent:
             why = lease.zero_reason.value
             self.zero_reasons[why] = self.zero_reasons.get(why, 0) + n
         else:
-            for name, value in zip(CREDIT_NAMES, lease.credits.as_tuple(), strict=True):
-                self.credit_sums[name] += value * n
+            sums = self._credit_sums
+            for i, value in enumerate(lease.credits.as_tuple()):
+                sums[i] += value * n
             self.chunk_sum += chunk * n
 
-    async def catch_up(self, broker: Broker, t: float, sync: Callable[[float], int]) -> None:
-        """Dormant: publish the lease of the latest period at or before ``t`` (see module doc)."""
-        if not self.dormant or self._fixed is None:
-            return
-        n, last = self.schedule.skip_to(t)
-        if n == 0:
-            return
-        lease, chunk = self._fixed
+    @property
+    def credit_sums(self) -> dict[str, float]:
+        """Sum of each credit over the non-zero leases (for the report's mean lease)."""
+        return dict(zip(CREDIT_NAMES, self._credit_sums, strict=True))
+
+    async def _republish(
+        self,
+        broker: Broker,
+        fixed: tuple[Lease, int],
+        n: int,
+        last_s: float,
+        sync: Callable[[float], int],
+        t: float,
+    ) -> tuple[Lease, int]:
+        """The lease of the latest skipped period: its version, received at its time."""
+        lease, chunk = fixed
         self.version += n
         lease = lease.model_copy(update={"version": self.version})
-        self._fixed = (lease, chunk)
         self._count(lease, chunk, n)
-        sync(last)
+        sync(last_s)
         await broker.ingest_lease(lease)
         sync(t)
-
-    async def wake(self, broker: Broker, t: float, sync: Callable[[float], int]) -> float:
-        """Leave the fixed point at ``t``; returns when the next period falls."""
-        await self.catch_up(broker, t, sync)
-        self.dormant = False
-        self._fixed = None
-        self.stirred = True
-        return self.schedule.next_s
+        return lease, chunk
 
 
-class PrefillAgent:
+class PrefillAgent(FixedPoint[PoolLoad]):
     def __init__(
         self,
         server: PrefillServer,
@@ -242,22 +287,16 @@ class PrefillAgent:
         kv_total_tokens: int,
         fast_forward: bool = True,
     ) -> None:
+        super().__init__(period_s, fast_forward)
         self.server = server
-        self.fast_forward = fast_forward
         self.node_id = node_id
         self.settings = settings
-        self.period_s = period_s
         self.ttl_ms = ttl_ms
         self.kv_total_tokens = kv_total_tokens
         self.modelled_rate_tps = prefill_rate_tps(
             server.steps.model, server.steps.node, server.chunk
         )
         self.last_processed = 0.0
-        self.schedule = Period(period_s)
-        self.stirred = True
-        self.dormant = False
-        self._key: tuple[object, ...] | None = None
-        self._fixed: PoolLoad | None = None
 
     def snapshot(self, t: float, now_ms: int) -> EngineSnapshot:
         s = self.server
@@ -297,31 +336,21 @@ class PrefillAgent:
         )
         if load is not None:
             await _put_load(broker, load)
-        self.schedule.advance()
-        key = _snapshot_key(snapshot)
-        fixed = self.fast_forward and not self.stirred and key == self._key
-        self._key = key
-        self.stirred = False
-        if fixed:
-            self.dormant = True
-            self._fixed = load
-        return not fixed
+        return not self._settle(snapshot, True, load)
 
-    async def catch_up(self, broker: Broker, t: float, sync: Callable[[float], int]) -> None:
-        if not self.dormant:
-            return
-        n, last = self.schedule.skip_to(t)
-        if n and self._fixed is not None:
-            sync(last)
-            await _put_load(broker, self._fixed)
-            sync(t)
-
-    async def wake(self, broker: Broker, t: float, sync: Callable[[float], int]) -> float:
-        await self.catch_up(broker, t, sync)
-        self.dormant = False
-        self._fixed = None
-        self.stirred = True
-        return self.schedule.next_s
+    async def _republish(
+        self,
+        broker: Broker,
+        fixed: PoolLoad,
+        n: int,
+        last_s: float,
+        sync: Callable[[float], int],
+        t: float,
+    ) -> PoolLoad:
+        sync(last_s)
+        await _put_load(broker, fixed)
+        sync(t)
+        return fixed
 
 
 async def _put_load(broker: Broker, load: PoolLoad) -> None:
@@ -330,18 +359,8 @@ async def _put_load(broker: Broker, load: PoolLoad) -> None:
         await broker.ingest_pool_load(load)
 
 
-def _snapshot_key(s: EngineSnapshot) -> tuple[object, ...]:
-    """Every field a lease or pool load depends on, but the time it was taken."""
-    return (
-        s.running_requests,
-        s.queued_requests,
-        s.kv_used_tokens,
-        s.decode_context_tokens,
-        s.generation_rate_tps,
-        s.prompt_rate_tps,
-        s.itl_p50_ms,
-        s.itl_p99_ms,
-        s.outstanding_uncached_tokens,
-        s.borrowed_kv_tokens,
-        s.prefill_processing_rate_tps,
-    )
+_KEY_FIELDS = tuple(name for name in EngineSnapshot.model_fields if name != "taken_at_ms")
+
+snapshot_key: Callable[[EngineSnapshot], tuple[object, ...]] = operator.attrgetter(*_KEY_FIELDS)
+"""Every field of a snapshot but the time it was taken: what a lease or pool load depends on,
+so two periods with equal keys (and nothing else changed) publish the same."""

@@ -503,6 +503,28 @@ def test_hold_book_is_deterministic_and_pure() -> None:
     assert book.next_deadline_ms() == 240
 
 
+@pytest.mark.parametrize("order", ["fifo", "shortest"])
+def test_heads_yield_the_book_in_order_while_each_is_taken_and_stop_when_one_is_not(
+    order: str,
+) -> None:
+    book: HoldBook[str] = HoldBook(QueueConfig.model_validate({"max_hold_ms": 100, "order": order}))
+    no_room = Admission.normal(Reason.NO_ROOM, "")
+    for key, size in (("a", 300), ("b", 100), ("c", 200)):
+        assert book.hold(key, req(key, size), no_room, 0) is None
+    expected = [h.key for h in book.ordered()]
+    assert expected == (["a", "b", "c"] if order == "fifo" else ["b", "c", "a"])
+    taken = []
+    for held in book.heads():
+        taken.append(held.key)
+        book.take(held.key)
+        if len(taken) == 2:
+            break
+    assert taken == expected[:2] and [h.key for h in book] == expected[2:]
+    # a reader that does not take what it is given sees it once, not for ever
+    assert [h.key for h in book.heads()] == expected[2:]
+    assert len(book) == 1
+
+
 book_ops = st.lists(
     st.tuples(
         st.sampled_from(["hold", "take", "borrow", "due", "drain"]),

@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
+from pydantic import ValidationError
 
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import (
+    MAX_BYTES,
+    MAX_SLOTS,
     MAX_TOKENS,
     Credits,
     Lease,
@@ -116,3 +119,17 @@ def test_trusted_builds_what_model_construct_builds() -> None:
     partial = Credits.trusted(slots=2, kv_tokens=7)
     assert partial == Credits(kv_tokens=7, slots=2)
     assert list(partial.model_dump()) == list(full)
+
+
+def test_from_tuple_floors_at_zero_and_still_refuses_amounts_out_of_bounds() -> None:
+    floored = Credits.from_tuple((5, -4, 3.9, 2, 1))  # type: ignore[arg-type]
+    built = Credits(compute_tokens=5, kv_tokens=0, kv_transfer_bytes=3, output_tokens=2, slots=1)
+    assert floored == built and floored.model_fields_set == built.model_fields_set
+    assert Credits.from_tuple(floored.as_tuple()) == floored
+    top = Credits.from_tuple((MAX_TOKENS, MAX_TOKENS, MAX_BYTES, MAX_TOKENS, MAX_SLOTS))
+    assert top.as_tuple() == (MAX_TOKENS, MAX_TOKENS, MAX_BYTES, MAX_TOKENS, MAX_SLOTS)
+    for over in range(5):
+        amounts = list(top.as_tuple())
+        amounts[over] += 1
+        with pytest.raises(ValidationError):
+            Credits.from_tuple(amounts)
