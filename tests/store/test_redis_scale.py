@@ -68,7 +68,7 @@ async def test_many_waiting_relays_share_a_bounded_set_of_connections(
             (node, 1, grant.reservation.reservation_id)
         ]
     assert 1 <= waiting <= 8 and busy <= 8
-    assert 1 <= timers <= 3
+    assert 1 <= timers < NODES // 10  # one per second of registrations, not one per read
 
 
 async def test_a_wait_with_no_notice_costs_no_round_trip_once_subscribed(
