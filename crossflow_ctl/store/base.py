@@ -280,7 +280,9 @@ class Store(abc.ABC):
     async def read_notices(
         self, node_id: str, after_seq: int, limit: int, block_ms: int = 0
     ) -> list[Notice]:
-        """Notices with seq > after_seq, oldest first; waits up to block_ms when none."""
+        """Notices with seq > after_seq, oldest first; waits up to block_ms when none. Returns,
+        or raises StoreUnavailable, within about block_ms plus one call's timeout (callers
+        arm no timer of their own)."""
 
     # -- policy -----------------------------------------------------------------------------
     @abc.abstractmethod

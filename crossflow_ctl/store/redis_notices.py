@@ -20,12 +20,17 @@ last seen sequence: DESIGN.md §5.4, §6); a wake is only a hint to read it. Not
 * a read that found fewer notices than it asked for counts as an empty read after its last
   notice: the relay's next read (after that notice) waits for a wake rather than sending an
   XRANGE that would find nothing (one read per wake, not two).
+
+A waiting read arms no timer of its own: its deadline joins the hub's shared ones
+(:class:`_Deadlines`), so thousands of idle streams keep a few dozen timers in the event loop,
+not two each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -56,9 +61,10 @@ Backend = Callable[[str, float], AbstractAsyncContextManager[None]]
 """``RedisStore._backend``: bounds a call in time and maps backend errors to StoreUnavailable."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Signal:
-    """One node's wake counter; ``event`` is replaced at every wake (a waiter keeps its own)."""
+    """One node's wake counter; ``event`` is replaced at every wake (a waiter keeps its own).
+    Hashed by identity (a key of :class:`_Deadlines`)."""
 
     count: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -70,8 +76,65 @@ class _Signal:
     def wake(self) -> None:
         self.count += 1
         self.empty_at = None
+        self.nudge()
+
+    def nudge(self) -> None:
+        """Wake the waiters without a wake count: each checks its own deadline."""
         self.event.set()
         self.event = asyncio.Event()
+
+
+GRANULES_MS = (1, 10, 100, 1000)
+"""How finely a waiting read's deadline is kept: the coarsest granule at most 1/16 of the wait
+(a 30 s wait ends within a second after its deadline, a 50 ms one within a millisecond)."""
+
+
+def due_instant_ms(now_ms: float, wait_ms: float) -> int:
+    """The shared instant a wait of ``wait_ms`` from ``now_ms`` ends at: its deadline rounded
+    up to the coarsest granule of :data:`GRANULES_MS` at most 1/16 of the wait."""
+    granule = GRANULES_MS[0]
+    for coarser in GRANULES_MS[1:]:
+        if coarser * 16 <= wait_ms:
+            granule = coarser
+    return math.ceil((now_ms + wait_ms) / granule) * granule
+
+
+class _Deadlines:
+    """The deadlines of waiting reads, on a few loop timers shared by all of them.
+
+    With a timer per waiting read, a replica with thousands of idle agent streams kept
+    thousands of live timers in the event loop; every timer cancelled elsewhere (each Redis
+    call's timeout) then lingered in the loop's heap until the cancelled ones outnumbered the
+    live ones, so thousands of handles outlived young collections and made every collection
+    slow (issue #11). Here a deadline is rounded UP to its granule (never early) and every
+    deadline rounded to the same instant shares one timer. When it fires, each signal
+    registered there that has not been woken or nudged since is nudged; its waiters find their
+    deadline passed (a waiter that is not due yet registers again)."""
+
+    def __init__(self) -> None:
+        self._due: dict[int, dict[_Signal, asyncio.Event]] = {}
+        """Instant (loop time, ms) -> signals with their event when registered."""
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+
+    def add(self, sig: _Signal, wait_s: float) -> None:
+        """Nudge ``sig`` once ``wait_s`` has passed, unless it is woken or nudged first."""
+        loop = asyncio.get_running_loop()
+        due_ms = due_instant_ms(loop.time() * 1000.0, wait_s * 1000.0)
+        waiting = self._due.get(due_ms)
+        if waiting is None:
+            waiting = self._due[due_ms] = {}
+            self._timers[due_ms] = loop.call_at(due_ms / 1000.0, self._fire, due_ms)
+        waiting[sig] = sig.event
+
+    def _fire(self, due_ms: int) -> None:
+        del self._timers[due_ms]
+        for sig, event in self._due.pop(due_ms).items():
+            if sig.event is event:  # else it was woken or nudged since: its waiter moved on
+                sig.nudge()
+
+    def __len__(self) -> int:
+        """Timers armed."""
+        return len(self._timers)
 
 
 class WakeHub:
@@ -81,6 +144,7 @@ class WakeHub:
         self._r = client
         self.channel = channel
         self._signals: dict[str, _Signal] = {}
+        self.deadlines = _Deadlines()
         self.generation = 0
         """Bumped whenever the subscription (re)starts or breaks."""
         self.live = False
@@ -216,7 +280,5 @@ class NoticeReader:
                 return []
             if sig.count == count:
                 # Subscribed: sleep until a wake. Not (yet): poll, a wake may never come.
-                wait_s = left_s if hub.live else min(left_s, UNSUBSCRIBED_POLL_S)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(wait_s):
-                        await sig.event.wait()
+                hub.deadlines.add(sig, left_s if hub.live else min(left_s, UNSUBSCRIBED_POLL_S))
+                await sig.event.wait()

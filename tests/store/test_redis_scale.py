@@ -52,6 +52,7 @@ async def test_many_waiting_relays_share_a_bounded_set_of_connections(
         ]
         await asyncio.sleep(0.5)
         assert not any(r.done() for r in readers)
+        timers = len(store._notices.hub.deadlines)  # shared: not one per waiting read
         waiting = await _connections(redis_url, f"crossflow:{redis_namespace}")
         grants = await asyncio.gather(
             *(store.try_debit(n, credits(1), 1.0, NOW, 60_000) for n in nodes)
@@ -67,6 +68,7 @@ async def test_many_waiting_relays_share_a_bounded_set_of_connections(
             (node, 1, grant.reservation.reservation_id)
         ]
     assert 1 <= waiting <= 8 and busy <= 8
+    assert 1 <= timers < NODES // 10  # one per second of registrations, not one per read
 
 
 async def test_a_wait_with_no_notice_costs_no_round_trip_once_subscribed(
