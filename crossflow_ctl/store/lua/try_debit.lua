@@ -46,25 +46,30 @@ local function each(reply)
   return out
 end
 
-if redis.call('EXISTS', info) == 0 then
+local node = redis.call('HMGET', info, 'role', 'cordoned', 'open')
+if not node[1] then
   return each({'unknown_node'})
 end
-local _, open = cf_purge_expired(info, res, exp, notices, maxlen, now)
+local open = cf_totals_of(node[3])
+local purged = cf_purge_expired(info, res, exp, notices, maxlen, now, open)
 local l = redis.call('HMGET', lease, 'epoch', 'version', 'exp', 'zero', 'c1', 'c2', 'c3', 'c4', 'c5')
 local epoch, version = l[1] or '0', l[2] or '0'
-if redis.call('HGET', info, 'cordoned') == '1' then
-  return each({'cordoned', epoch, version})
+local refusal = nil
+if node[2] == '1' then
+  refusal = 'cordoned'
+elseif not l[1] then
+  refusal = 'no_lease'
+elseif tonumber(l[3]) <= tonumber(now) then
+  refusal = 'expired'
+elseif l[4] ~= '' then
+  refusal = 'zero_lease'
 end
-if not l[1] then
-  return each({'no_lease', epoch, version})
+if refusal then
+  if purged > 0 then
+    cf_set_totals(info, open)
+  end
+  return each({refusal, epoch, version})
 end
-if tonumber(l[3]) <= tonumber(now) then
-  return each({'expired', epoch, version})
-end
-if l[4] ~= '' then
-  return each({'zero_lease', epoch, version})
-end
-open = open or cf_totals(info)
 local limit = {}
 for c = 1, 5 do
   limit[c] = math.floor(tonumber(l[4 + c]) * share)
@@ -101,7 +106,7 @@ for i = 1, count do
     out[#out + 1] = {'granted', epoch, version, seq, cf_totals_text(open)}
   end
 end
-if granted then
+if granted or purged > 0 then
   cf_set_totals(info, open)
 end
 return out
