@@ -12,16 +12,9 @@
 -- Each reservation's expiry is also a member of the node's expiry ZSET (score expires_at_ms),
 -- and the info HASH keeps running totals, so a debit never scans the reservations.
 
+local CF_RECORD = '^' .. string.rep('([^|]*)|', 13) .. '(.*)$'
 local function cf_parse(rec)
-  local f = {}
-  local pos = 1
-  for _ = 1, 13 do
-    local bar = string.find(rec, '|', pos, true)
-    f[#f + 1] = string.sub(rec, pos, bar - 1)
-    pos = bar + 1
-  end
-  f[14] = string.sub(rec, pos)
-  return f
+  return {string.match(rec, CF_RECORD)}
 end
 
 local function cf_format(f)
@@ -81,11 +74,7 @@ end
 
 -- Totals (as read by cf_totals) as text: "c1,c2,c3,c4,c5,count".
 local function cf_totals_text(t)
-  local out = {}
-  for i = 1, 6 do
-    out[i] = cf_int(t[i])
-  end
-  return table.concat(out, ',')
+  return string.format('%d,%d,%d,%d,%d,%d', t[1], t[2], t[3], t[4], t[5], t[6])
 end
 
 -- Write totals (as read by cf_totals) back to the info HASH.
