@@ -118,6 +118,7 @@ class Admitter:
         self._flusher: asyncio.Task[None] | None = None
         self._leading = False
         """Whether a lone entry is being decided in its caller's task (:meth:`_lead`)."""
+        self._last_demand: tuple[PoolSnapshot | None, PolicySettings, DemandCheck] | None = None
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
 
@@ -291,7 +292,7 @@ class Admitter:
                     ),
                 )
                 rooms = node_rooms(nodes, policy.borrow_share)
-                views[key] = (pool, nodes, check_demand(pool, policy), rooms)
+                views[key] = (pool, nodes, self._demand(pool, policy), rooms)
             pool, nodes, demand, rooms = views[key]
             plan = plan_admission(request, pool, nodes, policy, now, demand, rooms)
             answer = self._without_debit(request, plan, policy)
@@ -339,6 +340,16 @@ class Admitter:
                 plan,
             )
         return [a for a in answers if a is not None]
+
+    def _demand(self, pool: PoolSnapshot | None, policy: PolicySettings) -> DemandCheck:
+        """``check_demand``, computed once per pool snapshot and policy: both are immutable, and
+        the store hands out the same cached snapshot to every Admit until it is renewed."""
+        last = self._last_demand
+        if last is not None and last[0] is pool and last[1] is policy:
+            return last[2]
+        demand = check_demand(pool, policy)
+        self._last_demand = (pool, policy, demand)
+        return demand
 
     async def _shielded(self, call: Awaitable[list[DebitOutcome]]) -> list[DebitOutcome]:
         """``call`` shielded: when admission times out, debits may still land in the store;
