@@ -13,7 +13,10 @@ measures, each sequentially (latency) and with ``--concurrency`` callers (throug
   one such EVALSHA: Admit's own round trip with no work, the floor of its design
 
 and prints admit's p50 and p99 over the floors' sum (issue 13's targets: p50 <= 1.25x, p99 <= 2x)
-and its throughput with ``--concurrency`` callers over the bare grpc.aio call's (target >= 70%).
+and its throughput with ``--concurrency`` callers over the bare grpc.aio call's (target >= 70%),
+and, where Linux's /proc allows, each serving process's CPU per sequential call (the broker's
+per Admit and per health Check, the floor server's) with the debit script's time inside Redis:
+on a shared machine CPU per call says more than wall time.
 A warm Admit is ONE Redis round trip (the atomic debit): the plan uses the replica's cached view
 (pool load, lender draw, node states; refreshed by each debit's reply).
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import sys
@@ -185,17 +189,34 @@ async def feed(channel: grpc.aio.Channel) -> list[Any]:
     return calls
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """CPU time (user + system, all threads) process ``pid`` has used; NaN without a pid or
+    without Linux's /proc. On a shared, noisy machine it says more than wall time."""
+    if pid is None:
+        return math.nan
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def measure(
-    call: Callable[[], Awaitable[Any]], seconds: float, concurrency: int
+    call: Callable[[], Awaitable[Any]], seconds: float, concurrency: int, pid: int | None = None
 ) -> dict[str, float]:
+    """Sequential latency (and ``pid``'s CPU per sequential call: the serving process's), then
+    throughput with ``concurrency`` callers."""
     for _ in range(50):  # warm up
         await call()
     latencies: list[float] = []
+    cpu_before = cpu_seconds(pid)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
         await call()
         latencies.append(time.perf_counter() - t0)
+    cpu_per_call = (cpu_seconds(pid) - cpu_before) / len(latencies)
     done = 0
 
     async def worker(stop: float) -> None:
@@ -213,7 +234,14 @@ async def measure(
         "p99_ms": q[98] * 1e3,
         "n": len(latencies),
         "ops_per_s": done / elapsed,
+        "cpu_us": cpu_per_call * 1e6,
     }
+
+
+async def evalsha_stats(r: aioredis.Redis) -> tuple[int, int]:
+    """EVALSHA calls and microseconds inside Redis so far (INFO commandstats)."""
+    stats = (await r.info("commandstats")).get("cmdstat_evalsha", {})
+    return int(stats.get("calls", 0)), int(stats.get("usec", 0))
 
 
 async def stream_rate(
@@ -308,27 +336,36 @@ async def main(args: argparse.Namespace) -> None:
         async def evalsha() -> None:
             await script(keys=[f"{namespace}:bench"])
 
+        calls0, usec0 = await evalsha_stats(r)
+        admitted = await measure(admit, args.seconds, args.concurrency, proc.pid)
+        calls1, usec1 = await evalsha_stats(r)
         rows = [
-            ("admit (gRPC + Redis)", await measure(admit, args.seconds, args.concurrency)),
-            ("floor: grpc.aio health Check", await measure(check, args.seconds, args.concurrency)),
+            ("admit (gRPC + Redis)", admitted),
+            (
+                "floor: grpc.aio health Check",
+                await measure(check, args.seconds, args.concurrency, proc.pid),
+            ),
             (
                 "floor: Redis EVALSHA 'return 1'",
                 await measure(evalsha, args.seconds, args.concurrency),
             ),
             (
                 "floor: grpc.aio + 1 EVALSHA inside",
-                await measure(check_one_evalsha, args.seconds, args.concurrency),
+                await measure(check_one_evalsha, args.seconds, args.concurrency, floor_proc.pid),
             ),
         ]
         print(
             f"loopback, broker pid {proc.pid}, {args.seconds:.1f} s per phase, "
             f"throughput with {args.concurrency} concurrent callers, hold TTL {args.hold_ttl_ms} ms"
         )
-        print(f"{'call':34} {'p50 ms':>8} {'p99 ms':>8} {'seq n':>7} {'ops/s':>9}")
+        print(
+            f"{'call':34} {'p50 ms':>8} {'p99 ms':>8} {'seq n':>7} {'ops/s':>9} {'srv CPU us':>10}"
+        )
         for name, m in rows:
+            cpu = "-" if math.isnan(m["cpu_us"]) else f"{m['cpu_us']:.0f}"
             print(
                 f"{name:34} {m['p50_ms']:8.3f} {m['p99_ms']:8.3f} {m['n']:7.0f} "
-                f"{m['ops_per_s']:9.0f}"
+                f"{m['ops_per_s']:9.0f} {cpu:>10}"
             )
         admit_p50, grpc_p50, redis_p50, trips_p50 = (m["p50_ms"] for _, m in rows)
         admit_p99, grpc_p99, redis_p99, _ = (m["p99_ms"] for _, m in rows)
@@ -353,6 +390,17 @@ async def main(args: argparse.Namespace) -> None:
             f"admit p50 over grpc.aio + 1 EVALSHA inside (its round trip, no work): "
             f"{admit_p50 / trips_p50:.2f}x; that floor is "
             f"{trips_p50 / (grpc_p50 + redis_p50):.2f}x the floors' sum"
+        )
+        # CPU is what a busy broker runs out of: the serving process's CPU per sequential call
+        # (all its threads), the debit script's time inside Redis, and what Admit adds to a
+        # bare unary call on the same broker and to the floor of its design.
+        admit_cpu, check_cpu, trips_cpu = (rows[i][1]["cpu_us"] for i in (0, 1, 3))
+        script_us = (usec1 - usec0) / max(1, calls1 - calls0)
+        print(
+            f"CPU per sequential call: broker {admit_cpu:.0f} us per Admit, {check_cpu:.0f} us "
+            f"per health Check (Admit adds {admit_cpu - check_cpu:.0f} us); the grpc.aio + 1 "
+            f"EVALSHA server {trips_cpu:.0f} us; inside Redis {script_us:.1f} us per EVALSHA "
+            f"during the Admit phase"
         )
         stream_stub = admission_pb2_grpc.AdmissionServiceStub(channel)
         echo_stub = admission_pb2_grpc.AdmissionServiceStub(floor_channel)

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import structlog
 
-from crossflow_ctl.aio import within
+from crossflow_ctl.aio import started, within
 from crossflow_ctl.domain.admission import (
     Admission,
     AdmissionRequest,
@@ -116,6 +116,9 @@ class Admitter:
         deletes the request record written with it (key; "" when none)."""
         self._queue: list[_Queued] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._leading = False
+        """Whether a lone entry is being decided in its caller's task (:meth:`_lead`)."""
+        self._last_demand: tuple[PoolSnapshot | None, PolicySettings, DemandCheck] | None = None
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
 
@@ -134,9 +137,10 @@ class Admitter:
         loop = asyncio.get_running_loop()
         queued = _Queued(requests, owner, loop.create_future(), loop.time())
         self._queue.append(queued)
-        if self._flusher is None:
-            self._flusher = loop.create_task(self._flush(), name="admission-group-commit")
-        answers = await queued.answers
+        if self._flusher is None and not self._leading:
+            answers = await self._lead(queued)
+        else:
+            answers = await queued.answers
         if log_decisions():
             for request, answer in zip(requests, answers, strict=True):
                 log.debug(
@@ -149,6 +153,29 @@ class Admitter:
         if len(answers) == 1:
             annotate_decision(answers[0].decision, answers[0].reason, answers[0].node_id)
         return answers
+
+    async def _lead(self, queued: _Queued) -> list[Admission]:
+        """Answers for ``queued``, the first entry while no batch is being decided: after one
+        event-loop turn (so requests arriving in the same turn join it), an entry still alone
+        is decided here, in its caller's task (no flusher task, no hand-off of the answer);
+        otherwise the flusher takes the queue as usual. Entries that arrive while it is
+        decided here queue, and the flusher starts for them when it is done."""
+        self._leading = True
+        try:
+            await asyncio.sleep(0)
+            if len(self._queue) == 1 and self._queue[0] is queued:
+                self._queue.clear()
+                return (await self._decide_queued([queued]))[0]
+        except asyncio.CancelledError:
+            self._queue = [q for q in self._queue if q is not queued]
+            raise
+        finally:
+            self._leading = False
+            if self._queue and self._flusher is None:
+                self._flusher = asyncio.get_running_loop().create_task(
+                    self._flush(), name="admission-group-commit"
+                )
+        return await queued.answers
 
     async def _flush(self) -> None:
         """Decide the queue batch by batch until it is empty (the next arrival starts a new
@@ -265,7 +292,7 @@ class Admitter:
                     ),
                 )
                 rooms = node_rooms(nodes, policy.borrow_share)
-                views[key] = (pool, nodes, check_demand(pool, policy), rooms)
+                views[key] = (pool, nodes, self._demand(pool, policy), rooms)
             pool, nodes, demand, rooms = views[key]
             plan = plan_admission(request, pool, nodes, policy, now, demand, rooms)
             answer = self._without_debit(request, plan, policy)
@@ -314,10 +341,20 @@ class Admitter:
             )
         return [a for a in answers if a is not None]
 
+    def _demand(self, pool: PoolSnapshot | None, policy: PolicySettings) -> DemandCheck:
+        """``check_demand``, computed once per pool snapshot and policy: both are immutable, and
+        the store hands out the same cached snapshot to every Admit until it is renewed."""
+        last = self._last_demand
+        if last is not None and last[0] is pool and last[1] is policy:
+            return last[2]
+        demand = check_demand(pool, policy)
+        self._last_demand = (pool, policy, demand)
+        return demand
+
     async def _shielded(self, call: Awaitable[list[DebitOutcome]]) -> list[DebitOutcome]:
         """``call`` shielded: when admission times out, debits may still land in the store;
         they are then waited for and released, never left for nobody (phantom holds)."""
-        debits = asyncio.ensure_future(call)
+        debits = started(call)  # the debit goes out now, not a loop turn later
         try:
             return await asyncio.shield(debits)
         except asyncio.CancelledError:

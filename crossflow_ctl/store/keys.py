@@ -15,6 +15,7 @@ from the id alone, with no global lookup.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import zlib
@@ -33,6 +34,8 @@ NOTICES_CAP = 10_000
 INDEX_BUCKETS = 16
 """The node and lender indexes are split into this many hash-tagged buckets, so that on Redis
 Cluster they spread over the masters instead of making one hot slot."""
+NODE_KEYS_CACHED = 4096
+"""Nodes whose key names a process keeps built (least recently used beyond that)."""
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _RESERVATION_ID = re.compile(r"^([0-9a-f]{32})@([A-Za-z0-9][A-Za-z0-9._-]*)$")
@@ -83,21 +86,27 @@ class NodeKeys:
     """ZSET: reservation id scored by its expiry (ms), to purge without a scan."""
 
 
+@functools.lru_cache(maxsize=NODE_KEYS_CACHED)
+def _node_keys(namespace: str, node_id: str) -> NodeKeys:
+    """A node's key names, built once (every debit, lease and notice read names them)."""
+    tag = f"{namespace}:{{{namespace}:n:{node_id}}}"
+    return NodeKeys(
+        info=f"{tag}:info",
+        lease=f"{tag}:lease",
+        reservations=f"{tag}:res",
+        notices=f"{tag}:notices",
+        history=f"{tag}:history",
+        events=f"{tag}:events",
+        expiries=f"{tag}:exp",
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     namespace: str
 
     def node(self, node_id: str) -> NodeKeys:
-        tag = f"{self.namespace}:{{{self.namespace}:n:{node_id}}}"
-        return NodeKeys(
-            info=f"{tag}:info",
-            lease=f"{tag}:lease",
-            reservations=f"{tag}:res",
-            notices=f"{tag}:notices",
-            history=f"{tag}:history",
-            events=f"{tag}:events",
-            expiries=f"{tag}:exp",
-        )
+        return _node_keys(self.namespace, node_id)
 
     def bucket(self, node_id: str) -> int:
         """The index bucket of ``node_id`` (stable across processes: CRC32, not ``hash``)."""

@@ -9,16 +9,20 @@ instead of failing every call (see ``RedisStore._backend``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
-from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
+from crossflow_ctl.aio import within
 from crossflow_ctl.domain.errors import ConfigError
 
 
@@ -42,18 +46,60 @@ def hiredis_packed(args: tuple[EncodableT, ...]) -> list[bytes] | None:
         return None
 
 
+async def send_in_task(conn: AbstractConnection, command: list[bytes]) -> bool:
+    """Write ``command`` on an open ``conn`` bounded by its socket timeout, in the calling task;
+    False (nothing written) when redis-py's own path must send it: not connected, a health
+    check may be due, or no socket timeout.
+
+    redis-py bounds each write with ``asyncio.wait_for``, which on Python 3.11 runs the write as
+    a task of its own: a task, a future and a timer per command, and two more event-loop turns
+    before the caller goes on. Here a write that does not wait (the buffer has room: nearly
+    always) arms no timer (:func:`~crossflow_ctl.aio.within`). Failures end as redis-py's do:
+    the connection is dropped, and a timeout or socket error is raised as its TimeoutError or
+    ConnectionError."""
+    timeout_s = conn.socket_timeout
+    if not conn.is_connected or conn.health_check_interval or not timeout_s:
+        return False
+    try:
+        await within(conn._send_packed_command(command), timeout_s)
+    except TimeoutError:
+        await conn.disconnect(nowait=True)
+        raise RedisTimeoutError("Timeout writing to socket") from None
+    except OSError as exc:
+        await conn.disconnect(nowait=True)
+        raise RedisConnectionError(f"Error while writing to socket: {exc!r}") from exc
+    except BaseException:
+        await conn.disconnect(nowait=True)  # a write cut short: the stream is out of step
+        raise
+    return True
+
+
 class PackedConnection(Connection):
-    """A connection that packs its commands with hiredis (:func:`hiredis_packed`)."""
+    """A connection that packs its commands with hiredis (:func:`hiredis_packed`) and writes
+    them in the calling task (:func:`send_in_task`)."""
 
     def pack_command(self, *args: EncodableT) -> list[bytes]:
         return hiredis_packed(args) or super().pack_command(*args)
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        if not isinstance(command, list) or not await send_in_task(self, command):
+            await super().send_packed_command(command, check_health)
 
 
 class PackedSSLConnection(SSLConnection):
-    """A TLS connection that packs its commands with hiredis (:func:`hiredis_packed`)."""
+    """A TLS connection that packs its commands with hiredis (:func:`hiredis_packed`) and
+    writes them in the calling task (:func:`send_in_task`)."""
 
     def pack_command(self, *args: EncodableT) -> list[bytes]:
         return hiredis_packed(args) or super().pack_command(*args)
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        if not isinstance(command, list) or not await send_in_task(self, command):
+            await super().send_packed_command(command, check_health)
 
 
 @dataclass(frozen=True)

@@ -82,14 +82,19 @@ def _validated_from(cls: type[Any], field: str, data: dict[str, Any]) -> Any:
 
 
 # -- common ---------------------------------------------------------------------------------
+def credits_fields(c: Credits) -> dict[str, int]:
+    """``c`` as the Credits message's fields (for a message built with nested fields)."""
+    return {
+        "compute_tokens": c.compute_tokens,
+        "kv_tokens": c.kv_tokens,
+        "kv_transfer_bytes": c.kv_transfer_bytes,
+        "output_tokens": c.output_tokens,
+        "slots": c.slots,
+    }
+
+
 def credits_to_proto(c: Credits) -> common_pb2.Credits:
-    return common_pb2.Credits(
-        compute_tokens=c.compute_tokens,
-        kv_tokens=c.kv_tokens,
-        kv_transfer_bytes=c.kv_transfer_bytes,
-        output_tokens=c.output_tokens,
-        slots=c.slots,
-    )
+    return common_pb2.Credits(**credits_fields(c))
 
 
 def _credits_data(msg: common_pb2.Credits) -> dict[str, int]:

@@ -27,9 +27,15 @@ from crossflow_ctl.domain.models import MAX_TOKENS
 from crossflow_ctl.wire import convert as c
 from crossflow_ctl.wire import convert_room as cr
 
+_REASON_NUMBERS = {r: c.enum_to_proto(r, admission_pb2.Reason, "REASON_") for r in Reason}
+_DECISION_NUMBERS: dict[Decision | None, int] = {
+    d: c.enum_to_proto(d, admission_pb2.Decision, "DECISION_") for d in (None, *Decision)
+}
+"""Every Admit answer converts three or four enums: looked up once, at import."""
+
 
 def reason_to_proto(reason: Reason) -> int:
-    return c.enum_to_proto(reason, admission_pb2.Reason, "REASON_")
+    return _REASON_NUMBERS[reason]
 
 
 def reason_from_proto(number: int) -> Reason:
@@ -50,7 +56,7 @@ def release_outcome_from_proto(number: int) -> str:
 
 
 def decision_to_proto(decision: Decision | None) -> int:
-    return c.enum_to_proto(decision, admission_pb2.Decision, "DECISION_")
+    return _DECISION_NUMBERS[decision]
 
 
 def decision_from_proto(number: int) -> Decision | None:
@@ -90,15 +96,19 @@ def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionReques
     return result
 
 
+def _demand_fields(d: DemandCheck) -> dict[str, Any]:
+    return {
+        "holds": d.holds,
+        "pool_wait_ms": c.NO_POOL_WAIT_MS if d.pool_wait_ms is None else d.pool_wait_ms,
+        "threshold_ms": d.threshold_ms,
+        "outstanding_uncached_tokens": d.outstanding_uncached_tokens,
+        "processing_rate_tps": d.processing_rate_tps,
+        "reporting_nodes": d.reporting_nodes,
+    }
+
+
 def _demand_to_proto(d: DemandCheck) -> admission_pb2.DemandCheck:
-    return admission_pb2.DemandCheck(
-        holds=d.holds,
-        pool_wait_ms=c.NO_POOL_WAIT_MS if d.pool_wait_ms is None else d.pool_wait_ms,
-        threshold_ms=d.threshold_ms,
-        outstanding_uncached_tokens=d.outstanding_uncached_tokens,
-        processing_rate_tps=d.processing_rate_tps,
-        reporting_nodes=d.reporting_nodes,
-    )
+    return admission_pb2.DemandCheck(**_demand_fields(d))
 
 
 def _demand_from_proto(msg: admission_pb2.DemandCheck) -> DemandCheck:
@@ -112,22 +122,26 @@ def _demand_from_proto(msg: admission_pb2.DemandCheck) -> DemandCheck:
     )
 
 
+def _node_check_fields(n: NodeCheck) -> dict[str, Any]:
+    return {
+        "node_id": n.node_id,
+        "verdict": _REASON_NUMBERS[n.verdict],
+        "detail": n.detail,
+        "queue_wait_ms": n.queue_wait_ms,
+        "service_ms": n.service_ms,
+        "predicted_ttft_ms": n.predicted_ttft_ms,
+        "benefit": n.benefit,
+        "safe": n.safe,
+        "available": c.credits_fields(n.available),
+        "debit": c.credits_fields(n.debit),
+        "short_credits": n.short_credits,
+        "lease_epoch": n.lease_epoch,
+        "lease_version": n.lease_version,
+    }
+
+
 def _node_check_to_proto(n: NodeCheck) -> admission_pb2.NodeCheck:
-    return admission_pb2.NodeCheck(
-        node_id=n.node_id,
-        verdict=reason_to_proto(n.verdict),  # type: ignore[arg-type]
-        detail=n.detail,
-        queue_wait_ms=n.queue_wait_ms,
-        service_ms=n.service_ms,
-        predicted_ttft_ms=n.predicted_ttft_ms,
-        benefit=n.benefit,
-        safe=n.safe,
-        available=c.credits_to_proto(n.available),
-        debit=c.credits_to_proto(n.debit),
-        short_credits=list(n.short_credits),
-        lease_epoch=n.lease_epoch,
-        lease_version=n.lease_version,
-    )
+    return admission_pb2.NodeCheck(**_node_check_fields(n))
 
 
 def _node_check_from_proto(msg: admission_pb2.NodeCheck) -> NodeCheck:
@@ -147,24 +161,28 @@ def _node_check_from_proto(msg: admission_pb2.NodeCheck) -> NodeCheck:
     )
 
 
-def plan_to_proto(plan: Plan) -> admission_pb2.Explanation:
-    msg = admission_pb2.Explanation(
-        demand=_demand_to_proto(plan.demand),
-        nodes=[_node_check_to_proto(n) for n in plan.nodes],
-        summary=plan.summary(),
-    )
+def _explanation_fields(plan: Plan) -> dict[str, Any]:
+    """The explanation as nested fields, for a message built in one go (not part by part and
+    copied in)."""
+    fields: dict[str, Any] = {
+        "demand": _demand_fields(plan.demand),
+        "nodes": [_node_check_fields(n) for n in plan.nodes],
+        "summary": plan.summary(),
+    }
     if plan.normal_path is not None:
         p = plan.normal_path
-        msg.normal_path.CopyFrom(
-            admission_pb2.NormalPathEstimate(
-                wait_ms=p.wait_ms,
-                prefill_ms=p.prefill_ms,
-                kv_transfer_ms=p.kv_transfer_ms,
-                total_ms=p.total_ms,
-                hold_ms=p.hold_ms,
-            )
-        )
-    return msg
+        fields["normal_path"] = {
+            "wait_ms": p.wait_ms,
+            "prefill_ms": p.prefill_ms,
+            "kv_transfer_ms": p.kv_transfer_ms,
+            "total_ms": p.total_ms,
+            "hold_ms": p.hold_ms,
+        }
+    return fields
+
+
+def plan_to_proto(plan: Plan) -> admission_pb2.Explanation:
+    return admission_pb2.Explanation(**_explanation_fields(plan))
 
 
 def plan_from_proto(msg: admission_pb2.Explanation, plan_reason: Reason) -> Plan:
@@ -196,9 +214,11 @@ def plan_from_proto(msg: admission_pb2.Explanation, plan_reason: Reason) -> Plan
 
 def admission_to_proto(a: Admission, explain: bool = True) -> admission_pb2.AdmitResponse:
     """``explain=False`` leaves the explanation out (AdmitStream's decisions, but dry runs)."""
-    msg = admission_pb2.AdmitResponse(
-        decision=decision_to_proto(a.decision),  # type: ignore[arg-type]
-        reason=reason_to_proto(a.reason),  # type: ignore[arg-type]
+    # Nested fields as a dict (the stubs know messages only): the message is built in one go.
+    explanation: Any = _explanation_fields(a.plan) if a.plan is not None and explain else None
+    return admission_pb2.AdmitResponse(
+        decision=_DECISION_NUMBERS[a.decision],  # type: ignore[arg-type]
+        reason=_REASON_NUMBERS[a.reason],  # type: ignore[arg-type]
         message=a.message,
         node_id=a.node_id,
         reservation_id=a.reservation_id,
@@ -207,12 +227,10 @@ def admission_to_proto(a: Admission, explain: bool = True) -> admission_pb2.Admi
         expires_unix_ms=a.expires_at_ms,
         predicted_ttft_ms=_finite(a.predicted_ttft_ms),
         normal_ttft_ms=_finite(a.normal_ttft_ms),
-        shadow_decision=decision_to_proto(a.shadow_decision),  # type: ignore[arg-type]
+        shadow_decision=_DECISION_NUMBERS[a.shadow_decision],  # type: ignore[arg-type]
         replayed=a.replayed,
+        explanation=explanation,
     )
-    if a.plan is not None and explain:
-        msg.explanation.CopyFrom(plan_to_proto(a.plan))
-    return msg
 
 
 def _plan_reason(a_reason: Reason, msg: admission_pb2.AdmitResponse) -> Reason:

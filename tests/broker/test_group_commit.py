@@ -100,3 +100,28 @@ async def test_a_grant_for_a_caller_that_stopped_waiting_is_released_with_its_re
     again = await broker.admit(ask("q-2"))  # decides afresh: nothing replays the released one
     assert again.decision is Decision.BORROW and not again.replayed
     assert again.reservation_id != mine[0].reservation_id
+
+
+def group_commit_tasks() -> list[asyncio.Task[object]]:
+    return [t for t in asyncio.all_tasks() if t.get_name() == "admission-group-commit"]
+
+
+async def test_a_lone_admit_is_decided_in_its_own_task_and_later_arrivals_wait_for_it(
+    counted: RedisStore,
+) -> None:
+    slow = SlowDebits(counted, delay_s=0.0)
+    broker = await lending_broker(slow, PATIENT, slots=3)  # type: ignore[arg-type]  # wrapped
+    await broker.admit(ask())  # warm; 2 slots left
+    slow.delay_s, warm = 0.2, slow.debits
+    lone = asyncio.create_task(broker.admit(ask()))
+    await asyncio.sleep(0.05)  # its debit is on its way
+    assert slow.debits == warm and not group_commit_tasks()  # no hand-off to a flusher task
+    later = [asyncio.create_task(broker.admit(ask())) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    assert slow.debits == warm  # they queue behind the lone one rather than debit beside it
+    first = await lone
+    assert first.decision is Decision.BORROW and slow.debits == warm + 1
+    answers = await asyncio.gather(*later)
+    assert slow.debits == warm + 2  # the two that waited went together, in one batch
+    assert [a.decision for a in answers] == [Decision.BORROW, Decision.NORMAL]
+    assert answers[1].reason is Reason.NO_ROOM

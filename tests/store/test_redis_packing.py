@@ -4,6 +4,8 @@ through redis-py's own packer (and its errors), and a real client must work thro
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 from redis._parsers.encoders import Encoder
 from redis.asyncio.connection import AbstractConnection, Connection, UnixDomainSocketConnection
 from redis.exceptions import DataError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from crossflow_ctl.store.redis_connect import (
     PackedConnection,
@@ -91,3 +94,61 @@ async def test_each_url_scheme_gets_its_connection_class(url: str, expected: typ
         assert client.connection_pool.connection_class is expected  # type: ignore[union-attr]
     finally:
         await client.aclose(close_connection_pool=True)
+
+
+async def test_a_write_goes_out_in_the_calling_task(redis_url: str) -> None:
+    """redis-py bounds each write with asyncio.wait_for: on Python 3.11 a task of its own per
+    command. The store's connections write in the caller's task."""
+    client = connect(redis_url, RedisConnection(), 5.0)
+    loop = asyncio.get_running_loop()
+    made: list[str] = []
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+        made.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    try:
+        assert await client.ping()  # connected
+        loop.set_task_factory(counting)
+        try:
+            assert await client.execute_command("ECHO", "in this task") == b"in this task"
+        finally:
+            loop.set_task_factory(None)
+    finally:
+        await client.aclose(close_connection_pool=True)
+    assert made == []
+
+
+async def test_a_write_the_server_does_not_take_times_out_and_drops_the_connection() -> None:
+    """A peer that stops reading: the write waits for buffer room no longer than the socket
+    timeout, then fails as redis-py's own would (its TimeoutError), and the connection is
+    closed rather than left with half a command on it."""
+    reading = asyncio.Event()
+    reading.set()
+    held: list[asyncio.StreamWriter] = []
+
+    async def stops_reading(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        while reading.is_set():  # answers the connection's handshake, if any, then stops
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    if await reader.read(65536):
+                        writer.write(b"+OK\r\n")
+
+    server = await asyncio.start_server(stops_reading, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    conn = PackedConnection(host="127.0.0.1", port=port, socket_timeout=0.3, driver_info=None)
+    try:
+        await conn.connect()
+        reading.clear()
+        await asyncio.sleep(0.1)
+        with pytest.raises(RedisTimeoutError, match="Timeout writing"):
+            for _ in range(1000):  # until the socket buffers are full
+                await conn.send_command("SET", "k", b"x" * 1_000_000)
+        assert not conn.is_connected
+    finally:
+        await conn.disconnect()
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()

@@ -12,16 +12,9 @@
 -- Each reservation's expiry is also a member of the node's expiry ZSET (score expires_at_ms),
 -- and the info HASH keeps running totals, so a debit never scans the reservations.
 
+local CF_RECORD = '^' .. string.rep('([^|]*)|', 13) .. '(.*)$'
 local function cf_parse(rec)
-  local f = {}
-  local pos = 1
-  for _ = 1, 13 do
-    local bar = string.find(rec, '|', pos, true)
-    f[#f + 1] = string.sub(rec, pos, bar - 1)
-    pos = bar + 1
-  end
-  f[14] = string.sub(rec, pos)
-  return f
+  return {string.match(rec, CF_RECORD)}
 end
 
 local function cf_format(f)
@@ -50,19 +43,21 @@ local function cf_notice(info_key, notices_key, maxlen, kind, rid, f, now)
   end
   redis.call('XADD', notices_key, 'MAXLEN', '~', maxlen, seq .. '-0',
     'k', kind, 'r', rid, 'd', debit, 't', now)
-  local ns, node = string.match(notices_key, '^(.-):{.-:n:(.*)}:notices$')
-  if ns and not cf_woken[notices_key] then
-    redis.call('PUBLISH', ns .. ':notices', node)
+  if not cf_woken[notices_key] then
     cf_woken[notices_key] = true
+    local ns, node = string.match(notices_key, '^(.-):{.-:n:(.*)}:notices$')
+    if ns then
+      redis.call('PUBLISH', ns .. ':notices', node)
+    end
   end
   return seq
 end
 
 -- Open-debit totals of the node's stored reservations (expired-but-unpurged included), kept in
--- the info HASH field 'open' as "c1,c2,c3,c4,c5,count".
-local function cf_totals(info_key)
+-- the info HASH field 'open' as "c1,c2,c3,c4,c5,count": parsed from that field's value (raw;
+-- nil when unset), or read with cf_totals.
+local function cf_totals_of(raw)
   local t = {0, 0, 0, 0, 0, 0}
-  local raw = redis.call('HGET', info_key, 'open')
   if raw then
     local i = 1
     for v in string.gmatch(raw, '[^,]+') do
@@ -73,13 +68,13 @@ local function cf_totals(info_key)
   return t
 end
 
+local function cf_totals(info_key)
+  return cf_totals_of(redis.call('HGET', info_key, 'open'))
+end
+
 -- Totals (as read by cf_totals) as text: "c1,c2,c3,c4,c5,count".
 local function cf_totals_text(t)
-  local out = {}
-  for i = 1, 6 do
-    out[i] = cf_int(t[i])
-  end
-  return table.concat(out, ',')
+  return string.format('%d,%d,%d,%d,%d,%d', t[1], t[2], t[3], t[4], t[5], t[6])
 end
 
 -- Write totals (as read by cf_totals) back to the info HASH.
@@ -118,7 +113,8 @@ local function cf_drop(info_key, res_key, exp_key, rid, f)
   cf_count(info_key, f, -1)
 end
 
--- The records of the reservations expired at now, oldest grant first.
+-- The records of the reservations expired at now, oldest grant first, and how many ids the
+-- expiry ZSET holds up to now (records already gone included).
 local function cf_expired(res_key, exp_key, now)
   local ids = redis.call('ZRANGEBYSCORE', exp_key, '-inf', now)
   local out = {}
@@ -131,24 +127,33 @@ local function cf_expired(res_key, exp_key, now)
     end
   end
   table.sort(out, function(a, b) return tonumber(a[10]) < tonumber(b[10]) end)
-  return out
+  return out, #ids
 end
 
--- Drop every reservation expired at now, with an EXPIRE notice each. Returns the count and,
--- when any expired, the node's totals after the purge (already stored), else nil. The totals
--- are read and written once per purge, and the expiry ZSET trimmed once for the whole range.
-local function cf_purge_expired(info_key, res_key, exp_key, notices_key, maxlen, now)
-  local expired = cf_expired(res_key, exp_key, now)
-  local t = nil
+-- Drop every reservation expired at now, with an EXPIRE notice each, and trim the expiry ZSET
+-- once for the whole range (not at all when it holds nothing due). Returns the count and, when
+-- any expired, the node's totals after the purge, else nil. Totals: read and written back here,
+-- or given (t, as read by cf_totals: updated in place and NOT written back, the caller writes
+-- them once with its own changes).
+local function cf_purge_expired(info_key, res_key, exp_key, notices_key, maxlen, now, t)
+  local expired, due = cf_expired(res_key, exp_key, now)
+  if due == 0 then
+    return 0, nil
+  end
   if #expired > 0 then
-    t = cf_totals(info_key)
+    local given = t ~= nil
+    t = t or cf_totals(info_key)
     for i = 1, #expired do
       local f = expired[i]
       redis.call('HDEL', res_key, f.id)
       cf_add(t, f, -1)
       cf_notice(info_key, notices_key, maxlen, 'expire', f.id, f, now)
     end
-    cf_set_totals(info_key, t)
+    if not given then
+      cf_set_totals(info_key, t)
+    end
+  else
+    t = nil
   end
   redis.call('ZREMRANGEBYSCORE', exp_key, '-inf', now)
   return #expired, t
