@@ -138,7 +138,11 @@ class Admitter:
         queued = _Queued(requests, owner, loop.create_future(), loop.time())
         self._queue.append(queued)
         if self._flusher is None and not self._leading:
-            answers = await self._lead(queued)
+            if len(requests) == 1:
+                answers = await self._lead(queued)
+            else:
+                self._flusher = loop.create_task(self._flush(), name="admission-group-commit")
+                answers = await queued.answers
         else:
             answers = await queued.answers
         if log_decisions():
@@ -155,11 +159,16 @@ class Admitter:
         return answers
 
     async def _lead(self, queued: _Queued) -> list[Admission]:
-        """Answers for ``queued``, the first entry while no batch is being decided: after one
-        event-loop turn (so requests arriving in the same turn join it), an entry still alone
-        is decided here, in its caller's task (no flusher task, no hand-off of the answer);
-        otherwise the flusher takes the queue as usual. Entries that arrive while it is
-        decided here queue, and the flusher starts for them when it is done."""
+        """Answers for ``queued``, one request and the first entry while no batch is being
+        decided: after one event-loop turn (so requests arriving in the same turn join it), an
+        entry still alone is decided here, in its caller's task (no flusher task, no hand-off of
+        the answer); otherwise the flusher takes the queue as usual. Entries that arrive while
+        it is decided here queue, and the flusher starts for them when it is done.
+
+        One request only: its grant is the last step of deciding it, so a caller cancelled
+        before then leaves its debit to ``_shielded`` (released once it lands). A batch can
+        hold grants from one debit round while a later round waits; cancelled there, only the
+        flusher (which the caller's cancel does not reach) still releases them."""
         self._leading = True
         try:
             await asyncio.sleep(0)

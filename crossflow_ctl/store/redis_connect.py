@@ -46,6 +46,10 @@ def hiredis_packed(args: tuple[EncodableT, ...]) -> list[bytes] | None:
         return None
 
 
+_HAS_RAW_WRITE = callable(getattr(AbstractConnection, "_send_packed_command", None))
+"""redis-py's unbounded write (private): a release without it keeps redis-py's own path."""
+
+
 async def send_in_task(conn: AbstractConnection, command: list[bytes]) -> bool:
     """Write ``command`` on an open ``conn`` bounded by its socket timeout, in the calling task;
     False (nothing written) when redis-py's own path must send it: not connected, a health
@@ -58,7 +62,7 @@ async def send_in_task(conn: AbstractConnection, command: list[bytes]) -> bool:
     the connection is dropped, and a timeout or socket error is raised as its TimeoutError or
     ConnectionError."""
     timeout_s = conn.socket_timeout
-    if not conn.is_connected or conn.health_check_interval or not timeout_s:
+    if not _HAS_RAW_WRITE or not conn.is_connected or conn.health_check_interval or not timeout_s:
         return False
     try:
         await within(conn._send_packed_command(command), timeout_s)
