@@ -59,35 +59,6 @@ async def within(call: Awaitable[T], timeout_s: float) -> T:
         return await _Resumed(steps, first)
 
 
-def started(call: Awaitable[T]) -> asyncio.Future[T]:
-    """``asyncio.ensure_future(call)``, with ``call`` run to its first suspension now, in the
-    caller's task (what Python 3.12's eager tasks do): a store call sends its request at once,
-    not a loop turn later when its task first runs. Only the rest, if it suspends, runs as a
-    task; a call that finishes (or fails) without suspending gives a done future."""
-    loop = asyncio.get_running_loop()
-    steps = call.__await__()
-    try:
-        first = steps.send(None)
-    except StopIteration as done:
-        result: asyncio.Future[T] = loop.create_future()
-        result.set_result(done.value)
-        return result
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # its own failure, a cancellation included, goes to the future
-        failed: asyncio.Future[T] = loop.create_future()
-        if isinstance(exc, asyncio.CancelledError):
-            failed.cancel()
-        else:
-            failed.set_exception(exc)
-        return failed
-    return asyncio.ensure_future(_rest(_Resumed(steps, first)))
-
-
-async def _rest(resumed: _Resumed[T]) -> T:
-    return await resumed
-
-
 class _Resumed(Generic[T]):
     """The rest of a call already run to its first suspension (``first``: what it yielded)."""
 

@@ -1,6 +1,5 @@
 """crossflow_ctl.aio: wait_any wakes on the first event or its timeout; cancel_and_wait reaps;
-within bounds a call by a timeout, arming no timer for a call that never suspends; started runs
-a call to its first suspension at once and the rest as a task."""
+within bounds a call by a timeout, arming no timer for a call that never suspends."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import asyncio
 
 import pytest
 
-from crossflow_ctl.aio import cancel_and_wait, started, wait_any, within
+from crossflow_ctl.aio import cancel_and_wait, wait_any, within
 
 
 async def test_wait_any_wakes_on_either_event_or_timeout_and_leaks_no_task() -> None:
@@ -123,53 +122,4 @@ async def test_within_outer_cancellation_reaches_the_call() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert cleaned.is_set()
-
-
-async def test_started_runs_the_call_to_its_first_suspension_before_returning() -> None:
-    steps: list[str] = []
-    go_on = asyncio.Event()
-
-    async def sends_then_waits() -> str:
-        steps.append("sent")
-        await go_on.wait()
-        steps.append("replied")
-        return "reply"
-
-    future = started(sends_then_waits())
-    assert steps == ["sent"]  # already, in this task: no loop turn in between
-    assert not future.done()
-    go_on.set()
-    assert await future == "reply"
-    assert steps == ["sent", "replied"]
-
-
-async def test_started_gives_a_done_future_for_a_call_that_never_suspends() -> None:
-    async def at_once(fail: bool) -> str:
-        if fail:
-            raise ValueError("boom")
-        return "done"
-
-    done = started(at_once(False))
-    assert done.done() and done.result() == "done"
-    failed = started(at_once(True))
-    assert failed.done()
-    with pytest.raises(ValueError, match="boom"):
-        await failed
-
-
-async def test_started_rest_is_a_task_that_a_cancel_reaches() -> None:
-    cleaned = asyncio.Event()
-
-    async def waits() -> None:
-        try:
-            await asyncio.sleep(10)
-        finally:
-            cleaned.set()
-
-    future = started(waits())
-    await asyncio.sleep(0)
-    future.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await future
     assert cleaned.is_set()

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import structlog
 
-from crossflow_ctl.aio import started, within
+from crossflow_ctl.aio import within
 from crossflow_ctl.domain.admission import (
     Admission,
     AdmissionRequest,
@@ -363,7 +363,9 @@ class Admitter:
     async def _shielded(self, call: Awaitable[list[DebitOutcome]]) -> list[DebitOutcome]:
         """``call`` shielded: when admission times out, debits may still land in the store;
         they are then waited for and released, never left for nobody (phantom holds)."""
-        debits = started(call)  # the debit goes out now, not a loop turn later
+        # A task of its own from the start: a timeout the store call sets up (redis-py bounds
+        # each read with one) must cancel the debit, never the Admit's caller.
+        debits = asyncio.ensure_future(call)
         try:
             return await asyncio.shield(debits)
         except asyncio.CancelledError:

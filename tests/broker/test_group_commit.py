@@ -13,6 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
+from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.conftest import TEST_POLICY, lending_broker
@@ -125,3 +126,30 @@ async def test_a_lone_admit_is_decided_in_its_own_task_and_later_arrivals_wait_f
     assert slow.debits == warm + 2  # the two that waited went together, in one batch
     assert [a.decision for a in answers] == [Decision.BORROW, Decision.NORMAL]
     assert answers[1].reason is Reason.NO_ROOM
+
+
+class StalledDebits(SlowDebits):
+    """Debits whose reply never comes: the store's own read timeout ends each one, as redis-py
+    bounds a read with an ``asyncio.timeout`` set up inside the call."""
+
+    async def try_debits(self, *args: object, **kwargs: object) -> object:
+        try:
+            async with asyncio.timeout(0.05):
+                await asyncio.Event().wait()  # the reply that never comes
+        except TimeoutError:
+            raise StoreUnavailable("redis try_debits failed: Timeout reading from socket") from None
+        raise AssertionError("unreachable")
+
+
+async def test_a_store_timeout_inside_the_debit_fails_closed_and_spares_the_caller(
+    counted: RedisStore,
+) -> None:
+    stalled = StalledDebits(counted, delay_s=0.0)
+    broker = await lending_broker(stalled, PATIENT)  # type: ignore[arg-type]  # a wrapped store
+    answer = await broker.admit(ask())  # a lone Admit: the store call is set up in its turn
+    assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.STORE_UNAVAILABLE)
+    await asyncio.sleep(0.1)  # were the timeout the caller's, it would cancel this
+    answers = await asyncio.gather(*(broker.admit(ask()) for _ in range(3)))  # a batch too
+    assert {(a.decision, a.reason) for a in answers} == {
+        (Decision.NORMAL, Reason.STORE_UNAVAILABLE)
+    }
