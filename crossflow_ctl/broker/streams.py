@@ -176,6 +176,8 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                 try:
                     await cancel_and_wait((reader, relay))
                 finally:  # even when gRPC cancels the handler again while it waits
+                    reader.cancel()  # cancelled anew: one may have swallowed the first cancel
+                    relay.cancel()
                     self._registry.discard(out)
                     self._broker.metrics.stream_closed()
                     log.info("stream.closed")

@@ -60,8 +60,8 @@ def _sim_settings(config: SimConfig) -> BrokerSettings:
     node presets the servers and agents use), not the policy's defaults: the broker prices
     transfers (Benefit's transfer times, the kv_transfer debit) with the same figures the
     simulated network moves KV at and the agents size their kv_transfer credit with."""
-    policy = config.broker_policy.model_copy(
-        update={
+    policy = config.broker_policy.updated(  # validated: a preset out of bounds says so
+        {
             "admit_timeout_ms": ADMIT_TIMEOUT_MAX_MS,
             "kv_bytes_per_token": config.model_spec.kv_bytes_per_token,
             "kv_transfer_bytes_per_s": config.node_profile.network_bytes_per_s,
