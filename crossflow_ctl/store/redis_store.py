@@ -227,7 +227,7 @@ class RedisStore(Store):
         states = [
             state
             for node_id, raw in zip(node_ids, views, strict=True)
-            if (state := codec.node_state_from_view(node_id, raw)) is not None
+            if (state := codec.node_views.state(node_id, raw)) is not None
         ]
         return (out[0] if pool is not None else None), states
 
