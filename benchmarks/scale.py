@@ -11,7 +11,9 @@ fleet connected (every relay waiting for notices, N lenders in the index):
 * floors, measured here in the same run: ``redis``, a PING round trip to the same Redis, and
   ``grpc``, grpc.health.v1 Health/Check on the same broker (the bare grpc.aio unary call);
 * ``admit``: sequential AdmissionService.Admit calls that borrow (no candidates given, so the
-  broker samples lenders among the N), p50/p99;
+  broker samples lenders among the N), p50/p99, and the broker's CPU per Admit over the
+  phase (its background view renewals included) less what it uses idle (measured while
+  ``redis`` runs, the streams connected and quiet);
 * ``ingest``: every stream keeps leases in flight (a new version as soon as one is acked) for
   ``--seconds``; accepted leases per second at the broker;
 * ``cpu b/f``: CPU seconds per second the broker and the fleet process used while ingesting
@@ -54,6 +56,8 @@ from crossflow_ctl.api.v1 import (
 
 THIS_FILE = os.path.abspath(__file__)
 STREAMS_PER_CHANNEL = 64
+WARM_UP = 50
+"""Calls made before each latency figure is measured (counted in the Admit phase's CPU)."""
 BIG = common_pb2.Credits(
     compute_tokens=10**9,
     kv_tokens=10**9,
@@ -264,7 +268,7 @@ async def start_broker(args: argparse.Namespace, namespace: str) -> tuple[Any, s
 
 
 async def latencies(call: Callable[[], Awaitable[Any]], seconds: float) -> dict[str, float]:
-    for _ in range(50):
+    for _ in range(WARM_UP):
         await call()
     out: list[float] = []
     end = time.perf_counter() + seconds
@@ -339,11 +343,16 @@ async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, fl
             answer = await admission.Admit(req)
             admits["borrowed"] += answer.decision == admission_pb2.DECISION_BORROW
 
-        redis_floor = await latencies(r.ping, args.seconds)
+        idle = cpu_s(broker.pid), time.perf_counter()
+        redis_floor = await latencies(r.ping, args.seconds)  # the broker idles meanwhile
+        idle_cpu = (cpu_s(broker.pid) - idle[0]) / (time.perf_counter() - idle[1])
         grpc_floor = await latencies(
             lambda: health.Check(health_pb2.HealthCheckRequest()), args.seconds
         )
+        before = cpu_s(broker.pid), time.perf_counter()
         admit_lat = await latencies(admit, args.seconds)
+        admit_s = time.perf_counter() - before[1]
+        admit_cpu = cpu_s(broker.pid) - before[0] - idle_cpu * admit_s
         listing = await r.client_list()
         conns = sum(1 for c in listing if c.get("name") == f"crossflow:{namespace}")
         assert fleet_proc.stdin is not None
@@ -368,7 +377,9 @@ async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, fl
             "admit_p50": admit_lat["p50"],
             "admit_p99": admit_lat["p99"],
             "admit_n": admit_lat["n"],
-            "borrowed_share": admits["borrowed"] / max(1, admit_lat["n"] + 50),
+            "idle_cpu": idle_cpu,
+            "admit_cpu_ms": admit_cpu * 1e3 / (admit_lat["n"] + WARM_UP),
+            "borrowed_share": admits["borrowed"] / max(1, admit_lat["n"] + WARM_UP),
             "ingest_per_s": int(accepted) / float(elapsed),
             "refused": int(refused),
             "ended": int(ended),
@@ -432,6 +443,12 @@ async def main(args: argparse.Namespace) -> None:
         f"admit p99 at {last['nodes']} nodes / at {first['nodes']} nodes: "
         f"{last['admit_p99'] / first['admit_p99']:.2f}x (target <= 1.5x); "
         f"p50 {last['admit_p50'] / first['admit_p50']:.2f}x"
+    )
+    print(
+        "broker CPU per Admit, over its CPU when idle (background renewals included): "
+        + ", ".join(f"{r['admit_cpu_ms']:.3f} ms at {r['nodes']}" for r in rows)
+        + "; idle: "
+        + ", ".join(f"{r['idle_cpu']:.3f} CPU s/s at {r['nodes']}" for r in rows)
     )
     print(
         f"admit p50 over its floors at {last['nodes']} nodes: "
