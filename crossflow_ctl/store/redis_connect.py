@@ -78,9 +78,9 @@ async def send_in_task(conn: AbstractConnection, command: list[bytes]) -> bool:
     return True
 
 
-class PackedConnection(Connection):
-    """A connection that packs its commands with hiredis (:func:`hiredis_packed`) and writes
-    them in the calling task (:func:`send_in_task`)."""
+class _HiredisWrites(AbstractConnection):
+    """Packs commands with hiredis (:func:`hiredis_packed`) and writes them in the calling task
+    (:func:`send_in_task`); mixed in before redis-py's plain or TLS connection."""
 
     def pack_command(self, *args: EncodableT) -> list[bytes]:
         return hiredis_packed(args) or super().pack_command(*args)
@@ -92,18 +92,12 @@ class PackedConnection(Connection):
             await super().send_packed_command(command, check_health)
 
 
-class PackedSSLConnection(SSLConnection):
-    """A TLS connection that packs its commands with hiredis (:func:`hiredis_packed`) and
-    writes them in the calling task (:func:`send_in_task`)."""
+class PackedConnection(_HiredisWrites, Connection):
+    """A plain TCP (or unix socket) connection with hiredis packing and in-task writes."""
 
-    def pack_command(self, *args: EncodableT) -> list[bytes]:
-        return hiredis_packed(args) or super().pack_command(*args)
 
-    async def send_packed_command(
-        self, command: bytes | str | Iterable[bytes], check_health: bool = True
-    ) -> None:
-        if not isinstance(command, list) or not await send_in_task(self, command):
-            await super().send_packed_command(command, check_health)
+class PackedSSLConnection(_HiredisWrites, SSLConnection):
+    """A TLS connection with hiredis packing and in-task writes."""
 
 
 @dataclass(frozen=True)
