@@ -159,21 +159,15 @@ class Credits(Frozen):
         c1, c2, c3, c4, c5 = values
         compute, kv, transfer = max(0, int(c1)), max(0, int(c2)), max(0, int(c3))
         output, slots = max(0, int(c4)), max(0, int(c5))
-        if (
+        in_bounds = (
             compute <= MAX_TOKENS
             and kv <= MAX_TOKENS
             and transfer <= MAX_BYTES
             and output <= MAX_TOKENS
             and slots <= MAX_SLOTS
-        ):  # within every field's bounds: nothing left to validate (admission's hot path)
-            return cls.trusted(
-                compute_tokens=compute,
-                kv_tokens=kv,
-                kv_transfer_bytes=transfer,
-                output_tokens=output,
-                slots=slots,
-            )
-        return cls(
+        )  # within every field's bounds: nothing left to validate (admission's hot path)
+        build = cls.trusted if in_bounds else cls
+        return build(
             compute_tokens=compute,
             kv_tokens=kv,
             kv_transfer_bytes=transfer,

@@ -137,13 +137,10 @@ class Admitter:
         loop = asyncio.get_running_loop()
         queued = _Queued(requests, owner, loop.create_future(), loop.time())
         self._queue.append(queued)
-        if self._flusher is None and not self._leading:
-            if len(requests) == 1:
-                answers = await self._lead(queued)
-            else:
-                self._flusher = loop.create_task(self._flush(), name="admission-group-commit")
-                answers = await queued.answers
+        if self._flusher is None and not self._leading and len(requests) == 1:
+            answers = await self._lead(queued)
         else:
+            self._start_flusher()
             answers = await queued.answers
         if log_decisions():
             for request, answer in zip(requests, answers, strict=True):
@@ -180,11 +177,16 @@ class Admitter:
             raise
         finally:
             self._leading = False
-            if self._queue and self._flusher is None:
-                self._flusher = asyncio.get_running_loop().create_task(
-                    self._flush(), name="admission-group-commit"
-                )
+            self._start_flusher()
         return await queued.answers
+
+    def _start_flusher(self) -> None:
+        """Start deciding the queue in a task of its own, unless it is empty or a flusher or a
+        lone Admit (:meth:`_lead`, which starts one when it is done) is already deciding."""
+        if self._queue and self._flusher is None and not self._leading:
+            self._flusher = asyncio.get_running_loop().create_task(
+                self._flush(), name="admission-group-commit"
+            )
 
     async def _flush(self) -> None:
         """Decide the queue batch by batch until it is empty (the next arrival starts a new

@@ -276,13 +276,7 @@ def _view_info(node_id: str, fields: Sequence[Raw]) -> NodeInfo:
 
 
 def _view_totals(raw: Sequence[Any]) -> Credits:
-    return Credits(
-        compute_tokens=max(0, int(raw[2])),
-        kv_tokens=max(0, int(raw[3])),
-        kv_transfer_bytes=max(0, int(raw[4])),
-        output_tokens=max(0, int(raw[5])),
-        slots=max(0, int(raw[6])),
-    )
+    return Credits.from_tuple(list(raw[2:7]))  # decimal replies, bytes or str: int() reads both
 
 
 class NodeViews:
@@ -293,8 +287,8 @@ class NodeViews:
     sequence, every lease field, the open debits) returns the state built before, a changed one
     rebuilds only the parts (info, lease, open debits) whose fields differ. The state is a pure
     function of the node id and the reply, so reuse can never show anything but what was just
-    read: freshness stays the caller's (:mod:`.redis_cache`). Bounded: one entry per node, and
-    the map starts over when ``capacity`` nodes are held."""
+    read: freshness stays the caller's (:mod:`.redis_cache`). One per store; bounded: one entry
+    per node, and the map starts over when ``capacity`` nodes are held."""
 
     def __init__(self, capacity: int = 8192) -> None:
         self._capacity = capacity
@@ -345,10 +339,6 @@ def _changed(node_id: str, raw: Sequence[Any], was: Sequence[Any], before: NodeS
         open_debits=before.open_debits if same_totals else _view_totals(raw),
         open_reservations=int(raw[7]),
     )
-
-
-node_views = NodeViews()
-"""This process's last view of each node (:meth:`NodeViews.state`)."""
 
 
 def _notice_debit(stored: Raw) -> Credits:

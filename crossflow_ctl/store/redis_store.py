@@ -166,6 +166,7 @@ class RedisStore(Store):
             DedicatedLine(client, self._scripts, "try_debit") if isinstance(client, Redis) else None
         )
         self._index = NodeIndex(client, self._k)
+        self._node_views = codec.NodeViews()
         self._view = AdmissionView(
             self._k, self._index, self._views, self._backend, cache_max_age_ms, op_timeout_s
         )
@@ -227,7 +228,7 @@ class RedisStore(Store):
         states = [
             state
             for node_id, raw in zip(node_ids, views, strict=True)
-            if (state := codec.node_views.state(node_id, raw)) is not None
+            if (state := self._node_views.state(node_id, raw)) is not None
         ]
         return (out[0] if pool is not None else None), states
 

@@ -82,8 +82,9 @@ def _validated_from(cls: type[Any], field: str, data: dict[str, Any]) -> Any:
 
 
 # -- common ---------------------------------------------------------------------------------
-def credits_fields(c: Credits) -> dict[str, int]:
-    """``c`` as the Credits message's fields (for a message built with nested fields)."""
+def credits_fields(c: Credits | common_pb2.Credits) -> dict[str, int]:
+    """The five amounts of ``c`` (the domain model or the message) by field name: the fields
+    of a message built with nested fields, or the data to validate one from."""
     return {
         "compute_tokens": c.compute_tokens,
         "kv_tokens": c.kv_tokens,
@@ -97,18 +98,8 @@ def credits_to_proto(c: Credits) -> common_pb2.Credits:
     return common_pb2.Credits(**credits_fields(c))
 
 
-def _credits_data(msg: common_pb2.Credits) -> dict[str, int]:
-    return {
-        "compute_tokens": msg.compute_tokens,
-        "kv_tokens": msg.kv_tokens,
-        "kv_transfer_bytes": msg.kv_transfer_bytes,
-        "output_tokens": msg.output_tokens,
-        "slots": msg.slots,
-    }
-
-
 def credits_from_proto(msg: common_pb2.Credits, field: str = "credits") -> Credits:
-    result: Credits = _validated(Credits, field, **_credits_data(msg))
+    result: Credits = _validated(Credits, field, **credits_fields(msg))
     return result
 
 
@@ -144,19 +135,12 @@ def lease_from_proto(msg: common_pb2.Lease, field: str = "lease") -> Lease:
             ZeroReason,
             f"{field}.zero_reason",
         )
-    credits = msg.credits
     data = {
         "node_id": msg.node_id,
         "epoch": msg.epoch,
         "version": msg.version,
         "ttl_ms": msg.ttl_ms,
-        "credits": {
-            "compute_tokens": credits.compute_tokens,
-            "kv_tokens": credits.kv_tokens,
-            "kv_transfer_bytes": credits.kv_transfer_bytes,
-            "output_tokens": credits.output_tokens,
-            "slots": credits.slots,
-        },
+        "credits": credits_fields(msg.credits),
         "zero_reason": zero,
         "zero_detail": msg.zero_detail,
         "queue_wait_ms": msg.queue_wait_ms,
