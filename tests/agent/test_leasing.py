@@ -78,7 +78,7 @@ def test_outstanding_borrowed_work_lowers_compute_and_sets_queue_wait() -> None:
     assert busy.queue_wait_ms == pytest.approx(5000 * per_token_s * 1000)
     # the part the broker's open debits count is its to add (lending.queue_wait_ms): here a
     # reservation of 2,000 uncached tokens (kv debit = uncached + output)
-    ledger = OpenDebits(compute=2000, kv=2100, output=100)
+    ledger = OpenDebits(kv=2100, output=100)
     seen = compute_capacity(snap(outstanding_uncached_tokens=5000), MODEL, NODE, LS, ledger)
     assert seen.queue_wait_ms == pytest.approx(3000 * per_token_s * 1000)
 

@@ -342,7 +342,7 @@ async def test_borrowed_work_the_broker_debits_is_not_subtracted_again_by_the_le
     # (costed on the safe side: its prefixes are unknown to the agent)
     assert alone.credits.compute_tokens < idle.credits.compute_tokens - 3000
     assert covered.credits.compute_tokens == idle.credits.compute_tokens
-    assert covered.last_notice_seq == 2 and agent.stream.state.open_debits.compute == 0
+    assert covered.last_notice_seq == 2 and agent.stream.state.open_debits.kv == 0
     again = await agent.tick()  # the release is seen now: the work is the lease's again
     assert again is not None and again.last_notice_seq == 3
     assert again.credits.compute_tokens == alone.credits.compute_tokens

@@ -111,17 +111,17 @@ def test_debit_prices_each_prompt_by_its_prefix_in_reference_tokens() -> None:
 
 
 def test_open_debits_follow_grants_releases_and_expiries_once() -> None:
-    def n(seq: int, kind: NoticeKind, rid: str, compute: int = 0, kv: int = 0) -> Notice:
-        debit = Credits(compute_tokens=compute, kv_tokens=kv)
+    def n(seq: int, kind: NoticeKind, rid: str, kv: int = 0, output: int = 0) -> Notice:
+        debit = Credits(compute_tokens=kv, kv_tokens=kv, output_tokens=output)
         return Notice(node_id="d", seq=seq, kind=kind, reservation_id=rid, debit=debit)
 
     ledger = OpenDebits()
-    ledger.apply([n(1, NoticeKind.GRANT, "r1", 100, 1_000), n(2, NoticeKind.GRANT, "r2", 50, 500)])
-    ledger.apply([n(3, NoticeKind.COMMIT, "r1"), n(4, NoticeKind.GRANT, "r1", 100, 1_000)])
-    assert (ledger.compute, ledger.kv) == (150, 1_500)
+    ledger.apply([n(1, NoticeKind.GRANT, "r1", 1_000, 100), n(2, NoticeKind.GRANT, "r2", 500, 50)])
+    ledger.apply([n(3, NoticeKind.COMMIT, "r1"), n(4, NoticeKind.GRANT, "r1", 1_000, 100)])
+    assert (ledger.kv, ledger.output, ledger.uncached_tokens(1)) == (1_500, 150, 1_350)
     ledger.apply([n(5, NoticeKind.RELEASE, "r1"), n(6, NoticeKind.EXPIRE, "r2")])
     ledger.apply([n(7, NoticeKind.RELEASE, "r1")])  # already closed: nothing to undo
-    assert (ledger.compute, ledger.kv) == (0, 0) and not ledger.debits
+    assert (ledger.kv, ledger.output) == (0, 0) and not ledger.debits
 
 
 def _unknown_s(cap) -> float:  # type: ignore[no-untyped-def]
@@ -138,7 +138,7 @@ def test_borrowed_work_is_counted_once_by_the_broker_not_again_by_the_lease() ->
         compute_tokens=5_000, kv_tokens=20_000, kv_transfer_bytes=pulled, output_tokens=50, slots=1
     )
     idle = _capacity().credits
-    ledger = OpenDebits(compute=5_000, kv=20_000, output=50, transfer_bytes=pulled)
+    ledger = OpenDebits(kv=20_000, output=50, transfer_bytes=pulled)
     # the engine shows the borrowed request: 5,000 tokens queued, 20,000 KV slots reserved
     seen = {"outstanding_uncached_tokens": 5_000, "borrowed_kv_tokens": 20_000,
             "kv_used_tokens": 84_000}  # fmt: skip
@@ -166,7 +166,7 @@ def test_borrowed_work_is_counted_once_by_the_broker_not_again_by_the_lease() ->
     )
     assert 0.0 < queue_wait_ms(lease, debit.compute_tokens) < counted_twice.queue_wait_ms
     # work the broker no longer counts (expired reservation still running) is subtracted
-    partly = _capacity(ledger=OpenDebits(compute=2_000, kv=2_050, output=50), **seen)
+    partly = _capacity(ledger=OpenDebits(kv=2_050, output=50), **seen)
     assert partly.covered_tokens == 2_000
     assert partly.credits.compute_tokens == int(rate * (2.0 - 3_000 * _unknown_s(partly)))
 
