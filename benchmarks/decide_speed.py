@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
     model, settings, guard = MODEL_PRESETS["gpt-oss-120b"], LeaseSettings(), ItlGuard()
-    ledger = OpenDebits(compute=2_000, kv=10_000)
+    ledger = OpenDebits(kv=10_000, output=500)
     for name in ("h200", "gb300"):
         report(name, model, settings, guard, ledger, args.number, args.repeat)
 

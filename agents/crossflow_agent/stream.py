@@ -286,7 +286,9 @@ class LeaseStream:
             kind = _DEBIT_KINDS.get(notice.kind)
             if kind is not None:
                 d = notice.debit
-                s.open_debits.record(kind, notice.reservation_id, d.compute_tokens, d.kv_tokens)
+                s.open_debits.record(
+                    kind, notice.reservation_id, d.kv_tokens, d.output_tokens, d.kv_transfer_bytes
+                )
         if notice.kind == lease_pb2.NOTICE_KIND_CORDON:
             if not s.cordoned:
                 log.warning("stream.cordoned", seq=notice.seq)

@@ -19,12 +19,21 @@ step time of :mod:`crossflow_ctl.domain.capacity`, H = borrow horizon in seconds
   prices each prompt by its prefix.
 * **rate** ``= 1 / (a + b * X_ref)``: the borrowed-prefill rate of a prompt over the reference
   prefix; the compute credit's unit.
-* **compute** ``= rate * H - uncovered``: borrowed prefill the node can run within the horizon,
-  in tokens at ``rate``. ``uncovered`` is the borrowed work queued on the node (telemetry) minus
-  what the broker's open debits already count, so no borrowed prompt is subtracted twice.
-  ``queue_wait_ms = uncovered / rate``, the same split: the broker adds the wait of its own open
-  debits (:func:`~crossflow_ctl.domain.lending.queue_wait_ms`), which grows with every grant
-  between two leases.
+* **compute** ``= rate * (H - uncovered_s)``: borrowed prefill the node can run within the
+  horizon, in the credit's one unit, tokens at ``rate`` (node seconds x ``rate``; the broker's
+  debits are in it too, :func:`~crossflow_ctl.domain.lending.compute_debit`). Telemetry counts
+  the borrowed work queued on the node in raw uncached tokens, so what the broker's open debits
+  already count is taken off in that unit: ``covered`` is at most the open reservations' own
+  uncached tokens (:meth:`~crossflow_ctl.domain.lending.OpenDebits.uncached_tokens`), never
+  their compute debits, which are priced at each prompt's prefix and would excuse other work
+  (long prefixes) or count a prompt twice (short ones). What is left, ``uncovered`` raw tokens
+  of work the broker does not count (a reservation that expired while running, borrowing that
+  bypassed the broker), has prefixes telemetry does not tell; it is costed on the safe side, at
+  ``FAR_PREFIX_TOKENS`` of prefix (past the p90 of real agent prefixes; up to about twice the
+  reference cost), as ``uncovered_s = uncovered * (a + b * FAR_PREFIX_TOKENS)`` node seconds.
+  ``queue_wait_ms = uncovered_s * 1000``, the same split: the broker adds the wait of its own
+  open debits (:func:`~crossflow_ctl.domain.lending.queue_wait_ms`), which grows with every
+  grant between two leases.
 * **kv** ``= free - reserve + covered_kv`` with ``free = total - used`` and
   ``reserve = kv_reserve_fraction * total + kv_growth_tokens_per_request * B`` (room for the
   running requests' next output tokens, borrowed ones included once they decode);
@@ -52,6 +61,7 @@ from pydantic import Field, model_validator
 
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, Roofline, roofline
 from crossflow_ctl.domain.lending import (
+    FAR_PREFIX_TOKENS,
     OpenDebits,
     PrefillCoefficients,
     best_chunk,
@@ -97,8 +107,8 @@ class LeaseSettings(Frozen):
     """Assumed context length of a borrowed request once it decodes on the node."""
     borrowed_prefix_tokens: Annotated[int, Field(ge=0, le=10_000_000)] = 8_192
     """Reference prefix: the lease's rate and chunk are quoted for a prompt over this many cached
-    tokens, and queued borrowed work whose prefixes telemetry does not tell is costed at it. Each
-    prompt is priced at its own prefix through the lease's per-token coefficients."""
+    tokens (the compute credit's unit). Each prompt is priced at its own prefix through the
+    lease's per-token coefficients."""
     max_slots: Annotated[int, Field(gt=0, le=4096)] = 64
     """Cap on borrowed prompts at once (the engine's borrowed queue); the decode batch's room,
     which usually binds first, sets the slots below it."""
@@ -145,8 +155,9 @@ class CapacityBreakdown(NamedTuple):
     borrowed_prefill_rate_tps: float
     coefficients: PrefillCoefficients
     outstanding_tokens: int
+    """Borrowed uncached tokens queued on the node (telemetry; raw tokens)."""
     covered_tokens: int
-    """Part of the outstanding borrowed work the broker's open debits already count."""
+    """Part of them the broker's open debits already count (raw tokens)."""
     queue_wait_ms: float
     kv_free_tokens: int
     kv_reserve_tokens: int
@@ -178,10 +189,10 @@ class CapacityBreakdown(NamedTuple):
             f" + b {self.coefficients.b_s * 1e9:.4f} ns x attended context",
             f"rate = 1 / (a + b x {settings.borrowed_prefix_tokens})"
             f" = {self.borrowed_prefill_rate_tps:.0f} tok/s",
-            f"compute = rate x horizon {h:g} s - (outstanding {self.outstanding_tokens}"
-            f" - covered by open debits {self.covered_tokens})"
-            f" = {c.compute_tokens} tokens; queue wait (uncovered / rate)"
-            f" {self.queue_wait_ms:.1f} ms",
+            f"compute = rate x (horizon {h:g} s - queue wait {self.queue_wait_ms:.1f} ms:"
+            f" outstanding {self.outstanding_tokens} - covered by open reservations"
+            f" {self.covered_tokens} tokens, costed at a {FAR_PREFIX_TOKENS}-token prefix)"
+            f" = {c.compute_tokens} tokens",
             f"kv = free {self.kv_free_tokens} - reserve {self.kv_reserve_tokens}"
             f" + covered {self.kv_covered_tokens} = {c.kv_tokens} tokens",
             f"slots = extra batch b = {self.extra_batch} (cap {settings.max_slots})"
@@ -234,13 +245,15 @@ def compute_capacity(
     per_token = coeff.a_s + coeff.b_s * settings.borrowed_prefix_tokens
     rate = min(1.0 / per_token, MAX_RATE_TPS) if chunk and per_token > 0 else 0.0
     outstanding = max(0, snapshot.outstanding_uncached_tokens)
-    covered = min(outstanding, max(0, open_debits.compute)) if open_debits else 0
+    reserved = open_debits.uncached_tokens(model.kv_bytes_per_token) if open_debits else 0
+    covered = min(outstanding, reserved)
     uncovered = outstanding - covered
-    compute = max(0, int(rate * horizon_s) - uncovered)
+    uncovered_s = uncovered * (coeff.a_s + coeff.b_s * FAR_PREFIX_TOKENS)
+    compute = max(0, int(rate * (horizon_s - uncovered_s)))
     if uncovered == 0:
         queue_wait_ms = 0.0
     elif rate > 0:
-        queue_wait_ms = min(MAX_MS, uncovered / rate * 1000.0)
+        queue_wait_ms = min(MAX_MS, uncovered_s * 1000.0)
     else:
         queue_wait_ms = MAX_MS
 

@@ -253,28 +253,48 @@ class OpenDebits:
     """The reservations the broker still counts against this node, as its notices tell.
 
     GRANT opens one (with its debit), RELEASE and EXPIRE close it; COMMIT changes nothing the
-    broker counts. ``compute`` and ``kv`` are the sums of the open debits. Feed each notice once
-    (the agent skips sequence numbers it has seen)."""
+    broker counts. ``kv``, ``output`` and ``transfer_bytes`` are the sums of the open debits' kv,
+    output and kv_transfer credits: what the lease needs to take off the work telemetry shows in
+    telemetry's own units (KV slots, raw uncached tokens). Their compute debits are in the
+    credit's unit, priced at each prompt's prefix, and are the broker's to subtract. Feed each
+    notice once (the agent skips sequence numbers it has seen)."""
 
-    debits: dict[str, tuple[int, int]] = field(default_factory=dict)
-    compute: int = 0
+    debits: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     kv: int = 0
+    output: int = 0
+    transfer_bytes: int = 0
 
-    def record(self, kind: NoticeKind, reservation_id: str, compute: int, kv: int) -> None:
+    def record(
+        self, kind: NoticeKind, reservation_id: str, kv: int, output: int, transfer_bytes: int
+    ) -> None:
         if kind is NoticeKind.GRANT and reservation_id not in self.debits:
-            self.debits[reservation_id] = (compute, kv)
-            self.compute += compute
-            self.kv += kv
+            self.debits[reservation_id] = (kv, output, transfer_bytes)
+            self._add(kv, output, transfer_bytes)
         elif kind is NoticeKind.RELEASE or kind is NoticeKind.EXPIRE:
             gone = self.debits.pop(reservation_id, None)
             if gone is not None:
-                self.compute -= gone[0]
-                self.kv -= gone[1]
+                self._add(-gone[0], -gone[1], -gone[2])
+
+    def _add(self, kv: int, output: int, transfer_bytes: int) -> None:
+        self.kv += kv
+        self.output += output
+        self.transfer_bytes += transfer_bytes
 
     def apply(self, notices: list[Notice]) -> None:
         for n in notices:
-            self.record(n.kind, n.reservation_id, n.debit.compute_tokens, n.debit.kv_tokens)
+            d = n.debit
+            self.record(n.kind, n.reservation_id, d.kv_tokens, d.output_tokens, d.kv_transfer_bytes)
+
+    def uncached_tokens(self, kv_bytes_per_token: int) -> int:
+        """Uncached prompt tokens of the open reservations, in telemetry's unit (raw tokens).
+
+        A debit's kv credit is the prompt's uncached tokens + a prefix pulled in from elsewhere
+        + its output within the horizon (:func:`~crossflow_ctl.domain.admission.debit_for`), and
+        its kv_transfer credit is that prefix in bytes, so the sums give the uncached tokens
+        exactly, with the served model's ``kv_bytes_per_token``."""
+        pulled = math.ceil(self.transfer_bytes / max(1, kv_bytes_per_token))
+        return max(0, self.kv - self.output - pulled)
 
     def totals(self) -> OpenDebits:
         """A copy of the sums alone, frozen in time (for a lease computed later)."""
-        return OpenDebits(compute=self.compute, kv=self.kv)
+        return OpenDebits(kv=self.kv, output=self.output, transfer_bytes=self.transfer_bytes)

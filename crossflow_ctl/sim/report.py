@@ -165,10 +165,10 @@ included); steady is the tokens of requests that finished between the end of the
 last release, over that window (offered load still arriving, no drain); SLO ok is
 the share of requests with TTFT <= the TTFT SLO and mean ITL <= the ITL SLO; stranded is the
 share of server-seconds not spent stepping; borrowed is the share of prompts prefilled on a
-decode node; KV waits counts borrowed prompts that found no KV room on their node when they
-got there (the lease had promised it); over-commit counts granted debits after which a node's
-open debits exceeded its lease x borrow share (must be 0). Best static: highest output
-throughput, then lowest mean TTFT among splits within 1 % of it."""
+decode node; KV waits counts borrowed prompts that waited for KV room on their node, in the
+queue it shares with transferred requests (the lease had promised room); over-commit counts
+granted debits after which a node's open debits exceeded its lease x borrow share (must be 0).
+Best static: highest output throughput, then lowest mean TTFT among splits within 1 % of it."""
 
 
 def queue_words(config: SimConfig) -> str:

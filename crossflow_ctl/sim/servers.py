@@ -12,9 +12,15 @@ Approximations (stated, not hidden):
   change, up to ``max_macro_steps`` plain steps are advanced as one event, timed at the batch's
   mid-point context (context grows by B per step); an arrival cuts the macro step at the end of
   the step in progress, so new work joins at a step boundary as in a real engine.
-* **KV**: a request reserves prompt + output tokens on its decode server when it joins (no
-  preemption); requests that do not fit wait FIFO. Borrowed requests reserve before their first
-  chunk and then stay on the node to decode.
+* **KV**: a request reserves prompt + output tokens on its decode server (no preemption). Both
+  kinds of arrival, a transferred request (normal path) and a borrowed prompt, wait in one
+  queue in arrival order and take KV from its head only; a head that does not fit blocks the
+  queue. That is an engine's one scheduler over one waiting queue: vLLM v1's ``Scheduler``
+  walks ``waiting`` first come first served and stops at the first request
+  ``allocate_slots`` cannot place, whether it awaits remote KV or prefills locally, so neither
+  path jumps the other. A transferred request joins the batch once admitted; a borrowed one
+  joins the queue of borrowed prefills (one at a time, in order) holding its KV, counts
+  against the batch bound as a scheduled prefill does, and stays on the node to decode.
 * The first token is counted when the request joins a decode batch (normal path: after prefill,
   KV transfer and any wait for KV room; borrowed: at the end of its last prefill chunk).
 """
@@ -44,11 +50,11 @@ class Req:
     node_id: str = ""
     """The decode node it borrowed on (leases policy)."""
     prefilled: int = 0
-    kv_reserved: bool = False
     first_token_s: float = -1.0
     finish_s: float = -1.0
     join_step: int = 0
-    kv_waited: bool = False
+    queue_seq: int = 0
+    """Its place in its decode node's KV queue (arrival order there)."""
     dispatch_s: float = -1.0
     """When the router sent it on (to the prefill pool or to its decode node)."""
     start_s: float = -1.0
@@ -187,7 +193,12 @@ class DecodeServer:
     """Sum over running requests of (context at join - steps_done at join)."""
     kv_used: int = 0
     waiting: deque[Req] = field(default_factory=deque)
+    """Arrivals of both paths waiting for KV room, in arrival order (see the module doc)."""
     borrow_q: deque[Req] = field(default_factory=deque)
+    """Borrowed requests holding KV, prefilled one at a time from the head."""
+    arrivals: int = 0
+    blocked_seq: int = 0
+    """``queue_seq`` of the last arrival that was queued when the head last found no room."""
     borrowed_outstanding: int = 0
     borrowed_kv: int = 0
     """KV reserved by borrowed requests still in prefill (what the agent's telemetry reports)."""
@@ -220,15 +231,19 @@ class DecodeServer:
 
     # -- arrivals ---------------------------------------------------------------------------
     def arrive_normal(self, req: Req, t: float) -> None:
-        req.arrive_s = t
-        self.waiting.append(req)
+        self._enqueue(req, t)
         self._poke(t)
 
     def arrive_borrowed(self, req: Req, t: float) -> None:
-        req.arrive_s = t
-        self.borrow_q.append(req)
+        self._enqueue(req, t)
         self.borrowed_outstanding += req.uncached_tokens - req.prefilled
         self._poke(t)
+
+    def _enqueue(self, req: Req, t: float) -> None:
+        req.arrive_s = t
+        self.arrivals += 1
+        req.queue_seq = self.arrivals
+        self.waiting.append(req)
 
     def _poke(self, t: float) -> None:
         if not self.busy:
@@ -291,26 +306,27 @@ class DecodeServer:
         self.ctx_base += req.input_tokens + 1 - self.steps_done
 
     def _fits(self, req: Req) -> bool:
-        return self.batch < self.max_batch and self.kv_used + req.kv_need <= self.kv_capacity
+        scheduled = self.batch + len(self.borrow_q)
+        return scheduled < self.max_batch and self.kv_used + req.kv_need <= self.kv_capacity
 
     def _admit(self, t: float) -> None:
-        while self.waiting and self._fits(self.waiting[0]):
-            req = self.waiting.popleft()
+        """Give KV to the queue's head while it fits, in arrival order (see the module doc)."""
+        waiting = self.waiting
+        while waiting and self._fits(waiting[0]):
+            req = waiting.popleft()
             self.kv_used += req.kv_need
-            self._join(req, t)
+            if not req.borrowed:
+                self._join(req, t)
+                continue
+            self.borrowed_kv += req.kv_need
+            self.borrow_q.append(req)
+            if req.queue_seq <= self.blocked_seq:
+                self.borrow_kv_waits += 1
+        if waiting:
+            self.blocked_seq = self.arrivals
 
     def _plan(self, t: float) -> None:
         head = self.borrow_q[0] if self.borrow_q else None
-        if head is not None and not head.kv_reserved:
-            if self._fits(head):
-                head.kv_reserved = True
-                self.kv_used += head.kv_need
-                self.borrowed_kv += head.kv_need
-            else:
-                if not head.kv_waited:
-                    head.kv_waited = True
-                    self.borrow_kv_waits += 1
-                head = None
         b = self.batch
         ctx = self.ctx_base + b * self.steps_done
         if head is not None:

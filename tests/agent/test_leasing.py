@@ -23,7 +23,7 @@ from crossflow_ctl.domain.leasing import (
     implausibility,
     pool_load,
 )
-from crossflow_ctl.domain.lending import OpenDebits
+from crossflow_ctl.domain.lending import FAR_PREFIX_TOKENS, OpenDebits
 from crossflow_ctl.domain.models import ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
@@ -69,13 +69,18 @@ def test_a_quiet_node_offers_every_credit() -> None:
 def test_outstanding_borrowed_work_lowers_compute_and_sets_queue_wait() -> None:
     idle = compute_capacity(snap(), MODEL, NODE, LS)
     busy = compute_capacity(snap(outstanding_uncached_tokens=5000), MODEL, NODE, LS)
-    assert busy.credits.compute_tokens == idle.credits.compute_tokens - 5000
-    assert busy.queue_wait_ms == pytest.approx(5000 / busy.borrowed_prefill_rate_tps * 1000)
-    # the part the broker's open debits count is its to add (lending.queue_wait_ms)
-    seen = compute_capacity(
-        snap(outstanding_uncached_tokens=5000), MODEL, NODE, LS, OpenDebits(compute=2000)
-    )
-    assert seen.queue_wait_ms == pytest.approx(3000 / seen.borrowed_prefill_rate_tps * 1000)
+    # work no reservation accounts for is costed at the far prefix (its prefixes are unknown)
+    a, b = busy.coefficients
+    per_token_s = a + b * FAR_PREFIX_TOKENS
+    rate = busy.borrowed_prefill_rate_tps
+    assert busy.credits.compute_tokens == int(rate * (LS.horizon_s - 5000 * per_token_s))
+    assert busy.credits.compute_tokens < idle.credits.compute_tokens - 5000
+    assert busy.queue_wait_ms == pytest.approx(5000 * per_token_s * 1000)
+    # the part the broker's open debits count is its to add (lending.queue_wait_ms): here a
+    # reservation of 2,000 uncached tokens (kv debit = uncached + output)
+    ledger = OpenDebits(kv=2100, output=100)
+    seen = compute_capacity(snap(outstanding_uncached_tokens=5000), MODEL, NODE, LS, ledger)
+    assert seen.queue_wait_ms == pytest.approx(3000 * per_token_s * 1000)
 
 
 def test_zero_compute_when_the_decode_step_alone_reaches_the_slo_budget() -> None:

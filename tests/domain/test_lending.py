@@ -6,9 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from crossflow_ctl.domain.admission import AdmissionRequest, debit_for
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, roofline
 from crossflow_ctl.domain.lease_credits import LeaseSettings, compute_capacity
 from crossflow_ctl.domain.lending import (
+    FAR_PREFIX_TOKENS,
     ChunkSizer,
     OpenDebits,
     best_chunk,
@@ -17,6 +19,7 @@ from crossflow_ctl.domain.lending import (
     queue_wait_ms,
 )
 from crossflow_ctl.domain.models import MAX_MS, Credits, Lease, Notice, NoticeKind
+from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 GPT_OSS = MODEL_PRESETS["gpt-oss-120b"]
@@ -108,26 +111,34 @@ def test_debit_prices_each_prompt_by_its_prefix_in_reference_tokens() -> None:
 
 
 def test_open_debits_follow_grants_releases_and_expiries_once() -> None:
-    def n(seq: int, kind: NoticeKind, rid: str, compute: int = 0, kv: int = 0) -> Notice:
-        debit = Credits(compute_tokens=compute, kv_tokens=kv)
+    def n(seq: int, kind: NoticeKind, rid: str, kv: int = 0, output: int = 0) -> Notice:
+        debit = Credits(compute_tokens=kv, kv_tokens=kv, output_tokens=output)
         return Notice(node_id="d", seq=seq, kind=kind, reservation_id=rid, debit=debit)
 
     ledger = OpenDebits()
-    ledger.apply([n(1, NoticeKind.GRANT, "r1", 100, 1_000), n(2, NoticeKind.GRANT, "r2", 50, 500)])
-    ledger.apply([n(3, NoticeKind.COMMIT, "r1"), n(4, NoticeKind.GRANT, "r1", 100, 1_000)])
-    assert (ledger.compute, ledger.kv) == (150, 1_500)
+    ledger.apply([n(1, NoticeKind.GRANT, "r1", 1_000, 100), n(2, NoticeKind.GRANT, "r2", 500, 50)])
+    ledger.apply([n(3, NoticeKind.COMMIT, "r1"), n(4, NoticeKind.GRANT, "r1", 1_000, 100)])
+    assert (ledger.kv, ledger.output, ledger.uncached_tokens(1)) == (1_500, 150, 1_350)
     ledger.apply([n(5, NoticeKind.RELEASE, "r1"), n(6, NoticeKind.EXPIRE, "r2")])
     ledger.apply([n(7, NoticeKind.RELEASE, "r1")])  # already closed: nothing to undo
-    assert (ledger.compute, ledger.kv) == (0, 0) and not ledger.debits
+    assert (ledger.kv, ledger.output) == (0, 0) and not ledger.debits
+
+
+def _unknown_s(cap) -> float:  # type: ignore[no-untyped-def]
+    """Node seconds per raw token of borrowed work the broker does not count."""
+    return cap.coefficients.a_s + cap.coefficients.b_s * FAR_PREFIX_TOKENS
 
 
 def test_borrowed_work_is_counted_once_by_the_broker_not_again_by_the_lease() -> None:
     """A borrowed prompt of 5,000 uncached tokens was granted (debit D) and reached the engine:
     telemetry shows it outstanding and holding KV. The broker subtracts D from the lease; the
     lease must not subtract the same work again (it did before: credit - telemetry - D)."""
-    debit = Credits(compute_tokens=5_000, kv_tokens=20_000, output_tokens=50, slots=1)
+    pulled = 14_950 * GPT_OSS.kv_bytes_per_token  # its prefix, pulled in from another node
+    debit = Credits(
+        compute_tokens=5_000, kv_tokens=20_000, kv_transfer_bytes=pulled, output_tokens=50, slots=1
+    )
     idle = _capacity().credits
-    ledger = OpenDebits(compute=debit.compute_tokens, kv=debit.kv_tokens)
+    ledger = OpenDebits(kv=20_000, output=50, transfer_bytes=pulled)
     # the engine shows the borrowed request: 5,000 tokens queued, 20,000 KV slots reserved
     seen = {"outstanding_uncached_tokens": 5_000, "borrowed_kv_tokens": 20_000,
             "kv_used_tokens": 84_000}  # fmt: skip
@@ -136,10 +147,15 @@ def test_borrowed_work_is_counted_once_by_the_broker_not_again_by_the_lease() ->
     available_once = counted_once.credits.minus(debit)
     assert available_once.compute_tokens == idle.compute_tokens - debit.compute_tokens
     assert available_once.kv_tokens == idle.kv_tokens - debit.kv_tokens
-    assert counted_twice.credits.minus(debit).compute_tokens == idle.compute_tokens - 10_000
+    # without the ledger the queued work is the lease's to count, costed on the safe side
+    rate = counted_twice.borrowed_prefill_rate_tps
+    twice_s = 5_000 * _unknown_s(counted_twice)
+    assert counted_twice.credits.compute_tokens == int(rate * (2.0 - twice_s))
+    assert counted_twice.credits.compute_tokens < idle.compute_tokens - 5_000
     # the wait is split the same way: the lease's part is the work the broker does not count,
     # and the broker adds the wait of its open debits (queue_wait_ms below), so it counts once
-    assert counted_once.queue_wait_ms == 0.0 < counted_twice.queue_wait_ms
+    assert counted_once.queue_wait_ms == 0.0
+    assert counted_twice.queue_wait_ms == pytest.approx(twice_s * 1000.0)
     lease = Lease(
         node_id="d",
         epoch=1,
@@ -148,10 +164,57 @@ def test_borrowed_work_is_counted_once_by_the_broker_not_again_by_the_lease() ->
         queue_wait_ms=counted_once.queue_wait_ms,
         borrowed_prefill_rate_tps=counted_once.borrowed_prefill_rate_tps,
     )
-    assert queue_wait_ms(lease, debit.compute_tokens) == pytest.approx(counted_twice.queue_wait_ms)
+    assert 0.0 < queue_wait_ms(lease, debit.compute_tokens) < counted_twice.queue_wait_ms
     # work the broker no longer counts (expired reservation still running) is subtracted
-    partly = _capacity(ledger=OpenDebits(compute=2_000, kv=0), **seen)
-    assert partly.credits.compute_tokens == idle.compute_tokens - 3_000
+    partly = _capacity(ledger=OpenDebits(kv=2_050, output=50), **seen)
+    assert partly.covered_tokens == 2_000
+    assert partly.credits.compute_tokens == int(rate * (2.0 - 3_000 * _unknown_s(partly)))
+
+
+def _granted(uncached: int, cached: int, cap, remote: bool = False) -> Notice:  # type: ignore[no-untyped-def]
+    """The GRANT notice of a prompt borrowed on node "d" against the lease of ``cap``."""
+    lease = Lease(
+        node_id="d", epoch=1, version=1, ttl_ms=1000,
+        borrowed_prefill_rate_tps=cap.borrowed_prefill_rate_tps,
+        prefill_s_per_token=cap.coefficients.a_s,
+        prefill_s_per_token_context=cap.coefficients.b_s,
+    )  # fmt: skip
+    request = AdmissionRequest(
+        uncached_prompt_tokens=uncached,
+        cached_prefix_tokens=cached,
+        cached_prefix_node_id="elsewhere" if remote else "d",
+        expected_output_tokens=200,
+    )
+    settings = PolicySettings(kv_bytes_per_token=GPT_OSS.kv_bytes_per_token)
+    debit = debit_for(request, "d", settings, lease)
+    return Notice(node_id="d", seq=1, kind=NoticeKind.GRANT, reservation_id="r", debit=debit)
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_open_debits_cover_their_own_uncached_tokens_in_telemetrys_unit(remote: bool) -> None:
+    """Telemetry counts queued borrowed work in raw uncached tokens; a compute debit is priced at
+    its prompt's prefix (tokens at the lease's rate). Covering raw tokens with debits mixed the
+    two: a short-prefix prompt (debit below its tokens) was counted again by the lease, and a
+    long-prefix one (debit above its tokens) excused work no one else counted."""
+    idle = _capacity()
+    short = _granted(5_000, 0, idle, remote)
+    assert short.debit.compute_tokens < 5_000
+    ledger = OpenDebits()
+    ledger.apply([short])
+    queued = _capacity(ledger=ledger, outstanding_uncached_tokens=5_000)
+    assert queued.covered_tokens == 5_000 and queued.queue_wait_ms == 0.0
+    assert queued.credits.minus(short.debit).compute_tokens == (
+        idle.credits.compute_tokens - short.debit.compute_tokens
+    )
+    long = _granted(1_000, 36_000, idle, remote)
+    assert long.debit.compute_tokens > 1_500
+    ledger = OpenDebits()
+    ledger.apply([long])
+    # its 1,000 tokens are queued with 4,000 of a reservation that expired while running
+    mixed = _capacity(ledger=ledger, outstanding_uncached_tokens=5_000)
+    assert mixed.covered_tokens == 1_000
+    rate = mixed.borrowed_prefill_rate_tps
+    assert mixed.credits.compute_tokens == int(rate * (2.0 - 4_000 * _unknown_s(mixed)))
 
 
 def test_slots_are_the_decode_batch_room_not_a_fixed_eight() -> None:

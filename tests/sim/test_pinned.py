@@ -17,20 +17,20 @@ from crossflow_ctl.sim.traces import load_mooncake
 
 PINNED: dict[str, Any] = {
     "completed": 400,
-    "borrowed": 257,
+    "borrowed": 258,
     "overcommits": 0,
-    "held": 221,
-    "reoffers": 654,
-    "leases": 1564,
-    "outcomes": {"borrowed": 158, "borrowed_late": 99, "not_held": 10, "prefill_room": 133},
-    "admit_reasons": {"pool_load_missing": 10, "borrowed": 257, "no_benefit": 12, "no_room": 775},
-    "zero_reasons": {"itl_over_slo": 8},
+    "held": 220,
+    "reoffers": 651,
+    "leases": 1562,
+    "outcomes": {"borrowed": 163, "borrowed_late": 95, "not_held": 10, "prefill_room": 132},
+    "admit_reasons": {"pool_load_missing": 10, "borrowed": 258, "no_benefit": 12, "no_room": 771},
+    "zero_reasons": {"itl_over_slo": 9},
     "tokens": (5_710_530, 146_073),
-    "lease_chunk_sum": 1_149_440,
-    "lease_compute_sum": 35_973_721,
-    "ttft_mean_ms": 8_806.706,
-    "ttft_p99_ms": 38_045.122,
-    "itl_p99_ms": 46.1,
+    "lease_chunk_sum": 1_145_088,
+    "lease_compute_sum": 35_947_547,
+    "ttft_mean_ms": 8_839.552,
+    "ttft_p99_ms": 37_948.974,
+    "itl_p99_ms": 45.9,
 }
 
 
