@@ -9,6 +9,7 @@ from crossflow_ctl.domain.admission import (
     AdmissionRequest,
     Decision,
     Reason,
+    check_demand,
     plan_admission,
 )
 from crossflow_ctl.domain.models import (
@@ -186,7 +187,8 @@ def test_admission_round_trips() -> None:
         NodeState(info=NodeInfo(node_id="d2")),
     ]
     for pool in (PoolSnapshot(pool="p", reports=(LOAD,)), None):
-        plan = plan_admission(req, pool, nodes, policy, NOW)
+        # With tokens sent since the reports, so each Demand field crosses the wire.
+        plan = plan_admission(req, pool, nodes, policy, NOW, check_demand(pool, policy, 1234))
         assert plan.normal_path is not None and plan.normal_path.hold_ms > 0
         borrow = Admission(
             decision=Decision.BORROW,

@@ -42,10 +42,15 @@ def conditions(plan: Plan) -> list[str]:
     else:
         cmp = ">" if d.holds else "<="
         wait = "unbounded (no rate)" if d.no_rate else f"{d.pool_wait_ms:.1f} ms"
+        sent = (
+            f" + {d.pending_uncached_tokens} sent since the reports"
+            if d.pending_uncached_tokens
+            else ""
+        )
         lines.append(
             f"1. Demand   {_holds(d.holds)} prefill wait {wait} {cmp} threshold "
-            f"{d.threshold_ms:.1f} ms ({d.outstanding_uncached_tokens} outstanding tokens / "
-            f"{d.processing_rate_tps:.0f} tokens/s, {d.reporting_nodes} reporting)"
+            f"{d.threshold_ms:.1f} ms ({d.outstanding_uncached_tokens} outstanding tokens"
+            f"{sent} / {d.processing_rate_tps:.0f} tokens/s, {d.reporting_nodes} reporting)"
         )
     normal = plan.normal_path
     normal_text = (

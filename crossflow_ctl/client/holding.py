@@ -16,7 +16,7 @@ from enum import StrEnum
 from itertools import islice
 from typing import Annotated, Generic, Literal, TypeVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.models import MAX_TOKENS, Frozen
@@ -82,9 +82,18 @@ class QueueConfig(Frozen):
     hold_reasons: frozenset[Reason] = frozenset(
         {Reason.NO_ROOM, Reason.NO_BENEFIT, Reason.NO_LEASES}
     )
-    """NORMAL reasons worth holding for: Demand holds but no node has room (or benefit) now."""
+    """NORMAL reasons worth holding for: Demand holds but no node has room (or benefit) now.
+    Never NO_DEMAND: the pool is not behind, so there is nothing to wait for, and the broker
+    counts a prompt it answers NO_DEMAND as sent to the prefill pool (Demand's wait)."""
     recheck_ms: Annotated[int, Field(ge=1, le=60_000)] = 50
     """How often the live queue re-asks the router's prefill-room predicate while holding."""
+
+    @field_validator("hold_reasons")
+    @classmethod
+    def _not_no_demand(cls, reasons: frozenset[Reason]) -> frozenset[Reason]:
+        if Reason.NO_DEMAND in reasons:
+            raise ValueError("no_demand is never held: the broker counts it as sent to prefill")
+        return reasons
 
 
 MAX_REQUEST_ID_LEN = 256

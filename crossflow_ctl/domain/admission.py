@@ -76,6 +76,9 @@ class DemandCheck(Frozen):
     outstanding_uncached_tokens: int = 0
     processing_rate_tps: float = 0.0
     reporting_nodes: int = 0
+    pending_uncached_tokens: int = 0
+    """Uncached tokens sent to the pool since its reports, counted into ``pool_wait_ms``
+    (:mod:`crossflow_ctl.domain.pending`)."""
 
     @property
     def no_rate(self) -> bool:
@@ -131,8 +134,12 @@ class Plan(Frozen):
         if self.reason is Reason.POOL_LOAD_MISSING:
             return "demand fails: no live load report from the prefill pool"
         wait = f"{d.pool_wait_ms:.1f}" if d.pool_wait_ms is not None else "?"
+        if d.pending_uncached_tokens:
+            wait += f" ms (with {d.pending_uncached_tokens} tokens sent since its reports)"
+        else:
+            wait += " ms"
         if not d.holds:
-            return f"demand fails: prefill wait {wait} ms <= threshold {d.threshold_ms:.1f} ms"
+            return f"demand fails: prefill wait {wait} <= threshold {d.threshold_ms:.1f} ms"
         if self.ranked:
             best = self.ranked[0]
             normal = self.normal_path.total_ms if self.normal_path else 0.0
@@ -226,10 +233,14 @@ def debit_for(
     )
 
 
-def check_demand(pool: PoolSnapshot | None, settings: PolicySettings) -> DemandCheck:
+def check_demand(
+    pool: PoolSnapshot | None, settings: PolicySettings, pending_tokens: int = 0
+) -> DemandCheck:
     """Demand of the pool as a whole, at ``demand_threshold_ms``: whether it is behind for every
-    prompt (a prompt's own threshold is never higher: :func:`prompt_demand`)."""
-    wait = pool.estimated_wait_ms() if pool is not None else None
+    prompt (a prompt's own threshold is never higher: :func:`prompt_demand`). ``pending_tokens``:
+    uncached tokens sent to the pool that its reports do not show yet
+    (:func:`~crossflow_ctl.domain.pending.unreported_tokens`)."""
+    wait = pool.estimated_wait_ms(pending_tokens) if pool is not None else None
     if pool is None or wait is None:
         return DemandCheck(
             holds=False, pool_wait_ms=None, threshold_ms=settings.demand_threshold_ms
@@ -241,6 +252,7 @@ def check_demand(pool: PoolSnapshot | None, settings: PolicySettings) -> DemandC
         outstanding_uncached_tokens=pool.outstanding_uncached_tokens,
         processing_rate_tps=pool.processing_rate_tps,
         reporting_nodes=len(pool.reports),
+        pending_uncached_tokens=pending_tokens if pool.processing_rate_tps > 0 else 0,
     )
 
 

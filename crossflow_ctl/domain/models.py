@@ -304,6 +304,10 @@ class PoolSnapshot(Frozen):
 
     pool: str
     reports: tuple[PoolLoad, ...] = ()
+    reported_at_ms: tuple[int, ...] = ()
+    """When the broker received each report (its clock), in the order of ``reports``; () when
+    unknown. A prompt sent to the pool after a server's report is not in that report's
+    outstanding tokens (:mod:`crossflow_ctl.domain.pending`)."""
 
     @property
     def outstanding_uncached_tokens(self) -> int:
@@ -329,14 +333,21 @@ class PoolSnapshot(Frozen):
             and (self.processing_rate_tps <= 0)
         )
 
-    def estimated_wait_ms(self) -> float | None:
-        """Outstanding uncached tokens / recent rate; None when nothing reports."""
+    def estimated_wait_ms(self, pending_tokens: int = 0) -> float | None:
+        """Outstanding uncached tokens / recent rate; None when nothing reports.
+
+        ``pending_tokens``: uncached tokens sent to the pool since its reports were taken, which
+        they do not show yet; they count only at a known rate. Without one (a pool that has not
+        processed anything lately reports none) they say nothing about time: an idle pool's
+        first prompts must not read as an unbounded wait."""
         if not self.reports:
             return None
         outstanding = self.outstanding_uncached_tokens
+        rate = self.processing_rate_tps
+        if rate > 0:
+            outstanding += pending_tokens
         if outstanding == 0:
             return 0.0
-        rate = self.processing_rate_tps
         if rate <= 0:
             return MAX_MS
         return min(MAX_MS, outstanding / rate * 1000.0)

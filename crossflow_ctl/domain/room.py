@@ -146,9 +146,11 @@ def summarize_room(
     nodes: Sequence[NodeState],
     settings: PolicySettings,
     now_ms: int,
+    pending_tokens: int = 0,
 ) -> RoomView:
-    """The room of ``nodes`` and the pool's Demand, under ``settings``, at ``now_ms``."""
-    demand = check_demand(pool, settings)
+    """The room of ``nodes`` and the pool's Demand, under ``settings``, at ``now_ms``, with
+    ``pending_tokens`` sent to the pool since its reports (as Admit counts them)."""
+    demand = check_demand(pool, settings, pending_tokens)
     rooms = (node_room(n, settings.borrow_share, now_ms) for n in nodes)
     found = sorted((r for r in rooms if r is not None), key=lambda r: r.node_id)
     return RoomView(

@@ -42,13 +42,14 @@ from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import NodeState, PoolSnapshot
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision
+from crossflow_ctl.service.pending import SentToPools, sent_to_pool
 from crossflow_ctl.service.requests import admit_record, borrow_record, replay_admission
 from crossflow_ctl.store.base import DebitOutcome, DebitRequest, RequestRecord, Store
 
 log = structlog.get_logger()
 T = TypeVar("T")
 
-_View = tuple[PoolSnapshot | None, list[NodeState], DemandCheck, tuple[Room | None, ...]]
+_View = tuple[PoolSnapshot | None, list[NodeState], tuple[Room | None, ...]]
 
 MAX_DEBIT_TRIES = 3
 """Ranked nodes tried when a concurrent Admit took the room between the plan and the debit."""
@@ -118,7 +119,11 @@ class Admitter:
         self._flusher: asyncio.Task[None] | None = None
         self._leading = False
         """Whether a lone entry is being decided in its caller's task (:meth:`_lead`)."""
-        self._last_demand: tuple[PoolSnapshot | None, PolicySettings, DemandCheck] | None = None
+        self.sent = SentToPools()
+        """Prompts this replica sent to the prefill pools, counted into Demand's wait (and the
+        room watches' Demand: :meth:`Broker.room_view`)."""
+        self._last_demand: tuple[PoolSnapshot | None, PolicySettings, int, DemandCheck] | None
+        self._last_demand = None
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
 
@@ -302,15 +307,17 @@ class Admitter:
                         request.pool, request.candidate_node_ids, policy.candidate_sample, now
                     ),
                 )
-                rooms = node_rooms(nodes, policy.borrow_share)
-                views[key] = (pool, nodes, self._demand(pool, policy), rooms)
-            pool, nodes, demand, rooms = views[key]
+                views[key] = (pool, nodes, node_rooms(nodes, policy.borrow_share))
+            pool, nodes, rooms = views[key]
+            demand = self._demand(pool, policy)
             plan = plan_admission(request, pool, nodes, policy, now, demand, rooms)
             answer = self._without_debit(request, plan, policy)
             if answer is None:
                 pending.append((i, plan))
             else:
                 answers[i] = answer
+                if sent_to_pool(request, answer):  # later requests of the batch see it
+                    self.sent.record(request.pool, request.uncached_prompt_tokens, now)
         refusals: dict[int, list[str]] = {i: [] for i, _ in pending}
         records = {i: admit_record(self.store, requests[i], policy) for i, _ in pending}
         for attempt in range(MAX_DEBIT_TRIES):
@@ -353,13 +360,15 @@ class Admitter:
         return [a for a in answers if a is not None]
 
     def _demand(self, pool: PoolSnapshot | None, policy: PolicySettings) -> DemandCheck:
-        """``check_demand``, computed once per pool snapshot and policy: both are immutable, and
-        the store hands out the same cached snapshot to every Admit until it is renewed."""
+        """``check_demand`` with the tokens this replica sent to the pool since its reports,
+        computed once per pool snapshot, policy and count: the first two are immutable, and the
+        store hands out the same cached snapshot to every Admit until it is renewed."""
+        sent = self.sent.tokens(pool) if pool is not None else 0
         last = self._last_demand
-        if last is not None and last[0] is pool and last[1] is policy:
-            return last[2]
-        demand = check_demand(pool, policy)
-        self._last_demand = (pool, policy, demand)
+        if last is not None and last[0] is pool and last[1] is policy and last[2] == sent:
+            return last[3]
+        demand = check_demand(pool, policy, sent)
+        self._last_demand = (pool, policy, sent, demand)
         return demand
 
     async def _shielded(self, call: Awaitable[list[DebitOutcome]]) -> list[DebitOutcome]:

@@ -193,7 +193,8 @@ class Broker:
             detail = f"store slower than {limit_ms} ms" if isinstance(exc, TimeoutError) else exc
             log.warning("room_view.failed", error=repr(exc))
             return unknown_room(request.pool, f"room unknown: {detail}")
-        return summarize_room(request.pool, pool, nodes, policy, now)
+        sent = self._admitter.sent.tokens(pool) if pool is not None else 0
+        return summarize_room(request.pool, pool, nodes, policy, now, sent)
 
     def watch_room(self, request: RoomWatchRequest) -> AsyncIterator[RoomUpdate]:
         """Room updates for ``request`` (see :mod:`crossflow_ctl.service.room`)."""

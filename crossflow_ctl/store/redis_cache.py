@@ -81,7 +81,11 @@ class PoolCache:
         if not live:
             self._items.pop(pool, None)
             return None
-        snapshot = PoolSnapshot(pool=pool, reports=tuple(s.load for s in live))
+        snapshot = PoolSnapshot(
+            pool=pool,
+            reports=tuple(s.load for s in live),
+            reported_at_ms=tuple(s.received_at_ms for s in live),
+        )
         if self._max_age_s > 0:
             self._items[pool] = _PoolEntry(
                 snapshot=snapshot,

@@ -104,6 +104,7 @@ def _demand_fields(d: DemandCheck) -> dict[str, Any]:
         "outstanding_uncached_tokens": d.outstanding_uncached_tokens,
         "processing_rate_tps": d.processing_rate_tps,
         "reporting_nodes": d.reporting_nodes,
+        "pending_uncached_tokens": d.pending_uncached_tokens,
     }
 
 
@@ -119,6 +120,7 @@ def _demand_from_proto(msg: admission_pb2.DemandCheck) -> DemandCheck:
         outstanding_uncached_tokens=msg.outstanding_uncached_tokens,
         processing_rate_tps=msg.processing_rate_tps,
         reporting_nodes=msg.reporting_nodes,
+        pending_uncached_tokens=msg.pending_uncached_tokens,
     )
 
 

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from crossflow_ctl.cli.cmd_admit import conditions
 from crossflow_ctl.cli.config import Context, CtlConfig, load_config, save_config
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import Column, OutputFormat, render_list, table
 from crossflow_ctl.cli.views import POOL_COLUMNS, age, pool_row
+from crossflow_ctl.domain.admission import DemandCheck, Plan, Reason
 from crossflow_ctl.domain.errors import (
     ConfigError,
     FailedPrecondition,
@@ -138,3 +140,20 @@ def test_help_does_not_import_the_simulator() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_admit_explain_shows_the_tokens_sent_since_the_pools_reports() -> None:
+    demand = DemandCheck(
+        holds=True,
+        pool_wait_ms=150.0,
+        threshold_ms=100.0,
+        outstanding_uncached_tokens=500,
+        processing_rate_tps=10_000.0,
+        reporting_nodes=1,
+        pending_uncached_tokens=1_000,
+    )
+    line = conditions(Plan(reason=Reason.NO_LEASES, demand=demand))[0]
+    assert line == (
+        "1. Demand   holds  prefill wait 150.0 ms > threshold 100.0 ms (500 outstanding tokens"
+        " + 1000 sent since the reports / 10000 tokens/s, 1 reporting)"
+    )

@@ -46,6 +46,10 @@ class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reason.ValueTy
     REASON_UNSPECIFIED: _Reason.ValueType  # 0
     REASON_BORROWED: _Reason.ValueType  # 1
     REASON_NO_DEMAND: _Reason.ValueType  # 2
+    """The prefill pool is not behind: the router sends the prompt to it now (never holds it), and
+    the answering broker counts its uncached tokens into the pool's wait until the pool's next
+    load reports show it (DemandCheck.pending_uncached_tokens).
+    """
     REASON_POOL_LOAD_MISSING: _Reason.ValueType  # 3
     REASON_NO_BENEFIT: _Reason.ValueType  # 4
     REASON_NO_ROOM: _Reason.ValueType  # 5
@@ -63,6 +67,10 @@ class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper): ...
 REASON_UNSPECIFIED: Reason.ValueType  # 0
 REASON_BORROWED: Reason.ValueType  # 1
 REASON_NO_DEMAND: Reason.ValueType  # 2
+"""The prefill pool is not behind: the router sends the prompt to it now (never holds it), and
+the answering broker counts its uncached tokens into the pool's wait until the pool's next
+load reports show it (DemandCheck.pending_uncached_tokens).
+"""
 REASON_POOL_LOAD_MISSING: Reason.ValueType  # 3
 REASON_NO_BENEFIT: Reason.ValueType  # 4
 REASON_NO_ROOM: Reason.ValueType  # 5
@@ -180,12 +188,17 @@ class DemandCheck(_message.Message):
     OUTSTANDING_UNCACHED_TOKENS_FIELD_NUMBER: _builtins.int
     PROCESSING_RATE_TPS_FIELD_NUMBER: _builtins.int
     REPORTING_NODES_FIELD_NUMBER: _builtins.int
+    PENDING_UNCACHED_TOKENS_FIELD_NUMBER: _builtins.int
     holds: _builtins.bool
     pool_wait_ms: _builtins.float
     threshold_ms: _builtins.float
     outstanding_uncached_tokens: _builtins.int
     processing_rate_tps: _builtins.float
     reporting_nodes: _builtins.int
+    pending_uncached_tokens: _builtins.int
+    """Uncached tokens this broker sent to the pool (answers NO_DEMAND) that the pool's load
+    reports do not show yet, counted into pool_wait_ms.
+    """
     def __init__(
         self,
         *,
@@ -195,10 +208,11 @@ class DemandCheck(_message.Message):
         outstanding_uncached_tokens: _builtins.int = ...,
         processing_rate_tps: _builtins.float = ...,
         reporting_nodes: _builtins.int = ...,
+        pending_uncached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["holds", b"holds", "outstanding_uncached_tokens", b"outstanding_uncached_tokens", "pool_wait_ms", b"pool_wait_ms", "processing_rate_tps", b"processing_rate_tps", "reporting_nodes", b"reporting_nodes", "threshold_ms", b"threshold_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holds", b"holds", "outstanding_uncached_tokens", b"outstanding_uncached_tokens", "pending_uncached_tokens", b"pending_uncached_tokens", "pool_wait_ms", b"pool_wait_ms", "processing_rate_tps", b"processing_rate_tps", "reporting_nodes", b"reporting_nodes", "threshold_ms", b"threshold_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,172 @@
+"""Demand counts the prompts this replica sent to the prefill pool since the pool's reports
+(:mod:`crossflow_ctl.service.pending`), on the service over each store: a prompt answered
+NO_DEMAND goes to the pool now and counts; a new report resets the count; each pool has its
+own; a prompt that may be held (any other NORMAL), a dry run or a retry does not count."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from crossflow_ctl.client.holding import QueueConfig
+from crossflow_ctl.domain.admission import (
+    Admission,
+    AdmissionRequest,
+    Decision,
+    DemandCheck,
+    Plan,
+    Reason,
+)
+from crossflow_ctl.domain.clock import ManualClock
+from crossflow_ctl.domain.models import NodeRole, PoolLoad, PoolSnapshot
+from crossflow_ctl.domain.room import RoomWatchRequest
+from crossflow_ctl.service.broker import Broker
+from crossflow_ctl.service.config import BrokerSettings
+from crossflow_ctl.service.pending import MAX_SENT, SentToPools, sent_to_pool
+from crossflow_ctl.store.base import Store
+from tests.broker.conftest import TEST_POLICY
+
+# 100 ms threshold for every prompt; the pool reports 500 tokens at 10,000 tokens/s (50 ms) and
+# each prompt is 300 uncached tokens (30 ms): two prompts sent make the wait 110 ms.
+POLICY = TEST_POLICY.model_copy(update={"demand_threshold_ms": 100.0, "demand_prefill_ratio": None})
+PROMPT = 300
+
+
+@pytest.fixture
+async def store(store_factory: Callable[[], Store]) -> AsyncIterator[Store]:
+    handle = store_factory()
+    try:
+        yield handle
+    finally:
+        await handle.close()
+
+
+async def report(broker: Broker, node_id: str = "p1", pool: str = "default") -> None:
+    load = PoolLoad(
+        pool=pool,
+        node_id=node_id,
+        outstanding_uncached_tokens=500,
+        processing_rate_tps=10_000.0,
+        ttl_ms=60_000,
+    )
+    await broker.ingest_pool_load(load)
+
+
+async def pool_broker(store: Store) -> tuple[Broker, ManualClock]:
+    """A broker with a prefill pool per name ("default", "b") and no decode node: once Demand
+    holds, the answer is NO_LEASES (a prompt a router may hold)."""
+    clock = ManualClock(1_700_000_000_000)
+    broker = Broker(store, clock, BrokerSettings(policy=POLICY))
+    for node_id, pool in (("p1", "default"), ("pb", "b")):
+        await broker.register(node_id, NodeRole.PREFILL, pool, {})
+        await report(broker, node_id, pool)
+    clock.advance(1)
+    return broker, clock
+
+
+def ask(pool: str = "default", **kw: object) -> AdmissionRequest:
+    return AdmissionRequest(uncached_prompt_tokens=PROMPT, pool=pool, **kw)  # type: ignore[arg-type]
+
+
+def wait_ms(answer: Admission) -> float | None:
+    assert answer.plan is not None
+    return answer.plan.demand.pool_wait_ms
+
+
+async def test_prompts_sent_since_the_report_count_into_demand(store: Store) -> None:
+    broker, _ = await pool_broker(store)
+    answers = [await broker.admit(ask()) for _ in range(4)]
+    assert [a.reason for a in answers] == [
+        Reason.NO_DEMAND,
+        Reason.NO_DEMAND,
+        Reason.NO_LEASES,  # 500 + 2 x 300 tokens at 10,000 tokens/s: 110 ms > 100 ms
+        Reason.NO_LEASES,  # a prompt that may be held is not counted
+    ]
+    assert [wait_ms(a) for a in answers] == pytest.approx([50.0, 80.0, 110.0, 110.0])
+    assert answers[2].plan is not None
+    assert answers[2].plan.demand.pending_uncached_tokens == 2 * PROMPT
+    assert answers[1].message == (
+        "demand fails: prefill wait 80.0 ms (with 300 tokens sent since its reports) "
+        "<= threshold 100.0 ms"
+    )
+    # The room watches see the same Demand, so they do not send held prompts to prefill.
+    view = await broker.room_view(RoomWatchRequest())
+    assert view.demand_holds and view.pool_wait_ms == pytest.approx(110.0)
+
+
+async def test_a_new_report_resets_the_count(store: Store) -> None:
+    broker, clock = await pool_broker(store)
+    for _ in range(2):
+        await broker.admit(ask())
+    assert (await broker.admit(ask())).reason is Reason.NO_LEASES
+    clock.advance(1)
+    await report(broker)  # received after both prompts: it shows them
+    answer = await broker.admit(ask())
+    assert answer.reason is Reason.NO_DEMAND and wait_ms(answer) == pytest.approx(50.0)
+
+
+async def test_each_pool_has_its_own_count(store: Store) -> None:
+    broker, _ = await pool_broker(store)
+    for _ in range(2):
+        await broker.admit(ask())
+    other = await broker.admit(ask("b"))
+    assert other.reason is Reason.NO_DEMAND and wait_ms(other) == pytest.approx(50.0)
+    assert (await broker.admit(ask())).reason is Reason.NO_LEASES
+
+
+async def test_dry_runs_and_retries_are_not_sent(store: Store) -> None:
+    broker, _ = await pool_broker(store)
+    for _ in range(3):
+        assert (await broker.admit(ask(dry_run=True))).reason is Reason.NO_DEMAND
+        retry = await broker.admit(ask(request_id="r-1", attempt=1))
+        assert retry.reason is Reason.NO_DEMAND
+    assert wait_ms(await broker.admit(ask())) == pytest.approx(50.0)
+
+
+def snapshot(*reported_at_ms: int) -> PoolSnapshot:
+    load = PoolLoad(node_id="p1", outstanding_uncached_tokens=0, processing_rate_tps=1.0, ttl_ms=1)
+    return PoolSnapshot(
+        pool="default", reports=(load,) * len(reported_at_ms), reported_at_ms=reported_at_ms
+    )
+
+
+def test_the_count_follows_the_reports_it_is_read_against() -> None:
+    sent = SentToPools()
+    sent.record("default", 100, now_ms=10)  # before any read: weighed at the first one
+    assert sent.tokens(snapshot(5, 20)) == 50
+    sent.record("default", 200, now_ms=30)
+    assert sent.tokens(snapshot(5, 20)) == 250
+    assert sent.tokens(snapshot(25, 20)) == 200  # the first server reported again
+    # Older reports again (a stale view): what was forgotten stays so, the under-counting side.
+    assert sent.tokens(snapshot(5)) == 200
+    assert sent.tokens(snapshot()) == 0  # receipt times unknown
+    assert sent.tokens(PoolSnapshot(pool="other", reports=snapshot(1).reports)) == 0
+
+
+def test_the_oldest_prompts_are_forgotten_past_the_bound() -> None:
+    sent, reports = SentToPools(), snapshot(0)
+    for i in range(MAX_SENT + 10):
+        sent.record("default", 1 if i < 10 else 2, now_ms=i)
+        if i == 0:
+            assert sent.tokens(reports) == 1
+    assert sent.tokens(reports) == 2 * MAX_SENT
+
+
+def test_only_a_no_demand_answer_sends_a_prompt() -> None:
+    def normal(reason: Reason) -> Admission:
+        plan = Plan(reason=reason, demand=DemandCheck(holds=False, pool_wait_ms=0, threshold_ms=1))
+        return Admission.normal(reason, "", plan)
+
+    assert sent_to_pool(ask(), normal(Reason.NO_DEMAND))
+    for reason in (Reason.NO_ROOM, Reason.NO_BENEFIT, Reason.NO_LEASES, Reason.POOL_LOAD_MISSING):
+        assert not sent_to_pool(ask(), normal(reason))
+    shadow = normal(Reason.NO_DEMAND).model_copy(update={"reason": Reason.SHADOW_MODE})
+    assert sent_to_pool(ask(), shadow)  # shadow mode sends everything to prefill
+    borrowed = normal(Reason.NO_DEMAND).model_copy(update={"decision": Decision.BORROW})
+    assert not sent_to_pool(ask(), borrowed)
+
+
+def test_a_router_queue_never_holds_a_no_demand_answer() -> None:
+    with pytest.raises(ValueError, match="no_demand"):
+        QueueConfig(hold_reasons=frozenset({Reason.NO_ROOM, Reason.NO_DEMAND}))
