@@ -30,6 +30,7 @@ from crossflow_ctl.aio import wait_any
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps
 from crossflow_ctl.domain.clock import Clock, SystemClock
+from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseDecision, decide, pool_load
 from crossflow_ctl.domain.models import Credits, Lease, NodeRole, ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
@@ -39,6 +40,8 @@ from crossflow_ctl.wire.convert import lease_to_proto, pool_load_to_proto, role_
 log = structlog.get_logger()
 
 AGENT_VERSION = "crossflow-agent/0.1.0"
+MAX_HORIZON_MS = 600_000
+"""LeaseSettings' bound on the horizon (the broker's policy has the same one)."""
 
 
 def hello_request(
@@ -170,6 +173,21 @@ class Agent:
             last_notice_seq=last_notice_seq,
         )
 
+    def lease_settings(self) -> LeaseSettings:
+        """The lease settings, with the borrow horizon of the broker that welcomed the stream.
+
+        The broker prices each grant's output over its own horizon and keeps a committed
+        reservation for its commit TTL, which it validates against that horizon only; credits
+        sized over a different local horizon would not match those debits, and a longer one
+        would let borrowed prefill outlast the reservation (DESIGN.md §2, §4). The local
+        ``horizon_ms`` stands until a broker sends one (0: not welcomed, or an older broker).
+        """
+        lease = self.settings.lease
+        horizon = min(self.stream.state.borrow_horizon_ms, MAX_HORIZON_MS)
+        if horizon <= 0 or horizon == lease.horizon_ms:
+            return lease
+        return lease.model_copy(update={"horizon_ms": horizon})
+
     async def tick(self) -> Lease | None:
         """One period's work; the lease sent (decode role) or None (prefill role)."""
         state = self.stream.state
@@ -200,7 +218,7 @@ class Agent:
             now_ms=now_ms,
             model=self.model,
             node=self.node,
-            settings=s.lease,
+            settings=self.lease_settings(),
             guard=self.guard,
             cordoned=self.stream.state.cordoned,
             failure=failure,

@@ -48,7 +48,9 @@ def _settings_options(f: Any) -> Any:
             help="Calibrated NodeProfile JSON file (version 1).",
         ),
         click.option("--slo-ms", "itl_slo_ms", type=float, help="Decode ITL SLO."),
-        click.option("--horizon-ms", type=int, help="Borrow horizon."),
+        click.option(
+            "--horizon-ms", type=int, help="Borrow horizon until a broker's Welcome sends its own."
+        ),
         click.option("--period-ms", type=int, help="Lease period."),
     ]
     for option in reversed(options):

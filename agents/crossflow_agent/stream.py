@@ -13,8 +13,8 @@ off).
 What the broker tells the agent is kept in :class:`StreamState`: the highest notice sequence
 seen (DESIGN.md §5.4; the lease loop reads it *before* each scrape), the open reservations the
 grant/release/expire notices describe (so the lease does not subtract borrowed work the broker
-already counts), the cordon directive, and the (epoch, version) a STALE ack reported, so the loop
-can move past it.
+already counts), the cordon directive, the broker's borrow horizon (the lease's credits are sized
+over it), and the (epoch, version) a STALE ack reported, so the loop can move past it.
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ class StreamState:
     broker_id: str = ""
     endpoint: str = ""
     max_lease_ttl_ms: int = 0
+    borrow_horizon_ms: int = 0
+    """The broker's borrow horizon, from its Welcome (0: not welcomed yet, or the broker sent
+    none). The lease sizes its credits over it: see :meth:`Agent.lease_settings`."""
     stale_epoch: int = 0
     stale_version: int = 0
     """The stored (epoch, version) of the last STALE ack."""
@@ -206,6 +209,7 @@ class LeaseStream:
         s = self.state
         s.connected, s.endpoint, s.broker_id = True, target, welcome.broker_id
         s.max_lease_ttl_ms = welcome.max_lease_ttl_ms
+        s.borrow_horizon_ms = welcome.borrow_horizon_ms
         s.cordoned = welcome.cordoned
         if welcome.notice_seq < s.last_notice_seq:
             # The broker's sequence went back: the node was deleted and registered anew. Seen
@@ -220,6 +224,7 @@ class LeaseStream:
             endpoint=target,
             broker_id=welcome.broker_id,
             cordoned=welcome.cordoned,
+            borrow_horizon_ms=welcome.borrow_horizon_ms,
             notice_seq=welcome.notice_seq,
             resume_after=s.last_notice_seq,
         )

@@ -98,7 +98,12 @@ def _quiet_logs() -> None:
 )
 @click.option("--kv-capacity-tokens", default=1_000_000, show_default=True)
 @click.option("--itl-slo-ms", default=50.0, show_default=True, help="Agents' ITL SLO.")
-@click.option("--horizon-ms", default=2000, show_default=True, help="Borrow horizon.")
+@click.option(
+    "--horizon-ms",
+    default=PolicySettings().borrow_horizon_ms,
+    show_default=True,
+    help="Borrow horizon (the broker's and the agents').",
+)
 @click.option("--borrow-share", default=0.5, show_default=True, help="Cluster-wide borrow limit.")
 @click.option(
     "--late-binding/--no-late-binding",

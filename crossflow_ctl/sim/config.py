@@ -6,7 +6,7 @@ import re
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from crossflow_ctl.client.holding import QueueConfig
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, ModelSpec, NodeProfile
@@ -88,6 +88,19 @@ class SimConfig(Frozen):
 
     window_s: Annotated[float, Field(gt=0)] = 60.0
     """Time-series bin, in trace seconds (divided by the load scale in simulated time)."""
+
+    @model_validator(mode="after")
+    def _one_horizon(self) -> SimConfig:
+        # The agents size compute and output credit over their horizon, the broker prices output
+        # debits over its own and sizes the commit TTL for it: in a deployment the agent takes the
+        # broker's from its Welcome, so a simulation with two different horizons models nothing.
+        if self.lease.horizon_ms != self.broker_policy.borrow_horizon_ms:
+            raise ValueError(
+                f"lease.horizon_ms ({self.lease.horizon_ms}) must equal "
+                f"broker_policy.borrow_horizon_ms ({self.broker_policy.borrow_horizon_ms}): "
+                "agents take the broker's horizon"
+            )
+        return self
 
     @property
     def model_spec(self) -> ModelSpec:

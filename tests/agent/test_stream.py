@@ -301,6 +301,26 @@ async def test_a_lease_carries_the_notice_seq_seen_before_its_snapshot() -> None
     assert second is not None and second.last_notice_seq == 12 and second.version == 2
 
 
+async def test_the_lease_is_sized_over_the_brokers_borrow_horizon() -> None:
+    """The broker prices output debits over its own horizon and sizes the commit TTL for it, so
+    the lease's compute and output credits follow the horizon its Welcome sends, not a local
+    setting that may differ (the local one stands only until a broker sends one)."""
+    settings = AgentSettings(node_id="n1", brokers=["127.0.0.1:1"])
+    snapshot = EngineSnapshot(taken_at_ms=0, running_requests=4, kv_used_tokens=1000,
+                              kv_total_tokens=1_000_000, decode_context_tokens=1000)  # fmt: skip
+    ref: list[Agent] = []
+    agent = Agent(settings, SeqBumpingSource(ref, snapshot), MODEL, NODE)
+    ref.append(agent)
+    local = await agent.tick()
+    welcome = lease_pb2.Welcome(broker_id="b", borrow_horizon_ms=4 * settings.lease.horizon_ms)
+    agent.stream._welcome(welcome, "127.0.0.1:1")
+    assert agent.stream.state.borrow_horizon_ms == 4 * settings.lease.horizon_ms
+    brokers = await agent.tick()
+    assert local is not None and brokers is not None
+    assert brokers.credits.compute_tokens >= 4 * local.credits.compute_tokens - 4
+    assert brokers.credits.output_tokens >= 4 * local.credits.output_tokens - 4
+
+
 class NoticeDuringScrapeSource:
     """A borrowed prompt shows in telemetry; a release notice lands while the scrape runs."""
 

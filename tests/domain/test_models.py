@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import (
     MAX_BYTES,
     MAX_SLOTS,
@@ -101,6 +102,15 @@ def test_policy_updates_are_validated_and_named() -> None:
     assert info.value.field == "no_such_knob"
     with pytest.raises(InvalidArgument, match="commit_ttl_ms"):
         policy.updated({"commit_ttl_ms": 100, "borrow_horizon_ms": 5000})
+
+
+def test_default_horizons_agree_and_the_commit_ttl_outlasts_them_with_margin() -> None:
+    """The agent's local horizon stands until a broker's Welcome sends its own, so the two
+    defaults must agree; a committed reservation must outlast the longest borrowed prefill the
+    horizon allows (DESIGN.md §4), with room for queueing behind it on the node."""
+    policy = PolicySettings()
+    assert LeaseSettings().horizon_ms == policy.borrow_horizon_ms
+    assert policy.commit_ttl_ms >= 2 * policy.borrow_horizon_ms
 
 
 def test_trusted_builds_what_model_construct_builds() -> None:

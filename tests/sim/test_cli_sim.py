@@ -96,3 +96,22 @@ def test_the_report_says_how_the_router_queue_orders_held_prompts() -> None:
         "shortest, hold up to 60,000 ms, fresh-first (newest) once behind 5,000 ms"
     )
     assert queue_words(SimConfig(late_binding=False)) == "off (no late binding)"
+
+
+def test_the_sim_runs_agents_and_broker_on_one_horizon() -> None:
+    """Deployed agents take the broker's horizon from its Welcome; a simulation must too, and the
+    CLI's default is the product's."""
+    import pytest
+    from pydantic import ValidationError
+
+    from crossflow_ctl.cli.sim_cmds import sim
+    from crossflow_ctl.domain.lease_credits import LeaseSettings
+    from crossflow_ctl.domain.policy import PolicySettings
+    from crossflow_ctl.sim.config import SimConfig
+
+    default = PolicySettings().borrow_horizon_ms
+    assert SimConfig().lease.horizon_ms == SimConfig().broker_policy.borrow_horizon_ms == default
+    with pytest.raises(ValidationError, match="horizon"):
+        SimConfig(lease=LeaseSettings(horizon_ms=default + 1_000))
+    option = next(p for p in sim.params if p.name == "horizon_ms")
+    assert option.default == default
