@@ -60,6 +60,8 @@ from crossflow_ctl.client import AdmissionStream
 from crossflow_ctl.domain.admission import Decision
 
 THIS_FILE = os.path.abspath(__file__)
+WARM_UP = 50
+"""Calls :func:`measure` makes before it measures."""
 
 
 async def start_broker(
@@ -257,7 +259,7 @@ async def measure(
 ) -> dict[str, float]:
     """Sequential latency (and ``pid``'s CPU per sequential call: the serving process's), then
     throughput with ``concurrency`` callers."""
-    for _ in range(50):  # warm up
+    for _ in range(WARM_UP):
         await call()
     latencies: list[float] = []
     cpu_before = cpu_seconds(pid)
@@ -403,7 +405,7 @@ async def main(args: argparse.Namespace) -> None:
             await script(keys=[f"{namespace}:bench"])
 
         calls0, usec0 = await evalsha_stats(r)
-        notices0 = counts["notices"]
+        notices0 = counts["notices"]  # the warm-up's notices count too (calls() counts them)
         admitted = await measure(admit, args.seconds, args.concurrency, proc.pid)
         calls1, usec1 = await evalsha_stats(r)
         admit_notices = counts["notices"] - notices0
@@ -473,9 +475,12 @@ async def main(args: argparse.Namespace) -> None:
             f"EVALSHA server {trips_cpu:.0f} us; inside Redis {script_us:.1f} us per EVALSHA "
             f"during the Admit phase"
         )
+
         # The grant relay is part of Admit's design (DESIGN.md §5.4, §6): every BORROW writes a
         # grant that the replica holding the node's agent stream reads back from Redis and sends.
-        floor_calls = 50 + relay_floor["n"] + relay_floor["ops_per_s"] * args.seconds
+        def calls(m: dict[str, float]) -> float:  # warm-up, sequential and concurrent calls
+            return WARM_UP + m["n"] + m["ops_per_s"] * args.seconds
+
         print(
             f"admit over its design floor with the grant relay (grpc.aio Admit, 1 EVALSHA that "
             f"XADDs + PUBLISHes, relayed by XRANGE, 1 message per grant): p50 "
@@ -483,8 +488,8 @@ async def main(args: argparse.Namespace) -> None:
             f"{admit_cpu:.0f} us vs {relay_floor['cpu_us']:.0f} us "
             f"({admit_cpu / relay_floor['cpu_us']:.2f}x, Admit adds "
             f"{admit_cpu - relay_floor['cpu_us']:.0f} us); notices relayed per call: broker "
-            f"{admit_notices / (admitted['n'] + admitted['ops_per_s'] * args.seconds):.2f} "
-            f"(grant + expiry), floor {floor_counts['notices'] / floor_calls:.2f}"
+            f"{admit_notices / calls(admitted):.2f} (grant + expiry), floor "
+            f"{floor_counts['notices'] / calls(relay_floor):.2f}"
         )
         stream_stub = admission_pb2_grpc.AdmissionServiceStub(channel)
         echo_stub = admission_pb2_grpc.AdmissionServiceStub(floor_channel)
