@@ -11,6 +11,11 @@ measures, each sequentially (latency) and with ``--concurrency`` callers (throug
 * ``evalsha`` : EVALSHA of a trivial Lua script on the same Redis (the bare Redis floor)
 * ``grpc.aio + 1 EVALSHA``: a bare grpc.aio server process (no broker code) whose handler runs
   one such EVALSHA: Admit's own round trip with no work, the floor of its design
+* ``grpc.aio Admit + grant relay``: the same bare server's Admit, whose one EVALSHA also XADDs
+  a grant to a per-node stream and PUBLISHes its wake, while this process holds that server's
+  agent stream (LeaseService.Connect), which relays each grant the way the broker's relay does
+  (the wake, then one XRANGE, then one message per grant): Admit's design floor including the
+  grant relay DESIGN.md §5.4 and §6 require, with no admission work at all
 
 and prints admit's p50 and p99 over the floors' sum (issue 13's targets: p50 <= 1.25x, p99 <= 2x)
 and its throughput with ``--concurrency`` callers over the bare grpc.aio call's (target >= 70%),
@@ -55,6 +60,8 @@ from crossflow_ctl.client import AdmissionStream
 from crossflow_ctl.domain.admission import Decision
 
 THIS_FILE = os.path.abspath(__file__)
+WARM_UP = 50
+"""Calls :func:`measure` makes before it measures."""
 
 
 async def start_broker(
@@ -90,13 +97,27 @@ async def start_broker(
     return proc, line.split()[-1]
 
 
+FLOOR_GRANT = """
+local seq = redis.call('XADD', KEYS[1], 'MAXLEN', '~', 10000, '*', 'k', 'grant')
+redis.call('PUBLISH', KEYS[2], 'n')
+return seq
+"""
+"""The floor's grant: one stream entry and its wake (the debit script's ``cf_notice``, no debit)."""
+
+
 async def floor_server(redis_url: str, key: str, evalshas: int) -> None:
     """A bare grpc.aio server (no broker code) whose health Check first runs ``evalshas``
     EVALSHAs of ``return 1`` one after another (Admit's transport floor: its round trips with no
-    work), and whose AdmitStream echoes each message's items as NORMAL results (AdmitStream's
-    floor). Prints ``listening on HOST:PORT`` like the broker; runs until terminated."""
+    work), whose AdmitStream echoes each message's items as NORMAL results (AdmitStream's
+    floor), and whose Admit runs ONE EVALSHA of :data:`FLOOR_GRANT` and answers BORROW, while
+    Connect relays each grant to the stream's caller as the broker's relay does: one
+    subscription to the wake channel, one XRANGE per wake, one message per grant (Admit's
+    design floor with its grant relay). Prints ``listening on HOST:PORT`` like the broker; runs
+    until terminated."""
     r = aioredis.Redis.from_url(redis_url, socket_timeout=1.0)
     script = r.register_script("return 1")
+    grant = r.register_script(FLOOR_GRANT)
+    notices, wakes = f"{key}:notices", f"{key}:wakes"
 
     class Servicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # untyped stubs
         async def Check(self, request: Any, context: Any) -> Any:
@@ -104,7 +125,13 @@ async def floor_server(redis_url: str, key: str, evalshas: int) -> None:
                 await script(keys=[key])
             return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
-    class Echo(admission_pb2_grpc.AdmissionServiceServicer):  # type: ignore[misc]
+    class Floor(admission_pb2_grpc.AdmissionServiceServicer):  # type: ignore[misc]
+        async def Admit(self, request: Any, context: Any) -> Any:
+            seq = await grant(keys=[notices, wakes])
+            return admission_pb2.AdmitResponse(
+                decision=admission_pb2.DECISION_BORROW, node_id="floor", reservation_id=seq.decode()
+            )
+
         async def AdmitStream(self, requests: Any, context: Any) -> Any:
             normal = admission_pb2.AdmitResponse(decision=admission_pb2.DECISION_NORMAL)
             async for message in requests:
@@ -115,9 +142,25 @@ async def floor_server(redis_url: str, key: str, evalshas: int) -> None:
                     ]
                 )
 
+    class Relay(lease_pb2_grpc.LeaseServiceServicer):  # type: ignore[misc]
+        async def Connect(self, requests: Any, context: Any) -> None:
+            await anext(aiter(requests))  # the Hello
+            pubsub: Any = r.pubsub()
+            await pubsub.subscribe(wakes)
+            await context.write(lease_pb2.ConnectResponse(welcome=lease_pb2.Welcome()))
+            last = "0-0"
+            async for wake in pubsub.listen():
+                if wake["type"] != "message":
+                    continue
+                for entry_id, _ in await r.xrange(notices, min=f"({last}", count=256):
+                    last = entry_id.decode()
+                    notice = lease_pb2.Notice(kind=lease_pb2.NOTICE_KIND_GRANT, reservation_id=last)
+                    await context.write(lease_pb2.ConnectResponse(notice=notice))
+
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(Servicer(), server)
-    admission_pb2_grpc.add_AdmissionServiceServicer_to_server(Echo(), server)
+    admission_pb2_grpc.add_AdmissionServiceServicer_to_server(Floor(), server)
+    lease_pb2_grpc.add_LeaseServiceServicer_to_server(Relay(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(f"listening on 127.0.0.1:{port}", flush=True)
@@ -189,6 +232,15 @@ async def feed(channel: grpc.aio.Channel) -> list[Any]:
     return calls
 
 
+async def relayed(call: Any, counts: dict[str, int]) -> None:
+    """Read an agent stream's messages to its end, counting the notices in ``counts["notices"]``:
+    an agent reads what its stream relays (a stream nobody reads stalls the relay's writes once
+    gRPC's flow-control window is full)."""
+    while (message := await call.read()) is not grpc.aio.EOF:  # read() as feed() did: one style
+        body = message.WhichOneof("body")
+        counts["notices"] += len(message.notices.notices) if body == "notices" else body == "notice"
+
+
 def cpu_seconds(pid: int | None) -> float:
     """CPU time (user + system, all threads) process ``pid`` has used; NaN without a pid or
     without Linux's /proc. On a shared, noisy machine it says more than wall time."""
@@ -207,7 +259,7 @@ async def measure(
 ) -> dict[str, float]:
     """Sequential latency (and ``pid``'s CPU per sequential call: the serving process's), then
     throughput with ``concurrency`` callers."""
-    for _ in range(50):  # warm up
+    for _ in range(WARM_UP):
         await call()
     latencies: list[float] = []
     cpu_before = cpu_seconds(pid)
@@ -310,8 +362,19 @@ async def main(args: argparse.Namespace) -> None:
     channel = grpc.aio.insecure_channel(addr)
     floor_channel = grpc.aio.insecure_channel(floor_addr)
     feeds: list[Any] = []
+    readers: list[asyncio.Task[None]] = []
+    counts = {"notices": 0}
+    floor_counts = {"notices": 0}
     try:
         feeds = await feed(channel)
+        floor_agent = lease_pb2_grpc.LeaseServiceStub(floor_channel).Connect()
+        await floor_agent.write(lease_pb2.ConnectRequest(hello=lease_pb2.Hello(node_id="floor")))
+        await floor_agent.read()  # Welcome: the floor's relay is subscribed
+        feeds.append(floor_agent)
+        readers = [
+            asyncio.create_task(relayed(feeds[0], counts)),
+            asyncio.create_task(relayed(floor_agent, floor_counts)),
+        ]
         admission = admission_pb2_grpc.AdmissionServiceStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
         request = admission_pb2.AdmitRequest(uncached_prompt_tokens=512, expected_output_tokens=64)
@@ -331,14 +394,23 @@ async def main(args: argparse.Namespace) -> None:
         async def check_one_evalsha() -> None:
             await floor_health.Check(health_pb2.HealthCheckRequest(), timeout=5)
 
+        floor_admission = admission_pb2_grpc.AdmissionServiceStub(floor_channel)
+
+        async def admit_floor() -> None:
+            await floor_admission.Admit(request, timeout=5)
+
         script = r.register_script("return 1")
 
         async def evalsha() -> None:
             await script(keys=[f"{namespace}:bench"])
 
         calls0, usec0 = await evalsha_stats(r)
+        notices0 = counts["notices"]  # the warm-up's notices count too (calls() counts them)
         admitted = await measure(admit, args.seconds, args.concurrency, proc.pid)
         calls1, usec1 = await evalsha_stats(r)
+        admit_notices = counts["notices"] - notices0
+        relay_floor = await measure(admit_floor, args.seconds, args.concurrency, floor_proc.pid)
+        await asyncio.sleep(0.2)  # the last grants' messages
         rows = [
             ("admit (gRPC + Redis)", admitted),
             (
@@ -353,6 +425,7 @@ async def main(args: argparse.Namespace) -> None:
                 "floor: grpc.aio + 1 EVALSHA inside",
                 await measure(check_one_evalsha, args.seconds, args.concurrency, floor_proc.pid),
             ),
+            ("floor: grpc.aio Admit + grant relay", relay_floor),
         ]
         print(
             f"loopback, broker pid {proc.pid}, {args.seconds:.1f} s per phase, "
@@ -367,8 +440,8 @@ async def main(args: argparse.Namespace) -> None:
                 f"{name:34} {m['p50_ms']:8.3f} {m['p99_ms']:8.3f} {m['n']:7.0f} "
                 f"{m['ops_per_s']:9.0f} {cpu:>10}"
             )
-        admit_p50, grpc_p50, redis_p50, trips_p50 = (m["p50_ms"] for _, m in rows)
-        admit_p99, grpc_p99, redis_p99, _ = (m["p99_ms"] for _, m in rows)
+        admit_p50, grpc_p50, redis_p50, trips_p50, relay_p50 = (m["p50_ms"] for _, m in rows)
+        admit_p99, grpc_p99, redis_p99, _, relay_p99 = (m["p99_ms"] for _, m in rows)
         admit_ops, grpc_ops = rows[0][1]["ops_per_s"], rows[1][1]["ops_per_s"]
         print(
             f"admit p50 over floors: {admit_p50 / grpc_p50:.1f}x gRPC, "
@@ -402,6 +475,22 @@ async def main(args: argparse.Namespace) -> None:
             f"EVALSHA server {trips_cpu:.0f} us; inside Redis {script_us:.1f} us per EVALSHA "
             f"during the Admit phase"
         )
+
+        # The grant relay is part of Admit's design (DESIGN.md §5.4, §6): every BORROW writes a
+        # grant that the replica holding the node's agent stream reads back from Redis and sends.
+        def calls(m: dict[str, float]) -> float:  # warm-up, sequential and concurrent calls
+            return WARM_UP + m["n"] + m["ops_per_s"] * args.seconds
+
+        print(
+            f"admit over its design floor with the grant relay (grpc.aio Admit, 1 EVALSHA that "
+            f"XADDs + PUBLISHes, relayed by XRANGE, 1 message per grant): p50 "
+            f"{admit_p50 / relay_p50:.2f}x, p99 {admit_p99 / relay_p99:.2f}x, CPU per call "
+            f"{admit_cpu:.0f} us vs {relay_floor['cpu_us']:.0f} us "
+            f"({admit_cpu / relay_floor['cpu_us']:.2f}x, Admit adds "
+            f"{admit_cpu - relay_floor['cpu_us']:.0f} us); notices relayed per call: broker "
+            f"{admit_notices / calls(admitted):.2f} (grant + expiry), floor "
+            f"{floor_counts['notices'] / calls(relay_floor):.2f}"
+        )
         stream_stub = admission_pb2_grpc.AdmissionServiceStub(channel)
         echo_stub = admission_pb2_grpc.AdmissionServiceStub(floor_channel)
         batch, window = args.stream_batch, args.stream_window
@@ -422,6 +511,7 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         for call in feeds:
             call.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
         await channel.close()
         await floor_channel.close()
         for process in (proc, floor_proc):

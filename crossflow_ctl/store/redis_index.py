@@ -17,14 +17,16 @@ from redis.asyncio import Redis, RedisCluster
 
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.keys import INDEX_BUCKETS, Keys
+from crossflow_ctl.store.redis_scripts import Scripts
 
 LENDER_DRAW_PER_BUCKET = 8
 
 
 class NodeIndex:
-    def __init__(self, client: Redis | RedisCluster, keys: Keys) -> None:
+    def __init__(self, client: Redis | RedisCluster, keys: Keys, scripts: Scripts) -> None:
         self._r = client
         self._k = keys
+        self._scripts = scripts
 
     def queue_add(self, pipe: Any, node_id: str) -> None:
         pipe.sadd(self._k.nodes(self._k.bucket(node_id)), node_id)
@@ -64,21 +66,18 @@ class NodeIndex:
     async def draw_lenders(
         self, sample: int, now_ms: int, also_hgetall: str | None = None
     ) -> tuple[list[tuple[str, int]], Any]:
-        """Drop expired lenders and draw up to ``max(sample, 8)`` from every bucket, with an
-        HGETALL of ``also_hgetall`` when given (one pipeline): (node id, lease expiry ms) pairs,
-        and that hash (None when not asked)."""
+        """Drop expired lenders and draw up to ``max(sample, 8)`` from every bucket
+        (``draw_lenders.lua``, one call per bucket), with an HGETALL of ``also_hgetall`` when
+        given (one pipeline): (node id, lease expiry ms) pairs, and that hash (None when not
+        asked)."""
         per_bucket = max(sample, LENDER_DRAW_PER_BUCKET)
-        pipe = self._r.pipeline(transaction=False)
-        for bucket in range(INDEX_BUCKETS):
-            pipe.zremrangebyscore(self._k.lenders(bucket), "-inf", now_ms)
-            pipe.zrandmember(self._k.lenders(bucket), per_bucket, withscores=True)
-        if also_hgetall is not None:
-            pipe.hgetall(also_hgetall)
-        out = await pipe.execute()
+        before = [] if also_hgetall is None else [("HGETALL", also_hgetall)]
+        calls = [([self._k.lenders(b)], (now_ms, per_bucket)) for b in range(INDEX_BUCKETS)]
+        out = await self._scripts.run_after(before, "draw_lenders", calls)
         members: list[tuple[str, int]] = []
-        for flat in out[1 : 2 * INDEX_BUCKETS : 2]:
+        for flat in out[len(before) :]:
             flat = flat or []
             members.extend(
                 (codec.text(flat[i]), int(float(flat[i + 1]))) for i in range(0, len(flat), 2)
             )
-        return members, (out[-1] if also_hgetall is not None else None)
+        return members, (out[0] if before else None)

@@ -28,9 +28,16 @@ PER_NODE = (
     "register_node",
 )
 """Scripts over one node's keys (one hash tag); they share ``_lib.lua``."""
-STANDALONE = ("put_pool_load", "delete_node", "touch_node", "set_policy", "forget_request")
+STANDALONE = (
+    "put_pool_load",
+    "delete_node",
+    "touch_node",
+    "set_policy",
+    "forget_request",
+    "draw_lenders",
+)
 """Scripts without the shared helpers: one pool's keys; deleting or touching one node; the
-policy key; one request record."""
+policy key; one request record; one lender index bucket."""
 
 
 def load_script(name: str) -> str:
@@ -125,25 +132,36 @@ class Scripts:
         node_keys: Sequence[Sequence[str]],
         now_ms: int,
     ) -> list[Any]:
-        """Plain commands ``before``, then ``node_view`` per node, in ONE pipeline round trip.
-
-        EVALSHA goes straight into the pipeline (redis-py would add a SCRIPT EXISTS round trip
-        for pipelined Script objects); on NOSCRIPT the script is loaded and the read retried."""
-        script = self.by_name["node_view"]
+        """Plain commands ``before``, then ``node_view`` per node, in ONE pipeline round trip."""
         if not before and len(node_keys) == 1:  # one node: a plain EVALSHA, no pipeline
             return [await self.run("node_view", node_keys[0], (now_ms,))]
+        return await self.run_after(before, "node_view", [(keys, (now_ms,)) for keys in node_keys])
+
+    async def run_after(
+        self,
+        before: Sequence[tuple[Any, ...]],
+        name: str,
+        calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+    ) -> list[Any]:
+        """Plain commands ``before`` (reads: they may be sent twice), then each (keys, args)
+        call of script ``name``, in ONE pipeline round trip; the replies in order.
+
+        EVALSHA goes straight into the pipeline (redis-py would add a SCRIPT EXISTS round trip
+        for pipelined Script objects); on NOSCRIPT the script is loaded and all of it sent
+        again (each call must be safe to repeat)."""
+        script = self.by_name[name]
         for attempt in range(2):
             pipe = self._r.pipeline(transaction=False)
             for command in before:
                 pipe.execute_command(*command)
-            for keys in node_keys:
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, now_ms)
+            for keys, args in calls:
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
             try:
                 return list(await pipe.execute())
             except NoScriptError:
                 if attempt:
                     raise
-                await self._r.script_load(script.script)
+                script.sha = await self._r.script_load(script.script)
         raise AssertionError("unreachable")
 
 

@@ -165,7 +165,7 @@ class RedisStore(Store):
         self._debit_line = (
             DedicatedLine(client, self._scripts, "try_debit") if isinstance(client, Redis) else None
         )
-        self._index = NodeIndex(client, self._k)
+        self._index = NodeIndex(client, self._k, self._scripts)
         self._node_views = codec.NodeViews()
         self._view = AdmissionView(
             self._k, self._index, self._views, self._backend, cache_max_age_ms, op_timeout_s

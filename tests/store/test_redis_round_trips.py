@@ -16,6 +16,7 @@ from redis.asyncio import Connection, Redis
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import NodeRole, PoolLoad
 from crossflow_ctl.store.base import DebitRequest, RequestRecord
+from crossflow_ctl.store.redis_scripts import load_script
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.store.helpers import NOW, credits, lease, register
 
@@ -63,6 +64,7 @@ async def test_warm_admission_view_needs_no_round_trip(
         await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
         await store.upsert_lease(lease("d2", ttl_ms=TTL), NOW, TTL)
         await store.admission_view("default", ["d1", "d2"], 8, NOW)  # scripts known to Redis
+        await client.script_load(load_script("draw_lenders"))
         await store.put_pool_load(load(), NOW, TTL)
         cold_before = CountingConnection.sent
         pool, nodes = await store.admission_view("default", [], 8, NOW)
@@ -163,6 +165,20 @@ async def test_lender_draw_skips_expired_and_follows_local_changes(
     await b.upsert_lease(lease("d3", ttl_ms=TTL), NOW + 600, TTL)
     _, fresh = await a.admission_view("default", [], 8, NOW + 600)
     assert [n.info.node_id for n in fresh] == ["d3"]
+
+
+async def test_a_lender_draw_drops_expired_lenders_from_the_index(
+    pair: tuple[RedisStore, ...],
+) -> None:
+    """The draw (``draw_lenders.lua``, one call per bucket) cleans what it skips."""
+    a, _ = pair
+    await register(a, "d1")
+    await a.upsert_lease(lease("d1", ttl_ms=500), NOW, TTL)
+    bucket = a._k.lenders(a._k.bucket("d1"))
+    assert await a._r.zscore(bucket, "d1") is not None
+    _, later = await a.admission_view("default", [], 8, NOW + 600)
+    assert later == []
+    assert await a._r.zscore(bucket, "d1") is None
 
 
 async def test_caches_off_reads_every_time(redis_url: str, redis_namespace: str) -> None:
