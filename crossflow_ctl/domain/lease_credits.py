@@ -97,8 +97,10 @@ class LeaseSettings(Frozen):
     """Predicted step time must stay under ``itl_slo_ms * slo_margin``."""
     itl_quantile: ItlQuantile = ItlQuantile.P99
     """Which observed ITL quantile is held against the SLO and reported in the lease."""
-    horizon_ms: Annotated[int, Field(gt=0, le=600_000)] = 2_000
-    """Borrow horizon: how long borrowed work taken on now may run."""
+    horizon_ms: Annotated[int, Field(gt=0, le=600_000)] = 8_000
+    """Borrow horizon: how long borrowed work taken on now may run. The broker's policy
+    (``PolicySettings.borrow_horizon_ms``, same default) sends its own in every Welcome and the
+    agent sizes its leases over that; this value serves only until a broker has sent one."""
     chunk_step_tokens: Annotated[int, Field(gt=0, le=65_536)] = 256
     max_chunk_tokens: Annotated[int, Field(gt=0, le=1_048_576)] = 16_384
     kv_reserve_fraction: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.05

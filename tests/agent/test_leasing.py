@@ -62,8 +62,13 @@ def test_a_quiet_node_offers_every_credit() -> None:
     assert c.compute_tokens == int(cap.borrowed_prefill_rate_tps * LS.horizon_s)
     # kv = free - (5% of total + 256 per running request)
     assert c.kv_tokens == (1_000_000 - 64_000) - (50_000 + 256 * 16)
-    # transfer: 25 GB/s x 2 s, below the kv credit in bytes
-    assert c.kv_transfer_bytes == int(25e9 * 2.0)
+    # transfer: 25 GB/s x the horizon, capped by the kv credit in bytes (binding at 8 s) ...
+    assert c.kv_transfer_bytes == min(
+        int(25e9 * LS.horizon_s), c.kv_tokens * MODEL.kv_bytes_per_token
+    )
+    # ... and the network's share when that is the lower (2 s)
+    short = compute_capacity(snap(), MODEL, NODE, LS.model_copy(update={"horizon_ms": 2_000}))
+    assert short.credits.kv_transfer_bytes == int(25e9 * 2.0)
 
 
 def test_outstanding_borrowed_work_lowers_compute_and_sets_queue_wait() -> None:
