@@ -27,6 +27,9 @@ H200, GB300 = NODE_PRESETS["h200"], NODE_PRESETS["gb300"]
 models = st.sampled_from(sorted(MODEL_PRESETS))
 nodes = st.sampled_from(sorted(NODE_PRESETS))
 
+HORIZON_S = LeaseSettings().horizon_s
+"""The default borrow horizon, over which the compute credit is sized."""
+
 
 @settings(max_examples=80, deadline=None)
 @given(
@@ -150,7 +153,7 @@ def test_borrowed_work_is_counted_once_by_the_broker_not_again_by_the_lease() ->
     # without the ledger the queued work is the lease's to count, costed on the safe side
     rate = counted_twice.borrowed_prefill_rate_tps
     twice_s = 5_000 * _unknown_s(counted_twice)
-    assert counted_twice.credits.compute_tokens == int(rate * (2.0 - twice_s))
+    assert counted_twice.credits.compute_tokens == int(rate * (HORIZON_S - twice_s))
     assert counted_twice.credits.compute_tokens < idle.compute_tokens - 5_000
     # the wait is split the same way: the lease's part is the work the broker does not count,
     # and the broker adds the wait of its open debits (queue_wait_ms below), so it counts once
@@ -168,7 +171,7 @@ def test_borrowed_work_is_counted_once_by_the_broker_not_again_by_the_lease() ->
     # work the broker no longer counts (expired reservation still running) is subtracted
     partly = _capacity(ledger=OpenDebits(kv=2_050, output=50), **seen)
     assert partly.covered_tokens == 2_000
-    assert partly.credits.compute_tokens == int(rate * (2.0 - 3_000 * _unknown_s(partly)))
+    assert partly.credits.compute_tokens == int(rate * (HORIZON_S - 3_000 * _unknown_s(partly)))
 
 
 def _granted(uncached: int, cached: int, cap, remote: bool = False) -> Notice:  # type: ignore[no-untyped-def]
@@ -214,7 +217,7 @@ def test_open_debits_cover_their_own_uncached_tokens_in_telemetrys_unit(remote: 
     mixed = _capacity(ledger=ledger, outstanding_uncached_tokens=5_000)
     assert mixed.covered_tokens == 1_000
     rate = mixed.borrowed_prefill_rate_tps
-    assert mixed.credits.compute_tokens == int(rate * (2.0 - 4_000 * _unknown_s(mixed)))
+    assert mixed.credits.compute_tokens == int(rate * (HORIZON_S - 4_000 * _unknown_s(mixed)))
 
 
 def test_slots_are_the_decode_batch_room_not_a_fixed_eight() -> None:

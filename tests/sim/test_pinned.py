@@ -17,20 +17,20 @@ from crossflow_ctl.sim.traces import load_mooncake
 
 PINNED: dict[str, Any] = {
     "completed": 400,
-    "borrowed": 258,
+    "borrowed": 281,
     "overcommits": 0,
-    "held": 220,
-    "reoffers": 651,
-    "leases": 1562,
-    "outcomes": {"borrowed": 163, "borrowed_late": 95, "not_held": 10, "prefill_room": 132},
-    "admit_reasons": {"pool_load_missing": 10, "borrowed": 258, "no_benefit": 12, "no_room": 771},
-    "zero_reasons": {"itl_over_slo": 9},
+    "held": 202,
+    "reoffers": 834,
+    "leases": 1532,
+    "outcomes": {"borrowed": 182, "borrowed_late": 99, "not_held": 10, "prefill_room": 109},
+    "admit_reasons": {"pool_load_missing": 10, "borrowed": 281, "no_benefit": 261, "no_room": 682},
+    "zero_reasons": {"itl_over_slo": 31, "no_capacity": 12},
     "tokens": (5_710_530, 146_073),
-    "lease_chunk_sum": 1_145_088,
-    "lease_compute_sum": 35_947_547,
-    "ttft_mean_ms": 8_839.552,
-    "ttft_p99_ms": 37_948.974,
-    "itl_p99_ms": 45.9,
+    "lease_chunk_sum": 954_112,
+    "lease_compute_sum": 123_046_929,
+    "ttft_mean_ms": 10_535.96,
+    "ttft_p99_ms": 32_753.094,
+    "itl_p99_ms": 47.2,
 }
 
 
