@@ -210,6 +210,7 @@ class LeaseStream:
         s.connected, s.endpoint, s.broker_id = True, target, welcome.broker_id
         s.max_lease_ttl_ms = welcome.max_lease_ttl_ms
         s.borrow_horizon_ms = welcome.borrow_horizon_ms
+        s.open_debits.kv_bytes_per_token = welcome.kv_bytes_per_token
         s.cordoned = welcome.cordoned
         if welcome.notice_seq < s.last_notice_seq:
             # The broker's sequence went back: the node was deleted and registered anew. Seen

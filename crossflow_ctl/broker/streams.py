@@ -153,6 +153,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                     broker_id=self._broker.broker_id,
                     max_lease_ttl_ms=policy.max_lease_ttl_ms,
                     borrow_horizon_ms=policy.borrow_horizon_ms,
+                    kv_bytes_per_token=policy.kv_bytes_per_token,
                     cordoned=info.cordoned,
                     notice_seq=info.notice_seq,
                 )

@@ -250,7 +250,8 @@ def compute_capacity(
     reserved = open_debits.uncached_tokens(model.kv_bytes_per_token) if open_debits else 0
     covered = min(outstanding, reserved)
     uncovered = outstanding - covered
-    uncovered_s = uncovered * (coeff.a_s + coeff.b_s * FAR_PREFIX_TOKENS)
+    far = max(FAR_PREFIX_TOKENS, settings.borrowed_prefix_tokens)  # never below the reference
+    uncovered_s = uncovered * (coeff.a_s + coeff.b_s * far)
     compute = max(0, int(rate * (horizon_s - uncovered_s)))
     if uncovered == 0:
         queue_wait_ms = 0.0

@@ -260,6 +260,10 @@ class OpenDebits:
     notice once (the agent skips sequence numbers it has seen)."""
 
     debits: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    kv_bytes_per_token: int = 0
+    """The broker's KV bytes per token, the unit of its debits' kv_transfer (from its Welcome;
+    0: not told, the served model's is used). The broker's policy and the agent's model are
+    configured apart: dividing by the wrong one turns pulled-in prefix into uncached work."""
     kv: int = 0
     output: int = 0
     transfer_bytes: int = 0
@@ -285,16 +289,23 @@ class OpenDebits:
             d = n.debit
             self.record(n.kind, n.reservation_id, d.kv_tokens, d.output_tokens, d.kv_transfer_bytes)
 
-    def uncached_tokens(self, kv_bytes_per_token: int) -> int:
+    def uncached_tokens(self, model_kv_bytes_per_token: int) -> int:
         """Uncached prompt tokens of the open reservations, in telemetry's unit (raw tokens).
 
         A debit's kv credit is the prompt's uncached tokens + a prefix pulled in from elsewhere
         + its output within the horizon (:func:`~crossflow_ctl.domain.admission.debit_for`), and
-        its kv_transfer credit is that prefix in bytes, so the sums give the uncached tokens
-        exactly, with the served model's ``kv_bytes_per_token``."""
-        pulled = math.ceil(self.transfer_bytes / max(1, kv_bytes_per_token))
+        its kv_transfer credit is that prefix in bytes at the broker's ``kv_bytes_per_token``,
+        so the sums give the uncached tokens exactly (the served model's bytes per token stand
+        in while the broker's are unknown)."""
+        unit = self.kv_bytes_per_token or model_kv_bytes_per_token
+        pulled = math.ceil(self.transfer_bytes / max(1, unit))
         return max(0, self.kv - self.output - pulled)
 
     def totals(self) -> OpenDebits:
         """A copy of the sums alone, frozen in time (for a lease computed later)."""
-        return OpenDebits(kv=self.kv, output=self.output, transfer_bytes=self.transfer_bytes)
+        return OpenDebits(
+            kv=self.kv,
+            output=self.output,
+            transfer_bytes=self.transfer_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+        )

@@ -312,9 +312,14 @@ async def test_the_lease_is_sized_over_the_brokers_borrow_horizon() -> None:
     agent = Agent(settings, SeqBumpingSource(ref, snapshot), MODEL, NODE)
     ref.append(agent)
     local = await agent.tick()
-    welcome = lease_pb2.Welcome(broker_id="b", borrow_horizon_ms=4 * settings.lease.horizon_ms)
+    welcome = lease_pb2.Welcome(
+        broker_id="b", borrow_horizon_ms=4 * settings.lease.horizon_ms, kv_bytes_per_token=512
+    )
     agent.stream._welcome(welcome, "127.0.0.1:1")
     assert agent.stream.state.borrow_horizon_ms == 4 * settings.lease.horizon_ms
+    # grants' transfer bytes are read in the broker's unit (see test_lending)
+    assert agent.stream.state.open_debits.kv_bytes_per_token == 512
+    assert agent.stream.state.open_debits.totals().kv_bytes_per_token == 512
     brokers = await agent.tick()
     assert local is not None and brokers is not None
     assert brokers.credits.compute_tokens >= 4 * local.credits.compute_tokens - 4

@@ -16,7 +16,7 @@ from crossflow_ctl.client import AdminClient, AdmissionClient
 from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import ReservationState
-from tests.broker.conftest import target
+from tests.broker.conftest import TEST_POLICY, target
 
 
 async def _setup(cluster: Any, agents: Any, *, slots: int = 4) -> tuple[Any, Any, Any]:
@@ -33,6 +33,9 @@ async def _setup(cluster: Any, agents: Any, *, slots: int = 4) -> tuple[Any, Any
 async def test_admit_commit_release_with_notices(cluster, agents) -> None:
     server, decode, _ = await _setup(cluster, agents)
     assert decode.welcome is not None and decode.welcome.max_lease_ttl_ms == 2_000
+    # the units the agent needs to read its grants as the broker priced them
+    assert decode.welcome.borrow_horizon_ms == TEST_POLICY.borrow_horizon_ms
+    assert decode.welcome.kv_bytes_per_token == TEST_POLICY.kv_bytes_per_token
     async with (
         AdmissionClient(target(server), timeout_s=5) as client,
         AdminClient(target(server)) as admin,

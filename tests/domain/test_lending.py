@@ -174,7 +174,13 @@ def test_borrowed_work_is_counted_once_by_the_broker_not_again_by_the_lease() ->
     assert partly.credits.compute_tokens == int(rate * (HORIZON_S - 3_000 * _unknown_s(partly)))
 
 
-def _granted(uncached: int, cached: int, cap, remote: bool = False) -> Notice:  # type: ignore[no-untyped-def]
+def _granted(
+    uncached: int,
+    cached: int,
+    cap,
+    remote: bool = False,
+    kv_bytes_per_token: int = GPT_OSS.kv_bytes_per_token,
+) -> Notice:  # type: ignore[no-untyped-def]
     """The GRANT notice of a prompt borrowed on node "d" against the lease of ``cap``."""
     lease = Lease(
         node_id="d", epoch=1, version=1, ttl_ms=1000,
@@ -188,7 +194,7 @@ def _granted(uncached: int, cached: int, cap, remote: bool = False) -> Notice:  
         cached_prefix_node_id="elsewhere" if remote else "d",
         expected_output_tokens=200,
     )
-    settings = PolicySettings(kv_bytes_per_token=GPT_OSS.kv_bytes_per_token)
+    settings = PolicySettings(kv_bytes_per_token=kv_bytes_per_token)
     debit = debit_for(request, "d", settings, lease)
     return Notice(node_id="d", seq=1, kind=NoticeKind.GRANT, reservation_id="r", debit=debit)
 
@@ -218,6 +224,25 @@ def test_open_debits_cover_their_own_uncached_tokens_in_telemetrys_unit(remote: 
     assert mixed.covered_tokens == 1_000
     rate = mixed.borrowed_prefill_rate_tps
     assert mixed.credits.compute_tokens == int(rate * (HORIZON_S - 4_000 * _unknown_s(mixed)))
+
+
+def test_a_pulled_prefix_is_counted_in_the_brokers_bytes_per_token_not_the_models() -> None:
+    """The broker prices a remote prefix's transfer with its policy's KV bytes per token, set
+    apart from the agent's model. Divided by the model's larger figure, a 100k-token prefix
+    read as a few thousand tokens and the rest as uncached work its grant covered: the lease
+    excused queued work no reservation counts (a larger credit, a shorter wait)."""
+    idle = _capacity()
+    policy_bytes = GPT_OSS.kv_bytes_per_token // 3  # a policy left at a smaller model's figure
+    grant = _granted(2_000, 100_000, idle, remote=True, kv_bytes_per_token=policy_bytes)
+    told = OpenDebits(kv_bytes_per_token=policy_bytes)  # from the broker's Welcome
+    told.apply([grant])
+    # 2,000 of this grant's tokens are queued, with 6,000 no reservation counts
+    queued = _capacity(ledger=told, outstanding_uncached_tokens=8_000)
+    assert told.uncached_tokens(GPT_OSS.kv_bytes_per_token) == 2_000
+    assert queued.covered_tokens == 2_000 and queued.queue_wait_ms > 0.0
+    untold = OpenDebits()
+    untold.apply([grant])
+    assert untold.uncached_tokens(GPT_OSS.kv_bytes_per_token) > 2_000  # the unit it replaced
 
 
 def test_slots_are_the_decode_batch_room_not_a_fixed_eight() -> None:

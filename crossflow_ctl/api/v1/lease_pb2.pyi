@@ -192,12 +192,17 @@ class Welcome(_message.Message):
     BORROW_HORIZON_MS_FIELD_NUMBER: _builtins.int
     CORDONED_FIELD_NUMBER: _builtins.int
     NOTICE_SEQ_FIELD_NUMBER: _builtins.int
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
     broker_id: _builtins.str
     max_lease_ttl_ms: _builtins.int
     borrow_horizon_ms: _builtins.int
     cordoned: _builtins.bool
     notice_seq: _builtins.int
     """Current notice sequence of the node at connect time."""
+    kv_bytes_per_token: _builtins.int
+    """KV bytes per token the broker prices transfers with (its policy): a grant's
+    kv_transfer_bytes divided by it is the prefix the grant pulls in, in tokens.
+    """
     def __init__(
         self,
         *,
@@ -206,10 +211,11 @@ class Welcome(_message.Message):
         borrow_horizon_ms: _builtins.int = ...,
         cordoned: _builtins.bool = ...,
         notice_seq: _builtins.int = ...,
+        kv_bytes_per_token: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrow_horizon_ms", b"borrow_horizon_ms", "broker_id", b"broker_id", "cordoned", b"cordoned", "max_lease_ttl_ms", b"max_lease_ttl_ms", "notice_seq", b"notice_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrow_horizon_ms", b"borrow_horizon_ms", "broker_id", b"broker_id", "cordoned", b"cordoned", "kv_bytes_per_token", b"kv_bytes_per_token", "max_lease_ttl_ms", b"max_lease_ttl_ms", "notice_seq", b"notice_seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
