@@ -32,7 +32,7 @@ from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_t
 from crossflow_ctl.domain.clock import Clock, SystemClock
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseDecision, decide, pool_load
-from crossflow_ctl.domain.models import Credits, Lease, NodeRole, ZeroReason
+from crossflow_ctl.domain.models import MAX_HORIZON_MS, Credits, Lease, NodeRole, ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.observability import AgentMetrics
 from crossflow_ctl.wire.convert import lease_to_proto, pool_load_to_proto, role_to_proto
@@ -40,8 +40,6 @@ from crossflow_ctl.wire.convert import lease_to_proto, pool_load_to_proto, role_
 log = structlog.get_logger()
 
 AGENT_VERSION = "crossflow-agent/0.1.0"
-MAX_HORIZON_MS = 600_000
-"""LeaseSettings' bound on the horizon (the broker's policy has the same one)."""
 
 
 def hello_request(

@@ -29,8 +29,9 @@ step time of :mod:`crossflow_ctl.domain.capacity`, H = borrow horizon in seconds
   (long prefixes) or count a prompt twice (short ones). What is left, ``uncovered`` raw tokens
   of work the broker does not count (a reservation that expired while running, borrowing that
   bypassed the broker), has prefixes telemetry does not tell; it is costed on the safe side, at
-  ``FAR_PREFIX_TOKENS`` of prefix (past the p90 of real agent prefixes; up to about twice the
-  reference cost), as ``uncovered_s = uncovered * (a + b * FAR_PREFIX_TOKENS)`` node seconds.
+  ``LeaseSettings.unknown_prefix_tokens`` of prefix (``FAR_PREFIX_TOKENS``, past the p90 of real
+  agent prefixes and up to about twice the reference cost, or the reference prefix if longer),
+  as ``uncovered_s = uncovered * (a + b * unknown_prefix_tokens)`` node seconds.
   ``queue_wait_ms = uncovered_s * 1000``, the same split: the broker adds the wait of its own
   open debits (:func:`~crossflow_ctl.domain.lending.queue_wait_ms`), which grows with every
   grant between two leases.
@@ -70,6 +71,7 @@ from crossflow_ctl.domain.lending import (
 )
 from crossflow_ctl.domain.models import (
     MAX_BYTES,
+    MAX_HORIZON_MS,
     MAX_MS,
     MAX_RATE_TPS,
     MAX_S_PER_TOKEN,
@@ -97,7 +99,7 @@ class LeaseSettings(Frozen):
     """Predicted step time must stay under ``itl_slo_ms * slo_margin``."""
     itl_quantile: ItlQuantile = ItlQuantile.P99
     """Which observed ITL quantile is held against the SLO and reported in the lease."""
-    horizon_ms: Annotated[int, Field(gt=0, le=600_000)] = 8_000
+    horizon_ms: Annotated[int, Field(gt=0, le=MAX_HORIZON_MS)] = 8_000
     """Borrow horizon: how long borrowed work taken on now may run. The broker's policy
     (``PolicySettings.borrow_horizon_ms``, same default) sends its own in every Welcome and the
     agent sizes its leases over that; this value serves only until a broker has sent one."""
@@ -139,6 +141,12 @@ class LeaseSettings(Frozen):
     @property
     def horizon_s(self) -> float:
         return self.horizon_ms / 1000.0
+
+    @property
+    def unknown_prefix_tokens(self) -> int:
+        """The prefix queued borrowed work no open debit counts is costed at (telemetry does
+        not tell its prefixes): far out on the cost line, never below the reference prefix."""
+        return max(FAR_PREFIX_TOKENS, self.borrowed_prefix_tokens)
 
 
 class CapacityBreakdown(NamedTuple):
@@ -193,7 +201,8 @@ class CapacityBreakdown(NamedTuple):
             f" = {self.borrowed_prefill_rate_tps:.0f} tok/s",
             f"compute = rate x (horizon {h:g} s - queue wait {self.queue_wait_ms:.1f} ms:"
             f" outstanding {self.outstanding_tokens} - covered by open reservations"
-            f" {self.covered_tokens} tokens, costed at a {FAR_PREFIX_TOKENS}-token prefix)"
+            f" {self.covered_tokens} tokens, costed at a"
+            f" {settings.unknown_prefix_tokens}-token prefix)"
             f" = {c.compute_tokens} tokens",
             f"kv = free {self.kv_free_tokens} - reserve {self.kv_reserve_tokens}"
             f" + covered {self.kv_covered_tokens} = {c.kv_tokens} tokens",
@@ -250,8 +259,7 @@ def compute_capacity(
     reserved = open_debits.uncached_tokens(model.kv_bytes_per_token) if open_debits else 0
     covered = min(outstanding, reserved)
     uncovered = outstanding - covered
-    far = max(FAR_PREFIX_TOKENS, settings.borrowed_prefix_tokens)  # never below the reference
-    uncovered_s = uncovered * (coeff.a_s + coeff.b_s * far)
+    uncovered_s = uncovered * (coeff.a_s + coeff.b_s * settings.unknown_prefix_tokens)
     compute = max(0, int(rate * (horizon_s - uncovered_s)))
     if uncovered == 0:
         queue_wait_ms = 0.0

@@ -8,6 +8,7 @@ ValidationError into :class:`InvalidArgument` naming the field at fault.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar, cast
 
@@ -30,6 +31,8 @@ MAX_SLOTS = 100_000
 MAX_TTL_MS = 3_600_000
 MAX_RATE_TPS = 1e9
 MAX_MS = 86_400_000.0
+MAX_HORIZON_MS = 600_000
+"""The borrow horizon's bound, on the broker's policy and the agent's lease settings alike."""
 MAX_S_PER_TOKEN = 1.0
 """A borrowed prompt token costing a node more than a second is a bug, not a lease."""
 MAX_S_PER_TOKEN_CONTEXT = 1e-3
@@ -308,6 +311,15 @@ class PoolSnapshot(Frozen):
     """When the broker received each report (its clock), in the order of ``reports``; () when
     unknown. A prompt sent to the pool after a server's report is not in that report's
     outstanding tokens (:mod:`crossflow_ctl.domain.pending`)."""
+
+    @classmethod
+    def of_stored(cls, pool: str, live: Sequence[StoredPoolLoad]) -> PoolSnapshot:
+        """The snapshot of ``live`` (stored, unexpired reports): each load with its receipt time."""
+        return cls.trusted(
+            pool=pool,
+            reports=tuple(s.load for s in live),
+            reported_at_ms=tuple(s.received_at_ms for s in live),
+        )
 
     @property
     def outstanding_uncached_tokens(self) -> int:

@@ -29,6 +29,11 @@ def sent_weight(at_ms: int, tokens: int, times: Sequence[int]) -> int:
     return tokens * bisect_right(times, at_ms)
 
 
+def weighted_tokens(sent: Iterable[tuple[int, int]], times: Sequence[int]) -> int:
+    """:func:`sent_weight` summed over ``sent`` ((sent at ms, uncached tokens) pairs)."""
+    return sum(sent_weight(at_ms, tokens, times) for at_ms, tokens in sent)
+
+
 def unreported_tokens(sent: Iterable[tuple[int, int]], reported_at_ms: Sequence[int]) -> int:
     """Tokens of ``sent`` ((sent at ms, uncached tokens) pairs) the pool's reports, received at
     ``reported_at_ms`` (one per server), do not show yet: each prompt weighted by the share of
@@ -37,4 +42,4 @@ def unreported_tokens(sent: Iterable[tuple[int, int]], reported_at_ms: Sequence[
     if not reported_at_ms:
         return 0
     times = report_times(reported_at_ms)
-    return sum(sent_weight(at_ms, tokens, times) for at_ms, tokens in sent) // len(times)
+    return weighted_tokens(sent, times) // len(times)

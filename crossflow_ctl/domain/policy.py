@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from crossflow_ctl.domain.errors import InvalidArgument
-from crossflow_ctl.domain.models import Frozen, validated
+from crossflow_ctl.domain.models import MAX_HORIZON_MS, Frozen, validated
 
 # GPT-OSS-120B-like: 2 (K and V) x 36 layers x 8 KV heads x 64 head dim x 2 bytes (bf16).
 DEFAULT_KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 64 * 2
@@ -47,7 +47,7 @@ class PolicySettings(Frozen):
     """A COMMITTED reservation not released within this expires. Must outlast the horizon."""
     max_lease_ttl_ms: Annotated[int, Field(gt=0, le=60_000)] = 2_000
     """Cap on a lease's TTL, counted from receipt on the broker's clock."""
-    borrow_horizon_ms: Annotated[int, Field(gt=0, le=600_000)] = 8_000
+    borrow_horizon_ms: Annotated[int, Field(gt=0, le=MAX_HORIZON_MS)] = 8_000
     """How long borrowed work may run; agents size compute and output credit over it.
 
     Four TTFT targets (2 s) by default. The horizon caps how much borrowed prefill a node takes

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.models import PoolSnapshot
-from crossflow_ctl.domain.pending import report_times, sent_weight
+from crossflow_ctl.domain.pending import report_times, sent_weight, weighted_tokens
 
 MAX_SENT = 65_536
 """Prompts remembered per pool: far more than one report period holds at any real rate; past
@@ -93,4 +93,4 @@ class SentToPools:
         while state.sent and state.sent[0][0] < times[0]:
             state.sent.popleft()
         state.times = times
-        state.weighted = sum(sent_weight(at_ms, tokens, times) for at_ms, tokens in state.sent)
+        state.weighted = weighted_tokens(state.sent, times)

@@ -205,11 +205,7 @@ class MemoryStore(Store):
     def _snapshot(self, pool: str, now_ms: int) -> PoolSnapshot:
         reports = self._pools.get(pool, {})
         live = [reports[k] for k in sorted(reports) if reports[k].expires_at_ms > now_ms]
-        return PoolSnapshot.trusted(
-            pool=pool,
-            reports=tuple(s.load for s in live),
-            reported_at_ms=tuple(s.received_at_ms for s in live),
-        )
+        return PoolSnapshot.of_stored(pool, live)
 
     def _sample(self, sample: int, now_ms: int) -> list[str]:
         for node_id in [n for n, exp in self._lenders.items() if exp <= now_ms]:

@@ -117,7 +117,7 @@ class RedisAdmin:
             pipe.hgetall(self._k.pool(p))
         out = await pipe.execute()
         return [
-            PoolSnapshot(pool=p, reports=tuple(s.load for s in codec.live_pool_loads(raw, now_ms)))
+            PoolSnapshot.of_stored(p, codec.live_pool_loads(raw, now_ms))
             for p, raw in zip(pools, out, strict=True)
         ]
 

@@ -81,11 +81,7 @@ class PoolCache:
         if not live:
             self._items.pop(pool, None)
             return None
-        snapshot = PoolSnapshot(
-            pool=pool,
-            reports=tuple(s.load for s in live),
-            reported_at_ms=tuple(s.received_at_ms for s in live),
-        )
+        snapshot = PoolSnapshot.of_stored(pool, live)
         if self._max_age_s > 0:
             self._items[pool] = _PoolEntry(
                 snapshot=snapshot,

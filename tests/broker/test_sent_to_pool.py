@@ -6,8 +6,11 @@ own; a prompt that may be held (any other NORMAL), a dry run or a retry does not
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from crossflow_ctl.client.holding import QueueConfig
 from crossflow_ctl.domain.admission import (
@@ -20,6 +23,7 @@ from crossflow_ctl.domain.admission import (
 )
 from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.models import NodeRole, PoolLoad, PoolSnapshot
+from crossflow_ctl.domain.pending import unreported_tokens
 from crossflow_ctl.domain.room import RoomWatchRequest
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.service.config import BrokerSettings
@@ -170,3 +174,47 @@ def test_only_a_no_demand_answer_sends_a_prompt() -> None:
 def test_a_router_queue_never_holds_a_no_demand_answer() -> None:
     with pytest.raises(ValueError, match="no_demand"):
         QueueConfig(hold_reasons=frozenset({Reason.NO_ROOM, Reason.NO_DEMAND}))
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(min_value=0, max_value=50),  # ms until the event
+            st.one_of(
+                st.integers(min_value=1, max_value=5_000),  # a prompt's uncached tokens sent
+                st.sets(st.integers(min_value=0, max_value=3), min_size=1),  # servers reporting
+            ),
+        ),
+        max_size=60,
+    )
+)
+def test_the_book_counts_what_the_domain_rule_counts(events: list[tuple[int, Any]]) -> None:
+    """The replica's book (incremental: it forgets what every report shows) gives, after every
+    send and every new report, what :func:`~crossflow_ctl.domain.pending.unreported_tokens`
+    gives over everything sent: the book is that rule, not a second one."""
+    book = SentToPools()
+    sent: list[tuple[int, int]] = []
+    reported = {0: 0}  # server -> its last report's receipt time; each report is newer
+    now = 0
+    for wait, event in events:
+        now += wait
+        if isinstance(event, int):
+            book.record("default", event, now)
+            sent.append((now, event))
+        else:
+            reported.update(dict.fromkeys(event, now))
+        times = tuple(reported[s] for s in sorted(reported))
+        snapshot = PoolSnapshot(
+            pool="default",
+            reports=tuple(
+                PoolLoad(
+                    node_id=f"p{s}",
+                    outstanding_uncached_tokens=0,
+                    processing_rate_tps=1.0,
+                    ttl_ms=1,
+                )
+                for s in sorted(reported)
+            ),
+            reported_at_ms=times,
+        )
+        assert book.tokens(snapshot) == unreported_tokens(sent, times)
