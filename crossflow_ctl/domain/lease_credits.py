@@ -35,9 +35,13 @@ step time of :mod:`crossflow_ctl.domain.capacity`, H = borrow horizon in seconds
   ``queue_wait_ms = uncovered_s * 1000``, the same split: the broker adds the wait of its own
   open debits (:func:`~crossflow_ctl.domain.lending.queue_wait_ms`), which grows with every
   grant between two leases.
-* **kv** ``= free - reserve + covered_kv`` with ``free = total - used`` and
+* **kv** ``= free - reserve - promised + covered_kv`` with ``free = total - used`` and
   ``reserve = kv_reserve_fraction * total + kv_growth_tokens_per_request * B`` (room for the
   running requests' next output tokens, borrowed ones included once they decode);
+  ``promised`` is the KV of the requests waiting for KV room (transferred from the prefill
+  pool, queued by the engine but not yet given KV): the engine hands what frees to its waiting
+  queue in order, so a prompt granted now gets KV only after them
+  (:func:`promised_kv_tokens`: the engine's figure, or ``waiting_request_kv_tokens`` each);
   ``covered_kv`` is the KV that borrowed requests still in prefill hold, up to what the open
   debits count (the broker subtracts those debits).
 * **slots** and **output**: a borrowed request stays and decodes on the node with an assumed
@@ -49,8 +53,9 @@ step time of :mod:`crossflow_ctl.domain.capacity`, H = borrow horizon in seconds
 
 A lease needs compute, kv, slots and output all above zero to be useful; otherwise
 :func:`crossflow_ctl.domain.leasing.decide` makes it a zero lease with reason NO_CAPACITY.
-Every credit is non-increasing in B and C and non-decreasing in the SLO (the feasible sets shrink
-as B or C grow); the agent's tests check it with hypothesis.
+Every credit is non-increasing in B, C and the KV promised to the waiting queue, and
+non-decreasing in the SLO (the feasible sets shrink as B or C grow); the agent's tests check it
+with hypothesis.
 """
 
 from __future__ import annotations
@@ -107,6 +112,10 @@ class LeaseSettings(Frozen):
     max_chunk_tokens: Annotated[int, Field(gt=0, le=1_048_576)] = 16_384
     kv_reserve_fraction: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.05
     kv_growth_tokens_per_request: Annotated[int, Field(ge=0, le=1_000_000)] = 256
+    waiting_request_kv_tokens: Annotated[int, Field(ge=0, le=10_000_000)] = 32_768
+    """KV (prompt + output) each request waiting for KV room is taken to need when the engine
+    tells only how many wait (vLLM): on the safe side, past the p90 of Mooncake's requests
+    (27.7 k); agent workloads with longer contexts should set their own."""
     borrowed_context_tokens: Annotated[int, Field(gt=0, le=10_000_000)] = 4_096
     """Assumed context length of a borrowed request once it decodes on the node."""
     borrowed_prefix_tokens: Annotated[int, Field(ge=0, le=10_000_000)] = 8_192
@@ -173,6 +182,8 @@ class CapacityBreakdown(NamedTuple):
     kv_reserve_tokens: int
     kv_covered_tokens: int
     """KV held by borrowed requests in prefill that the open debits already count."""
+    kv_promised_tokens: int
+    """KV the requests waiting for KV room will take first (told, or estimated per request)."""
     extra_batch: int
     """Borrowed requests the decode batch can take on (slots before the cap)."""
     output_step_s: float
@@ -205,6 +216,7 @@ class CapacityBreakdown(NamedTuple):
             f" {settings.unknown_prefix_tokens}-token prefix)"
             f" = {c.compute_tokens} tokens",
             f"kv = free {self.kv_free_tokens} - reserve {self.kv_reserve_tokens}"
+            f" - promised to the waiting queue {self.kv_promised_tokens}"
             f" + covered {self.kv_covered_tokens} = {c.kv_tokens} tokens",
             f"slots = extra batch b = {self.extra_batch} (cap {settings.max_slots})"
             f" -> {c.slots}; output = b x {h:g} s / t(B+b) {self.output_step_s * 1e3:.2f} ms"
@@ -224,6 +236,14 @@ def _extra_batch(
     return last_fitting(
         lambda b: roof.step_s(batch + b, context + b * length), budget, 1, t_one, cap, base
     )
+
+
+def promised_kv_tokens(snapshot: EngineSnapshot, settings: LeaseSettings) -> int:
+    """KV the requests waiting for KV room will take before anything granted now: what the
+    engine tells, else ``waiting_request_kv_tokens`` for each (see :class:`EngineSnapshot`)."""
+    if snapshot.kv_waiting_tokens is not None:
+        return max(0, snapshot.kv_waiting_tokens)
+    return max(0, snapshot.kv_waiting_requests) * settings.waiting_request_kv_tokens
 
 
 def compute_capacity(
@@ -273,9 +293,10 @@ def compute_capacity(
         settings.kv_reserve_fraction * snapshot.kv_total_tokens
         + settings.kv_growth_tokens_per_request * batch
     )
+    promised = promised_kv_tokens(snapshot, settings)
     held = max(0, snapshot.borrowed_kv_tokens)
     kv_covered = min(held, max(0, open_debits.kv)) if open_debits else 0
-    kv = max(0, free - reserve + kv_covered)
+    kv = max(0, free - reserve - promised + kv_covered)
 
     extra, extra_t = (0, 0.0)
     if base <= budget:
@@ -311,6 +332,7 @@ def compute_capacity(
         kv_free_tokens=free,
         kv_reserve_tokens=reserve,
         kv_covered_tokens=kv_covered,
+        kv_promised_tokens=promised,
         extra_batch=extra,
         output_step_s=extra_t,
         credits=credits,

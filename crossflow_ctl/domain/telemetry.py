@@ -49,6 +49,15 @@ class EngineSnapshot(Frozen):
     borrowed_kv_tokens: int = 0
     """KV token slots held by borrowed requests still in prefill (decode role; 0 when the engine
     cannot tell them apart, which leaves them counted by both the lease and the broker)."""
+    kv_waiting_requests: int = 0
+    """Requests waiting for KV room (decode role): transferred from the prefill pool, queued by
+    the engine but not yet given KV. KV that frees goes to them first (SGLang's
+    ``num_decode_prealloc_queue_reqs``; vLLM's ``num_requests_waiting_by_reason{reason=
+    "capacity"}``)."""
+    kv_waiting_tokens: int | None = None
+    """The KV token slots those requests will take, when the engine tells (SGLang's
+    ``pending_prealloc_token_usage`` x its KV total); None: the lease estimates them per request
+    (``LeaseSettings.waiting_request_kv_tokens``)."""
     prefill_processing_rate_tps: float = 0.0
     """Uncached prompt tokens processed per second recently (prefill role)."""
 

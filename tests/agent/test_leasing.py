@@ -88,6 +88,24 @@ def test_outstanding_borrowed_work_lowers_compute_and_sets_queue_wait() -> None:
     assert seen.queue_wait_ms == pytest.approx(3000 * per_token_s * 1000)
 
 
+def test_kv_promised_to_the_waiting_queue_is_not_offered() -> None:
+    idle = compute_capacity(snap(), MODEL, NODE, LS)
+    # the engine tells the waiting requests' KV: taken off as told (one of 30,000 tokens)
+    told = compute_capacity(snap(kv_waiting_requests=1, kv_waiting_tokens=30_000), MODEL, NODE, LS)
+    assert told.kv_promised_tokens == 30_000
+    assert told.credits.kv_tokens == idle.credits.kv_tokens - 30_000
+    # only how many wait: each at the settings' estimate
+    counted = compute_capacity(snap(kv_waiting_requests=3), MODEL, NODE, LS)
+    assert counted.kv_promised_tokens == 3 * LS.waiting_request_kv_tokens
+    assert counted.credits.kv_tokens == idle.credits.kv_tokens - 3 * LS.waiting_request_kv_tokens
+    # no more than the room there is, and the other credits are left alone
+    full = compute_capacity(snap(kv_waiting_tokens=10**6), MODEL, NODE, LS)
+    assert full.credits.kv_tokens == 0 and full.credits.kv_transfer_bytes == 0
+    assert full.credits.compute_tokens == idle.credits.compute_tokens
+    assert full.credits.slots == idle.credits.slots
+    assert "promised to the waiting queue 1000000" in "\n".join(full.explain(LS))
+
+
 def test_zero_compute_when_the_decode_step_alone_reaches_the_slo_budget() -> None:
     # find a context that makes the bare decode step exceed the budget
     context = 16 * 4000
@@ -291,6 +309,35 @@ def test_longer_contexts_never_raise_a_credit(model, node, b, ctx, longer, slo) 
     short = _credits(model, node, b, b * ctx, slo)
     long = _credits(model, node, b, b * ctx + longer, slo)
     assert _le(long, short)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    models,
+    nodes,
+    running,
+    per_request_context,
+    st.integers(min_value=0, max_value=64),
+    st.integers(min_value=1, max_value=64),
+    st.one_of(st.none(), st.integers(min_value=0, max_value=2 * 10**6)),
+    st.integers(min_value=1, max_value=10**6),
+)
+def test_more_kv_promised_to_waiting_requests_never_raises_a_credit(
+    model, node, b, ctx, waiting, more, tokens, extra_tokens
+) -> None:
+    def credits(n: int, kv: int | None) -> tuple[int, ...]:
+        snapshot = snap(
+            running=b, context=b * ctx if b else 0, kv_waiting_requests=n, kv_waiting_tokens=kv
+        )
+        s = LeaseSettings(max_chunk_tokens=8192)
+        return compute_capacity(
+            snapshot, MODEL_PRESETS[model], NODE_PRESETS[node], s
+        ).credits.as_tuple()
+
+    # more requests waiting (their KV estimated), or more KV told for them
+    assert _le(credits(waiting + more, None), credits(waiting, None))
+    if tokens is not None:
+        assert _le(credits(waiting, tokens + extra_tokens), credits(waiting, tokens))
 
 
 @settings(max_examples=60, deadline=None)
