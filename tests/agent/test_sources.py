@@ -51,6 +51,10 @@ async def test_sglang_snapshot_values_rates_and_itl_quantiles(metrics_server) ->
     assert snap.kv_total_tokens == 400_000
     assert snap.decode_context_tokens == 30_000 + 20_400
     assert snap.queued_requests == (3 + 1) + 1 + 1  # waiting + decode prealloc + transfer
+    # waiting for KV room: the prealloc queue; its KV is rank 0's pending usage x its total
+    assert snap.kv_waiting_requests == 1 and snap.kv_waiting_tokens == 0.01 * 200_000
+    # a release without the pending-usage gauge tells only how many wait
+    assert first.kv_waiting_requests == 1 and first.kv_waiting_tokens is None
     assert snap.kv_transfer_bytes_per_s == pytest.approx(12.5e9)
     # counters over the 2 s window
     assert snap.window_s == 2.0
@@ -71,6 +75,9 @@ async def test_vllm_snapshot_values_rates_and_itl_quantiles(metrics_server) -> N
     assert first.itl_p99_ms is None
     assert snap.source == "vllm"
     assert snap.running_requests == 12 and snap.queued_requests == 5
+    # waiting for KV room: reason="capacity" only (not "deferred"); vLLM tells no tokens
+    assert snap.kv_waiting_requests == 2 and snap.kv_waiting_tokens is None
+    assert first.kv_waiting_requests == 0  # a release without the by-reason gauge
     assert snap.kv_total_tokens == 20_000 * 16  # num_gpu_blocks x block_size
     assert snap.kv_used_tokens == 0.25 * 320_000
     assert snap.decode_context_tokens == snap.kv_used_tokens

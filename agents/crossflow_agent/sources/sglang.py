@@ -12,6 +12,12 @@ Counters, as rates over the window: ``sglang:generation_tokens_total``,
 SGLang exports no queued-token gauge, so the outstanding uncached prompt tokens of a prefill
 server are estimated as ``queued requests x mean uncached prompt tokens per request`` (the mean
 from the counters' deltas, remembered across windows with no new request).
+
+On a decode server, the requests waiting for KV room are the decode prealloc queue (those in
+the transfer queue hold their KV already): ``kv_waiting_requests``. Their KV is
+``sglang:pending_prealloc_token_usage`` (a fraction of each rank's ``max_total_num_tokens``)
+where a release fills it in; releases that export it but leave it at 0 give no figure (None:
+the lease estimates per request).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from crossflow_agent.sources.prom import (
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 ITL = "sglang:inter_token_latency_seconds"
+PENDING_PREALLOC = "sglang:pending_prealloc_token_usage"
 REQUIRED = ("sglang:num_running_reqs", "sglang:num_used_tokens", "sglang:max_total_num_tokens")
 
 
@@ -84,12 +91,28 @@ class SGLangReader:
             itl_p50_ms=None if p50 is None else p50 * 1000.0,
             itl_p99_ms=None if p99 is None else p99 * 1000.0,
             kv_transfer_bytes_per_s=None if speed is None else speed * 1e9,
+            kv_waiting_requests=counted("sglang:num_decode_prealloc_queue_reqs"),
+            kv_waiting_tokens=_pending_prealloc_tokens(now),
             outstanding_uncached_tokens=count(
                 gauge("sglang:num_queue_reqs") * mean_uncached, "outstanding_uncached_tokens"
             ),
             prefill_processing_rate_tps=uncached,
             window_s=window_s,
         )
+
+
+def _pending_prealloc_tokens(now: Exposition) -> int | None:
+    """KV tokens the decode prealloc queue waits for: each rank's usage x its KV total (None
+    when no rank reports a positive usage)."""
+    totals = {
+        frozenset(labels.items()): value
+        for labels, value in now.series.get("sglang:max_total_num_tokens", [])
+    }
+    tokens = 0.0
+    for labels, usage in now.series.get(PENDING_PREALLOC, []):
+        if usage > 0:
+            tokens += usage * totals.get(frozenset(labels.items()), 0.0)
+    return count(tokens, PENDING_PREALLOC) if tokens > 0 else None
 
 
 def _mean_uncached_per_request(

@@ -9,6 +9,12 @@ slots (or ``kv_cache_size_tokens`` where present). Counters, as rates:
 ``vllm:inter_token_latency_seconds`` (``vllm:time_per_output_token_seconds`` on older
 releases) for ITL, ``vllm:request_prompt_tokens`` for the mean prompt length.
 
+On a decode server the requests waiting for KV room are
+``vllm:num_requests_waiting_by_reason{reason="capacity"}`` (v1; absent on older releases: 0).
+vLLM does not tell their tokens, so the lease estimates them per request; borrowed prompts
+waiting for KV are among them, so what the broker's debits count is counted twice (the safe
+side).
+
 vLLM exports no sum of decode context lengths; the KV tokens in use stand for it (the running
 requests' contexts are what occupies the cache; shared prefixes make it an underestimate).
 """
@@ -29,6 +35,7 @@ from crossflow_ctl.domain.telemetry import EngineSnapshot
 ITL_NAMES = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 CACHE_INFO = "vllm:cache_config_info"
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 
 
 def _kv_total_tokens(now: Exposition) -> int:
@@ -78,6 +85,9 @@ class VLLMReader:
             prompt_rate_tps=prompt,
             itl_p50_ms=None if p50 is None else p50 * 1000.0,
             itl_p99_ms=None if p99 is None else p99 * 1000.0,
+            kv_waiting_requests=count(
+                now.total(WAITING_BY_REASON, reason="capacity") or 0.0, WAITING_BY_REASON
+            ),
             outstanding_uncached_tokens=count(
                 waiting * mean_prompt * uncached_share, "outstanding_uncached_tokens"
             ),
