@@ -201,6 +201,8 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
             kv_transfer_bytes_per_s=None,
             outstanding_uncached_tokens=s.borrowed_outstanding,
             borrowed_kv_tokens=s.borrowed_kv,
+            kv_waiting_requests=s.promised_requests,
+            kv_waiting_tokens=s.promised_kv,
             prefill_processing_rate_tps=0.0,
             window_s=self.period_s,
         )
@@ -318,6 +320,8 @@ class PrefillAgent(FixedPoint[PoolLoad]):
             kv_transfer_bytes_per_s=None,
             outstanding_uncached_tokens=s.outstanding_tokens(t),
             borrowed_kv_tokens=0,
+            kv_waiting_requests=0,
+            kv_waiting_tokens=None,
             prefill_processing_rate_tps=rate,
             window_s=self.period_s,
         )

@@ -199,6 +199,10 @@ class DecodeServer:
     arrivals: int = 0
     blocked_seq: int = 0
     """``queue_seq`` of the last arrival that was queued when the head last found no room."""
+    promised_requests: int = 0
+    promised_kv: int = 0
+    """Transferred requests waiting in ``waiting`` and the KV they need (what the agent's
+    telemetry reports as promised: the engine's prealloc queue)."""
     borrowed_outstanding: int = 0
     borrowed_kv: int = 0
     """KV reserved by borrowed requests still in prefill (what the agent's telemetry reports)."""
@@ -232,6 +236,8 @@ class DecodeServer:
     # -- arrivals ---------------------------------------------------------------------------
     def arrive_normal(self, req: Req, t: float) -> None:
         self._enqueue(req, t)
+        self.promised_requests += 1
+        self.promised_kv += req.kv_need
         self._poke(t)
 
     def arrive_borrowed(self, req: Req, t: float) -> None:
@@ -316,6 +322,8 @@ class DecodeServer:
             req = waiting.popleft()
             self.kv_used += req.kv_need
             if not req.borrowed:
+                self.promised_requests -= 1
+                self.promised_kv -= req.kv_need
                 self._join(req, t)
                 continue
             self.borrowed_kv += req.kv_need

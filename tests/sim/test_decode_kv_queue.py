@@ -7,6 +7,8 @@ other: the simulator must not flatter whichever policy borrows most.
 
 from __future__ import annotations
 
+from crossflow_ctl.domain.lease_credits import compute_capacity
+from crossflow_ctl.sim.agents import DecodeAgent
 from crossflow_ctl.sim.config import SimConfig
 from crossflow_ctl.sim.servers import DecodeServer, EventQueue, Req, StepModel
 
@@ -72,3 +74,19 @@ def test_borrowed_prompts_hold_their_kv_and_prefill_in_arrival_order() -> None:
     assert server.borrow_kv_waits == 0
     assert 0.0 <= first.start_s < first.first_token_s <= second.start_s < second.first_token_s
     assert server.kv_used == 0 and server.borrowed_kv == 0 and server.borrowed_outstanding == 0
+
+
+def test_the_agent_reports_the_kv_promised_to_waiting_transferred_requests() -> None:
+    server, events = _server(kv_capacity=100_000)
+    server.arrive_normal(_req(0, 90_000, 1_000), 0.0)  # holds 91,000 of 100,000
+    server.arrive_normal(_req(1, 20_000, 500), 0.001)  # needs 20,500: waits for room
+    server.arrive_borrowed(_req(2, 1_000, 500, borrowed=True), 0.002)  # the broker counts it
+    lease = CFG.lease.model_copy(update={"kv_reserve_fraction": 0.0})
+    agent = DecodeAgent(server, "d0", CFG.model_spec, CFG.node_profile, lease, 0.2, 600)
+    snap = agent.snapshot(0.003, 3)
+    assert (snap.kv_waiting_requests, snap.kv_waiting_tokens) == (1, 20_500)
+    cap = compute_capacity(snap, CFG.model_spec, CFG.node_profile, lease)
+    assert cap.kv_free_tokens == 9_000 and cap.credits.kv_tokens == 0  # all of it promised
+    _run(server, events)
+    assert (server.promised_requests, server.promised_kv) == (0, 0)
+    assert agent.snapshot(server.t0, 4).kv_waiting_requests == 0
