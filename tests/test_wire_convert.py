@@ -36,6 +36,7 @@ from crossflow_ctl.domain.room import (
     RoomWatchRequest,
     unknown_room,
 )
+from crossflow_ctl.domain.session import SessionSettings
 from crossflow_ctl.wire import convert as c
 from crossflow_ctl.wire import convert_admission as ca
 from crossflow_ctl.wire import convert_room as cr
@@ -115,6 +116,10 @@ def test_common_and_admin_round_trips() -> None:
         node_id="d1", seq=4, kind=NoticeKind.RELEASE, reservation_id="r", debit=CREDITS, at_ms=NOW
     )
     assert c.notice_from_proto(c.notice_to_proto(notice), "d1") == notice
+    settings = SessionSettings(
+        max_lease_ttl_ms=1, borrow_horizon_ms=2, kv_bytes_per_token=3, policy_version=4
+    )
+    assert c.session_settings_from_proto(c.session_settings_to_proto(settings)) == settings
     res = Reservation(
         reservation_id="r@d1",
         node_id="d1",

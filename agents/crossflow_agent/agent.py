@@ -172,7 +172,8 @@ class Agent:
         )
 
     def lease_settings(self) -> LeaseSettings:
-        """The lease settings, with the borrow horizon of the broker that welcomed the stream.
+        """The lease settings, with the broker's borrow horizon (its Welcome's, or the latest
+        SessionSettings it pushed when its policy changed).
 
         The broker prices each grant's output over its own horizon and keeps a committed
         reservation for its commit TTL, which it validates against that horizon only; credits

@@ -13,8 +13,10 @@ off).
 What the broker tells the agent is kept in :class:`StreamState`: the highest notice sequence
 seen (DESIGN.md §5.4; the lease loop reads it *before* each scrape), the open reservations the
 grant/release/expire notices describe (so the lease does not subtract borrowed work the broker
-already counts), the cordon directive, the broker's borrow horizon (the lease's credits are sized
-over it), and the (epoch, version) a STALE ack reported, so the loop can move past it.
+already counts), the cordon directive, the broker's borrow horizon and KV bytes per token (from
+its Welcome, then from each ``SessionSettings`` it pushes when its policy changes them: the
+lease's credits are sized over the horizon from the next lease on, and a push wakes the loop),
+and the (epoch, version) a STALE ack reported, so the loop can move past it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from crossflow_ctl.domain.models import NoticeKind
 from crossflow_ctl.observability import AgentMetrics
 from crossflow_ctl.security import ClientCredentials
 from crossflow_ctl.security.channel import check_credentials, open_channel
+from crossflow_ctl.wire.convert import session_settings_from_proto
 
 log = structlog.get_logger()
 
@@ -64,8 +67,11 @@ class StreamState:
     endpoint: str = ""
     max_lease_ttl_ms: int = 0
     borrow_horizon_ms: int = 0
-    """The broker's borrow horizon, from its Welcome (0: not welcomed yet, or the broker sent
-    none). The lease sizes its credits over it: see :meth:`Agent.lease_settings`."""
+    """The broker's borrow horizon, from its Welcome or its latest SessionSettings (0: not
+    welcomed yet, or the broker sent none). The lease sizes its credits over it: see
+    :meth:`Agent.lease_settings`."""
+    policy_version: int = 0
+    """The broker policy version of the latest SessionSettings (0: only the Welcome's)."""
     stale_epoch: int = 0
     stale_version: int = 0
     """The stored (epoch, version) of the last STALE ack."""
@@ -211,6 +217,7 @@ class LeaseStream:
         s.max_lease_ttl_ms = welcome.max_lease_ttl_ms
         s.borrow_horizon_ms = welcome.borrow_horizon_ms
         s.open_debits.kv_bytes_per_token = welcome.kv_bytes_per_token
+        s.policy_version = 0
         s.cordoned = welcome.cordoned
         if welcome.notice_seq < s.last_notice_seq:
             # The broker's sequence went back: the node was deleted and registered anew. Seen
@@ -275,6 +282,8 @@ class LeaseStream:
                 self._notice(response.notice)
             elif body == "lease_ack":
                 self._ack(response.lease_ack)
+            elif body == "settings":
+                self._settings(response.settings)
             elif body == "heartbeat":
                 self.state.acked += 1
 
@@ -305,6 +314,22 @@ class LeaseStream:
                 log.info("stream.uncordoned", seq=notice.seq)
             s.cordoned = False
             self._on_change()
+
+    def _settings(self, msg: lease_pb2.SessionSettings) -> None:
+        """The broker's policy changed them: the next lease (woken now) is sized with them."""
+        settings = session_settings_from_proto(msg)
+        s = self.state
+        s.max_lease_ttl_ms = settings.max_lease_ttl_ms
+        s.borrow_horizon_ms = settings.borrow_horizon_ms
+        s.open_debits.kv_bytes_per_token = settings.kv_bytes_per_token
+        s.policy_version = settings.policy_version
+        log.info(
+            "stream.settings",
+            policy_version=settings.policy_version,
+            borrow_horizon_ms=settings.borrow_horizon_ms,
+            kv_bytes_per_token=settings.kv_bytes_per_token,
+        )
+        self._on_change()
 
     def _ack(self, ack: lease_pb2.LeaseAck) -> None:
         s = self.state

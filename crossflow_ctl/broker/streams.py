@@ -5,10 +5,15 @@ must be the node named by the caller's identity (PERMISSION_DENIED otherwise, no
 every lease and pool load on the stream must name that same node. The node is registered and
 answered with a Welcome.
 Then, concurrently: a reader acks each lease (ACCEPTED, STALE with the stored epoch/version, or
-INVALID naming the field; the stream stays up), stores pool load and echoes heartbeats; and a
+INVALID naming the field; the stream stays up), stores pool load and echoes heartbeats; a
 relay reads the node's notices from the STORE (after the agent's ``last_notice_seq``) and sends
 them down, so a notice written by any replica reaches the agent wherever it streams (§6): one
-message per read to an agent that set ``Hello.notice_batches``, one per notice otherwise.
+message per read to an agent that set ``Hello.notice_batches``, one per notice otherwise; and a
+pusher sends ``SessionSettings`` when the policy version this replica holds changes what the
+Welcome (or the last push) said. Each lease is capped to this replica's horizon before it is
+stored, so one sized over an older horizon (before the agent adopted the push, or by an agent
+that ignores it) offers no more compute than the horizon allows
+(:mod:`crossflow_ctl.domain.session`).
 Both write straight to the call (``context.write``), one write at a time (:class:`_Out`): an
 ack passes no queue, no task switch and no generator layer of the handler or its wrappers.
 The handler waits for the stream's end; :class:`StreamRegistry` lets shutdown end every stream
@@ -36,6 +41,7 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import NodeInfo, NodeRole
+from crossflow_ctl.domain.session import SessionSettings, within_horizon
 from crossflow_ctl.observability import span
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire import convert as c
@@ -146,14 +152,14 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             await abort_with(context, exc)
             return
         node_id = info.node_id
-        policy = self._broker.policy
+        announced = SessionSettings.of(self._broker.versioned_policy)
         await context.write(
             lease_pb2.ConnectResponse(
                 welcome=lease_pb2.Welcome(
                     broker_id=self._broker.broker_id,
-                    max_lease_ttl_ms=policy.max_lease_ttl_ms,
-                    borrow_horizon_ms=policy.borrow_horizon_ms,
-                    kv_bytes_per_token=policy.kv_bytes_per_token,
+                    max_lease_ttl_ms=announced.max_lease_ttl_ms,
+                    borrow_horizon_ms=announced.borrow_horizon_ms,
+                    kv_bytes_per_token=announced.kv_bytes_per_token,
                     cordoned=info.cordoned,
                     notice_seq=info.notice_seq,
                 )
@@ -169,16 +175,18 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             relay = asyncio.create_task(
                 self._relay(node_id, after, out, batches=hello.notice_batches)
             )
+            pusher = asyncio.create_task(self._push_settings(announced, out))
             try:
                 end = await out.ended
                 if end.code is not None:
                     await context.abort(end.code, end.message)
             finally:
                 try:
-                    await cancel_and_wait((reader, relay))
+                    await cancel_and_wait((reader, relay, pusher))
                 finally:  # even when gRPC cancels the handler again while it waits
                     reader.cancel()  # cancelled anew: one may have swallowed the first cancel
                     relay.cancel()
+                    pusher.cancel()
                     self._registry.discard(out)
                     self._broker.metrics.stream_closed()
                     log.info("stream.closed")
@@ -225,7 +233,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         ack = response.lease_ack  # filled in place: no message built and then copied in
         ack.epoch, ack.version = msg.epoch, msg.version
         try:
-            lease = c.lease_from_proto(msg)
+            lease = within_horizon(c.lease_from_proto(msg), self._broker.policy.borrow_horizon_ms)
             if lease.node_id != info.node_id:
                 raise InvalidArgument(
                     f"{lease.node_id!r} is not this stream's node {info.node_id!r}",
@@ -264,6 +272,28 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             raise
         except CrossflowError as exc:
             log.warning("pool_load.refused", error=str(exc))
+
+    async def _push_settings(self, announced: SessionSettings, out: _Out) -> None:
+        """Send the policy-derived settings again each time the policy version this replica
+        holds changes them (the agent adopts them on its next lease)."""
+        try:
+            while True:
+                versioned = await self._broker.policy_changed_after(announced.policy_version)
+                settings = SessionSettings.of(versioned)
+                if settings.differs_from(announced):
+                    message = c.session_settings_to_proto(settings)
+                    await out.send(lease_pb2.ConnectResponse(settings=message))
+                    log.info(
+                        "stream.settings_pushed",
+                        policy_version=settings.policy_version,
+                        borrow_horizon_ms=settings.borrow_horizon_ms,
+                    )
+                announced = settings
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a write failed: the agent went away
+            log.info("stream.settings_ended", error=repr(exc))
+            out.end(_End())
 
     async def _relay(self, node_id: str, after_seq: int, out: _Out, batches: bool = False) -> None:
         """Notices from the store, in order, resuming after ``after_seq``; retries on errors.

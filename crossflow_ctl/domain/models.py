@@ -300,6 +300,10 @@ class StoredPoolLoad(Frozen):
     load: PoolLoad
     received_at_ms: int
     expires_at_ms: int
+    seq: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    """The store's ingest sequence of the report: each report stored for a pool gets a higher
+    one than every report stored for that pool before it, whichever replica stored it (0: a
+    report stored before sequences existed, older than any that has one)."""
 
 
 class PoolSnapshot(Frozen):
@@ -307,18 +311,19 @@ class PoolSnapshot(Frozen):
 
     pool: str
     reports: tuple[PoolLoad, ...] = ()
-    reported_at_ms: tuple[int, ...] = ()
-    """When the broker received each report (its clock), in the order of ``reports``; () when
-    unknown. A prompt sent to the pool after a server's report is not in that report's
-    outstanding tokens (:mod:`crossflow_ctl.domain.pending`)."""
+    report_seqs: tuple[int, ...] = ()
+    """The store's ingest sequence of each report (``StoredPoolLoad.seq``), in the order of
+    ``reports``; () when unknown. Every replica reads the same sequences, unlike receipt times
+    (each on the clock of the replica that took the report): a prompt sent after a replica saw a
+    report's sequence is not in that report (:mod:`crossflow_ctl.domain.pending`)."""
 
     @classmethod
     def of_stored(cls, pool: str, live: Sequence[StoredPoolLoad]) -> PoolSnapshot:
-        """The snapshot of ``live`` (stored, unexpired reports): each load with its receipt time."""
+        """The snapshot of ``live`` (stored, unexpired reports): each load with its sequence."""
         return cls.trusted(
             pool=pool,
             reports=tuple(s.load for s in live),
-            reported_at_ms=tuple(s.received_at_ms for s in live),
+            report_seqs=tuple(s.seq for s in live),
         )
 
     @property

@@ -4,11 +4,19 @@ Demand reads the pool's wait from its servers' last reports, one per agent perio
 reports every prompt routed to the pool is missing from them, so in a burst the wait lags the
 queue by up to a period and Demand keeps failing while the queue grows. The broker knows of
 the prompts it answered NO_DEMAND (a router sends those to the pool at once), so it adds them,
-as a prompt sent at ``t`` is in a report received after ``t`` and in none received before.
+as a prompt is in no report stored before it was sent, and in those stored after.
 
-Not knowing which server took a prompt, a prompt counts in the share of the pool's reports that
-were received before it was sent: all of them until the first server reports again, none once
-every server has. Pure arithmetic; the bookkeeping is the broker's
+"Before" is told by the store's ingest sequence of each report (``StoredPoolLoad.seq``), which
+every replica reads alike, never by receipt times (each taken on the clock of whichever replica
+ingested the report: with clocks skewed by s, a prompt sent up to s before a report would still
+count until the server's next one). A prompt is stamped with the newest sequence the sending
+replica had seen of its pool: a report with a sequence up to that one was stored before the
+prompt was sent, so it cannot show it. A report with a higher one is taken to show it; one
+stored between the replica's read and the send does not, which under-counts (the safe side).
+
+Not knowing which server took a prompt, a prompt counts in the share of the pool's reports
+stored before it was sent: all of them until the first server reports again, none once every
+server has. Pure arithmetic; the bookkeeping is the broker's
 (:mod:`crossflow_ctl.service.pending`).
 """
 
@@ -18,28 +26,29 @@ from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 
 
-def report_times(reported_at_ms: Sequence[int]) -> tuple[int, ...]:
-    """A pool's report receipt times in the order :func:`sent_weight` takes them."""
-    return tuple(sorted(reported_at_ms))
+def report_order(report_seqs: Sequence[int]) -> tuple[int, ...]:
+    """A pool's report sequences in the order :func:`sent_weight` takes them."""
+    return tuple(sorted(report_seqs))
 
 
-def sent_weight(at_ms: int, tokens: int, times: Sequence[int]) -> int:
-    """``tokens`` sent at ``at_ms`` times the number of reports (``times``, sorted) received no
-    later: the reports that do not show them. Divided by ``len(times)``, the tokens unreported."""
-    return tokens * bisect_right(times, at_ms)
+def sent_weight(seen_seq: int, tokens: int, seqs: Sequence[int]) -> int:
+    """``tokens`` sent once the newest report seen was ``seen_seq``, times the number of reports
+    (``seqs``, sorted) stored no later: the reports that do not show them. Divided by
+    ``len(seqs)``, the tokens unreported."""
+    return tokens * bisect_right(seqs, seen_seq)
 
 
-def weighted_tokens(sent: Iterable[tuple[int, int]], times: Sequence[int]) -> int:
-    """:func:`sent_weight` summed over ``sent`` ((sent at ms, uncached tokens) pairs)."""
-    return sum(sent_weight(at_ms, tokens, times) for at_ms, tokens in sent)
+def weighted_tokens(sent: Iterable[tuple[int, int]], seqs: Sequence[int]) -> int:
+    """:func:`sent_weight` summed over ``sent`` ((newest sequence seen, uncached tokens) pairs)."""
+    return sum(sent_weight(seen_seq, tokens, seqs) for seen_seq, tokens in sent)
 
 
-def unreported_tokens(sent: Iterable[tuple[int, int]], reported_at_ms: Sequence[int]) -> int:
-    """Tokens of ``sent`` ((sent at ms, uncached tokens) pairs) the pool's reports, received at
-    ``reported_at_ms`` (one per server), do not show yet: each prompt weighted by the share of
-    reports received no later than it was sent (rounded down). No report times: none (the
-    conservative side: Demand then reads the reports alone)."""
-    if not reported_at_ms:
+def unreported_tokens(sent: Iterable[tuple[int, int]], report_seqs: Sequence[int]) -> int:
+    """Tokens of ``sent`` ((newest report sequence seen when sent, uncached tokens) pairs) the
+    pool's reports, stored with ``report_seqs`` (one per server), do not show yet: each prompt
+    weighted by the share of reports stored no later than the newest it had seen (rounded
+    down). No sequences: none (the conservative side: Demand then reads the reports alone)."""
+    if not report_seqs:
         return 0
-    times = report_times(reported_at_ms)
-    return weighted_tokens(sent, times) // len(times)
+    seqs = report_order(report_seqs)
+    return weighted_tokens(sent, seqs) // len(seqs)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
 from crossflow_ctl.domain.models import MAX_HORIZON_MS, Frozen, validated
 
 # GPT-OSS-120B-like: 2 (K and V) x 36 layers x 8 KV heads x 64 head dim x 2 bytes (bf16).
@@ -87,6 +88,51 @@ class PolicySettings(Frozen):
         if unknown:
             raise InvalidArgument(f"unknown policy setting {unknown[0]!r}", field=unknown[0])
         return validated(PolicySettings, **{**self.model_dump(), **updates})
+
+
+class RetiredHorizon(Frozen):
+    """A borrow horizon a policy change lowered, and until when (this replica's clock, ms) leases
+    sized over it, and reservations granted against them, may still be committed (see
+    :func:`retire_horizon`)."""
+
+    horizon_ms: int
+    until_ms: int
+
+
+def retire_horizon(
+    old: PolicySettings, new: PolicySettings, now_ms: int, refresh_ms: int
+) -> RetiredHorizon | None:
+    """What lowering the horizon from ``old``'s to ``new``'s at ``now_ms`` leaves in force, None
+    when it was not lowered. An agent may size leases over the old horizon until its replica
+    holds the new policy (``refresh_ms``, the replicas' re-read period) and pushes it (from then
+    on that replica also caps the leases it ingests: :func:`crossflow_ctl.domain.session.
+    within_horizon`); such a lease lives up to ``max_lease_ttl_ms`` after, and a reservation
+    granted against it is committed within ``hold_ttl_ms``: the longest of either policy."""
+    if new.borrow_horizon_ms >= old.borrow_horizon_ms:
+        return None
+    settle = (
+        refresh_ms
+        + max(old.max_lease_ttl_ms, new.max_lease_ttl_ms)
+        + max(old.hold_ttl_ms, new.hold_ttl_ms)
+    )
+    return RetiredHorizon(horizon_ms=old.borrow_horizon_ms, until_ms=now_ms + settle)
+
+
+def check_retired_horizons(
+    policy: PolicySettings, retired: Iterable[RetiredHorizon], now_ms: int
+) -> None:
+    """FailedPrecondition naming ``commit_ttl_ms`` when ``policy``'s commit TTL is below a horizon
+    still in force at ``now_ms``: a reservation committed now may run prefill sized over it
+    (DESIGN.md §4). Lowering the horizon and the commit TTL together takes two writes, the
+    second once the first has settled."""
+    for old in retired:
+        if now_ms < old.until_ms and policy.commit_ttl_ms < old.horizon_ms:
+            raise FailedPrecondition(
+                f"commit_ttl_ms ({policy.commit_ttl_ms}) must stay at least {old.horizon_ms}, "
+                f"the borrow horizon leases may still be sized over, for "
+                f"{old.until_ms - now_ms} ms more (lower the horizon first, then the commit TTL)",
+                field="commit_ttl_ms",
+            )
 
 
 MAX_POLICY_UPDATES = 64

@@ -317,7 +317,7 @@ class Admitter:
             else:
                 answers[i] = answer
                 if sent_to_pool(request, answer):  # later requests of the batch see it
-                    self.sent.record(request.pool, request.uncached_prompt_tokens, now)
+                    self.sent.record(request.pool, request.uncached_prompt_tokens)
         refusals: dict[int, list[str]] = {i: [] for i, _ in pending}
         records = {i: admit_record(self.store, requests[i], policy) for i, _ in pending}
         for attempt in range(MAX_DEBIT_TRIES):

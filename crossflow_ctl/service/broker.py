@@ -98,7 +98,7 @@ class Broker:
         self._zero_reasons: dict[str, str] = {}
         """Last zero-lease reason per node ("" once it lends again), for state-change logs."""
         self.broker_id = broker_id or settings.broker_id or "broker"
-        self._policy = PolicyKeeper(store, settings.policy)
+        self._policy = PolicyKeeper(store, settings.policy, clock, settings.policy_refresh_ms)
         self._orphans = OrphanDebits(lambda rid: self.release(rid, "cancelled"), store)
         """Releases debits that landed after their Admit had answered (see Admitter)."""
         self._admitter = Admitter(
@@ -124,6 +124,14 @@ class Broker:
     async def refresh_policy_forever(self, stop: asyncio.Event) -> None:
         """Re-read the shared policy every ``policy_refresh_ms`` until ``stop`` is set."""
         await refresh_forever(self.load_policy, stop, self.settings.policy_refresh_ms / 1000.0)
+
+    @property
+    def versioned_policy(self) -> VersionedPolicy:
+        return self._policy.current
+
+    async def policy_changed_after(self, version: int) -> VersionedPolicy:
+        """The policy once this replica holds a version other than ``version``."""
+        return await self._policy.changed_after(version)
 
     async def get_policy(self) -> VersionedPolicy:
         return await self._admin_call(self._policy.load())

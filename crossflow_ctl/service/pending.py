@@ -4,8 +4,10 @@ Demand's wait lags the pool's queue by up to one report period
 (:mod:`crossflow_ctl.domain.pending`). A prompt this replica answers NO_DEMAND goes to the
 prefill pool at once (a router never holds it: there is no room to wait for when the pool is
 not behind, and the client library's queue refuses to be configured to), so its uncached
-tokens are added to the pool's wait until reports received after it show it. A prompt answered
-NORMAL for another reason may be held by its router and reach the pool later or never
+tokens are added to the pool's wait until reports stored after it show it: a prompt is stamped
+with the newest ingest sequence of the pool's reports this replica has seen (every replica
+reads the same sequences; receipt times would compare clocks of different replicas). A prompt
+answered NORMAL for another reason may be held by its router and reach the pool later or never
 (borrowed on a re-offer): it is not counted.
 
 Why this is safe for stateless brokers (DESIGN.md §6): it is soft state, in this process only,
@@ -14,7 +16,7 @@ store's atomic check-and-debit, which this does not touch; the count only moves 
 toward what the pool will report anyway. What it misses only ever makes the wait lower, the
 reports alone being the floor: prompts sent through other replicas, prompts a router held and
 sent later, and everything before a restart. A lower wait means less borrowing, the side the
-system falls back to. A prompt counts only until the reports received after it, at most one
+system falls back to. A prompt counts only until the reports stored after it, at most one
 report period plus the replica's view cache age, so a count can never grow without bound.
 """
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.models import PoolSnapshot
-from crossflow_ctl.domain.pending import report_times, sent_weight, weighted_tokens
+from crossflow_ctl.domain.pending import report_order, sent_weight, weighted_tokens
 
 MAX_SENT = 65_536
 """Prompts remembered per pool: far more than one report period holds at any real rate; past
@@ -49,12 +51,14 @@ def sent_to_pool(request: AdmissionRequest, answer: Admission) -> bool:
 @dataclass(slots=True)
 class _Pool:
     sent: deque[tuple[int, int]] = field(default_factory=deque)
-    """(sent at ms, uncached tokens), in the order sent."""
+    """(newest report sequence seen when sent, uncached tokens), in the order sent."""
+    seen_seq: int = 0
+    """The newest report sequence of the pool this replica has seen (0: none)."""
     snapshot: PoolSnapshot | None = None
     """The snapshot ``weighted`` was computed for."""
-    times: tuple[int, ...] = ()
+    seqs: tuple[int, ...] = ()
     weighted: int = 0
-    """Sum of ``sent_weight`` over ``sent`` at ``times``."""
+    """Sum of ``sent_weight`` over ``sent`` at ``seqs``."""
 
 
 class SentToPools:
@@ -63,34 +67,36 @@ class SentToPools:
     def __init__(self) -> None:
         self._pools: dict[str, _Pool] = {}
 
-    def record(self, pool: str, tokens: int, now_ms: int) -> None:
-        """``tokens`` uncached tokens were sent to ``pool`` at ``now_ms``."""
+    def record(self, pool: str, tokens: int) -> None:
+        """``tokens`` uncached tokens were sent to ``pool`` now, after the newest of its reports
+        this replica has seen (:meth:`tokens` sees them: Demand reads it before answering)."""
         if tokens <= 0:
             return
         state = self._pools.setdefault(pool, _Pool())
         if len(state.sent) >= MAX_SENT:
-            at_ms, old = state.sent.popleft()
-            state.weighted -= sent_weight(at_ms, old, state.times)
-        state.sent.append((now_ms, tokens))
-        state.weighted += sent_weight(now_ms, tokens, state.times)
+            seen, old = state.sent.popleft()
+            state.weighted -= sent_weight(seen, old, state.seqs)
+        state.sent.append((state.seen_seq, tokens))
+        state.weighted += sent_weight(state.seen_seq, tokens, state.seqs)
 
     def tokens(self, snapshot: PoolSnapshot) -> int:
         """Uncached tokens sent to the pool that ``snapshot``'s reports do not show yet."""
-        state = self._pools.get(snapshot.pool)
-        if state is None or not snapshot.reported_at_ms:
-            return 0
+        state = self._pools.setdefault(snapshot.pool, _Pool())
         if snapshot is not state.snapshot:
-            times = report_times(snapshot.reported_at_ms)
-            if times != state.times:
-                self._renew(state, times)
+            seqs = report_order(snapshot.report_seqs)
+            if seqs and seqs[-1] > state.seen_seq:
+                state.seen_seq = seqs[-1]
+            if seqs != state.seqs:
+                self._renew(state, seqs)
             state.snapshot = snapshot
-        return state.weighted // len(state.times)
+        return state.weighted // len(state.seqs) if state.seqs else 0
 
     @staticmethod
-    def _renew(state: _Pool, times: tuple[int, ...]) -> None:
-        """New reports: forget the prompts every report shows (sent before the oldest), and
-        weigh the rest by the new reports."""
-        while state.sent and state.sent[0][0] < times[0]:
-            state.sent.popleft()
-        state.times = times
-        state.weighted = weighted_tokens(state.sent, times)
+    def _renew(state: _Pool, seqs: tuple[int, ...]) -> None:
+        """New reports: forget the prompts every report shows (sent after the oldest was
+        seen), and weigh the rest by the new reports."""
+        if seqs:
+            while state.sent and state.sent[0][0] < seqs[0]:
+                state.sent.popleft()
+        state.seqs = seqs
+        state.weighted = weighted_tokens(state.sent, seqs)

@@ -8,6 +8,14 @@ error; the startup policy from settings is only ever written into an empty store
 that has seen nothing newer. Writes are compare-and-set on the version: an operator's
 ``expected_version`` that is not the stored one is refused with Aborted (ABORTED), and a write
 without one retries on a concurrent change, never overwriting what it did not read.
+
+Each replica's streams push the policy-derived settings to their agents when the version this
+replica holds changes (:meth:`PolicyKeeper.changed_after`); a write that lowers the horizon is
+remembered for as long as leases sized over the old one may still be granted against, and until
+then no write may take the commit TTL below it (:func:`~crossflow_ctl.domain.policy.
+check_retired_horizons`). That memory is this replica's: one started since such a change, handed
+the second write, does not know of it (the operator's two writes would then have to land on
+different replicas within seconds of each other and of a restart).
 """
 
 from __future__ import annotations
@@ -19,8 +27,15 @@ from typing import Any
 import structlog
 
 from crossflow_ctl.aio import wait_any
+from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import Aborted, CrossflowError, InvalidArgument
-from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
+from crossflow_ctl.domain.policy import (
+    PolicySettings,
+    RetiredHorizon,
+    VersionedPolicy,
+    check_retired_horizons,
+    retire_horizon,
+)
 from crossflow_ctl.store.base import Store
 
 log = structlog.get_logger()
@@ -30,11 +45,43 @@ WRITE_TRIES = 3
 
 
 class PolicyKeeper:
-    def __init__(self, store: Store, initial: PolicySettings) -> None:
+    def __init__(
+        self, store: Store, initial: PolicySettings, clock: Clock, refresh_ms: int
+    ) -> None:
         self._store = store
         self._initial = initial
-        self.current = VersionedPolicy(policy=initial, version=0)
+        self._clock = clock
+        self._refresh_ms = refresh_ms
+        self._current = VersionedPolicy(policy=initial, version=0)
+        self._changed = asyncio.Event()
+        """Set (and replaced by a fresh one) whenever ``current`` takes another version."""
+        self._retired: list[RetiredHorizon] = []
+        """Horizons lowered by changes this replica has seen, while they may still be in use."""
+
+    @property
+    def current(self) -> VersionedPolicy:
         """The newest policy this replica has seen (version 0: only the startup one)."""
+        return self._current
+
+    def _adopt(self, policy: VersionedPolicy) -> None:
+        """Hold ``policy``: remember a horizon it lowers, and wake :meth:`changed_after`."""
+        old = self._current
+        if policy == old:
+            return
+        now = self._clock.now_ms()
+        retired = retire_horizon(old.policy, policy.policy, now, self._refresh_ms)
+        self._retired = [r for r in self._retired if r.until_ms > now]
+        if retired is not None and old.version > 0:
+            self._retired.append(retired)
+        self._current = policy
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def changed_after(self, version: int) -> VersionedPolicy:
+        """The current policy once its version is not ``version`` (at once if it is not now)."""
+        while self._current.version == version:
+            await self._changed.wait()
+        return self._current
 
     async def load(self) -> VersionedPolicy:
         """Adopt the store's policy; restore the newest seen one if the store lost it."""
@@ -42,7 +89,7 @@ class PolicyKeeper:
             stored = await self._store.get_policy()
             stored_version = stored.version if stored is not None else 0
             if stored is not None and stored.version >= self.current.version:
-                self.current = stored
+                self._adopt(stored)
                 return stored
             seen = self.current
             if seen.version > 0:
@@ -60,7 +107,7 @@ class PolicyKeeper:
                 await self._store.set_policy(write, expected_version=stored_version)
             except Aborted:
                 continue  # another replica wrote meanwhile: read again
-            self.current = write
+            self._adopt(write)
             return write
         return self.current
 
@@ -79,13 +126,19 @@ class PolicyKeeper:
                     field="expected_version",
                 )
             new = VersionedPolicy(policy=base.policy.updated(updates), version=base.version + 1)
+            now = self._clock.now_ms()
+            retired = list(self._retired)
+            lowered = retire_horizon(base.policy, new.policy, now, self._refresh_ms)
+            if lowered is not None:
+                retired.append(lowered)
+            check_retired_horizons(new.policy, retired, now)
             try:
                 await self._store.set_policy(new, expected_version=base.version)
             except Aborted:
                 if expected_version is not None:
                     raise
                 continue
-            self.current = new
+            self._adopt(new)
             log.info("policy.set", updates=sorted(updates), version=new.version)
             return new
         raise Aborted(

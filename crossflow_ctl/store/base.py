@@ -173,7 +173,9 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
-        """Record one prefill server's report; it expires after min(ttl, max_ttl)."""
+        """Record one prefill server's report; it expires after min(ttl, max_ttl). The report
+        gets the pool's next ingest sequence (``StoredPoolLoad.seq``), assigned by the store
+        itself, so every replica orders the pool's reports alike."""
 
     # -- admission --------------------------------------------------------------------------
     @abc.abstractmethod

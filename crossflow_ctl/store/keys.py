@@ -139,6 +139,11 @@ class Keys:
         """ZSET: prefill node id scored by its report's expiry (same tag as :meth:`pool`)."""
         return f"{self.namespace}:{{{self.namespace}:p:{pool}}}:exp"
 
+    def pool_seq(self, pool: str) -> str:
+        """STRING: the pool's last report ingest sequence, an INCR counter (same tag as
+        :meth:`pool`)."""
+        return f"{self.namespace}:{{{self.namespace}:p:{pool}}}:seq"
+
     @property
     def policy(self) -> str:
         """HASH: the shared policy: ``version`` and ``json`` (PolicySettings)."""

@@ -85,6 +85,8 @@ class MemoryStore(Store):
         self._rng = random.Random(seed)
         self._nodes: dict[str, NodeLedger] = {}
         self._pools: dict[str, dict[str, StoredPoolLoad]] = {}
+        self._pool_seq = 0
+        """The last pool report's ingest sequence (one counter for every pool)."""
         self._lenders: dict[str, int] = {}
         """Nodes with a live non-zero lease and no cordon -> lease expiry (for sampling)."""
         self._policy: VersionedPolicy | None = None
@@ -193,10 +195,12 @@ class MemoryStore(Store):
 
     async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
         async with self._lock:
+            self._pool_seq += 1
             self._pools.setdefault(load.pool, {})[load.node_id] = StoredPoolLoad.trusted(
                 load=load,
                 received_at_ms=now_ms,
                 expires_at_ms=now_ms + min(load.ttl_ms, max_ttl_ms),
+                seq=self._pool_seq,
             )
             if load.node_id in self._nodes:
                 self._seen[load.node_id] = now_ms

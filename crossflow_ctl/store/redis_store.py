@@ -274,8 +274,10 @@ class RedisStore(Store):
     async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
         expires = now_ms + min(load.ttl_ms, max_ttl_ms)
         stored = StoredPoolLoad(load=load, received_at_ms=now_ms, expires_at_ms=expires)
-        keys = [self._k.pool(load.pool), self._k.pool_expiries(load.pool)]
-        args: list[str | int] = [now_ms, load.node_id, stored.model_dump_json(), expires]
+        report = stored.model_dump_json(exclude={"seq"})  # the script adds the sequence
+        pool = load.pool
+        keys = [self._k.pool(pool), self._k.pool_expiries(pool), self._k.pool_seq(pool)]
+        args: list[str | int] = [now_ms, load.node_id, report, expires]
         async with self._backend("put_pool_load"):
             await self._scripts.run_with(
                 "put_pool_load", keys, args, ("SADD", self._k.pools, load.pool)

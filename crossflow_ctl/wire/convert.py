@@ -32,6 +32,7 @@ from crossflow_ctl.domain.models import (
     validated_from,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.session import SessionSettings
 
 E = TypeVar("E", bound=Enum)
 
@@ -205,6 +206,24 @@ def notice_from_proto(msg: lease_pb2.Notice, node_id: str) -> Notice:
         reservation_id=msg.reservation_id,
         debit=credits_from_proto(msg.debit, "debit"),
         at_ms=msg.at_unix_ms,
+    )
+
+
+def session_settings_to_proto(settings: SessionSettings) -> lease_pb2.SessionSettings:
+    return lease_pb2.SessionSettings(
+        max_lease_ttl_ms=settings.max_lease_ttl_ms,
+        borrow_horizon_ms=settings.borrow_horizon_ms,
+        kv_bytes_per_token=settings.kv_bytes_per_token,
+        policy_version=settings.policy_version,
+    )
+
+
+def session_settings_from_proto(msg: lease_pb2.SessionSettings) -> SessionSettings:
+    return SessionSettings(
+        max_lease_ttl_ms=msg.max_lease_ttl_ms,
+        borrow_horizon_ms=msg.borrow_horizon_ms,
+        kv_bytes_per_token=msg.kv_bytes_per_token,
+        policy_version=msg.policy_version,
     )
 
 

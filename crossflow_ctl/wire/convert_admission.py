@@ -289,6 +289,7 @@ MIRRORS: dict[str, tuple[Converter, Converter]] = {
     "crossflow.v1.Lease": (c.lease_to_proto, c.lease_from_proto),
     "crossflow.v1.PoolLoad": (c.pool_load_to_proto, c.pool_load_from_proto),
     "crossflow.v1.Notice": (c.notice_to_proto, c.notice_from_proto),
+    "crossflow.v1.SessionSettings": (c.session_settings_to_proto, c.session_settings_from_proto),
     "crossflow.v1.Reservation": (c.reservation_to_proto, c.reservation_from_proto),
     "crossflow.v1.NodeStatus": (c.node_status_to_proto, c.node_state_from_proto),
     "crossflow.v1.PoolStatus": (c.pool_to_proto, c.pool_from_proto),

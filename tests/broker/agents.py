@@ -77,6 +77,8 @@ class FakeAgent:
         """Messages that carried notices together (``notice_batches``)."""
         self._notice_event = asyncio.Event()
         self.welcome: lease_pb2.Welcome | None = None
+        self.settings: list[lease_pb2.SessionSettings] = []
+        """SessionSettings pushed after the Welcome, in order."""
         self.ended: grpc.StatusCode | None = None
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None
@@ -108,6 +110,9 @@ class FakeAgent:
                     self.heartbeats.put_nowait(msg.heartbeat)
                 elif body == "notice":
                     self.notices.append(msg.notice)
+                    self._notice_event.set()
+                elif body == "settings":
+                    self.settings.append(msg.settings)
                     self._notice_event.set()
                 elif body == "notices":
                     self.notices.extend(msg.notices.notices)
@@ -175,6 +180,18 @@ class FakeAgent:
                     raise AssertionError(f"stream ended ({self.ended}) before the notice came")
                 self._notice_event.clear()
                 await self._notice_event.wait()
+
+    async def wait_settings(
+        self, count: int, timeout_s: float = 5.0
+    ) -> list[lease_pb2.SessionSettings]:
+        """The pushed SessionSettings once there are ``count``."""
+        async with asyncio.timeout(timeout_s):
+            while len(self.settings) < count:
+                if self.ended is not None:
+                    raise AssertionError(f"stream ended ({self.ended}) before the settings came")
+                self._notice_event.clear()
+                await self._notice_event.wait()
+        return self.settings
 
     async def close(self) -> None:
         if self._call is not None:

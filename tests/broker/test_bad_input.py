@@ -255,7 +255,8 @@ async def test_any_credit_is_stored_iff_valid(node, credits: dict[str, int]) -> 
     }
     bad = [k for k, v in credits.items() if not 0 <= v <= limits[k]]
     before = await _stored_version(server)
-    ack = await agent.send_lease(credits=credits)
+    # No rate: compute is stored as sent, not capped to the horizon (test_policy_horizon).
+    ack = await agent.send_lease(credits=credits, borrowed_prefill_rate_tps=0.0)
     if bad:
         assert ack.result == lease_pb2.LEASE_RESULT_INVALID
         assert ack.message.startswith(f"lease.credits.{bad[0]}") or any(

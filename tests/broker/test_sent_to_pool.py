@@ -5,6 +5,7 @@ own; a prompt that may be held (any other NORMAL), a dry run or a retry does not
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -29,12 +30,15 @@ from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.service.pending import MAX_SENT, SentToPools, sent_to_pool
 from crossflow_ctl.store.base import Store
+from crossflow_ctl.store.redis_store import DEFAULT_CACHE_MAX_AGE_MS
 from tests.broker.conftest import TEST_POLICY
 
 # 100 ms threshold for every prompt; the pool reports 500 tokens at 10,000 tokens/s (50 ms) and
 # each prompt is 300 uncached tokens (30 ms): two prompts sent make the wait 110 ms.
 POLICY = TEST_POLICY.model_copy(update={"demand_threshold_ms": 100.0, "demand_prefill_ratio": None})
 PROMPT = 300
+VIEW_CACHE_S = 2 * DEFAULT_CACHE_MAX_AGE_MS / 1000
+"""Past the Redis store's view cache age bound (judged on the monotonic clock)."""
 
 
 @pytest.fixture
@@ -128,30 +132,60 @@ async def test_dry_runs_and_retries_are_not_sent(store: Store) -> None:
     assert wait_ms(await broker.admit(ask())) == pytest.approx(50.0)
 
 
-def snapshot(*reported_at_ms: int) -> PoolSnapshot:
-    load = PoolLoad(node_id="p1", outstanding_uncached_tokens=0, processing_rate_tps=1.0, ttl_ms=1)
-    return PoolSnapshot(
-        pool="default", reports=(load,) * len(reported_at_ms), reported_at_ms=reported_at_ms
+async def test_replicas_with_skewed_clocks_order_reports_alike(
+    store_factory: Callable[[], Store],
+) -> None:
+    """The report is ingested by a replica whose clock is SKEW behind the sending one's: the
+    prompts were sent before it was stored, so it shows them and the count starts over. Ordered
+    by receipt time (the ingesting replica's clock, SKEW behind) they would still count, and
+    the third prompt below would read 110 ms and fail Demand's NO_DEMAND."""
+    skew = 500
+    sender_clock = ManualClock(1_700_000_000_000)
+    sender = Broker(store_factory(), sender_clock, BrokerSettings(policy=POLICY))
+    ingester = Broker(
+        store_factory(), ManualClock(sender_clock.now_ms() - skew), BrokerSettings(policy=POLICY)
     )
+    try:
+        await sender.register("p1", NodeRole.PREFILL, "default", {})
+        await report(ingester)
+        sender_clock.advance(1)
+        for _ in range(2):
+            assert (await sender.admit(ask())).reason is Reason.NO_DEMAND
+        sender_clock.advance(1)
+        await report(ingester)  # stored after both prompts (its receipt time: SKEW - 2 before)
+        sender_clock.advance(1)
+        await asyncio.sleep(VIEW_CACHE_S)  # the sender's cached view is read again
+        answer = await sender.admit(ask())
+        assert answer.reason is Reason.NO_DEMAND and wait_ms(answer) == pytest.approx(50.0)
+    finally:
+        await asyncio.gather(sender.store.close(), ingester.store.close())
+
+
+def snapshot(*report_seqs: int) -> PoolSnapshot:
+    load = PoolLoad(node_id="p1", outstanding_uncached_tokens=0, processing_rate_tps=1.0, ttl_ms=1)
+    return PoolSnapshot(pool="default", reports=(load,) * len(report_seqs), report_seqs=report_seqs)
 
 
 def test_the_count_follows_the_reports_it_is_read_against() -> None:
     sent = SentToPools()
-    sent.record("default", 100, now_ms=10)  # before any read: weighed at the first one
-    assert sent.tokens(snapshot(5, 20)) == 50
-    sent.record("default", 200, now_ms=30)
-    assert sent.tokens(snapshot(5, 20)) == 250
-    assert sent.tokens(snapshot(25, 20)) == 200  # the first server reported again
+    sent.record("default", 999)  # before any report was seen: in every report, never counted
+    assert sent.tokens(snapshot(5, 20)) == 0
+    sent.record("default", 100)  # after seeing 5 and 20: in neither
+    assert sent.tokens(snapshot(5, 20)) == 100
+    assert sent.tokens(snapshot(5, 25)) == 50  # the second server reported again
+    sent.record("default", 200)  # after seeing 25
+    assert sent.tokens(snapshot(30, 25)) == 100  # the first server reported again
     # Older reports again (a stale view): what was forgotten stays so, the under-counting side.
     assert sent.tokens(snapshot(5)) == 200
-    assert sent.tokens(snapshot()) == 0  # receipt times unknown
+    assert sent.tokens(snapshot()) == 0  # sequences unknown
     assert sent.tokens(PoolSnapshot(pool="other", reports=snapshot(1).reports)) == 0
 
 
 def test_the_oldest_prompts_are_forgotten_past_the_bound() -> None:
-    sent, reports = SentToPools(), snapshot(0)
+    sent, reports = SentToPools(), snapshot(1)
+    assert sent.tokens(reports) == 0
     for i in range(MAX_SENT + 10):
-        sent.record("default", 1 if i < 10 else 2, now_ms=i)
+        sent.record("default", 1 if i < 10 else 2)
         if i == 0:
             assert sent.tokens(reports) == 1
     assert sent.tokens(reports) == 2 * MAX_SENT
@@ -179,7 +213,7 @@ def test_a_router_queue_never_holds_a_no_demand_answer() -> None:
 @given(
     st.lists(
         st.tuples(
-            st.integers(min_value=0, max_value=50),  # ms until the event
+            st.integers(min_value=0, max_value=50),  # sequences taken before the event
             st.one_of(
                 st.integers(min_value=1, max_value=5_000),  # a prompt's uncached tokens sent
                 st.sets(st.integers(min_value=0, max_value=3), min_size=1),  # servers reporting
@@ -191,30 +225,35 @@ def test_a_router_queue_never_holds_a_no_demand_answer() -> None:
 def test_the_book_counts_what_the_domain_rule_counts(events: list[tuple[int, Any]]) -> None:
     """The replica's book (incremental: it forgets what every report shows) gives, after every
     send and every new report, what :func:`~crossflow_ctl.domain.pending.unreported_tokens`
-    gives over everything sent: the book is that rule, not a second one."""
+    gives over everything sent, each prompt stamped with the newest report sequence seen: the
+    book is that rule, not a second one."""
     book = SentToPools()
     sent: list[tuple[int, int]] = []
-    reported = {0: 0}  # server -> its last report's receipt time; each report is newer
-    now = 0
-    for wait, event in events:
-        now += wait
+    reported = {0: 1}  # server -> its last report's ingest sequence; each report is newer
+    seq = 1
+    book.tokens(pool_snapshot(reported))
+    for skip, event in events:
+        seq += skip  # reports of other pools take sequences too (one MemoryStore counter)
         if isinstance(event, int):
-            book.record("default", event, now)
-            sent.append((now, event))
+            book.record("default", event)
+            sent.append((max(reported.values()), event))
         else:
-            reported.update(dict.fromkeys(event, now))
-        times = tuple(reported[s] for s in sorted(reported))
-        snapshot = PoolSnapshot(
-            pool="default",
-            reports=tuple(
-                PoolLoad(
-                    node_id=f"p{s}",
-                    outstanding_uncached_tokens=0,
-                    processing_rate_tps=1.0,
-                    ttl_ms=1,
-                )
-                for s in sorted(reported)
-            ),
-            reported_at_ms=times,
-        )
-        assert book.tokens(snapshot) == unreported_tokens(sent, times)
+            for server in sorted(event):
+                seq += 1
+                reported[server] = seq
+        snapshot = pool_snapshot(reported)
+        assert book.tokens(snapshot) == unreported_tokens(sent, snapshot.report_seqs)
+
+
+def pool_snapshot(reported: dict[int, int]) -> PoolSnapshot:
+    """The pool's snapshot of ``reported`` (server -> its last report's sequence)."""
+    return PoolSnapshot(
+        pool="default",
+        reports=tuple(
+            PoolLoad(
+                node_id=f"p{s}", outstanding_uncached_tokens=0, processing_rate_tps=1.0, ttl_ms=1
+            )
+            for s in sorted(reported)
+        ),
+        report_seqs=tuple(reported[s] for s in sorted(reported)),
+    )

@@ -14,12 +14,12 @@ from crossflow_ctl.domain.policy import PolicySettings
 
 SETTINGS = PolicySettings(demand_threshold_ms=100.0)
 
-times = st.integers(min_value=0, max_value=10_000)
-sends = st.lists(st.tuples(times, st.integers(min_value=0, max_value=100_000)), max_size=30)
-reports = st.lists(times, min_size=1, max_size=8)
+seqs = st.integers(min_value=0, max_value=10_000)
+sends = st.lists(st.tuples(seqs, st.integers(min_value=0, max_value=100_000)), max_size=30)
+reports = st.lists(seqs, min_size=1, max_size=8)
 
 
-def pool(outstanding: int, rate: float, reported_at_ms: tuple[int, ...] = (0,)) -> PoolSnapshot:
+def pool(outstanding: int, rate: float, report_seqs: tuple[int, ...] = (1,)) -> PoolSnapshot:
     loads = tuple(
         PoolLoad(
             node_id=f"p{i}",
@@ -27,46 +27,47 @@ def pool(outstanding: int, rate: float, reported_at_ms: tuple[int, ...] = (0,)) 
             processing_rate_tps=rate if i == 0 else 0.0,
             ttl_ms=1000,
         )
-        for i in range(len(reported_at_ms))
+        for i in range(len(report_seqs))
     )
-    return PoolSnapshot(pool="default", reports=loads, reported_at_ms=reported_at_ms)
+    return PoolSnapshot(pool="default", reports=loads, report_seqs=report_seqs)
 
 
-def test_a_prompt_counts_in_the_share_of_reports_received_before_it_was_sent() -> None:
-    # Two servers reported at 100 and 200 ms: a prompt sent at 150 may be in the second one's.
+def test_a_prompt_counts_in_the_share_of_reports_stored_before_it_was_sent() -> None:
+    # Two servers' reports got sequences 100 and 200: a prompt sent once the newest report seen
+    # was 150 may be in the second one's.
     assert unreported_tokens([(150, 1000)], [200, 100]) == 500
     assert unreported_tokens([(250, 1000)], [100, 200]) == 1000
     assert unreported_tokens([(50, 1000)], [100, 200]) == 0
-    # A prompt sent the same millisecond a report was received is not in it.
+    # A prompt sent after the replica saw a report is not in it.
     assert unreported_tokens([(200, 1000)], [200]) == 1000
-    assert unreported_tokens([(150, 999)], []) == 0  # no receipt times: nothing counted
+    assert unreported_tokens([(150, 999)], []) == 0  # no sequences: nothing counted
 
 
 @given(sends, reports)
 def test_never_more_than_was_sent_nor_less_than_nothing(
-    sent: list[tuple[int, int]], at: list[int]
+    sent: list[tuple[int, int]], stored: list[int]
 ) -> None:
-    assert 0 <= unreported_tokens(sent, at) <= sum(t for _, t in sent)
+    assert 0 <= unreported_tokens(sent, stored) <= sum(t for _, t in sent)
 
 
 @given(sends, reports)
 def test_all_of_it_before_any_report_none_of_it_after_every_one(
-    sent: list[tuple[int, int]], at: list[int]
+    sent: list[tuple[int, int]], stored: list[int]
 ) -> None:
-    later = [(max(at) + 1 + t, n) for t, n in sent]
-    assert unreported_tokens(later, at) == sum(n for _, n in sent)
-    earlier = [(min(at) - 1 - t, n) for t, n in sent]
-    assert unreported_tokens(earlier, at) == 0
+    later = [(max(stored) + 1 + t, n) for t, n in sent]
+    assert unreported_tokens(later, stored) == sum(n for _, n in sent)
+    earlier = [(min(stored) - 1 - t, n) for t, n in sent]
+    assert unreported_tokens(earlier, stored) == 0
 
 
-@given(sends, reports, st.integers(min_value=0, max_value=7), times)
+@given(sends, reports, st.integers(min_value=0, max_value=7), seqs)
 def test_a_newer_report_never_adds(
-    sent: list[tuple[int, int]], at: list[int], which: int, later_by: int
+    sent: list[tuple[int, int]], stored: list[int], which: int, later_by: int
 ) -> None:
-    """A server reporting again (later) can only show more of what was sent."""
-    i = which % len(at)
-    renewed = [*at[:i], at[i] + later_by, *at[i + 1 :]]
-    assert unreported_tokens(sent, renewed) <= unreported_tokens(sent, at)
+    """A server reporting again (stored later) can only show more of what was sent."""
+    i = which % len(stored)
+    renewed = [*stored[:i], stored[i] + later_by, *stored[i + 1 :]]
+    assert unreported_tokens(sent, renewed) <= unreported_tokens(sent, stored)
 
 
 def test_pending_tokens_add_to_the_wait_at_the_pools_rate() -> None:

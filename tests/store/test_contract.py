@@ -357,6 +357,25 @@ async def test_pool_load_reports_expire(store: Store) -> None:
     assert [(p.pool, len(p.reports)) for p in pools] == [("default", 1)]
 
 
+async def test_pool_reports_take_rising_ingest_sequences(store: Store) -> None:
+    """Each stored report gets a sequence above every earlier one of its pool, whatever the
+    caller's clock says (here it goes back): replicas order reports by it, not by receipt."""
+    seen: list[int] = []
+    for node, now in (("p1", NOW), ("p2", NOW - 400), ("p1", NOW - 900)):
+        load = PoolLoad(
+            node_id=node, outstanding_uncached_tokens=10, processing_rate_tps=10.0, ttl_ms=5_000
+        )
+        await store.put_pool_load(load, now, 5_000)
+        pool, _ = await store.admission_view("default", [], 0, NOW)
+        assert pool is not None
+        seqs = dict(zip((r.node_id for r in pool.reports), pool.report_seqs, strict=True))
+        assert seqs[node] > max(seen, default=0)
+        seen.append(seqs[node])
+        assert pool.reports[0].outstanding_uncached_tokens == 10  # the report reads back whole
+    listed = await store.list_pools(NOW)
+    assert sorted(listed[0].report_seqs) == sorted(seen[1:])
+
+
 # -- operators ---------------------------------------------------------------------------------
 async def test_list_get_history_and_events(store: Store) -> None:
     await register(store, "d2", "d1")

@@ -35,7 +35,8 @@ def test_nodes_spread_and_pool_keys_share_a_slot() -> None:
     keys = Keys("cf")
     node_slots = slots(*(keys.node(f"d{i}").info for i in range(64)))
     assert len(node_slots) > 32  # nodes spread over the cluster, not one hot slot
-    assert len(slots(keys.pool("default"), keys.pool_expiries("default"))) == 1
+    pool_keys = (keys.pool("default"), keys.pool_expiries("default"), keys.pool_seq("default"))
+    assert len(set(pool_keys)) == 3 and len(slots(*pool_keys)) == 1
     assert Keys("a").node("d1").info != Keys("b").node("d1").info
 
 

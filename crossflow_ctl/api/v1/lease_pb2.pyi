@@ -222,6 +222,42 @@ class Welcome(_message.Message):
 Global___Welcome: _TypeAlias = Welcome  # noqa: Y015
 
 @_typing.final
+class SessionSettings(_message.Message):
+    """The settings the broker derives from its shared policy, sent down an open stream whenever
+    the policy version the replica holds changes them (the Welcome carries those at connect
+    time). The agent sizes its next lease with them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
+    BORROW_HORIZON_MS_FIELD_NUMBER: _builtins.int
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    max_lease_ttl_ms: _builtins.int
+    borrow_horizon_ms: _builtins.int
+    """How long borrowed work taken on now may run: the agent sizes compute and output over it."""
+    kv_bytes_per_token: _builtins.int
+    """As in Welcome: the unit of a grant's kv_transfer_bytes, in bytes per token."""
+    policy_version: _builtins.int
+    """The shared policy's version these come from."""
+    def __init__(
+        self,
+        *,
+        max_lease_ttl_ms: _builtins.int = ...,
+        borrow_horizon_ms: _builtins.int = ...,
+        kv_bytes_per_token: _builtins.int = ...,
+        policy_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrow_horizon_ms", b"borrow_horizon_ms", "kv_bytes_per_token", b"kv_bytes_per_token", "max_lease_ttl_ms", b"max_lease_ttl_ms", "policy_version", b"policy_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionSettings: _TypeAlias = SessionSettings  # noqa: Y015
+
+@_typing.final
 class LeaseAck(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -320,6 +356,7 @@ class ConnectResponse(_message.Message):
     NOTICE_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     NOTICES_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -330,6 +367,8 @@ class ConnectResponse(_message.Message):
     def heartbeat(self) -> Global___Heartbeat: ...
     @_builtins.property
     def notices(self) -> Global___NoticeBatch: ...
+    @_builtins.property
+    def settings(self) -> Global___SessionSettings: ...
     def __init__(
         self,
         *,
@@ -338,12 +377,13 @@ class ConnectResponse(_message.Message):
         notice: Global___Notice | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
         notices: Global___NoticeBatch | None = ...,
+        settings: Global___SessionSettings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "lease_ack", b"lease_ack", "notice", b"notice", "notices", b"notices", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "lease_ack", b"lease_ack", "notice", b"notice", "notices", b"notices", "settings", b"settings", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "lease_ack", b"lease_ack", "notice", b"notice", "notices", b"notices", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "lease_ack", b"lease_ack", "notice", b"notice", "notices", b"notices", "settings", b"settings", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "lease_ack", "notice", "heartbeat", "notices"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "lease_ack", "notice", "heartbeat", "notices", "settings"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 

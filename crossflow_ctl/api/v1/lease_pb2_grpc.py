@@ -49,7 +49,8 @@ class LeaseServiceServicer:
     def Connect(self, request_iterator, context):
         """The agent sends a Hello first, then leases (decode role) or pool load
         (prefill role) and heartbeats. The broker answers with a Welcome, an ack
-        per lease, and notices (grants, releases, directives) for the node.
+        per lease, notices (grants, releases, directives) for the node, and new
+        SessionSettings when the shared policy changes them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

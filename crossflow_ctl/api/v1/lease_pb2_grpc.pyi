@@ -36,7 +36,8 @@ class LeaseServiceStub:
     Connect: _grpc.StreamStreamMultiCallable[_lease_pb2.ConnectRequest, _lease_pb2.ConnectResponse]
     """The agent sends a Hello first, then leases (decode role) or pool load
     (prefill role) and heartbeats. The broker answers with a Welcome, an ack
-    per lease, and notices (grants, releases, directives) for the node.
+    per lease, notices (grants, releases, directives) for the node, and new
+    SessionSettings when the shared policy changes them.
     """
 
 @_typing.type_check_only
@@ -47,7 +48,8 @@ class LeaseServiceAsyncStub(LeaseServiceStub):
     Connect: _aio.StreamStreamMultiCallable[_lease_pb2.ConnectRequest, _lease_pb2.ConnectResponse]  # type: ignore[assignment]
     """The agent sends a Hello first, then leases (decode role) or pool load
     (prefill role) and heartbeats. The broker answers with a Welcome, an ack
-    per lease, and notices (grants, releases, directives) for the node.
+    per lease, notices (grants, releases, directives) for the node, and new
+    SessionSettings when the shared policy changes them.
     """
 
 class LeaseServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -61,7 +63,8 @@ class LeaseServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_lease_pb2.ConnectResponse], _abc.AsyncIterator[_lease_pb2.ConnectResponse]]:
         """The agent sends a Hello first, then leases (decode role) or pool load
         (prefill role) and heartbeats. The broker answers with a Welcome, an ack
-        per lease, and notices (grants, releases, directives) for the node.
+        per lease, notices (grants, releases, directives) for the node, and new
+        SessionSettings when the shared policy changes them.
         """
 
 def add_LeaseServiceServicer_to_server(servicer: LeaseServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
