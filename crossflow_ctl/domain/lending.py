@@ -43,30 +43,43 @@ from crossflow_ctl.domain.models import (
 )
 
 
-def _memo(
-    roof: Roofline, batch: int, context: int, prefix: int, step: int
-) -> tuple[Callable[[int], float], dict[int, float]]:
-    """Step time with ``n`` grid steps of chunk, each n evaluated once; and the values seen."""
+def _fit_chunk(
+    roof: Roofline,
+    budget_s: float,
+    batch: int,
+    context: int,
+    prefix: int,
+    step: int,
+    top: int,
+    base_s: float,
+) -> tuple[int, dict[int, float]]:
+    """The largest n in [1, top] with ``t(n) = step_s(batch, context, n * step, prefix) <=
+    budget_s`` (0: not even one step fits), by :func:`last_fitting`'s secant search with
+    ``t(0) = base_s``, written out for the chunk (no callback: the agent runs it every period);
+    and each step time it evaluated, by n (the answer's among them)."""
     seen: dict[int, float] = {}
-
-    def t_of(n: int) -> float:
-        t = seen.get(n)
-        if t is None:
-            t = seen[n] = roof.step_s(batch, context, n * step, prefix)
-        return t
-
-    return t_of, seen
-
-
-def _largest(
-    t_of: Callable[[int], float], budget_s: float, step: int, top: int, base_s: float
-) -> tuple[int, float]:
     if top < 1:
-        return 0, 0.0
-    t_one = t_of(1)
-    if t_one > budget_s:
-        return 0, 0.0
-    return last_fitting(t_of, budget_s, 1, t_one, top, base_s, step)
+        return 0, seen
+    step_s = roof.step_s
+    t_lo = seen[1] = step_s(batch, context, step, prefix)
+    if t_lo > budget_s:
+        return 0, seen
+    lo, hi = 1, top + 1
+    a_n, a_t, b_n, b_t = 0, base_s, 1, t_lo
+    while hi - lo > 1:
+        slope = (b_t - a_t) / (b_n - a_n)
+        n = hi - 1 if slope <= 0.0 else b_n + int((budget_s - b_t) / slope)
+        if n >= hi:
+            n = hi - 1
+        elif n <= lo:
+            n = lo + 1
+        t_n = seen[n] = step_s(batch, context, n * step, prefix)
+        a_n, a_t, b_n, b_t = b_n, b_t, n, t_n
+        if t_n <= budget_s:
+            lo = n
+        else:
+            hi = n
+    return lo, seen
 
 
 def largest_chunk(
@@ -82,8 +95,8 @@ def largest_chunk(
     """(largest grid chunk P with ``t(batch, context, P; prefix) <= budget_s``, its step time);
     (0, 0.0) when not even one grid step fits. ``base_s`` is ``t(batch, context)`` if known."""
     base = roof.step_s(batch, context) if base_s is None else base_s
-    t_of, _ = _memo(roof, batch, context, prefix, step)
-    return _largest(t_of, budget_s, step, max_chunk // step, base)
+    n, seen = _fit_chunk(roof, budget_s, batch, context, prefix, step, max_chunk // step, base)
+    return (n * step, seen[n]) if n else (0, 0.0)
 
 
 def best_chunk(
@@ -104,18 +117,26 @@ def best_chunk(
     peak in the rare second case. The best rate over a set that shrinks as the load grows (or
     the budget tightens) never rises, which keeps every credit monotonic."""
     base = roof.step_s(batch, context) if base_s is None else base_s
-    t_of, seen = _memo(roof, batch, context, prefix, step)
-    size, t = _largest(t_of, budget_s, step, max_chunk // step, base)
-    n = size // step
-    if n <= 1:
-        return size, t
+    n, seen = _fit_chunk(roof, budget_s, batch, context, prefix, step, max_chunk // step, base)
+    if n == 0:
+        return 0, 0.0
+    t = seen[n]
+    if n == 1:
+        return step, t
     above = seen.get(n + 1)
     if above is not None and (above - t) * n <= t:
         # step time is convex in the chunk here (a max of terms linear or quadratic in it), so
         # the rise from n - 1 is at most the rise to n + 1: the rate still grows at n
-        return size, t
+        return n * step, t
+
+    def t_of(k: int) -> float:
+        t_k = seen.get(k)
+        if t_k is None:
+            t_k = seen[k] = roof.step_s(batch, context, k * step, prefix)
+        return t_k
+
     if (n - 1) / t_of(n - 1) <= n / t:
-        return size, t
+        return n * step, t
     lo, hi = 1, n - 1
     while hi - lo > 2:
         m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
@@ -145,8 +166,11 @@ def last_fitting(
     a_n, a_t, b_n, b_t = 0, t_zero, lo, t_lo
     while hi - lo > 1:
         slope = (b_t - a_t) / (b_n - a_n)
-        guess = hi - 1 if slope <= 0.0 else b_n + int((budget - b_t) / slope)
-        n = min(hi - 1, max(lo + 1, guess))
+        n = hi - 1 if slope <= 0.0 else b_n + int((budget - b_t) / slope)
+        if n >= hi:
+            n = hi - 1
+        elif n <= lo:
+            n = lo + 1
         t_n = t_of(n)
         a_n, a_t, b_n, b_t = b_n, b_t, n, t_n
         if t_n <= budget:

@@ -1,0 +1,159 @@
+"""The chunk searches, written out for speed, against the straightforward search they replace.
+
+The agent sizes its chunk and prices its lease every period, and the simulator does so for every
+agent tick, so :func:`best_chunk` runs the secant search inline instead of through a memoised
+callback. It must return exactly what the callback version returns (every simulated result
+depends on it): the reference below is that version, kept as the specification."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, Roofline, roofline
+from crossflow_ctl.domain.lending import best_chunk, largest_chunk, last_fitting
+
+
+def _memo(
+    roof: Roofline, batch: int, context: int, prefix: int, step: int
+) -> tuple[Callable[[int], float], dict[int, float]]:
+    seen: dict[int, float] = {}
+
+    def t_of(n: int) -> float:
+        t = seen.get(n)
+        if t is None:
+            t = seen[n] = roof.step_s(batch, context, n * step, prefix)
+        return t
+
+    return t_of, seen
+
+
+def _reference_last_fitting(
+    t_of: Callable[[int], float],
+    budget: float,
+    lo: int,
+    t_lo: float,
+    top: int,
+    t_zero: float,
+    scale: int = 1,
+) -> tuple[int, float]:
+    hi = top + 1
+    a_n, a_t, b_n, b_t = 0, t_zero, lo, t_lo
+    while hi - lo > 1:
+        slope = (b_t - a_t) / (b_n - a_n)
+        guess = hi - 1 if slope <= 0.0 else b_n + int((budget - b_t) / slope)
+        n = min(hi - 1, max(lo + 1, guess))
+        t_n = t_of(n)
+        a_n, a_t, b_n, b_t = b_n, b_t, n, t_n
+        if t_n <= budget:
+            lo, t_lo = n, t_n
+        else:
+            hi = n
+    return lo * scale, t_lo
+
+
+def _reference_largest(
+    t_of: Callable[[int], float], budget_s: float, step: int, top: int, base_s: float
+) -> tuple[int, float]:
+    if top < 1:
+        return 0, 0.0
+    t_one = t_of(1)
+    if t_one > budget_s:
+        return 0, 0.0
+    return _reference_last_fitting(t_of, budget_s, 1, t_one, top, base_s, step)
+
+
+def _reference_best_chunk(
+    roof: Roofline,
+    budget_s: float,
+    batch: int,
+    context: int,
+    prefix: int,
+    step: int,
+    max_chunk: int,
+) -> tuple[int, float]:
+    base = roof.step_s(batch, context)
+    t_of, seen = _memo(roof, batch, context, prefix, step)
+    size, t = _reference_largest(t_of, budget_s, step, max_chunk // step, base)
+    n = size // step
+    if n <= 1:
+        return size, t
+    above = seen.get(n + 1)
+    if above is not None and (above - t) * n <= t:
+        return size, t
+    if (n - 1) / t_of(n - 1) <= n / t:
+        return size, t
+    lo, hi = 1, n - 1
+    while hi - lo > 2:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if m1 / t_of(m1) < m2 / t_of(m2):
+            lo = m1 + 1
+        else:
+            hi = m2
+    best = max(range(lo, hi + 1), key=lambda k: k / t_of(k))
+    return best * step, t_of(best)
+
+
+search_inputs = (
+    st.sampled_from(sorted(MODEL_PRESETS)),
+    st.sampled_from(sorted(NODE_PRESETS)),
+    st.floats(0.001, 0.5),
+    st.integers(0, 512),
+    st.integers(0, 100_000),
+    st.sampled_from([0, 128, 4_096, 40_960, 200_000]) | st.integers(0, 300_000),
+    st.sampled_from([64, 256, 512, 1_000]),
+    st.integers(0, 128),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(*search_inputs)
+def test_the_inline_chunk_searches_return_what_the_callback_search_returns(
+    model: str,
+    node: str,
+    budget: float,
+    batch: int,
+    per_request: int,
+    prefix: int,
+    step: int,
+    steps: int,
+) -> None:
+    roof = roofline(MODEL_PRESETS[model], NODE_PRESETS[node])
+    context = batch * per_request
+    max_chunk = max(1, steps * step)
+    t_of, _ = _memo(roof, batch, context, prefix, step)
+    base = roof.step_s(batch, context)
+    expected = _reference_largest(t_of, budget, step, max_chunk // step, base)
+    assert largest_chunk(roof, budget, batch, context, prefix, step, max_chunk) == expected
+    assert best_chunk(roof, budget, batch, context, prefix, step, max_chunk) == (
+        _reference_best_chunk(roof, budget, batch, context, prefix, step, max_chunk)
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(sorted(MODEL_PRESETS)),
+    st.sampled_from(sorted(NODE_PRESETS)),
+    st.floats(0.001, 0.5),
+    st.integers(0, 512),
+    st.integers(0, 200_000),
+    st.integers(1, 20_000),
+    st.integers(1, 4_096),
+)
+def test_last_fitting_matches_the_reference_search(
+    model: str, node: str, budget: float, batch: int, context: int, length: int, cap: int
+) -> None:
+    """The decode batch's room (``_extra_batch``) goes through the generic search."""
+    roof = roofline(MODEL_PRESETS[model], NODE_PRESETS[node])
+
+    def t_of(b: int) -> float:
+        return roof.step_s(batch + b, context + b * length)
+
+    t_one = t_of(1)
+    if t_one > budget:
+        return
+    base = roof.step_s(batch, context)
+    got = last_fitting(t_of, budget, 1, t_one, cap, base)
+    assert got == _reference_last_fitting(t_of, budget, 1, t_one, cap, base)
