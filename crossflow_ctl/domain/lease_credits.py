@@ -71,7 +71,7 @@ from crossflow_ctl.domain.lending import (
     OpenDebits,
     PrefillCoefficients,
     best_chunk,
-    last_fitting,
+    fit_along,
     prefill_coefficients,
 )
 from crossflow_ctl.domain.models import (
@@ -230,12 +230,8 @@ def _extra_batch(
     roof: Roofline, budget: float, batch: int, context: int, length: int, cap: int, base: float
 ) -> tuple[int, float]:
     """(largest b <= cap with ``t(batch + b, context + b * length) <= budget``, t at that b)."""
-    t_one = roof.step_s(batch + 1, context + length)
-    if t_one > budget:
-        return 0, 0.0
-    return last_fitting(
-        lambda b: roof.step_s(batch + b, context + b * length), budget, 1, t_one, cap, base
-    )
+    n, seen = fit_along(roof, budget, batch, context, 0, 1, length, 0, cap, base)
+    return (n, seen[n]) if n else (0, 0.0)
 
 
 def promised_kv_tokens(snapshot: EngineSnapshot, settings: LeaseSettings) -> int:

@@ -8,7 +8,7 @@ of X tokens takes ``t(B, C, P; X)`` and every decode request waits for it, so th
 the best-rate chunk (on the grid of multiples of ``step``) with ``t <= budget``
 (:func:`best_chunk`; :class:`ChunkSizer` per prompt). Step time rises with P, so the feasible
 chunks are a prefix of the grid and a secant search finds its end in a few step-time
-evaluations (:func:`largest_chunk`).
+evaluations (:func:`fit_along`).
 
 **Per-token cost.** Borrowed prefill runs back to back in such chunks, so a token of a prompt
 whose attended context is x (cached prefix + tokens already done) costs about ``budget / P(x)``
@@ -28,7 +28,6 @@ those debits cover, so each borrowed request is subtracted once, by the broker.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -43,29 +42,36 @@ from crossflow_ctl.domain.models import (
 )
 
 
-def _fit_chunk(
+def fit_along(
     roof: Roofline,
     budget_s: float,
     batch: int,
     context: int,
     prefix: int,
-    step: int,
+    d_batch: int,
+    d_context: int,
+    d_chunk: int,
     top: int,
-    base_s: float,
+    t_zero: float,
 ) -> tuple[int, dict[int, float]]:
-    """The largest n in [1, top] with ``t(n) = step_s(batch, context, n * step, prefix) <=
-    budget_s`` (0: not even one step fits), by :func:`last_fitting`'s secant search with
-    ``t(0) = base_s``, written out for the chunk (no callback: the agent runs it every period);
-    and each step time it evaluated, by n (the answer's among them)."""
+    """The largest n in [1, top] whose step fits: ``t(n) <= budget_s`` with ``t(n) =
+    step_s(batch + n * d_batch, context + n * d_context, n * d_chunk, prefix)``, rising in n and
+    ``t(0) = t_zero`` (0: not even n = 1 fits); and every t it evaluated, by n (the answer's
+    among them, and n + 1's unless n = top).
+
+    A secant through the two latest points guesses the crossing, kept strictly inside the
+    bracket (lo, hi): two to four evaluations where a scan of the grid takes dozens. Written
+    out, with no callback: the agent runs it three times a period (best chunk with no prefix
+    and with a far one, the decode batch's room) and the simulator for every agent tick."""
     seen: dict[int, float] = {}
     if top < 1:
         return 0, seen
     step_s = roof.step_s
-    t_lo = seen[1] = step_s(batch, context, step, prefix)
+    t_lo = seen[1] = step_s(batch + d_batch, context + d_context, d_chunk, prefix)
     if t_lo > budget_s:
         return 0, seen
     lo, hi = 1, top + 1
-    a_n, a_t, b_n, b_t = 0, base_s, 1, t_lo
+    a_n, a_t, b_n, b_t = 0, t_zero, 1, t_lo
     while hi - lo > 1:
         slope = (b_t - a_t) / (b_n - a_n)
         n = hi - 1 if slope <= 0.0 else b_n + int((budget_s - b_t) / slope)
@@ -73,7 +79,7 @@ def _fit_chunk(
             n = hi - 1
         elif n <= lo:
             n = lo + 1
-        t_n = seen[n] = step_s(batch, context, n * step, prefix)
+        t_n = seen[n] = step_s(batch + n * d_batch, context + n * d_context, n * d_chunk, prefix)
         a_n, a_t, b_n, b_t = b_n, b_t, n, t_n
         if t_n <= budget_s:
             lo = n
@@ -95,7 +101,7 @@ def largest_chunk(
     """(largest grid chunk P with ``t(batch, context, P; prefix) <= budget_s``, its step time);
     (0, 0.0) when not even one grid step fits. ``base_s`` is ``t(batch, context)`` if known."""
     base = roof.step_s(batch, context) if base_s is None else base_s
-    n, seen = _fit_chunk(roof, budget_s, batch, context, prefix, step, max_chunk // step, base)
+    n, seen = fit_along(roof, budget_s, batch, context, prefix, 0, 0, step, max_chunk // step, base)
     return (n * step, seen[n]) if n else (0, 0.0)
 
 
@@ -117,7 +123,7 @@ def best_chunk(
     peak in the rare second case. The best rate over a set that shrinks as the load grows (or
     the budget tightens) never rises, which keeps every credit monotonic."""
     base = roof.step_s(batch, context) if base_s is None else base_s
-    n, seen = _fit_chunk(roof, budget_s, batch, context, prefix, step, max_chunk // step, base)
+    n, seen = fit_along(roof, budget_s, batch, context, prefix, 0, 0, step, max_chunk // step, base)
     if n == 0:
         return 0, 0.0
     t = seen[n]
@@ -146,38 +152,6 @@ def best_chunk(
             hi = m2
     best = max(range(lo, hi + 1), key=lambda k: k / t_of(k))
     return best * step, t_of(best)
-
-
-def last_fitting(
-    t_of: Callable[[int], float],
-    budget: float,
-    lo: int,
-    t_lo: float,
-    top: int,
-    t_zero: float,
-    scale: int = 1,
-) -> tuple[int, float]:
-    """Largest n in [lo, top] with ``t_of(n) <= budget`` for increasing ``t_of``, given that
-    ``t_of(lo) = t_lo <= budget`` and ``t_of(0) = t_zero``; returns (n * scale, t_of(n)).
-
-    A secant through the two latest points guesses the crossing, kept strictly inside the
-    bracket (lo, hi): two to four evaluations where a scan of the grid takes dozens."""
-    hi = top + 1
-    a_n, a_t, b_n, b_t = 0, t_zero, lo, t_lo
-    while hi - lo > 1:
-        slope = (b_t - a_t) / (b_n - a_n)
-        n = hi - 1 if slope <= 0.0 else b_n + int((budget - b_t) / slope)
-        if n >= hi:
-            n = hi - 1
-        elif n <= lo:
-            n = lo + 1
-        t_n = t_of(n)
-        a_n, a_t, b_n, b_t = b_n, b_t, n, t_n
-        if t_n <= budget:
-            lo, t_lo = n, t_n
-        else:
-            hi = n
-    return lo * scale, t_lo
 
 
 @dataclass(frozen=True, slots=True)

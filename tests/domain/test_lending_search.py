@@ -1,7 +1,7 @@
-"""The chunk searches, written out for speed, against the straightforward search they replace.
+"""The step-time searches, written out for speed, against the straightforward search they replace.
 
 The agent sizes its chunk and prices its lease every period, and the simulator does so for every
-agent tick, so :func:`best_chunk` runs the secant search inline instead of through a memoised
+agent tick, so :func:`fit_along` runs the secant search inline instead of through a memoised
 callback. It must return exactly what the callback version returns (every simulated result
 depends on it): the reference below is that version, kept as the specification."""
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, Roofline, roofline
-from crossflow_ctl.domain.lending import best_chunk, largest_chunk, last_fitting
+from crossflow_ctl.domain.lending import best_chunk, fit_along, largest_chunk
 
 
 def _memo(
@@ -142,18 +142,19 @@ def test_the_inline_chunk_searches_return_what_the_callback_search_returns(
     st.integers(1, 20_000),
     st.integers(1, 4_096),
 )
-def test_last_fitting_matches_the_reference_search(
+def test_the_decode_batch_search_matches_the_reference_search(
     model: str, node: str, budget: float, batch: int, context: int, length: int, cap: int
 ) -> None:
-    """The decode batch's room (``_extra_batch``) goes through the generic search."""
+    """The decode batch's room (the slots credit) walks the batch, not the chunk."""
     roof = roofline(MODEL_PRESETS[model], NODE_PRESETS[node])
 
     def t_of(b: int) -> float:
         return roof.step_s(batch + b, context + b * length)
 
-    t_one = t_of(1)
-    if t_one > budget:
-        return
     base = roof.step_s(batch, context)
-    got = last_fitting(t_of, budget, 1, t_one, cap, base)
-    assert got == _reference_last_fitting(t_of, budget, 1, t_one, cap, base)
+    t_one = t_of(1)
+    expected = (
+        (0, 0.0) if t_one > budget else _reference_last_fitting(t_of, budget, 1, t_one, cap, base)
+    )
+    n, seen = fit_along(roof, budget, batch, context, 0, 1, length, 0, cap, base)
+    assert ((n, seen[n]) if n else (0, 0.0)) == expected
