@@ -75,11 +75,11 @@ class Frozen(BaseModel):
             )
         if tuple(values) != order or not order:
             return cast(F, cls.model_construct(**values))
-        model = cls.__new__(cls)
+        model = _new(cls)
         _set(model, "__dict__", values)
-        _set(model, "__pydantic_fields_set__", set(values))
-        _set(model, "__pydantic_extra__", None)
-        _set(model, "__pydantic_private__", None)
+        _set_fields_set(model, set(values))
+        _set_extra(model, None)
+        _set_private(model, None)
         return model
 
 
@@ -87,6 +87,11 @@ _FIELD_ORDER: dict[type[Frozen], tuple[str, ...]] = {}
 """Each model's field names in order, as :meth:`Frozen.trusted` compares them (empty: the model
 has a post-init hook, so it always goes through ``model_construct``)."""
 _set = object.__setattr__
+_new = object.__new__
+_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
+"""Pydantic's slots, set through their descriptors (what ``object.__setattr__`` finds by name)."""
 
 
 def validated(cls: type[M], /, **data: Any) -> M:
