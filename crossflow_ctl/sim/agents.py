@@ -84,7 +84,8 @@ class FixedPoint(ABC, Generic[P]):
         self.stirred = True
         """Something happened on the server or the node's reservations since the last tick."""
         self.dormant = False
-        self._key: tuple[object, ...] | None = None
+        self._last: EngineSnapshot | None = None
+        """The previous tick's snapshot (compared field by field only when it could matter)."""
         self._fixed: P | None = None
         """While dormant: what it keeps publishing (None: nothing)."""
 
@@ -92,9 +93,14 @@ class FixedPoint(ABC, Generic[P]):
         """End a tick on ``snapshot`` that published ``published``: True when the agent is at a
         fixed point and sleeps (``steady``: nothing else the agent reads changed this period)."""
         self.schedule.advance()
-        key = snapshot_key(snapshot)
-        fixed = self.fast_forward and steady and not self.stirred and key == self._key
-        self._key = key
+        last, self._last = self._last, snapshot
+        fixed = (
+            self.fast_forward
+            and steady
+            and not self.stirred
+            and last is not None
+            and snapshot_key(snapshot) == snapshot_key(last)
+        )
         self.stirred = False
         self.dormant = fixed
         if fixed:
@@ -248,9 +254,12 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
             why = lease.zero_reason.value
             self.zero_reasons[why] = self.zero_reasons.get(why, 0) + n
         else:
-            sums = self._credit_sums
-            for i, value in enumerate(lease.credits.as_tuple()):
-                sums[i] += value * n
+            c, sums = lease.credits, self._credit_sums
+            sums[0] += c.compute_tokens * n
+            sums[1] += c.kv_tokens * n
+            sums[2] += c.kv_transfer_bytes * n
+            sums[3] += c.output_tokens * n
+            sums[4] += c.slots * n
             self.chunk_sum += chunk * n
 
     @property
