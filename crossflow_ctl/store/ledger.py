@@ -129,6 +129,8 @@ class NodeLedger:
 
     def purge_expired(self, now_ms: int) -> int:
         """Drop every reservation expired at ``now_ms``, each with an EXPIRE notice."""
+        if not self._expiries or self._expiries[0][0] > now_ms:
+            return 0  # nothing in the heap is due, lapsed entries included (every lease does this)
         expired: list[Reservation] = []
         while (exp := self._next_expiry()) is not None and exp <= now_ms:
             _, _, rid = heapq.heappop(self._expiries)
