@@ -144,7 +144,11 @@ class LeaseDecision(NamedTuple):
     def to_lease(
         self, *, node_id: str, epoch: int, version: int, ttl_ms: int, last_notice_seq: int
     ) -> Lease:
-        return Lease(
+        """The lease, built without validation: every figure comes from :func:`decide`, in
+        bounds, and the caller's identity and counters from its validated settings (the agent
+        builds one every period, the simulator one per agent tick); the broker validates what
+        it receives, the edge."""
+        return Lease.trusted(
             node_id=node_id,
             epoch=epoch,
             version=version,
