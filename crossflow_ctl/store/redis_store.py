@@ -97,8 +97,9 @@ log = structlog.get_logger()
 
 DEFAULT_CACHE_MAX_AGE_MS = 50
 """A quarter of the agents' default 200 ms period: the staleness a cached pool read adds."""
-DEFAULT_MAX_CONNECTIONS = 128
-"""Connections one store opens to Redis (per Cluster node), whatever the number of agents."""
+DEFAULT_MAX_CONNECTIONS = 16
+"""Connections one store opens to Redis (per Cluster node), whatever the number of agents
+(the broker's ``redis_max_connections``)."""
 
 
 def _failure(what: str, exc: BaseException) -> StoreAuthFailed | StoreUnavailable:
