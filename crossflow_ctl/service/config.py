@@ -95,9 +95,12 @@ class BrokerSettings(LayeredSettings):
     ingest is bounded by the store itself, per batch (RedisStore: its op timeout)."""
     redis_cluster: bool = False
     """``redis_url`` names a node of a Redis Cluster (keys spread over its masters)."""
-    redis_max_connections: Annotated[int, Field(ge=2, le=10_000)] = 128
+    redis_max_connections: Annotated[int, Field(ge=2, le=10_000)] = 16
     """Most Redis connections this replica opens (per Cluster node), whatever the number of
-    agents it serves; callers wait for a free one."""
+    agents it serves; callers wait for a free one. The pool opens a connection whenever all
+    are busy, so without a small bound a burst of agents (a registration storm: a Hello's
+    script and its relay's first read each) grew it towards one per concurrent agent; the hot
+    paths need few (the debit holds one, ingest pipelines two, the wake subscription one)."""
     node_expiry_s: Annotated[float, Field(ge=0.0, le=30 * 86_400)] = 3_600.0
     """A node not heard of for this long (no lease, no pool load, no registration) and with no
     open reservation is removed from the store; 0 keeps nodes until deleted by hand."""

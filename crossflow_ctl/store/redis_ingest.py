@@ -16,116 +16,17 @@ deadline timer, not one per lease (:class:`Coalescer`).
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
 from crossflow_ctl.domain.models import Lease
 from crossflow_ctl.store import redis_codec as codec
+from crossflow_ctl.store.coalescer import Coalescer
 from crossflow_ctl.store.keys import EVENTS_CAP, HISTORY_CAP, NOTICES_CAP, Keys
 from crossflow_ctl.store.redis_cache import NodeCache
 from crossflow_ctl.store.redis_scripts import Scripts
-
-Call = TypeVar("Call")
-
-MAX_BATCH = 256
-"""Calls per pipeline: bounds one pipeline's time in Redis (other clients wait behind it)."""
-MAX_IN_FLIGHT = 2
-"""Pipelines in flight at once. Two leases of one node never share a round of batches in
-practice (an agent's stream waits for each ack); if they did, the monotonic check inside the
-script refuses whichever older one runs second, so order across batches needs no guarantee."""
-
-
-class Coalescer(Generic[Call]):
-    """``await submit(call)`` -> that call's reply from ``run_batch`` (a list, one per call; an
-    exception instance in a slot is raised to that caller only). Up to ``max_in_flight``
-    batches run at once (the next one is encoded while Redis runs the last); calls made
-    meanwhile form the next batch.
-
-    ``timeout_s`` bounds each caller's wait with timers per BATCH, not per call: a call still
-    queued ``timeout_s`` after it was submitted fails with TimeoutError when its turn comes,
-    and a batch that runs longer than ``timeout_s`` fails its callers with TimeoutError (the
-    calls may still land). So no caller waits much more than twice ``timeout_s``."""
-
-    def __init__(
-        self,
-        run_batch: Callable[[Sequence[Call]], Awaitable[list[Any]]],
-        max_batch: int = MAX_BATCH,
-        max_in_flight: int = MAX_IN_FLIGHT,
-        timeout_s: float | None = None,
-    ) -> None:
-        self._run_batch = run_batch
-        self._max_batch = max_batch
-        self._max_in_flight = max_in_flight
-        self._timeout_s = timeout_s
-        self._pending: list[tuple[Call, asyncio.Future[Any], float]] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.batches = 0
-        """Pipelines sent (a test reads it to see calls coalesce)."""
-
-    def submit(self, call: Call) -> asyncio.Future[Any]:
-        """Queue ``call``; the future its reply (or error) lands in. Not a coroutine: a lease
-        passes no await layer of its own here (the caller awaits the future)."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append((call, future, time.monotonic()))
-        if len(self._tasks) < self._max_in_flight:
-            task = asyncio.create_task(self._drain(), name="crossflow-coalescer")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        return future
-
-    def _take(self) -> list[tuple[Call, asyncio.Future[Any]]]:
-        """The next batch: calls still waiting, in order; those queued past the deadline fail."""
-        batch = self._pending[: self._max_batch]
-        del self._pending[: self._max_batch]
-        oldest = -math.inf if self._timeout_s is None else time.monotonic() - self._timeout_s
-        live = []
-        for call, fut, submitted in batch:
-            if fut.done():
-                continue
-            if submitted <= oldest:
-                fut.set_exception(TimeoutError(f"queued over {self._timeout_s} s"))
-            else:
-                live.append((call, fut))
-        return live
-
-    async def _drain(self) -> None:
-        await asyncio.sleep(0)  # calls that are ready in this loop turn join the first batch
-        while self._pending:
-            live = self._take()
-            if not live:
-                continue
-            self.batches += 1
-            try:
-                async with asyncio.timeout(self._timeout_s):
-                    replies = await self._run_batch([call for call, _ in live])
-            except asyncio.CancelledError:
-                for fut in [f for _, f in live] + [f for _, f, _ in self._pending]:
-                    fut.cancel()
-                self._pending.clear()
-                raise
-            except Exception as exc:  # the whole pipeline failed: every caller gets the error
-                for _, fut in live:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                continue
-            for (_, fut), reply in zip(live, replies, strict=True):
-                if fut.done():
-                    continue  # the caller gave up (its deadline); the call may still have run
-                if isinstance(reply, BaseException):
-                    fut.set_exception(reply)
-                else:
-                    fut.set_result(reply)
-
-    async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
 
 _SCRIPT_HEAD = tuple(
     str(v).encode() for v in (HISTORY_CAP, EVENTS_CAP, NOTICES_CAP, codec.LEASE_FIELD_NAMES)

@@ -4,10 +4,11 @@ Every script that appends a notice to a node's stream also PUBLISHes the node id
 namespace's wake channel (``cf_notice`` in ``lua/_lib.lua``; classic PUBLISH reaches every
 subscriber of a Redis Cluster whatever the slot). Each replica holds ONE subscription to that
 channel (:class:`WakeHub`) and fans the wakes out in-process to the relays of the agent streams
-it serves. A relay's read is a plain XRANGE on the shared, bounded connection pool; a waiting
-read parks on the node's in-process signal instead of a blocking XREAD, so the number of Redis
-connections no longer grows with the number of agents (issue #11: one blocking XREAD connection
-per stream capped a replica at about 95 nodes).
+it serves. A relay's read is an XRANGE, pipelined with the other relays' reads of the same
+moment (:class:`NoticeReader`); a waiting read parks on the node's in-process signal instead of
+a blocking XREAD, so the number of Redis connections no longer grows with the number of agents
+(issue #11: one blocking XREAD connection per stream capped a replica at about 95 nodes), nor
+with how many relays a burst of wakes sets reading at once.
 
 The stream stays the source of truth (order, the per-node sequence, resume after the agent's
 last seen sequence: DESIGN.md §5.4, §6); a wake is only a hint to read it. Nothing is missed:
@@ -32,10 +33,10 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from redis.asyncio import Redis, RedisCluster
@@ -45,6 +46,7 @@ from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import Notice
 from crossflow_ctl.store import redis_codec as codec
+from crossflow_ctl.store.coalescer import Coalescer
 from crossflow_ctl.store.keys import Keys
 
 log = structlog.get_logger()
@@ -223,14 +225,43 @@ class WakeHub:
                 await cancel_and_wait([task])
 
 
+class _Range(NamedTuple):
+    """One relay's read: the node's notices after ``after_seq``, at most ``limit``; ``known``:
+    the node was seen registered (else its info hash's existence is read with the range)."""
+
+    node_id: str
+    after_seq: int
+    limit: int
+    known: bool
+
+
 class NoticeReader:
-    def __init__(self, client: Redis | RedisCluster, keys: Keys, backend: Backend) -> None:
+    """Relays' notice reads, coalesced: the reads sent in one loop turn (a wake reaches every
+    relay of the nodes one script touched, a group commit's grants many nodes at once) or while
+    a batch is in flight go to Redis as ONE pipeline of XRANGEs, so the reads of thousands of
+    streams cost a few round trips, and hold a few connections, not one each. ``timeout_s``
+    bounds each read's wait in the batcher (:class:`~crossflow_ctl.store.coalescer.Coalescer`).
+    """
+
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        keys: Keys,
+        backend: Backend,
+        timeout_s: float | None = None,
+    ) -> None:
         self._r = client
         self._k = keys
         self._backend = backend
         self.hub = WakeHub(client, keys.notice_wakes)
         self._known: set[str] = set()
         """Nodes this replica has seen registered."""
+        self._ranges: Coalescer[_Range] = Coalescer(self._read_batch, timeout_s=timeout_s)
+
+    @property
+    def batches(self) -> int:
+        """Pipelines of reads sent (a test reads it to see reads coalesce)."""
+        return self._ranges.batches
 
     def remember(self, node_id: str) -> None:
         if len(self._known) >= KNOWN_NODES_CAP:
@@ -241,21 +272,39 @@ class NoticeReader:
         self._known.discard(node_id)
 
     async def _range(self, node_id: str, after_seq: int, limit: int) -> list[Notice]:
-        """XRANGE after ``after_seq`` (one round trip; with an existence check if unknown)."""
-        k = self._k.node(node_id)
-        start = f"{after_seq + 1}-0"
+        """XRANGE after ``after_seq`` (in the next batch of reads; with an existence check if
+        the node is unknown)."""
+        read = _Range(node_id, after_seq, limit, node_id in self._known)
         async with self._backend("read_notices", 0.0):
-            if node_id in self._known:
-                got: Any = await self._r.xrange(k.notices, min=start, max="+", count=limit)
-            else:
-                pipe = self._r.pipeline(transaction=False)
-                pipe.exists(k.info)
-                pipe.xrange(k.notices, min=start, max="+", count=limit)
-                exists, got = await pipe.execute()
-                if not exists:
-                    raise NotFound(f"unknown node {node_id!r}", field="node_id")
-                self.remember(node_id)
+            got: Any = await self._ranges.submit(read)
+        if not read.known:
+            self.remember(node_id)
         return [codec.notice_from(node_id, eid, fields) for eid, fields in got]
+
+    async def _read_batch(self, reads: Sequence[_Range]) -> list[Any]:
+        """One pipeline for ``reads``: each read's entries, or its own error (NotFound for a
+        node that is not registered)."""
+        pipe = self._r.pipeline(transaction=False)
+        for read in reads:
+            k = self._k.node(read.node_id)
+            if not read.known:
+                pipe.exists(k.info)
+            pipe.xrange(k.notices, min=f"{read.after_seq + 1}-0", max="+", count=read.limit)
+        replies = iter(await pipe.execute(raise_on_error=False))
+        out: list[Any] = []
+        for read in reads:
+            exists = 1 if read.known else next(replies)
+            got = next(replies)
+            if isinstance(exists, BaseException):
+                got = exists
+            elif not exists:
+                got = NotFound(f"unknown node {read.node_id!r}", field="node_id")
+            out.append(got)
+        return out
+
+    async def close(self) -> None:
+        await self._ranges.close()
+        await self.hub.close()
 
     async def read(self, node_id: str, after_seq: int, limit: int, block_ms: int) -> list[Notice]:
         """Notices after ``after_seq`` (a checked node id, ``limit`` > 0), waiting ``block_ms``."""

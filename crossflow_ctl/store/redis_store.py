@@ -97,8 +97,9 @@ log = structlog.get_logger()
 
 DEFAULT_CACHE_MAX_AGE_MS = 50
 """A quarter of the agents' default 200 ms period: the staleness a cached pool read adds."""
-DEFAULT_MAX_CONNECTIONS = 128
-"""Connections one store opens to Redis (per Cluster node), whatever the number of agents."""
+DEFAULT_MAX_CONNECTIONS = 16
+"""Connections one store opens to Redis (per Cluster node), whatever the number of agents
+(the broker's ``redis_max_connections``)."""
 
 
 def _failure(what: str, exc: BaseException) -> StoreAuthFailed | StoreUnavailable:
@@ -171,7 +172,7 @@ class RedisStore(Store):
             self._k, self._index, self._views, self._backend, cache_max_age_ms, op_timeout_s
         )
         self._pools, self._lenders, self._node_cache = self._view.caches
-        self._notices = NoticeReader(client, self._k, self._backend)
+        self._notices = NoticeReader(client, self._k, self._backend, op_timeout_s)
         slot = (lambda key: key_slot(key.encode())) if isinstance(client, RedisCluster) else None
         self._ingest = LeaseIngest(
             self._k,
@@ -466,7 +467,7 @@ class RedisStore(Store):
             await self._debit_line.close()
         await self._view.close()
         await self._ingest.close()
-        await self._notices.hub.close()
+        await self._notices.close()
         if self._owned:
             with contextlib.suppress(RedisError, OSError):
                 if isinstance(self._r, Redis):  # its pool was built here, so close it too

@@ -14,9 +14,9 @@ from redis.asyncio import Redis
 
 from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import NodeInfo, NodeState, StoredLease
+from crossflow_ctl.store.coalescer import Coalescer
 from crossflow_ctl.store.keys import Keys
 from crossflow_ctl.store.redis_cache import LenderSample, NodeCache
-from crossflow_ctl.store.redis_ingest import Coalescer
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.store.helpers import NOW, lease, register
 from tests.store.test_redis_round_trips import CountingConnection, load

@@ -13,6 +13,8 @@ from crossflow_ctl.store.redis_store import RedisStore
 from tests.store.helpers import NOW, credits, lease, register
 
 NODES = 300
+FEW = 4
+"""The wake subscription, two pipelines of reads in flight, and one for the rest."""
 
 
 async def _connections(redis_url: str, name: str) -> int:
@@ -218,3 +220,45 @@ async def test_one_lease_batch_that_expires_holds_on_two_nodes_wakes_both(
     assert batches == 1, "both leases must go in one script call for this test to mean anything"
     assert all([x.kind for x in notices] == [NoticeKind.EXPIRE] for notices in expired.values())
     assert woken == {b"d1", b"d2"}
+
+
+async def test_relays_woken_together_read_in_few_pipelines_on_few_connections(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """300 relays start waiting at once, and a break of the wake subscription wakes them all at
+    once again (so does its return): their reads go out as a few pipelines of XRANGEs on a few
+    connections, not one round trip and one connection each (the pool opened all 64 it may),
+    and every relay still gets its own node's notice."""
+    store = RedisStore(redis_url, namespace=redis_namespace, max_connections=64)
+    admin = aioredis.Redis.from_url(redis_url)
+    nodes = [f"d{i:03d}" for i in range(NODES)]
+    name = f"crossflow:{redis_namespace}"
+    try:
+        await register(store, *nodes)
+        await asyncio.gather(*(store.upsert_lease(lease(n), NOW, 60_000) for n in nodes))
+        await store.read_notices(nodes[0], 0, 10, block_ms=200)  # subscribed now
+        readers = [
+            asyncio.create_task(store.read_notices(n, 0, 10, block_ms=20_000)) for n in nodes
+        ]
+        await asyncio.sleep(0.3)
+        before = await _connections(redis_url, name)
+        ours = [
+            c
+            for c in await admin.client_list()
+            if c.get("name") == name and "subscribe" in c.get("cmd", "")
+        ]
+        await admin.client_kill_filter(_id=ours[0]["id"])  # every relay reads again, at once
+        await asyncio.sleep(1.0)  # and again when the subscription is back
+        assert not any(r.done() for r in readers)
+        burst = await _connections(redis_url, name)
+        grants = [await store.try_debit(n, credits(1), 1.0, NOW, 60_000) for n in nodes]
+        got = await asyncio.wait_for(asyncio.gather(*readers), timeout=30)
+    finally:
+        await store.close()
+        await admin.aclose()
+    for node, notices, grant in zip(nodes, got, grants, strict=True):
+        assert grant.reservation is not None
+        assert [(n.node_id, n.reservation_id) for n in notices] == [
+            (node, grant.reservation.reservation_id)
+        ]
+    assert 1 <= before <= FEW and 1 <= burst <= FEW, (before, burst)
