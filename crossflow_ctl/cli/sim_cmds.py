@@ -73,7 +73,13 @@ def _quiet_logs() -> None:
 @click.command("sim")
 @click.option("--trace", "traces", multiple=True, type=FILE, help="Trace file (repeatable).")
 @click.option("--synthetic", is_flag=True, help="Add the synthetic agentic generator.")
-@click.option("--synthetic-duration-s", default=3600.0, show_default=True)
+@click.option(
+    "--synthetic-duration-s",
+    type=click.FloatRange(min=1.0),
+    default=3600.0,
+    show_default=True,
+    help="Trace seconds the synthetic generator covers.",
+)
 @click.option("--load", "loads", default="1,4,16", show_default=True, help="Time compression.")
 @click.option(
     "--splits",
@@ -88,8 +94,16 @@ def _quiet_logs() -> None:
     help="Splits for the threshold and leases policies.",
 )
 @click.option("--policies", default="static,threshold,leases", show_default=True)
-@click.option("--warmup-s", default=300.0, show_default=True, help="Trace seconds not measured.")
-@click.option("--limit", type=int, help="Only the first N requests of each trace.")
+@click.option(
+    "--warmup-s",
+    type=click.FloatRange(min=0.0),
+    default=300.0,
+    show_default=True,
+    help="Trace seconds not measured (0 for a short --limit run).",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), help="Only the first N requests of each trace."
+)
 @click.option(
     "--model", type=click.Choice(sorted(MODEL_PRESETS)), default="gpt-oss-120b", show_default=True
 )
@@ -149,7 +163,13 @@ def _quiet_logs() -> None:
 )
 @click.option("--session-rate", type=float, help="Top-level sessions per second (session traces).")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--jobs", default=min(2, os.cpu_count() or 1), show_default=True)
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=min(2, os.cpu_count() or 1),
+    show_default=True,
+    help="Runs simulated in parallel (processes).",
+)
 @click.option("--redis", "redis_url", help="Run on a RedisStore at this URL (one job).")
 @click.option(
     "--out",
@@ -246,6 +266,7 @@ def sim(
         else:
             records = run_sweep(runs, jobs=jobs, on_done=done)
     wall = time.perf_counter() - started
+    _check_measured(records, warmup_s)
     command = "crossflowctl " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     path = write_report(out_dir, records, base, command=command, show_wall=True)
     for s in (summarize(r) for r in records):
@@ -256,6 +277,20 @@ def sim(
             f"over-commit {s.overcommits}"
         )
     click.echo(f"report: {path} ({len(runs)} runs in {wall:.1f} s)")
+
+
+def _check_measured(records: Sequence[RunRecord], warmup_s: float) -> None:
+    """Refuse a sweep in which a run measured nothing: every request of its trace arrived within
+    the warm-up, so the report would compare empty runs (``--limit`` with the default
+    ``--warmup-s``)."""
+    empty = sorted({r.trace for r in records if r.measured == 0})
+    if empty:
+        raise InvalidArgument(
+            f"no request of {', '.join(empty)} arrives after the warm-up ({warmup_s:g} trace "
+            "seconds), so nothing was measured: lower --warmup-s (0 measures every request) "
+            "or raise --limit",
+            field="warmup_s",
+        )
 
 
 # -- plan ------------------------------------------------------------------------------------

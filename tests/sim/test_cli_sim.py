@@ -115,3 +115,35 @@ def test_the_sim_runs_agents_and_broker_on_one_horizon() -> None:
         SimConfig(lease=LeaseSettings(horizon_ms=default + 1_000))
     option = next(p for p in sim.params if p.name == "horizon_ms")
     assert option.default == default
+
+
+def test_sim_with_every_request_in_the_warmup_says_what_to_change(
+    traces_dir: Path, tmp_path: Path
+) -> None:
+    """``--limit 300`` keeps the first 300 requests of a trace (its first minute), all inside the
+    default 300 s warm-up: the sweep measured nothing, and the report used to die on
+    ``min() arg is an empty sequence`` (exit 1)."""
+    result = _ctl(
+        "sim",
+        "--trace", str(traces_dir / "mooncake_conversation_trace.jsonl"),
+        "--limit", "40",
+        "--load", "1",
+        "--splits", "2P4D",
+        "--policies", "static",
+        "--jobs", "1",
+        "--out", str(tmp_path / "x"),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "--warmup-s" in result.stderr and "nothing was measured" in result.stderr
+    assert "min()" not in result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_sim_refuses_a_limit_or_jobs_below_one(tmp_path: Path) -> None:
+    for flag in ("--limit", "--jobs"):
+        for value in ("0", "-5"):
+            result = _ctl("sim", "--synthetic", flag, value, "--out", str(tmp_path / "x"))
+            assert result.returncode == 2, (flag, value, result.stderr)
+            assert flag in result.stderr
+    result = _ctl("sim", "--synthetic", "--warmup-s", "-3", "--out", str(tmp_path / "x"))
+    assert result.returncode == 2 and "--warmup-s" in result.stderr
