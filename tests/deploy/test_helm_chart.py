@@ -420,6 +420,44 @@ def test_tls_needs_a_secret_or_cert_manager() -> None:
 
 
 @needs_helm
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        # The broker refuses to start so (auth.required with nobody able to authenticate): the
+        # chart rendered it, and the pods crash-looped.
+        (("security.required=true",), "security.tokenHashesSecret"),
+        (
+            ("security.required=true", "security.tls.enabled=true", "security.tls.secretName=s"),
+            "security.tls.mutual",
+        ),
+        # Mutual TLS without TLS was dropped without a word: an open broker.
+        (("security.tls.mutual=true",), "security.tls.enabled"),
+    ],
+)
+def test_security_values_that_cannot_work_are_refused(
+    settings: tuple[str, ...], named: str
+) -> None:
+    result = helm("template", "cf", str(CHART), *(a for s in settings for a in ("--set", s)))
+    assert result.returncode != 0, f"{settings} rendered"
+    assert named in result.stderr, result.stderr
+
+
+@needs_helm
+def test_required_auth_renders_with_tokens_or_client_certificates() -> None:
+    for extra in (
+        ("security.tokenHashesSecret=tokens",),
+        ("broker.config.auth.token_file=/etc/tokens",),
+        ("security.tls.enabled=true", "security.tls.secretName=s", "security.tls.mutual=true"),
+    ):
+        args = ("security.required=true", *extra)
+        config = yaml.safe_load(
+            find(render(*(a for s in args for a in ("--set", s))), "ConfigMap",
+                 "cf-crossflow-broker")["data"]["broker.yaml"]
+        )  # fmt: skip
+        assert config["auth"]["required"] is True, extra
+
+
+@needs_helm
 def test_without_security_values_nothing_changes() -> None:
     spec = find(render(), "Deployment")["spec"]["template"]["spec"]
     assert [v["name"] for v in spec["volumes"]] == ["config", "tmp"]
