@@ -67,7 +67,21 @@ def _load(config_file: Path | None, flags: dict[str, Any]) -> AgentSettings:
     try:
         return load_settings(config_file, overrides)
     except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.UsageError(_where(exc)) from None
+
+
+def _where(exc: ConfigError) -> str:
+    """The refused setting with the flag and environment variable that set it, so the message
+    names what the operator typed (``--slo-ms``, not only ``lease.itl_slo_ms``)."""
+    if not exc.field or exc.field in ("config", "settings"):
+        return str(exc)
+    params = click.get_current_context().command.params
+    flags = {p.name: p.opts[0] for p in params if isinstance(p, click.Option) and p.name}
+    head, _, tail = exc.field.partition(".")
+    flag = flags.get(tail if head in ("lease", "broker_auth") and tail else head)
+    env = "CROSSFLOW_AGENT_" + exc.field.upper().replace(".", "__")
+    via = f"{flag} or {env}" if flag else env
+    return f"{exc.field} ({via}): {exc.message}"
 
 
 @cli.command()

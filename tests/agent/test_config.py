@@ -149,3 +149,21 @@ def test_cli_refuses_bad_flags_naming_the_field() -> None:
     assert result.exit_code == 2 and "brokers" in result.output
     schema = CliRunner().invoke(cli, ["schema"])
     assert schema.exit_code == 0 and "node_id" in json.loads(schema.output)["properties"]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--node-id", "n1", "--slo-ms", "-5"], "lease.itl_slo_ms (--slo-ms or "),
+        (["--node-id", "n1", "--broker", "nohost"], "brokers (--broker or CROSSFLOW_AGENT_"),
+        (["--node-id", "n1", "--metrics-url", "x"], "must be an http(s) URL, got 'x'"),
+        (["--role", "decode"], "node_id (--node-id or CROSSFLOW_AGENT_NODE_ID): invalid setting"),
+    ],
+)  # fmt: skip
+def test_cli_refusals_name_the_flag_and_drop_pydantic_noise(args: list[str], said: str) -> None:
+    """They said "lease.itl_slo_ms: ... " for --slo-ms, "Value error, must be ..." and "Field
+    required" for a missing --node-id."""
+    result = CliRunner().invoke(cli, ["run", *args])
+    assert result.exit_code == 2, result.output
+    assert said in result.output, result.output
+    assert "Value error" not in result.output and "Field required" not in result.output
