@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from itertools import pairwise
 from typing import Any
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from crossflow_agent.agent import Agent
 from crossflow_agent.settings import AgentSettings
@@ -520,3 +522,29 @@ async def test_failing_sessions_keep_backing_off_and_resume_notices(metrics_serv
             assert servicer.hellos[1] >= 41
     finally:
         await server.stop(None)
+
+
+async def test_a_broker_that_is_not_there_is_a_warning_not_an_info_line_per_retry(
+    metrics_server,
+) -> None:
+    """It was an info line per retry: at the warning level an agent whose --broker is wrong or
+    down said nothing at all, while its node lent nothing."""
+    metrics_server.text = fixture_text("sglang_t0.prom")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with capture_logs() as logs:
+        async with running_agent(metrics_server, [f"127.0.0.1:{port}"]) as run:
+            state = run.agent.stream.state
+
+            async def several() -> bool:
+                return state.attempts >= 3
+
+            await eventually(several, "several failed sessions")
+    failed = [e for e in logs if e["event"] == "stream.session_failed"]
+    assert len(failed) >= 3
+    first, *rest = failed
+    assert first["log_level"] == "warning", first
+    assert first["endpoint"] == f"127.0.0.1:{port}" and "lends nothing" in first["effect"]
+    assert first["failures"] == 1 and first["retry_in_s"] > 0
+    assert [e["log_level"] for e in rest] == ["info"] * len(rest)
