@@ -19,8 +19,9 @@ from crossflow_ctl.domain.admission import (
     Plan,
     Reason,
 )
+from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import validated
-from crossflow_ctl.domain.policy import VersionedPolicy
+from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 
 NODE_CHECK_COLUMNS = [
     Column("NODE", "node_id"),
@@ -307,12 +308,23 @@ def policy_set(
     async def go() -> VersionedPolicy:
         async with st.session() as session:
             current = await session.get_policy()
-            current.policy.updated({k: _loose(v) for k, v in updates.items()})  # fail early
+            _check_updates(current.policy, updates)  # fail early
             base = current.version if expected_version is None else expected_version
             return await session.set_policy(updates, base)
 
     p = run(go())
     click.echo(render_object(_policy_data(p), st.output(output), _policy_text(p)))
+
+
+def _check_updates(policy: PolicySettings, updates: dict[str, str]) -> None:
+    """Refuse what the broker would refuse, before writing; an unknown key lists the known."""
+    try:
+        policy.updated({k: _loose(v) for k, v in updates.items()})
+    except InvalidArgument as exc:
+        if exc.field in type(policy).model_fields or exc.field not in updates:
+            raise
+        known = ", ".join(type(policy).model_fields)
+        raise CliError(f"{exc} (settings: {known})", ExitCode.USAGE) from None
 
 
 def _loose(text: str) -> Any:

@@ -158,11 +158,16 @@ async def test_wrong_server_one_clear_line_exit_4(ctl: Ctl) -> None:
     (line,) = res.err.splitlines()
     assert line.startswith(f"error: cannot reach the broker at {ctl.server}: ")
     assert "store" not in line
+    assert line.endswith("(is a broker serving there? pass --server HOST:PORT, or see "
+                         "`crossflowctl config view`)")  # fmt: skip
 
 
 async def test_exit_codes_not_found_and_usage(ctl: Ctl, fleet: Fleet) -> None:
     missing = await ctl("describe", "node", "nope")
-    assert (missing.rc, missing.err.strip()) == (3, "error: node_id: unknown node 'nope'")
+    assert (missing.rc, missing.err.strip()) == (
+        3,
+        "error: node_id: unknown node 'nope' (`crossflowctl get nodes` lists them)",
+    )
     assert (await ctl("cordon", "nope")).rc == 3
     bad_format = await ctl("get", "nodes", "-o", "xml")
     assert bad_format.rc == 2 and len(bad_format.err.splitlines()) == 1
@@ -170,10 +175,16 @@ async def test_exit_codes_not_found_and_usage(ctl: Ctl, fleet: Fleet) -> None:
     assert bad_value.rc == 2
     assert bad_value.err.startswith("error: borrow_share: ")
     unknown = await ctl("policy", "set", "nonsense=1")
-    assert (unknown.rc, unknown.err.strip()) == (
-        2,
-        "error: nonsense: unknown policy setting 'nonsense'",
-    )
+    assert unknown.rc == 2
+    assert unknown.err.startswith(
+        "error: nonsense: unknown policy setting 'nonsense' (settings: enabled, shadow_mode, "
+    ), unknown.err
+    assert len(unknown.err.splitlines()) == 1
+    # both lowered together would be valid, but the commit TTL alone below the horizon is not:
+    # it says what to do, without pydantic's "Value error, " prefix
+    below = await ctl("policy", "set", "commit_ttl_ms=3000")
+    assert below.rc == 2 and "Value error" not in below.err, below.err
+    assert "(raise commit_ttl_ms, or lower borrow_horizon_ms)" in below.err
     assert (await ctl("policy", "set", "novalue")).rc == 2
     policy = json.loads((await ctl("policy", "get", "-o", "json")).out)
     assert policy["borrow_share"] == 0.5  # nothing changed
