@@ -325,12 +325,26 @@ def format_plan(plan: SizingPlan, fleet: int) -> list[str]:
 
 @click.command("plan")
 @click.option("--rho", type=float, help="Decode / prefill per-token throughput (default: model).")
-@click.option("--r-p5", type=float)
-@click.option("--r-p50", type=float)
-@click.option("--r-p95", type=float)
+@click.option(
+    "--r-p5", type=float, help="R (uncached prompt / output tokens) at its 5th percentile."
+)
+@click.option("--r-p50", type=float, help="R at its median.")
+@click.option("--r-p95", type=float, help="R at its 95th percentile.")
 @click.option("--trace", type=FILE, help="Take R per window (or per session) from a trace.")
-@click.option("--window-s", default=60.0, show_default=True)
-@click.option("--fleet", default=6, show_default=True, help="Servers, for the split advice.")
+@click.option(
+    "--window-s",
+    type=click.FloatRange(min=0.001),
+    default=60.0,
+    show_default=True,
+    help="With --trace: seconds of trace per R sample.",
+)
+@click.option(
+    "--fleet",
+    type=click.IntRange(min=2),
+    default=6,
+    show_default=True,
+    help="Servers, for the split advice.",
+)
 @click.option(
     "--model", type=click.Choice(sorted(MODEL_PRESETS)), default="gpt-oss-120b", show_default=True
 )

@@ -147,3 +147,17 @@ def test_sim_refuses_a_limit_or_jobs_below_one(tmp_path: Path) -> None:
             assert flag in result.stderr
     result = _ctl("sim", "--synthetic", "--warmup-s", "-3", "--out", str(tmp_path / "x"))
     assert result.returncode == 2 and "--warmup-s" in result.stderr
+
+
+def test_plan_refuses_a_zero_window_and_a_one_node_fleet_naming_the_flag(
+    traces_dir: Path,
+) -> None:
+    """--window-s 0 died on "float floor division by zero" (exit 1); --fleet 0 was named
+    fleet_nodes, not the flag."""
+    trace = str(traces_dir / "mooncake_conversation_trace.jsonl")
+    zero = _ctl("plan", "--trace", trace, "--window-s", "0")
+    assert zero.returncode == 2 and "--window-s" in zero.stderr, zero.stderr
+    one = _ctl("plan", "--r-p5", "1", "--r-p50", "2", "--r-p95", "3", "--fleet", "1")
+    assert one.returncode == 2 and "--fleet" in one.stderr, one.stderr
+    helped = _ctl("plan", "--help").stdout
+    assert "R at its median" in helped and "seconds of trace per R sample" in helped
