@@ -18,6 +18,7 @@ from crossflow_ctl.client.holding import QueueConfig
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.lease_credits import LeaseSettings
+from crossflow_ctl.domain.models import MAX_HORIZON_MS
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.sizing import (
     SizingPlan,
@@ -80,7 +81,13 @@ def _quiet_logs() -> None:
     show_default=True,
     help="Trace seconds the synthetic generator covers.",
 )
-@click.option("--load", "loads", default="1,4,16", show_default=True, help="Time compression.")
+@click.option(
+    "--load",
+    "loads",
+    default="1,4,16",
+    show_default=True,
+    help="Time compressions to run, comma-separated (4: four times the arrival rate).",
+)
 @click.option(
     "--splits",
     default="1P5D,2P4D,3P3D,4P2D,5P1D",
@@ -93,7 +100,12 @@ def _quiet_logs() -> None:
     show_default=True,
     help="Splits for the threshold and leases policies.",
 )
-@click.option("--policies", default="static,threshold,leases", show_default=True)
+@click.option(
+    "--policies",
+    default="static,threshold,leases",
+    show_default=True,
+    help="Policies to run, comma-separated.",
+)
 @click.option(
     "--warmup-s",
     type=click.FloatRange(min=0.0),
@@ -110,15 +122,34 @@ def _quiet_logs() -> None:
 @click.option(
     "--hardware", type=click.Choice(sorted(NODE_PRESETS)), default="h200", show_default=True
 )
-@click.option("--kv-capacity-tokens", default=1_000_000, show_default=True)
-@click.option("--itl-slo-ms", default=50.0, show_default=True, help="Agents' ITL SLO.")
+@click.option(
+    "--kv-capacity-tokens",
+    type=click.IntRange(1, 1_000_000_000),
+    default=1_000_000,
+    show_default=True,
+    help="KV cache of each decode server, in tokens.",
+)
+@click.option(
+    "--itl-slo-ms",
+    type=click.FloatRange(0.0, 10_000.0, min_open=True),
+    default=50.0,
+    show_default=True,
+    help="Agents' ITL SLO.",
+)
 @click.option(
     "--horizon-ms",
+    type=click.IntRange(1, MAX_HORIZON_MS),
     default=PolicySettings().borrow_horizon_ms,
     show_default=True,
     help="Borrow horizon (the broker's and the agents').",
 )
-@click.option("--borrow-share", default=0.5, show_default=True, help="Cluster-wide borrow limit.")
+@click.option(
+    "--borrow-share",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.5,
+    show_default=True,
+    help="Cluster-wide borrow limit.",
+)
 @click.option(
     "--late-binding/--no-late-binding",
     default=True,
@@ -160,9 +191,14 @@ def _quiet_logs() -> None:
     type=click.Choice([c.value for c in CacheScope]),
     default="cluster",
     show_default=True,
+    help="Prefix cache shared by the cluster, or one per node.",
 )
-@click.option("--session-rate", type=float, help="Top-level sessions per second (session traces).")
-@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--session-rate",
+    type=click.FloatRange(0.0, min_open=True),
+    help="Top-level sessions per second (session traces).",
+)
+@click.option("--seed", default=0, show_default=True, help="Seed of generators and sampling.")
 @click.option(
     "--jobs",
     type=click.IntRange(min=1),
@@ -170,7 +206,9 @@ def _quiet_logs() -> None:
     show_default=True,
     help="Runs simulated in parallel (processes).",
 )
-@click.option("--redis", "redis_url", help="Run on a RedisStore at this URL (one job).")
+@click.option(
+    "--redis", "redis_url", metavar="URL", help="Run on a RedisStore at this URL (one job)."
+)
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),

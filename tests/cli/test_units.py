@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from crossflow_ctl.cli.cmd_admit import admission_text, conditions
 from crossflow_ctl.cli.config import Context, CtlConfig, load_config, save_config
@@ -30,6 +31,7 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import PoolLoad, PoolSnapshot
+from crossflow_ctl.domain.policy import PolicySettings
 
 COLUMNS = [Column("NAME", "name"), Column("SLOTS", "slots"), Column("POOL", "pool", wide=True)]
 ROWS = [{"name": "decode-1", "slots": 4, "pool": "a"}, {"name": "d2", "slots": 0, "pool": ""}]
@@ -91,6 +93,17 @@ def test_contexts_file_round_trips_and_refuses_bad_values(tmp_path: Path) -> Non
 )
 def test_every_error_has_its_documented_exit_code(error: Exception, code: ExitCode) -> None:
     assert exit_code_for(error) == code
+
+
+def test_a_model_refusal_is_a_usage_error_in_one_line() -> None:
+    """A pydantic ValidationError that reached the CLI (sim --borrow-share 5 did) printed its
+    whole multi-line report with a docs URL and exited 1."""
+    with pytest.raises(ValidationError) as refused:
+        PolicySettings(borrow_share=5)
+    assert exit_code_for(refused.value) == ExitCode.USAGE
+    assert one_line(refused.value) == (
+        "error: borrow_share: Input should be less than or equal to 1"
+    )
 
 
 def test_errors_print_as_one_line() -> None:

@@ -161,3 +161,18 @@ def test_plan_refuses_a_zero_window_and_a_one_node_fleet_naming_the_flag(
     assert one.returncode == 2 and "--fleet" in one.stderr, one.stderr
     helped = _ctl("plan", "--help").stdout
     assert "R at its median" in helped and "seconds of trace per R sample" in helped
+
+
+def test_sim_refuses_out_of_range_settings_naming_the_flag(tmp_path: Path) -> None:
+    """These reached the models unchecked and printed pydantic's multi-line report (exit 1);
+    a negative --session-rate was accepted."""
+    for flag, value in (
+        ("--borrow-share", "5"),
+        ("--horizon-ms", "0"),
+        ("--kv-capacity-tokens", "0"),
+        ("--itl-slo-ms", "0"),
+        ("--session-rate", "-1"),
+    ):
+        result = _ctl("sim", "--synthetic", flag, value, "--out", str(tmp_path / "x"))
+        assert result.returncode == 2, (flag, result.stderr)
+        assert flag in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
