@@ -133,9 +133,10 @@ def check_retired_horizons(
     for old in retired:
         if now_ms < old.until_ms and policy.commit_ttl_ms < old.horizon_ms:
             raise FailedPrecondition(
-                f"commit_ttl_ms ({policy.commit_ttl_ms}) must stay at least {old.horizon_ms}, "
-                f"the borrow horizon leases may still be sized over, for "
-                f"{old.until_ms - now_ms} ms more (lower the horizon first, then the commit TTL)",
+                f"commit_ttl_ms ({policy.commit_ttl_ms}) must stay at least {old.horizon_ms} "
+                f"for {old.until_ms - now_ms} ms more: leases may still be sized over that "
+                f"borrow horizon until agents adopt the lowered one; retry the commit TTL then "
+                f"(lowering both takes two writes: the horizon first)",
                 field="commit_ttl_ms",
             )
 

@@ -302,3 +302,16 @@ async def test_server_without_a_port_is_refused_not_sent_to_443(ctl: Ctl) -> Non
     assert res.rc == 2, (res.out, res.err)
     (line,) = res.err.splitlines()
     assert "--server must be host:port" in line and "localhost:50051" in line
+
+
+async def test_a_commit_ttl_below_a_just_lowered_horizon_says_to_retry_later(ctl: Ctl) -> None:
+    """After lowering the horizon first, as told, the refusal still said "lower the horizon
+    first, then the commit TTL": it now says the write must wait, and how long."""
+    assert (await ctl("policy", "set", "borrow_horizon_ms=4000")).rc == 0
+    refused = await ctl("policy", "set", "commit_ttl_ms=4000")
+    assert refused.rc == 1, refused
+    (line,) = refused.err.splitlines()
+    assert line.startswith(
+        "error: commit_ttl_ms: commit_ttl_ms (4000) must stay at least 8000 for "
+    )
+    assert "retry the commit TTL then" in line and "lower the horizon first, then" not in line
