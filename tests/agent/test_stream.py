@@ -200,6 +200,34 @@ async def test_scrape_failure_gives_a_zero_lease_at_the_next_period(
         assert lease.zero_detail.startswith(("unreachable", "timeout"))
 
 
+async def test_the_agent_logs_when_its_lease_turns_zero_and_lends_again(
+    brokers, metrics_server
+) -> None:
+    """At info an agent said nothing between agent.started and agent.stopped, however long its
+    node lent nothing (the zero reason was a debug line per period)."""
+    metrics_server.text = fixture_text("sglang_t0.prom")
+    target = await brokers.start()
+    with capture_logs() as logs:
+        async with AdminClient(target) as admin, running_agent(metrics_server, [target]) as run:
+            await eventually(lambda: _has_credit(admin), "a lease with credit")
+            run.agent.stream.state.cordoned = True  # as a cordon notice sets it
+            await asyncio.sleep(0.3)  # several periods
+            run.agent.stream.state.cordoned = False
+            await eventually(lambda: _has_credit(admin), "credit again")
+    said = [
+        (e["event"], e.get("reason") or e.get("was"))
+        for e in logs
+        if e["event"] in ("lease.lending", "lease.zeroed")
+        and "node_id" not in e  # not the broker's
+    ]
+    assert said[:3] == [
+        ("lease.lending", None),
+        ("lease.zeroed", "cordoned"),
+        ("lease.lending", "cordoned"),
+    ], said
+    assert all(e["log_level"] == "info" for e in logs if e["event"] != "lease.zero")
+
+
 async def _has_credit(admin: AdminClient) -> bool:
     with contextlib.suppress(Exception):
         lease = await stored(admin)
