@@ -124,7 +124,9 @@ def run(config_file: Path | None, **flags: Any) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 def inspect(config_file: Path | None, window_ms: int, as_json: bool, **flags: Any) -> None:
-    """Scrape once; print the snapshot, step-time predictions and the lease, arithmetic shown."""
+    """Scrape once; print the snapshot, step-time predictions and the lease, arithmetic shown.
+
+    Exits 1 when the scrape failed (the zero lease the agent would publish is still shown)."""
     from crossflow_agent.inspect import inspect_once, render_text
 
     if flags.get("node_id") is None:
@@ -138,6 +140,8 @@ def inspect(config_file: Path | None, window_ms: int, as_json: bool, **flags: An
         click.echo(json.dumps(report, indent=2, default=str))
     else:
         click.echo(render_text(report))
+    if report["failure"]:  # the zero lease is shown; the exit says the setup does not work
+        sys.exit(1)
 
 
 @cli.command("fake-engine")

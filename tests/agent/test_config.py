@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,13 @@ def test_cli_refusals_name_the_flag_and_drop_pydantic_noise(args: list[str], sai
     assert result.exit_code == 2, result.output
     assert said in result.output, result.output
     assert "Value error" not in result.output and "Field required" not in result.output
+
+
+def test_cli_inspect_of_an_engine_it_cannot_scrape_exits_1() -> None:
+    """It printed the zero lease and exited 0, so a script checking a node's setup passed."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+    result = CliRunner().invoke(cli, ["inspect", "--metrics-url", url, "--window-ms", "0"])
+    assert result.exit_code == 1, result.output
+    assert "scrape failed: unreachable" in result.output and "lease: ZERO" in result.output
