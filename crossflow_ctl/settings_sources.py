@@ -101,12 +101,12 @@ def load_layered(
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "settings"
-        raise ConfigError(f"invalid setting: {_reason(err)}", field=field) from None
+        raise ConfigError(f"invalid setting: {refusal_text(err)}", field=field) from None
     finally:
         _config_file.reset(token)
 
 
-def _reason(err: ErrorDetails) -> str:
+def refusal_text(err: ErrorDetails) -> str:
     """pydantic's message without its "Value error, " prefix (our validators' own words), and
     a missing value said as such (pydantic says "Field required")."""
     if err["type"] == "missing":

@@ -25,6 +25,7 @@ from crossflow_ctl.domain.errors import (
     Unauthenticated,
     Unavailable,
 )
+from crossflow_ctl.settings_sources import refusal_text
 
 
 class ExitCode(IntEnum):
@@ -74,6 +75,6 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or exc.title
-        exc = InvalidArgument(err["msg"], field=field)
+        exc = InvalidArgument(refusal_text(err), field=field)
     text = " ".join(str(exc).split()) or type(exc).__name__
     return f"error: {text}"

@@ -246,6 +246,23 @@ async def test_contexts_file_drives_the_server(ctl: Ctl, fleet: Fleet) -> None:
     assert (await ctl("--context", "local", "get", "nodes", server=False)).rc == 0
 
 
+async def test_a_missing_config_file_or_context_is_said_with_what_exists(
+    ctl: Ctl, tmp_path: Path
+) -> None:
+    """A mistyped --config silently fell back to the default context (127.0.0.1:50051);
+    use-context did not say which contexts exist; a bad --server said pydantic's "Value
+    error, "."""
+    missing = tmp_path / "typo.yaml"
+    res = await ctl("--config", str(missing), "get", "nodes")
+    assert res.rc == 2, res
+    assert res.err.startswith(f"error: --config: no such file {missing} ("), res.err
+    assert (await ctl("config", "set-context", "a", "--server", ctl.server, server=False)).rc == 0
+    unknown = await ctl("config", "use-context", "b", server=False)
+    assert unknown.rc == 3 and unknown.err.rstrip().endswith("(known: a, default)"), unknown
+    bad = await ctl("config", "set-context", "c", "--server", "nohost", server=False)
+    assert (bad.rc, bad.err.strip()) == (2, "error: server: must be host:port, got 'nohost'")
+
+
 async def test_watch_refreshes_and_ctrl_c_exits_0(ctl: Ctl, fleet: Fleet) -> None:
     res = await ctl("get", "leases", "--watch", "--interval", "0.1", "--watch-count", "2")
     assert res.rc == 0
