@@ -198,11 +198,12 @@ class LeaseStream:
                     await self._closing.wait()
 
     def _session_failed(self, target: str, error: str, retry_in_s: float, reset: bool) -> None:
-        """A warning for the first failure of an outage and every ``FAILURE_REPEAT``-th after
-        (it retries every few seconds at most, so a broker that is not there, or refuses the
-        node, is said at the default log level without a line per retry); info otherwise."""
+        """A warning once a retry failed too, and every ``FAILURE_REPEAT``-th failure after (it
+        retries every few seconds at most, so a broker that is not there, or refuses the node,
+        is said at the default log level without a line per retry); info otherwise: one failure
+        after a working session is a routine reconnect (a broker restarting, say)."""
         self._failures = 1 if reset else self._failures + 1
-        say = log.warning if self._failures % FAILURE_REPEAT == 1 else log.info
+        say = log.warning if self._failures % FAILURE_REPEAT == 2 else log.info
         say(
             "stream.session_failed",
             endpoint=target,
