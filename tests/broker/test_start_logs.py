@@ -6,8 +6,10 @@ from __future__ import annotations
 import socket
 
 import pytest
+from click.testing import CliRunner
 from structlog.testing import capture_logs
 
+from crossflow_ctl.broker.__main__ import cli
 from crossflow_ctl.broker.server import BrokerServer, describe_store, make_store
 from crossflow_ctl.service.config import BrokerSettings
 
@@ -45,3 +47,10 @@ async def test_an_unreachable_store_at_start_is_named_with_what_it_means() -> No
     assert unreachable["store"] == where and "Admit answers NORMAL" in unreachable["effect"]
     assert events["broker.started"]["store"] == where
     assert "secret" not in repr(logs)
+
+
+def test_serve_help_says_the_defaults_and_the_store_without_flags() -> None:
+    """--help named no default, nor which store a broker with neither --redis-url nor
+    --embedded-store uses."""
+    out = " ".join(CliRunner().invoke(cli, ["serve", "--help"]).output.split())
+    assert "default 0.0.0.0:50051" in out and "uses the embedded store" in out
