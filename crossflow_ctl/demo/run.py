@@ -29,6 +29,7 @@ from crossflow_ctl.demo.router import Engine, Router
 from crossflow_ctl.demo.trace import Trace
 from crossflow_ctl.demo.view import CLEAR, Observations, frame, summary, summary_data
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, StepShape, step_time_s
+from crossflow_ctl.domain.errors import Unavailable
 from crossflow_ctl.domain.models import NodeRole
 
 START_TIMEOUT_S = 30.0
@@ -83,6 +84,26 @@ async def forget_namespace(redis_url: str, namespace: str) -> None:
         await client.aclose()
 
 
+async def check_redis(redis_url: str, timeout_s: float = 3.0) -> None:
+    """Unavailable naming ``--redis`` when that Redis does not answer a PING: without this the
+    demo waited out its 30 s start and said only that the cluster was not ready."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(
+        redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+    )
+    try:
+        await client.ping()
+    except Exception as exc:
+        raise Unavailable(
+            f"cannot reach that Redis: {exc} (start it, or leave out --redis for the embedded "
+            "store)",
+            field="--redis",
+        ) from None
+    finally:
+        await client.aclose()
+
+
 def demo_log_dir(chosen: Path | None) -> Path:
     """``chosen`` (created if missing) or a new ``crossflow-demo-*`` folder under the system
     temp dir; never deleted by the demo."""
@@ -112,6 +133,8 @@ class Demo:
         print(text, file=self.out, flush=True)
 
     async def run(self) -> int:
+        if self.opts.redis_url:
+            await check_redis(self.opts.redis_url)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._interrupt)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -183,3 +184,21 @@ def test_duration_longer_than_the_trace_keeps_the_cluster_up(tmp_path: Path) -> 
     data = json.loads(summary.read_text())
     assert data["elapsed_s"] >= duration_s and not data["interrupted"]
     assert data["finished"] == data["requests"]
+
+
+def test_an_unreachable_redis_is_said_at_once_with_exit_4() -> None:
+    """The demo started every process, waited out its 30 s start and said only "the cluster
+    was not ready after 30 s" (exit 1)."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://:secret@127.0.0.1:{s.getsockname()[1]}/0"
+    proc = subprocess.run(
+        [_binary(), "demo", "--redis", url, "--no-sim", "--view", "none"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: --redis: cannot reach that Redis: ") and "secret" not in line
+    assert "crossflow demo: " not in proc.stdout  # nothing was started
