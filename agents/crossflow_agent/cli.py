@@ -25,6 +25,11 @@ def cli() -> None:
     """Crossflow node agent: engine telemetry -> capacity model -> leases."""
 
 
+_D = AgentSettings.model_construct()
+"""The settings' defaults, for the flags' help (not validated: no file or environment read).
+A flag not given leaves its setting to the --config file, CROSSFLOW_AGENT_* or this default."""
+
+
 def _settings_options(f: Any) -> Any:
     """The flags ``run`` and ``inspect`` share; each overrides its setting when given."""
     options = [
@@ -35,23 +40,46 @@ def _settings_options(f: Any) -> Any:
             help="YAML settings file (below env CROSSFLOW_AGENT_* and flags).",
         ),
         click.option("--node-id", help="This node's id."),
-        click.option("--role", type=click.Choice([r.value for r in NodeRole])),
-        click.option("--pool", help="Prefill pool this node belongs to or feeds."),
-        click.option("--source", type=click.Choice([s.value for s in SourceKind])),
-        click.option("--metrics-url", help="The engine's Prometheus /metrics URL."),
-        click.option("--model", type=click.Choice(sorted(MODEL_PRESETS))),
-        click.option("--node", "node_preset", type=click.Choice(sorted(NODE_PRESETS))),
+        click.option(
+            "--role",
+            type=click.Choice([r.value for r in NodeRole]),
+            help=f"Decode nodes lend; prefill nodes report pool load. [{_D.role.value}]",
+        ),
+        click.option("--pool", help=f"Prefill pool this node belongs to or feeds. [{_D.pool}]"),
+        click.option(
+            "--source",
+            type=click.Choice([s.value for s in SourceKind]),
+            help=f"Engine kind behind --metrics-url. [{_D.source.value}]",
+        ),
+        click.option(
+            "--metrics-url", help=f"The engine's Prometheus /metrics URL. [{_D.metrics_url}]"
+        ),
+        click.option(
+            "--model",
+            type=click.Choice(sorted(MODEL_PRESETS)),
+            help=f"Model preset of the capacity model. [{_D.model}]",
+        ),
+        click.option(
+            "--node",
+            "node_preset",
+            type=click.Choice(sorted(NODE_PRESETS)),
+            help=f"Hardware preset (or --profile). [{_D.node_preset}]",
+        ),
         click.option(
             "--profile",
             "profile_file",
             type=click.Path(path_type=Path, dir_okay=False),
             help="Calibrated NodeProfile JSON file (version 1).",
         ),
-        click.option("--slo-ms", "itl_slo_ms", type=float, help="Decode ITL SLO."),
         click.option(
-            "--horizon-ms", type=int, help="Borrow horizon until a broker's Welcome sends its own."
+            "--slo-ms", "itl_slo_ms", type=float, help=f"Decode ITL SLO. [{_D.lease.itl_slo_ms:g}]"
         ),
-        click.option("--period-ms", type=int, help="Lease period."),
+        click.option(
+            "--horizon-ms",
+            type=int,
+            help=f"Borrow horizon until a broker's Welcome sends its own. [{_D.lease.horizon_ms}]",
+        ),
+        click.option("--period-ms", type=int, help=f"Lease period. [{_D.period_ms}]"),
     ]
     for option in reversed(options):
         f = option(f)
@@ -86,7 +114,12 @@ def _where(exc: ConfigError) -> str:
 
 @cli.command()
 @_settings_options
-@click.option("--broker", "brokers", multiple=True, help="Broker host:port (repeatable).")
+@click.option(
+    "--broker",
+    "brokers",
+    multiple=True,
+    help=f"Broker host:port (repeatable). [{','.join(_D.brokers)}]",
+)
 @click.option("--ca-file", type=click.Path(dir_okay=False), help="CA bundle; turns TLS on.")
 @click.option("--cert-file", type=click.Path(dir_okay=False), help="Node certificate (mTLS).")
 @click.option("--key-file", type=click.Path(dir_okay=False), help="Node key (mTLS).")

@@ -178,3 +178,17 @@ def test_cli_inspect_of_an_engine_it_cannot_scrape_exits_1() -> None:
     result = CliRunner().invoke(cli, ["inspect", "--metrics-url", url, "--window-ms", "0"])
     assert result.exit_code == 1, result.output
     assert "scrape failed: unreachable" in result.output and "lease: ZERO" in result.output
+
+
+def test_run_help_says_each_settings_default() -> None:
+    """No flag of run said its default (is --broker needed? which --role, --source?)."""
+    out = " ".join(CliRunner().invoke(cli, ["run", "--help"]).output.split())
+    defaults = AgentSettings.model_construct()
+    for said in (
+        f"[{defaults.role.value}]",
+        f"[{defaults.source.value}]",
+        f"[{defaults.metrics_url}]",
+        f"[{','.join(defaults.brokers)}]",
+        f"[{defaults.period_ms}]",
+    ):
+        assert said in out, said
