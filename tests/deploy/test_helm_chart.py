@@ -521,3 +521,30 @@ def test_agent_command_is_what_the_agent_cli_accepts() -> None:
     run = cli.commands["run"]
     ctx = run.make_context("run", list(agent["command"][2:]))
     assert str(ctx.params["config_file"]) == "/etc/crossflow/agent.yaml"
+
+
+def notes(*settings: str) -> str:
+    args = [a for s in settings for a in ("--set", s)]
+    result = helm("install", "cf", str(CHART), "--namespace", "serving", "--dry-run=client", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("NOTES:", 1)[1]
+
+
+@needs_helm
+def test_notes_check_command_works_with_the_security_values() -> None:
+    """The notes told every install to run `crossflowctl --server 127.0.0.1:50051 get nodes`,
+    which a TLS broker refuses (no CA, and its certificate names the Service, not 127.0.0.1)."""
+    plain = notes()
+    assert "crossflowctl --server 127.0.0.1:50051 get nodes" in plain
+    assert "--ca-file" not in plain
+    mtls = notes(
+        "security.tls.enabled=true", "security.tls.secretName=s", "security.tls.mutual=true"
+    )
+    assert (
+        "crossflowctl --server 127.0.0.1:50051 --ca-file ca.crt --server-name "
+        "cf-crossflow-broker.serving.svc --cert-file admin.crt --key-file admin.key get nodes"
+    ) in mtls
+    assert "get secret s -o jsonpath" in mtls and "spiffe://crossflow/admin/<name>" in mtls
+    tokens = notes("security.tokenHashesSecret=t", "broker.config.auth.trust_domain=acme")
+    assert "crossflowctl --server 127.0.0.1:50051 --token-file admin.token get nodes" in tokens
+    assert "spiffe://acme/admin/<name>" in tokens
