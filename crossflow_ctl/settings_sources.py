@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from crossflow_ctl.domain.errors import ConfigError
@@ -100,6 +101,17 @@ def load_layered(
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "settings"
-        raise ConfigError(f"invalid setting: {err['msg']}", field=field) from None
+        raise ConfigError(f"invalid setting: {refusal_text(err)}", field=field) from None
     finally:
         _config_file.reset(token)
+
+
+def refusal_text(err: ErrorDetails) -> str:
+    """pydantic's message without its "Value error, " prefix (our validators' own words), and
+    a missing value said as such (pydantic says "Field required")."""
+    if err["type"] == "missing":
+        return "required, and not set by a flag, the environment or the --config file"
+    cause = err.get("ctx", {}).get("error")
+    if err["type"] == "value_error" and isinstance(cause, Exception):
+        return str(cause)
+    return err["msg"]

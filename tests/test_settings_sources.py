@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from crossflow_ctl.domain.errors import ConfigError
@@ -86,3 +86,25 @@ def test_host_port(value: str, port_zero: bool, ok: bool) -> None:
     else:
         with pytest.raises(ValueError, match="host:port"):
             host_port(value, port_zero=port_zero)
+
+
+def test_refusals_say_the_validator_s_words_and_a_missing_value_plainly() -> None:
+    class _Needs(LayeredSettings):
+        model_config = SettingsConfigDict(env_prefix="CROSSFLOW_TEST_", extra="forbid")
+        listen: str
+
+        @field_validator("listen")
+        @classmethod
+        def _port(cls, v: str) -> str:
+            return host_port(v)
+
+    with pytest.raises(ConfigError) as err:
+        load_layered(_Needs)
+    assert (err.value.field, err.value.message) == (
+        "listen",
+        "invalid setting: required, and not set by a flag, the environment or the --config file",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_layered(_Needs, None, {"listen": "nonsense"})
+    assert "Value error" not in err.value.message
+    assert err.value.message.startswith("invalid setting: must be host:port"), err.value.message

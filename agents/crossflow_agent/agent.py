@@ -96,6 +96,9 @@ class Agent:
         self.version = 0
         self.guard = ItlGuard()
         self.scrape_health = ScrapeHealth(_describe(source), time.monotonic)
+        self._state_said = ""
+        """The lease state last logged ("lending" or a zero reason; "" before the first), so
+        only changes are said at info."""
         self._wake = asyncio.Event()
         self.stream = LeaseStream(
             endpoints=settings.brokers,
@@ -228,9 +231,25 @@ class Agent:
         lease = self.lease_for(decision, seq)
         if self.stream.send(lease_request(lease)):
             self.metrics.record_lease_sent(lease.credits, lease.zero_reason)
-        if lease.zero_reason is not None and lease.zero_reason is not ZeroReason.NO_CAPACITY:
-            log.debug("lease.zero", reason=lease.zero_reason.value, detail=lease.zero_detail)
+        self._say_lease_state(lease)
         return lease
+
+    def _say_lease_state(self, lease: Lease) -> None:
+        """Log when the lease turns zero (with why) or lends again, once per change: without
+        it an agent at info said nothing while its node lent nothing (ITL over the SLO, say).
+        NO_CAPACITY (a full node) is lending's normal ebb, said at debug only."""
+        reason = lease.zero_reason
+        if reason is ZeroReason.NO_CAPACITY:
+            log.debug("lease.zero", reason=reason.value, detail=lease.zero_detail)
+            return
+        state = "lending" if reason is None else reason.value
+        if state == self._state_said:
+            return
+        if reason is None:
+            log.info("lease.lending", was=self._state_said or None)
+        else:
+            log.info("lease.zeroed", reason=reason.value, detail=lease.zero_detail)
+        self._state_said = state
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -25,6 +25,11 @@ def cli() -> None:
     """Crossflow node agent: engine telemetry -> capacity model -> leases."""
 
 
+_D = AgentSettings.model_construct()
+"""The settings' defaults, for the flags' help (not validated: no file or environment read).
+A flag not given leaves its setting to the --config file, CROSSFLOW_AGENT_* or this default."""
+
+
 def _settings_options(f: Any) -> Any:
     """The flags ``run`` and ``inspect`` share; each overrides its setting when given."""
     options = [
@@ -35,23 +40,46 @@ def _settings_options(f: Any) -> Any:
             help="YAML settings file (below env CROSSFLOW_AGENT_* and flags).",
         ),
         click.option("--node-id", help="This node's id."),
-        click.option("--role", type=click.Choice([r.value for r in NodeRole])),
-        click.option("--pool", help="Prefill pool this node belongs to or feeds."),
-        click.option("--source", type=click.Choice([s.value for s in SourceKind])),
-        click.option("--metrics-url", help="The engine's Prometheus /metrics URL."),
-        click.option("--model", type=click.Choice(sorted(MODEL_PRESETS))),
-        click.option("--node", "node_preset", type=click.Choice(sorted(NODE_PRESETS))),
+        click.option(
+            "--role",
+            type=click.Choice([r.value for r in NodeRole]),
+            help=f"Decode nodes lend; prefill nodes report pool load. [{_D.role.value}]",
+        ),
+        click.option("--pool", help=f"Prefill pool this node belongs to or feeds. [{_D.pool}]"),
+        click.option(
+            "--source",
+            type=click.Choice([s.value for s in SourceKind]),
+            help=f"Engine kind behind --metrics-url. [{_D.source.value}]",
+        ),
+        click.option(
+            "--metrics-url", help=f"The engine's Prometheus /metrics URL. [{_D.metrics_url}]"
+        ),
+        click.option(
+            "--model",
+            type=click.Choice(sorted(MODEL_PRESETS)),
+            help=f"Model preset of the capacity model. [{_D.model}]",
+        ),
+        click.option(
+            "--node",
+            "node_preset",
+            type=click.Choice(sorted(NODE_PRESETS)),
+            help=f"Hardware preset (or --profile). [{_D.node_preset}]",
+        ),
         click.option(
             "--profile",
             "profile_file",
             type=click.Path(path_type=Path, dir_okay=False),
             help="Calibrated NodeProfile JSON file (version 1).",
         ),
-        click.option("--slo-ms", "itl_slo_ms", type=float, help="Decode ITL SLO."),
         click.option(
-            "--horizon-ms", type=int, help="Borrow horizon until a broker's Welcome sends its own."
+            "--slo-ms", "itl_slo_ms", type=float, help=f"Decode ITL SLO. [{_D.lease.itl_slo_ms:g}]"
         ),
-        click.option("--period-ms", type=int, help="Lease period."),
+        click.option(
+            "--horizon-ms",
+            type=int,
+            help=f"Borrow horizon until a broker's Welcome sends its own. [{_D.lease.horizon_ms}]",
+        ),
+        click.option("--period-ms", type=int, help=f"Lease period. [{_D.period_ms}]"),
     ]
     for option in reversed(options):
         f = option(f)
@@ -67,12 +95,31 @@ def _load(config_file: Path | None, flags: dict[str, Any]) -> AgentSettings:
     try:
         return load_settings(config_file, overrides)
     except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.UsageError(_where(exc)) from None
+
+
+def _where(exc: ConfigError) -> str:
+    """The refused setting with the flag and environment variable that set it, so the message
+    names what the operator typed (``--slo-ms``, not only ``lease.itl_slo_ms``)."""
+    if not exc.field or exc.field in ("config", "settings"):
+        return str(exc)
+    params = click.get_current_context().command.params
+    flags = {p.name: p.opts[0] for p in params if isinstance(p, click.Option) and p.name}
+    head, _, tail = exc.field.partition(".")
+    flag = flags.get(tail if head in ("lease", "broker_auth") and tail else head)
+    env = "CROSSFLOW_AGENT_" + exc.field.upper().replace(".", "__")
+    via = f"{flag} or {env}" if flag else env
+    return f"{exc.field} ({via}): {exc.message}"
 
 
 @cli.command()
 @_settings_options
-@click.option("--broker", "brokers", multiple=True, help="Broker host:port (repeatable).")
+@click.option(
+    "--broker",
+    "brokers",
+    multiple=True,
+    help=f"Broker host:port (repeatable). [{','.join(_D.brokers)}]",
+)
 @click.option("--ca-file", type=click.Path(dir_okay=False), help="CA bundle; turns TLS on.")
 @click.option("--cert-file", type=click.Path(dir_okay=False), help="Node certificate (mTLS).")
 @click.option("--key-file", type=click.Path(dir_okay=False), help="Node key (mTLS).")
@@ -110,7 +157,9 @@ def run(config_file: Path | None, **flags: Any) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 def inspect(config_file: Path | None, window_ms: int, as_json: bool, **flags: Any) -> None:
-    """Scrape once; print the snapshot, step-time predictions and the lease, arithmetic shown."""
+    """Scrape once; print the snapshot, step-time predictions and the lease, arithmetic shown.
+
+    Exits 1 when the scrape failed (the zero lease the agent would publish is still shown)."""
     from crossflow_agent.inspect import inspect_once, render_text
 
     if flags.get("node_id") is None:
@@ -124,6 +173,8 @@ def inspect(config_file: Path | None, window_ms: int, as_json: bool, **flags: An
         click.echo(json.dumps(report, indent=2, default=str))
     else:
         click.echo(render_text(report))
+    if report["failure"]:  # the zero lease is shown; the exit says the setup does not work
+        sys.exit(1)
 
 
 @cli.command("fake-engine")

@@ -86,6 +86,11 @@ class StreamState:
     """The jittered backoff before the latest retry."""
 
 
+FAILURE_REPEAT = 30
+"""A still-failing stream warns again after this many failed sessions (about a minute at the
+2 s backoff cap)."""
+
+
 class LeaseStream:
     def __init__(
         self,
@@ -126,6 +131,8 @@ class LeaseStream:
         self._unanswered_since: float | None = None
         self._await_ack: tuple[int, int] | None = None
         self._acked = asyncio.Event()
+        self._failures = 0
+        """Failed sessions in a row (since the last that had a lease accepted)."""
 
     # -- API for the lease loop ----------------------------------------------------------------
 
@@ -166,10 +173,11 @@ class LeaseStream:
             target = self.endpoints[index % len(self.endpoints)]
             welcomed = False
             acked_before = self.state.acked
+            error: str | None = None
             try:
                 welcomed = await self._session(target)
             except (grpc.aio.AioRpcError, TimeoutError, SessionError, OSError) as exc:
-                log.info("stream.session_failed", endpoint=target, error=_brief(exc))
+                error = _brief(exc)
             except Exception:  # never let the stream die: reconnect after the backoff
                 log.exception("stream.session_crashed", endpoint=target)
             if self._closing.is_set():
@@ -181,11 +189,29 @@ class LeaseStream:
             index += 1
             delay = backoff * self._rng.uniform(0.5, 1.0)
             backoff = min(self._backoff[1], backoff * 2)
+            if error is not None:
+                self._session_failed(target, error, delay, reset=self.state.acked > acked_before)
             self.state.attempts += 1
             self.state.last_delay_s = delay
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await self._closing.wait()
+
+    def _session_failed(self, target: str, error: str, retry_in_s: float, reset: bool) -> None:
+        """A warning once a retry failed too, and every ``FAILURE_REPEAT``-th failure after (it
+        retries every few seconds at most, so a broker that is not there, or refuses the node,
+        is said at the default log level without a line per retry); info otherwise: one failure
+        after a working session is a routine reconnect (a broker restarting, say)."""
+        self._failures = 1 if reset else self._failures + 1
+        say = log.warning if self._failures % FAILURE_REPEAT == 2 else log.info
+        say(
+            "stream.session_failed",
+            endpoint=target,
+            error=error,
+            failures=self._failures,
+            retry_in_s=round(retry_in_s, 2),
+            effect="no lease reaches a broker: the node lends nothing until one answers",
+        )
 
     async def _session(self, target: str) -> bool:
         """One connection to ``target``; True once it had been welcomed."""

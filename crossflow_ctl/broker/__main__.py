@@ -33,6 +33,9 @@ from crossflow_ctl.security import hash_token
 from crossflow_ctl.security.identity import parse_identity_uri
 from crossflow_ctl.service.config import BrokerSettings, load_settings
 
+DEFAULTS = BrokerSettings.model_construct()
+"""The settings' defaults, for the flags' help (not validated: no file or environment read)."""
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
@@ -71,10 +74,23 @@ def overrides_from(
     type=click.Path(path_type=Path, dir_okay=False),
     help="YAML settings file (below env CROSSFLOW_* and flags).",
 )
-@click.option("--listen", help="host:port (port 0 picks a free one).")
-@click.option("--redis-url", help="Shared Redis store.")
-@click.option("--embedded-store", is_flag=True, help="In-process store (one replica only).")
-@click.option("--redis-namespace", help="Key prefix in Redis.")
+@click.option(
+    "--listen",
+    metavar="HOST:PORT",
+    help=f"Where to serve gRPC (port 0 picks a free one); default {DEFAULTS.listen}.",
+)
+@click.option(
+    "--redis-url",
+    metavar="URL",
+    help="Shared Redis store (redis:// or rediss://); without it (or redis_url in the config "
+    "or environment) the broker uses the embedded store.",
+)
+@click.option(
+    "--embedded-store", is_flag=True, help="In-process store (one replica only, lost on exit)."
+)
+@click.option(
+    "--redis-namespace", help=f"Key prefix in Redis; default {DEFAULTS.redis_namespace!r}."
+)
 @click.option("--redis-cluster", is_flag=True, help="--redis-url names a Redis Cluster node.")
 def serve(config_file: Path | None, **flags: Any) -> None:
     """Run one broker replica until SIGINT/SIGTERM."""

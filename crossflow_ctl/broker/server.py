@@ -14,6 +14,7 @@ import os
 import socket
 from collections.abc import Coroutine
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 import structlog
@@ -119,6 +120,21 @@ def make_store(settings: BrokerSettings) -> Store:
     return MemoryStore()
 
 
+def describe_store(settings: BrokerSettings) -> str:
+    """The store for the logs: the Redis URL without its password, or the embedded one."""
+    if not settings.redis_url:
+        return "embedded (in-process; one replica only, lost on exit)"
+    url = urlsplit(settings.redis_url)
+    host = url.hostname or ""
+    user = (url.username or "") + (":***" if url.password else "")
+    netloc = (f"{user}@" if user else "") + (f"[{host}]" if ":" in host else host)
+    if url.port is not None:
+        netloc += f":{url.port}"
+    kind = " (cluster)" if settings.redis_cluster else ""
+    where = urlunsplit((url.scheme, netloc, url.path, "", ""))
+    return f"{where}{kind}, key prefix {settings.redis_namespace!r}"
+
+
 class BrokerServer:
     """One broker replica: ``await start()``, then ``await stop()`` (or ``serve(stop_event)``)."""
 
@@ -216,6 +232,7 @@ class BrokerServer:
             port=self.port,
             tls=self._credentials is not None,
             authenticates=self.settings.auth.authenticates,
+            store=describe_store(self.settings),
         )
         return self.port
 
@@ -229,7 +246,13 @@ class BrokerServer:
                 await self.store.close()
             raise ConfigError(str(exc), field="redis_url") from None
         except StoreUnavailable as exc:
-            log.warning("store.unreachable_at_start", error=str(exc))
+            log.warning(
+                "store.unreachable_at_start",
+                store=describe_store(self.settings),
+                error=str(exc),
+                effect="serving anyway: Admit answers NORMAL and agent streams are refused "
+                "until the store answers; check redis_url",
+            )
 
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.stream_grace_s if grace_s is None else grace_s

@@ -21,6 +21,7 @@ from crossflow_ctl.domain.errors import (
     Aborted,
     BrokerUnavailable,
     FailedPrecondition,
+    NotFound,
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
@@ -79,12 +80,21 @@ class BrokerSession:
             return await coro
         except StoreUnavailable as exc:
             raise CliError(
-                f"broker at {self.target.server} answered, but its store is unavailable: {exc}",
+                f"broker at {self.target.server} answered, but its store is unavailable: {exc} "
+                "(check the Redis its redis_url names: the broker's log says which)",
                 ExitCode.UNAVAILABLE,
             ) from None
         except BrokerUnavailable as exc:
             raise CliError(
-                f"cannot reach the broker at {self.target.server}: {exc}", ExitCode.UNAVAILABLE
+                f"cannot reach the broker at {self.target.server}: {exc} (is a broker serving "
+                "there? pass --server HOST:PORT, or see `crossflowctl config view`)",
+                ExitCode.UNAVAILABLE,
+            ) from None
+        except NotFound as exc:
+            if exc.field != "node_id":
+                raise
+            raise CliError(
+                f"{exc} (`crossflowctl get nodes` lists them)", ExitCode.NOT_FOUND
             ) from None
 
     async def list_nodes(self, role: NodeRole | None, selector: str) -> list[NodeView]:

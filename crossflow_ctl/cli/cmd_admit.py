@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -10,9 +11,17 @@ import click
 from crossflow_ctl.cli.common import output_option, run, state
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, key_values, render_object, table
-from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Plan, Reason
+from crossflow_ctl.domain.admission import (
+    Admission,
+    AdmissionRequest,
+    Decision,
+    NodeCheck,
+    Plan,
+    Reason,
+)
+from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import validated
-from crossflow_ctl.domain.policy import VersionedPolicy
+from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 
 NODE_CHECK_COLUMNS = [
     Column("NODE", "node_id"),
@@ -33,8 +42,17 @@ def _held(hold_ms: float) -> str:
     return f"held behind the router's queue {hold_ms:.1f} + " if hold_ms else ""
 
 
-def conditions(plan: Plan) -> list[str]:
-    """Demand, Benefit and Safety, each with the numbers behind it (DESIGN.md §4)."""
+def _short(c: NodeCheck) -> str:
+    if c.short_credits:
+        return f"{c.node_id} short on {', '.join(c.short_credits)}"
+    return f"{c.node_id}: {c.detail}"
+
+
+def conditions(plan: Plan, asked: Sequence[str] = ()) -> list[str]:
+    """Demand, Benefit and Safety, each with the numbers behind it (DESIGN.md §4).
+
+    ``asked``: the candidate nodes the caller named; those the broker does not know are said
+    so (it plans only over known nodes)."""
     d = plan.demand
     lines = []
     if d.pool_wait_ms is None:
@@ -61,17 +79,23 @@ def conditions(plan: Plan) -> list[str]:
     )
     with_benefit = [c for c in plan.nodes if c.benefit]
     best = min(plan.nodes, key=lambda c: c.predicted_ttft_ms, default=None)
+    known = {c.node_id for c in plan.nodes}
+    unknown = [n for n in dict.fromkeys(asked) if n not in known]
+    why = f" (unknown nodes, not planned: {', '.join(unknown)})" if unknown else ""
     if best is None:
-        lines.append(f"2. Benefit  fails  no candidate node has a live lease; {normal_text}")
+        lines.append(f"2. Benefit  fails  no candidate node has a live lease{why}; {normal_text}")
         lines.append("3. Safety   fails  no candidate node")
         return lines
     pick = min(with_benefit, key=lambda c: c.predicted_ttft_ms) if with_benefit else best
     lines.append(
-        f"2. Benefit  {_holds(bool(with_benefit))} {len(with_benefit)}/{len(plan.nodes)} nodes "
-        f"beat the normal path; best {pick.node_id} predicted {pick.predicted_ttft_ms:.1f} ms "
-        f"(wait {pick.queue_wait_ms:.1f} + service {pick.service_ms:.1f}) vs {normal_text}"
+        f"2. Benefit  {_holds(bool(with_benefit))} {len(with_benefit)}/{len(plan.nodes)} nodes"
+        f"{why} beat the normal path; best {pick.node_id} predicted "
+        f"{pick.predicted_ttft_ms:.1f} ms (wait {pick.queue_wait_ms:.1f} + service "
+        f"{pick.service_ms:.1f}) vs {normal_text}"
     )
-    safe = [c for c in with_benefit if c.safe]
+    # Safety is judged on the nodes with Benefit; with none, on every node (on its own).
+    judged = with_benefit or list(plan.nodes)
+    safe = [c for c in judged if c.safe]
     if safe:
         node = min(safe, key=lambda c: c.predicted_ttft_ms)
         need = ", ".join(
@@ -80,10 +104,7 @@ def conditions(plan: Plan) -> list[str]:
         )
         lines.append(f"3. Safety   holds  {node.node_id} has room on every credit ({need})")
     else:
-        shorts = "; ".join(
-            f"{c.node_id} short on {', '.join(c.short_credits) or c.detail}"
-            for c in (with_benefit or list(plan.nodes))[:4]
-        )
+        shorts = "; ".join(_short(c) for c in judged[:4])
         lines.append(f"3. Safety   fails  {shorts}")
     return lines
 
@@ -93,7 +114,23 @@ def would_borrow(a: Admission) -> bool:
     return a.decision is Decision.BORROW or (a.reason is Reason.DRY_RUN and bool(a.node_id))
 
 
-def admission_text(a: Admission, explain: bool) -> str:
+def reason_text(a: Admission) -> str:
+    """``reason: message``, once: some messages already start with their reason."""
+    reason = a.reason.value
+    if not a.message or a.message.startswith(f"{reason}:"):
+        return a.message or reason
+    return f"{reason}: {a.message}"
+
+
+def _verdict(c: NodeCheck, a: Admission) -> str:
+    """A node that passes Benefit and Safety but was not the one used is eligible, not
+    borrowed."""
+    if c.verdict is Reason.BORROWED and c.node_id != a.node_id:
+        return "eligible"
+    return c.verdict.value
+
+
+def admission_text(a: Admission, explain: bool, asked: Sequence[str] = ()) -> str:
     if a.decision is not Decision.BORROW and would_borrow(a):
         head = [
             ("Decision", f"would BORROW on {a.node_id} (dry run: nothing debited)"),
@@ -111,14 +148,19 @@ def admission_text(a: Admission, explain: bool) -> str:
         ]
     else:
         head = [("Decision", "NORMAL"), ("Normal-path TTFT", f"{a.normal_ttft_ms:.1f} ms")]
-    head.append(("Reason", a.reason.value + (f": {a.message}" if a.message else "")))
+    head.append(("Reason", reason_text(a)))
     if a.shadow_decision is not None:
         head.append(("Shadow decision", a.shadow_decision.value.upper()))
     parts = [key_values(head)]
     if explain and a.plan is not None:
-        parts.append("Conditions:\n" + "\n".join("  " + line for line in conditions(a.plan)))
+        lines = conditions(a.plan, asked)
+        parts.append("Conditions:\n" + "\n".join("  " + line for line in lines))
         rows = [
-            {**c.model_dump(mode="json"), "predicted_ttft_ms": c.predicted_ttft_ms}
+            {
+                **c.model_dump(mode="json"),
+                "verdict": _verdict(c, a),
+                "predicted_ttft_ms": c.predicted_ttft_ms,
+            }
             for c in a.plan.nodes
         ]
         if rows:
@@ -131,11 +173,11 @@ def admission_text(a: Admission, explain: bool) -> str:
     return "\n".join(parts)
 
 
-def admission_data(a: Admission) -> dict[str, Any]:
+def admission_data(a: Admission, asked: Sequence[str] = ()) -> dict[str, Any]:
     data = a.model_dump(mode="json")
     data["would_borrow"] = would_borrow(a)
     if a.plan is not None:
-        data["conditions"] = conditions(a.plan)
+        data["conditions"] = conditions(a.plan, asked)
     return data
 
 
@@ -200,7 +242,9 @@ def admit(
             return await session.admit(request)
 
     result = run(go())
-    click.echo(render_object(admission_data(result), fmt, admission_text(result, explain)))
+    click.echo(
+        render_object(admission_data(result, nodes), fmt, admission_text(result, explain, nodes))
+    )
 
 
 @click.group()
@@ -264,12 +308,23 @@ def policy_set(
     async def go() -> VersionedPolicy:
         async with st.session() as session:
             current = await session.get_policy()
-            current.policy.updated({k: _loose(v) for k, v in updates.items()})  # fail early
+            _check_updates(current.policy, updates)  # fail early
             base = current.version if expected_version is None else expected_version
             return await session.set_policy(updates, base)
 
     p = run(go())
     click.echo(render_object(_policy_data(p), st.output(output), _policy_text(p)))
+
+
+def _check_updates(policy: PolicySettings, updates: dict[str, str]) -> None:
+    """Refuse what the broker would refuse, before writing; an unknown key lists the known."""
+    try:
+        policy.updated({k: _loose(v) for k, v in updates.items()})
+    except InvalidArgument as exc:
+        if exc.field in type(policy).model_fields or exc.field not in updates:
+            raise
+        known = ", ".join(type(policy).model_fields)
+        raise CliError(f"{exc} (settings: {known})", ExitCode.USAGE) from None
 
 
 def _loose(text: str) -> Any:

@@ -69,7 +69,10 @@ def config_use_context(ctx: click.Context, name: str) -> None:
     st = state(ctx)
     cfg = st.load()
     if name not in cfg.contexts:
-        raise CliError(f"no context named {name!r} in {st.config_path}", ExitCode.NOT_FOUND)
+        known = ", ".join(sorted(cfg.contexts)) or "none"
+        raise CliError(
+            f"no context named {name!r} in {st.config_path} (known: {known})", ExitCode.NOT_FOUND
+        )
     save_config(st.config_path, cfg.model_copy(update={"current_context": name}))
     click.echo(f'Switched to context "{name}".')
 

@@ -20,6 +20,7 @@ from crossflow_ctl.cli.config import (
 )
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import FORMATS, OutputFormat
+from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.settings_sources import host_port
 
 if TYPE_CHECKING:  # the client is imported by the commands that call the broker, not by --help
@@ -39,6 +40,8 @@ class CtlState:
     context_override: str | None
     credential_flags: dict[str, Any] = field(default_factory=dict)
     """``--ca-file`` and friends given on the command line (they win over the context)."""
+    config_named: bool = False
+    """``--config`` was given: a missing file is then an error for commands that use it."""
 
     @classmethod
     def create(
@@ -57,12 +60,20 @@ class CtlState:
             server_override=server or settings.server,
             context_override=context or settings.context,
             credential_flags=credential_flags,
+            config_named=bool(config_path),
         )
 
     def load(self) -> CtlConfig:
         return load_config(self.config_path)
 
     def context(self) -> tuple[str, Context]:
+        if self.config_named and not self.config_path.exists():
+            # A mistyped --config would otherwise talk to the default broker, unseen.
+            raise ConfigError(
+                f"no such file {self.config_path} (`crossflowctl --config {self.config_path} "
+                "config set-context NAME --server HOST:PORT` creates it)",
+                field="--config",
+            )
         return self.load().context(self.context_override)
 
     def target(self) -> Target:

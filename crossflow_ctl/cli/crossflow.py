@@ -77,7 +77,8 @@ def cli() -> None:
     "--duration-s",
     type=click.FloatRange(min=0.5),
     default=None,
-    help="Stop after this many seconds (default: when the trace is done).",
+    help="Run this long: the trace is cut there, or the cluster stays up after it until then "
+    "(to try crossflowctl against it). Default: stop when the trace is done.",
 )
 @click.option(
     "--speed",

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from pydantic import ValidationError
+
 from crossflow_ctl.domain.errors import (
     ConfigError,
     InvalidArgument,
@@ -23,6 +25,7 @@ from crossflow_ctl.domain.errors import (
     Unauthenticated,
     Unavailable,
 )
+from crossflow_ctl.settings_sources import refusal_text
 
 
 class ExitCode(IntEnum):
@@ -59,7 +62,7 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         return ExitCode.NOT_FOUND
     if isinstance(exc, PermissionDenied | Unauthenticated):
         return ExitCode.DENIED
-    if isinstance(exc, InvalidArgument | ConfigError):
+    if isinstance(exc, InvalidArgument | ConfigError | ValidationError):
         return ExitCode.USAGE
     if _is_unavailable(exc):
         return ExitCode.UNAVAILABLE
@@ -67,6 +70,11 @@ def exit_code_for(exc: BaseException) -> ExitCode:
 
 
 def one_line(exc: BaseException) -> str:
-    """The error as a single line of text, never a traceback."""
+    """The error as a single line of text, never a traceback (a model's refusal as its first
+    field and message, not pydantic's multi-line report)."""
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or exc.title
+        exc = InvalidArgument(refusal_text(err), field=field)
     text = " ".join(str(exc).split()) or type(exc).__name__
     return f"error: {text}"

@@ -18,6 +18,7 @@ from crossflow_ctl.client.holding import QueueConfig
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.lease_credits import LeaseSettings
+from crossflow_ctl.domain.models import MAX_HORIZON_MS
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.sizing import (
     SizingPlan,
@@ -73,8 +74,20 @@ def _quiet_logs() -> None:
 @click.command("sim")
 @click.option("--trace", "traces", multiple=True, type=FILE, help="Trace file (repeatable).")
 @click.option("--synthetic", is_flag=True, help="Add the synthetic agentic generator.")
-@click.option("--synthetic-duration-s", default=3600.0, show_default=True)
-@click.option("--load", "loads", default="1,4,16", show_default=True, help="Time compression.")
+@click.option(
+    "--synthetic-duration-s",
+    type=click.FloatRange(min=1.0),
+    default=3600.0,
+    show_default=True,
+    help="Trace seconds the synthetic generator covers.",
+)
+@click.option(
+    "--load",
+    "loads",
+    default="1,4,16",
+    show_default=True,
+    help="Time compressions to run, comma-separated (4: four times the arrival rate).",
+)
 @click.option(
     "--splits",
     default="1P5D,2P4D,3P3D,4P2D,5P1D",
@@ -87,24 +100,56 @@ def _quiet_logs() -> None:
     show_default=True,
     help="Splits for the threshold and leases policies.",
 )
-@click.option("--policies", default="static,threshold,leases", show_default=True)
-@click.option("--warmup-s", default=300.0, show_default=True, help="Trace seconds not measured.")
-@click.option("--limit", type=int, help="Only the first N requests of each trace.")
+@click.option(
+    "--policies",
+    default="static,threshold,leases",
+    show_default=True,
+    help="Policies to run, comma-separated.",
+)
+@click.option(
+    "--warmup-s",
+    type=click.FloatRange(min=0.0),
+    default=300.0,
+    show_default=True,
+    help="Trace seconds not measured (0 for a short --limit run).",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), help="Only the first N requests of each trace."
+)
 @click.option(
     "--model", type=click.Choice(sorted(MODEL_PRESETS)), default="gpt-oss-120b", show_default=True
 )
 @click.option(
     "--hardware", type=click.Choice(sorted(NODE_PRESETS)), default="h200", show_default=True
 )
-@click.option("--kv-capacity-tokens", default=1_000_000, show_default=True)
-@click.option("--itl-slo-ms", default=50.0, show_default=True, help="Agents' ITL SLO.")
+@click.option(
+    "--kv-capacity-tokens",
+    type=click.IntRange(1, 1_000_000_000),
+    default=1_000_000,
+    show_default=True,
+    help="KV cache of each decode server, in tokens.",
+)
+@click.option(
+    "--itl-slo-ms",
+    type=click.FloatRange(0.0, 10_000.0, min_open=True),
+    default=50.0,
+    show_default=True,
+    help="Agents' ITL SLO.",
+)
 @click.option(
     "--horizon-ms",
+    type=click.IntRange(1, MAX_HORIZON_MS),
     default=PolicySettings().borrow_horizon_ms,
     show_default=True,
     help="Borrow horizon (the broker's and the agents').",
 )
-@click.option("--borrow-share", default=0.5, show_default=True, help="Cluster-wide borrow limit.")
+@click.option(
+    "--borrow-share",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.5,
+    show_default=True,
+    help="Cluster-wide borrow limit.",
+)
 @click.option(
     "--late-binding/--no-late-binding",
     default=True,
@@ -146,11 +191,24 @@ def _quiet_logs() -> None:
     type=click.Choice([c.value for c in CacheScope]),
     default="cluster",
     show_default=True,
+    help="Prefix cache shared by the cluster, or one per node.",
 )
-@click.option("--session-rate", type=float, help="Top-level sessions per second (session traces).")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--jobs", default=min(2, os.cpu_count() or 1), show_default=True)
-@click.option("--redis", "redis_url", help="Run on a RedisStore at this URL (one job).")
+@click.option(
+    "--session-rate",
+    type=click.FloatRange(0.0, min_open=True),
+    help="Top-level sessions per second (session traces).",
+)
+@click.option("--seed", default=0, show_default=True, help="Seed of generators and sampling.")
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=min(2, os.cpu_count() or 1),
+    show_default=True,
+    help="Runs simulated in parallel (processes).",
+)
+@click.option(
+    "--redis", "redis_url", metavar="URL", help="Run on a RedisStore at this URL (one job)."
+)
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
@@ -246,6 +304,7 @@ def sim(
         else:
             records = run_sweep(runs, jobs=jobs, on_done=done)
     wall = time.perf_counter() - started
+    _check_measured(records, warmup_s)
     command = "crossflowctl " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     path = write_report(out_dir, records, base, command=command, show_wall=True)
     for s in (summarize(r) for r in records):
@@ -256,6 +315,20 @@ def sim(
             f"over-commit {s.overcommits}"
         )
     click.echo(f"report: {path} ({len(runs)} runs in {wall:.1f} s)")
+
+
+def _check_measured(records: Sequence[RunRecord], warmup_s: float) -> None:
+    """Refuse a sweep in which a run measured nothing: every request of its trace arrived within
+    the warm-up, so the report would compare empty runs (``--limit`` with the default
+    ``--warmup-s``)."""
+    empty = sorted({r.trace for r in records if r.measured == 0})
+    if empty:
+        raise InvalidArgument(
+            f"no request of {', '.join(empty)} arrives after the warm-up ({warmup_s:g} trace "
+            "seconds), so nothing was measured: lower --warmup-s (0 measures every request) "
+            "or raise --limit",
+            field="warmup_s",
+        )
 
 
 # -- plan ------------------------------------------------------------------------------------
@@ -290,12 +363,26 @@ def format_plan(plan: SizingPlan, fleet: int) -> list[str]:
 
 @click.command("plan")
 @click.option("--rho", type=float, help="Decode / prefill per-token throughput (default: model).")
-@click.option("--r-p5", type=float)
-@click.option("--r-p50", type=float)
-@click.option("--r-p95", type=float)
+@click.option(
+    "--r-p5", type=float, help="R (uncached prompt / output tokens) at its 5th percentile."
+)
+@click.option("--r-p50", type=float, help="R at its median.")
+@click.option("--r-p95", type=float, help="R at its 95th percentile.")
 @click.option("--trace", type=FILE, help="Take R per window (or per session) from a trace.")
-@click.option("--window-s", default=60.0, show_default=True)
-@click.option("--fleet", default=6, show_default=True, help="Servers, for the split advice.")
+@click.option(
+    "--window-s",
+    type=click.FloatRange(min=0.001),
+    default=60.0,
+    show_default=True,
+    help="With --trace: seconds of trace per R sample.",
+)
+@click.option(
+    "--fleet",
+    type=click.IntRange(min=2),
+    default=6,
+    show_default=True,
+    help="Servers, for the split advice.",
+)
 @click.option(
     "--model", type=click.Choice(sorted(MODEL_PRESETS)), default="gpt-oss-120b", show_default=True
 )

@@ -3,7 +3,8 @@
 Starts the broker (embedded store, or ``--redis``), fake engines (SGLang-format /metrics), one
 real ``crossflow-agent run`` per engine streaming to the broker over gRPC, then replays a trace
 through the Admission API while a live view polls the Admin API. Ends on its own when the trace
-is done (or ``--duration-s`` passed), or on Ctrl-C/SIGTERM; stops every child and prints a
+is done, or when ``--duration-s`` has passed (cutting the trace there, or keeping the cluster
+up after it), or on Ctrl-C/SIGTERM; stops every child and prints a
 summary comparing the run with the same trace on static P/D.
 """
 
@@ -28,6 +29,7 @@ from crossflow_ctl.demo.router import Engine, Router
 from crossflow_ctl.demo.trace import Trace
 from crossflow_ctl.demo.view import CLEAR, Observations, frame, summary, summary_data
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, StepShape, step_time_s
+from crossflow_ctl.domain.errors import Unavailable
 from crossflow_ctl.domain.models import NodeRole
 
 START_TIMEOUT_S = 30.0
@@ -82,6 +84,26 @@ async def forget_namespace(redis_url: str, namespace: str) -> None:
         await client.aclose()
 
 
+async def check_redis(redis_url: str, timeout_s: float = 3.0) -> None:
+    """Unavailable naming ``--redis`` when that Redis does not answer a PING: without this the
+    demo waited out its 30 s start and said only that the cluster was not ready."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(
+        redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+    )
+    try:
+        await client.ping()
+    except Exception as exc:
+        raise Unavailable(
+            f"cannot reach that Redis: {exc} (start it, or leave out --redis for the embedded "
+            "store)",
+            field="--redis",
+        ) from None
+    finally:
+        await client.aclose()
+
+
 def demo_log_dir(chosen: Path | None) -> Path:
     """``chosen`` (created if missing) or a new ``crossflow-demo-*`` folder under the system
     temp dir; never deleted by the demo."""
@@ -111,6 +133,8 @@ class Demo:
         print(text, file=self.out, flush=True)
 
     async def run(self) -> int:
+        if self.opts.redis_url:
+            await check_redis(self.opts.redis_url)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._interrupt)
@@ -136,7 +160,8 @@ class Demo:
             f"({o.trace.requests} requests), logs in {self.children.log_dir}"
         )
         broker = await self._start_broker()
-        self.say(f"broker on {broker}: try `crossflowctl --server {broker} get nodes -w`")
+        hint = "" if o.duration_s is not None else " (--duration-s S keeps the cluster up S s)"
+        self.say(f"broker on {broker}: try `crossflowctl --server {broker} get nodes -w`{hint}")
         prefill, decode = await self._start_engines()
         await self._start_agents(broker, prefill, decode)
         async with AdminClient(broker, timeout_s=2.0) as admin:
@@ -302,17 +327,29 @@ class Demo:
             await asyncio.sleep(0.2)
 
     async def _replay(self, router: Router, admin: AdminClient, started: float) -> None:
+        """Replay the trace with the live view; with ``duration_s``, stop there, or keep the
+        cluster up (agents leasing, view refreshing) after a trace that ends sooner."""
         o = self.opts
         replay = asyncio.create_task(router.run(self.stop))
+        stopping = asyncio.create_task(self.stop.wait())
         frames = 0
+        lingering = False
         try:
-            while not replay.done():
-                done, _ = await asyncio.wait({replay}, timeout=o.refresh_s)
-                if done:
-                    break
+            while True:
+                await asyncio.wait(
+                    {replay, stopping}, timeout=o.refresh_s, return_when=asyncio.FIRST_COMPLETED
+                )
                 elapsed = time.monotonic() - started
                 if o.duration_s is not None and elapsed >= o.duration_s:
                     self.stop.set()
+                if self.stop.is_set() or (replay.done() and not self._linger(replay)):
+                    break
+                if replay.done() and not lingering:
+                    lingering = True
+                    self.say(
+                        f"trace done after {elapsed:.0f} s; the cluster stays up until "
+                        f"--duration-s {o.duration_s:g} s (Ctrl-C ends it now)"
+                    )
                 assert self.children is not None
                 dead = self.children.dead()
                 if dead:
@@ -323,7 +360,13 @@ class Demo:
                 frames += 1
         finally:
             self.stop.set()
+            stopping.cancel()
             await replay
+
+    def _linger(self, replay: asyncio.Task[None]) -> bool:
+        """Whether to keep the cluster up after the replay ended: only when ``duration_s``
+        asks for it, and the replay ended without an error."""
+        return self.opts.duration_s is not None and replay.exception() is None
 
     async def _tick(self, router: Router, admin: AdminClient, elapsed: float, frames: int) -> None:
         try:

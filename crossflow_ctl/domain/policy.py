@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
 from crossflow_ctl.domain.models import MAX_HORIZON_MS, Frozen, validated
@@ -76,9 +77,13 @@ class PolicySettings(Frozen):
     @model_validator(mode="after")
     def _commit_outlasts_horizon(self) -> PolicySettings:
         if self.commit_ttl_ms < self.borrow_horizon_ms:
-            raise ValueError(
-                f"commit_ttl_ms ({self.commit_ttl_ms}) must be at least borrow_horizon_ms "
-                f"({self.borrow_horizon_ms}): an expired committed reservation may still run"
+            # A custom error: pydantic prefixes a ValueError's text with "Value error, ".
+            raise PydanticCustomError(
+                "commit_ttl_below_horizon",
+                "commit_ttl_ms ({commit}) must be at least borrow_horizon_ms ({horizon}): an "
+                "expired committed reservation may still run (raise commit_ttl_ms, or lower "
+                "borrow_horizon_ms)",
+                {"commit": self.commit_ttl_ms, "horizon": self.borrow_horizon_ms},
             )
         return self
 
@@ -128,9 +133,10 @@ def check_retired_horizons(
     for old in retired:
         if now_ms < old.until_ms and policy.commit_ttl_ms < old.horizon_ms:
             raise FailedPrecondition(
-                f"commit_ttl_ms ({policy.commit_ttl_ms}) must stay at least {old.horizon_ms}, "
-                f"the borrow horizon leases may still be sized over, for "
-                f"{old.until_ms - now_ms} ms more (lower the horizon first, then the commit TTL)",
+                f"commit_ttl_ms ({policy.commit_ttl_ms}) must stay at least {old.horizon_ms} "
+                f"for {old.until_ms - now_ms} ms more: leases may still be sized over that "
+                f"borrow horizon until agents adopt the lowered one; retry the commit TTL then "
+                f"(lowering both takes two writes: the horizon first)",
                 field="commit_ttl_ms",
             )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,45 @@ def test_cli_refuses_bad_flags_naming_the_field() -> None:
     assert result.exit_code == 2 and "brokers" in result.output
     schema = CliRunner().invoke(cli, ["schema"])
     assert schema.exit_code == 0 and "node_id" in json.loads(schema.output)["properties"]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--node-id", "n1", "--slo-ms", "-5"], "lease.itl_slo_ms (--slo-ms or "),
+        (["--node-id", "n1", "--broker", "nohost"], "brokers (--broker or CROSSFLOW_AGENT_"),
+        (["--node-id", "n1", "--metrics-url", "x"], "must be an http(s) URL, got 'x'"),
+        (["--role", "decode"], "node_id (--node-id or CROSSFLOW_AGENT_NODE_ID): invalid setting"),
+    ],
+)  # fmt: skip
+def test_cli_refusals_name_the_flag_and_drop_pydantic_noise(args: list[str], said: str) -> None:
+    """They said "lease.itl_slo_ms: ... " for --slo-ms, "Value error, must be ..." and "Field
+    required" for a missing --node-id."""
+    result = CliRunner().invoke(cli, ["run", *args])
+    assert result.exit_code == 2, result.output
+    assert said in result.output, result.output
+    assert "Value error" not in result.output and "Field required" not in result.output
+
+
+def test_cli_inspect_of_an_engine_it_cannot_scrape_exits_1() -> None:
+    """It printed the zero lease and exited 0, so a script checking a node's setup passed."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+    result = CliRunner().invoke(cli, ["inspect", "--metrics-url", url, "--window-ms", "0"])
+    assert result.exit_code == 1, result.output
+    assert "scrape failed: unreachable" in result.output and "lease: ZERO" in result.output
+
+
+def test_run_help_says_each_settings_default() -> None:
+    """No flag of run said its default (is --broker needed? which --role, --source?)."""
+    out = " ".join(CliRunner().invoke(cli, ["run", "--help"]).output.split())
+    defaults = AgentSettings.model_construct()
+    for said in (
+        f"[{defaults.role.value}]",
+        f"[{defaults.source.value}]",
+        f"[{defaults.metrics_url}]",
+        f"[{','.join(defaults.brokers)}]",
+        f"[{defaults.period_ms}]",
+    ):
+        assert said in out, said

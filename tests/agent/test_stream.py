@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from itertools import pairwise
 from typing import Any
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from crossflow_agent.agent import Agent
 from crossflow_agent.settings import AgentSettings
@@ -196,6 +198,34 @@ async def test_scrape_failure_gives_a_zero_lease_at_the_next_period(
         assert all(m.version in zeroed for m in sent if m.version >= before + 2)
         # refused, or accepted by the closing socket and never answered
         assert lease.zero_detail.startswith(("unreachable", "timeout"))
+
+
+async def test_the_agent_logs_when_its_lease_turns_zero_and_lends_again(
+    brokers, metrics_server
+) -> None:
+    """At info an agent said nothing between agent.started and agent.stopped, however long its
+    node lent nothing (the zero reason was a debug line per period)."""
+    metrics_server.text = fixture_text("sglang_t0.prom")
+    target = await brokers.start()
+    with capture_logs() as logs:
+        async with AdminClient(target) as admin, running_agent(metrics_server, [target]) as run:
+            await eventually(lambda: _has_credit(admin), "a lease with credit")
+            run.agent.stream.state.cordoned = True  # as a cordon notice sets it
+            await asyncio.sleep(0.3)  # several periods
+            run.agent.stream.state.cordoned = False
+            await eventually(lambda: _has_credit(admin), "credit again")
+    said = [
+        (e["event"], e.get("reason") or e.get("was"))
+        for e in logs
+        if e["event"] in ("lease.lending", "lease.zeroed")
+        and "node_id" not in e  # not the broker's
+    ]
+    assert said[:3] == [
+        ("lease.lending", None),
+        ("lease.zeroed", "cordoned"),
+        ("lease.lending", "cordoned"),
+    ], said
+    assert all(e["log_level"] == "info" for e in logs if e["event"] != "lease.zero")
 
 
 async def _has_credit(admin: AdminClient) -> bool:
@@ -520,3 +550,32 @@ async def test_failing_sessions_keep_backing_off_and_resume_notices(metrics_serv
             assert servicer.hellos[1] >= 41
     finally:
         await server.stop(None)
+
+
+async def test_a_broker_that_is_not_there_is_a_warning_not_an_info_line_per_retry(
+    metrics_server,
+) -> None:
+    """It was an info line per retry: at the warning level an agent whose --broker is wrong or
+    down said nothing at all, while its node lent nothing. A single failure stays info: the
+    demo's agents warned at every shutdown, when the broker ended their streams."""
+    metrics_server.text = fixture_text("sglang_t0.prom")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with capture_logs() as logs:
+        async with running_agent(metrics_server, [f"127.0.0.1:{port}"]) as run:
+            state = run.agent.stream.state
+
+            async def several() -> bool:
+                return state.attempts >= 3
+
+            await eventually(several, "several failed sessions")
+    failed = [e for e in logs if e["event"] == "stream.session_failed"]
+    assert len(failed) >= 3
+    # one failure is a routine reconnect; the failed retry is the outage, said once
+    first, second, *rest = failed
+    assert (first["log_level"], first["failures"]) == ("info", 1)
+    assert second["log_level"] == "warning", second
+    assert second["endpoint"] == f"127.0.0.1:{port}" and "lends nothing" in second["effect"]
+    assert second["failures"] == 2 and second["retry_in_s"] > 0
+    assert [e["log_level"] for e in rest] == ["info"] * len(rest)

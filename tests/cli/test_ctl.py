@@ -158,11 +158,16 @@ async def test_wrong_server_one_clear_line_exit_4(ctl: Ctl) -> None:
     (line,) = res.err.splitlines()
     assert line.startswith(f"error: cannot reach the broker at {ctl.server}: ")
     assert "store" not in line
+    assert line.endswith("(is a broker serving there? pass --server HOST:PORT, or see "
+                         "`crossflowctl config view`)")  # fmt: skip
 
 
 async def test_exit_codes_not_found_and_usage(ctl: Ctl, fleet: Fleet) -> None:
     missing = await ctl("describe", "node", "nope")
-    assert (missing.rc, missing.err.strip()) == (3, "error: node_id: unknown node 'nope'")
+    assert (missing.rc, missing.err.strip()) == (
+        3,
+        "error: node_id: unknown node 'nope' (`crossflowctl get nodes` lists them)",
+    )
     assert (await ctl("cordon", "nope")).rc == 3
     bad_format = await ctl("get", "nodes", "-o", "xml")
     assert bad_format.rc == 2 and len(bad_format.err.splitlines()) == 1
@@ -170,10 +175,16 @@ async def test_exit_codes_not_found_and_usage(ctl: Ctl, fleet: Fleet) -> None:
     assert bad_value.rc == 2
     assert bad_value.err.startswith("error: borrow_share: ")
     unknown = await ctl("policy", "set", "nonsense=1")
-    assert (unknown.rc, unknown.err.strip()) == (
-        2,
-        "error: nonsense: unknown policy setting 'nonsense'",
-    )
+    assert unknown.rc == 2
+    assert unknown.err.startswith(
+        "error: nonsense: unknown policy setting 'nonsense' (settings: enabled, shadow_mode, "
+    ), unknown.err
+    assert len(unknown.err.splitlines()) == 1
+    # both lowered together would be valid, but the commit TTL alone below the horizon is not:
+    # it says what to do, without pydantic's "Value error, " prefix
+    below = await ctl("policy", "set", "commit_ttl_ms=3000")
+    assert below.rc == 2 and "Value error" not in below.err, below.err
+    assert "(raise commit_ttl_ms, or lower borrow_horizon_ms)" in below.err
     assert (await ctl("policy", "set", "novalue")).rc == 2
     policy = json.loads((await ctl("policy", "get", "-o", "json")).out)
     assert policy["borrow_share"] == 0.5  # nothing changed
@@ -235,6 +246,23 @@ async def test_contexts_file_drives_the_server(ctl: Ctl, fleet: Fleet) -> None:
     assert (await ctl("--context", "local", "get", "nodes", server=False)).rc == 0
 
 
+async def test_a_missing_config_file_or_context_is_said_with_what_exists(
+    ctl: Ctl, tmp_path: Path
+) -> None:
+    """A mistyped --config silently fell back to the default context (127.0.0.1:50051);
+    use-context did not say which contexts exist; a bad --server said pydantic's "Value
+    error, "."""
+    missing = tmp_path / "typo.yaml"
+    res = await ctl("--config", str(missing), "get", "nodes")
+    assert res.rc == 2, res
+    assert res.err.startswith(f"error: --config: no such file {missing} ("), res.err
+    assert (await ctl("config", "set-context", "a", "--server", ctl.server, server=False)).rc == 0
+    unknown = await ctl("config", "use-context", "b", server=False)
+    assert unknown.rc == 3 and unknown.err.rstrip().endswith("(known: a, default)"), unknown
+    bad = await ctl("config", "set-context", "c", "--server", "nohost", server=False)
+    assert (bad.rc, bad.err.strip()) == (2, "error: server: must be host:port, got 'nohost'")
+
+
 async def test_watch_refreshes_and_ctrl_c_exits_0(ctl: Ctl, fleet: Fleet) -> None:
     res = await ctl("get", "leases", "--watch", "--interval", "0.1", "--watch-count", "2")
     assert res.rc == 0
@@ -291,3 +319,16 @@ async def test_server_without_a_port_is_refused_not_sent_to_443(ctl: Ctl) -> Non
     assert res.rc == 2, (res.out, res.err)
     (line,) = res.err.splitlines()
     assert "--server must be host:port" in line and "localhost:50051" in line
+
+
+async def test_a_commit_ttl_below_a_just_lowered_horizon_says_to_retry_later(ctl: Ctl) -> None:
+    """After lowering the horizon first, as told, the refusal still said "lower the horizon
+    first, then the commit TTL": it now says the write must wait, and how long."""
+    assert (await ctl("policy", "set", "borrow_horizon_ms=4000")).rc == 0
+    refused = await ctl("policy", "set", "commit_ttl_ms=4000")
+    assert refused.rc == 1, refused
+    (line,) = refused.err.splitlines()
+    assert line.startswith(
+        "error: commit_ttl_ms: commit_ttl_ms (4000) must stay at least 8000 for "
+    )
+    assert "retry the commit TTL then" in line and "lower the horizon first, then" not in line

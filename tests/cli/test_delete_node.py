@@ -40,7 +40,7 @@ async def test_delete_node_refuses_open_reservations_unless_forced(ctl: Ctl, fle
     missing = await ctl("delete", "node", "decode-1")
     assert (missing.rc, missing.err.splitlines()) == (
         3,
-        ["error: node_id: unknown node 'decode-1'"],
+        ["error: node_id: unknown node 'decode-1' (`crossflowctl get nodes` lists them)"],
     )
     bad = await ctl("delete", "node", "no/such")
     assert bad.rc == 2 and bad.err.startswith("error: node_id: must match")

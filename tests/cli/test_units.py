@@ -7,13 +7,22 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
-from crossflow_ctl.cli.cmd_admit import conditions
+from crossflow_ctl.cli.cmd_admit import admission_text, conditions
 from crossflow_ctl.cli.config import Context, CtlConfig, load_config, save_config
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import Column, OutputFormat, render_list, table
 from crossflow_ctl.cli.views import POOL_COLUMNS, age, pool_row
-from crossflow_ctl.domain.admission import DemandCheck, Plan, Reason
+from crossflow_ctl.domain.admission import (
+    Admission,
+    Decision,
+    DemandCheck,
+    NodeCheck,
+    NormalPath,
+    Plan,
+    Reason,
+)
 from crossflow_ctl.domain.errors import (
     ConfigError,
     FailedPrecondition,
@@ -22,6 +31,7 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import PoolLoad, PoolSnapshot
+from crossflow_ctl.domain.policy import PolicySettings
 
 COLUMNS = [Column("NAME", "name"), Column("SLOTS", "slots"), Column("POOL", "pool", wide=True)]
 ROWS = [{"name": "decode-1", "slots": 4, "pool": "a"}, {"name": "d2", "slots": 0, "pool": ""}]
@@ -83,6 +93,17 @@ def test_contexts_file_round_trips_and_refuses_bad_values(tmp_path: Path) -> Non
 )
 def test_every_error_has_its_documented_exit_code(error: Exception, code: ExitCode) -> None:
     assert exit_code_for(error) == code
+
+
+def test_a_model_refusal_is_a_usage_error_in_one_line() -> None:
+    """A pydantic ValidationError that reached the CLI (sim --borrow-share 5 did) printed its
+    whole multi-line report with a docs URL and exited 1."""
+    with pytest.raises(ValidationError) as refused:
+        PolicySettings(borrow_share=5)
+    assert exit_code_for(refused.value) == ExitCode.USAGE
+    assert one_line(refused.value) == (
+        "error: borrow_share: Input should be less than or equal to 1"
+    )
 
 
 def test_errors_print_as_one_line() -> None:
@@ -157,3 +178,70 @@ def test_admit_explain_shows_the_tokens_sent_since_the_pools_reports() -> None:
         "1. Demand   holds  prefill wait 150.0 ms > threshold 100.0 ms (500 outstanding tokens"
         " + 1000 sent since the reports / 10000 tokens/s, 1 reporting)"
     )
+
+
+def _check(node_id: str, **fields: object) -> NodeCheck:
+    return NodeCheck.model_validate({"node_id": node_id, **fields})
+
+
+_DEMAND = DemandCheck(
+    holds=True,
+    pool_wait_ms=5000.0,
+    threshold_ms=10.0,
+    outstanding_uncached_tokens=50_000,
+    processing_rate_tps=10_000.0,
+    reporting_nodes=1,
+)
+
+
+def test_admit_explain_safety_names_credits_not_benefit_details() -> None:
+    """With no node beating the normal path, the Safety line used to list each node's Benefit
+    detail as what it was 'short on' ("decode-1 short on predicted 327.5 ms >= normal 5.3 ms")
+    and say it fails although every node had room."""
+    plan = Plan(
+        reason=Reason.NO_BENEFIT,
+        demand=_DEMAND,
+        normal_path=NormalPath(wait_ms=0.0, prefill_ms=5.0, kv_transfer_ms=0.3),
+        nodes=(
+            _check("decode-1", verdict="no_benefit", detail="predicted 327.5 ms >= normal 5.3 ms",
+                   queue_wait_ms=319.0, service_ms=8.5, safe=True),
+            _check("decode-2", verdict="no_benefit", detail="predicted 400.0 ms >= normal 5.3 ms",
+                   queue_wait_ms=390.0, service_ms=10.0, safe=False,
+                   short_credits=("kv_tokens",)),
+        ),
+    )  # fmt: skip
+    safety = conditions(plan)[2]
+    assert safety.startswith("3. Safety   holds  decode-1 has room on every credit"), safety
+    no_lease = _check("p-1", verdict="no_leases", detail="no lease")
+    plan = plan.model_copy(update={"nodes": (plan.nodes[1], no_lease)})
+    assert conditions(plan)[2] == "3. Safety   fails  decode-2 short on kv_tokens; p-1: no lease"
+
+
+def test_admit_explain_names_candidate_nodes_the_broker_does_not_know() -> None:
+    plan = Plan(reason=Reason.NO_LEASES, demand=_DEMAND)
+    benefit = conditions(plan, asked=("nosuch", "nosuch"))[1]
+    assert "no candidate node has a live lease (unknown nodes, not planned: nosuch);" in benefit
+
+
+def test_admit_reason_is_printed_once_and_only_the_used_node_is_borrowed() -> None:
+    plan = Plan(
+        reason=Reason.BORROWED,
+        demand=_DEMAND,
+        nodes=(_check("decode-3", verdict="borrowed"), _check("decode-4", verdict="borrowed")),
+    )
+    refused = Admission.normal(
+        Reason.NO_ROOM, "no_room: no node passes both benefit and safety", plan
+    )
+    text = admission_text(refused, explain=False)
+    assert "Reason:" in text and "no_room: no_room" not in text
+    assert "no_room: no node passes both benefit and safety" in text
+    granted = Admission(
+        decision=Decision.BORROW, reason=Reason.BORROWED, message="borrow on decode-3",
+        node_id="decode-3", plan=plan,
+    )  # fmt: skip
+    rows = {
+        line.split()[0]: line.split()[1]
+        for line in admission_text(granted, explain=True).splitlines()
+        if line.strip().startswith("decode-")
+    }
+    assert rows == {"decode-3": "borrowed", "decode-4": "eligible"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -161,3 +162,43 @@ def test_demo_on_redis_stops_everything_on_sigint(
         assert list(keys.scan_iter(match=f"{redis_namespace}*")) == [], "the demo cleans up"
     finally:
         keys.close()
+
+
+def test_duration_longer_than_the_trace_keeps_the_cluster_up(tmp_path: Path) -> None:
+    """``--duration-s`` used to only cut a trace short: the demo still stopped when its trace
+    did (~30 s by default), too soon to try crossflowctl against it as the README suggests."""
+    summary = tmp_path / "summary.json"
+    duration_s = 12.0
+    proc = subprocess.run(
+        [
+            _binary(), "demo", "--prefill", "1", "--decode", "1", "--sessions", "1",
+            "--view", "none", "--no-sim", "--duration-s", str(duration_s),
+            "--summary-json", str(summary),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "the cluster stays up until --duration-s 12 s" in proc.stdout, proc.stdout
+    data = json.loads(summary.read_text())
+    assert data["elapsed_s"] >= duration_s and not data["interrupted"]
+    assert data["finished"] == data["requests"]
+
+
+def test_an_unreachable_redis_is_said_at_once_with_exit_4() -> None:
+    """The demo started every process, waited out its 30 s start and said only "the cluster
+    was not ready after 30 s" (exit 1)."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://:secret@127.0.0.1:{s.getsockname()[1]}/0"
+    proc = subprocess.run(
+        [_binary(), "demo", "--redis", url, "--no-sim", "--view", "none"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: --redis: cannot reach that Redis: ") and "secret" not in line
+    assert "crossflow demo: " not in proc.stdout  # nothing was started

@@ -420,6 +420,44 @@ def test_tls_needs_a_secret_or_cert_manager() -> None:
 
 
 @needs_helm
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        # The broker refuses to start so (auth.required with nobody able to authenticate): the
+        # chart rendered it, and the pods crash-looped.
+        (("security.required=true",), "security.tokenHashesSecret"),
+        (
+            ("security.required=true", "security.tls.enabled=true", "security.tls.secretName=s"),
+            "security.tls.mutual",
+        ),
+        # Mutual TLS without TLS was dropped without a word: an open broker.
+        (("security.tls.mutual=true",), "security.tls.enabled"),
+    ],
+)
+def test_security_values_that_cannot_work_are_refused(
+    settings: tuple[str, ...], named: str
+) -> None:
+    result = helm("template", "cf", str(CHART), *(a for s in settings for a in ("--set", s)))
+    assert result.returncode != 0, f"{settings} rendered"
+    assert named in result.stderr, result.stderr
+
+
+@needs_helm
+def test_required_auth_renders_with_tokens_or_client_certificates() -> None:
+    for extra in (
+        ("security.tokenHashesSecret=tokens",),
+        ("broker.config.auth.token_file=/etc/tokens",),
+        ("security.tls.enabled=true", "security.tls.secretName=s", "security.tls.mutual=true"),
+    ):
+        args = ("security.required=true", *extra)
+        config = yaml.safe_load(
+            find(render(*(a for s in args for a in ("--set", s))), "ConfigMap",
+                 "cf-crossflow-broker")["data"]["broker.yaml"]
+        )  # fmt: skip
+        assert config["auth"]["required"] is True, extra
+
+
+@needs_helm
 def test_without_security_values_nothing_changes() -> None:
     spec = find(render(), "Deployment")["spec"]["template"]["spec"]
     assert [v["name"] for v in spec["volumes"]] == ["config", "tmp"]
@@ -483,3 +521,30 @@ def test_agent_command_is_what_the_agent_cli_accepts() -> None:
     run = cli.commands["run"]
     ctx = run.make_context("run", list(agent["command"][2:]))
     assert str(ctx.params["config_file"]) == "/etc/crossflow/agent.yaml"
+
+
+def notes(*settings: str) -> str:
+    args = [a for s in settings for a in ("--set", s)]
+    result = helm("install", "cf", str(CHART), "--namespace", "serving", "--dry-run=client", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("NOTES:", 1)[1]
+
+
+@needs_helm
+def test_notes_check_command_works_with_the_security_values() -> None:
+    """The notes told every install to run `crossflowctl --server 127.0.0.1:50051 get nodes`,
+    which a TLS broker refuses (no CA, and its certificate names the Service, not 127.0.0.1)."""
+    plain = notes()
+    assert "crossflowctl --server 127.0.0.1:50051 get nodes" in plain
+    assert "--ca-file" not in plain
+    mtls = notes(
+        "security.tls.enabled=true", "security.tls.secretName=s", "security.tls.mutual=true"
+    )
+    assert (
+        "crossflowctl --server 127.0.0.1:50051 --ca-file ca.crt --server-name "
+        "cf-crossflow-broker.serving.svc --cert-file admin.crt --key-file admin.key get nodes"
+    ) in mtls
+    assert "get secret s -o jsonpath" in mtls and "spiffe://crossflow/admin/<name>" in mtls
+    tokens = notes("security.tokenHashesSecret=t", "broker.config.auth.trust_domain=acme")
+    assert "crossflowctl --server 127.0.0.1:50051 --token-file admin.token get nodes" in tokens
+    assert "spiffe://acme/admin/<name>" in tokens

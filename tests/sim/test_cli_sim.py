@@ -115,3 +115,64 @@ def test_the_sim_runs_agents_and_broker_on_one_horizon() -> None:
         SimConfig(lease=LeaseSettings(horizon_ms=default + 1_000))
     option = next(p for p in sim.params if p.name == "horizon_ms")
     assert option.default == default
+
+
+def test_sim_with_every_request_in_the_warmup_says_what_to_change(
+    traces_dir: Path, tmp_path: Path
+) -> None:
+    """``--limit 300`` keeps the first 300 requests of a trace (its first minute), all inside the
+    default 300 s warm-up: the sweep measured nothing, and the report used to die on
+    ``min() arg is an empty sequence`` (exit 1)."""
+    result = _ctl(
+        "sim",
+        "--trace", str(traces_dir / "mooncake_conversation_trace.jsonl"),
+        "--limit", "40",
+        "--load", "1",
+        "--splits", "2P4D",
+        "--policies", "static",
+        "--jobs", "1",
+        "--out", str(tmp_path / "x"),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "--warmup-s" in result.stderr and "nothing was measured" in result.stderr
+    assert "min()" not in result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_sim_refuses_a_limit_or_jobs_below_one(tmp_path: Path) -> None:
+    for flag in ("--limit", "--jobs"):
+        for value in ("0", "-5"):
+            result = _ctl("sim", "--synthetic", flag, value, "--out", str(tmp_path / "x"))
+            assert result.returncode == 2, (flag, value, result.stderr)
+            assert flag in result.stderr
+    result = _ctl("sim", "--synthetic", "--warmup-s", "-3", "--out", str(tmp_path / "x"))
+    assert result.returncode == 2 and "--warmup-s" in result.stderr
+
+
+def test_plan_refuses_a_zero_window_and_a_one_node_fleet_naming_the_flag(
+    traces_dir: Path,
+) -> None:
+    """--window-s 0 died on "float floor division by zero" (exit 1); --fleet 0 was named
+    fleet_nodes, not the flag."""
+    trace = str(traces_dir / "mooncake_conversation_trace.jsonl")
+    zero = _ctl("plan", "--trace", trace, "--window-s", "0")
+    assert zero.returncode == 2 and "--window-s" in zero.stderr, zero.stderr
+    one = _ctl("plan", "--r-p5", "1", "--r-p50", "2", "--r-p95", "3", "--fleet", "1")
+    assert one.returncode == 2 and "--fleet" in one.stderr, one.stderr
+    helped = _ctl("plan", "--help").stdout
+    assert "R at its median" in helped and "seconds of trace per R sample" in helped
+
+
+def test_sim_refuses_out_of_range_settings_naming_the_flag(tmp_path: Path) -> None:
+    """These reached the models unchecked and printed pydantic's multi-line report (exit 1);
+    a negative --session-rate was accepted."""
+    for flag, value in (
+        ("--borrow-share", "5"),
+        ("--horizon-ms", "0"),
+        ("--kv-capacity-tokens", "0"),
+        ("--itl-slo-ms", "0"),
+        ("--session-rate", "-1"),
+    ):
+        result = _ctl("sim", "--synthetic", flag, value, "--out", str(tmp_path / "x"))
+        assert result.returncode == 2, (flag, result.stderr)
+        assert flag in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
