@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Generator, Iterable
+import contextvars
+from collections.abc import Awaitable, Coroutine, Generator, Iterable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -29,6 +30,14 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
     for task in tasks:
         if not task.cancelled() and task.exception() is not None:
             raise task.exception()  # type: ignore[misc]
+
+
+def detached_task(coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+    """A task for work shared by every caller (a subscription, a batch flusher, a renewal),
+    started in a fresh context: one started lazily from a request or an agent stream would
+    otherwise carry that caller's bound log fields (``node_id``) into every line it logs for
+    everyone else, long after that caller left."""
+    return asyncio.get_running_loop().create_task(coro, name=name, context=contextvars.Context())
 
 
 async def wait_any(*events: asyncio.Event, timeout_s: float) -> None:

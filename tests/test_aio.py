@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import structlog
 
-from crossflow_ctl.aio import cancel_and_wait, wait_any, within
+from crossflow_ctl.aio import cancel_and_wait, detached_task, wait_any, within
 
 
 async def test_wait_any_wakes_on_either_event_or_timeout_and_leaks_no_task() -> None:
@@ -123,3 +124,15 @@ async def test_within_outer_cancellation_reaches_the_call() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert cleaned.is_set()
+
+
+async def _log_fields() -> dict[str, object]:
+    return structlog.contextvars.get_contextvars()
+
+
+async def test_a_detached_task_leaves_its_starters_log_fields_behind() -> None:
+    with structlog.contextvars.bound_contextvars(node_id="d1"):
+        plain = await asyncio.create_task(_log_fields())
+        detached = await detached_task(_log_fields(), name="shared")
+    assert plain == {"node_id": "d1"}  # what a shared task started by a stream would log with
+    assert detached == {}

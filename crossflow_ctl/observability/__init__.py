@@ -42,7 +42,7 @@ seconds``, ``crossflow_agent_scrape_failures_total{reason}``, ``crossflow_agent_
 """
 
 from crossflow_ctl.observability.instruments import AgentMetrics, BrokerMetrics
-from crossflow_ctl.observability.logs import add_trace_context, bound, setup_logging
+from crossflow_ctl.observability.logs import add_trace_context, setup_logging
 from crossflow_ctl.observability.metrics import MetricsEndpoint, parse_listen, setup_metrics
 from crossflow_ctl.observability.tracing import (
     annotate_decision,
@@ -62,7 +62,6 @@ __all__ = [
     "add_trace_context",
     "annotate_decision",
     "annotate_node",
-    "bound",
     "extract_context",
     "inject_metadata",
     "mark_error",

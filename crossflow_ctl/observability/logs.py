@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, TextIO
+from typing import TextIO
 
 import structlog
 from opentelemetry import trace
@@ -109,8 +109,3 @@ def reset_logging() -> None:
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, "_crossflow", False)]:
         root.removeHandler(old)
-
-
-def bound(**values: Any) -> None:
-    """Bind request context (node, request id) for every log line of the current task."""
-    structlog.contextvars.bind_contextvars(**values)

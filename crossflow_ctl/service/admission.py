@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import structlog
 
-from crossflow_ctl.aio import within
+from crossflow_ctl.aio import detached_task, within
 from crossflow_ctl.domain.admission import (
     Admission,
     AdmissionRequest,
@@ -189,9 +189,7 @@ class Admitter:
         """Start deciding the queue in a task of its own, unless it is empty or a flusher or a
         lone Admit (:meth:`_lead`, which starts one when it is done) is already deciding."""
         if self._queue and self._flusher is None and not self._leading:
-            self._flusher = asyncio.get_running_loop().create_task(
-                self._flush(), name="admission-group-commit"
-            )
+            self._flusher = detached_task(self._flush(), name="admission-group-commit")
 
     async def _flush(self) -> None:
         """Decide the queue batch by batch until it is empty (the next arrival starts a new

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
 
-from crossflow_ctl.aio import cancel_and_wait, wait_any
+from crossflow_ctl.aio import cancel_and_wait, detached_task, wait_any
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.room import (
     RoomUpdate,
@@ -141,7 +141,7 @@ class RoomWatches:
         feed = self._feeds.get(key)
         if feed is None:
             feed = self._feeds[key] = _Feed(key, request)
-            feed.task = asyncio.create_task(self._read_loop(feed), name=f"room-feed:{key[0]}")
+            feed.task = detached_task(self._read_loop(feed), name=f"room-feed:{key[0]}")
         feed.watches += 1
         return feed
 

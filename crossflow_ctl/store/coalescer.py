@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from crossflow_ctl.aio import detached_task
+
 Call = TypeVar("Call")
 
 MAX_BATCH = 256
@@ -60,7 +62,7 @@ class Coalescer(Generic[Call]):
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append((call, future, time.monotonic()))
         if len(self._tasks) < self._max_in_flight:
-            task = asyncio.create_task(self._drain(), name="crossflow-coalescer")
+            task = detached_task(self._drain(), name="crossflow-coalescer")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return future

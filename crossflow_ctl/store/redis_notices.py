@@ -42,7 +42,7 @@ import structlog
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import RedisError
 
-from crossflow_ctl.aio import cancel_and_wait
+from crossflow_ctl.aio import cancel_and_wait, detached_task
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import Notice
 from crossflow_ctl.store import redis_codec as codec
@@ -154,10 +154,13 @@ class WakeHub:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.wakes = 0
+        self._down_since_s: float | None = None
+        """When the subscription broke (monotonic s), None while it is up."""
+        self._failed_tries = 0
 
     def signal(self, node_id: str) -> _Signal:
         if self._task is None and not self._closing:
-            self._task = asyncio.create_task(self._run(), name="crossflow-notice-wakes")
+            self._task = detached_task(self._run(), name="crossflow-notice-wakes")
         sig = self._signals.get(node_id)
         if sig is None:
             sig = self._signals[node_id] = _Signal()
@@ -171,6 +174,27 @@ class WakeHub:
         for sig in self._signals.values():
             sig.wake()
 
+    def _broken(self, exc: BaseException) -> None:
+        """Log an outage once, when it starts (the retries every RESUBSCRIBE_S would flood the
+        log), then at debug level; :meth:`_restored` says when it ended."""
+        if self._down_since_s is None:
+            self._down_since_s = time.monotonic()
+            self._failed_tries = 0
+            log.warning("notice_wakes.broken", channel=self.channel, error=repr(exc))
+        else:
+            self._failed_tries += 1
+            log.debug("notice_wakes.retry_failed", channel=self.channel, error=repr(exc))
+
+    def _restored(self) -> None:
+        if self._down_since_s is not None:
+            log.info(
+                "notice_wakes.restored",
+                channel=self.channel,
+                down_s=round(time.monotonic() - self._down_since_s, 1),
+                failed_retries=self._failed_tries,
+            )
+            self._down_since_s = None
+
     def _sweep(self) -> None:
         cutoff = time.monotonic() - SIGNAL_IDLE_S
         for node_id in [n for n, s in self._signals.items() if s.used_at_s < cutoff]:
@@ -183,7 +207,7 @@ class WakeHub:
                 await pubsub.subscribe(self.channel)
                 await self._listen(pubsub)
             except (RedisError, OSError, TimeoutError) as exc:
-                log.warning("notice_wakes.broken", error=repr(exc))
+                self._broken(exc)
             finally:
                 self._break()
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
@@ -207,6 +231,7 @@ class WakeHub:
             quiet_s = 0.0
             kind = codec.text(message["type"])
             if kind == "subscribe":
+                self._restored()
                 self.generation += 1
                 self.live = True
                 for sig in self._signals.values():  # notices written before we subscribed

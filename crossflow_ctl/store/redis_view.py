@@ -25,7 +25,7 @@ from typing import Any
 
 import structlog
 
-from crossflow_ctl.aio import cancel_and_wait
+from crossflow_ctl.aio import cancel_and_wait, detached_task
 from crossflow_ctl.domain.models import NodeState, PoolSnapshot
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.keys import Keys, is_node_id
@@ -145,7 +145,7 @@ class AdmissionView:
         reach their age bound, so Admits keep planning with no read of their own."""
         if self.renewal is not None and not self.renewal.done():
             return
-        self.renewal = asyncio.create_task(
+        self.renewal = detached_task(
             self._renew(pool, sample, now_ms), name="crossflow-admission-view"
         )
 
