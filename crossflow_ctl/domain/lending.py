@@ -33,13 +33,17 @@ from typing import NamedTuple
 
 from crossflow_ctl.domain.capacity import Roofline
 from crossflow_ctl.domain.models import (
+    MAX_COMPUTE_US,
     MAX_MS,
     MAX_TOKENS,
+    MICROS_PER_S,
+    ComputeTime,
     Lease,
     Notice,
     NoticeKind,
     prefill_seconds,
 )
+from crossflow_ctl.domain.safety import UNTIMED
 
 
 def fit_along(
@@ -219,31 +223,52 @@ def prefill_coefficients(
     return PrefillCoefficients(a_s=s0, b_s=slope)
 
 
-def compute_debit(uncached: int, cached: int, a_s: float, b_s: float, rate_tps: float) -> int:
+class ComputeDebit(NamedTuple):
+    """One prompt's compute debit: ``tokens`` in the lease's unit and the node time they stand
+    for, ``us`` whole microseconds (0: untimed, the lease has no rate)."""
+
+    tokens: int
+    us: int
+
+
+def compute_debit(
+    uncached: int, cached: int, a_s: float, b_s: float, rate_tps: float
+) -> ComputeDebit:
     """The compute credit one prompt takes: its node seconds x the lease's borrowed-prefill rate.
 
     The compute credit counts *tokens at the lease's rate* (seconds of borrowed prefill x
-    ``rate_tps``). A lease without coefficients (``a_s == 0``) prices every token alike, so the
-    debit is the uncached tokens, as before coefficients existed."""
-    if a_s <= 0.0 or rate_tps <= 0.0:
-        return uncached
-    seconds = prefill_seconds(uncached, cached, a_s, b_s)
-    return min(MAX_TOKENS, math.ceil(seconds * rate_tps - 1e-9))
+    ``rate_tps``), and that rate changes lease by lease, so the debit keeps its node time too:
+    ``us``, the prompt's seconds (``prefill_seconds`` with the lease's coefficients; ``uncached
+    / rate_tps`` for a lease without them) in whole microseconds (at least one; rounded down, so
+    a prompt over the reference prefix still debits its own uncached tokens: the cost is a
+    microsecond short at most, a few thousandths of a token), and ``tokens``, that time at the
+    lease's rate rounded up, the very conversion Safety applies to open debits under a later
+    lease (:meth:`~crossflow_ctl.domain.models.ComputeTime.tokens_at`). A lease without a rate
+    prices every token alike: the uncached tokens, untimed."""
+    if rate_tps <= 0.0 or uncached <= 0:
+        return ComputeDebit(uncached, 0)
+    seconds = prefill_seconds(uncached, cached, a_s, b_s) if a_s > 0.0 else uncached / rate_tps
+    us = min(MAX_COMPUTE_US, max(1, math.floor(seconds * MICROS_PER_S + 1e-6)))
+    return ComputeDebit(min(MAX_TOKENS, math.ceil(us * rate_tps / MICROS_PER_S)), us)
 
 
-def queue_wait_ms(lease: Lease, open_compute_tokens: int) -> float:
+def queue_wait_ms(
+    lease: Lease, open_compute_tokens: int, open_time: ComputeTime = UNTIMED
+) -> float:
     """How long a prompt borrowed on this node now waits before its first chunk: the lease's
     wait for the queued borrowed work the broker does not count, plus the broker's open
-    compute debits (tokens at the lease's rate) run at that rate. Each reservation granted since
-    the lease lengthens the wait, so prompts admitted within one lease period spread over the
-    nodes instead of queueing on the one the lease made look idle."""
+    compute debits run on the node: their node time (``open_time``), and the untimed ones'
+    tokens at the lease's rate. Each reservation granted since the lease lengthens the wait, so
+    prompts admitted within one lease period spread over the nodes instead of queueing on the
+    one the lease made look idle."""
     rate = lease.borrowed_prefill_rate_tps
-    open_tokens = max(0, open_compute_tokens)
-    if open_tokens == 0:
+    untimed = max(0, open_compute_tokens - open_time.tokens)
+    if untimed == 0 and open_time.us <= 0:
         return lease.queue_wait_ms
     if rate <= 0.0:
         return MAX_MS
-    return min(MAX_MS, lease.queue_wait_ms + open_tokens / rate * 1000.0)
+    open_s = open_time.us / MICROS_PER_S + untimed / rate
+    return min(MAX_MS, lease.queue_wait_ms + open_s * 1000.0)
 
 
 @dataclass(slots=True)

@@ -105,12 +105,16 @@ def test_debit_prices_each_prompt_by_its_prefix_in_reference_tokens() -> None:
     rate = cap.borrowed_prefill_rate_tps
     ref = LeaseSettings().borrowed_prefix_tokens
     # a prompt over the reference prefix debits its own uncached tokens ...
-    at_ref = compute_debit(1_000, ref - 500, a, b, rate)
+    at_ref = compute_debit(1_000, ref - 500, a, b, rate).tokens
     assert at_ref == 1_000
     # ... a longer prefix costs more, no prefix less
-    assert compute_debit(1_000, 36_000, a, b, rate) > at_ref > compute_debit(1_000, 0, a, b, rate)
+    assert (
+        compute_debit(1_000, 36_000, a, b, rate).tokens
+        > at_ref
+        > compute_debit(1_000, 0, a, b, rate).tokens
+    )
     # a lease without coefficients debits the uncached tokens, as before
-    assert compute_debit(1_000, 36_000, 0.0, 0.0, rate) == 1_000
+    assert compute_debit(1_000, 36_000, 0.0, 0.0, rate).tokens == 1_000
 
 
 def test_open_debits_follow_grants_releases_and_expiries_once() -> None:
@@ -195,7 +199,7 @@ def _granted(
         expected_output_tokens=200,
     )
     settings = PolicySettings(kv_bytes_per_token=kv_bytes_per_token)
-    debit = debit_for(request, "d", settings, lease)
+    debit = debit_for(request, "d", settings, lease).credits
     return Notice(node_id="d", seq=1, kind=NoticeKind.GRANT, reservation_id="r", debit=debit)
 
 
