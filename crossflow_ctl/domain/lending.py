@@ -276,36 +276,47 @@ class OpenDebits:
     """The reservations the broker still counts against this node, as its notices tell.
 
     GRANT opens one (with its debit), RELEASE and EXPIRE close it; COMMIT changes nothing the
-    broker counts. ``kv``, ``output`` and ``transfer_bytes`` are the sums of the open debits' kv,
-    output and kv_transfer credits: what the lease needs to take off the work telemetry shows in
-    telemetry's own units (KV slots, raw uncached tokens). Their compute debits are in the
-    credit's unit, priced at each prompt's prefix, and are the broker's to subtract. Feed each
-    notice once (the agent skips sequence numbers it has seen)."""
+    broker counts. ``kv`` and ``output`` are the sums of the open debits' kv and output credits,
+    ``pulled_tokens`` and ``transfer_bytes`` their kv_transfer credits (a prefix pulled in from
+    elsewhere): what the lease needs to take off the work telemetry shows in telemetry's own
+    units (KV slots, raw uncached tokens). Their compute debits are in the credit's unit, priced
+    at each prompt's prefix, and are the broker's to subtract. Feed each notice once (the agent
+    skips sequence numbers it has seen)."""
 
-    debits: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    debits: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    """Each open reservation's kv, output, pulled-in tokens and unread transfer bytes."""
     kv_bytes_per_token: int = 0
-    """The broker's KV bytes per token, the unit of its debits' kv_transfer (from its Welcome;
-    0: not told, the served model's is used). The broker's policy and the agent's model are
-    configured apart: dividing by the wrong one turns pulled-in prefix into uncached work."""
+    """The broker's KV bytes per token, the unit of its debits' kv_transfer (from its Welcome or
+    SessionSettings; 0: not told, the served model's is used). The broker's policy and the
+    agent's model are configured apart: dividing by the wrong one turns pulled-in prefix into
+    uncached work."""
     kv: int = 0
     output: int = 0
+    pulled_tokens: int = 0
+    """Tokens of the prefixes the open debits pull in, each read at its GRANT in the broker's
+    unit then (so a later change of the unit does not re-read open grants in the new one)."""
     transfer_bytes: int = 0
+    """The kv_transfer bytes of the open debits granted while the broker's unit was unknown:
+    read at lease time, in the unit known then (the served model's if none)."""
 
     def record(
         self, kind: NoticeKind, reservation_id: str, kv: int, output: int, transfer_bytes: int
     ) -> None:
         if kind is NoticeKind.GRANT and reservation_id not in self.debits:
-            self.debits[reservation_id] = (kv, output, transfer_bytes)
-            self._add(kv, output, transfer_bytes)
+            unit = self.kv_bytes_per_token
+            pulled, unread = (-(-transfer_bytes // unit), 0) if unit > 0 else (0, transfer_bytes)
+            self.debits[reservation_id] = (kv, output, pulled, unread)
+            self._add(kv, output, pulled, unread)
         elif kind is NoticeKind.RELEASE or kind is NoticeKind.EXPIRE:
             gone = self.debits.pop(reservation_id, None)
             if gone is not None:
-                self._add(-gone[0], -gone[1], -gone[2])
+                self._add(-gone[0], -gone[1], -gone[2], -gone[3])
 
-    def _add(self, kv: int, output: int, transfer_bytes: int) -> None:
+    def _add(self, kv: int, output: int, pulled: int, unread: int) -> None:
         self.kv += kv
         self.output += output
-        self.transfer_bytes += transfer_bytes
+        self.pulled_tokens += pulled
+        self.transfer_bytes += unread
 
     def apply(self, notices: list[Notice]) -> None:
         for n in notices:
@@ -319,9 +330,9 @@ class OpenDebits:
         + its output within the horizon (:func:`~crossflow_ctl.domain.admission.debit_for`), and
         its kv_transfer credit is that prefix in bytes at the broker's ``kv_bytes_per_token``,
         so the sums give the uncached tokens exactly (the served model's bytes per token stand
-        in while the broker's are unknown)."""
+        in for grants made while the broker's were unknown)."""
         unit = self.kv_bytes_per_token or model_kv_bytes_per_token
-        pulled = math.ceil(self.transfer_bytes / max(1, unit))
+        pulled = self.pulled_tokens + math.ceil(self.transfer_bytes / max(1, unit))
         return max(0, self.kv - self.output - pulled)
 
     def totals(self) -> OpenDebits:
@@ -329,6 +340,7 @@ class OpenDebits:
         return OpenDebits(
             kv=self.kv,
             output=self.output,
+            pulled_tokens=self.pulled_tokens,
             transfer_bytes=self.transfer_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token,
         )

@@ -249,6 +249,28 @@ def test_a_pulled_prefix_is_counted_in_the_brokers_bytes_per_token_not_the_model
     assert untold.uncached_tokens(GPT_OSS.kv_bytes_per_token) > 2_000  # the unit it replaced
 
 
+def test_an_open_grant_keeps_the_unit_it_was_granted_in() -> None:
+    """The broker's KV bytes per token can change mid-session (a new policy, a reconnect to a
+    replica with another): a grant's pulled-in prefix stays read in the unit of its GRANT, not
+    re-read in the new one (which turned 100k tokens of prefix into uncached work, or the
+    reverse), while a grant made after the change is read in the new unit."""
+    idle = _capacity()
+    before_bytes = GPT_OSS.kv_bytes_per_token // 3
+    ledger = OpenDebits(kv_bytes_per_token=before_bytes)
+    ledger.apply([_granted(2_000, 100_000, idle, remote=True, kv_bytes_per_token=before_bytes)])
+    ledger.kv_bytes_per_token = GPT_OSS.kv_bytes_per_token  # the broker's SessionSettings
+    assert ledger.uncached_tokens(GPT_OSS.kv_bytes_per_token) == 2_000
+    later = _granted(
+        3_000, 50_000, idle, remote=True, kv_bytes_per_token=GPT_OSS.kv_bytes_per_token
+    )
+    ledger.apply([later.model_copy(update={"reservation_id": "r2"})])
+    assert ledger.uncached_tokens(GPT_OSS.kv_bytes_per_token) == 5_000
+    assert ledger.totals().uncached_tokens(GPT_OSS.kv_bytes_per_token) == 5_000
+    released = Notice(node_id="d", seq=3, kind=NoticeKind.RELEASE, reservation_id="r")
+    ledger.apply([released])
+    assert ledger.uncached_tokens(GPT_OSS.kv_bytes_per_token) == 3_000
+
+
 def test_slots_are_the_decode_batch_room_not_a_fixed_eight() -> None:
     light = _capacity(node=H200, running_requests=4, decode_context_tokens=16_000)
     heavy = _capacity(node=H200, running_requests=120, decode_context_tokens=480_000)
