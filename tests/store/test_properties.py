@@ -1,8 +1,9 @@
 """Random interleavings of leases, debits, commits, releases, cordons and clock steps.
 
 Both stores run the same operations in lockstep, so the test checks three things at once:
-open debits never exceed the latest lease x share on any credit at any grant (§5.3); a stale
-lease changes nothing observable (§5.1); and MemoryStore and RedisStore decide alike.
+open debits never exceed the latest lease x share on any credit at any grant (§5.3), counted in
+that lease's unit (leases of their own borrowed-prefill rates, debits with node time or none);
+a stale lease changes nothing observable (§5.1); and MemoryStore and RedisStore decide alike.
 """
 
 from __future__ import annotations
