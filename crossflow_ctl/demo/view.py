@@ -9,6 +9,7 @@ from crossflow_ctl.client import NodeView
 from crossflow_ctl.demo.model import StaticResult, mean, percentile
 from crossflow_ctl.demo.router import RouterStats
 from crossflow_ctl.domain.models import (
+    ComputeTime,
     Credits,
     Lease,
     NodeRole,
@@ -66,10 +67,13 @@ class Observations:
             )
             if lease is None:
                 continue  # aged out of the broker's history: nothing to compare with
-            debits = Credits()
+            debits, time = Credits(), ComputeTime()
             for r in held:
                 debits = debits.plus(r.debit)
-            over = over_committed(lease.credits, debits, share)
+                time = time.plus(ComputeTime.of_debit(r.debit.compute_tokens, r.compute_us))
+            over = over_committed(
+                lease.credits, debits, share, lease.borrowed_prefill_rate_tps, time
+            )
             if over:
                 self.over_commits.append(f"{node_id}: {', '.join(over)}")
             self.checked += 1

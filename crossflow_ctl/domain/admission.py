@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 from pydantic import Field
 
 from crossflow_ctl.domain.lending import compute_debit, queue_wait_ms
 from crossflow_ctl.domain.models import (
+    MAX_COMPUTE_US,
     MAX_MS,
     MAX_TOKENS,
     Credits,
@@ -110,6 +111,9 @@ class NodeCheck(Frozen):
     safe: bool = False
     available: Credits = Credits()
     debit: Credits = Credits()
+    debit_us: Annotated[int, Field(ge=0, le=MAX_COMPUTE_US)] = 0
+    """The node time behind the debit's compute, in microseconds (0: untimed); the store
+    counts the debit in its latest lease's unit from it (:mod:`.safety`)."""
     short_credits: tuple[str, ...] = ()
     lease_epoch: int = 0
     lease_version: int = 0
@@ -195,14 +199,23 @@ def horizon_output_tokens(
     return min(request.expected_output_tokens, per_horizon)
 
 
+class Debit(NamedTuple):
+    """What one borrowed request takes from a node: its credits, and the node time behind the
+    compute credit in microseconds (``compute_us``, 0: untimed)."""
+
+    credits: Credits
+    compute_us: int = 0
+
+
 def debit_for(
     request: AdmissionRequest, node_id: str, settings: PolicySettings, lease: Lease | None = None
-) -> Credits:
+) -> Debit:
     """The credits one borrowed request takes from ``node_id`` under its ``lease``.
 
     * compute: the prompt's own prefill cost, priced with the lease's per-token coefficients at
-      its cached prefix, in the lease's unit (:func:`~crossflow_ctl.domain.lending.compute_debit`;
-      the uncached tokens when the lease has no coefficients);
+      its cached prefix, in the lease's unit, with the node time it stands for
+      (:func:`~crossflow_ctl.domain.lending.compute_debit`; the uncached tokens, untimed, when
+      the lease has no rate);
     * kv: what the request places on the node while the broker counts it: its uncached prompt,
       a cached prefix that must be pulled in (one already on this node is in its cache and its
       telemetry), and the output it decodes within the horizon (later growth is in the agent's
@@ -213,10 +226,10 @@ def debit_for(
     remote_prefix = request.cached_prefix_tokens > 0 and request.cached_prefix_node_id != node_id
     uncached, cached = request.uncached_prompt_tokens, request.cached_prefix_tokens
     itl_ms = 0.0
-    compute = uncached
+    compute, compute_us = uncached, 0
     if lease is not None:
         itl_ms = lease.itl_ms or lease.itl_slo_ms
-        compute = compute_debit(
+        compute, compute_us = compute_debit(
             uncached,
             cached,
             lease.prefill_s_per_token,
@@ -224,13 +237,14 @@ def debit_for(
             lease.borrowed_prefill_rate_tps,
         )
     output = horizon_output_tokens(request, itl_ms, settings)
-    return Credits.trusted(
+    credits = Credits.trusted(
         compute_tokens=compute,
         kv_tokens=min(MAX_TOKENS, uncached + (cached if remote_prefix else 0) + output),
         kv_transfer_bytes=cached * settings.kv_bytes_per_token if remote_prefix else 0,
         output_tokens=output,
         slots=1,
     )
+    return Debit(credits, compute_us)
 
 
 def check_demand(
@@ -307,14 +321,14 @@ and the same floored at zero (``NodeCheck.available``)."""
 def node_rooms(nodes: Sequence[NodeState], share: float) -> tuple[Room | None, ...]:
     """Each node's room at ``share`` (None without a lease): the same for every request planned
     on these states, so a batch computes it once per node, not once per request and node."""
-    return tuple(
-        None if n.lease is None else _room(n.lease.lease.credits, n.open_debits, share)
-        for n in nodes
-    )
+    return tuple(None if n.lease is None else _room(n, n.lease.lease, share) for n in nodes)
 
 
-def _room(lease: Credits, open_debits: Credits, share: float) -> Room:
-    room = room_left(lease, open_debits, share)
+def _room(node: NodeState, lease: Lease, share: float) -> Room:
+    """The node's room under ``lease`` (its latest), open debits counted in the lease's unit.
+    A debit priced against this same lease is in that unit already (:func:`debit_for`)."""
+    rate = lease.borrowed_prefill_rate_tps
+    room = room_left(lease.credits, node.open_debits, share, rate, node.open_compute)
     return room, Credits.from_tuple(room)
 
 
@@ -330,19 +344,26 @@ def check_node(
     (:func:`node_rooms`), computed here when not given."""
     node_id = node.info.node_id
     stored = node.lease
-    debit = debit_for(request, node_id, settings, stored.lease if stored is not None else None)
+    debit, debit_us = debit_for(
+        request, node_id, settings, stored.lease if stored is not None else None
+    )
     if node.info.cordoned:
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="cordoned", debit=debit)
     if stored is None:
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="no lease", debit=debit)
     lease = stored.lease
-    base = {"lease_epoch": lease.epoch, "lease_version": lease.version, "debit": debit}
+    base = {
+        "lease_epoch": lease.epoch,
+        "lease_version": lease.version,
+        "debit": debit,
+        "debit_us": debit_us,
+    }
     if stored.expired(now_ms):
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="lease expired", **base)
     if lease.zero_reason is not None:
         detail = f"zero lease: {lease.zero_reason.value}"
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail=detail, **base)
-    left, available = room or _room(lease.credits, node.open_debits, settings.borrow_share)
+    left, available = room or _room(node, lease, settings.borrow_share)
     short = short_of_room(left, debit)  # ``available`` is floored at zero, for display only
     service_ms = (
         lease.prefill_service_s(request.uncached_prompt_tokens, request.cached_prefix_tokens)
@@ -350,7 +371,7 @@ def check_node(
     )
     if debit.kv_transfer_bytes:
         service_ms += debit.kv_transfer_bytes / settings.kv_transfer_bytes_per_s * 1000.0
-    wait_ms = queue_wait_ms(lease, node.open_debits.compute_tokens)
+    wait_ms = queue_wait_ms(lease, node.open_debits.compute_tokens, node.open_compute)
     predicted = wait_ms + service_ms
     # An empty prompt (nothing uncached) has no prefill to move: borrowing cannot help it.
     has_work = request.uncached_prompt_tokens > 0
@@ -379,6 +400,7 @@ def check_node(
         safe=safe,
         available=available,
         debit=debit,
+        debit_us=debit_us,
         short_credits=short,
         lease_epoch=lease.epoch,
         lease_version=lease.version,

@@ -33,13 +33,17 @@ from typing import NamedTuple
 
 from crossflow_ctl.domain.capacity import Roofline
 from crossflow_ctl.domain.models import (
+    MAX_COMPUTE_US,
     MAX_MS,
     MAX_TOKENS,
+    MICROS_PER_S,
+    ComputeTime,
     Lease,
     Notice,
     NoticeKind,
     prefill_seconds,
 )
+from crossflow_ctl.domain.safety import UNTIMED
 
 
 def fit_along(
@@ -219,31 +223,52 @@ def prefill_coefficients(
     return PrefillCoefficients(a_s=s0, b_s=slope)
 
 
-def compute_debit(uncached: int, cached: int, a_s: float, b_s: float, rate_tps: float) -> int:
+class ComputeDebit(NamedTuple):
+    """One prompt's compute debit: ``tokens`` in the lease's unit and the node time they stand
+    for, ``us`` whole microseconds (0: untimed, the lease has no rate)."""
+
+    tokens: int
+    us: int
+
+
+def compute_debit(
+    uncached: int, cached: int, a_s: float, b_s: float, rate_tps: float
+) -> ComputeDebit:
     """The compute credit one prompt takes: its node seconds x the lease's borrowed-prefill rate.
 
     The compute credit counts *tokens at the lease's rate* (seconds of borrowed prefill x
-    ``rate_tps``). A lease without coefficients (``a_s == 0``) prices every token alike, so the
-    debit is the uncached tokens, as before coefficients existed."""
-    if a_s <= 0.0 or rate_tps <= 0.0:
-        return uncached
-    seconds = prefill_seconds(uncached, cached, a_s, b_s)
-    return min(MAX_TOKENS, math.ceil(seconds * rate_tps - 1e-9))
+    ``rate_tps``), and that rate changes lease by lease, so the debit keeps its node time too:
+    ``us``, the prompt's seconds (``prefill_seconds`` with the lease's coefficients; ``uncached
+    / rate_tps`` for a lease without them) in whole microseconds (at least one; rounded down, so
+    a prompt over the reference prefix still debits its own uncached tokens: the cost is a
+    microsecond short at most, a few thousandths of a token), and ``tokens``, that time at the
+    lease's rate rounded up, the very conversion Safety applies to open debits under a later
+    lease (:meth:`~crossflow_ctl.domain.models.ComputeTime.tokens_at`). A lease without a rate
+    prices every token alike: the uncached tokens, untimed."""
+    if rate_tps <= 0.0 or uncached <= 0:
+        return ComputeDebit(uncached, 0)
+    seconds = prefill_seconds(uncached, cached, a_s, b_s) if a_s > 0.0 else uncached / rate_tps
+    us = min(MAX_COMPUTE_US, max(1, math.floor(seconds * MICROS_PER_S + 1e-6)))
+    return ComputeDebit(min(MAX_TOKENS, math.ceil(us * rate_tps / MICROS_PER_S)), us)
 
 
-def queue_wait_ms(lease: Lease, open_compute_tokens: int) -> float:
+def queue_wait_ms(
+    lease: Lease, open_compute_tokens: int, open_time: ComputeTime = UNTIMED
+) -> float:
     """How long a prompt borrowed on this node now waits before its first chunk: the lease's
     wait for the queued borrowed work the broker does not count, plus the broker's open
-    compute debits (tokens at the lease's rate) run at that rate. Each reservation granted since
-    the lease lengthens the wait, so prompts admitted within one lease period spread over the
-    nodes instead of queueing on the one the lease made look idle."""
+    compute debits run on the node: their node time (``open_time``), and the untimed ones'
+    tokens at the lease's rate. Each reservation granted since the lease lengthens the wait, so
+    prompts admitted within one lease period spread over the nodes instead of queueing on the
+    one the lease made look idle."""
     rate = lease.borrowed_prefill_rate_tps
-    open_tokens = max(0, open_compute_tokens)
-    if open_tokens == 0:
+    untimed = max(0, open_compute_tokens - open_time.tokens)
+    if untimed == 0 and open_time.us <= 0:
         return lease.queue_wait_ms
     if rate <= 0.0:
         return MAX_MS
-    return min(MAX_MS, lease.queue_wait_ms + open_tokens / rate * 1000.0)
+    open_s = open_time.us / MICROS_PER_S + untimed / rate
+    return min(MAX_MS, lease.queue_wait_ms + open_s * 1000.0)
 
 
 @dataclass(slots=True)
@@ -251,36 +276,47 @@ class OpenDebits:
     """The reservations the broker still counts against this node, as its notices tell.
 
     GRANT opens one (with its debit), RELEASE and EXPIRE close it; COMMIT changes nothing the
-    broker counts. ``kv``, ``output`` and ``transfer_bytes`` are the sums of the open debits' kv,
-    output and kv_transfer credits: what the lease needs to take off the work telemetry shows in
-    telemetry's own units (KV slots, raw uncached tokens). Their compute debits are in the
-    credit's unit, priced at each prompt's prefix, and are the broker's to subtract. Feed each
-    notice once (the agent skips sequence numbers it has seen)."""
+    broker counts. ``kv`` and ``output`` are the sums of the open debits' kv and output credits,
+    ``pulled_tokens`` and ``transfer_bytes`` their kv_transfer credits (a prefix pulled in from
+    elsewhere): what the lease needs to take off the work telemetry shows in telemetry's own
+    units (KV slots, raw uncached tokens). Their compute debits are in the credit's unit, priced
+    at each prompt's prefix, and are the broker's to subtract. Feed each notice once (the agent
+    skips sequence numbers it has seen)."""
 
-    debits: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    debits: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    """Each open reservation's kv, output, pulled-in tokens and unread transfer bytes."""
     kv_bytes_per_token: int = 0
-    """The broker's KV bytes per token, the unit of its debits' kv_transfer (from its Welcome;
-    0: not told, the served model's is used). The broker's policy and the agent's model are
-    configured apart: dividing by the wrong one turns pulled-in prefix into uncached work."""
+    """The broker's KV bytes per token, the unit of its debits' kv_transfer (from its Welcome or
+    SessionSettings; 0: not told, the served model's is used). The broker's policy and the
+    agent's model are configured apart: dividing by the wrong one turns pulled-in prefix into
+    uncached work."""
     kv: int = 0
     output: int = 0
+    pulled_tokens: int = 0
+    """Tokens of the prefixes the open debits pull in, each read at its GRANT in the broker's
+    unit then (so a later change of the unit does not re-read open grants in the new one)."""
     transfer_bytes: int = 0
+    """The kv_transfer bytes of the open debits granted while the broker's unit was unknown:
+    read at lease time, in the unit known then (the served model's if none)."""
 
     def record(
         self, kind: NoticeKind, reservation_id: str, kv: int, output: int, transfer_bytes: int
     ) -> None:
         if kind is NoticeKind.GRANT and reservation_id not in self.debits:
-            self.debits[reservation_id] = (kv, output, transfer_bytes)
-            self._add(kv, output, transfer_bytes)
+            unit = self.kv_bytes_per_token
+            pulled, unread = (-(-transfer_bytes // unit), 0) if unit > 0 else (0, transfer_bytes)
+            self.debits[reservation_id] = (kv, output, pulled, unread)
+            self._add(kv, output, pulled, unread)
         elif kind is NoticeKind.RELEASE or kind is NoticeKind.EXPIRE:
             gone = self.debits.pop(reservation_id, None)
             if gone is not None:
-                self._add(-gone[0], -gone[1], -gone[2])
+                self._add(-gone[0], -gone[1], -gone[2], -gone[3])
 
-    def _add(self, kv: int, output: int, transfer_bytes: int) -> None:
+    def _add(self, kv: int, output: int, pulled: int, unread: int) -> None:
         self.kv += kv
         self.output += output
-        self.transfer_bytes += transfer_bytes
+        self.pulled_tokens += pulled
+        self.transfer_bytes += unread
 
     def apply(self, notices: list[Notice]) -> None:
         for n in notices:
@@ -294,9 +330,9 @@ class OpenDebits:
         + its output within the horizon (:func:`~crossflow_ctl.domain.admission.debit_for`), and
         its kv_transfer credit is that prefix in bytes at the broker's ``kv_bytes_per_token``,
         so the sums give the uncached tokens exactly (the served model's bytes per token stand
-        in while the broker's are unknown)."""
+        in for grants made while the broker's were unknown)."""
         unit = self.kv_bytes_per_token or model_kv_bytes_per_token
-        pulled = math.ceil(self.transfer_bytes / max(1, unit))
+        pulled = self.pulled_tokens + math.ceil(self.transfer_bytes / max(1, unit))
         return max(0, self.kv - self.output - pulled)
 
     def totals(self) -> OpenDebits:
@@ -304,6 +340,7 @@ class OpenDebits:
         return OpenDebits(
             kv=self.kv,
             output=self.output,
+            pulled_tokens=self.pulled_tokens,
             transfer_bytes=self.transfer_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token,
         )

@@ -7,10 +7,11 @@ ValidationError into :class:`InvalidArgument` naming the field at fault.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Annotated, Any, TypeVar, cast
+from typing import Annotated, Any, NamedTuple, TypeVar, cast
 
 from pydantic import (
     BaseModel,
@@ -36,6 +37,11 @@ MAX_HORIZON_MS = 600_000
 MAX_S_PER_TOKEN = 1.0
 """A borrowed prompt token costing a node more than a second is a bug, not a lease."""
 MAX_S_PER_TOKEN_CONTEXT = 1e-3
+MICROS_PER_S = 1_000_000
+MAX_COMPUTE_US = 2**40
+"""A compute debit's node time is capped here (about 12.7 days, far past any lease's horizon, so
+a debit at the cap never fits), which keeps a node's open sum of it an exact integer in a double
+(the Redis scripts' Lua numbers) for up to 8,192 open debits at the cap."""
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 MAX_ID_LEN = 128
 MAX_LABELS = 32
@@ -137,7 +143,8 @@ class Credits(Frozen):
     compute_tokens: Tokens = 0
     """Borrowed prefill the node can run within the borrow horizon, in uncached tokens at the
     lease's ``borrowed_prefill_rate_tps`` (seconds of borrowed prefill x that rate). A prompt
-    debits its own cost in that unit (:func:`crossflow_ctl.domain.lending.compute_debit`)."""
+    debits its own cost in that unit (:func:`crossflow_ctl.domain.lending.compute_debit`) and
+    keeps its node time, so open debits count at the latest lease's rate (:mod:`.safety`)."""
     kv_tokens: Tokens = 0
     """KV-cache token slots for borrowed requests (what each places on the node, see
     :func:`crossflow_ctl.domain.admission.debit_for`)."""
@@ -387,6 +394,11 @@ class Reservation(Frozen):
     node_id: NodeId
     state: ReservationState
     debit: Credits
+    compute_us: Annotated[int, Field(ge=0, le=MAX_COMPUTE_US)] = 0
+    """Node time of borrowed prefill its compute debit stands for, in whole microseconds, priced
+    at grant with the same lease coefficients as its tokens (0: untimed, granted against a lease
+    without a rate, counted in its tokens). Safety counts open debits in the unit of the NEWEST
+    lease from it (:mod:`crossflow_ctl.domain.safety`)."""
     lease_epoch: int
     lease_version: int
     created_at_ms: int
@@ -464,6 +476,33 @@ class NodeInfo(Frozen):
         return labels
 
 
+class ComputeTime(NamedTuple):
+    """The node time behind a node's open compute debits (or one debit's): ``us`` microseconds
+    of borrowed prefill, and ``tokens``, the compute tokens of the debits that carry it (timed
+    debits, ``Reservation.compute_us > 0``); the other compute tokens are untimed."""
+
+    us: int = 0
+    tokens: int = 0
+
+    def plus(self, other: ComputeTime) -> ComputeTime:
+        return ComputeTime(self.us + other.us, self.tokens + other.tokens)
+
+    @classmethod
+    def of_debit(cls, compute_tokens: int, compute_us: int) -> ComputeTime:
+        """One debit's: timed when it has node time, else nothing."""
+        return cls(compute_us, compute_tokens) if compute_us > 0 else cls()
+
+    def tokens_at(self, compute_tokens: int, rate_tps: float) -> int:
+        """``compute_tokens`` (of which this time's are the timed ones) in the unit of a lease
+        whose borrowed-prefill rate is ``rate_tps``: the untimed tokens as they are, the timed
+        ones as their node time at that rate, ``ceil(us x rate / 1e6)``; all as they are under
+        a lease without a rate. The one conversion (the Redis scripts do the same arithmetic on
+        doubles, in the same order), used by :mod:`crossflow_ctl.domain.safety`."""
+        if rate_tps <= 0.0 or self.us <= 0:
+            return compute_tokens
+        return compute_tokens - self.tokens + math.ceil(self.us * rate_tps / MICROS_PER_S)
+
+
 class NodeState(Frozen):
     """One node as admission and the admin API see it: lease, open debits, cordon."""
 
@@ -471,9 +510,17 @@ class NodeState(Frozen):
     lease: StoredLease | None = None
     open_debits: Credits = Credits()
     open_reservations: int = 0
+    open_compute: ComputeTime = ComputeTime()
+    """The node time behind ``open_debits.compute_tokens``: Safety counts them in the unit of
+    the node's latest lease from it (:mod:`crossflow_ctl.domain.safety`)."""
 
     def available(self, now_ms: int, share: float = 1.0) -> Credits:
-        """Latest lease credit x share, minus open debits (DESIGN.md §5.2)."""
+        """Latest lease credit x share, minus open debits in its unit (DESIGN.md §5.2)."""
         if self.lease is None or self.info.cordoned:
             return Credits()
-        return self.lease.effective_credits(now_ms).scaled(share).minus(self.open_debits)
+        credits = self.lease.effective_credits(now_ms).scaled(share)
+        if credits.is_zero():
+            return credits
+        rate = self.lease.lease.borrowed_prefill_rate_tps
+        compute = self.open_compute.tokens_at(self.open_debits.compute_tokens, rate)
+        return credits.minus(self.open_debits.model_copy(update={"compute_tokens": compute}))

@@ -134,7 +134,7 @@ def node_room(node: NodeState, share: float, now_ms: int) -> NodeRoom | None:
         compute_tokens=available.compute_tokens,
         kv_tokens=available.kv_tokens,
         slots=available.slots,
-        queue_wait_ms=queue_wait_ms(lease, node.open_debits.compute_tokens),
+        queue_wait_ms=queue_wait_ms(lease, node.open_debits.compute_tokens, node.open_compute),
         lease_epoch=lease.epoch,
         lease_version=lease.version,
     )

@@ -5,7 +5,19 @@ A node has room for a debit when, credit by credit,
     floor(lease credit x share) - open debits >= debit
 
 where ``share`` is the policy's cluster-wide borrowing limit applied to each node's own lease
-(``PolicySettings.borrow_share``) and open debits are the node's counting reservations. The
+(``PolicySettings.borrow_share``) and open debits are the node's counting reservations, each
+credit in the lease's unit.
+
+**One unit.** The compute credit counts tokens at the lease's borrowed-prefill rate (node
+seconds x rate), and that rate follows the decode batch, lease by lease. Each open compute debit
+was priced against the lease current at its grant, so it also keeps its node time
+(``Reservation.compute_us``), and the node's open compute is counted in the unit of the lease
+it is checked against: ``ceil(open_us x rate / 1e6)`` plus the untimed debits' tokens
+(:meth:`~crossflow_ctl.domain.models.ComputeTime.tokens_at`); a debit's own need likewise. So a
+lease whose rate rose does not promise the node's open work twice over, and one whose rate fell
+does not count it too high. Without a rate (``rate_tps`` 0) the tokens are summed as they are.
+Each timed debit's need is ``ceil(us x rate / 1e6)`` and ``ceil`` is subadditive, so debits
+granted against one lease never sum above it. The
 in-process store, the admission policy and the simulator's and demo's over-commit checkers call
 these functions; the Redis debit script (``store/lua/try_debit.lua``) computes the same thing in
 Lua, and tests/store/test_safety_lua.py holds it to this definition on real Redis.
@@ -18,21 +30,42 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from crossflow_ctl.domain.models import CREDIT_NAMES, Credits
+from crossflow_ctl.domain.models import CREDIT_NAMES, ComputeTime, Credits
 
 Amounts = Credits | Sequence[int]
 """Five credit amounts, as Credits or in CREDIT_NAMES order."""
+
+UNTIMED = ComputeTime()
 
 
 def _amounts(value: Amounts) -> tuple[int, ...]:
     return value.as_tuple() if isinstance(value, Credits) else tuple(value)
 
 
-def room_left(lease: Amounts, open_debits: Amounts, share: float) -> tuple[int, ...]:
-    """``floor(lease x share) - open`` per credit (CREDIT_NAMES order); may be negative."""
+def in_lease_unit(amounts: Amounts, time: ComputeTime, rate_tps: float) -> tuple[int, ...]:
+    """Debit ``amounts`` with the node time ``time`` behind their compute, in the unit of a
+    lease whose borrowed-prefill rate is ``rate_tps`` (only the compute credit changes)."""
+    values = _amounts(amounts)
+    if rate_tps <= 0.0 or time.us <= 0:
+        return values
+    return (time.tokens_at(values[0], rate_tps), *values[1:])
+
+
+def room_left(
+    lease: Amounts,
+    open_debits: Amounts,
+    share: float,
+    rate_tps: float = 0.0,
+    open_time: ComputeTime = UNTIMED,
+) -> tuple[int, ...]:
+    """``floor(lease x share) - open`` per credit (CREDIT_NAMES order), the open debits in the
+    unit of the lease (``rate_tps``, its borrowed-prefill rate; ``open_time``, the node time
+    behind their compute); may be negative."""
     return tuple(
         int(have * share) - used
-        for have, used in zip(_amounts(lease), _amounts(open_debits), strict=True)
+        for have, used in zip(
+            _amounts(lease), in_lease_unit(open_debits, open_time, rate_tps), strict=True
+        )
     )
 
 
@@ -46,22 +79,42 @@ def short_of_room(room: Sequence[int], debit: Amounts) -> tuple[str, ...]:
 
 
 def short_credits(
-    lease: Amounts, open_debits: Amounts, share: float, debit: Amounts
+    lease: Amounts,
+    open_debits: Amounts,
+    share: float,
+    debit: Amounts,
+    rate_tps: float = 0.0,
+    open_time: ComputeTime = UNTIMED,
+    debit_us: int = 0,
 ) -> tuple[str, ...]:
-    """Names of the credits on which ``debit`` does not fit; empty when it fits."""
-    return short_of_room(room_left(lease, open_debits, share), debit)
+    """Names of the credits on which ``debit`` (with ``debit_us`` microseconds of node time
+    behind its compute, 0: untimed) does not fit; empty when it fits. Both the open debits and
+    the debit are counted in the lease's unit (:func:`in_lease_unit`)."""
+    need = in_lease_unit(debit, ComputeTime.of_debit(_amounts(debit)[0], debit_us), rate_tps)
+    return short_of_room(room_left(lease, open_debits, share, rate_tps, open_time), need)
 
 
-def fits(lease: Amounts, open_debits: Amounts, share: float, debit: Amounts) -> bool:
+def fits(
+    lease: Amounts,
+    open_debits: Amounts,
+    share: float,
+    debit: Amounts,
+    rate_tps: float = 0.0,
+    open_time: ComputeTime = UNTIMED,
+    debit_us: int = 0,
+) -> bool:
     """Whether ``debit`` fits on every credit (the Safety condition)."""
-    return not short_credits(lease, open_debits, share, debit)
+    return not short_credits(lease, open_debits, share, debit, rate_tps, open_time, debit_us)
 
 
-def over_committed(lease: Amounts, open_debits: Amounts, share: float) -> tuple[str, ...]:
-    """Names of the credits whose open debits exceed ``lease x share`` (an over-commit when the
-    debits were all granted against this lease); empty when none do."""
-    return tuple(
-        name
-        for name, room in zip(CREDIT_NAMES, room_left(lease, open_debits, share), strict=True)
-        if room < 0
-    )
+def over_committed(
+    lease: Amounts,
+    open_debits: Amounts,
+    share: float,
+    rate_tps: float = 0.0,
+    open_time: ComputeTime = UNTIMED,
+) -> tuple[str, ...]:
+    """Names of the credits whose open debits, in the lease's unit, exceed ``lease x share``
+    (an over-commit when the debits were all granted against this lease); empty when none do."""
+    room = room_left(lease, open_debits, share, rate_tps, open_time)
+    return tuple(name for name, left in zip(CREDIT_NAMES, room, strict=True) if left < 0)

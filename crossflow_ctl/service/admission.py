@@ -331,6 +331,7 @@ class Admitter:
                     requests[i].request_id,
                     owners[i],
                     _record(records[i], plan, c),
+                    c.debit_us,
                 )
                 for i, plan, c in tries
             ]

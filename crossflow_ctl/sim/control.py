@@ -307,5 +307,7 @@ class ControlPlane:
             self.record.overcommits += 1
             return
         share = self.cfg.broker_policy.borrow_share
-        if over_committed(state.lease.lease.credits, state.open_debits, share):
+        lease = state.lease.lease
+        rate = lease.borrowed_prefill_rate_tps
+        if over_committed(lease.credits, state.open_debits, share, rate, state.open_compute):
             self.record.overcommits += 1

@@ -8,8 +8,10 @@ Semantics (both implementations, proved by tests/store/test_contract.py):
   have expired and RELEASED ones whose release notice the agent had seen when its snapshot was
   taken (``lease.last_notice_seq >= release_seq``, §5.4).
 * ``try_debit`` checks, in one atomic step, that the node is known, not cordoned, has a live
-  non-zero lease, and that ``lease.credits x share - open debits >= debit`` on every credit;
-  then records a HELD reservation and a GRANT notice (§5.3). Otherwise nothing changes.
+  non-zero lease, and that ``lease.credits x share - open debits >= debit`` on every credit,
+  the open debits and the debit counted in the lease's unit (:mod:`crossflow_ctl.domain.safety`:
+  timed compute debits by their node time at the lease's rate); then records a HELD
+  reservation (with its ``compute_us``) and a GRANT notice (§5.3). Otherwise nothing changes.
 * Open debits are the sum of the node's reservations that have not expired and have not been
   purged (HELD, COMMITTED and RELEASED-but-not-yet-seen).
 * Every grant, commit, release, expiry and cordon change appends a notice with the node's next
@@ -35,6 +37,7 @@ from typing import NamedTuple
 
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
 from crossflow_ctl.domain.models import (
+    MAX_COMPUTE_US,
     Credits,
     Frozen,
     Lease,
@@ -50,8 +53,13 @@ from crossflow_ctl.domain.models import (
 from crossflow_ctl.domain.policy import VersionedPolicy
 
 
-def check_debit_args(share: float, hold_ttl_ms: int, owner: str = "") -> None:
+def check_debit_args(share: float, hold_ttl_ms: int, owner: str = "", compute_us: int = 0) -> None:
     """The arguments of :meth:`Store.try_debit` every implementation refuses alike."""
+    if not 0 <= compute_us <= MAX_COMPUTE_US:
+        raise InvalidArgument(
+            f"compute_us must be within [0, {MAX_COMPUTE_US}], got {compute_us}",
+            field="compute_us",
+        )
     if not 0.0 <= share <= 1.0:
         raise InvalidArgument(f"share must be within [0, 1], got {share}", field="share")
     if hold_ttl_ms <= 0:
@@ -136,6 +144,8 @@ class DebitRequest(NamedTuple):
     """The granted router's identity ("" without authentication)."""
     record: RequestRecord | None = None
     """Only for a store that ``folds_request_records`` (module docstring)."""
+    compute_us: int = 0
+    """The node time behind the debit's compute (``Reservation.compute_us``; 0: untimed)."""
 
 
 class NodeEvent(Frozen):
@@ -197,9 +207,11 @@ class Store(abc.ABC):
         hold_ttl_ms: int,
         request_id: str = "",
         owner: str = "",
+        compute_us: int = 0,
     ) -> DebitOutcome:
         """Atomically check room on every credit and record a HELD reservation owned by
-        ``owner`` (the granted router's identity, "" without authentication)."""
+        ``owner`` (the granted router's identity, "" without authentication). ``compute_us``:
+        the node time behind the debit's compute (0: untimed, counted in its tokens)."""
 
     async def try_debits(
         self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
@@ -214,7 +226,7 @@ class Store(abc.ABC):
             raise InvalidArgument(f"{type(self).__name__} takes no request record with a debit")
         return [
             await self.try_debit(
-                d.node_id, d.debit, share, now_ms, hold_ttl_ms, d.request_id, d.owner
+                d.node_id, d.debit, share, now_ms, hold_ttl_ms, d.request_id, d.owner, d.compute_us
             )
             for d in debits
         ]

@@ -13,6 +13,7 @@ import heapq
 from collections import deque
 
 from crossflow_ctl.domain.models import (
+    ComputeTime,
     Credits,
     NodeInfo,
     Notice,
@@ -37,6 +38,8 @@ class NodeLedger:
         self.history: deque[StoredLease] = deque(maxlen=HISTORY_CAP)
         self.events: deque[NodeEvent] = deque(maxlen=EVENTS_CAP)
         self._totals = [0, 0, 0, 0, 0]
+        self._time = ComputeTime()
+        """The node time behind the open compute debits (running, like ``_totals``)."""
         self._open: Credits | None = None
         """``_totals`` as Credits, kept until they change (admission reads them per node)."""
         self._expiries: list[tuple[int, int, str]] = []  # (expires_at_ms, grant_seq, id)
@@ -104,6 +107,8 @@ class NodeLedger:
         if old is None:
             for i, v in enumerate(res.debit.as_tuple()):
                 self._totals[i] += v
+            if res.compute_us:
+                self._time = self._time.plus(_time_of(res))
             self._open = None
         self.reservations[rid] = res
         if old is None or old.expires_at_ms != res.expires_at_ms:
@@ -115,6 +120,10 @@ class NodeLedger:
         res = self.reservations.pop(rid)
         for i, v in enumerate(res.debit.as_tuple()):
             self._totals[i] -= v
+        if res.compute_us:
+            self._time = ComputeTime(
+                self._time.us - res.compute_us, self._time.tokens - res.debit.compute_tokens
+            )
         self._open = None
 
     def _next_expiry(self) -> int | None:
@@ -151,17 +160,26 @@ class NodeLedger:
                 purged += 1
         return purged
 
-    def open_debits(self, now_ms: int) -> tuple[Credits, int]:
-        """Sum and count of the reservations still counting at ``now_ms``."""
+    def open_debits(self, now_ms: int) -> tuple[Credits, int, ComputeTime]:
+        """Sum, count and compute time of the reservations still counting at ``now_ms``."""
         nxt = self._next_expiry()
         if nxt is None or nxt > now_ms:
             if self._open is None:
                 self._open = Credits.from_tuple(self._totals)
-            return self._open, len(self.reservations)
+            return self._open, len(self.reservations), self._time
         live = [r for r in self.reservations.values() if r.expires_at_ms > now_ms]
         totals = [sum(col) for col in zip(*(r.debit.as_tuple() for r in live), strict=True)]
-        return Credits.from_tuple(totals or [0] * 5), len(live)
+        time = ComputeTime()
+        for r in live:
+            if r.compute_us:
+                time = time.plus(_time_of(r))
+        return Credits.from_tuple(totals or [0] * 5), len(live), time
 
-    def open_totals(self) -> list[int]:
-        """Running totals of every held reservation; exact right after :meth:`purge_expired`."""
-        return self._totals
+    def open_totals(self) -> tuple[list[int], ComputeTime]:
+        """Running totals of every held reservation, and their compute time; exact right after
+        :meth:`purge_expired`."""
+        return self._totals, self._time
+
+
+def _time_of(res: Reservation) -> ComputeTime:
+    return ComputeTime.of_debit(res.debit.compute_tokens, res.compute_us)

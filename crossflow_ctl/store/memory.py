@@ -112,9 +112,13 @@ class MemoryStore(Store):
 
     @staticmethod
     def _state(node: NodeLedger, now_ms: int) -> NodeState:
-        debits, count = node.open_debits(now_ms)
+        debits, count, time = node.open_debits(now_ms)
         return NodeState.trusted(
-            info=node.info, lease=node.lease, open_debits=debits, open_reservations=count
+            info=node.info,
+            lease=node.lease,
+            open_debits=debits,
+            open_reservations=count,
+            open_compute=time,
         )
 
     def _reservation(
@@ -234,8 +238,9 @@ class MemoryStore(Store):
         hold_ttl_ms: int,
         request_id: str = "",
         owner: str = "",
+        compute_us: int = 0,
     ) -> DebitOutcome:
-        check_debit_args(share, hold_ttl_ms, owner)
+        check_debit_args(share, hold_ttl_ms, owner, compute_us)
         async with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
@@ -261,7 +266,10 @@ class MemoryStore(Store):
                 return refuse("expired")
             if stored.lease.is_zero:
                 return refuse("zero_lease")
-            short = short_credits(stored.lease.credits, node.open_totals(), share, debit)
+            lease = stored.lease
+            totals, time = node.open_totals()
+            rate = lease.borrowed_prefill_rate_tps
+            short = short_credits(lease.credits, totals, share, debit, rate, time, compute_us)
             if short:
                 return refuse("short", short)
             rid = new_reservation_id(node_id, self._rng.getrandbits(128))
@@ -270,6 +278,7 @@ class MemoryStore(Store):
                 node_id=node_id,
                 state=ReservationState.HELD,
                 debit=debit,
+                compute_us=compute_us,
                 lease_epoch=epoch,
                 lease_version=version,
                 created_at_ms=now_ms,
@@ -338,7 +347,7 @@ class MemoryStore(Store):
 
     def _drop(self, node_id: str, force: bool, now_ms: int) -> int:
         """Delete a node (under the lock); FailedPrecondition while reservations count."""
-        _, open_count = self._node(node_id).open_debits(now_ms)
+        _, open_count, _ = self._node(node_id).open_debits(now_ms)
         if open_count and not force:
             raise FailedPrecondition(
                 f"node {node_id!r} has {open_count} open reservation(s)",

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from crossflow_ctl.domain.models import (
+    ComputeTime,
     Credits,
     Lease,
     NodeState,
@@ -242,8 +243,9 @@ class NodeCache:
         self, node_id: str, epoch: int, version: int, totals: Sequence[int], now_ms: int
     ) -> None:
         """Refresh the entry from a debit's reply: the lease (``epoch``, ``version``) the script
-        checked and the node's open debits after it (``totals``: five credits and a count),
-        exact at ``now_ms``. Dropped instead when the lease is not the cached one."""
+        checked and the node's open debits after it (``totals``: five credits, a count, the
+        node microseconds behind the compute and the timed compute tokens), exact at
+        ``now_ms``. Dropped instead when the lease is not the cached one."""
         entry = self._items.get(node_id)
         if entry is None:
             return
@@ -264,6 +266,7 @@ class NodeCache:
             lease=stored,
             open_debits=open_debits,
             open_reservations=totals[5],
+            open_compute=ComputeTime(totals[6], totals[7]),
         )
         self._items[node_id] = _NodeEntry(state, self._monotonic(), now_ms)
 

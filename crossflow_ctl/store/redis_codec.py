@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import (
     CREDIT_NAMES,
+    ComputeTime,
     Credits,
     Lease,
     NodeInfo,
@@ -61,14 +62,17 @@ def info_from(node_id: str, fields: Mapping[str, str]) -> NodeInfo:
 
 
 def reservation_from(reservation_id: str, node_id: str, record: Raw) -> Reservation:
+    """A reservation record (``_lib.lua``): its compute field is ``<tokens>:<us>`` when timed."""
     f = text(record).split("|", 13)
+    compute, _, us = f[3].partition(":")
     return Reservation(
         reservation_id=reservation_id,
         node_id=node_id,
         state=ReservationState(f[0]),
         expires_at_ms=int(f[1]),
         release_seq=int(f[2]),
-        debit=Credits.from_tuple([int(v) for v in f[3:8]]),
+        debit=Credits.from_tuple([int(compute), *(int(v) for v in f[4:8])]),
+        compute_us=int(us or 0),
         created_at_ms=int(f[8]),
         grant_seq=int(f[9]),
         lease_epoch=int(f[10]),
@@ -126,8 +130,9 @@ LEASE_FIELDS: dict[str, str] = {
 }
 """The lease HASH: the one stored form of a node's current lease, one field each (decimal text;
 floats as ``repr``, which reads back exactly). ``upsert_leases.lua`` writes them all at once;
-``try_debit.lua``, ``set_cordon.lua`` and ``node_view.lua`` read them. The first ten are what the
-scripts themselves use."""
+``try_debit.lua``, ``set_cordon.lua`` and ``node_view.lua`` read them. The first ten and
+``rate`` (Safety counts the open compute debits in the lease's unit) are what the scripts
+themselves use."""
 ZERO_FIELD = list(LEASE_FIELDS).index("zero")
 """Where ``zero`` is among :func:`lease_hash_values`."""
 LEASE_FIELD_NAMES = "|".join(LEASE_FIELDS)
@@ -279,6 +284,10 @@ def _view_totals(raw: Sequence[Any]) -> Credits:
     return Credits.from_tuple(list(raw[2:7]))  # decimal replies, bytes or str: int() reads both
 
 
+def _view_time(raw: Sequence[Any]) -> ComputeTime:
+    return ComputeTime(int(raw[8]), int(raw[9]))
+
+
 class NodeViews:
     """The last ``node_view.lua`` reply read for each node, with the NodeState built from it.
 
@@ -309,6 +318,7 @@ class NodeViews:
                 lease=stored_lease_from_fields(flat_pairs(raw[1])) if raw[1] else None,
                 open_debits=_view_totals(raw),
                 open_reservations=int(raw[7]),
+                open_compute=_view_time(raw),
             )
         elif last[0] == raw:
             return last[1]
@@ -332,12 +342,13 @@ def _changed(node_id: str, raw: Sequence[Any], was: Sequence[Any], before: NodeS
     lease = before.lease
     if was[1] != raw[1]:
         lease = stored_lease_from_fields(flat_pairs(raw[1])) if raw[1] else None
-    same_totals = list(was[2:7]) == list(raw[2:7])
+    same_totals = list(was[2:]) == list(raw[2:])
     return NodeState(
         info=info,
         lease=lease,
         open_debits=before.open_debits if same_totals else _view_totals(raw),
         open_reservations=int(raw[7]),
+        open_compute=before.open_compute if same_totals else _view_time(raw),
     )
 
 

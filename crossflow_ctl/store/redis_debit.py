@@ -33,6 +33,7 @@ class DebitCall:
 
     node_id: str
     debit: Credits
+    compute_us: int
     request_id: str
     owner: str
     reservation_id: str
@@ -45,6 +46,7 @@ class DebitCall:
         return cls(
             node_id=request.node_id,
             debit=request.debit,
+            compute_us=request.compute_us,
             request_id=request.request_id,
             owner=request.owner,
             reservation_id=new_reservation_id(request.node_id, secrets.randbits(128)),
@@ -69,7 +71,8 @@ class DebitCall:
         d = self.debit
         return (
             f"{self.reservation_id},{d.compute_tokens},{d.kv_tokens},{d.kv_transfer_bytes},"
-            f"{d.output_tokens},{d.slots},{key_index},{ttl_ms},{_size(self.request_id)},"
+            f"{d.output_tokens},{d.slots},{self.compute_us},{key_index},{ttl_ms},"
+            f"{_size(self.request_id)},"
             f"{_size(self.owner)},{_size(head)}:{self.request_id}{self.owner}{head}{tail}"
         )
 
@@ -107,6 +110,7 @@ class DebitCall:
             node_id=self.node_id,
             state=ReservationState.HELD,
             debit=self.debit,
+            compute_us=self.compute_us,
             lease_epoch=epoch,
             lease_version=version,
             created_at_ms=self.now_ms,

@@ -301,8 +301,9 @@ class RedisStore(Store):
         hold_ttl_ms: int,
         request_id: str = "",
         owner: str = "",
+        compute_us: int = 0,
     ) -> DebitOutcome:
-        request = DebitRequest(node_id, debit, request_id, owner)
+        request = DebitRequest(node_id, debit, request_id, owner, compute_us=compute_us)
         return (await self.try_debits((request,), share, now_ms, hold_ttl_ms))[0]
 
     async def try_debits(
@@ -312,6 +313,8 @@ class RedisStore(Store):
         check_debit_args(share, hold_ttl_ms)
         for d in debits:
             check_owner(d.owner)
+            if d.compute_us:
+                check_debit_args(share, hold_ttl_ms, compute_us=d.compute_us)
             if d.record is not None and not self.folds_request_records:
                 raise InvalidArgument("a Redis Cluster store takes no record with a debit")
         calls = [DebitCall.build(d, now_ms, hold_ttl_ms) for d in debits if is_node_id(d.node_id)]

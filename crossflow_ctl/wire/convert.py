@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from crossflow_ctl.api.v1 import admin_pb2, common_pb2, lease_pb2
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import (
+    ComputeTime,
     Credits,
     Lease,
     NodeInfo,
@@ -242,6 +243,7 @@ def reservation_to_proto(r: Reservation) -> admin_pb2.Reservation:
         release_seq=r.release_seq,
         request_id=r.request_id,
         owner=r.owner,
+        compute_us=r.compute_us,
     )
 
 
@@ -262,6 +264,7 @@ def reservation_from_proto(msg: admin_pb2.Reservation) -> Reservation:
         release_seq=msg.release_seq,
         request_id=msg.request_id,
         owner=msg.owner,
+        compute_us=msg.compute_us,
     )
 
 
@@ -277,6 +280,8 @@ def node_status_to_proto(node: NodeState, now_ms: int, share: float) -> admin_pb
         labels=dict(node.info.labels),
         notice_seq=node.info.notice_seq,
         pool=node.info.pool,
+        open_compute_us=node.open_compute.us,
+        open_timed_compute_tokens=node.open_compute.tokens,
     )
     if node.lease is not None:
         msg.lease.CopyFrom(lease_to_proto(node.lease.lease))
@@ -307,6 +312,7 @@ def node_state_from_proto(msg: admin_pb2.NodeStatus) -> NodeState:
         lease=lease,
         open_debits=credits_from_proto(msg.open_debits, "open_debits"),
         open_reservations=msg.open_reservations,
+        open_compute=ComputeTime(msg.open_compute_us, msg.open_timed_compute_tokens),
     )
 
 

@@ -2,12 +2,14 @@
 
 Three ``crossflow-broker serve`` processes share one Redis namespace (on one Redis, and on a
 real 3-master Redis Cluster). For each generated scenario,
-decode agents stream to different replicas and keep replacing their leases (random credits) while
-hundreds of concurrent Admits race over all replicas (half unary, half on AdmitStreams, whose
-debits go to Redis in batches). Afterwards, reading the store: ordering each
-node's reservations by grant sequence (the order the atomic check-and-debit ran in), every grant
-plus all grants before it fits in ``borrow_share`` x the lease it was granted against, credit by
-credit. Reservations never expire or get released here, so every earlier grant was still open.
+decode agents stream to different replicas and keep replacing their leases (random credits and
+borrowed-prefill rates) while hundreds of concurrent Admits race over all replicas (half unary,
+half on AdmitStreams, whose debits go to Redis in batches). Afterwards, reading the store:
+ordering each node's reservations by grant sequence (the order the atomic check-and-debit ran
+in), every grant plus all grants before it fits in ``borrow_share`` x the lease it was granted
+against, credit by credit, the compute debits counted in that lease's unit (their node time at
+its rate, :mod:`crossflow_ctl.domain.safety`). Reservations never expire or get released here, so
+every earlier grant was still open.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from hypothesis import strategies as st
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.client import AdminClient, AdmissionClient, AdmissionStream
 from crossflow_ctl.domain.admission import Decision
-from crossflow_ctl.domain.models import Credits
+from crossflow_ctl.domain.models import ComputeTime, Credits
 from crossflow_ctl.domain.safety import over_committed
 from tests.broker.agents import FakeAgent
 from tests.conftest import delete_cluster_namespace
@@ -130,6 +132,8 @@ credits_st = st.builds(
     output_tokens=st.integers(500, 8_000),
     slots=st.integers(1, 16),
 )
+rate_st = st.sampled_from([5_000.0, 10_000.0, 20_000.0, 40_000.0])
+"""Borrowed-prefill rates: the compute credit's unit changes lease by lease."""
 request_st = st.tuples(
     st.integers(1, 1_500), st.integers(0, 1_000), st.integers(0, 300), st.booleans()
 )
@@ -141,30 +145,36 @@ request_st = st.tuples(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
-    leases=st.lists(st.lists(credits_st, min_size=2, max_size=6), min_size=2, max_size=3),
+    leases=st.lists(
+        st.lists(st.tuples(credits_st, rate_st), min_size=2, max_size=6), min_size=2, max_size=3
+    ),
     requests=st.lists(request_st, min_size=100, max_size=160),
 )
 async def test_open_debits_never_exceed_the_lease(
-    replicas: Replicas, leases: list[list[Credits]], requests: list[Any]
+    replicas: Replicas, leases: list[list[tuple[Credits, float]]], requests: list[Any]
 ) -> None:
     example = next(replicas.examples)
     nodes = [f"e{example}-d{i}" for i in range(len(leases))]
     agents = [FakeAgent(replicas.addrs[i % REPLICAS], n) for i, n in enumerate(nodes)]
-    granted_against: dict[tuple[str, int], Credits] = {}
+    granted_against: dict[tuple[str, int], tuple[Credits, float]] = {}
+
+    async def send(agent: FakeAgent, credits: Credits, rate: float) -> None:
+        ack = await agent.send_lease(
+            credits=credits.model_dump(), borrowed_prefill_rate_tps=rate, last_notice_seq=0
+        )
+        assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+        granted_against[(agent.node_id, agent.version)] = (credits, rate)
+
     for agent, seq in zip(agents, leases, strict=True):
         await agent.connect()
-        ack = await agent.send_lease(credits=seq[0].model_dump(), last_notice_seq=0)
-        assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
-        granted_against[(agent.node_id, agent.version)] = seq[0]
+        await send(agent, *seq[0])
     clients = [AdmissionClient(a, timeout_s=30) for a in replicas.addrs]
     streams = [AdmissionStream(a, timeout_s=30) for a in replicas.addrs]  # batched debits race too
 
-    async def update_leases(agent: FakeAgent, seq: list[Credits]) -> None:
-        for credits in seq[1:]:
+    async def update_leases(agent: FakeAgent, seq: list[tuple[Credits, float]]) -> None:
+        for credits, rate in seq[1:]:
             await asyncio.sleep(0.002)
-            ack = await agent.send_lease(credits=credits.model_dump(), last_notice_seq=0)
-            assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
-            granted_against[(agent.node_id, agent.version)] = credits
+            await send(agent, credits, rate)
             replicas.lease_updates += 1
 
     async def admit(i: int, req: Any) -> Any:
@@ -198,11 +208,12 @@ async def test_open_debits_never_exceed_the_lease(
     async with AdminClient(replicas.addrs[-1]) as admin:
         for node in nodes:
             reservations = sorted(await admin.list_reservations(node), key=lambda r: r.grant_seq)
-            open_debits = Credits()
+            open_debits, time = Credits(), ComputeTime()
             for r in reservations:
-                lease = granted_against[(node, r.lease_version)]
+                lease, rate = granted_against[(node, r.lease_version)]
                 open_debits = open_debits.plus(r.debit)
-                over = over_committed(lease, open_debits, SHARE)
-                assert not over, (node, r.reservation_id, over, open_debits, lease)
+                time = time.plus(ComputeTime.of_debit(r.debit.compute_tokens, r.compute_us))
+                over = over_committed(lease, open_debits, SHARE, rate, time)
+                assert not over, (node, r.reservation_id, over, open_debits, time, lease, rate)
             borrowed -= {r.reservation_id for r in reservations}
     assert not borrowed, f"BORROW answers without a stored reservation: {borrowed}"

@@ -235,9 +235,9 @@ def test_remote_prefix_costs_transfer_credit_and_time_local_prefix_does_not() ->
     req = AdmissionRequest(
         uncached_prompt_tokens=1000, cached_prefix_tokens=500, cached_prefix_node_id="d1"
     )
-    assert debit_for(req, "d0", SETTINGS).kv_transfer_bytes == 500 * 1024
-    assert debit_for(req, "d1", SETTINGS).kv_transfer_bytes == 0
-    assert debit_for(req, "d0", SETTINGS).kv_tokens == 1500
+    assert debit_for(req, "d0", SETTINGS).credits.kv_transfer_bytes == 500 * 1024
+    assert debit_for(req, "d1", SETTINGS).credits.kv_transfer_bytes == 0
+    assert debit_for(req, "d0", SETTINGS).credits.kv_tokens == 1500
     plan = plan_admission(req, pool(2000, 1000.0), [node("d0"), node("d1")], SETTINGS, NOW)
     assert plan.ranked[0].node_id == "d1"
     by_id = {c.node_id: c for c in plan.nodes}
@@ -299,12 +299,15 @@ def test_the_debit_and_the_benefit_use_the_prompts_own_cost() -> None:
     priced = _priced()
     lease = priced.lease.lease if priced.lease else None
     # 1000 x (100 us + 10 ns x 500) = 105 ms -> x 5000 tok/s = 525 tokens of credit
-    assert debit_for(short, "d0", SETTINGS, lease).compute_tokens == 525
+    assert debit_for(short, "d0", SETTINGS, lease).credits.compute_tokens == 525
     # 1000 x (100 us + 10 ns x 36,500) = 465 ms -> 2325 tokens
-    assert debit_for(long, "d0", SETTINGS, lease).compute_tokens == 2325
+    assert debit_for(long, "d0", SETTINGS, lease).credits.compute_tokens == 2325
     # a lease without coefficients debits the uncached tokens
     plain = node().lease
-    assert debit_for(long, "d0", SETTINGS, plain.lease if plain else None).compute_tokens == 1000
+    assert (
+        debit_for(long, "d0", SETTINGS, plain.lease if plain else None).credits.compute_tokens
+        == 1000
+    )
     checks = [
         plan_admission(r, pool(2000, 1000.0), [priced], SETTINGS, NOW).nodes[0]
         for r in (short, long)
@@ -326,9 +329,9 @@ def test_kv_debit_is_what_the_request_places_on_the_node() -> None:
     # the horizon at 20 ms per token: 400 of the 5000 output tokens fall in 8 s
     in_horizon = SETTINGS.borrow_horizon_ms // 20
     assert 0 < in_horizon < 5000
-    remote = debit_for(req, "d0", SETTINGS, lease)
+    remote = debit_for(req, "d0", SETTINGS, lease).credits
     assert (remote.kv_tokens, remote.output_tokens) == (1000 + 4000 + in_horizon, in_horizon)
-    local = debit_for(req, "d1", SETTINGS, lease.model_copy(update={"node_id": "d1"}))
+    local = debit_for(req, "d1", SETTINGS, lease.model_copy(update={"node_id": "d1"})).credits
     assert local.kv_tokens == 1000 + in_horizon and local.kv_transfer_bytes == 0
 
 

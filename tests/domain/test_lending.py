@@ -105,12 +105,16 @@ def test_debit_prices_each_prompt_by_its_prefix_in_reference_tokens() -> None:
     rate = cap.borrowed_prefill_rate_tps
     ref = LeaseSettings().borrowed_prefix_tokens
     # a prompt over the reference prefix debits its own uncached tokens ...
-    at_ref = compute_debit(1_000, ref - 500, a, b, rate)
+    at_ref = compute_debit(1_000, ref - 500, a, b, rate).tokens
     assert at_ref == 1_000
     # ... a longer prefix costs more, no prefix less
-    assert compute_debit(1_000, 36_000, a, b, rate) > at_ref > compute_debit(1_000, 0, a, b, rate)
+    assert (
+        compute_debit(1_000, 36_000, a, b, rate).tokens
+        > at_ref
+        > compute_debit(1_000, 0, a, b, rate).tokens
+    )
     # a lease without coefficients debits the uncached tokens, as before
-    assert compute_debit(1_000, 36_000, 0.0, 0.0, rate) == 1_000
+    assert compute_debit(1_000, 36_000, 0.0, 0.0, rate).tokens == 1_000
 
 
 def test_open_debits_follow_grants_releases_and_expiries_once() -> None:
@@ -195,7 +199,7 @@ def _granted(
         expected_output_tokens=200,
     )
     settings = PolicySettings(kv_bytes_per_token=kv_bytes_per_token)
-    debit = debit_for(request, "d", settings, lease)
+    debit = debit_for(request, "d", settings, lease).credits
     return Notice(node_id="d", seq=1, kind=NoticeKind.GRANT, reservation_id="r", debit=debit)
 
 
@@ -243,6 +247,28 @@ def test_a_pulled_prefix_is_counted_in_the_brokers_bytes_per_token_not_the_model
     untold = OpenDebits()
     untold.apply([grant])
     assert untold.uncached_tokens(GPT_OSS.kv_bytes_per_token) > 2_000  # the unit it replaced
+
+
+def test_an_open_grant_keeps_the_unit_it_was_granted_in() -> None:
+    """The broker's KV bytes per token can change mid-session (a new policy, a reconnect to a
+    replica with another): a grant's pulled-in prefix stays read in the unit of its GRANT, not
+    re-read in the new one (which turned 100k tokens of prefix into uncached work, or the
+    reverse), while a grant made after the change is read in the new unit."""
+    idle = _capacity()
+    before_bytes = GPT_OSS.kv_bytes_per_token // 3
+    ledger = OpenDebits(kv_bytes_per_token=before_bytes)
+    ledger.apply([_granted(2_000, 100_000, idle, remote=True, kv_bytes_per_token=before_bytes)])
+    ledger.kv_bytes_per_token = GPT_OSS.kv_bytes_per_token  # the broker's SessionSettings
+    assert ledger.uncached_tokens(GPT_OSS.kv_bytes_per_token) == 2_000
+    later = _granted(
+        3_000, 50_000, idle, remote=True, kv_bytes_per_token=GPT_OSS.kv_bytes_per_token
+    )
+    ledger.apply([later.model_copy(update={"reservation_id": "r2"})])
+    assert ledger.uncached_tokens(GPT_OSS.kv_bytes_per_token) == 5_000
+    assert ledger.totals().uncached_tokens(GPT_OSS.kv_bytes_per_token) == 5_000
+    released = Notice(node_id="d", seq=3, kind=NoticeKind.RELEASE, reservation_id="r")
+    ledger.apply([released])
+    assert ledger.uncached_tokens(GPT_OSS.kv_bytes_per_token) == 3_000
 
 
 def test_slots_are_the_decode_batch_room_not_a_fixed_eight() -> None:

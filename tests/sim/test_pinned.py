@@ -17,20 +17,20 @@ from crossflow_ctl.sim.traces import load_mooncake
 
 PINNED: dict[str, Any] = {
     "completed": 400,
-    "borrowed": 281,
+    "borrowed": 279,
     "overcommits": 0,
-    "held": 202,
-    "reoffers": 834,
-    "leases": 1532,
-    "outcomes": {"borrowed": 182, "borrowed_late": 99, "not_held": 10, "prefill_room": 109},
-    "admit_reasons": {"pool_load_missing": 10, "borrowed": 281, "no_benefit": 261, "no_room": 682},
-    "zero_reasons": {"itl_over_slo": 31, "no_capacity": 12},
+    "held": 227,
+    "reoffers": 768,
+    "leases": 1520,
+    "outcomes": {"borrowed": 154, "borrowed_late": 125, "not_held": 10, "prefill_room": 111},
+    "admit_reasons": {"pool_load_missing": 10, "borrowed": 279, "no_benefit": 131, "no_room": 748},
+    "zero_reasons": {"itl_over_slo": 32, "no_capacity": 3},
     "tokens": (5_710_530, 146_073),
-    "lease_chunk_sum": 954_112,
-    "lease_compute_sum": 123_046_929,
-    "ttft_mean_ms": 10_535.96,
-    "ttft_p99_ms": 32_753.094,
-    "itl_p99_ms": 47.2,
+    "lease_chunk_sum": 939_776,
+    "lease_compute_sum": 121_826_117,
+    "ttft_mean_ms": 10_674.033,
+    "ttft_p99_ms": 33_657.236,
+    "itl_p99_ms": 46.6,
 }
 
 

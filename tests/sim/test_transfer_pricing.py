@@ -40,7 +40,7 @@ def test_predicted_transfers_are_the_simulated_ones(model: str, hardware: str) -
     whole_prompt = PROMPT.uncached_prompt_tokens + PROMPT.cached_prefix_tokens
     assert normal.kv_transfer_ms == pytest.approx(sim.steps.transfer_s(whole_prompt) * 1000.0)
 
-    debit = debit_for(PROMPT, "decode-0", policy)
+    debit = debit_for(PROMPT, "decode-0", policy).credits
     per_token = sim.steps.model.kv_bytes_per_token
     assert debit.kv_transfer_bytes == PROMPT.cached_prefix_tokens * per_token
     borrowed_transfer_s = debit.kv_transfer_bytes / policy.kv_transfer_bytes_per_s

@@ -15,7 +15,9 @@ from crossflow_ctl.domain.errors import (
 )
 from crossflow_ctl.domain.models import (
     CREDIT_NAMES,
+    ComputeTime,
     Credits,
+    Lease,
     NodeRole,
     NoticeKind,
     PoolLoad,
@@ -91,6 +93,66 @@ async def test_new_lease_replaces_credit_never_adds(store: Store) -> None:
     assert not (await store.try_debit("d1", credits(1), 1.0, NOW + 20, 5_000)).granted
     # Open debits above the new lease leave less than no room: even an empty debit is refused.
     assert (await store.try_debit("d1", Credits(), 1.0, NOW + 20, 5_000)).refusal == "short"
+
+
+async def test_open_compute_debits_count_in_the_latest_leases_unit(store: Store) -> None:
+    """The compute credit counts tokens at the lease's borrowed-prefill rate, which changes
+    lease by lease: open debits keep their node time and count at the NEWEST lease's rate.
+    (The old rule summed their tokens, each priced at its own grant's rate: it let the refused
+    debit below through, and refused the granted one.)"""
+    await register(store, "d1")
+    room = credits(10_000, compute_tokens=1_000)
+
+    def at(version: int, rate: float) -> Lease:
+        return lease(version=version, credits=room, borrowed_prefill_rate_tps=rate)
+
+    await store.upsert_lease(at(1, 1_000.0), NOW, MAX_TTL)
+    for _ in range(2):  # 0.3 s of borrowed prefill each: 300 tokens at 1,000 tokens/s
+        out = await store.try_debit(
+            "d1", credits(1, compute_tokens=300), 1.0, NOW, 5_000, "", "", 300_000
+        )
+        assert out.granted and out.reservation is not None
+        assert out.reservation.compute_us == 300_000
+    assert [r.compute_us for r in await store.list_reservations("d1", NOW)] == [300_000] * 2
+    # The rate doubles: the open 0.6 s are 1,200 tokens of the new lease's 1,000. No room.
+    await store.upsert_lease(at(2, 2_000.0), NOW, MAX_TTL)
+    node = await store.get_node("d1", NOW)
+    assert node.open_debits.compute_tokens == 600
+    assert node.open_compute == ComputeTime(us=600_000, tokens=600)
+    assert node.available(NOW).compute_tokens == 0
+    refused = await store.try_debit(
+        "d1", credits(1, compute_tokens=300), 1.0, NOW, 5_000, "", "", 150_000
+    )
+    assert (refused.refusal, refused.short_credits) == ("short", ("compute_tokens",))
+    # The rate falls to 500 tokens/s: the open 0.6 s are 300 tokens; 1.2 s (600) still fit.
+    await store.upsert_lease(at(3, 500.0), NOW, MAX_TTL)
+    assert (await store.get_node("d1", NOW)).available(NOW).compute_tokens == 700
+    granted = await store.try_debit(
+        "d1", credits(1, compute_tokens=600), 1.0, NOW, 5_000, "", "", 1_200_000
+    )
+    assert granted.granted
+    # 1.8 s open: 900 tokens at 500/s. An untimed debit (no node time) counts its own tokens.
+    assert (await store.get_node("d1", NOW)).available(NOW).compute_tokens == 100
+    assert (await store.try_debit("d1", credits(1, compute_tokens=100), 1.0, NOW, 5_000)).granted
+    short = await store.try_debit("d1", credits(1, compute_tokens=1), 1.0, NOW, 5_000, "", "", 1)
+    assert short.short_credits == ("compute_tokens",)
+    # A lease without a rate counts the tokens as granted, as before debits had node time.
+    await store.upsert_lease(at(4, 0.0), NOW, MAX_TTL)
+    node = await store.get_node("d1", NOW)
+    assert node.open_debits.compute_tokens == 1_300
+    assert node.open_compute == ComputeTime(us=1_800_000, tokens=1_200)
+    assert node.available(NOW).compute_tokens == 0
+    # Back to 1,000 tokens/s: 1,800 timed + 100 untimed; a release changes nothing until a
+    # lease that has seen it (§5.4), which then counts the rest at its own rate.
+    await store.upsert_lease(at(5, 1_000.0), NOW, MAX_TTL)
+    released = await store.release(granted.reservation.reservation_id, NOW)  # type: ignore[union-attr]
+    assert (await store.get_node("d1", NOW)).available(NOW).compute_tokens == 0
+    seen = lease(version=6, credits=room, borrowed_prefill_rate_tps=1_000.0,
+                 last_notice_seq=released.release_seq)  # fmt: skip
+    await store.upsert_lease(seen, NOW, MAX_TTL)
+    node = await store.get_node("d1", NOW)
+    assert node.open_compute == ComputeTime(us=600_000, tokens=600)
+    assert node.available(NOW).compute_tokens == 1_000 - 600 - 100
 
 
 # -- §5.5 expiry -------------------------------------------------------------------------------

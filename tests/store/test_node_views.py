@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from crossflow_ctl.domain.models import Credits, Lease
+from crossflow_ctl.domain.models import ComputeTime, Credits, Lease
 from crossflow_ctl.store import redis_codec as codec
 from tests.store.helpers import NOW
 
@@ -27,7 +27,9 @@ def lease_fields(version: int, compute: int = 1_000) -> list[bytes]:
     ]
 
 
-def reply(version: int = 1, seq: int = 0, debits: int = 0, cordoned: bool = False) -> list[Any]:
+def reply(
+    version: int = 1, seq: int = 0, debits: int = 0, cordoned: bool = False, us: int = 0
+) -> list[Any]:
     """A ``node_view.lua`` reply as hiredis gives it (fresh objects each call, like a read)."""
     info = [
         b"decode",
@@ -44,6 +46,8 @@ def reply(version: int = 1, seq: int = 0, debits: int = 0, cordoned: bool = Fals
         b"0",
         b"1" if debits else b"0",
         b"1" if debits else b"0",
+        str(us).encode(),
+        str(debits if us else 0).encode(),
     ]
     return [info, lease_fields(version), *totals]
 
@@ -64,7 +68,11 @@ def test_changed_totals_are_rebuilt_and_the_rest_reused() -> None:
     assert first is not None and second is not None and second is not first
     assert second.open_debits == Credits(compute_tokens=300, slots=1)
     assert second.open_reservations == 1
+    assert second.open_compute == ComputeTime()
     assert second.lease is first.lease and second.info is first.info
+    timed = views.state("d1", reply(debits=300, us=60_000))
+    assert timed is not None and timed.open_debits == second.open_debits
+    assert timed.open_compute == ComputeTime(us=60_000, tokens=300)
 
 
 def test_a_new_lease_or_notice_is_seen_at_once() -> None:

@@ -1,8 +1,9 @@
 """Random interleavings of leases, debits, commits, releases, cordons and clock steps.
 
 Both stores run the same operations in lockstep, so the test checks three things at once:
-open debits never exceed the latest lease x share on any credit at any grant (§5.3); a stale
-lease changes nothing observable (§5.1); and MemoryStore and RedisStore decide alike.
+open debits never exceed the latest lease x share on any credit at any grant (§5.3), counted in
+that lease's unit (leases of their own borrowed-prefill rates, debits with node time or none);
+a stale lease changes nothing observable (§5.1); and MemoryStore and RedisStore decide alike.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ debit_op = st.tuples(
     st.tuples(small, small, small, small, st.integers(min_value=0, max_value=3)),
     st.sampled_from([0.25, 0.5, 1.0]),
     st.integers(min_value=50, max_value=2_000),
+    st.one_of(st.just(0), st.integers(min_value=1, max_value=20_000_000)),  # node time, us
 )
 op = st.one_of(
     debit_op,
@@ -50,14 +52,9 @@ op = st.one_of(
         st.integers(min_value=0, max_value=60),  # credit value, 0 => zero lease
         st.integers(min_value=100, max_value=3_000),  # ttl (capped at MAX_TTL)
         st.integers(min_value=0, max_value=3),  # notices the snapshot missed
+        st.sampled_from([0.0, 0.5, 1.0, 2.5, 7.0]),  # borrowed-prefill rate, tokens/s
     ),
-    st.tuples(
-        st.just("debit"),
-        st.sampled_from(NODES),
-        st.tuples(small, small, small, small, st.integers(min_value=0, max_value=3)),
-        st.sampled_from([0.25, 0.5, 1.0]),
-        st.integers(min_value=50, max_value=2_000),
-    ),
+    debit_op,
     st.tuples(
         st.just("commit"), st.integers(min_value=0, max_value=20), st.sampled_from([300, 3_000])
     ),
@@ -68,14 +65,17 @@ op = st.one_of(
 
 
 def comparable(state: NodeState) -> tuple[Any, ...]:
-    return (state.info, state.lease, state.open_debits, state.open_reservations)
+    return (state.info, state.lease, state.open_debits, state.open_reservations, state.open_compute)
 
 
 async def observe(store: Store, node_id: str, now_ms: int) -> tuple[Any, ...]:
     reservations = await store.list_reservations(node_id, now_ms)
     return (
         comparable(await store.get_node(node_id, now_ms)),
-        [(r.state, r.debit, r.expires_at_ms, r.grant_seq, r.release_seq) for r in reservations],
+        [
+            (r.state, r.debit, r.compute_us, r.expires_at_ms, r.grant_seq, r.release_seq)
+            for r in reservations
+        ],
         [(n.seq, n.kind, n.debit) for n in await store.read_notices(node_id, 0, 10_000)],
         await store.lease_history(node_id, 100),
         await store.node_events(node_id, 100),
@@ -84,7 +84,7 @@ async def observe(store: Store, node_id: str, now_ms: int) -> tuple[Any, ...]:
 
 def debit_summary(outcome: DebitOutcome) -> tuple[Any, ...]:
     res = outcome.reservation
-    held = (res.state, res.debit, res.expires_at_ms, res.grant_seq) if res else None
+    held = (res.state, res.debit, res.compute_us, res.expires_at_ms, res.grant_seq) if res else None
     return (outcome.granted, outcome.refusal, outcome.short_credits, held)
 
 
@@ -104,12 +104,22 @@ class Lockstep:
         self.grants = 0
         self.stale = 0
 
-    async def lease_op(self, node: str, bump: int, step: int, value: int, ttl: int, miss: int):
+    async def lease_op(
+        self, node: str, bump: int, step: int, value: int, ttl: int, miss: int, rate: float
+    ):
         epoch, version = self.ev[node]
         new = (epoch + 1, 1) if bump else (epoch, max(1, version + step))
         seq = (await self.stores[0].get_node(node, self.now)).info.notice_seq
         kw: dict[str, Any] = {} if value else {"zero_reason": ZeroReason.ITL_OVER_SLO}
-        offer = lease(node, *new, value=value, ttl_ms=ttl, last_notice_seq=max(0, seq - miss), **kw)
+        offer = lease(
+            node,
+            *new,
+            value=value,
+            ttl_ms=ttl,
+            last_notice_seq=max(0, seq - miss),
+            borrowed_prefill_rate_tps=rate,
+            **kw,
+        )
         stale = new <= self.ev[node]
         before = [await observe(s, node, self.now) for s in self.stores]
         outcomes = [await s.upsert_lease(offer, self.now, MAX_TTL) for s in self.stores]
@@ -121,9 +131,14 @@ class Lockstep:
         else:
             self.ev[node] = new
 
-    async def debit_op(self, node: str, values: tuple[int, ...], share: float, hold: int):
+    async def debit_op(
+        self, node: str, values: tuple[int, ...], share: float, hold: int, compute_us: int
+    ):
         debit = Credits.from_tuple(values)
-        outs = [await s.try_debit(node, debit, share, self.now, hold) for s in self.stores]
+        outs = [
+            await s.try_debit(node, debit, share, self.now, hold, compute_us=compute_us)
+            for s in self.stores
+        ]
         assert debit_summary(outs[0]) == debit_summary(outs[1])
         if not outs[0].granted:
             return
@@ -132,8 +147,9 @@ class Lockstep:
         for store in self.stores:
             state = await store.get_node(node, self.now)
             assert state.lease is not None
-            limit = state.lease.lease.credits
-            assert not over_committed(limit, state.open_debits, share), (limit, state.open_debits)
+            limit, rate = state.lease.lease.credits, state.lease.lease.borrowed_prefill_rate_tps
+            open_debits, time = state.open_debits, state.open_compute
+            assert not over_committed(limit, open_debits, share, rate, time), (limit, open_debits)
 
     async def run(self, step: tuple[Any, ...]) -> None:
         kind = step[0]
@@ -178,7 +194,7 @@ async def test_random_interleavings_keep_the_invariants(
             await register(store, *NODES)
         run = Lockstep(stores)
         for node in NODES:  # start from live leases so that most examples grant something
-            await run.lease_op(node, 0, 1, 60, MAX_TTL, 0)
+            await run.lease_op(node, 0, 1, 60, MAX_TTL, 0, 1.0)
         for step in steps:
             await run.run(step)
         event(f"grants>0: {run.grants > 0}")

@@ -11,7 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from crossflow_ctl.domain.errors import StoreUnavailable
-from crossflow_ctl.domain.models import CREDIT_NAMES, Credits, NoticeKind
+from crossflow_ctl.domain.models import CREDIT_NAMES, ComputeTime, Credits, NoticeKind
 from crossflow_ctl.store.base import Store
 from crossflow_ctl.store.redis_scripts import load_script
 from crossflow_ctl.store.redis_store import RedisStore
@@ -190,5 +190,51 @@ async def test_node_view_loads_its_script_when_redis_does_not_know_it(
         store._scripts.by_name["node_view"] = store._r.register_script(fresh)
         _, states = await store.admission_view("default", ["d1"], 8, NOW)
         assert [s.info.node_id for s in states] == ["d1"]
+    finally:
+        await store.close()
+
+
+async def test_a_reservation_recorded_before_debits_were_timed_reads_as_untimed(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """A record and running totals an earlier broker wrote (compute as plain tokens, totals
+    without node time) count their tokens, as before, under a lease with a rate; a timed record
+    keeps its node time through commit and release."""
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    try:
+        await register(store, "d1")
+        offer = lease(credits=credits(10_000, compute_tokens=1_000), borrowed_prefill_rate_tps=2e3)
+        await store.upsert_lease(offer, NOW, 60_000)
+        old = await store.try_debit("d1", credits(1, compute_tokens=300), 1.0, NOW, 60_000)
+        timed = await store.try_debit(
+            "d1", credits(1, compute_tokens=200), 1.0, NOW, 60_000, compute_us=100_000
+        )
+        assert old.reservation is not None and timed.reservation is not None
+        k = store._k.node("d1")
+        rid = timed.reservation.reservation_id
+        raw = await store._r.hget(k.reservations, rid)
+        record = raw if isinstance(raw, str) else bytes(raw or b"").decode()
+        assert "|200:100000|" in record
+        # as an earlier broker left them: no node time in the record nor in the totals
+        await store._r.hset(k.info, "open", "500,2,2,2,2,2")
+        await store._r.hset(k.reservations, rid, record.replace("|200:100000|", "|200|"))
+        node = await store.get_node("d1", NOW)
+        assert node.open_compute == ComputeTime() and node.available(NOW).compute_tokens == 500
+        assert {r.compute_us for r in await store.list_reservations("d1", NOW)} == {0}
+        fresh = await store.try_debit(
+            "d1", credits(1, compute_tokens=200), 1.0, NOW, 60_000, compute_us=100_000
+        )
+        assert fresh.reservation is not None
+        committed = await store.commit(fresh.reservation.reservation_id, NOW, 60_000)
+        released = await store.release(fresh.reservation.reservation_id, NOW)
+        assert committed.compute_us == released.compute_us == 100_000
+        node = await store.get_node("d1", NOW)
+        assert node.open_compute == ComputeTime(us=100_000, tokens=200)
+        assert node.available(NOW).compute_tokens == 1_000 - 500 - 200
+        # expiry purges both layouts and leaves the totals at zero
+        node = await store.get_node("d1", NOW + 60_001)
+        assert (node.open_debits, node.open_compute) == (Credits(), ComputeTime())
+        await store.upsert_lease(lease(version=2, ttl_ms=60_000), NOW + 60_001, 60_000)
+        assert (await store._r.hget(k.info, "open")) in (b"0,0,0,0,0,0,0,0", "0,0,0,0,0,0,0,0")
     finally:
         await store.close()

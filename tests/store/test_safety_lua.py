@@ -3,7 +3,9 @@
 Random leases, open debits (granted against a larger lease, then left above or below a smaller
 one), debits and shares on real Redis: the script grants exactly when the domain says the debit
 fits, and names the same short credits when it refuses; a batch of debits on the node (one
-script call) agrees with the domain applied debit after debit.
+script call) agrees with the domain applied debit after debit. The two leases have borrowed-prefill
+rates of their own (0: none) and the debits node time or none, so the open compute debits granted
+against the first lease are counted in the second's unit by both, to the token.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crossflow_ctl.domain.models import CREDIT_NAMES, MAX_BYTES, MAX_SLOTS, MAX_TOKENS, Credits
+from crossflow_ctl.domain.models import (
+    CREDIT_NAMES,
+    MAX_BYTES,
+    MAX_COMPUTE_US,
+    MAX_SLOTS,
+    MAX_TOKENS,
+    ComputeTime,
+    Credits,
+)
 from crossflow_ctl.domain.safety import fits, short_credits
 from crossflow_ctl.store.base import DebitRequest
 from crossflow_ctl.store.redis_store import RedisStore
@@ -43,6 +53,20 @@ shares = st.one_of(
     st.sampled_from([0.0, 0.1, 1 / 3, 0.5, 0.7, 0.9, 1.0]),
     st.floats(min_value=0.0, max_value=1.0, allow_nan=False),
 )
+rates = st.one_of(
+    st.sampled_from([0.0, 0.0, 0.5, 1.0, 3.0, 1_000.0]),
+    st.floats(min_value=0.0, max_value=1e5, allow_nan=False, allow_infinity=False),
+)
+micros = st.one_of(
+    st.just(0),
+    st.integers(min_value=1, max_value=60_000_000),
+    st.integers(min_value=MAX_COMPUTE_US - 1_000, max_value=MAX_COMPUTE_US),
+)
+"""A debit's node time: none (untimed), up to a minute, or near the cap."""
+
+
+def timed(d: Credits, us: int) -> ComputeTime:
+    return ComputeTime.of_debit(d.compute_tokens, us)
 
 
 @settings(
@@ -52,49 +76,64 @@ shares = st.one_of(
 )
 @given(
     first=amounts(50),
-    open_debits=st.lists(amounts(20), max_size=3),
+    first_rate=rates,
+    open_debits=st.lists(st.tuples(amounts(20), micros), max_size=3),
     second=amounts(60),
-    debit=amounts(30),
-    batch=st.lists(amounts(15), max_size=4),
+    second_rate=rates,
+    debit=st.tuples(amounts(30), micros),
+    batch=st.lists(st.tuples(amounts(15), micros), max_size=4),
     share=shares,
 )
 async def test_lua_debit_agrees_with_the_domain_safety_check(
     redis_url: str,
     redis_namespace: str,
     first: Credits,
-    open_debits: list[Credits],
+    first_rate: float,
+    open_debits: list[tuple[Credits, int]],
     second: Credits,
-    debit: Credits,
-    batch: list[Credits],
+    second_rate: float,
+    debit: tuple[Credits, int],
+    batch: list[tuple[Credits, int]],
     share: float,
 ) -> None:
     store = RedisStore(redis_url, namespace=f"{redis_namespace}-{uuid.uuid4().hex[:8]}")
     try:
         await register(store, "d1")
-        await store.upsert_lease(lease("d1", version=1, credits=first), NOW, 60_000)
-        opened = [0] * len(CREDIT_NAMES)
-        for d in open_debits:  # granted against the first lease, at full share
-            out = await store.try_debit("d1", d, 1.0, NOW, 60_000)
+        one = lease("d1", version=1, credits=first, borrowed_prefill_rate_tps=first_rate)
+        await store.upsert_lease(one, NOW, 60_000)
+        opened, time = [0] * len(CREDIT_NAMES), ComputeTime()
+        for d, us in open_debits:  # granted against the first lease, at full share
+            out = await store.try_debit("d1", d, 1.0, NOW, 60_000, compute_us=us)
             if out.granted:
                 opened = [a + b for a, b in zip(opened, d.as_tuple(), strict=True)]
-        # A second lease (that has seen no notice) keeps every debit open, above or below it.
-        await store.upsert_lease(lease("d1", version=2, credits=second), NOW, 60_000)
-        outcome = await store.try_debit("d1", debit, share, NOW, 60_000)
+                time = time.plus(timed(d, us))
+        # A second lease (that has seen no notice) keeps every debit open, above or below it,
+        # and counts them at its own rate.
+        two = lease("d1", version=2, credits=second, borrowed_prefill_rate_tps=second_rate)
+        await store.upsert_lease(two, NOW, 60_000)
+        outcome = await store.try_debit("d1", debit[0], share, NOW, 60_000, compute_us=debit[1])
+        state = await store.get_node("d1", NOW)
         # A batch on one node is one script call: each debit sees the ones granted before it.
-        batched = await store.try_debits([DebitRequest("d1", d) for d in batch], share, NOW, 60_000)
+        batched = await store.try_debits(
+            [DebitRequest("d1", d, compute_us=us) for d, us in batch], share, NOW, 60_000
+        )
     finally:
         await store.close()
-    want = short_credits(second, opened, share, debit)
+    rate = second_rate
+    want = short_credits(second, opened, share, debit[0], rate, time, debit[1])
     if second.is_zero():
         assert outcome.refusal == "zero_lease"  # no credit at all: refused before Safety
         assert all(o.refusal == "zero_lease" for o in batched)
         return
-    assert outcome.granted == fits(second, opened, share, debit)
+    assert outcome.granted == fits(second, opened, share, debit[0], rate, time, debit[1])
     assert outcome.short_credits == want
     if outcome.granted:
-        opened = [a + b for a, b in zip(opened, debit.as_tuple(), strict=True)]
-    for d, out in zip(batch, batched, strict=True):
-        assert out.short_credits == short_credits(second, opened, share, d)
-        assert out.granted == fits(second, opened, share, d)
+        opened = [a + b for a, b in zip(opened, debit[0].as_tuple(), strict=True)]
+        time = time.plus(timed(*debit))
+    assert state.open_compute == time  # the script's running totals, as node_view reads them
+    for (d, us), out in zip(batch, batched, strict=True):
+        assert out.short_credits == short_credits(second, opened, share, d, rate, time, us)
+        assert out.granted == fits(second, opened, share, d, rate, time, us)
         if out.granted:
             opened = [a + b for a, b in zip(opened, d.as_tuple(), strict=True)]
+            time = time.plus(timed(d, us))

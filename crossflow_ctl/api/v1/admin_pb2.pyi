@@ -57,6 +57,7 @@ class Reservation(_message.Message):
     RELEASE_SEQ_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    COMPUTE_US_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
     node_id: _builtins.str
     state: Global___ReservationState.ValueType
@@ -69,6 +70,11 @@ class Reservation(_message.Message):
     request_id: _builtins.str
     owner: _builtins.str
     """Identity of the router it was granted to ("router/<name>"); empty without authentication."""
+    compute_us: _builtins.int
+    """Node time of borrowed prefill its compute debit stands for, in microseconds, priced at
+    grant (0: untimed, counted in its tokens). Safety counts open compute debits in the unit
+    of the node's latest lease from it: ceil(us x borrowed_prefill_rate_tps / 1e6).
+    """
     @_builtins.property
     def debit(self) -> _common_pb2.Credits: ...
     def __init__(
@@ -86,10 +92,11 @@ class Reservation(_message.Message):
         release_seq: _builtins.int = ...,
         request_id: _builtins.str = ...,
         owner: _builtins.str = ...,
+        compute_us: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["debit", b"debit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_unix_ms", b"created_unix_ms", "debit", b"debit", "expires_unix_ms", b"expires_unix_ms", "grant_seq", b"grant_seq", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "node_id", b"node_id", "owner", b"owner", "release_seq", b"release_seq", "request_id", b"request_id", "reservation_id", b"reservation_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_us", b"compute_us", "created_unix_ms", b"created_unix_ms", "debit", b"debit", "expires_unix_ms", b"expires_unix_ms", "grant_seq", b"grant_seq", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "node_id", b"node_id", "owner", b"owner", "release_seq", b"release_seq", "request_id", b"request_id", "reservation_id", b"reservation_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -132,6 +139,8 @@ class NodeStatus(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     NOTICE_SEQ_FIELD_NUMBER: _builtins.int
     POOL_FIELD_NUMBER: _builtins.int
+    OPEN_COMPUTE_US_FIELD_NUMBER: _builtins.int
+    OPEN_TIMED_COMPUTE_TOKENS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     role: _common_pb2.NodeRole.ValueType
     cordoned: _builtins.bool
@@ -141,6 +150,11 @@ class NodeStatus(_message.Message):
     open_reservations: _builtins.int
     notice_seq: _builtins.int
     pool: _builtins.str
+    open_compute_us: _builtins.int
+    """Node time behind the timed open compute debits, in microseconds, and their compute tokens
+    (the rest of open_debits.compute_tokens is untimed): see Reservation.compute_us.
+    """
+    open_timed_compute_tokens: _builtins.int
     @_builtins.property
     def lease(self) -> _common_pb2.Lease:
         """Absent when the node never sent a lease."""
@@ -169,10 +183,12 @@ class NodeStatus(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         notice_seq: _builtins.int = ...,
         pool: _builtins.str = ...,
+        open_compute_us: _builtins.int = ...,
+        open_timed_compute_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "lease", b"lease", "open_debits", b"open_debits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "cordoned", b"cordoned", "labels", b"labels", "lease", b"lease", "lease_expired", b"lease_expired", "lease_expires_unix_ms", b"lease_expires_unix_ms", "lease_received_unix_ms", b"lease_received_unix_ms", "node_id", b"node_id", "notice_seq", b"notice_seq", "open_debits", b"open_debits", "open_reservations", b"open_reservations", "pool", b"pool", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "cordoned", b"cordoned", "labels", b"labels", "lease", b"lease", "lease_expired", b"lease_expired", "lease_expires_unix_ms", b"lease_expires_unix_ms", "lease_received_unix_ms", b"lease_received_unix_ms", "node_id", b"node_id", "notice_seq", b"notice_seq", "open_compute_us", b"open_compute_us", "open_debits", b"open_debits", "open_reservations", b"open_reservations", "open_timed_compute_tokens", b"open_timed_compute_tokens", "pool", b"pool", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

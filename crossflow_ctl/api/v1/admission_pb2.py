@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from crossflow_ctl.api.v1 import common_pb2 as crossflow_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rossflow/v1/admission.proto\x12\x0c\x63rossflow.v1\x1a\x19\x63rossflow/v1/common.proto\"\x86\x02\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x16uncached_prompt_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x63\x61\x63hed_prefix_node_id\x18\x04 \x01(\t\x12\x1e\n\x16\x65xpected_output_tokens\x18\x05 \x01(\x03\x12\x1a\n\x12\x63\x61ndidate_node_ids\x18\x06 \x03(\t\x12\x0f\n\x07\x64ry_run\x18\x07 \x01(\x08\x12\x0c\n\x04pool\x18\x08 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\t \x01(\r\x12\x19\n\x11held_ahead_tokens\x18\n \x01(\x03\"\xc4\x01\n\x0b\x44\x65mandCheck\x12\r\n\x05holds\x18\x01 \x01(\x08\x12\x14\n\x0cpool_wait_ms\x18\x02 \x01(\x01\x12\x14\n\x0cthreshold_ms\x18\x03 \x01(\x01\x12#\n\x1boutstanding_uncached_tokens\x18\x04 \x01(\x03\x12\x1b\n\x13processing_rate_tps\x18\x05 \x01(\x01\x12\x17\n\x0freporting_nodes\x18\x06 \x01(\x05\x12\x1f\n\x17pending_uncached_tokens\x18\x07 \x01(\x03\"t\n\x12NormalPathEstimate\x12\x0f\n\x07wait_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x0f\n\x07hold_ms\x18\x05 \x01(\x01\"\xcb\x02\n\tNodeCheck\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12%\n\x07verdict\x18\x02 \x01(\x0e\x32\x14.crossflow.v1.Reason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x15\n\rqueue_wait_ms\x18\x04 \x01(\x01\x12\x12\n\nservice_ms\x18\x05 \x01(\x01\x12\x19\n\x11predicted_ttft_ms\x18\x06 \x01(\x01\x12\x0f\n\x07\x62\x65nefit\x18\x07 \x01(\x08\x12\x0c\n\x04safe\x18\x08 \x01(\x08\x12(\n\tavailable\x18\t \x01(\x0b\x32\x15.crossflow.v1.Credits\x12$\n\x05\x64\x65\x62it\x18\n \x01(\x0b\x32\x15.crossflow.v1.Credits\x12\x15\n\rshort_credits\x18\x0b \x03(\t\x12\x13\n\x0blease_epoch\x18\x0c \x01(\x04\x12\x15\n\rlease_version\x18\r \x01(\x04\"\xa8\x01\n\x0b\x45xplanation\x12)\n\x06\x64\x65mand\x18\x01 \x01(\x0b\x32\x19.crossflow.v1.DemandCheck\x12\x35\n\x0bnormal_path\x18\x02 \x01(\x0b\x32 .crossflow.v1.NormalPathEstimate\x12&\n\x05nodes\x18\x03 \x03(\x0b\x32\x17.crossflow.v1.NodeCheck\x12\x0f\n\x07summary\x18\x04 \x01(\t\"\x84\x03\n\rAdmitResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.crossflow.v1.Decision\x12$\n\x06reason\x18\x02 \x01(\x0e\x32\x14.crossflow.v1.Reason\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04\x12\x15\n\rlease_version\x18\x07 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ms\x18\x08 \x01(\x03\x12\x19\n\x11predicted_ttft_ms\x18\t \x01(\x01\x12\x16\n\x0enormal_ttft_ms\x18\n \x01(\x01\x12.\n\x0b\x65xplanation\x18\x0b \x01(\x0b\x32\x19.crossflow.v1.Explanation\x12/\n\x0fshadow_decision\x18\x0c \x01(\x0e\x32\x16.crossflow.v1.Decision\x12\x10\n\x08replayed\x18\r \x01(\x08\"B\n\x12\x41\x64mitStreamRequest\x12,\n\x05items\x18\x01 \x03(\x0b\x32\x1d.crossflow.v1.AdmitStreamItem\"J\n\x0f\x41\x64mitStreamItem\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.crossflow.v1.AdmitRequest\"G\n\x13\x41\x64mitStreamResponse\x12\x30\n\x07results\x18\x01 \x03(\x0b\x32\x1f.crossflow.v1.AdmitStreamResult\"\x8b\x01\n\x11\x41\x64mitStreamResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12/\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x1b.crossflow.v1.AdmitResponseH\x00\x12/\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1e.crossflow.v1.AdmitStreamErrorH\x00\x42\x08\n\x06result\"1\n\x10\x41\x64mitStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"L\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\"A\n\x0e\x43ommitResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x03\"|\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12-\n\x07outcome\x18\x02 \x01(\x0e\x32\x1c.crossflow.v1.ReleaseOutcome\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\")\n\x0fReleaseResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"m\n\x10WatchRoomRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x1a\n\x12\x63\x61ndidate_node_ids\x18\x02 \x03(\t\x12\x19\n\x11max_updates_per_s\x18\x03 \x01(\x01\x12\x14\n\x0cheartbeat_ms\x18\x04 \x01(\x03\"\x98\x01\n\x08NodeRoom\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ompute_tokens\x18\x02 \x01(\x03\x12\x11\n\tkv_tokens\x18\x03 \x01(\x03\x12\r\n\x05slots\x18\x04 \x01(\x03\x12\x15\n\rqueue_wait_ms\x18\x05 \x01(\x01\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04\x12\x15\n\rlease_version\x18\x07 \x01(\x04\"\x98\x02\n\x11WatchRoomResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nat_unix_ms\x18\x02 \x01(\x03\x12\x11\n\theartbeat\x18\x03 \x01(\x08\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12(\n\x06status\x18\x05 \x01(\x0e\x32\x18.crossflow.v1.RoomStatus\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12%\n\x05nodes\x18\x07 \x03(\x0b\x32\x16.crossflow.v1.NodeRoom\x12\x17\n\x0fpool_wait_known\x18\x08 \x01(\x08\x12\x14\n\x0cpool_wait_ms\x18\t \x01(\x01\x12\x1b\n\x13\x64\x65mand_threshold_ms\x18\n \x01(\x01\x12\x14\n\x0c\x64\x65mand_holds\x18\x0b \x01(\x08*N\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45\x43ISION_BORROW\x10\x01\x12\x13\n\x0f\x44\x45\x43ISION_NORMAL\x10\x02*\xc6\x02\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREASON_BORROWED\x10\x01\x12\x14\n\x10REASON_NO_DEMAND\x10\x02\x12\x1c\n\x18REASON_POOL_LOAD_MISSING\x10\x03\x12\x15\n\x11REASON_NO_BENEFIT\x10\x04\x12\x12\n\x0eREASON_NO_ROOM\x10\x05\x12\x14\n\x10REASON_NO_LEASES\x10\x06\x12\x1c\n\x18REASON_STORE_UNAVAILABLE\x10\x07\x12\x12\n\x0eREASON_TIMEOUT\x10\x08\x12\x16\n\x12REASON_SHADOW_MODE\x10\t\x12\x12\n\x0eREASON_DRY_RUN\x10\n\x12\x1d\n\x19REASON_BORROWING_DISABLED\x10\x0b\x12\x1d\n\x19REASON_BROKER_UNAVAILABLE\x10\x0c*\x8a\x01\n\x0eReleaseOutcome\x12\x1f\n\x1bRELEASE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18RELEASE_OUTCOME_FINISHED\x10\x01\x12\x1a\n\x16RELEASE_OUTCOME_FAILED\x10\x02\x12\x1d\n\x19RELEASE_OUTCOME_CANCELLED\x10\x03*V\n\nRoomStatus\x12\x1b\n\x17ROOM_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eROOM_STATUS_OK\x10\x01\x12\x17\n\x13ROOM_STATUS_UNKNOWN\x10\x02\x32\x89\x03\n\x10\x41\x64missionService\x12@\n\x05\x41\x64mit\x12\x1a.crossflow.v1.AdmitRequest\x1a\x1b.crossflow.v1.AdmitResponse\x12V\n\x0b\x41\x64mitStream\x12 .crossflow.v1.AdmitStreamRequest\x1a!.crossflow.v1.AdmitStreamResponse(\x01\x30\x01\x12\x43\n\x06\x43ommit\x12\x1b.crossflow.v1.CommitRequest\x1a\x1c.crossflow.v1.CommitResponse\x12\x46\n\x07Release\x12\x1c.crossflow.v1.ReleaseRequest\x1a\x1d.crossflow.v1.ReleaseResponse\x12N\n\tWatchRoom\x12\x1e.crossflow.v1.WatchRoomRequest\x1a\x1f.crossflow.v1.WatchRoomResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rossflow/v1/admission.proto\x12\x0c\x63rossflow.v1\x1a\x19\x63rossflow/v1/common.proto\"\x86\x02\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x16uncached_prompt_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x63\x61\x63hed_prefix_node_id\x18\x04 \x01(\t\x12\x1e\n\x16\x65xpected_output_tokens\x18\x05 \x01(\x03\x12\x1a\n\x12\x63\x61ndidate_node_ids\x18\x06 \x03(\t\x12\x0f\n\x07\x64ry_run\x18\x07 \x01(\x08\x12\x0c\n\x04pool\x18\x08 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\t \x01(\r\x12\x19\n\x11held_ahead_tokens\x18\n \x01(\x03\"\xc4\x01\n\x0b\x44\x65mandCheck\x12\r\n\x05holds\x18\x01 \x01(\x08\x12\x14\n\x0cpool_wait_ms\x18\x02 \x01(\x01\x12\x14\n\x0cthreshold_ms\x18\x03 \x01(\x01\x12#\n\x1boutstanding_uncached_tokens\x18\x04 \x01(\x03\x12\x1b\n\x13processing_rate_tps\x18\x05 \x01(\x01\x12\x17\n\x0freporting_nodes\x18\x06 \x01(\x05\x12\x1f\n\x17pending_uncached_tokens\x18\x07 \x01(\x03\"t\n\x12NormalPathEstimate\x12\x0f\n\x07wait_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x0f\n\x07hold_ms\x18\x05 \x01(\x01\"\xdd\x02\n\tNodeCheck\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12%\n\x07verdict\x18\x02 \x01(\x0e\x32\x14.crossflow.v1.Reason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x15\n\rqueue_wait_ms\x18\x04 \x01(\x01\x12\x12\n\nservice_ms\x18\x05 \x01(\x01\x12\x19\n\x11predicted_ttft_ms\x18\x06 \x01(\x01\x12\x0f\n\x07\x62\x65nefit\x18\x07 \x01(\x08\x12\x0c\n\x04safe\x18\x08 \x01(\x08\x12(\n\tavailable\x18\t \x01(\x0b\x32\x15.crossflow.v1.Credits\x12$\n\x05\x64\x65\x62it\x18\n \x01(\x0b\x32\x15.crossflow.v1.Credits\x12\x15\n\rshort_credits\x18\x0b \x03(\t\x12\x13\n\x0blease_epoch\x18\x0c \x01(\x04\x12\x15\n\rlease_version\x18\r \x01(\x04\x12\x10\n\x08\x64\x65\x62it_us\x18\x0e \x01(\x04\"\xa8\x01\n\x0b\x45xplanation\x12)\n\x06\x64\x65mand\x18\x01 \x01(\x0b\x32\x19.crossflow.v1.DemandCheck\x12\x35\n\x0bnormal_path\x18\x02 \x01(\x0b\x32 .crossflow.v1.NormalPathEstimate\x12&\n\x05nodes\x18\x03 \x03(\x0b\x32\x17.crossflow.v1.NodeCheck\x12\x0f\n\x07summary\x18\x04 \x01(\t\"\x84\x03\n\rAdmitResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.crossflow.v1.Decision\x12$\n\x06reason\x18\x02 \x01(\x0e\x32\x14.crossflow.v1.Reason\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04\x12\x15\n\rlease_version\x18\x07 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ms\x18\x08 \x01(\x03\x12\x19\n\x11predicted_ttft_ms\x18\t \x01(\x01\x12\x16\n\x0enormal_ttft_ms\x18\n \x01(\x01\x12.\n\x0b\x65xplanation\x18\x0b \x01(\x0b\x32\x19.crossflow.v1.Explanation\x12/\n\x0fshadow_decision\x18\x0c \x01(\x0e\x32\x16.crossflow.v1.Decision\x12\x10\n\x08replayed\x18\r \x01(\x08\"B\n\x12\x41\x64mitStreamRequest\x12,\n\x05items\x18\x01 \x03(\x0b\x32\x1d.crossflow.v1.AdmitStreamItem\"J\n\x0f\x41\x64mitStreamItem\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.crossflow.v1.AdmitRequest\"G\n\x13\x41\x64mitStreamResponse\x12\x30\n\x07results\x18\x01 \x03(\x0b\x32\x1f.crossflow.v1.AdmitStreamResult\"\x8b\x01\n\x11\x41\x64mitStreamResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12/\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x1b.crossflow.v1.AdmitResponseH\x00\x12/\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1e.crossflow.v1.AdmitStreamErrorH\x00\x42\x08\n\x06result\"1\n\x10\x41\x64mitStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"L\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\"A\n\x0e\x43ommitResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x03\"|\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12-\n\x07outcome\x18\x02 \x01(\x0e\x32\x1c.crossflow.v1.ReleaseOutcome\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\")\n\x0fReleaseResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"m\n\x10WatchRoomRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x1a\n\x12\x63\x61ndidate_node_ids\x18\x02 \x03(\t\x12\x19\n\x11max_updates_per_s\x18\x03 \x01(\x01\x12\x14\n\x0cheartbeat_ms\x18\x04 \x01(\x03\"\x98\x01\n\x08NodeRoom\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ompute_tokens\x18\x02 \x01(\x03\x12\x11\n\tkv_tokens\x18\x03 \x01(\x03\x12\r\n\x05slots\x18\x04 \x01(\x03\x12\x15\n\rqueue_wait_ms\x18\x05 \x01(\x01\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04\x12\x15\n\rlease_version\x18\x07 \x01(\x04\"\x98\x02\n\x11WatchRoomResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nat_unix_ms\x18\x02 \x01(\x03\x12\x11\n\theartbeat\x18\x03 \x01(\x08\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12(\n\x06status\x18\x05 \x01(\x0e\x32\x18.crossflow.v1.RoomStatus\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12%\n\x05nodes\x18\x07 \x03(\x0b\x32\x16.crossflow.v1.NodeRoom\x12\x17\n\x0fpool_wait_known\x18\x08 \x01(\x08\x12\x14\n\x0cpool_wait_ms\x18\t \x01(\x01\x12\x1b\n\x13\x64\x65mand_threshold_ms\x18\n \x01(\x01\x12\x14\n\x0c\x64\x65mand_holds\x18\x0b \x01(\x08*N\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45\x43ISION_BORROW\x10\x01\x12\x13\n\x0f\x44\x45\x43ISION_NORMAL\x10\x02*\xc6\x02\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREASON_BORROWED\x10\x01\x12\x14\n\x10REASON_NO_DEMAND\x10\x02\x12\x1c\n\x18REASON_POOL_LOAD_MISSING\x10\x03\x12\x15\n\x11REASON_NO_BENEFIT\x10\x04\x12\x12\n\x0eREASON_NO_ROOM\x10\x05\x12\x14\n\x10REASON_NO_LEASES\x10\x06\x12\x1c\n\x18REASON_STORE_UNAVAILABLE\x10\x07\x12\x12\n\x0eREASON_TIMEOUT\x10\x08\x12\x16\n\x12REASON_SHADOW_MODE\x10\t\x12\x12\n\x0eREASON_DRY_RUN\x10\n\x12\x1d\n\x19REASON_BORROWING_DISABLED\x10\x0b\x12\x1d\n\x19REASON_BROKER_UNAVAILABLE\x10\x0c*\x8a\x01\n\x0eReleaseOutcome\x12\x1f\n\x1bRELEASE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18RELEASE_OUTCOME_FINISHED\x10\x01\x12\x1a\n\x16RELEASE_OUTCOME_FAILED\x10\x02\x12\x1d\n\x19RELEASE_OUTCOME_CANCELLED\x10\x03*V\n\nRoomStatus\x12\x1b\n\x17ROOM_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eROOM_STATUS_OK\x10\x01\x12\x17\n\x13ROOM_STATUS_UNKNOWN\x10\x02\x32\x89\x03\n\x10\x41\x64missionService\x12@\n\x05\x41\x64mit\x12\x1a.crossflow.v1.AdmitRequest\x1a\x1b.crossflow.v1.AdmitResponse\x12V\n\x0b\x41\x64mitStream\x12 .crossflow.v1.AdmitStreamRequest\x1a!.crossflow.v1.AdmitStreamResponse(\x01\x30\x01\x12\x43\n\x06\x43ommit\x12\x1b.crossflow.v1.CommitRequest\x1a\x1c.crossflow.v1.CommitResponse\x12\x46\n\x07Release\x12\x1c.crossflow.v1.ReleaseRequest\x1a\x1d.crossflow.v1.ReleaseResponse\x12N\n\tWatchRoom\x12\x1e.crossflow.v1.WatchRoomRequest\x1a\x1f.crossflow.v1.WatchRoomResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crossflow.v1.admission_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECISION']._serialized_start=2824
-  _globals['_DECISION']._serialized_end=2902
-  _globals['_REASON']._serialized_start=2905
-  _globals['_REASON']._serialized_end=3231
-  _globals['_RELEASEOUTCOME']._serialized_start=3234
-  _globals['_RELEASEOUTCOME']._serialized_end=3372
-  _globals['_ROOMSTATUS']._serialized_start=3374
-  _globals['_ROOMSTATUS']._serialized_end=3460
+  _globals['_DECISION']._serialized_start=2842
+  _globals['_DECISION']._serialized_end=2920
+  _globals['_REASON']._serialized_start=2923
+  _globals['_REASON']._serialized_end=3249
+  _globals['_RELEASEOUTCOME']._serialized_start=3252
+  _globals['_RELEASEOUTCOME']._serialized_end=3390
+  _globals['_ROOMSTATUS']._serialized_start=3392
+  _globals['_ROOMSTATUS']._serialized_end=3478
   _globals['_ADMITREQUEST']._serialized_start=74
   _globals['_ADMITREQUEST']._serialized_end=336
   _globals['_DEMANDCHECK']._serialized_start=339
@@ -47,35 +47,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NORMALPATHESTIMATE']._serialized_start=537
   _globals['_NORMALPATHESTIMATE']._serialized_end=653
   _globals['_NODECHECK']._serialized_start=656
-  _globals['_NODECHECK']._serialized_end=987
-  _globals['_EXPLANATION']._serialized_start=990
-  _globals['_EXPLANATION']._serialized_end=1158
-  _globals['_ADMITRESPONSE']._serialized_start=1161
-  _globals['_ADMITRESPONSE']._serialized_end=1549
-  _globals['_ADMITSTREAMREQUEST']._serialized_start=1551
-  _globals['_ADMITSTREAMREQUEST']._serialized_end=1617
-  _globals['_ADMITSTREAMITEM']._serialized_start=1619
-  _globals['_ADMITSTREAMITEM']._serialized_end=1693
-  _globals['_ADMITSTREAMRESPONSE']._serialized_start=1695
-  _globals['_ADMITSTREAMRESPONSE']._serialized_end=1766
-  _globals['_ADMITSTREAMRESULT']._serialized_start=1769
-  _globals['_ADMITSTREAMRESULT']._serialized_end=1908
-  _globals['_ADMITSTREAMERROR']._serialized_start=1910
-  _globals['_ADMITSTREAMERROR']._serialized_end=1959
-  _globals['_COMMITREQUEST']._serialized_start=1961
-  _globals['_COMMITREQUEST']._serialized_end=2037
-  _globals['_COMMITRESPONSE']._serialized_start=2039
-  _globals['_COMMITRESPONSE']._serialized_end=2104
-  _globals['_RELEASEREQUEST']._serialized_start=2106
-  _globals['_RELEASEREQUEST']._serialized_end=2230
-  _globals['_RELEASERESPONSE']._serialized_start=2232
-  _globals['_RELEASERESPONSE']._serialized_end=2273
-  _globals['_WATCHROOMREQUEST']._serialized_start=2275
-  _globals['_WATCHROOMREQUEST']._serialized_end=2384
-  _globals['_NODEROOM']._serialized_start=2387
-  _globals['_NODEROOM']._serialized_end=2539
-  _globals['_WATCHROOMRESPONSE']._serialized_start=2542
-  _globals['_WATCHROOMRESPONSE']._serialized_end=2822
-  _globals['_ADMISSIONSERVICE']._serialized_start=3463
-  _globals['_ADMISSIONSERVICE']._serialized_end=3856
+  _globals['_NODECHECK']._serialized_end=1005
+  _globals['_EXPLANATION']._serialized_start=1008
+  _globals['_EXPLANATION']._serialized_end=1176
+  _globals['_ADMITRESPONSE']._serialized_start=1179
+  _globals['_ADMITRESPONSE']._serialized_end=1567
+  _globals['_ADMITSTREAMREQUEST']._serialized_start=1569
+  _globals['_ADMITSTREAMREQUEST']._serialized_end=1635
+  _globals['_ADMITSTREAMITEM']._serialized_start=1637
+  _globals['_ADMITSTREAMITEM']._serialized_end=1711
+  _globals['_ADMITSTREAMRESPONSE']._serialized_start=1713
+  _globals['_ADMITSTREAMRESPONSE']._serialized_end=1784
+  _globals['_ADMITSTREAMRESULT']._serialized_start=1787
+  _globals['_ADMITSTREAMRESULT']._serialized_end=1926
+  _globals['_ADMITSTREAMERROR']._serialized_start=1928
+  _globals['_ADMITSTREAMERROR']._serialized_end=1977
+  _globals['_COMMITREQUEST']._serialized_start=1979
+  _globals['_COMMITREQUEST']._serialized_end=2055
+  _globals['_COMMITRESPONSE']._serialized_start=2057
+  _globals['_COMMITRESPONSE']._serialized_end=2122
+  _globals['_RELEASEREQUEST']._serialized_start=2124
+  _globals['_RELEASEREQUEST']._serialized_end=2248
+  _globals['_RELEASERESPONSE']._serialized_start=2250
+  _globals['_RELEASERESPONSE']._serialized_end=2291
+  _globals['_WATCHROOMREQUEST']._serialized_start=2293
+  _globals['_WATCHROOMREQUEST']._serialized_end=2402
+  _globals['_NODEROOM']._serialized_start=2405
+  _globals['_NODEROOM']._serialized_end=2557
+  _globals['_WATCHROOMRESPONSE']._serialized_start=2560
+  _globals['_WATCHROOMRESPONSE']._serialized_end=2840
+  _globals['_ADMISSIONSERVICE']._serialized_start=3481
+  _globals['_ADMISSIONSERVICE']._serialized_end=3874
 # @@protoc_insertion_point(module_scope)

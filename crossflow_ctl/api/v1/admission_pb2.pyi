@@ -267,6 +267,7 @@ class NodeCheck(_message.Message):
     SHORT_CREDITS_FIELD_NUMBER: _builtins.int
     LEASE_EPOCH_FIELD_NUMBER: _builtins.int
     LEASE_VERSION_FIELD_NUMBER: _builtins.int
+    DEBIT_US_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     verdict: Global___Reason.ValueType
     detail: _builtins.str
@@ -277,6 +278,10 @@ class NodeCheck(_message.Message):
     safe: _builtins.bool
     lease_epoch: _builtins.int
     lease_version: _builtins.int
+    debit_us: _builtins.int
+    """Node time behind the debit's compute, in microseconds (0: untimed): the store counts the
+    debit in the unit of the node's latest lease from it.
+    """
     @_builtins.property
     def available(self) -> _common_pb2.Credits: ...
     @_builtins.property
@@ -299,10 +304,11 @@ class NodeCheck(_message.Message):
         short_credits: _abc.Iterable[_builtins.str] | None = ...,
         lease_epoch: _builtins.int = ...,
         lease_version: _builtins.int = ...,
+        debit_us: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "debit", b"debit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "benefit", b"benefit", "debit", b"debit", "detail", b"detail", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "node_id", b"node_id", "predicted_ttft_ms", b"predicted_ttft_ms", "queue_wait_ms", b"queue_wait_ms", "safe", b"safe", "service_ms", b"service_ms", "short_credits", b"short_credits", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "benefit", b"benefit", "debit", b"debit", "debit_us", b"debit_us", "detail", b"detail", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "node_id", b"node_id", "predicted_ttft_ms", b"predicted_ttft_ms", "queue_wait_ms", b"queue_wait_ms", "safe", b"safe", "service_ms", b"service_ms", "short_credits", b"short_credits", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,16 +9,32 @@
 -- where c1..c5 are the debit (compute, kv, kv_transfer, output, slots), owner the identity of
 -- the router that was granted it ('router/<name>', '' without authentication; never holds '|')
 -- and request_id comes last so it may contain any character. Numbers that Lua only copies are kept as strings.
+-- A timed debit (one with node time behind its compute: Reservation.compute_us) stores c1 as
+-- "<tokens>:<us>"; cf_parse splits it (f[4] the tokens, f.us the microseconds, '0' untimed)
+-- and cf_format joins it back, so a record written before debits were timed reads as untimed.
 -- Each reservation's expiry is also a member of the node's expiry ZSET (score expires_at_ms),
 -- and the info HASH keeps running totals, so a debit never scans the reservations.
 
 local CF_RECORD = '^' .. string.rep('([^|]*)|', 13) .. '(.*)$'
 local function cf_parse(rec)
-  return {string.match(rec, CF_RECORD)}
+  local f = {string.match(rec, CF_RECORD)}
+  local tokens, us = string.match(f[4], '^(%d+):(%d+)$')
+  if tokens then
+    f[4], f.us = tokens, us
+  else
+    f.us = '0'
+  end
+  return f
 end
 
 local function cf_format(f)
-  return table.concat(f, '|', 1, 14)
+  local tokens = f[4]
+  if f.us ~= '0' then
+    f[4] = tokens .. ':' .. f.us
+  end
+  local rec = table.concat(f, '|', 1, 14)
+  f[4] = tokens
+  return rec
 end
 
 local function cf_int(x)
@@ -54,10 +70,12 @@ local function cf_notice(info_key, notices_key, maxlen, kind, rid, f, now)
 end
 
 -- Open-debit totals of the node's stored reservations (expired-but-unpurged included), kept in
--- the info HASH field 'open' as "c1,c2,c3,c4,c5,count": parsed from that field's value (raw;
--- nil when unset), or read with cf_totals.
+-- the info HASH field 'open' as "c1,c2,c3,c4,c5,count,us,timed" (us: the timed debits' node
+-- microseconds, timed: their compute tokens; a value without them, written before debits were
+-- timed, reads them as 0): parsed from that field's value (raw; nil when unset), or read with
+-- cf_totals.
 local function cf_totals_of(raw)
-  local t = {0, 0, 0, 0, 0, 0}
+  local t = {0, 0, 0, 0, 0, 0, 0, 0}
   if raw then
     local i = 1
     for v in string.gmatch(raw, '[^,]+') do
@@ -72,9 +90,19 @@ local function cf_totals(info_key)
   return cf_totals_of(redis.call('HGET', info_key, 'open'))
 end
 
--- Totals (as read by cf_totals) as text: "c1,c2,c3,c4,c5,count".
+-- Totals (as read by cf_totals) as text: "c1,c2,c3,c4,c5,count,us,timed".
 local function cf_totals_text(t)
-  return string.format('%d,%d,%d,%d,%d,%d', t[1], t[2], t[3], t[4], t[5], t[6])
+  return string.format('%d,%d,%d,%d,%d,%d,%d,%d', t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8])
+end
+
+-- Open compute debits t[1] (with t[7] microseconds behind the t[8] timed tokens among them) in
+-- the unit of a lease whose borrowed-prefill rate is rate: crossflow_ctl/domain/models.py
+-- ComputeTime.tokens_at, the same double arithmetic in the same order.
+local function cf_compute_at(tokens, us, timed, rate)
+  if rate <= 0 or us <= 0 then
+    return tokens
+  end
+  return tokens - timed + math.ceil(us * rate / 1000000)
 end
 
 -- Write totals (as read by cf_totals) back to the info HASH.
@@ -88,6 +116,11 @@ local function cf_add(t, f, sign)
     t[c] = t[c] + sign * tonumber(f[3 + c])
   end
   t[6] = t[6] + sign
+  local us = tonumber(f.us)
+  if us > 0 then
+    t[7] = t[7] + sign * us
+    t[8] = t[8] + sign * tonumber(f[4])
+  end
 end
 
 -- Add (sign 1) or remove (sign -1) one reservation record's debit to/from the stored totals.

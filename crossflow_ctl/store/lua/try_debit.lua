@@ -5,34 +5,38 @@
 -- KEYS[6..] request record STRINGs (standalone Redis only: they lie in other slots).
 -- ARGV[1] now_ms, ARGV[2] share (0..1, exact float text), ARGV[3] hold expires_at_ms,
 -- ARGV[4] notices MAXLEN, then ONE packed argument per debit (``DebitCall.packed`` in
--- crossflow_ctl/store/redis_debit.py): "rid,c1,c2,c3,c4,c5,r,ttl,nq,no,nh:" then the request id
--- (nq bytes), the owner (the granted router's identity, '' without authentication; no bytes),
--- the record's head (nh bytes) and its tail (the rest): rid the reservation id, c1..c5 the
--- debit, r the index of its request record's key in KEYS ('0': none), ttl the record's TTL in
+-- crossflow_ctl/store/redis_debit.py): "rid,c1,c2,c3,c4,c5,us,r,ttl,nq,no,nh:" then the request
+-- id (nq bytes), the owner (the granted router's identity, '' without authentication; no
+-- bytes), the record's head (nh bytes) and its tail (the rest): rid the reservation id, c1..c5
+-- the debit, us the node microseconds behind its compute ('0': untimed), r the index of its
+-- request record's key in KEYS ('0': none), ttl the record's TTL in
 -- ms; a grant records head .. '"lease_epoch":E,"lease_version":V' .. tail. The header holds no
 -- ':' (ids and numbers only).
 -- Returns one reply per debit, in order: {refusal} for an unknown node; {refusal, epoch,
 -- version} for cordoned, no_lease, expired, zero_lease; {'recorded', epoch, version, record,
 -- open} when its request record already exists (nothing debited); {'short', epoch, version,
 -- 'i,i', open} (1-based credit indexes); {'granted', epoch, version, grant_seq, open}, where
--- open is the node's open debits after that debit, "c1,c2,c3,c4,c5,count" (exact at now_ms:
--- expired reservations are purged first), so the replica can refresh its cached view of the
--- node without reading it again.
--- Safety is crossflow_ctl/domain/safety.py's: floor(lease x share) - open >= debit, per credit.
+-- open is the node's open debits after that debit, "c1,c2,c3,c4,c5,count,us,timed" (exact at
+-- now_ms: expired reservations are purged first), so the replica can refresh its cached view of
+-- the node without reading it again.
+-- Safety is crossflow_ctl/domain/safety.py's: floor(lease x share) - open >= debit, per credit,
+-- the compute of the open debits and of the debit in the lease's unit (cf_compute_at at the
+-- lease's 'rate').
 local info, lease, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local now, share, expires, maxlen = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local count = #ARGV - 4
 
--- One packed debit: its header fields (h[1] reservation id, h[2..6] c1..c5, h[7] record key
--- index, h[8] record TTL) and its request id, owner, record head and record tail. The header is
--- read by one pattern match (one C call, not one iteration per field).
-local HEADER = '^([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),(%d+),(%d+),(%d+):()'
+-- One packed debit: its header fields (h[1] reservation id, h[2..6] c1..c5, h[7] us, h[8]
+-- record key index, h[9] record TTL) and its request id, owner, record head and record tail.
+-- The header is read by one pattern match (one C call, not one iteration per field).
+local HEADER = '^([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),'
+  .. '(%d+),(%d+),(%d+):()'
 local function unpack_debit(packed)
   local h = {string.match(packed, HEADER)}
-  local owner_at = h[12] + tonumber(h[9])
-  local head_at = owner_at + tonumber(h[10])
-  local tail_at = head_at + tonumber(h[11])
-  return h, string.sub(packed, h[12], owner_at - 1), string.sub(packed, owner_at, head_at - 1),
+  local owner_at = h[13] + tonumber(h[10])
+  local head_at = owner_at + tonumber(h[11])
+  local tail_at = head_at + tonumber(h[12])
+  return h, string.sub(packed, h[13], owner_at - 1), string.sub(packed, owner_at, head_at - 1),
     string.sub(packed, head_at, tail_at - 1), string.sub(packed, tail_at)
 end
 
@@ -50,7 +54,8 @@ if not node[1] then
 end
 local open = cf_totals_of(node[3])
 local purged = cf_purge_expired(info, res, exp, notices, maxlen, now, open)
-local l = redis.call('HMGET', lease, 'epoch', 'version', 'exp', 'zero', 'c1', 'c2', 'c3', 'c4', 'c5')
+local l = redis.call('HMGET', lease, 'epoch', 'version', 'exp', 'zero', 'c1', 'c2', 'c3', 'c4', 'c5',
+  'rate')
 local epoch, version = l[1] or '0', l[2] or '0'
 local refusal = nil
 if node[2] == '1' then
@@ -72,16 +77,25 @@ local limit = {}
 for c = 1, 5 do
   limit[c] = math.floor(tonumber(l[4 + c]) * share)
 end
+local rate = tonumber(l[10] or '0')
 local out = {}
 local granted = false
 local totals = nil
 for i = 1, count do
   local h, request_id, owner, head, tail = unpack_debit(ARGV[4 + i])
-  local r = tonumber(h[7])
+  local us = tonumber(h[7])
+  local r = tonumber(h[8])
   local record_key = r > 0 and KEYS[5 + r] or nil
   local recorded = record_key and redis.call('GET', record_key)
   local short = {}
-  for c = 1, 5 do
+  local need = tonumber(h[2])
+  if us > 0 then
+    need = cf_compute_at(need, us, need, rate)
+  end
+  if need > limit[1] - cf_compute_at(open[1], open[7], open[8], rate) then
+    short[1] = '1'
+  end
+  for c = 2, 5 do
     if tonumber(h[1 + c]) > limit[c] - open[c] then
       short[#short + 1] = tostring(c)
     end
@@ -94,7 +108,7 @@ for i = 1, count do
     out[#out + 1] = {'short', epoch, version, table.concat(short, ','), totals}
   else
     local f = {'held', expires, '0', h[2], h[3], h[4], h[5], h[6], now, '0', epoch, version,
-      owner, request_id}
+      owner, request_id, us = h[7]}
     local seq = cf_notice(info, notices, maxlen, 'grant', h[1], f, now)
     f[10] = seq
     cf_put(info, res, exp, h[1], f, false)
@@ -102,7 +116,7 @@ for i = 1, count do
     granted = true
     if record_key then
       redis.call('SET', record_key, head .. '"lease_epoch":' .. epoch .. ',"lease_version":'
-        .. version .. tail, 'PX', h[8])
+        .. version .. tail, 'PX', h[9])
     end
     totals = cf_totals_text(open)
     out[#out + 1] = {'granted', epoch, version, seq, totals}
