@@ -305,14 +305,16 @@ def policy_set(
     st = state(ctx)
     updates = parse_updates(pairs)
 
-    async def go() -> VersionedPolicy:
+    async def go() -> tuple[VersionedPolicy, VersionedPolicy]:
         async with st.session() as session:
             current = await session.get_policy()
             _check_updates(current.policy, updates)  # fail early
             base = current.version if expected_version is None else expected_version
-            return await session.set_policy(updates, base)
+            return current, await session.set_policy(updates, base)
 
-    p = run(go())
+    current, p = run(go())
+    if p.version == current.version:
+        click.echo(f"policy unchanged (version {p.version}): it already had these values", err=True)
     click.echo(render_object(_policy_data(p), st.output(output), _policy_text(p)))
 
 

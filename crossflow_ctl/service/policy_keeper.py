@@ -125,7 +125,11 @@ class PolicyKeeper:
                     current_version=base.version,
                     field="expected_version",
                 )
-            new = VersionedPolicy(policy=base.policy.updated(updates), version=base.version + 1)
+            policy = base.policy.updated(updates)
+            if policy == base.policy:  # nothing to change: no new version, nothing pushed
+                log.info("policy.unchanged", updates=sorted(updates), version=base.version)
+                return base
+            new = VersionedPolicy(policy=policy, version=base.version + 1)
             now = self._clock.now_ms()
             retired = list(self._retired)
             lowered = retire_horizon(base.policy, new.policy, now, self._refresh_ms)

@@ -138,3 +138,14 @@ async def test_concurrent_policy_writes_are_compare_and_set(cluster) -> None:
         last = await two.set_policy({"hold_ttl_ms": 1_500})
         assert last.version == first.version + 1
         assert (last.policy.borrow_share, last.policy.hold_ttl_ms) == (0.3, 1_500)
+
+
+async def test_a_write_that_changes_nothing_keeps_the_version(cluster) -> None:
+    server = await cluster.start()
+    async with AdminClient(target(server)) as admin:
+        base = await admin.set_policy({"borrow_share": 0.3})
+        same = await admin.set_policy({"borrow_share": "0.3"}, expected_version=base.version)
+        assert same == base  # no new version: agents are pushed nothing, watchers see no change
+        assert await admin.get_policy() == base
+        with pytest.raises(Aborted):  # a stale expected version is still refused
+            await admin.set_policy({"borrow_share": 0.3}, expected_version=base.version - 1)

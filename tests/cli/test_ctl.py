@@ -194,6 +194,9 @@ async def test_exit_codes_not_found_and_usage(ctl: Ctl, fleet: Fleet) -> None:
     assert changed.rc == 0
     assert yaml.safe_load(changed.out)["borrow_share"] == 0.25
     assert yaml.safe_load(changed.out)["version"] == policy["version"] + 1
+    again = await ctl("policy", "set", "borrow_share=0.25", "-o", "json")
+    assert again.rc == 0 and "policy unchanged" in again.err
+    assert json.loads(again.out)["version"] == policy["version"] + 1  # no new version
     stale = await ctl("policy", "set", "borrow_share=0.9", "--expected-version", "1")
     assert stale.rc == 1 and "policy changed meanwhile" in stale.err, stale
     assert json.loads((await ctl("policy", "get", "-o", "json")).out)["borrow_share"] == 0.25
