@@ -187,11 +187,12 @@ def admission_data(a: Admission, asked: Sequence[str] = ()) -> dict[str, Any]:
 )
 @click.option("--cached", type=click.IntRange(min=0), default=0, help="Cached prefix tokens.")
 @click.option(
+    "--output-tokens",
     "--output",
     "output_tokens",
     type=click.IntRange(min=0),
     default=0,
-    help="Expected output tokens.",
+    help="Expected output tokens (--output is the older spelling).",
 )
 @click.option("--prefix-node", default=None, help="Decode node holding the cached prefix.")
 @click.option(

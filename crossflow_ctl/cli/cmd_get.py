@@ -65,6 +65,8 @@ async def _watch(
 def _run_listing(
     ctx: click.Context, render: Render, watch: bool, interval: float, count: int
 ) -> None:
+    if count and not watch:
+        raise click.UsageError("--watch-count counts refreshes of a watch: add -w/--watch")
     st = state(ctx)
     try:
         run(_watch(st.session, render, interval, watch, count))

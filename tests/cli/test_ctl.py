@@ -64,9 +64,12 @@ async def test_get_nodes_table_json_yaml(ctl: Ctl, fleet: Fleet) -> None:
 
 async def test_admit_explains_each_condition(ctl: Ctl, fleet: Fleet) -> None:
     res = await ctl(
-        "admit", "--uncached", "2000", "--cached", "0", "--output", "100", "--dry-run", "--explain"
-    )
+        "admit", "--uncached", "2000", "--cached", "0", "--output-tokens", "100", "--dry-run",
+        "--explain",
+    )  # fmt: skip
     assert res.rc == 0, res.err
+    old_spelling = await ctl("admit", "--uncached", "2000", "--output", "100", "--dry-run")
+    assert old_spelling.rc == 0, old_spelling.err
     assert "would BORROW on decode-" in res.out
     # the prompt's own threshold: 1 x its 100 ms prefill (2,000 tokens at 20,000 tokens/s)
     assert "1. Demand   holds  prefill wait 10000.0 ms > threshold 100.0 ms" in res.out
@@ -267,6 +270,8 @@ async def test_a_missing_config_file_or_context_is_said_with_what_exists(
 
 
 async def test_watch_refreshes_and_ctrl_c_exits_0(ctl: Ctl, fleet: Fleet) -> None:
+    alone = await ctl("get", "leases", "--watch-count", "2")
+    assert alone.rc == 2 and "add -w/--watch" in alone.err, alone
     res = await ctl("get", "leases", "--watch", "--interval", "0.1", "--watch-count", "2")
     assert res.rc == 0
     assert res.out.count("EPOCH/VERSION") == 2
