@@ -27,8 +27,21 @@ from collections.abc import Iterable, Sequence
 
 
 def report_order(report_seqs: Sequence[int]) -> tuple[int, ...]:
-    """A pool's report sequences in the order :func:`sent_weight` takes them."""
-    return tuple(sorted(report_seqs))
+    """A pool's report sequences in the order :func:`sent_weight` takes them. A report without
+    a sequence (0: stored by a broker that predates them) cannot be placed before or after a
+    prompt, so it is left out (taken to show every prompt: the safe side); kept, it would pin
+    every prompt as unreported for as long as such reports keep coming."""
+    return tuple(sorted(seq for seq in report_seqs if seq > 0))
+
+
+def sequence_restarted(seqs: Sequence[int], previous: Sequence[int]) -> bool:
+    """Whether the store's report sequence went back (a Redis restart without persistence, a
+    flush, a failover that lost writes): every report now (``seqs``, sorted) is older than every
+    one before (``previous``, the last non-empty ``seqs``, sorted). Without a restart that
+    cannot happen: a server's next report takes a higher sequence than its last, and a server
+    that joins one higher than all, so the newest report now is at least as new as the oldest
+    before (expiries only remove reports)."""
+    return bool(seqs) and bool(previous) and seqs[-1] < previous[0]
 
 
 def sent_weight(seen_seq: int, tokens: int, seqs: Sequence[int]) -> int:
@@ -48,7 +61,7 @@ def unreported_tokens(sent: Iterable[tuple[int, int]], report_seqs: Sequence[int
     pool's reports, stored with ``report_seqs`` (one per server), do not show yet: each prompt
     weighted by the share of reports stored no later than the newest it had seen (rounded
     down). No sequences: none (the conservative side: Demand then reads the reports alone)."""
-    if not report_seqs:
-        return 0
     seqs = report_order(report_seqs)
+    if not seqs:
+        return 0
     return weighted_tokens(sent, seqs) // len(seqs)

@@ -27,7 +27,12 @@ from dataclasses import dataclass, field
 
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.models import PoolSnapshot
-from crossflow_ctl.domain.pending import report_order, sent_weight, weighted_tokens
+from crossflow_ctl.domain.pending import (
+    report_order,
+    sent_weight,
+    sequence_restarted,
+    weighted_tokens,
+)
 
 MAX_SENT = 65_536
 """Prompts remembered per pool: far more than one report period holds at any real rate; past
@@ -57,6 +62,8 @@ class _Pool:
     snapshot: PoolSnapshot | None = None
     """The snapshot ``weighted`` was computed for."""
     seqs: tuple[int, ...] = ()
+    held: tuple[int, ...] = ()
+    """The last non-empty ``seqs`` (to tell a restarted sequence)."""
     weighted: int = 0
     """Sum of ``sent_weight`` over ``sent`` at ``seqs``."""
 
@@ -84,6 +91,13 @@ class SentToPools:
         state = self._pools.setdefault(snapshot.pool, _Pool())
         if snapshot is not state.snapshot:
             seqs = report_order(snapshot.report_seqs)
+            if sequence_restarted(seqs, state.held):
+                # Every prompt is stamped with a sequence the new reports will not pass for
+                # as long as the old ones lasted: forget them (the safe side) and start again.
+                state.sent.clear()
+                state.seen_seq = 0
+            if seqs:
+                state.held = seqs
             if seqs and seqs[-1] > state.seen_seq:
                 state.seen_seq = seqs[-1]
             if seqs != state.seqs:

@@ -175,10 +175,36 @@ def test_the_count_follows_the_reports_it_is_read_against() -> None:
     assert sent.tokens(snapshot(5, 25)) == 50  # the second server reported again
     sent.record("default", 200)  # after seeing 25
     assert sent.tokens(snapshot(30, 25)) == 100  # the first server reported again
-    # Older reports again (a stale view): what was forgotten stays so, the under-counting side.
-    assert sent.tokens(snapshot(5)) == 200
+    # Reports all older than those before can only mean the store's sequence restarted (or a
+    # stale view): everything is forgotten, the under-counting side.
+    assert sent.tokens(snapshot(5)) == 0
     assert sent.tokens(snapshot()) == 0  # sequences unknown
     assert sent.tokens(PoolSnapshot(pool="other", reports=snapshot(1).reports)) == 0
+
+
+def test_a_restarted_report_sequence_does_not_pin_every_prompt() -> None:
+    """Redis restarted without persistence: the pool's sequence starts again at 1, below every
+    prompt's stamp. The count must follow the new reports (here both servers report after every
+    100 prompts, so at most those 100 count), not grow with every prompt since the restart."""
+    sent = SentToPools()
+    assert sent.tokens(snapshot(1000, 1001)) == 0
+    for period in range(50):
+        seq = 1 + 2 * period
+        assert sent.tokens(snapshot(seq, seq + 1)) == 0  # every earlier prompt reported
+        for _ in range(100):
+            sent.record("default", 1000)
+        assert sent.tokens(snapshot(seq, seq + 1)) == 100 * 1000
+
+
+def test_reports_without_a_sequence_show_every_prompt() -> None:
+    """Reports an older broker stored carry no sequence (0): kept, they would hold every prompt
+    as unreported for as long as they kept coming."""
+    sent = SentToPools()
+    sent.tokens(snapshot(0, 7))
+    sent.record("default", 1000)
+    assert sent.tokens(snapshot(0, 7)) == 1000  # not in the sequenced report
+    assert sent.tokens(snapshot(0, 8)) == 0  # the sequenced server reported: shown
+    assert sent.tokens(snapshot(0, 0)) == 0
 
 
 def test_the_oldest_prompts_are_forgotten_past_the_bound() -> None:

@@ -9,14 +9,15 @@ from hypothesis import strategies as st
 
 from crossflow_ctl.domain.admission import Plan, Reason, check_demand
 from crossflow_ctl.domain.models import PoolLoad, PoolSnapshot
-from crossflow_ctl.domain.pending import unreported_tokens
+from crossflow_ctl.domain.pending import sequence_restarted, unreported_tokens
 from crossflow_ctl.domain.policy import PolicySettings
 
 SETTINGS = PolicySettings(demand_threshold_ms=100.0)
 
-seqs = st.integers(min_value=0, max_value=10_000)
+seqs = st.integers(min_value=1, max_value=10_000)
 sends = st.lists(st.tuples(seqs, st.integers(min_value=0, max_value=100_000)), max_size=30)
 reports = st.lists(seqs, min_size=1, max_size=8)
+"""Stored reports' sequences (from 1: 0 marks a report stored before sequences existed)."""
 
 
 def pool(outstanding: int, rate: float, report_seqs: tuple[int, ...] = (1,)) -> PoolSnapshot:
@@ -41,6 +42,17 @@ def test_a_prompt_counts_in_the_share_of_reports_stored_before_it_was_sent() -> 
     # A prompt sent after the replica saw a report is not in it.
     assert unreported_tokens([(200, 1000)], [200]) == 1000
     assert unreported_tokens([(150, 999)], []) == 0  # no sequences: nothing counted
+    # A report without a sequence (an older broker stored it) shows every prompt.
+    assert unreported_tokens([(250, 1000)], [0, 200]) == 1000  # as if the 0 were not there
+    assert unreported_tokens([(150, 1000)], [0]) == 0
+
+
+def test_a_restarted_sequence_is_told_from_expired_reports() -> None:
+    assert sequence_restarted((1, 2), (1000, 1001))  # the store's counter began again
+    assert sequence_restarted((3,), (1000,))
+    assert not sequence_restarted((1000,), (1000, 1001))  # the newest report expired
+    assert not sequence_restarted((1002, 1003), (1000, 1001))
+    assert not sequence_restarted((), (1000,)) and not sequence_restarted((5,), ())
 
 
 @given(sends, reports)
