@@ -29,7 +29,7 @@ from crossflow_ctl.domain.models import (
     PoolSnapshot,
 )
 from crossflow_ctl.domain.policy import PolicySettings
-from crossflow_ctl.domain.safety import room_left, short_of_room
+from crossflow_ctl.domain.safety import need_for, room_left, short_of_room
 
 
 class Decision(StrEnum):
@@ -326,7 +326,8 @@ def node_rooms(nodes: Sequence[NodeState], share: float) -> tuple[Room | None, .
 
 def _room(node: NodeState, lease: Lease, share: float) -> Room:
     """The node's room under ``lease`` (its latest), open debits counted in the lease's unit.
-    A debit priced against this same lease is in that unit already (:func:`debit_for`)."""
+    A debit priced against this same lease is in that unit already (:func:`debit_for`); what
+    it needs of this room is :func:`.safety.need_for`'s."""
     rate = lease.borrowed_prefill_rate_tps
     room = room_left(lease.credits, node.open_debits, share, rate, node.open_compute)
     return room, Credits.from_tuple(room)
@@ -364,7 +365,9 @@ def check_node(
         detail = f"zero lease: {lease.zero_reason.value}"
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail=detail, **base)
     left, available = room or _room(node, lease, settings.borrow_share)
-    short = short_of_room(left, debit)  # ``available`` is floored at zero, for display only
+    opened, time, rate = node.open_debits, node.open_compute, lease.borrowed_prefill_rate_tps
+    need = need_for(debit, debit_us, opened.compute_tokens, time, rate)
+    short = short_of_room(left, need)  # ``available`` is floored at zero, for display only
     service_ms = (
         lease.prefill_service_s(request.uncached_prompt_tokens, request.cached_prefix_tokens)
         * 1000.0

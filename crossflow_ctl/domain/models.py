@@ -492,13 +492,24 @@ class ComputeTime(NamedTuple):
         """One debit's: timed when it has node time, else nothing."""
         return cls(compute_us, compute_tokens) if compute_us > 0 else cls()
 
+    def behind(self, compute_tokens: int) -> ComputeTime:
+        """This time as the node time behind ``compute_tokens`` open compute tokens: itself
+        when it can be (``us > 0`` and ``0 <= tokens <= compute_tokens``), else none (all
+        untimed, the rule from before debits had node time). Totals an older broker rewrote
+        without the time can leave it inconsistent (README.md, Rolling upgrades); the Redis
+        scripts apply the same rule (``cf_compute_at``)."""
+        if self.us > 0 and 0 <= self.tokens <= compute_tokens:
+            return self
+        return ComputeTime()
+
     def tokens_at(self, compute_tokens: int, rate_tps: float) -> int:
         """``compute_tokens`` (of which this time's are the timed ones) in the unit of a lease
         whose borrowed-prefill rate is ``rate_tps``: the untimed tokens as they are, the timed
         ones as their node time at that rate, ``ceil(us x rate / 1e6)``; all as they are under
-        a lease without a rate. The one conversion (the Redis scripts do the same arithmetic on
-        doubles, in the same order), used by :mod:`crossflow_ctl.domain.safety`."""
-        if rate_tps <= 0.0 or self.us <= 0:
+        a lease without a rate, or when this time cannot be behind them (:meth:`behind`). The
+        one conversion (the Redis scripts do the same arithmetic on doubles, in the same
+        order), used by :mod:`crossflow_ctl.domain.safety`."""
+        if rate_tps <= 0.0 or self.behind(compute_tokens).us <= 0:
             return compute_tokens
         return compute_tokens - self.tokens + math.ceil(self.us * rate_tps / MICROS_PER_S)
 

@@ -13,14 +13,20 @@ seconds x rate), and that rate follows the decode batch, lease by lease. Each op
 was priced against the lease current at its grant, so it also keeps its node time
 (``Reservation.compute_us``), and the node's open compute is counted in the unit of the lease
 it is checked against: ``ceil(open_us x rate / 1e6)`` plus the untimed debits' tokens
-(:meth:`~crossflow_ctl.domain.models.ComputeTime.tokens_at`); a debit's own need likewise. So a
-lease whose rate rose does not promise the node's open work twice over, and one whose rate fell
-does not count it too high. Without a rate (``rate_tps`` 0) the tokens are summed as they are.
-Each timed debit's need is ``ceil(us x rate / 1e6)`` and ``ceil`` is subadditive, so debits
-granted against one lease never sum above it. The
-in-process store, the admission policy and the simulator's and demo's over-commit checkers call
-these functions; the Redis debit script (``store/lua/try_debit.lua``) computes the same thing in
-Lua, and tests/store/test_safety_lua.py holds it to this definition on real Redis.
+(:meth:`~crossflow_ctl.domain.models.ComputeTime.tokens_at`). So a lease whose rate rose does
+not promise the node's open work twice over, and one whose rate fell does not count it too
+high. Without a rate (``rate_tps`` 0) the tokens are summed as they are.
+
+**The state after the grant.** A debit fits when the open debits WITH it stay within
+``floor(lease x share)``: on compute, ``tokens_at(open + debit)``, the node time summed before
+the one ``ceil`` (:func:`need_for`). Comparing the debit's own ``ceil(us x rate / 1e6)`` with
+the room left by ``ceil(open_us x rate / 1e6)`` is not the same on doubles: ``ceil`` of a
+rounded product is not subadditive, so two debits that each fit could sum one token above the
+lease (at a rate like 2329.3333333333335 tokens/s). :func:`over_committed` reads the same
+state the same way, so nothing this check grants is ever reported over. The in-process store,
+the admission policy and the simulator's and demo's over-commit checkers call these functions;
+the Redis debit script (``store/lua/try_debit.lua``) computes the same thing in Lua, and
+tests/store/test_safety_lua.py holds it to this definition on real Redis.
 
 Room may be negative (open debits above a lease that shrank), so a zero debit never fits a
 credit that is already over: unlike ``Credits.minus``, nothing here floors at zero.
@@ -43,12 +49,33 @@ def _amounts(value: Amounts) -> tuple[int, ...]:
 
 
 def in_lease_unit(amounts: Amounts, time: ComputeTime, rate_tps: float) -> tuple[int, ...]:
-    """Debit ``amounts`` with the node time ``time`` behind their compute, in the unit of a
-    lease whose borrowed-prefill rate is ``rate_tps`` (only the compute credit changes)."""
+    """Open debits ``amounts`` with the node time ``time`` behind their compute, in the unit of
+    a lease whose borrowed-prefill rate is ``rate_tps`` (only the compute credit changes)."""
     values = _amounts(amounts)
     if rate_tps <= 0.0 or time.us <= 0:
         return values
     return (time.tokens_at(values[0], rate_tps), *values[1:])
+
+
+def need_for(
+    debit: Amounts,
+    debit_us: int,
+    open_compute_tokens: int,
+    open_time: ComputeTime,
+    rate_tps: float,
+) -> tuple[int, ...]:
+    """What granting ``debit`` (``debit_us`` microseconds of node time behind its compute, 0:
+    untimed) adds to open debits whose compute is ``open_compute_tokens`` with ``open_time``
+    behind them, per credit in the unit of a lease whose rate is ``rate_tps``: on compute,
+    ``tokens_at(open + debit) - tokens_at(open)``, so ``need <= room`` (:func:`room_left`)
+    exactly when the open compute after the grant stays within the lease."""
+    values = _amounts(debit)
+    if rate_tps <= 0.0:
+        return values
+    kept = open_time.behind(open_compute_tokens)
+    before = kept.tokens_at(open_compute_tokens, rate_tps)
+    after = kept.plus(ComputeTime.of_debit(values[0], debit_us))
+    return (after.tokens_at(open_compute_tokens + values[0], rate_tps) - before, *values[1:])
 
 
 def room_left(
@@ -69,13 +96,10 @@ def room_left(
     )
 
 
-def short_of_room(room: Sequence[int], debit: Amounts) -> tuple[str, ...]:
-    """Names of the credits on which ``debit`` exceeds ``room`` (as :func:`room_left` gives)."""
-    return tuple(
-        name
-        for name, left, need in zip(CREDIT_NAMES, room, _amounts(debit), strict=True)
-        if need > left
-    )
+def short_of_room(room: Sequence[int], need: Sequence[int]) -> tuple[str, ...]:
+    """Names of the credits on which ``need`` (as :func:`need_for` gives) exceeds ``room`` (as
+    :func:`room_left` gives)."""
+    return tuple(name for name, left, n in zip(CREDIT_NAMES, room, need, strict=True) if n > left)
 
 
 def short_credits(
@@ -88,10 +112,11 @@ def short_credits(
     debit_us: int = 0,
 ) -> tuple[str, ...]:
     """Names of the credits on which ``debit`` (with ``debit_us`` microseconds of node time
-    behind its compute, 0: untimed) does not fit; empty when it fits. Both the open debits and
-    the debit are counted in the lease's unit (:func:`in_lease_unit`)."""
-    need = in_lease_unit(debit, ComputeTime.of_debit(_amounts(debit)[0], debit_us), rate_tps)
-    return short_of_room(room_left(lease, open_debits, share, rate_tps, open_time), need)
+    behind its compute, 0: untimed) does not fit; empty when it fits: the open debits with it
+    would exceed ``floor(lease x share)``, counted in the lease's unit."""
+    opened = _amounts(open_debits)
+    need = need_for(debit, debit_us, opened[0], open_time, rate_tps)
+    return short_of_room(room_left(lease, opened, share, rate_tps, open_time), need)
 
 
 def fits(

@@ -55,16 +55,21 @@ from crossflow_ctl.domain.policy import VersionedPolicy
 
 def check_debit_args(share: float, hold_ttl_ms: int, owner: str = "", compute_us: int = 0) -> None:
     """The arguments of :meth:`Store.try_debit` every implementation refuses alike."""
-    if not 0 <= compute_us <= MAX_COMPUTE_US:
-        raise InvalidArgument(
-            f"compute_us must be within [0, {MAX_COMPUTE_US}], got {compute_us}",
-            field="compute_us",
-        )
+    check_compute_us(compute_us)
     if not 0.0 <= share <= 1.0:
         raise InvalidArgument(f"share must be within [0, 1], got {share}", field="share")
     if hold_ttl_ms <= 0:
         raise InvalidArgument("hold_ttl_ms must be positive", field="hold_ttl_ms")
     check_owner(owner)
+
+
+def check_compute_us(compute_us: int) -> None:
+    """A debit's node time is within ``[0, MAX_COMPUTE_US]`` microseconds."""
+    if not 0 <= compute_us <= MAX_COMPUTE_US:
+        raise InvalidArgument(
+            f"compute_us must be within [0, {MAX_COMPUTE_US}], got {compute_us}",
+            field="compute_us",
+        )
 
 
 def check_owner(owner: str) -> str:

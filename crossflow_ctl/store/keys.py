@@ -68,7 +68,8 @@ class NodeKeys:
 
     info: str
     """HASH: node info fields, cordon state, the notice sequence (``seq``) and running totals of
-    the stored reservations' debits (``open``: "c1,c2,c3,c4,c5,count")."""
+    the stored reservations' debits (``open``: "c1,c2,c3,c4,c5,count,us,timed", us the timed
+    debits' node microseconds and timed their compute tokens: ``lua/_lib.lua`` cf_totals_of)."""
     lease: str
     """HASH: the stored lease, one field per value and nothing else (``redis_codec.LEASE_FIELDS``:
     ``ev``, ``epoch``, ``version``, ``exp``, ``zero``, ``c1``..``c5`` for the scripts, then the

@@ -66,6 +66,7 @@ from crossflow_ctl.store.base import (
     LeaseOutcome,
     NodeEvent,
     Store,
+    check_compute_us,
     check_debit_args,
     check_identity,
     check_owner,
@@ -124,8 +125,9 @@ class RedisStore(Store):
     deadline bounds it (``admit_timeout_ms``), and the socket timeouts otherwise. Notices wait
     on one pub/sub subscription per store (:mod:`crossflow_ctl.store.redis_notices`), so the
     connection count does not grow with the number of agent streams. The key layout and
-    scripts are slot-safe (module docstring); ``tests/store/test_cluster.py`` runs the
-    contract suite on a real 3-master cluster.
+    scripts are slot-safe (module docstring); the store contract suite
+    (``tests/store/test_contract.py`` and the others on the ``store`` fixture of
+    ``tests/store/conftest.py``) runs on a real 3-master cluster too.
 
     ``cache_max_age_ms`` bounds how long this replica reuses a pool's load reports and a draw
     from the lender index on the admission path (:mod:`crossflow_ctl.store.redis_cache`; 0
@@ -313,8 +315,7 @@ class RedisStore(Store):
         check_debit_args(share, hold_ttl_ms)
         for d in debits:
             check_owner(d.owner)
-            if d.compute_us:
-                check_debit_args(share, hold_ttl_ms, compute_us=d.compute_us)
+            check_compute_us(d.compute_us)
             if d.record is not None and not self.folds_request_records:
                 raise InvalidArgument("a Redis Cluster store takes no record with a debit")
         calls = [DebitCall.build(d, now_ms, hold_ttl_ms) for d in debits if is_node_id(d.node_id)]

@@ -132,8 +132,9 @@ credits_st = st.builds(
     output_tokens=st.integers(500, 8_000),
     slots=st.integers(1, 16),
 )
-rate_st = st.sampled_from([5_000.0, 10_000.0, 20_000.0, 40_000.0])
-"""Borrowed-prefill rates: the compute credit's unit changes lease by lease."""
+rate_st = st.sampled_from([5_000.0, 10_000.0, 20_000.0, 40_000.0, 2329.3333333333335, 1e5 / 3])
+"""Borrowed-prefill rates: the compute credit's unit changes lease by lease (and two no double
+holds exactly, whose products with node time round)."""
 request_st = st.tuples(
     st.integers(1, 1_500), st.integers(0, 1_000), st.integers(0, 300), st.booleans()
 )

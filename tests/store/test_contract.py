@@ -25,6 +25,7 @@ from crossflow_ctl.domain.models import (
     ZeroReason,
 )
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
+from crossflow_ctl.domain.safety import over_committed
 from crossflow_ctl.store.base import DebitRequest, RequestRecord, Store
 from tests.store.helpers import MAX_TTL, NOW, credits, lease, register
 
@@ -153,6 +154,33 @@ async def test_open_compute_debits_count_in_the_latest_leases_unit(store: Store)
     node = await store.get_node("d1", NOW)
     assert node.open_compute == ComputeTime(us=600_000, tokens=600)
     assert node.available(NOW).compute_tokens == 1_000 - 600 - 100
+
+
+async def test_timed_debits_that_each_fit_never_sum_above_the_lease(store: Store) -> None:
+    """Safety checks the state AFTER the grant: the open node time with the debit's, under one
+    ``ceil``. Checking the debit's own ``ceil(us x rate / 1e6)`` against the room left by the
+    open debits' is not the same on doubles (``ceil`` of a rounded product is not subadditive):
+    at 2329.3333333333335 tokens/s, 1.5 s (3,494 tokens) and 5.25 s (12,229) each fit a lease of
+    15,723, and granting both left 6.75 s open, ``ceil(15723.000000000002)`` = 15,724 tokens."""
+    rate = 2329.3333333333335
+    await register(store, "d1")
+    room = credits(10, compute_tokens=15_723)
+    await store.upsert_lease(lease(credits=room, borrowed_prefill_rate_tps=rate), NOW, MAX_TTL)
+    first = await store.try_debit("d1", credits(1, compute_tokens=3_494), 1.0, NOW, 5_000,
+                                  "", "", 1_500_000)  # fmt: skip
+    assert first.granted
+    second = await store.try_debit("d1", credits(1, compute_tokens=12_229), 1.0, NOW, 5_000,
+                                   "", "", 5_250_000)  # fmt: skip
+    assert (second.refusal, second.short_credits) == ("short", ("compute_tokens",))
+    node = await store.get_node("d1", NOW)
+    assert not over_committed(room, node.open_debits, 1.0, rate, node.open_compute)
+    # One microsecond less fits, to the token: 6.749999 s open are 15,723 tokens.
+    less = await store.try_debit("d1", credits(1, compute_tokens=12_229), 1.0, NOW, 5_000,
+                                 "", "", 5_249_999)  # fmt: skip
+    assert less.granted
+    node = await store.get_node("d1", NOW)
+    assert node.open_compute.tokens_at(node.open_debits.compute_tokens, rate) == 15_723
+    assert not over_committed(room, node.open_debits, 1.0, rate, node.open_compute)
 
 
 # -- §5.5 expiry -------------------------------------------------------------------------------

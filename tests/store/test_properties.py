@@ -52,7 +52,7 @@ op = st.one_of(
         st.integers(min_value=0, max_value=60),  # credit value, 0 => zero lease
         st.integers(min_value=100, max_value=3_000),  # ttl (capped at MAX_TTL)
         st.integers(min_value=0, max_value=3),  # notices the snapshot missed
-        st.sampled_from([0.0, 0.5, 1.0, 2.5, 7.0]),  # borrowed-prefill rate, tokens/s
+        st.sampled_from([0.0, 0.5, 1.0, 2.5, 7.0, 7 / 3, 0.1]),  # borrowed-prefill rate, tokens/s
     ),
     debit_op,
     st.tuples(

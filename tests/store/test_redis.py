@@ -11,7 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from crossflow_ctl.domain.errors import StoreUnavailable
-from crossflow_ctl.domain.models import CREDIT_NAMES, ComputeTime, Credits, NoticeKind
+from crossflow_ctl.domain.models import CREDIT_NAMES, ComputeTime, Credits, Lease, NoticeKind
 from crossflow_ctl.store.base import Store
 from crossflow_ctl.store.redis_scripts import load_script
 from crossflow_ctl.store.redis_store import RedisStore
@@ -236,5 +236,54 @@ async def test_a_reservation_recorded_before_debits_were_timed_reads_as_untimed(
         assert (node.open_debits, node.open_compute) == (Credits(), ComputeTime())
         await store.upsert_lease(lease(version=2, ttl_ms=60_000), NOW + 60_001, 60_000)
         assert (await store._r.hget(k.info, "open")) in (b"0,0,0,0,0,0,0,0", "0,0,0,0,0,0,0,0")
+    finally:
+        await store.close()
+
+
+async def test_totals_an_older_broker_rewrote_count_untimed_and_heal_when_the_node_drains(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """An earlier broker's debit rewrites the node's totals without their node time while timed
+    reservations are open (README.md, Rolling upgrades). When those drain, the time they take
+    away from the totals was never in them: a time that cannot be right counts the node's open
+    compute untimed (as before debits had node time), and the totals are exact again once
+    nothing is open. (They used to go negative for good, and later grants were under-counted.)"""
+    store = RedisStore(redis_url, namespace=redis_namespace)
+
+    def at(version: int, rate: float) -> Lease:
+        room = credits(10_000, compute_tokens=10_000)
+        return lease(version=version, credits=room, borrowed_prefill_rate_tps=rate, ttl_ms=60_000)
+
+    async def timed(tokens: int, us: int, now: int, hold_ms: int) -> None:
+        ask = credits(1, compute_tokens=tokens)
+        assert (await store.try_debit("d1", ask, 1.0, now, hold_ms, compute_us=us)).granted
+
+    try:
+        await register(store, "d1")
+        await store.upsert_lease(at(1, 1_000.0), NOW, 60_000)
+        await timed(2_000, 2_000_000, NOW, 1_000)  # drains first
+        await timed(1_000, 1_000_000, NOW, 10_000)
+        info = store._k.node("d1").info
+        raw = await store._r.hget(info, "open")
+        text = raw if isinstance(raw, str) else bytes(raw or b"").decode()
+        assert text == "3000,2,2,2,2,2,3000000,3000"
+        await store._r.hset(info, "open", text.rsplit(",", 2)[0])  # what an earlier one writes
+        # The 2 s drain, then 3 s at 500 tokens/s: the time left (-2 s + 3 s) is behind fewer
+        # timed tokens than none (-2,000 + 1,500): all 2,500 open tokens count untimed.
+        later = NOW + 2_000
+        await store.upsert_lease(at(2, 500.0), later, 60_000)
+        await timed(1_500, 3_000_000, later, 10_000)
+        node = await store.get_node("d1", later)
+        assert (node.open_debits.compute_tokens, node.open_reservations) == (2_500, 2)
+        assert node.open_compute == ComputeTime(us=1_000_000, tokens=-500)
+        assert node.available(later).compute_tokens == 10_000 - 2_500
+        # Everything drains: nothing open, no time; a fresh grant counts exactly.
+        drained = NOW + 20_000
+        await store.upsert_lease(at(3, 2_000.0), drained, 60_000)
+        assert (await store._r.hget(info, "open")) in (b"0,0,0,0,0,0,0,0", "0,0,0,0,0,0,0,0")
+        await timed(6_000, 3_000_000, drained, 10_000)
+        node = await store.get_node("d1", drained)
+        assert node.open_compute == ComputeTime(us=3_000_000, tokens=6_000)
+        assert node.available(drained).compute_tokens == 10_000 - 6_000
     finally:
         await store.close()

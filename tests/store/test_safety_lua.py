@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from crossflow_ctl.domain.models import (
@@ -25,9 +25,10 @@ from crossflow_ctl.domain.models import (
     ComputeTime,
     Credits,
 )
-from crossflow_ctl.domain.safety import fits, short_credits
+from crossflow_ctl.domain.safety import fits, over_committed, short_credits
 from crossflow_ctl.store.base import DebitRequest
 from crossflow_ctl.store.redis_store import RedisStore
+from tests.domain.test_safety import UNEVEN_RATES
 from tests.store.helpers import NOW, lease, register
 
 pytestmark = pytest.mark.filterwarnings(
@@ -55,14 +56,21 @@ shares = st.one_of(
 )
 rates = st.one_of(
     st.sampled_from([0.0, 0.0, 0.5, 1.0, 3.0, 1_000.0]),
+    st.sampled_from(UNEVEN_RATES),
     st.floats(min_value=0.0, max_value=1e5, allow_nan=False, allow_infinity=False),
 )
+"""Leases' borrowed-prefill rates: none, round ones, ones no double holds exactly (whose
+products with node time round, so the script must sum the time before its one ``ceil`` as the
+domain does), and any."""
 micros = st.one_of(
     st.just(0),
     st.integers(min_value=1, max_value=60_000_000),
     st.integers(min_value=MAX_COMPUTE_US - 1_000, max_value=MAX_COMPUTE_US),
 )
 """A debit's node time: none (untimed), up to a minute, or near the cap."""
+
+
+REVIEWED = Credits(compute_tokens=15_723, kv_tokens=10, output_tokens=10, slots=10)
 
 
 def timed(d: Credits, us: int) -> ComputeTime:
@@ -83,6 +91,16 @@ def timed(d: Credits, us: int) -> ComputeTime:
     debit=st.tuples(amounts(30), micros),
     batch=st.lists(st.tuples(amounts(15), micros), max_size=4),
     share=shares,
+)
+@example(  # two timed debits that each fit; together one token over (the reviewer's find)
+    first=REVIEWED,
+    first_rate=2329.3333333333335,
+    open_debits=[(Credits(compute_tokens=3_494, slots=1), 1_500_000)],
+    second=REVIEWED,
+    second_rate=2329.3333333333335,
+    debit=(Credits(compute_tokens=12_229, slots=1), 5_250_000),
+    batch=[(Credits(compute_tokens=12_229, slots=1), 5_249_999)],
+    share=1.0,
 )
 async def test_lua_debit_agrees_with_the_domain_safety_check(
     redis_url: str,
@@ -127,13 +145,18 @@ async def test_lua_debit_agrees_with_the_domain_safety_check(
         return
     assert outcome.granted == fits(second, opened, share, debit[0], rate, time, debit[1])
     assert outcome.short_credits == want
+    over = set(over_committed(second, opened, share, rate, time))
     if outcome.granted:
         opened = [a + b for a, b in zip(opened, debit[0].as_tuple(), strict=True)]
         time = time.plus(timed(*debit))
+        # a grant never takes a credit over the lease it was checked against
+        assert set(over_committed(second, opened, share, rate, time)) <= over
     assert state.open_compute == time  # the script's running totals, as node_view reads them
     for (d, us), out in zip(batch, batched, strict=True):
         assert out.short_credits == short_credits(second, opened, share, d, rate, time, us)
         assert out.granted == fits(second, opened, share, d, rate, time, us)
         if out.granted:
+            over = set(over_committed(second, opened, share, rate, time))
             opened = [a + b for a, b in zip(opened, d.as_tuple(), strict=True)]
             time = time.plus(timed(d, us))
+            assert set(over_committed(second, opened, share, rate, time)) <= over

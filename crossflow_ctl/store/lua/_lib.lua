@@ -72,8 +72,8 @@ end
 -- Open-debit totals of the node's stored reservations (expired-but-unpurged included), kept in
 -- the info HASH field 'open' as "c1,c2,c3,c4,c5,count,us,timed" (us: the timed debits' node
 -- microseconds, timed: their compute tokens; a value without them, written before debits were
--- timed, reads them as 0): parsed from that field's value (raw; nil when unset), or read with
--- cf_totals.
+-- timed, reads them as 0; cf_add zeroes them whenever count reaches 0): parsed from that
+-- field's value (raw; nil when unset), or read with cf_totals.
 local function cf_totals_of(raw)
   local t = {0, 0, 0, 0, 0, 0, 0, 0}
   if raw then
@@ -95,14 +95,30 @@ local function cf_totals_text(t)
   return string.format('%d,%d,%d,%d,%d,%d,%d,%d', t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8])
 end
 
--- Open compute debits t[1] (with t[7] microseconds behind the t[8] timed tokens among them) in
--- the unit of a lease whose borrowed-prefill rate is rate: crossflow_ctl/domain/models.py
--- ComputeTime.tokens_at, the same double arithmetic in the same order.
+-- Open compute debits (tokens, with us microseconds behind the timed tokens among them) in the
+-- unit of a lease whose borrowed-prefill rate is rate: crossflow_ctl/domain/models.py
+-- ComputeTime.tokens_at, the same double arithmetic in the same order. A time that cannot be
+-- behind them (us <= 0, timed < 0 or timed > tokens: totals an older broker rewrote without
+-- it, README.md Rolling upgrades) counts them all untimed, as ComputeTime.behind does.
 local function cf_compute_at(tokens, us, timed, rate)
-  if rate <= 0 or us <= 0 then
+  if rate <= 0 or us <= 0 or timed < 0 or timed > tokens then
     return tokens
   end
   return tokens - timed + math.ceil(us * rate / 1000000)
+end
+
+-- The open compute of totals t with one more debit (tokens, us microseconds behind them, 0:
+-- untimed) in the unit of a lease whose rate is rate: the node time summed before the one ceil
+-- (crossflow_ctl/domain/safety.py need_for), an inconsistent time dropped first.
+local function cf_compute_after(t, tokens, us, rate)
+  local open_us, timed = t[7], t[8]
+  if open_us <= 0 or timed < 0 or timed > t[1] then
+    open_us, timed = 0, 0
+  end
+  if us > 0 then
+    open_us, timed = open_us + us, timed + tokens
+  end
+  return cf_compute_at(t[1] + tokens, open_us, timed, rate)
 end
 
 -- Write totals (as read by cf_totals) back to the info HASH.
@@ -120,6 +136,9 @@ local function cf_add(t, f, sign)
   if us > 0 then
     t[7] = t[7] + sign * us
     t[8] = t[8] + sign * tonumber(f[4])
+  end
+  if t[6] <= 0 then -- nothing open: no time either (heals totals an older broker rewrote)
+    t[7], t[8] = 0, 0
   end
 end
 

@@ -19,9 +19,9 @@
 -- open is the node's open debits after that debit, "c1,c2,c3,c4,c5,count,us,timed" (exact at
 -- now_ms: expired reservations are purged first), so the replica can refresh its cached view of
 -- the node without reading it again.
--- Safety is crossflow_ctl/domain/safety.py's: floor(lease x share) - open >= debit, per credit,
--- the compute of the open debits and of the debit in the lease's unit (cf_compute_at at the
--- lease's 'rate').
+-- Safety is crossflow_ctl/domain/safety.py's: open + debit <= floor(lease x share), per credit,
+-- the compute of the open debits with the debit in the lease's unit (cf_compute_after at the
+-- lease's 'rate': the state after the grant, never the debit's own ceil against the room).
 local info, lease, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local now, share, expires, maxlen = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local count = #ARGV - 4
@@ -88,11 +88,7 @@ for i = 1, count do
   local record_key = r > 0 and KEYS[5 + r] or nil
   local recorded = record_key and redis.call('GET', record_key)
   local short = {}
-  local need = tonumber(h[2])
-  if us > 0 then
-    need = cf_compute_at(need, us, need, rate)
-  end
-  if need > limit[1] - cf_compute_at(open[1], open[7], open[8], rate) then
+  if cf_compute_after(open, tonumber(h[2]), us, rate) > limit[1] then
     short[1] = '1'
   end
   for c = 2, 5 do
