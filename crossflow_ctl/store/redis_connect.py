@@ -24,6 +24,7 @@ from redis.typing import EncodableT
 
 from crossflow_ctl.aio import within
 from crossflow_ctl.domain.errors import ConfigError
+from crossflow_ctl.store.redis_cluster import BoundedCluster
 
 
 def hiredis_packed(args: tuple[EncodableT, ...]) -> list[bytes] | None:
@@ -119,7 +120,9 @@ def connect(
     pool_timeout_s: float = 3.0,
 ) -> Redis | RedisCluster:
     """A client for ``url``: at most ``max_connections`` connections (per node of a Cluster);
-    a caller waits up to ``pool_timeout_s`` for a free one."""
+    a caller waits up to ``pool_timeout_s`` for a free one (on a Cluster, for one of
+    ``max_connections - 1`` calls at once: :mod:`.redis_cluster`; the last connection is the
+    wake subscription's)."""
     extra: dict[str, Any] = {}
     if connection.username is not None:
         extra["username"] = connection.username
@@ -137,9 +140,16 @@ def connect(
     retry = Retry(NoBackoff(), retries=0)
     timeouts = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s}
     if cluster:
-        return RedisCluster.from_url(
-            url, max_connections=max_connections, retry=retry, **timeouts, **extra
-        )
+        if max_connections < 2:
+            raise ConfigError(
+                "a Redis Cluster client needs 2 connections per node or more (one for the wake"
+                " subscription)",
+                field="redis_max_connections",
+            )
+        return BoundedCluster.from_url(
+            url, max_connections=max_connections, retry=retry, **timeouts, **extra,
+            permits=max_connections - 1, wait_s=pool_timeout_s,
+        )  # fmt: skip
     # (A Cluster client builds its connections itself: it keeps redis-py's Python packer.)
     pool = BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=pool_timeout_s, retry=retry,

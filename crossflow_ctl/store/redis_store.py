@@ -118,8 +118,10 @@ class RedisStore(Store):
     or a URL (owned; ``cluster=True`` connects to a Redis Cluster through it).
 
     A URL gets socket timeouts of ``socket_timeout_s``, no client-side retries and at most
-    ``max_connections`` connections (per Cluster node; callers wait for a free one up to
-    ``op_timeout_s``); a supplied client keeps its own settings (give it timeouts, and no retry
+    ``max_connections`` connections (per Cluster node); callers wait for a free one up to
+    ``op_timeout_s`` (on a Cluster, for one of ``max_connections - 1`` calls in flight at once,
+    whatever their nodes: redis-py's cluster client would fail them at once, see
+    :mod:`.redis_cluster`); a supplied client keeps its own settings (give it timeouts, and no retry
     on timeout, for the same guarantees). Every call is also bounded by ``op_timeout_s`` as a
     whole, except the debit (:meth:`try_debits`, the admission hot path): its caller's
     deadline bounds it (``admit_timeout_ms``), and the socket timeouts otherwise. Notices wait
