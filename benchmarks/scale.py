@@ -66,6 +66,11 @@ BIG = common_pb2.Credits(
     slots=100_000,
 )
 
+BENCH_RATE_TPS = 200_000_000.0
+"""The benchmark lease's borrowed-prefill rate: high enough that the broker's cap of a lease's
+compute to rate x borrow horizon (``domain.session.within_horizon``) leaves its 10^9 compute
+tokens whole, so admission always finds room and every phase measures grants."""
+
 
 # -- the fleet (a child process) -----------------------------------------------------------------
 class Stream:
@@ -89,7 +94,7 @@ class Stream:
                 ttl_ms=60_000,
                 credits=BIG,
                 queue_wait_ms=1.0,
-                borrowed_prefill_rate_tps=50_000.0,
+                borrowed_prefill_rate_tps=BENCH_RATE_TPS,
             )
         )
 
