@@ -328,7 +328,12 @@ class LeaseStream:
             if kind is not None:
                 d = notice.debit
                 s.open_debits.record(
-                    kind, notice.reservation_id, d.kv_tokens, d.output_tokens, d.kv_transfer_bytes
+                    kind,
+                    notice.reservation_id,
+                    d.kv_tokens,
+                    d.output_tokens,
+                    d.kv_transfer_bytes,
+                    notice.pulled_tokens if notice.HasField("pulled_tokens") else None,
                 )
         if notice.kind == lease_pb2.NOTICE_KIND_CORDON:
             if not s.cordoned:

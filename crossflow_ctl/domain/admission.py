@@ -207,6 +207,15 @@ class Debit(NamedTuple):
     compute_us: int = 0
 
 
+def pulled_tokens(request: AdmissionRequest, node_id: str) -> int:
+    """The cached prefix tokens borrowing on ``node_id`` pulls in from elsewhere: the request's
+    prefix unless it is already on that node. Its debit's kv_transfer credit is these tokens at
+    the policy's KV bytes per token (:func:`debit_for`); its GRANT notice carries them as they
+    are, so the agent needs no unit to read them."""
+    remote = request.cached_prefix_tokens > 0 and request.cached_prefix_node_id != node_id
+    return request.cached_prefix_tokens if remote else 0
+
+
 def debit_for(
     request: AdmissionRequest, node_id: str, settings: PolicySettings, lease: Lease | None = None
 ) -> Debit:
@@ -223,7 +232,7 @@ def debit_for(
     * kv_transfer: the remote prefix's bytes; output: tokens decoded within the horizon at the
       lease's ITL; slots: one.
     """
-    remote_prefix = request.cached_prefix_tokens > 0 and request.cached_prefix_node_id != node_id
+    pulled = pulled_tokens(request, node_id)
     uncached, cached = request.uncached_prompt_tokens, request.cached_prefix_tokens
     itl_ms = 0.0
     compute, compute_us = uncached, 0
@@ -239,8 +248,8 @@ def debit_for(
     output = horizon_output_tokens(request, itl_ms, settings)
     credits = Credits.trusted(
         compute_tokens=compute,
-        kv_tokens=min(MAX_TOKENS, uncached + (cached if remote_prefix else 0) + output),
-        kv_transfer_bytes=cached * settings.kv_bytes_per_token if remote_prefix else 0,
+        kv_tokens=min(MAX_TOKENS, uncached + pulled + output),
+        kv_transfer_bytes=pulled * settings.kv_bytes_per_token,
         output_tokens=output,
         slots=1,
     )

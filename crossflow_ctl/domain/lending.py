@@ -287,24 +287,41 @@ class OpenDebits:
     """Each open reservation's kv, output, pulled-in tokens and unread transfer bytes."""
     kv_bytes_per_token: int = 0
     """The broker's KV bytes per token, the unit of its debits' kv_transfer (from its Welcome or
-    SessionSettings; 0: not told, the served model's is used). The broker's policy and the
+    SessionSettings; 0: not told, the served model's is used), for a GRANT that does not carry
+    its pulled-in tokens (a broker before ``Notice.pulled_tokens``). The broker's policy and the
     agent's model are configured apart: dividing by the wrong one turns pulled-in prefix into
-    uncached work."""
+    uncached work. Even the broker's is only the current one: a grant priced by a replica still
+    on the previous policy, or read after the agent took the next, is read in the wrong unit,
+    which is why a grant's own ``pulled_tokens`` wins."""
     kv: int = 0
     output: int = 0
     pulled_tokens: int = 0
-    """Tokens of the prefixes the open debits pull in, each read at its GRANT in the broker's
-    unit then (so a later change of the unit does not re-read open grants in the new one)."""
+    """Tokens of the prefixes the open debits pull in: each GRANT's own (``pulled``), or its
+    bytes read at the GRANT in the broker's unit then (so a later change of the unit does not
+    re-read open grants in the new one)."""
     transfer_bytes: int = 0
     """The kv_transfer bytes of the open debits granted while the broker's unit was unknown:
     read at lease time, in the unit known then (the served model's if none)."""
 
     def record(
-        self, kind: NoticeKind, reservation_id: str, kv: int, output: int, transfer_bytes: int
+        self,
+        kind: NoticeKind,
+        reservation_id: str,
+        kv: int,
+        output: int,
+        transfer_bytes: int,
+        pulled: int | None = None,
     ) -> None:
+        """Feed one notice's debit; ``pulled``: the prefix tokens a GRANT says it pulls in
+        (``Notice.pulled_tokens``; None: not told, its bytes are read in the broker's unit)."""
         if kind is NoticeKind.GRANT and reservation_id not in self.debits:
             unit = self.kv_bytes_per_token
-            pulled, unread = (-(-transfer_bytes // unit), 0) if unit > 0 else (0, transfer_bytes)
+            if pulled is not None:
+                unread = 0
+            elif unit > 0:
+                pulled, unread = -(-transfer_bytes // unit), 0
+            else:
+                pulled, unread = 0, transfer_bytes
             self.debits[reservation_id] = (kv, output, pulled, unread)
             self._add(kv, output, pulled, unread)
         elif kind is NoticeKind.RELEASE or kind is NoticeKind.EXPIRE:
@@ -321,7 +338,14 @@ class OpenDebits:
     def apply(self, notices: list[Notice]) -> None:
         for n in notices:
             d = n.debit
-            self.record(n.kind, n.reservation_id, d.kv_tokens, d.output_tokens, d.kv_transfer_bytes)
+            self.record(
+                n.kind,
+                n.reservation_id,
+                d.kv_tokens,
+                d.output_tokens,
+                d.kv_transfer_bytes,
+                n.pulled_tokens,
+            )
 
     def uncached_tokens(self, model_kv_bytes_per_token: int) -> int:
         """Uncached prompt tokens of the open reservations, in telemetry's unit (raw tokens).

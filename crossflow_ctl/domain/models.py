@@ -429,6 +429,9 @@ class Notice(Frozen):
     reservation_id: str = ""
     debit: Credits = Credits()
     at_ms: int = 0
+    pulled_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
+    """GRANT only: the prefix tokens the grant pulls in from elsewhere, the debit's
+    ``kv_transfer_bytes`` in the unit it was priced in (None: not told, a broker before it)."""
 
 
 def check_epoch(epoch: int, now_ms: int, field: str = "lease.epoch") -> None:

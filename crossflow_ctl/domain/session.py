@@ -68,7 +68,21 @@ def horizon_compute_tokens(lease: Lease, horizon_ms: int) -> int | None:
 
 def within_horizon(lease: Lease, horizon_ms: int) -> Lease:
     """``lease`` with its compute credit capped to :func:`horizon_compute_tokens` (the same
-    lease when it is within it: a lease sized over ``horizon_ms`` or a shorter one)."""
+    lease when it is within it: a lease sized over ``horizon_ms`` or a shorter one).
+
+    Only compute: the output credit (``b x H / t(B + b)``, b the slots, t the step with them)
+    and the kv_transfer one (``network x H x share``) are sized over the agent's horizon H too,
+    but scaling them by ``horizon_ms / H`` needs H, and a lease does not carry it (nor the
+    policy version it adopted, nor t). The compute credit brackets H only through the reference
+    agent's arithmetic (``int(rate x (H - queue wait))``): an interval 1/rate s wide (more than
+    one whole ms below 1,000 tokens/s), only an upper bound when compute is 0, none when it or
+    the queue wait is capped, and no part of the wire contract. What the replica last told the
+    stream is not it either: a lease may be sized before the push lands, and an older agent
+    never adopts it. Left as sent, an output credit sized over a longer horizon is looser than
+    it should be, no more: each output debit is at most ``ceil(horizon_ms / ITL)`` tokens for a
+    lease that states its ITL or SLO (``horizon_output_tokens``), and slots bound how many are
+    open. Capping it exactly takes a new lease field (the horizon the credits were sized over),
+    then ``floor(output x horizon_ms / H)`` (safe by under one token)."""
     cap = horizon_compute_tokens(lease, horizon_ms)
     credits = lease.credits
     if cap is None or credits.compute_tokens <= cap:

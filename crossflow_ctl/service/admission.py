@@ -36,6 +36,7 @@ from crossflow_ctl.domain.admission import (
     check_demand,
     node_rooms,
     plan_admission,
+    pulled_tokens,
 )
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import StoreUnavailable
@@ -332,6 +333,7 @@ class Admitter:
                     owners[i],
                     _record(records[i], plan, c),
                     c.debit_us,
+                    pulled_tokens(requests[i], c.node_id),
                 )
                 for i, plan, c in tries
             ]

@@ -38,6 +38,7 @@ from typing import NamedTuple
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
 from crossflow_ctl.domain.models import (
     MAX_COMPUTE_US,
+    MAX_TOKENS,
     Credits,
     Frozen,
     Lease,
@@ -53,9 +54,16 @@ from crossflow_ctl.domain.models import (
 from crossflow_ctl.domain.policy import VersionedPolicy
 
 
-def check_debit_args(share: float, hold_ttl_ms: int, owner: str = "", compute_us: int = 0) -> None:
+def check_debit_args(
+    share: float,
+    hold_ttl_ms: int,
+    owner: str = "",
+    compute_us: int = 0,
+    pulled_tokens: int | None = None,
+) -> None:
     """The arguments of :meth:`Store.try_debit` every implementation refuses alike."""
     check_compute_us(compute_us)
+    check_pulled_tokens(pulled_tokens)
     if not 0.0 <= share <= 1.0:
         raise InvalidArgument(f"share must be within [0, 1], got {share}", field="share")
     if hold_ttl_ms <= 0:
@@ -69,6 +77,15 @@ def check_compute_us(compute_us: int) -> None:
         raise InvalidArgument(
             f"compute_us must be within [0, {MAX_COMPUTE_US}], got {compute_us}",
             field="compute_us",
+        )
+
+
+def check_pulled_tokens(pulled_tokens: int | None) -> None:
+    """A debit's pulled-in prefix is None or within ``[0, MAX_TOKENS]`` tokens."""
+    if pulled_tokens is not None and not 0 <= pulled_tokens <= MAX_TOKENS:
+        raise InvalidArgument(
+            f"pulled_tokens must be within [0, {MAX_TOKENS}], got {pulled_tokens}",
+            field="pulled_tokens",
         )
 
 
@@ -151,6 +168,9 @@ class DebitRequest(NamedTuple):
     """Only for a store that ``folds_request_records`` (module docstring)."""
     compute_us: int = 0
     """The node time behind the debit's compute (``Reservation.compute_us``; 0: untimed)."""
+    pulled_tokens: int | None = None
+    """The prefix tokens the debit's kv_transfer pulls in, for its GRANT notice
+    (``Notice.pulled_tokens``; None: the notice does not say)."""
 
 
 class NodeEvent(Frozen):
@@ -213,10 +233,13 @@ class Store(abc.ABC):
         request_id: str = "",
         owner: str = "",
         compute_us: int = 0,
+        pulled_tokens: int | None = None,
     ) -> DebitOutcome:
         """Atomically check room on every credit and record a HELD reservation owned by
         ``owner`` (the granted router's identity, "" without authentication). ``compute_us``:
-        the node time behind the debit's compute (0: untimed, counted in its tokens)."""
+        the node time behind the debit's compute (0: untimed, counted in its tokens).
+        ``pulled_tokens``: the prefix tokens its kv_transfer pulls in, for its GRANT notice
+        (None: the notice leaves them out)."""
 
     async def try_debits(
         self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
@@ -231,7 +254,15 @@ class Store(abc.ABC):
             raise InvalidArgument(f"{type(self).__name__} takes no request record with a debit")
         return [
             await self.try_debit(
-                d.node_id, d.debit, share, now_ms, hold_ttl_ms, d.request_id, d.owner, d.compute_us
+                d.node_id,
+                d.debit,
+                share,
+                now_ms,
+                hold_ttl_ms,
+                d.request_id,
+                d.owner,
+                d.compute_us,
+                d.pulled_tokens,
             )
             for d in debits
         ]

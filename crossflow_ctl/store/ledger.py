@@ -67,8 +67,15 @@ class NodeLedger:
         return self._info.cordoned
 
     # -- notices ------------------------------------------------------------------------------
-    def notify(self, kind: NoticeKind, now_ms: int, res: Reservation | None = None) -> int:
-        """Append a notice with the next sequence number; wake blocked readers."""
+    def notify(
+        self,
+        kind: NoticeKind,
+        now_ms: int,
+        res: Reservation | None = None,
+        pulled_tokens: int | None = None,
+    ) -> int:
+        """Append a notice with the next sequence number; wake blocked readers.
+        ``pulled_tokens``: a GRANT's pulled-in prefix (``Notice.pulled_tokens``)."""
         self.seq += 1
         self.notices.append(
             Notice(
@@ -78,6 +85,7 @@ class NodeLedger:
                 reservation_id=res.reservation_id if res else "",
                 debit=res.debit if res else Credits(),
                 at_ms=now_ms,
+                pulled_tokens=pulled_tokens,
             )
         )
         if len(self.notices) > 2 * NOTICES_CAP:

@@ -239,8 +239,9 @@ class MemoryStore(Store):
         request_id: str = "",
         owner: str = "",
         compute_us: int = 0,
+        pulled_tokens: int | None = None,
     ) -> DebitOutcome:
-        check_debit_args(share, hold_ttl_ms, owner, compute_us)
+        check_debit_args(share, hold_ttl_ms, owner, compute_us, pulled_tokens)
         async with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
@@ -287,7 +288,7 @@ class MemoryStore(Store):
                 request_id=request_id,
                 owner=owner,
             )
-            node.notify(NoticeKind.GRANT, now_ms, res)
+            node.notify(NoticeKind.GRANT, now_ms, res, pulled_tokens)
             node.put(res)
             return DebitOutcome(
                 granted=True, reservation=res, lease_epoch=epoch, lease_version=version

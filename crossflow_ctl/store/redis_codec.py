@@ -363,7 +363,7 @@ notice_debit: Memo[Raw, Credits] = Memo(_notice_debit)
 """A notice's ``d`` field as Credits: a grant and its release or expiry carry the same debit,
 and requests of one shape the same one, so most notices a relay reads parse none."""
 
-_NOTICE_FIELDS = tuple((name.encode(), name) for name in ("k", "r", "d", "t"))
+_NOTICE_FIELDS = tuple((name.encode(), name) for name in ("k", "r", "d", "t", "p"))
 
 
 def notice_from(node_id: str, entry_id: Raw, fields: Mapping[Raw, Raw]) -> Notice:
@@ -371,7 +371,7 @@ def notice_from(node_id: str, entry_id: Raw, fields: Mapping[Raw, Raw]) -> Notic
     each agent stream's relay reads it); ``node_id`` is one the caller already checked (it
     named the stream's key). Fields are read by their raw names (bytes or str replies alike),
     not through a decoded copy of the entry: the relay reads every grant and expiry."""
-    k, r, d, t = (fields.get(raw, fields.get(name)) for raw, name in _NOTICE_FIELDS)
+    k, r, d, t, p = (fields.get(raw, fields.get(name)) for raw, name in _NOTICE_FIELDS)
     return Notice(
         node_id=node_id,
         seq=int(text(entry_id).split("-", 1)[0]),
@@ -379,6 +379,7 @@ def notice_from(node_id: str, entry_id: Raw, fields: Mapping[Raw, Raw]) -> Notic
         reservation_id=text(r) if r is not None else "",
         debit=notice_debit(d) if d is not None else Credits(),
         at_ms=int(t) if t is not None else 0,
+        pulled_tokens=int(p) if p is not None else None,
     )
 
 

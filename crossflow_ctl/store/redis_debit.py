@@ -34,6 +34,7 @@ class DebitCall:
     node_id: str
     debit: Credits
     compute_us: int
+    pulled_tokens: int | None
     request_id: str
     owner: str
     reservation_id: str
@@ -47,6 +48,7 @@ class DebitCall:
             node_id=request.node_id,
             debit=request.debit,
             compute_us=request.compute_us,
+            pulled_tokens=request.pulled_tokens,
             request_id=request.request_id,
             owner=request.owner,
             reservation_id=new_reservation_id(request.node_id, secrets.randbits(128)),
@@ -69,9 +71,10 @@ class DebitCall:
             tail = members if members.lstrip() == "}" else "," + members
             ttl_ms = self.record.ttl_ms
         d = self.debit
+        pulled = "" if self.pulled_tokens is None else self.pulled_tokens
         return (
             f"{self.reservation_id},{d.compute_tokens},{d.kv_tokens},{d.kv_transfer_bytes},"
-            f"{d.output_tokens},{d.slots},{self.compute_us},{key_index},{ttl_ms},"
+            f"{d.output_tokens},{d.slots},{self.compute_us},{pulled},{key_index},{ttl_ms},"
             f"{_size(self.request_id)},"
             f"{_size(self.owner)},{_size(head)}:{self.request_id}{self.owner}{head}{tail}"
         )

@@ -70,6 +70,7 @@ from crossflow_ctl.store.base import (
     check_debit_args,
     check_identity,
     check_owner,
+    check_pulled_tokens,
     owner_arg,
 )
 from crossflow_ctl.store.keys import (
@@ -306,8 +307,11 @@ class RedisStore(Store):
         request_id: str = "",
         owner: str = "",
         compute_us: int = 0,
+        pulled_tokens: int | None = None,
     ) -> DebitOutcome:
-        request = DebitRequest(node_id, debit, request_id, owner, compute_us=compute_us)
+        request = DebitRequest(
+            node_id, debit, request_id, owner, compute_us=compute_us, pulled_tokens=pulled_tokens
+        )
         return (await self.try_debits((request,), share, now_ms, hold_ttl_ms))[0]
 
     async def try_debits(
@@ -318,6 +322,7 @@ class RedisStore(Store):
         for d in debits:
             check_owner(d.owner)
             check_compute_us(d.compute_us)
+            check_pulled_tokens(d.pulled_tokens)
             if d.record is not None and not self.folds_request_records:
                 raise InvalidArgument("a Redis Cluster store takes no record with a debit")
         calls = [DebitCall.build(d, now_ms, hold_ttl_ms) for d in debits if is_node_id(d.node_id)]

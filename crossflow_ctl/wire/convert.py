@@ -193,6 +193,7 @@ def notice_to_proto(notice: Notice) -> lease_pb2.Notice:
         reservation_id=notice.reservation_id,
         debit=credits_to_proto(notice.debit),
         at_unix_ms=notice.at_ms,
+        pulled_tokens=notice.pulled_tokens,
     )
 
 
@@ -207,6 +208,7 @@ def notice_from_proto(msg: lease_pb2.Notice, node_id: str) -> Notice:
         reservation_id=msg.reservation_id,
         debit=credits_from_proto(msg.debit, "debit"),
         at_ms=msg.at_unix_ms,
+        pulled_tokens=msg.pulled_tokens if msg.HasField("pulled_tokens") else None,
     )
 
 

@@ -579,3 +579,23 @@ async def test_a_broker_that_is_not_there_is_a_warning_not_an_info_line_per_retr
     assert second["endpoint"] == f"127.0.0.1:{port}" and "lends nothing" in second["effect"]
     assert second["failures"] == 2 and second["retry_in_s"] > 0
     assert [e["log_level"] for e in rest] == ["info"] * len(rest)
+
+
+async def test_a_grant_is_read_in_the_unit_it_carries_not_the_one_the_agent_holds() -> None:
+    """A GRANT that carries its pulled prefix tokens (priced by a replica on another policy
+    than the one the agent was last told) is counted as it says; one without (an older broker)
+    is read in the agent's unit (see test_lending)."""
+    settings = AgentSettings(node_id="n1", brokers=["127.0.0.1:1"])
+    agent = Agent(settings, SeqBumpingSource([], EngineSnapshot(taken_at_ms=0)), MODEL, NODE)
+    agent.stream._welcome(lease_pb2.Welcome(broker_id="b", kv_bytes_per_token=512), "b:1")
+    # 1,000 uncached + 4,000 pulled + 100 output, the prefix priced at 256 bytes per token
+    debit = common_pb2.Credits(kv_tokens=5_100, kv_transfer_bytes=4_000 * 256, output_tokens=100)
+    grant = lease_pb2.Notice(seq=1, kind=lease_pb2.NOTICE_KIND_GRANT, reservation_id="r1",
+                             debit=debit, pulled_tokens=4_000)  # fmt: skip
+    agent.stream._notice(grant)
+    ledger = agent.stream.state.open_debits
+    assert ledger.uncached_tokens(MODEL.kv_bytes_per_token) == 1_000
+    old = lease_pb2.Notice(seq=2, kind=lease_pb2.NOTICE_KIND_GRANT, reservation_id="r2",
+                           debit=debit)  # fmt: skip
+    agent.stream._notice(old)
+    assert ledger.uncached_tokens(MODEL.kv_bytes_per_token) == 1_000 + 3_000  # 4,000 x 256 / 512

@@ -49,6 +49,8 @@ async def test_admit_commit_release_with_notices(cluster, agents) -> None:
         grant = await decode.wait_notice(lambda n: n.kind == lease_pb2.NOTICE_KIND_GRANT)
         assert grant.reservation_id == adm.reservation_id
         assert grant.debit.compute_tokens == 1_000 and grant.debit.slots == 1
+        # no prefix pulled in, said by the grant itself (the agent needs no unit to read it)
+        assert grant.HasField("pulled_tokens") and grant.pulled_tokens == 0
 
         committed = await client.commit(adm.reservation_id)
         assert committed.expires_at_ms > adm.expires_at_ms

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossflow_ctl.domain.admission import AdmissionRequest, debit_for
+from crossflow_ctl.domain.admission import AdmissionRequest, debit_for, pulled_tokens
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, roofline
 from crossflow_ctl.domain.lease_credits import LeaseSettings, compute_capacity
 from crossflow_ctl.domain.lending import (
@@ -269,6 +269,35 @@ def test_an_open_grant_keeps_the_unit_it_was_granted_in() -> None:
     released = Notice(node_id="d", seq=3, kind=NoticeKind.RELEASE, reservation_id="r")
     ledger.apply([released])
     assert ledger.uncached_tokens(GPT_OSS.kv_bytes_per_token) == 3_000
+
+
+def test_a_grant_that_says_its_pulled_tokens_is_read_in_its_own_unit() -> None:
+    """The broker's unit the agent holds is only the latest it was told: a grant priced by a
+    replica still on the previous policy (up to its refresh behind), or whose notice lands
+    after the SessionSettings push, was read in the other one, so 100k tokens of pulled prefix
+    turned into uncached work or back. A GRANT that carries its pulled tokens is read as it
+    says, whatever unit the agent holds; one that does not (an older broker) as before."""
+    idle = _capacity()
+    priced_bytes = GPT_OSS.kv_bytes_per_token // 3
+    request = AdmissionRequest(
+        uncached_prompt_tokens=2_000,
+        cached_prefix_tokens=100_000,
+        cached_prefix_node_id="elsewhere",
+        expected_output_tokens=200,
+    )
+    grant = _granted(2_000, 100_000, idle, remote=True, kv_bytes_per_token=priced_bytes)
+    told = grant.model_copy(update={"pulled_tokens": pulled_tokens(request, "d")})
+    assert told.pulled_tokens == 100_000 == told.debit.kv_transfer_bytes // priced_bytes
+    for held in (GPT_OSS.kv_bytes_per_token, priced_bytes // 2, 0):  # pushed, other, none yet
+        ledger = OpenDebits(kv_bytes_per_token=held)
+        ledger.apply([told])
+        assert ledger.uncached_tokens(GPT_OSS.kv_bytes_per_token) == 2_000
+        assert ledger.totals().uncached_tokens(GPT_OSS.kv_bytes_per_token) == 2_000
+        ledger.apply([Notice(node_id="d", seq=2, kind=NoticeKind.RELEASE, reservation_id="r")])
+        assert (ledger.kv, ledger.pulled_tokens, ledger.transfer_bytes) == (0, 0, 0)
+    stale = OpenDebits(kv_bytes_per_token=GPT_OSS.kv_bytes_per_token)
+    stale.apply([grant])  # an older broker's grant: its bytes in the unit the agent holds
+    assert stale.uncached_tokens(GPT_OSS.kv_bytes_per_token) > 2_000
 
 
 def test_slots_are_the_decode_batch_room_not_a_fixed_eight() -> None:

@@ -388,6 +388,33 @@ async def test_notices_carry_a_gapless_per_node_sequence(store: Store) -> None:
         await store.read_notices("ghost", 0, 10)
 
 
+async def test_a_grant_notice_carries_the_pulled_tokens_of_its_own_debit(store: Store) -> None:
+    """The agent reads a grant's pulled-in prefix from the grant itself, written with the debit
+    in the same atomic step (not from the relaying replica's policy); a debit that does not
+    say (a caller before the field) leaves it out, and the release notice needs none."""
+    await register(store, "d1")
+    await store.upsert_lease(lease(), NOW, MAX_TTL)
+    told = await store.try_debit("d1", credits(1), 1.0, NOW, 1_000, pulled_tokens=4_000)
+    batch = DebitRequest("d1", credits(1), pulled_tokens=0)
+    (local,) = await store.try_debits([batch], 1.0, NOW, 1_000)
+    untold = await store.try_debit("d1", credits(1), 1.0, NOW, 1_000)
+    assert told.reservation is not None and local.granted and untold.granted
+    await store.release(told.reservation.reservation_id, NOW)
+    notices = await store.read_notices("d1", 0, 10)
+    assert [(n.kind, n.pulled_tokens) for n in notices] == [
+        (NoticeKind.GRANT, 4_000),
+        (NoticeKind.GRANT, 0),
+        (NoticeKind.GRANT, None),
+        (NoticeKind.RELEASE, None),
+    ]
+    before = await snapshot(store)
+    for bad in (-1, 1_000_000_001):
+        with pytest.raises(InvalidArgument) as err:
+            await store.try_debit("d1", credits(1), 1.0, NOW, 1_000, pulled_tokens=bad)
+        assert err.value.field == "pulled_tokens"
+    assert await snapshot(store) == before
+
+
 async def test_blocking_read_wakes_on_a_new_notice(store: Store) -> None:
     await register(store, "d1")
     await store.upsert_lease(lease(), NOW, MAX_TTL)

@@ -302,10 +302,17 @@ class Notice(_message.Message):
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
     DEBIT_FIELD_NUMBER: _builtins.int
     AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    PULLED_TOKENS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     kind: Global___NoticeKind.ValueType
     reservation_id: _builtins.str
     at_unix_ms: _builtins.int
+    pulled_tokens: _builtins.int
+    """GRANT only: the cached prefix tokens the grant pulls in from elsewhere (its
+    debit.kv_transfer_bytes in tokens, at the KV bytes per token the granting replica priced
+    it with; 0: none). Unset from a broker that predates it: the agent then divides
+    kv_transfer_bytes by the kv_bytes_per_token of its Welcome or SessionSettings.
+    """
     @_builtins.property
     def debit(self) -> _common_pb2.Credits: ...
     def __init__(
@@ -316,12 +323,15 @@ class Notice(_message.Message):
         reservation_id: _builtins.str = ...,
         debit: _common_pb2.Credits | None = ...,
         at_unix_ms: _builtins.int = ...,
+        pulled_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["debit", b"debit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_pulled_tokens", b"_pulled_tokens", "debit", b"debit", "pulled_tokens", b"pulled_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_ms", b"at_unix_ms", "debit", b"debit", "kind", b"kind", "reservation_id", b"reservation_id", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_pulled_tokens", b"_pulled_tokens", "at_unix_ms", b"at_unix_ms", "debit", b"debit", "kind", b"kind", "pulled_tokens", b"pulled_tokens", "reservation_id", b"reservation_id", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__pulled_tokens: _TypeAlias = _typing.Literal["pulled_tokens"]  # noqa: Y015
+    _WhichOneofArgType__pulled_tokens: _TypeAlias = _typing.Literal["_pulled_tokens", b"_pulled_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pulled_tokens) -> _WhichOneofReturnType__pulled_tokens | None: ...
 
 Global___Notice: _TypeAlias = Notice  # noqa: Y015
 

@@ -50,15 +50,21 @@ end
 -- several nodes (upsert_leases purging expired holds) wakes each of them. A classic PUBLISH is
 -- not a key: it is allowed in a one-slot script on a Cluster and reaches subscribers on every
 -- shard.
+-- pulled: a grant's pulled-in prefix tokens (the entry's 'p'; nil or '': left out).
 local cf_woken = {}
-local function cf_notice(info_key, notices_key, maxlen, kind, rid, f, now)
+local function cf_notice(info_key, notices_key, maxlen, kind, rid, f, now, pulled)
   local seq = cf_int(redis.call('HINCRBY', info_key, 'seq', 1))
   local debit = '0,0,0,0,0'
   if f then
     debit = f[4] .. ',' .. f[5] .. ',' .. f[6] .. ',' .. f[7] .. ',' .. f[8]
   end
-  redis.call('XADD', notices_key, 'MAXLEN', '~', maxlen, seq .. '-0',
-    'k', kind, 'r', rid, 'd', debit, 't', now)
+  if pulled and pulled ~= '' then
+    redis.call('XADD', notices_key, 'MAXLEN', '~', maxlen, seq .. '-0',
+      'k', kind, 'r', rid, 'd', debit, 't', now, 'p', pulled)
+  else
+    redis.call('XADD', notices_key, 'MAXLEN', '~', maxlen, seq .. '-0',
+      'k', kind, 'r', rid, 'd', debit, 't', now)
+  end
   if not cf_woken[notices_key] then
     cf_woken[notices_key] = true
     local ns, node = string.match(notices_key, '^(.-):{.-:n:(.*)}:notices$')

@@ -5,10 +5,11 @@
 -- KEYS[6..] request record STRINGs (standalone Redis only: they lie in other slots).
 -- ARGV[1] now_ms, ARGV[2] share (0..1, exact float text), ARGV[3] hold expires_at_ms,
 -- ARGV[4] notices MAXLEN, then ONE packed argument per debit (``DebitCall.packed`` in
--- crossflow_ctl/store/redis_debit.py): "rid,c1,c2,c3,c4,c5,us,r,ttl,nq,no,nh:" then the request
--- id (nq bytes), the owner (the granted router's identity, '' without authentication; no
--- bytes), the record's head (nh bytes) and its tail (the rest): rid the reservation id, c1..c5
--- the debit, us the node microseconds behind its compute ('0': untimed), r the index of its
+-- crossflow_ctl/store/redis_debit.py): "rid,c1,c2,c3,c4,c5,us,p,r,ttl,nq,no,nh:" then the
+-- request id (nq bytes), the owner (the granted router's identity, '' without authentication;
+-- no bytes), the record's head (nh bytes) and its tail (the rest): rid the reservation id, c1..c5
+-- the debit, us the node microseconds behind its compute ('0': untimed), p the prefix tokens
+-- its kv_transfer pulls in (its GRANT notice's 'p'; '': left out), r the index of its
 -- request record's key in KEYS ('0': none), ttl the record's TTL in
 -- ms; a grant records head .. '"lease_epoch":E,"lease_version":V' .. tail. The header holds no
 -- ':' (ids and numbers only).
@@ -27,16 +28,17 @@ local now, share, expires, maxlen = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local count = #ARGV - 4
 
 -- One packed debit: its header fields (h[1] reservation id, h[2..6] c1..c5, h[7] us, h[8]
--- record key index, h[9] record TTL) and its request id, owner, record head and record tail.
--- The header is read by one pattern match (one C call, not one iteration per field).
+-- pulled tokens, h[9] record key index, h[10] record TTL) and its request id, owner, record head
+-- and record tail. The header is read by one pattern match (one C call, not one iteration per
+-- field).
 local HEADER = '^([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),([^,]*),'
-  .. '(%d+),(%d+),(%d+):()'
+  .. '([^,]*),(%d+),(%d+),(%d+):()'
 local function unpack_debit(packed)
   local h = {string.match(packed, HEADER)}
-  local owner_at = h[13] + tonumber(h[10])
-  local head_at = owner_at + tonumber(h[11])
-  local tail_at = head_at + tonumber(h[12])
-  return h, string.sub(packed, h[13], owner_at - 1), string.sub(packed, owner_at, head_at - 1),
+  local owner_at = h[14] + tonumber(h[11])
+  local head_at = owner_at + tonumber(h[12])
+  local tail_at = head_at + tonumber(h[13])
+  return h, string.sub(packed, h[14], owner_at - 1), string.sub(packed, owner_at, head_at - 1),
     string.sub(packed, head_at, tail_at - 1), string.sub(packed, tail_at)
 end
 
@@ -84,7 +86,7 @@ local totals = nil
 for i = 1, count do
   local h, request_id, owner, head, tail = unpack_debit(ARGV[4 + i])
   local us = tonumber(h[7])
-  local r = tonumber(h[8])
+  local r = tonumber(h[9])
   local record_key = r > 0 and KEYS[5 + r] or nil
   local recorded = record_key and redis.call('GET', record_key)
   local short = {}
@@ -105,14 +107,14 @@ for i = 1, count do
   else
     local f = {'held', expires, '0', h[2], h[3], h[4], h[5], h[6], now, '0', epoch, version,
       owner, request_id, us = h[7]}
-    local seq = cf_notice(info, notices, maxlen, 'grant', h[1], f, now)
+    local seq = cf_notice(info, notices, maxlen, 'grant', h[1], f, now, h[8])
     f[10] = seq
     cf_put(info, res, exp, h[1], f, false)
     cf_add(open, f, 1)
     granted = true
     if record_key then
       redis.call('SET', record_key, head .. '"lease_epoch":' .. epoch .. ',"lease_version":'
-        .. version .. tail, 'PX', h[9])
+        .. version .. tail, 'PX', h[10])
     end
     totals = cf_totals_text(open)
     out[#out + 1] = {'granted', epoch, version, seq, totals}
