@@ -21,7 +21,7 @@ from crossflow_ctl.cli.views import (
     reservation_row,
 )
 from crossflow_ctl.client import NodeDetailView
-from crossflow_ctl.domain.models import CREDIT_NAMES
+from crossflow_ctl.domain.models import CREDIT_NAMES, NodeInfo
 
 CREDIT_COLUMNS = [
     Column("CREDIT", "credit"),
@@ -206,12 +206,14 @@ def cordon(ctx: click.Context, name: str, reason: str) -> None:
     """Stop lending from NAME: its lease counts as zero until uncordoned."""
     st = state(ctx)
 
-    async def go() -> None:
+    async def go() -> NodeInfo:
         async with st.session() as session:
-            await session.cordon(name, reason)
+            before = (await session.get_node(name)).state.info
+            await session.cordon(name, reason)  # again: the reason given now is kept
+            return before
 
-    run(go())
-    click.echo(f"node/{name} cordoned")
+    before = run(go())
+    click.echo(f"node/{name} {'already cordoned' if before.cordoned else 'cordoned'}")
 
 
 @click.command()
@@ -221,12 +223,14 @@ def uncordon(ctx: click.Context, name: str) -> None:
     """Let NAME lend again."""
     st = state(ctx)
 
-    async def go() -> None:
+    async def go() -> bool:
         async with st.session() as session:
+            was = (await session.get_node(name)).state.info.cordoned
             await session.uncordon(name)
+            return was
 
-    run(go())
-    click.echo(f"node/{name} uncordoned")
+    was_cordoned = run(go())
+    click.echo(f"node/{name} {'uncordoned' if was_cordoned else 'already uncordoned'}")
 
 
 @click.command()

@@ -92,6 +92,8 @@ async def test_admit_explains_each_condition(ctl: Ctl, fleet: Fleet) -> None:
 async def test_cordon_stops_borrowing_and_uncordon_restores(ctl: Ctl, fleet: Fleet) -> None:
     res = await ctl("cordon", "decode-1", "--reason", "maintenance")
     assert (res.rc, res.out.strip()) == (0, "node/decode-1 cordoned")
+    again = await ctl("cordon", "decode-1", "--reason", "maintenance")
+    assert (again.rc, again.out.strip()) == (0, "node/decode-1 already cordoned")
     nodes = {
         i["name"]: i for i in json.loads((await ctl("get", "nodes", "-o", "json")).out)["items"]
     }
@@ -104,7 +106,10 @@ async def test_cordon_stops_borrowing_and_uncordon_restores(ctl: Ctl, fleet: Fle
     described = await ctl("describe", "node", "decode-1")
     assert "Cordoned:" in described.out and "yes (maintenance)" in described.out
 
-    assert (await ctl("uncordon", "decode-1")).rc == 0
+    res = await ctl("uncordon", "decode-1")
+    assert (res.rc, res.out.strip()) == (0, "node/decode-1 uncordoned")
+    again = await ctl("uncordon", "decode-1")
+    assert (again.rc, again.out.strip()) == (0, "node/decode-1 already uncordoned")
     admit = await ctl(
         "admit", "--uncached", "1000", "--node", "decode-1", "--dry-run", "-o", "json"
     )
