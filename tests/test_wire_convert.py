@@ -57,6 +57,7 @@ LEASE = Lease(
     itl_slo_ms=40.0,
     last_notice_seq=7,
     snapshot_unix_ms=NOW,
+    horizon_ms=6_000,
 )
 ZERO = Lease(
     node_id="d1",
@@ -111,6 +112,8 @@ def test_common_and_admin_round_trips() -> None:
     assert c.credits_from_proto(c.credits_to_proto(CREDITS)) == CREDITS
     for lease in (LEASE, ZERO):
         assert c.lease_from_proto(c.lease_to_proto(lease)) == lease
+    assert c.lease_to_proto(LEASE).horizon_ms == 6_000
+    assert c.lease_from_proto(c.lease_to_proto(ZERO)).horizon_ms == 0  # not said: an older agent
     assert c.pool_load_from_proto(c.pool_load_to_proto(LOAD)) == LOAD
     notice = Notice(
         node_id="d1", seq=4, kind=NoticeKind.RELEASE, reservation_id="r", debit=CREDITS, at_ms=NOW

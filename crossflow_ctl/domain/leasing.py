@@ -138,6 +138,8 @@ class LeaseDecision(NamedTuple):
     itl_ms: float = 0.0
     itl_slo_ms: float = 0.0
     snapshot_unix_ms: int = 0
+    horizon_ms: int = 0
+    """The horizon the credits were sized over (0 with no credits sized)."""
     guard: ItlGuard = ItlGuard()
     capacity: CapacityBreakdown | None = None
 
@@ -164,6 +166,7 @@ class LeaseDecision(NamedTuple):
             itl_slo_ms=self.itl_slo_ms,
             last_notice_seq=last_notice_seq,
             snapshot_unix_ms=max(0, self.snapshot_unix_ms),
+            horizon_ms=self.horizon_ms,
         )
 
 
@@ -258,6 +261,7 @@ def decide(
         itl_ms=itl_ms,
         itl_slo_ms=slo,
         snapshot_unix_ms=snapshot.taken_at_ms,
+        horizon_ms=settings.horizon_ms,
         guard=guard,
         capacity=capacity,
     )

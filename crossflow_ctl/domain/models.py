@@ -246,6 +246,9 @@ class Lease(Frozen):
     """Highest notice sequence the agent had seen when its telemetry snapshot was taken."""
     snapshot_unix_ms: Annotated[int, Field(ge=0)] = 0
     """Agent clock at snapshot time; informational, never used for expiry."""
+    horizon_ms: Annotated[int, Field(ge=0, le=MAX_HORIZON_MS)] = 0
+    """Borrow horizon the agent sized the credits over (0: not said, an agent older than the
+    field); the broker caps the credits to its own horizon with it (``session.within_horizon``)."""
 
     @model_validator(mode="after")
     def _zero_lease_has_no_credit(self) -> Lease:

@@ -13,7 +13,8 @@ outlast the longest borrowed prefill the horizon allows, so two guards hold the 
 * :func:`within_horizon`: the replica that ingests a lease caps its compute credit to what the
   lease's own rate and queue wait allow over the replica's current horizon, so borrowed prefill
   granted against it fits the horizon the commit TTL was checked against, whatever horizon the
-  agent used;
+  agent used; and scales its output and kv_transfer credits by the replica's horizon over the
+  one the lease says it was sized over (``Lease.horizon_ms``; as sent when it does not say);
 * :func:`crossflow_ctl.domain.policy.check_retired_horizons` (at ``policy set``): the commit
   TTL may not go below a horizon the policy had until the leases sized over it, and the grants
   made against them, are gone (policy refresh + lease TTL + hold TTL after the change).
@@ -67,25 +68,32 @@ def horizon_compute_tokens(lease: Lease, horizon_ms: int) -> int | None:
 
 
 def within_horizon(lease: Lease, horizon_ms: int) -> Lease:
-    """``lease`` with its compute credit capped to :func:`horizon_compute_tokens` (the same
-    lease when it is within it: a lease sized over ``horizon_ms`` or a shorter one).
+    """``lease`` with its credits capped to what ``horizon_ms`` allows (the same lease when they
+    are within it: a lease sized over ``horizon_ms`` or a shorter one).
 
-    Only compute: the output credit (``b x H / t(B + b)``, b the slots, t the step with them)
-    and the kv_transfer one (``network x H x share``) are sized over the agent's horizon H too,
-    but scaling them by ``horizon_ms / H`` needs H, and a lease does not carry it (nor the
-    policy version it adopted, nor t). The compute credit brackets H only through the reference
-    agent's arithmetic (``int(rate x (H - queue wait))``): an interval 1/rate s wide (more than
-    one whole ms below 1,000 tokens/s), only an upper bound when compute is 0, none when it or
-    the queue wait is capped, and no part of the wire contract. What the replica last told the
-    stream is not it either: a lease may be sized before the push lands, and an older agent
-    never adopts it. Left as sent, an output credit sized over a longer horizon is looser than
-    it should be, no more: each output debit is at most ``ceil(horizon_ms / ITL)`` tokens for a
-    lease that states its ITL or SLO (``horizon_output_tokens``), and slots bound how many are
-    open. Capping it exactly takes a new lease field (the horizon the credits were sized over),
-    then ``floor(output x horizon_ms / H)`` (safe by under one token)."""
-    cap = horizon_compute_tokens(lease, horizon_ms)
+    Compute to :func:`horizon_compute_tokens`, from the lease's own rate and queue wait. The
+    output credit (``b x H / t(B + b)``, b the slots, t the step with them) and the kv_transfer
+    one (``min(network x H x share, kv x bytes/token)``) are sized over the agent's horizon H too,
+    so they scale by ``horizon_ms / H`` when the lease says its H (``Lease.horizon_ms``) and it is
+    longer: floor, under one token or byte below exact (and a kv_transfer credit that the kv
+    bytes bounded, not the network, ends below exact, never above).
+
+    A lease from an agent older than the field (0) keeps them as sent, as before it: the compute
+    credit brackets H only through the reference agent's arithmetic, and what the replica last
+    told the stream may not be adopted yet (or ever, by an older agent). Such an output credit
+    is looser than it should be, no more: each output debit is at most ``ceil(horizon_ms /
+    ITL)`` tokens for a lease that states its ITL or SLO (``horizon_output_tokens``), and slots
+    bound how many are open."""
     credits = lease.credits
-    if cap is None or credits.compute_tokens <= cap:
+    update: dict[str, int] = {}
+    cap = horizon_compute_tokens(lease, horizon_ms)
+    if cap is not None and credits.compute_tokens > cap:
+        update["compute_tokens"] = cap
+    sized_over = lease.horizon_ms
+    if sized_over > horizon_ms:
+        update["output_tokens"] = credits.output_tokens * horizon_ms // sized_over
+        update["kv_transfer_bytes"] = credits.kv_transfer_bytes * horizon_ms // sized_over
+    if not update:
         return lease
-    capped = Credits.trusted(**{**credits.model_dump(), "compute_tokens": cap})
+    capped = Credits.trusted(**{**credits.model_dump(), **update})
     return lease.model_copy(update={"credits": capped})

@@ -125,6 +125,7 @@ LEASE_FIELDS: dict[str, str] = {
     "itl_slo": "lease.itl_slo_ms",
     "nseq": "lease.last_notice_seq",
     "snap": "lease.snapshot_unix_ms",
+    "horizon": "lease.horizon_ms",
     "recv": "received_at_ms (broker clock)",
     "detail": "lease.zero_detail (last: the one free-text field, see PACKED_SEPARATOR)",
 }
@@ -133,6 +134,9 @@ floats as ``repr``, which reads back exactly). ``upsert_leases.lua`` writes them
 ``try_debit.lua``, ``set_cordon.lua`` and ``node_view.lua`` read them. The first ten and
 ``rate`` (Safety counts the open compute debits in the lease's unit) are what the scripts
 themselves use."""
+ADDED_LEASE_FIELDS: dict[str, str] = {"horizon": "0"}
+"""Fields added since the format was first written, each with what a hash or history entry an
+earlier broker wrote (without it) reads as."""
 ZERO_FIELD = list(LEASE_FIELDS).index("zero")
 """Where ``zero`` is among :func:`lease_hash_values`."""
 LEASE_FIELD_NAMES = "|".join(LEASE_FIELDS)
@@ -181,6 +185,7 @@ def lease_hash_values(lease: Lease, received_at_ms: int, expires_at_ms: int) -> 
         repr(lease.itl_slo_ms),
         str(lease.last_notice_seq),
         str(lease.snapshot_unix_ms),
+        str(lease.horizon_ms),
         str(received_at_ms),
         lease.zero_detail,
     )
@@ -198,7 +203,9 @@ def stored_lease_from_packed(raw: Raw) -> StoredLease:
 
     An entry that earlier brokers wrote (a StoredLease JSON object, while a packed entry
     opens with the 40 digits of ``ev``) is still read, so a rolling upgrade does not make the
-    node's history unreadable until 32 newer leases have pushed the old entries out."""
+    node's history unreadable until 32 newer leases have pushed the old entries out; so is a
+    packed entry written before :data:`ADDED_LEASE_FIELDS` (fewer values), unless its free-text
+    ``detail`` holds the separator itself, which makes it look newer than it is."""
     entry = text(raw)
     if entry.startswith("{"):
         try:
@@ -206,7 +213,11 @@ def stored_lease_from_packed(raw: Raw) -> StoredLease:
         except ValueError as exc:
             raise StoreUnavailable(f"stored lease history entry is corrupt: {exc}") from None
     values = entry.split(PACKED_SEPARATOR, len(LEASE_FIELDS) - 1)
-    return stored_lease_from_fields(dict(zip(LEASE_FIELDS, values, strict=False)))
+    names = _EARLIER_LEASE_FIELDS if len(values) < len(LEASE_FIELDS) else tuple(LEASE_FIELDS)
+    return stored_lease_from_fields(dict(zip(names, values, strict=False)))
+
+
+_EARLIER_LEASE_FIELDS = tuple(name for name in LEASE_FIELDS if name not in ADDED_LEASE_FIELDS)
 
 
 _INT_FIELDS = (
@@ -220,6 +231,7 @@ _INT_FIELDS = (
     "c5",
     "nseq",
     "snap",
+    "horizon",
     "recv",
     "exp",
 )
@@ -230,7 +242,7 @@ _FLOAT_FIELDS = ("qwait", "rate", "a", "b", "itl", "itl_slo")
 def stored_lease_from_fields(raw: Mapping[Any, Raw]) -> StoredLease:
     """A lease hash (as :func:`lease_hash_values` wrote it) validated through the domain model;
     a missing, malformed or inconsistent field raises StoreUnavailable naming it."""
-    f = text_map(raw)
+    f = {**ADDED_LEASE_FIELDS, **text_map(raw)}
     field = next((name for name in LEASE_FIELDS if name not in f), "")
     try:
         if field:
@@ -258,6 +270,7 @@ def stored_lease_from_fields(raw: Mapping[Any, Raw]) -> StoredLease:
                 "itl_slo_ms": n["itl_slo"],
                 "last_notice_seq": n["nseq"],
                 "snapshot_unix_ms": n["snap"],
+                "horizon_ms": n["horizon"],
             }
         )
         stored = StoredLease(lease=lease, received_at_ms=n["recv"], expires_at_ms=n["exp"])

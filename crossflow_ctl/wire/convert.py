@@ -122,6 +122,7 @@ def lease_to_proto(lease: Lease) -> common_pb2.Lease:
         itl_slo_ms=lease.itl_slo_ms,
         last_notice_seq=lease.last_notice_seq,
         snapshot_unix_ms=lease.snapshot_unix_ms,
+        horizon_ms=lease.horizon_ms,
     )
 
 
@@ -153,6 +154,7 @@ def lease_from_proto(msg: common_pb2.Lease, field: str = "lease") -> Lease:
         "itl_slo_ms": msg.itl_slo_ms,
         "last_notice_seq": msg.last_notice_seq,
         "snapshot_unix_ms": msg.snapshot_unix_ms,
+        "horizon_ms": msg.horizon_ms,
     }
     result: Lease = _validated_from(Lease, field, data)
     return result

@@ -190,6 +190,7 @@ def test_rule_order_and_reasons() -> None:
     lease = good.to_lease(node_id="n1", epoch=7, version=3, ttl_ms=600, last_notice_seq=9)
     assert lease.credits == good.credits and lease.last_notice_seq == 9
     assert lease.snapshot_unix_ms == NOW
+    assert lease.horizon_ms == LS.horizon_ms  # what the broker scales output and transfer by
 
 
 @pytest.mark.parametrize(

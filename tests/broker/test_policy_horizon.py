@@ -79,6 +79,26 @@ async def test_a_lease_sized_over_a_longer_horizon_is_capped_at_ingest(
     stored = detail.state.lease.lease
     assert stored.credits.compute_tokens == int(rate * (HORIZON // 4 - wait_ms) / 1000)
     assert stored.credits.kv_tokens == 100_000  # the other credits as sent
+    assert stored.credits.output_tokens == 8_000  # the lease does not say its horizon
+
+
+async def test_a_lease_that_says_a_longer_horizon_is_stored_with_output_scaled(
+    cluster: Cluster, agents: Callable[..., Awaitable[FakeAgent]]
+) -> None:
+    server = await cluster.start()
+    agent = await agents(server, "d1")
+    await server.broker.set_policy({"borrow_horizon_ms": HORIZON // 4})
+    ack = await agent.send_lease(
+        credits={"output_tokens": 8_001, "kv_transfer_bytes": 10**9 + 3}, horizon_ms=HORIZON
+    )
+    assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+    detail = await server.broker.get_node("d1")
+    assert detail.state.lease is not None
+    stored = detail.state.lease.lease
+    assert stored.horizon_ms == HORIZON  # what the agent said, kept
+    assert stored.credits.output_tokens == 8_001 * (HORIZON // 4) // HORIZON
+    assert stored.credits.kv_transfer_bytes == (10**9 + 3) * (HORIZON // 4) // HORIZON
+    assert stored.credits.kv_tokens == 100_000 and stored.credits.slots == 4
 
 
 def test_the_cap_leaves_a_lease_within_the_horizon_alone() -> None:
@@ -96,6 +116,44 @@ def test_the_cap_leaves_a_lease_within_the_horizon_alone() -> None:
     assert within_horizon(lease, 50).credits == Credits(compute_tokens=0, kv_tokens=5)
     unsized = lease.model_copy(update={"borrowed_prefill_rate_tps": 0.0})
     assert within_horizon(unsized, 50) is unsized  # no rate: nothing to size by
+
+
+SIZED = Credits(
+    compute_tokens=0, kv_tokens=500, kv_transfer_bytes=10**9 + 7, output_tokens=999, slots=4
+)
+
+
+def test_output_and_kv_transfer_scale_by_the_horizon_the_lease_was_sized_over() -> None:
+    lease = Lease(node_id="d1", epoch=1, version=1, ttl_ms=1_000, credits=SIZED, horizon_ms=8_000)
+    assert within_horizon(lease, 8_000) is lease  # sized over this horizon
+    assert within_horizon(lease, 9_000) is lease  # or a shorter one
+    quarter = within_horizon(lease, 2_000).credits
+    assert quarter.output_tokens == 249  # floor(999 / 4)
+    assert quarter.kv_transfer_bytes == (10**9 + 7) // 4
+    assert (quarter.kv_tokens, quarter.slots, quarter.compute_tokens) == (500, 4, 0)
+    assert within_horizon(lease, 7_999).credits.output_tokens == 998  # floor(999 x 7999 / 8000)
+
+
+def test_a_lease_that_does_not_say_its_horizon_keeps_output_and_kv_transfer() -> None:
+    """An agent older than ``Lease.horizon_ms``: only compute, which its rate sizes, is capped."""
+    lease = Lease(
+        node_id="d1",
+        epoch=1,
+        version=1,
+        ttl_ms=1_000,
+        credits=SIZED.model_copy(update={"compute_tokens": 8_000}),
+        borrowed_prefill_rate_tps=1_000.0,
+    )
+    capped = within_horizon(lease, 2_000).credits
+    assert capped == SIZED.model_copy(update={"compute_tokens": 2_000})
+    said = lease.model_copy(update={"horizon_ms": 8_000})
+    assert within_horizon(said, 2_000).credits == Credits(
+        compute_tokens=2_000,
+        kv_tokens=500,
+        kv_transfer_bytes=(10**9 + 7) // 4,
+        output_tokens=249,
+        slots=4,
+    )
 
 
 async def test_the_commit_ttl_outlasts_a_lowered_horizon_until_it_has_settled() -> None:

@@ -39,6 +39,7 @@ LEASES = {
         itl_slo_ms=50.0,
         last_notice_seq=TOP,
         snapshot_unix_ms=1_700_000_123_456,
+        horizon_ms=8_000,
     ),
     "zero, with its detail": Lease(
         node_id="d1",
@@ -193,3 +194,26 @@ async def test_history_written_by_an_earlier_broker_still_reads(
     await raw.rpush(key, "{not json")
     with pytest.raises(StoreUnavailable, match="history entry is corrupt"):
         await s.lease_history("d1", 10)
+
+
+async def test_a_lease_an_earlier_broker_stored_without_its_horizon_reads_as_not_said(
+    store: tuple[RedisStore, Redis], redis_namespace: str
+) -> None:
+    """Brokers older than ``horizon`` wrote the hash and packed history entries without it:
+    after a rolling upgrade both still read, as a lease that does not say its horizon."""
+    s, raw = store
+    lease = LEASES["lending, every value set"]
+    assert (await s.upsert_lease(lease, NOW, MAX_TTL)).accepted
+    keys = Keys(redis_namespace).node("d1")
+    await raw.hdel(keys.lease, "horizon")
+    unsaid = StoredLease(
+        lease=lease.model_copy(update={"horizon_ms": 0}),
+        received_at_ms=NOW,
+        expires_at_ms=NOW + lease.ttl_ms,
+    )
+    node = await s.get_node("d1", NOW)
+    assert node is not None and node.lease == unsaid
+    values = list(codec.lease_hash_values(lease, NOW, NOW + lease.ttl_ms))
+    del values[list(codec.LEASE_FIELDS).index("horizon")]
+    await raw.lset(keys.history, 0, codec.PACKED_SEPARATOR.join(values))
+    assert await s.lease_history("d1", 1) == [unsaid]

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rossflow/v1/common.proto\x12\x0c\x63rossflow.v1\"u\n\x07\x43redits\x12\x16\n\x0e\x63ompute_tokens\x18\x01 \x01(\x03\x12\x11\n\tkv_tokens\x18\x02 \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x03 \x01(\x03\x12\x15\n\routput_tokens\x18\x04 \x01(\x03\x12\r\n\x05slots\x18\x05 \x01(\x03\"\x87\x03\n\x05Lease\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x03\x12&\n\x07\x63redits\x18\x05 \x01(\x0b\x32\x15.crossflow.v1.Credits\x12-\n\x0bzero_reason\x18\x06 \x01(\x0e\x32\x18.crossflow.v1.ZeroReason\x12\x13\n\x0bzero_detail\x18\x07 \x01(\t\x12\x15\n\rqueue_wait_ms\x18\x08 \x01(\x01\x12!\n\x19\x62orrowed_prefill_rate_tps\x18\t \x01(\x01\x12\x0e\n\x06itl_ms\x18\n \x01(\x01\x12\x12\n\nitl_slo_ms\x18\x0b \x01(\x01\x12\x17\n\x0flast_notice_seq\x18\x0c \x01(\x04\x12\x18\n\x10snapshot_unix_ms\x18\r \x01(\x03\x12\x1b\n\x13prefill_s_per_token\x18\x0e \x01(\x01\x12#\n\x1bprefill_s_per_token_context\x18\x0f \x01(\x01\"\xae\x01\n\x08PoolLoad\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12#\n\x1boutstanding_uncached_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13processing_rate_tps\x18\x04 \x01(\x01\x12\x18\n\x10prefill_rate_tps\x18\x05 \x01(\x01\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\x03\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\x03*R\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_ROLE_DECODE\x10\x01\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x02*\xbc\x02\n\nZeroReason\x12\x1b\n\x17ZERO_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14ZERO_REASON_STARTING\x10\x01\x12!\n\x1dZERO_REASON_TELEMETRY_MISSING\x10\x02\x12\x1f\n\x1bZERO_REASON_TELEMETRY_STALE\x10\x03\x12%\n!ZERO_REASON_TELEMETRY_IMPLAUSIBLE\x10\x04\x12\x1c\n\x18ZERO_REASON_ITL_OVER_SLO\x10\x05\x12\x18\n\x14ZERO_REASON_CORDONED\x10\x06\x12\x18\n\x14ZERO_REASON_DRAINING\x10\x07\x12\x1d\n\x19ZERO_REASON_SHUTTING_DOWN\x10\x08\x12\x1b\n\x17ZERO_REASON_NO_CAPACITY\x10\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rossflow/v1/common.proto\x12\x0c\x63rossflow.v1\"u\n\x07\x43redits\x12\x16\n\x0e\x63ompute_tokens\x18\x01 \x01(\x03\x12\x11\n\tkv_tokens\x18\x02 \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x03 \x01(\x03\x12\x15\n\routput_tokens\x18\x04 \x01(\x03\x12\r\n\x05slots\x18\x05 \x01(\x03\"\x9b\x03\n\x05Lease\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x03\x12&\n\x07\x63redits\x18\x05 \x01(\x0b\x32\x15.crossflow.v1.Credits\x12-\n\x0bzero_reason\x18\x06 \x01(\x0e\x32\x18.crossflow.v1.ZeroReason\x12\x13\n\x0bzero_detail\x18\x07 \x01(\t\x12\x15\n\rqueue_wait_ms\x18\x08 \x01(\x01\x12!\n\x19\x62orrowed_prefill_rate_tps\x18\t \x01(\x01\x12\x0e\n\x06itl_ms\x18\n \x01(\x01\x12\x12\n\nitl_slo_ms\x18\x0b \x01(\x01\x12\x17\n\x0flast_notice_seq\x18\x0c \x01(\x04\x12\x18\n\x10snapshot_unix_ms\x18\r \x01(\x03\x12\x1b\n\x13prefill_s_per_token\x18\x0e \x01(\x01\x12#\n\x1bprefill_s_per_token_context\x18\x0f \x01(\x01\x12\x12\n\nhorizon_ms\x18\x10 \x01(\x03\"\xae\x01\n\x08PoolLoad\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12#\n\x1boutstanding_uncached_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13processing_rate_tps\x18\x04 \x01(\x01\x12\x18\n\x10prefill_rate_tps\x18\x05 \x01(\x01\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\x03\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\x03*R\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_ROLE_DECODE\x10\x01\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x02*\xbc\x02\n\nZeroReason\x12\x1b\n\x17ZERO_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14ZERO_REASON_STARTING\x10\x01\x12!\n\x1dZERO_REASON_TELEMETRY_MISSING\x10\x02\x12\x1f\n\x1bZERO_REASON_TELEMETRY_STALE\x10\x03\x12%\n!ZERO_REASON_TELEMETRY_IMPLAUSIBLE\x10\x04\x12\x1c\n\x18ZERO_REASON_ITL_OVER_SLO\x10\x05\x12\x18\n\x14ZERO_REASON_CORDONED\x10\x06\x12\x18\n\x14ZERO_REASON_DRAINING\x10\x07\x12\x1d\n\x19ZERO_REASON_SHUTTING_DOWN\x10\x08\x12\x1b\n\x17ZERO_REASON_NO_CAPACITY\x10\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crossflow.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODEROLE']._serialized_start=733
-  _globals['_NODEROLE']._serialized_end=815
-  _globals['_ZEROREASON']._serialized_start=818
-  _globals['_ZEROREASON']._serialized_end=1134
+  _globals['_NODEROLE']._serialized_start=753
+  _globals['_NODEROLE']._serialized_end=835
+  _globals['_ZEROREASON']._serialized_start=838
+  _globals['_ZEROREASON']._serialized_end=1154
   _globals['_CREDITS']._serialized_start=43
   _globals['_CREDITS']._serialized_end=160
   _globals['_LEASE']._serialized_start=163
-  _globals['_LEASE']._serialized_end=554
-  _globals['_POOLLOAD']._serialized_start=557
-  _globals['_POOLLOAD']._serialized_end=731
+  _globals['_LEASE']._serialized_end=574
+  _globals['_POOLLOAD']._serialized_start=577
+  _globals['_POOLLOAD']._serialized_end=751
 # @@protoc_insertion_point(module_scope)

@@ -134,6 +134,7 @@ class Lease(_message.Message):
     SNAPSHOT_UNIX_MS_FIELD_NUMBER: _builtins.int
     PREFILL_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
     PREFILL_S_PER_TOKEN_CONTEXT_FIELD_NUMBER: _builtins.int
+    HORIZON_MS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.int
     """New at every agent start."""
@@ -166,6 +167,10 @@ class Lease(_message.Message):
     (seconds per token per attended context token, 0..0.001).
     """
     prefill_s_per_token_context: _builtins.float
+    horizon_ms: _builtins.int
+    """Borrow horizon the agent sized these credits over, ms (0: not said, an older agent). A
+    broker whose horizon is shorter scales the output and kv_transfer credits down by the ratio.
+    """
     @_builtins.property
     def credits(self) -> Global___Credits: ...
     def __init__(
@@ -186,10 +191,11 @@ class Lease(_message.Message):
         snapshot_unix_ms: _builtins.int = ...,
         prefill_s_per_token: _builtins.float = ...,
         prefill_s_per_token_context: _builtins.float = ...,
+        horizon_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["credits", b"credits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrowed_prefill_rate_tps", b"borrowed_prefill_rate_tps", "credits", b"credits", "epoch", b"epoch", "itl_ms", b"itl_ms", "itl_slo_ms", b"itl_slo_ms", "last_notice_seq", b"last_notice_seq", "node_id", b"node_id", "prefill_s_per_token", b"prefill_s_per_token", "prefill_s_per_token_context", b"prefill_s_per_token_context", "queue_wait_ms", b"queue_wait_ms", "snapshot_unix_ms", b"snapshot_unix_ms", "ttl_ms", b"ttl_ms", "version", b"version", "zero_detail", b"zero_detail", "zero_reason", b"zero_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrowed_prefill_rate_tps", b"borrowed_prefill_rate_tps", "credits", b"credits", "epoch", b"epoch", "horizon_ms", b"horizon_ms", "itl_ms", b"itl_ms", "itl_slo_ms", b"itl_slo_ms", "last_notice_seq", b"last_notice_seq", "node_id", b"node_id", "prefill_s_per_token", b"prefill_s_per_token", "prefill_s_per_token_context", b"prefill_s_per_token_context", "queue_wait_ms", b"queue_wait_ms", "snapshot_unix_ms", b"snapshot_unix_ms", "ttl_ms", b"ttl_ms", "version", b"version", "zero_detail", b"zero_detail", "zero_reason", b"zero_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
