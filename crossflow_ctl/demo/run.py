@@ -336,8 +336,11 @@ class Demo:
         lingering = False
         try:
             while True:
+                running = {t for t in (replay, stopping) if not t.done()}
+                # Only tasks still running: a finished replay (the cluster lingering) would
+                # return at once every pass, polling the broker without pause.
                 await asyncio.wait(
-                    {replay, stopping}, timeout=o.refresh_s, return_when=asyncio.FIRST_COMPLETED
+                    running, timeout=o.refresh_s, return_when=asyncio.FIRST_COMPLETED
                 )
                 elapsed = time.monotonic() - started
                 if o.duration_s is not None and elapsed >= o.duration_s:
