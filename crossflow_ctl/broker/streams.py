@@ -10,10 +10,8 @@ relay reads the node's notices from the STORE (after the agent's ``last_notice_s
 them down, so a notice written by any replica reaches the agent wherever it streams (§6): one
 message per read to an agent that set ``Hello.notice_batches``, one per notice otherwise; and a
 pusher sends ``SessionSettings`` when the policy version this replica holds changes what the
-Welcome (or the last push) said. Each lease is capped to this replica's horizon before it is
-stored, so one sized over an older horizon (before the agent adopted the push, or by an agent
-that ignores it) offers no more compute than the horizon allows
-(:mod:`crossflow_ctl.domain.session`).
+Welcome (or the last push) said (the broker caps each lease it stores to its horizon:
+:meth:`~crossflow_ctl.service.broker.Broker.ingest_lease`).
 Both write straight to the call (``context.write``), one write at a time (:class:`_Out`): an
 ack passes no queue, no task switch and no generator layer of the handler or its wrappers.
 The handler waits for the stream's end; :class:`StreamRegistry` lets shutdown end every stream
@@ -41,7 +39,7 @@ from crossflow_ctl.domain.errors import (
     StoreUnavailable,
 )
 from crossflow_ctl.domain.models import NodeInfo, NodeRole
-from crossflow_ctl.domain.session import SessionSettings, within_horizon
+from crossflow_ctl.domain.session import SessionSettings
 from crossflow_ctl.observability import span
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire import convert as c
@@ -233,7 +231,7 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         ack = response.lease_ack  # filled in place: no message built and then copied in
         ack.epoch, ack.version = msg.epoch, msg.version
         try:
-            lease = within_horizon(c.lease_from_proto(msg), self._broker.policy.borrow_horizon_ms)
+            lease = c.lease_from_proto(msg)
             if lease.node_id != info.node_id:
                 raise InvalidArgument(
                     f"{lease.node_id!r} is not this stream's node {info.node_id!r}",

@@ -48,6 +48,7 @@ from crossflow_ctl.domain.room import (
     unknown_room,
 )
 from crossflow_ctl.domain.selectors import Selector
+from crossflow_ctl.domain.session import within_horizon
 from crossflow_ctl.observability import BrokerMetrics, annotate_node
 from crossflow_ctl.service.admission import Admitter, timed
 from crossflow_ctl.service.checks import (
@@ -306,7 +307,10 @@ class Broker:
         """Store a newer lease; StaleLease (changing nothing) when it is not newer (§5.1).
 
         Only decode nodes lease (FailedPrecondition naming ``lease``); an epoch that is not
-        plausibly a start time is refused (:func:`check_epoch`)."""
+        plausibly a start time is refused (:func:`check_epoch`). The lease is stored capped to
+        this replica's borrow horizon (:func:`~crossflow_ctl.domain.session.within_horizon`), so
+        one sized over an older horizon (an agent that has not adopted a policy push yet, or
+        ignores it) offers no more than the horizon allows, whichever path brought it."""
         if role is not NodeRole.DECODE:
             raise FailedPrecondition(
                 f"node {lease.node_id!r} is a {role.value} node: only decode nodes lease",
@@ -314,6 +318,7 @@ class Broker:
             )
         now_ms = self.clock.now_ms()
         check_epoch(lease.epoch, now_ms)
+        lease = within_horizon(lease, self.policy.borrow_horizon_ms)
         # No timer per lease: the store bounds its own batches (RedisStore: op timeout).
         outcome = await timed(
             self.metrics,
