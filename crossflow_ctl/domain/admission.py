@@ -268,14 +268,15 @@ def check_demand(
         return DemandCheck(
             holds=False, pool_wait_ms=None, threshold_ms=settings.demand_threshold_ms
         )
+    rate = pool.processing_rate_tps  # a sum over the reports: read once
     return DemandCheck(
         holds=wait > settings.demand_threshold_ms,
         pool_wait_ms=wait,
         threshold_ms=settings.demand_threshold_ms,
         outstanding_uncached_tokens=pool.outstanding_uncached_tokens,
-        processing_rate_tps=pool.processing_rate_tps,
+        processing_rate_tps=rate,
         reporting_nodes=len(pool.reports),
-        pending_uncached_tokens=pending_tokens if pool.processing_rate_tps > 0 else 0,
+        pending_uncached_tokens=pending_tokens if rate > 0 else 0,
     )
 
 

@@ -74,12 +74,19 @@ class SentToPools:
     def __init__(self) -> None:
         self._pools: dict[str, _Pool] = {}
 
+    def _pool(self, name: str) -> _Pool:
+        """The pool's book (made once: ``setdefault`` would build a throwaway one per Admit)."""
+        state = self._pools.get(name)
+        if state is None:
+            state = self._pools[name] = _Pool()
+        return state
+
     def record(self, pool: str, tokens: int) -> None:
         """``tokens`` uncached tokens were sent to ``pool`` now, after the newest of its reports
         this replica has seen (:meth:`tokens` sees them: Demand reads it before answering)."""
         if tokens <= 0:
             return
-        state = self._pools.setdefault(pool, _Pool())
+        state = self._pool(pool)
         if len(state.sent) >= MAX_SENT:
             seen, old = state.sent.popleft()
             state.weighted -= sent_weight(seen, old, state.seqs)
@@ -88,7 +95,7 @@ class SentToPools:
 
     def tokens(self, snapshot: PoolSnapshot) -> int:
         """Uncached tokens sent to the pool that ``snapshot``'s reports do not show yet."""
-        state = self._pools.setdefault(snapshot.pool, _Pool())
+        state = self._pool(snapshot.pool)
         if snapshot is not state.snapshot:
             seqs = report_order(snapshot.report_seqs)
             if sequence_restarted(seqs, state.held):
