@@ -35,6 +35,7 @@ from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.api.v1 import lease_pb2, lease_pb2_grpc
 from crossflow_ctl.domain.lending import OpenDebits
 from crossflow_ctl.domain.models import NoticeKind
+from crossflow_ctl.domain.session import SessionSettings
 from crossflow_ctl.observability import AgentMetrics
 from crossflow_ctl.security import ClientCredentials
 from crossflow_ctl.security.channel import check_credentials, open_channel
@@ -84,6 +85,13 @@ class StreamState:
     """Sessions tried (welcomed or not)."""
     last_delay_s: float = 0.0
     """The jittered backoff before the latest retry."""
+
+    def adopt(self, settings: SessionSettings) -> None:
+        """The broker's policy-derived settings (a Welcome's, version 0, or a push's)."""
+        self.max_lease_ttl_ms = settings.max_lease_ttl_ms
+        self.borrow_horizon_ms = settings.borrow_horizon_ms
+        self.open_debits.kv_bytes_per_token = settings.kv_bytes_per_token
+        self.policy_version = settings.policy_version
 
 
 FAILURE_REPEAT = 30
@@ -240,10 +248,14 @@ class LeaseStream:
     def _welcome(self, welcome: lease_pb2.Welcome, target: str) -> None:
         s = self.state
         s.connected, s.endpoint, s.broker_id = True, target, welcome.broker_id
-        s.max_lease_ttl_ms = welcome.max_lease_ttl_ms
-        s.borrow_horizon_ms = welcome.borrow_horizon_ms
-        s.open_debits.kv_bytes_per_token = welcome.kv_bytes_per_token
-        s.policy_version = 0
+        s.adopt(
+            SessionSettings.trusted(
+                max_lease_ttl_ms=welcome.max_lease_ttl_ms,
+                borrow_horizon_ms=welcome.borrow_horizon_ms,
+                kv_bytes_per_token=welcome.kv_bytes_per_token,
+                policy_version=0,
+            )
+        )
         s.cordoned = welcome.cordoned
         if welcome.notice_seq < s.last_notice_seq:
             # The broker's sequence went back: the node was deleted and registered anew. Seen
@@ -349,11 +361,7 @@ class LeaseStream:
     def _settings(self, msg: lease_pb2.SessionSettings) -> None:
         """The broker's policy changed them: the next lease (woken now) is sized with them."""
         settings = session_settings_from_proto(msg)
-        s = self.state
-        s.max_lease_ttl_ms = settings.max_lease_ttl_ms
-        s.borrow_horizon_ms = settings.borrow_horizon_ms
-        s.open_debits.kv_bytes_per_token = settings.kv_bytes_per_token
-        s.policy_version = settings.policy_version
+        self.state.adopt(settings)
         log.info(
             "stream.settings",
             policy_version=settings.policy_version,
