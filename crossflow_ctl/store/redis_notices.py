@@ -283,11 +283,6 @@ class NoticeReader:
         """Nodes this replica has seen registered."""
         self._ranges: Coalescer[_Range] = Coalescer(self._read_batch, timeout_s=timeout_s)
 
-    @property
-    def batches(self) -> int:
-        """Pipelines of reads sent (a test reads it to see reads coalesce)."""
-        return self._ranges.batches
-
     def remember(self, node_id: str) -> None:
         if len(self._known) >= KNOWN_NODES_CAP:
             self._known.clear()

@@ -112,19 +112,7 @@ class Scripts:
     ) -> list[Any]:
         """The script, then plain commands ``after``, in ONE pipeline round trip (two, once,
         after NOSCRIPT: nothing ran then, and the commands are sent again with it)."""
-        script = self.by_name[name]
-        for attempt in range(2):
-            pipe = self._r.pipeline(transaction=False)
-            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            for command in after:
-                pipe.execute_command(*command)
-            try:
-                return list(await pipe.execute())
-            except NoScriptError:
-                if attempt:
-                    raise
-                script.sha = await self._r.script_load(script.script)
-        raise AssertionError("unreachable")
+        return await self.run_after((), name, [(keys, args)], after)
 
     async def views(
         self,
@@ -142,9 +130,11 @@ class Scripts:
         before: Sequence[tuple[Any, ...]],
         name: str,
         calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+        after: Sequence[tuple[Any, ...]] = (),
     ) -> list[Any]:
         """Plain commands ``before`` (reads: they may be sent twice), then each (keys, args)
-        call of script ``name``, in ONE pipeline round trip; the replies in order.
+        call of script ``name``, then plain commands ``after``, in ONE pipeline round trip; the
+        replies in order.
 
         EVALSHA goes straight into the pipeline (redis-py would add a SCRIPT EXISTS round trip
         for pipelined Script objects); on NOSCRIPT the script is loaded and all of it sent
@@ -156,6 +146,8 @@ class Scripts:
                 pipe.execute_command(*command)
             for keys, args in calls:
                 pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            for command in after:
+                pipe.execute_command(*command)
             try:
                 return list(await pipe.execute())
             except NoScriptError:
