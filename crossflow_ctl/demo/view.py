@@ -70,7 +70,7 @@ class Observations:
             debits, time = Credits(), ComputeTime()
             for r in held:
                 debits = debits.plus(r.debit)
-                time = time.plus(ComputeTime.of_debit(r.debit.compute_tokens, r.compute_us))
+                time = time.plus(r.compute_time)
             over = over_committed(
                 lease.credits, debits, share, lease.borrowed_prefill_rate_tps, time
             )

@@ -413,6 +413,11 @@ class Reservation(Frozen):
     """Identity of the router it was granted to (``router/<name>``); "" without authentication.
     Only that router (or an admin) may commit or release it."""
 
+    @property
+    def compute_time(self) -> ComputeTime:
+        """The node time behind its compute debit (none when untimed)."""
+        return ComputeTime.of_debit(self.debit.compute_tokens, self.compute_us)
+
 
 class NoticeKind(StrEnum):
     GRANT = "grant"
@@ -492,6 +497,9 @@ class ComputeTime(NamedTuple):
 
     def plus(self, other: ComputeTime) -> ComputeTime:
         return ComputeTime(self.us + other.us, self.tokens + other.tokens)
+
+    def minus(self, other: ComputeTime) -> ComputeTime:
+        return ComputeTime(self.us - other.us, self.tokens - other.tokens)
 
     @classmethod
     def of_debit(cls, compute_tokens: int, compute_us: int) -> ComputeTime:

@@ -116,7 +116,7 @@ class NodeLedger:
             for i, v in enumerate(res.debit.as_tuple()):
                 self._totals[i] += v
             if res.compute_us:
-                self._time = self._time.plus(_time_of(res))
+                self._time = self._time.plus(res.compute_time)
             self._open = None
         self.reservations[rid] = res
         if old is None or old.expires_at_ms != res.expires_at_ms:
@@ -128,10 +128,7 @@ class NodeLedger:
         res = self.reservations.pop(rid)
         for i, v in enumerate(res.debit.as_tuple()):
             self._totals[i] -= v
-        if res.compute_us:
-            self._time = ComputeTime(
-                self._time.us - res.compute_us, self._time.tokens - res.debit.compute_tokens
-            )
+        self._time = self._time.minus(res.compute_time)
         self._open = None
 
     def _next_expiry(self) -> int | None:
@@ -180,14 +177,10 @@ class NodeLedger:
         time = ComputeTime()
         for r in live:
             if r.compute_us:
-                time = time.plus(_time_of(r))
+                time = time.plus(r.compute_time)
         return Credits.from_tuple(totals or [0] * 5), len(live), time
 
     def open_totals(self) -> tuple[list[int], ComputeTime]:
         """Running totals of every held reservation, and their compute time; exact right after
         :meth:`purge_expired`."""
         return self._totals, self._time
-
-
-def _time_of(res: Reservation) -> ComputeTime:
-    return ComputeTime.of_debit(res.debit.compute_tokens, res.compute_us)

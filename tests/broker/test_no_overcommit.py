@@ -213,7 +213,7 @@ async def test_open_debits_never_exceed_the_lease(
             for r in reservations:
                 lease, rate = granted_against[(node, r.lease_version)]
                 open_debits = open_debits.plus(r.debit)
-                time = time.plus(ComputeTime.of_debit(r.debit.compute_tokens, r.compute_us))
+                time = time.plus(r.compute_time)
                 over = over_committed(lease, open_debits, SHARE, rate, time)
                 assert not over, (node, r.reservation_id, over, open_debits, time, lease, rate)
             borrowed -= {r.reservation_id for r in reservations}
