@@ -21,7 +21,7 @@ from crossflow_ctl.cli.views import (
     reservation_row,
 )
 from crossflow_ctl.client import NodeDetailView
-from crossflow_ctl.domain.models import CREDIT_NAMES, NodeInfo
+from crossflow_ctl.domain.models import CREDIT_NAMES
 
 CREDIT_COLUMNS = [
     Column("CREDIT", "credit"),
@@ -206,14 +206,14 @@ def cordon(ctx: click.Context, name: str, reason: str) -> None:
     """Stop lending from NAME: its lease counts as zero until uncordoned."""
     st = state(ctx)
 
-    async def go() -> NodeInfo:
+    async def go() -> bool:
         async with st.session() as session:
-            before = (await session.get_node(name)).state.info
+            was = (await session.get_node(name)).state.info.cordoned
             await session.cordon(name, reason)  # again: the reason given now is kept
-            return before
+            return was
 
-    before = run(go())
-    click.echo(f"node/{name} {'already cordoned' if before.cordoned else 'cordoned'}")
+    was_cordoned = run(go())
+    click.echo(f"node/{name} {'already cordoned' if was_cordoned else 'cordoned'}")
 
 
 @click.command()
