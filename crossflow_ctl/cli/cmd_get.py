@@ -23,6 +23,7 @@ from crossflow_ctl.cli.views import (
     pool_row,
     reservation_row,
 )
+from crossflow_ctl.client import reporting_nodes
 from crossflow_ctl.domain.models import NodeRole
 
 Render = Callable[[BrokerSession], Awaitable[str]]
@@ -37,7 +38,11 @@ async def _nodes_text(
     if leases:
         rows = [r for r in (lease_row(n, at) for n in nodes) if r is not None]
         return render_list(rows, LEASE_COLUMNS, fmt, kind="LeaseList")
-    return render_list([node_row(n, at) for n in nodes], NODE_COLUMNS, fmt, kind="NodeList")
+    reporting: frozenset[str] = frozenset()
+    if any(n.state.info.role is NodeRole.PREFILL for n in nodes):
+        reporting = reporting_nodes(await session.list_pools())
+    rows = [node_row(n, at, reporting) for n in nodes]
+    return render_list(rows, NODE_COLUMNS, fmt, kind="NodeList")
 
 
 async def _watch(

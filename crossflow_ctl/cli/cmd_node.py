@@ -16,12 +16,11 @@ from crossflow_ctl.cli.views import (
     age,
     credits_dict,
     node_row,
-    node_status,
     now_ms,
     reservation_row,
 )
 from crossflow_ctl.client import NodeDetailView
-from crossflow_ctl.domain.models import CREDIT_NAMES
+from crossflow_ctl.domain.models import CREDIT_NAMES, NodeRole, PoolLoad
 
 CREDIT_COLUMNS = [
     Column("CREDIT", "credit"),
@@ -40,7 +39,8 @@ HISTORY_COLUMNS = [
 EVENT_COLUMNS = [Column("AGE", "age"), Column("KIND", "kind"), Column("MESSAGE", "message")]
 
 
-def detail_data(detail: NodeDetailView, at: int) -> dict[str, Any]:
+def detail_data(detail: NodeDetailView, at: int, report: PoolLoad | None = None) -> dict[str, Any]:
+    """``report``: a prefill node's live load report (None: none, or a decode node)."""
     view = detail.node
     node = view.state
     lease = node.lease.effective_credits(at) if node.lease else None
@@ -54,8 +54,10 @@ def detail_data(detail: NodeDetailView, at: int) -> dict[str, Any]:
         }
         for name in CREDIT_NAMES
     ]
+    reporting = frozenset((report.node_id,)) if report is not None else frozenset[str]()
     return {
-        **node_row(view, at),
+        **node_row(view, at, reporting),
+        "load_report": report.model_dump(mode="json") if report is not None else None,
         "credits": credits,
         "reservations": [reservation_row(r, at) for r in detail.reservations],
         "recent_leases": [lease.model_dump(mode="json") for lease in detail.recent_leases],
@@ -66,8 +68,8 @@ def detail_data(detail: NodeDetailView, at: int) -> dict[str, Any]:
     }
 
 
-def describe_text(detail: NodeDetailView, at: int) -> str:
-    data = detail_data(detail, at)
+def describe_text(detail: NodeDetailView, at: int, report: PoolLoad | None = None) -> str:
+    data = detail_data(detail, at, report)
     node = detail.node.state
     stored = node.lease
     head = [
@@ -75,11 +77,14 @@ def describe_text(detail: NodeDetailView, at: int) -> str:
         ("Role", data["role"]),
         ("Pool", data["pool"]),
         ("Labels", data["labels"]),
-        ("Status", node_status(detail.node, at)),
+        ("Status", data["status"]),
         ("Cordoned", _cordon_text(detail)),
         ("Notice seq", node.info.notice_seq),
     ]
     parts = [key_values(head)]
+    if node.info.role is NodeRole.PREFILL:
+        parts += [_load_report_text(report), _events_text(data["events"])]
+        return "\n".join(parts)
     if stored is None:
         parts.append("Latest lease:  <none> (the node's agent has not sent one)")
     else:
@@ -130,12 +135,32 @@ def describe_text(detail: NodeDetailView, at: int) -> str:
         "Recent leases:"
         + ("\n" + _indent(table(hist, HISTORY_COLUMNS, wide=False)) if hist else "  <none>")
     )
-    events = data["events"]
-    parts.append(
-        "Events:"
-        + ("\n" + _indent(table(events, EVENT_COLUMNS, wide=False)) if events else "  <none>")
-    )
+    parts.append(_events_text(data["events"]))
     return "\n".join(parts)
+
+
+def _events_text(events: list[dict[str, Any]]) -> str:
+    body = "\n" + _indent(table(events, EVENT_COLUMNS, wide=False)) if events else "  <none>"
+    return "Events:" + body
+
+
+def _load_report_text(report: PoolLoad | None) -> str:
+    """A prefill node's side of describe: it sends load reports to its pool, not leases."""
+    if report is None:
+        return (
+            "Load report:  <none> (no live report from the node's agent: its pool's wait does "
+            "not count it)"
+        )
+    return "Load report:\n" + key_values(
+        [
+            ("Outstanding", f"{report.outstanding_uncached_tokens} uncached tokens"),
+            ("Queued requests", report.queued_requests),
+            ("Processing rate", f"{report.processing_rate_tps:.0f} tokens/s"),
+            ("Per-request rate", f"{report.prefill_rate_tps:.0f} tokens/s"),
+            ("TTL", f"{report.ttl_ms} ms"),
+        ],
+        indent=2,
+    )
 
 
 def _cordon_text(detail: NodeDetailView) -> str:
@@ -166,13 +191,20 @@ def describe_node(ctx: click.Context, name: str, output: str | None) -> None:
     st = state(ctx)
     fmt = st.output(output)
 
-    async def go() -> NodeDetailView:
+    async def go() -> tuple[NodeDetailView, PoolLoad | None]:
         async with st.session() as session:
-            return await session.describe_node(name)
+            detail = await session.describe_node(name)
+            info = detail.node.state.info
+            if info.role is not NodeRole.PREFILL:
+                return detail, None
+            pools = await session.list_pools()
+            reports = (r for p in pools if p.pool == info.pool for r in p.reports)
+            return detail, next((r for r in reports if r.node_id == info.node_id), None)
 
-    detail = run(go())
+    detail, report = run(go())
     at = now_ms()
-    click.echo(render_object(detail_data(detail, at), fmt, describe_text(detail, at)))
+    text = describe_text(detail, at, report)
+    click.echo(render_object(detail_data(detail, at, report), fmt, text))
 
 
 @click.group()

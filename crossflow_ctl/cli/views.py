@@ -7,7 +7,7 @@ from typing import Any
 
 from crossflow_ctl.cli.output import Column
 from crossflow_ctl.client import NodeView
-from crossflow_ctl.domain.models import Credits, NodeRole, PoolSnapshot, Reservation, StoredLease
+from crossflow_ctl.domain.models import Credits, PoolSnapshot, Reservation, StoredLease
 
 
 def now_ms() -> int:
@@ -27,21 +27,6 @@ def age(ms: int, at_ms: int | None = None) -> str:
 
 def credits_dict(credits: Credits) -> dict[str, int]:
     return credits.model_dump(mode="json")
-
-
-def node_status(view: NodeView, at_ms: int) -> str:
-    """Ready, Cordoned, NoLease, Expired or Zero(<reason>)."""
-    node = view.state
-    stored = node.lease
-    if node.info.cordoned:
-        return "Cordoned"
-    if stored is None:
-        return "NoLease" if node.info.role is NodeRole.DECODE else "-"
-    if view.lease_expired or stored.expired(at_ms):
-        return "Expired"
-    if stored.lease.zero_reason is not None:
-        return f"Zero({stored.lease.zero_reason.value})"
-    return "Ready"
 
 
 def lease_dict(stored: StoredLease, at_ms: int) -> dict[str, Any]:
@@ -64,8 +49,9 @@ def lease_dict(stored: StoredLease, at_ms: int) -> dict[str, Any]:
     }
 
 
-def node_row(view: NodeView, at_ms: int) -> dict[str, Any]:
-    """One node; ``available`` is what the broker says is left to lend (lease x share - debits)."""
+def node_row(view: NodeView, at_ms: int, reporting: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """One node; ``available`` is what the broker says is left to lend (lease x share - debits);
+    ``reporting``: as for :meth:`NodeView.status`."""
     node = view.state
     stored = node.lease
     available = view.available
@@ -73,7 +59,7 @@ def node_row(view: NodeView, at_ms: int) -> dict[str, Any]:
         "name": node.info.node_id,
         "role": node.info.role.value,
         "pool": node.info.pool,
-        "status": node_status(view, at_ms),
+        "status": view.status(at_ms, reporting),
         "cordoned": node.info.cordoned,
         "cordon_reason": node.info.cordon_reason,
         "labels": dict(node.info.labels),

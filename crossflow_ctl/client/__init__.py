@@ -11,7 +11,13 @@ from crossflow_ctl.client.admin import AdminClient
 from crossflow_ctl.client.admission import AdmissionClient
 from crossflow_ctl.client.admission_stream import AdmissionStream
 from crossflow_ctl.client.holding import Dispatch, QueueConfig
-from crossflow_ctl.client.models import CommitResult, NodeDetailView, NodeEventView, NodeView
+from crossflow_ctl.client.models import (
+    CommitResult,
+    NodeDetailView,
+    NodeEventView,
+    NodeView,
+    reporting_nodes,
+)
 from crossflow_ctl.client.queue import (
     AdmissionQueue,
     Admitter,
@@ -39,4 +45,5 @@ __all__ = [
     "QueueObserver",
     "QueueStats",
     "Ticket",
+    "reporting_nodes",
 ]

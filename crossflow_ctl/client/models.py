@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from crossflow_ctl.domain.models import Credits, Frozen, Lease, NodeState, Reservation
+from crossflow_ctl.domain.models import (
+    Credits,
+    Frozen,
+    Lease,
+    NodeRole,
+    NodeState,
+    PoolSnapshot,
+    Reservation,
+)
 
 
 class NodeView(Frozen):
@@ -12,6 +20,30 @@ class NodeView(Frozen):
     available: Credits = Credits()
     """Lease x policy borrow_share - open debits; zero when expired, zero or cordoned."""
     lease_expired: bool = False
+
+    def status(self, at_ms: int, reporting: frozenset[str] = frozenset()) -> str:
+        """Decode nodes: Ready, Cordoned, NoLease, Expired or Zero(<reason>). Prefill nodes
+        send load reports, not leases: Reporting when ``reporting`` (node ids with a live
+        report, :func:`reporting_nodes`) holds the node, else NoReport (its pool's wait no
+        longer counts it)."""
+        node = self.state
+        stored = node.lease
+        if node.info.cordoned:
+            return "Cordoned"
+        if node.info.role is NodeRole.PREFILL:
+            return "Reporting" if node.info.node_id in reporting else "NoReport"
+        if stored is None:
+            return "NoLease"
+        if self.lease_expired or stored.expired(at_ms):
+            return "Expired"
+        if stored.lease.zero_reason is not None:
+            return f"Zero({stored.lease.zero_reason.value})"
+        return "Ready"
+
+
+def reporting_nodes(pools: list[PoolSnapshot]) -> frozenset[str]:
+    """The prefill nodes with a live load report in ``pools`` (for :meth:`NodeView.status`)."""
+    return frozenset(r.node_id for pool in pools for r in pool.reports)
 
 
 class NodeEventView(Frozen):

@@ -384,7 +384,8 @@ class Demo:
             self.say(f"(live view: admin call failed: {exc})")
             return
         self.obs.check_grants(reservations, history, self.share)
-        self.obs.observe(nodes, int(time.time() * 1000))
+        at_ms = int(time.time() * 1000)
+        self.obs.observe(nodes, at_ms)
         if self.opts.quiet:
             return
         text = frame(
@@ -395,6 +396,7 @@ class Demo:
             pools,
             self.obs,
             self.opts.trace.requests,
+            at_ms,
         )
         if self.opts.live:
             self.out.write(CLEAR + text + "\n")

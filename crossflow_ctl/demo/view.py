@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from crossflow_ctl.client import NodeView
+from crossflow_ctl.client import NodeView, reporting_nodes
 from crossflow_ctl.demo.model import StaticResult, mean, percentile
 from crossflow_ctl.demo.router import RouterStats
 from crossflow_ctl.domain.models import (
@@ -118,7 +118,9 @@ def frame(
     pools: list[PoolSnapshot],
     obs: Observations,
     total_requests: int,
+    at_ms: int,
 ) -> str:
+    reporting = reporting_nodes(pools)
     lines = [
         f"{title}   t={elapsed_s:5.1f}s   requests {stats.released}/{total_requests} released, "
         f"{stats.finished} done",
@@ -142,15 +144,7 @@ def frame(
     for view in nodes:
         node = view.state
         stored = node.lease
-        status = "Ready"
-        if node.info.cordoned:
-            status = "Cordoned"
-        elif stored is None:
-            status = "NoLease" if node.info.role is NodeRole.DECODE else "-"
-        elif view.lease_expired:
-            status = "Expired"
-        elif stored.lease.zero_reason is not None:
-            status = f"Zero({stored.lease.zero_reason.value})"
+        status = view.status(at_ms, reporting)
         lease = f"v{stored.lease.version}" if stored else "-"
         a = view.available
         itl = f"{stored.lease.itl_ms:.1f}" if stored else "-"

@@ -22,7 +22,8 @@ async def test_get_nodes_table_json_yaml(ctl: Ctl, fleet: Fleet) -> None:
     assert lines[0].split()[:4] == ["NAME", "ROLE", "STATUS", "LEASE"]
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert rows["decode-1"][1:3] == ["decode", "Ready"]
-    assert rows["prefill-1"][1] == "prefill"
+    # a prefill node sends load reports, not leases: its status says whether one is live
+    assert rows["prefill-1"][1:3] == ["prefill", "Reporting"]
 
     as_json = await ctl("get", "nodes", "-o", "json")
     assert as_json.rc == 0
@@ -229,6 +230,18 @@ async def test_describe_node_shows_credits_debits_history(ctl: Ctl, fleet: Fleet
     }
     assert [r["id"] for r in data["reservations"]] == [granted.reservation_id]
     assert data["recent_leases"], "lease history is shown"
+
+
+async def test_describe_prefill_node_shows_its_load_report(ctl: Ctl, fleet: Fleet) -> None:
+    text = (await ctl("describe", "node", "prefill-1")).out
+    data = json.loads((await ctl("describe", "node", "prefill-1", "-o", "json")).out)
+    assert "Status:" in text and "Reporting" in text
+    assert "Load report:" in text and "200000 uncached tokens" in text
+    assert "Latest lease:" not in text and "Credits:" not in text  # a lease is a decode thing
+    assert data["status"] == "Reporting"
+    assert data["load_report"]["outstanding_uncached_tokens"] == 200_000
+    decode = json.loads((await ctl("describe", "node", "decode-1", "-o", "json")).out)
+    assert decode["load_report"] is None and decode["status"] == "Ready"
 
 
 async def test_contexts_file_drives_the_server(ctl: Ctl, fleet: Fleet) -> None:

@@ -14,6 +14,7 @@ from crossflow_ctl.cli.config import Context, CtlConfig, load_config, save_confi
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import Column, OutputFormat, render_list, table
 from crossflow_ctl.cli.views import POOL_COLUMNS, age, pool_row
+from crossflow_ctl.client import NodeView
 from crossflow_ctl.domain.admission import (
     Admission,
     Decision,
@@ -30,7 +31,7 @@ from crossflow_ctl.domain.errors import (
     NotFound,
     StoreUnavailable,
 )
-from crossflow_ctl.domain.models import PoolLoad, PoolSnapshot
+from crossflow_ctl.domain.models import NodeInfo, NodeRole, NodeState, PoolLoad, PoolSnapshot
 from crossflow_ctl.domain.policy import PolicySettings
 
 COLUMNS = [Column("NAME", "name"), Column("SLOTS", "slots"), Column("POOL", "pool", wide=True)]
@@ -135,6 +136,16 @@ def test_pool_wait_says_no_rate_instead_of_a_sentinel() -> None:
         ]["estimated_wait_ms"]
         is None
     )
+
+
+def test_prefill_status_says_whether_its_load_report_is_live() -> None:
+    def view(role: NodeRole, cordoned: bool = False) -> NodeView:
+        return NodeView(state=NodeState(info=NodeInfo(node_id="n", role=role, cordoned=cordoned)))
+
+    assert view(NodeRole.PREFILL).status(0, frozenset({"n"})) == "Reporting"
+    assert view(NodeRole.PREFILL).status(0, frozenset({"other"})) == "NoReport"
+    assert view(NodeRole.PREFILL, cordoned=True).status(0, frozenset({"n"})) == "Cordoned"
+    assert view(NodeRole.DECODE).status(0, frozenset({"n"})) == "NoLease"
 
 
 def test_lazy_command_table_matches_the_commands() -> None:
