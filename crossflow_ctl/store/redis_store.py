@@ -8,7 +8,9 @@ disagree.
 Redis Cluster: a node's keys share the hash tag ``{<ns>:n:<node>}`` (:mod:`.keys`), so each
 script touches one slot and only keys passed in KEYS; the node and lender indexes are split into
 hash-tagged buckets (:mod:`.redis_index`) written by plain commands, never inside a per-node
-script; no MULTI spans slots (pipelines are non-transactional, split per master by redis-py).
+script on a Cluster (on a standalone Redis, where no slot rule applies, ``upsert_leases`` also
+writes the lender index); no MULTI spans slots (pipelines are non-transactional, split per
+master by redis-py).
 The cluster-wide borrowing limit is the ``share`` factor inside each node's own check.
 
 Round trips: ``try_debit``, ``commit``, ``release`` one each (``try_debits``: one for a whole
