@@ -3,7 +3,8 @@
 Per-node keys share the hash tag ``{<ns>:n:<node_id>}`` so that all of one node's state (info,
 lease, reservations, notice stream, history, events) lives on one Redis Cluster slot and each
 per-node Lua script touches one slot only. Global keys (node index, lender index, pools, policy)
-carry their own tags and are never passed to a per-node script; the node and lender indexes
+carry their own tags and are never passed to a per-node script on a Cluster (on a standalone
+Redis ``upsert_leases`` takes the node's lender index bucket too); the node and lender indexes
 are split into ``INDEX_BUCKETS`` buckets by a CRC32 of the node id, each with its own tag.
 
 Every key starts with ``<ns>:`` (before the tag) so one namespace's keys can be found with a

@@ -31,7 +31,8 @@ from crossflow_ctl.store.redis_scripts import Scripts
 _SCRIPT_HEAD = tuple(
     str(v).encode() for v in (HISTORY_CAP, EVENTS_CAP, NOTICES_CAP, codec.LEASE_FIELD_NAMES)
 )
-"""``upsert_leases``' first four arguments, the same for every call (encoded once)."""
+"""``upsert_leases``' first four arguments, the same for every call (encoded once); the fifth,
+keys per lease, is the store's."""
 
 LEASES_PER_SCRIPT = 16
 """Leases per ``upsert_leases`` call: one call runs them back to back inside Redis (about 1 ms
@@ -40,7 +41,8 @@ for 16), so debits queued behind it wait no longer than behind a few pipelined c
 
 class UpsertCall(NamedTuple):
     keys: tuple[bytes, ...]
-    """The node's seven keys, in the script's order (encoded once per node, not per lease)."""
+    """The node's seven keys, in the script's order, and on a standalone Redis its lender index
+    bucket (encoded once per node, not per lease)."""
     slot: int
     """The node's Cluster hash slot (0 on a plain Redis): calls of one slot share a script."""
     packed: str
@@ -55,28 +57,36 @@ class UpsertCall(NamedTuple):
 
 class LeaseIngest:
     """``upsert_lease`` calls of one store, coalesced into ``upsert_leases`` calls (one per
-    ``LEASES_PER_SCRIPT`` leases of one slot, all in one pipeline); then one lender index
-    update a batch; each stored lease also refreshes ``cache`` in place. ``slot``: a node's
-    Cluster hash slot, None on a plain Redis; ``timeout_s``: the :class:`Coalescer`'s bound on
-    each caller's wait."""
+    ``LEASES_PER_SCRIPT`` leases of one slot, all in one pipeline); each stored lease also
+    refreshes ``cache`` in place, and the batch's lender changes go to ``lenders_changed`` (this
+    replica's draw) and to ``index_lenders`` (the lender index: one pipeline a batch) when it is
+    given; None when the script updates the index itself (a plain Redis, where one script may
+    name the node's keys and its index bucket). ``slot``: a node's Cluster hash slot, None on a
+    plain Redis; ``timeout_s``: the :class:`Coalescer`'s bound on each caller's wait."""
 
     def __init__(
         self,
         keys: Keys,
         scripts: Scripts,
-        index_lenders: Callable[[dict[str, int | None]], Awaitable[None]],
+        lenders_changed: Callable[[dict[str, int | None]], None],
+        index_lenders: Callable[[dict[str, int | None]], Awaitable[None]] | None,
         cache: NodeCache,
         slot: Callable[[str], int] | None = None,
         timeout_s: float | None = None,
     ) -> None:
         self._scripts = scripts
+        self._lenders_changed = lenders_changed
         self._index_lenders = index_lenders
         self._cache = cache
         self._coalescer: Coalescer[UpsertCall] = Coalescer(self._batch, timeout_s=timeout_s)
+        folded = index_lenders is None
+        self._head = (*_SCRIPT_HEAD, b"8" if folded else b"7")
 
         def node_keys(node_id: str) -> tuple[tuple[bytes, ...], int]:
             k = keys.node(node_id)
-            flat = (k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries)
+            flat = [k.info, k.lease, k.reservations, k.notices, k.history, k.events, k.expiries]
+            if folded:
+                flat.append(keys.lenders(keys.bucket(node_id)))
             return tuple(key.encode() for key in flat), 0 if slot is None else slot(k.info)
 
         self._node_keys = codec.Memo(node_keys, capacity=1 << 16)
@@ -104,7 +114,7 @@ class LeaseIngest:
 
     async def _batch(self, calls: Sequence[UpsertCall]) -> list[Any]:
         """The leases that arrived together: ``upsert_leases`` calls (each lease still checked
-        and stored on its own) in one pipeline, then one lender index update."""
+        and stored on its own) in one pipeline, then (on a Cluster) one lender index update."""
         by_slot: dict[int, list[int]] = {}
         for i, call in enumerate(calls):
             by_slot.setdefault(call.slot, []).append(i)
@@ -115,7 +125,7 @@ class LeaseIngest:
         ]
         script_calls = []
         for chunk in chunks:
-            args: list[Any] = [*_SCRIPT_HEAD]
+            args: list[Any] = [*self._head]
             args += (calls[i].packed for i in chunk)
             script_calls.append(([key for i in chunk for key in calls[i].keys], args))
         replies = await self._scripts.run_each("upsert_leases", script_calls)
@@ -133,7 +143,9 @@ class LeaseIngest:
                 lends = call.lends and not cordoned
                 changes[call.lease.node_id] = call.expires_at_ms if lends else None
         if changes:
-            await self._index_lenders(changes)
+            self._lenders_changed(changes)
+            if self._index_lenders is not None:
+                await self._index_lenders(changes)
         return out
 
     async def close(self) -> None:

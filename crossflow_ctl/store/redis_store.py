@@ -8,7 +8,9 @@ disagree.
 Redis Cluster: a node's keys share the hash tag ``{<ns>:n:<node>}`` (:mod:`.keys`), so each
 script touches one slot and only keys passed in KEYS; the node and lender indexes are split into
 hash-tagged buckets (:mod:`.redis_index`) written by plain commands, never inside a per-node
-script; no MULTI spans slots (pipelines are non-transactional, split per master by redis-py).
+script on a Cluster (on a standalone Redis, where no slot rule applies, ``upsert_leases`` also
+writes the lender index); no MULTI spans slots (pipelines are non-transactional, split per
+master by redis-py).
 The cluster-wide borrowing limit is the ``share`` factor inside each node's own check.
 
 Round trips: ``try_debit``, ``commit``, ``release`` one each (``try_debits``: one for a whole
@@ -18,9 +20,9 @@ reports, a working set drawn from the lender index and its nodes' states are reu
 (:mod:`.redis_view`, :mod:`.redis_cache`: fails closed when stale, never caches absence); each
 debit's reply and each lease this replica stores refresh the node's entry in place, so a warm
 Admit is the debit's one round trip. Flat in fleet size. Leases arriving together share
-``upsert_leases`` calls (16 leases of one slot each) in one pipeline, then one lender index
-update (:mod:`.redis_ingest`); waiting notice reads cost nothing until a wake
-(:mod:`.redis_notices`).
+``upsert_leases`` calls (16 leases of one slot each) in one pipeline, which on a standalone
+Redis also update the lender index (on a Cluster, one more pipeline does: :mod:`.redis_ingest`);
+waiting notice reads cost nothing until a wake (:mod:`.redis_notices`).
 """
 
 from __future__ import annotations
@@ -178,11 +180,15 @@ class RedisStore(Store):
         )
         self._pools, self._lenders, self._node_cache = self._view.caches
         self._notices = NoticeReader(client, self._k, self._backend, op_timeout_s)
-        slot = (lambda key: key_slot(key.encode())) if isinstance(client, RedisCluster) else None
+        cluster_client = isinstance(client, RedisCluster)
+        slot = (lambda key: key_slot(key.encode())) if cluster_client else None
         self._ingest = LeaseIngest(
             self._k,
             self._scripts,
-            self._index_lenders,
+            self._lenders.changed,
+            # Standalone: upsert_leases writes the lender index itself (no pipeline of ZADDs
+            # after each batch); a Cluster's index buckets lie in other slots than the nodes.
+            self._write_lenders if cluster_client else None,
             self._node_cache,
             slot,
             timeout_s=op_timeout_s,
@@ -206,6 +212,10 @@ class RedisStore(Store):
         leave by score once their lease expires), so a failure here must not turn a change
         that is already stored into an error for the caller."""
         self._lenders.changed(changes)
+        await self._write_lenders(changes)
+
+    async def _write_lenders(self, changes: dict[str, int | None]) -> None:
+        """The lender index part of :meth:`_index_lenders` (best effort, logged)."""
         try:
             async with asyncio.timeout(self._op_timeout_s):
                 await self._index.set_lenders(changes)

@@ -13,7 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from crossflow_ctl.domain.errors import StoreUnavailable
-from crossflow_ctl.domain.models import NodeInfo, NodeState, StoredLease
+from crossflow_ctl.domain.models import NodeInfo, NodeState, StoredLease, ZeroReason
 from crossflow_ctl.store.coalescer import Coalescer
 from crossflow_ctl.store.keys import Keys
 from crossflow_ctl.store.redis_cache import LenderSample, NodeCache
@@ -46,6 +46,55 @@ async def test_a_failing_lease_fails_only_itself_within_its_batch(
     assert isinstance(outcomes[1], StoreUnavailable)
     assert [o.accepted for o in (outcomes[0], outcomes[2])] == [True, True]  # type: ignore[union-attr]
     assert d1.lease is not None and d3.lease is not None
+
+
+async def test_a_batch_writes_the_lender_index_in_its_own_round_trip(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """On a plain Redis the upsert script adds a lending lease's node to the lender index (scored
+    by its expiry) and removes a zero or cordoned one: the batch is ONE round trip, with no
+    pipeline of index writes after it."""
+    client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
+    store = RedisStore(client, namespace=redis_namespace)
+    keys, zero = Keys(redis_namespace), ZeroReason.ITL_OVER_SLO
+    try:
+        await register(store, "d1", "d2", "d3")
+        for n in ("d2", "d3"):
+            await store.upsert_lease(lease(n, ttl_ms=TTL), NOW, TTL)
+        await store.set_cordon("d3", True, "maintenance", NOW)
+        before = CountingConnection.sent
+        await asyncio.gather(
+            store.upsert_lease(lease("d1", ttl_ms=TTL), NOW + 1, TTL),
+            store.upsert_lease(lease("d2", version=2, zero_reason=zero), NOW + 1, TTL),
+            store.upsert_lease(lease("d3", version=2, ttl_ms=TTL), NOW + 1, TTL),
+        )
+        sent = CountingConnection.sent - before
+        scores = [await client.zscore(keys.lenders(keys.bucket(n)), n) for n in ("d1", "d2", "d3")]
+    finally:
+        await store.close()
+        await client.aclose()
+    assert sent == 1
+    assert scores == [NOW + 1 + TTL, None, None]
+
+
+async def test_a_failing_lender_index_write_still_stores_the_lease(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """The index only steers sampling: a write to it that fails (here a bucket of the wrong
+    type) must not turn a stored lease into an error."""
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    raw = Redis.from_url(redis_url)
+    keys = Keys(redis_namespace)
+    try:
+        await register(store, "d1")
+        await raw.set(keys.lenders(keys.bucket("d1")), "not a zset")
+        outcome = await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
+        d1 = await store.get_node("d1", NOW)
+    finally:
+        await store.close()
+        await raw.aclose()
+    assert outcome.accepted
+    assert d1.lease is not None and d1.lease.lease.version == 1
 
 
 async def test_waits_are_bounded_per_batch_not_per_call() -> None:

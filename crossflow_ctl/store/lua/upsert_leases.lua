@@ -2,22 +2,28 @@
 -- purge the node's expired and acknowledged-released reservations. One call per batch (per
 -- Cluster slot: every node of a call shares the slot), each lease checked on its own and a
 -- failing lease (say a key of the wrong type) failing only itself.
--- KEYS: 7 per lease, lease i (from 0) at 7*i+1..7*i+7: info HASH, lease HASH, reservations
--- HASH, notices STREAM, lease history LIST, node events LIST, reservation expiries ZSET (all
--- one node, one hash tag).
+-- KEYS: K per lease (ARGV[5]: 7 or 8), lease i (from 0) at K*i+1..K*i+K: info HASH, lease
+-- HASH, reservations HASH, notices STREAM, lease history LIST, node events LIST, reservation
+-- expiries ZSET (all one node, one hash tag); with K = 8 also the node's lender index bucket
+-- ZSET (another hash tag: a standalone Redis only, never a Cluster), which a stored lease then
+-- updates in the same step: member node_id scored by the lease expiry when the lease lends and
+-- the node is not cordoned, removed otherwise (best effort: an index write that fails leaves
+-- the stored lease stored and accepted).
 -- ARGV[1] history cap, ARGV[2] events cap, ARGV[3] notices MAXLEN, ARGV[4] the lease HASH's
 -- field names joined by '|' (LEASE_FIELDS in crossflow_ctl/store/redis_codec.py, 'detail'
--- last); then one per lease: ARGV[5+i] the lease HASH's values in that order, joined by '\31'
--- (only the last, the free-text detail, may hold that byte): the lease's one serialized form,
--- also pushed whole onto the history LIST (a log of past leases, read by lease_history). The
--- script reads ev ("<epoch:020d><version:020d>", 40 digits compared as text so 63-bit values
--- stay exact), epoch, version, zero ('' when the lease lends), nseq (last_notice_seq) and recv
--- (when the broker received it: "now" for that lease, broker clock) from them.
+-- last), ARGV[5] K; then one per lease: ARGV[6+i] the lease HASH's values in that order,
+-- joined by '\31' (only the last, the free-text detail, may hold that byte): the lease's one
+-- serialized form, also pushed whole onto the history LIST (a log of past leases, read by
+-- lease_history). The script reads ev ("<epoch:020d><version:020d>", 40 digits compared as
+-- text so 63-bit values stay exact), epoch, version, exp (the expiry, broker clock), zero (''
+-- when the lease lends), node, nseq (last_notice_seq) and recv (when the broker received it:
+-- "now" for that lease, broker clock) from them.
 -- An accepted lease also marks the node as heard of at recv (info 'seen', read by node expiry).
 -- Returns one reply per lease, in order: {-1} for an unregistered node; {0, stored_epoch,
 -- stored_version, 0} for a stale lease (nothing changed); {1, epoch, version, purged,
 -- cordoned(0/1)} when stored; {-2, error} when a command failed for that lease.
 local history_cap, events_cap, maxlen = tonumber(ARGV[1]) - 1, tonumber(ARGV[2]) - 1, ARGV[3]
+local stride = tonumber(ARGV[5])
 local names = {}
 for name in string.gmatch(ARGV[4], '[^|]+') do
   names[#names + 1] = name
@@ -99,12 +105,19 @@ local function upsert(base, packed)
   if node[2] == '1' then
     cordoned = 1
   end
+  if stride == 8 then  -- best effort (pcall): the index only steers sampling
+    if zero == '' and cordoned == 0 then
+      redis.pcall('ZADD', KEYS[base + 8], new.exp, new.node)
+    else
+      redis.pcall('ZREM', KEYS[base + 8], new.node)
+    end
+  end
   return {1, epoch, new.version, purged, cordoned}
 end
 
 local out = {}
-for i = 0, #KEYS / 7 - 1 do
-  local ok, reply = pcall(upsert, 7 * i, ARGV[5 + i])
+for i = 0, #KEYS / stride - 1 do
+  local ok, reply = pcall(upsert, stride * i, ARGV[6 + i])
   if not ok then
     reply = {-2, type(reply) == 'table' and reply.err or tostring(reply)}
   end
