@@ -295,7 +295,16 @@ def prompt_demand(demand: DemandCheck, normal: NormalPath, settings: PolicySetti
     own = ratio * normal.prefill_ms
     if own >= demand.threshold_ms:
         return demand
-    return demand.model_copy(update={"threshold_ms": own, "holds": demand.pool_wait_ms > own})
+    # A copy with two fields changed, of their types (``model_copy`` costs twice as much).
+    return DemandCheck.trusted(
+        holds=demand.pool_wait_ms > own,
+        pool_wait_ms=demand.pool_wait_ms,
+        threshold_ms=own,
+        outstanding_uncached_tokens=demand.outstanding_uncached_tokens,
+        processing_rate_tps=demand.processing_rate_tps,
+        reporting_nodes=demand.reporting_nodes,
+        pending_uncached_tokens=demand.pending_uncached_tokens,
+    )
 
 
 def estimate_normal_path(
@@ -312,14 +321,15 @@ def estimate_normal_path(
     rate = (pool.prefill_rate_tps if pool else 0.0) or settings.default_prefill_rate_tps
     prompt = request.uncached_prompt_tokens + request.cached_prefix_tokens
     pool_rate = demand.processing_rate_tps or rate
-    return NormalPath(
-        hold_ms=min(MAX_MS, request.held_ahead_tokens / pool_rate * 1000.0),
-        wait_ms=demand.pool_wait_ms or 0.0,
+    # Four floats computed here (its fields, in order: built without validation, per Admit).
+    return NormalPath.trusted(
+        wait_ms=float(demand.pool_wait_ms or 0.0),
         prefill_ms=request.uncached_prompt_tokens / rate * 1000.0,
         kv_transfer_ms=prompt
         * settings.kv_bytes_per_token
         / settings.kv_transfer_bytes_per_s
         * 1000.0,
+        hold_ms=min(MAX_MS, request.held_ahead_tokens / pool_rate * 1000.0),
     )
 
 
@@ -464,7 +474,8 @@ def plan_admission(
         reason = Reason.NO_BENEFIT
     else:
         reason = Reason.NO_LEASES
-    return Plan(
+    # Every field built above, of its type: no validation (``trusted``), as for each check.
+    return Plan.trusted(
         reason=reason,
         demand=demand,
         normal_path=normal,

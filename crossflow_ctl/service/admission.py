@@ -376,12 +376,21 @@ class Admitter:
         """``call`` shielded: when admission times out, debits may still land in the store;
         they are then waited for and released, never left for nobody (phantom holds)."""
         # A task of its own from the start: a timeout the store call sets up (redis-py bounds
-        # each read with one) must cancel the debit, never the Admit's caller.
-        debits = asyncio.ensure_future(call)
+        # each read with one) must cancel the debit, never the Admit's caller. The caller waits
+        # on a future the task settles as its last step (what ``asyncio.shield`` does, one
+        # event-loop turn sooner: shield settles its own future from the task's done callback).
+        answer: asyncio.Future[list[DebitOutcome]] = asyncio.get_running_loop().create_future()
+        debits = asyncio.ensure_future(_settling(call, answer))
         try:
-            return await asyncio.shield(debits)
+            return await answer
         except asyncio.CancelledError:
             debits.add_done_callback(self._abandoned)
+            raise
+        except BaseException:
+            # The task ended with that same error in the step that set it: retrieved here,
+            # as shield retrieves it, so asyncio never reports it as unretrieved.
+            if debits.done() and not debits.cancelled():
+                debits.exception()
             raise
 
     def _without_debit(
@@ -417,19 +426,52 @@ class Admitter:
         return answer.model_copy(update={"shadow_decision": would})
 
 
-def _borrow(plan: Plan, check: NodeCheck, **grant: str | int) -> Admission:
+async def _settling(
+    call: Awaitable[list[DebitOutcome]], answer: asyncio.Future[list[DebitOutcome]]
+) -> list[DebitOutcome]:
+    """``call``'s outcome, also settled into ``answer`` (unless its waiter gave up) in the same
+    step: the waiter resumes on the next loop turn."""
+    try:
+        outcomes = await call
+    except asyncio.CancelledError:
+        answer.cancel()
+        raise
+    except BaseException as exc:
+        if not answer.done():
+            answer.set_exception(exc)
+        raise
+    if not answer.done():
+        answer.set_result(outcomes)
+    return outcomes
+
+
+def _borrow(
+    plan: Plan,
+    check: NodeCheck,
+    reservation_id: str = "",
+    lease_epoch: int = 0,
+    lease_version: int = 0,
+    expires_at_ms: int = 0,
+) -> Admission:
     """The BORROW answer for ``check``, with the grant's facts (``reservation_id``,
     ``lease_epoch``, ``lease_version``, ``expires_at_ms``) when given; without them, a request
     record's template."""
-    return Admission(
+    # Every field, in order, of its type (the plan's and the grant's own values): built without
+    # validation (``trusted``), once per granted Admit.
+    return Admission.trusted(
         decision=Decision.BORROW,
         reason=Reason.BORROWED,
         message=plan.summary(),
         node_id=check.node_id,
+        reservation_id=reservation_id,
+        lease_epoch=lease_epoch,
+        lease_version=lease_version,
+        expires_at_ms=expires_at_ms,
         predicted_ttft_ms=check.predicted_ttft_ms,
         normal_ttft_ms=plan.normal_path.total_ms if plan.normal_path else 0.0,
         plan=plan,
-        **grant,
+        shadow_decision=None,
+        replayed=False,
     )
 
 

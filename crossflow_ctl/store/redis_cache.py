@@ -253,15 +253,16 @@ class NodeCache:
         if stored is None or (stored.lease.epoch, stored.lease.version) != (epoch, version):
             del self._items[node_id]
             return
-        # Validating constructors: cheaper than model_construct on pydantic 2.13.
-        open_debits = Credits(
+        # Built without validation (``trusted``, every field in order): the totals are the
+        # debit script's own integers (the caller parsed them), the rest the cached entry's.
+        open_debits = Credits.trusted(
             compute_tokens=totals[0],
             kv_tokens=totals[1],
             kv_transfer_bytes=totals[2],
             output_tokens=totals[3],
             slots=totals[4],
         )
-        state = NodeState(
+        state = NodeState.trusted(
             info=entry.state.info,
             lease=stored,
             open_debits=open_debits,

@@ -106,9 +106,10 @@ class DebitCall:
                 lease_epoch=epoch,
                 lease_version=version,
             )
-        # Validating constructors: cheaper than model_construct on pydantic 2.13 (measured:
-        # Reservation 4.3 us against 7.8 us, DebitOutcome 3.2 us against 11.8 us).
-        res = Reservation(
+        # Built without validation (``trusted``, every field in order: cheaper than the
+        # validating constructors, which are cheaper than model_construct): the debit is this
+        # call's own, the numbers the script's integers.
+        res = Reservation.trusted(
             reservation_id=self.reservation_id,
             node_id=self.node_id,
             state=ReservationState.HELD,
@@ -123,7 +124,7 @@ class DebitCall:
             request_id=self.request_id,
             owner=self.owner,
         )
-        return DebitOutcome(
+        return DebitOutcome.trusted(
             granted=True,
             reservation=res,
             short_credits=(),

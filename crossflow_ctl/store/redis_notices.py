@@ -48,6 +48,7 @@ from crossflow_ctl.domain.models import Notice
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.coalescer import Coalescer
 from crossflow_ctl.store.keys import Keys
+from crossflow_ctl.store.redis_pipeline import send_all
 
 log = structlog.get_logger()
 
@@ -304,13 +305,15 @@ class NoticeReader:
     async def _read_batch(self, reads: Sequence[_Range]) -> list[Any]:
         """One pipeline for ``reads``: each read's entries, or its own error (NotFound for a
         node that is not registered)."""
-        pipe = self._r.pipeline(transaction=False)
+        commands: list[tuple[Any, ...]] = []
         for read in reads:
             k = self._k.node(read.node_id)
             if not read.known:
-                pipe.exists(k.info)
-            pipe.xrange(k.notices, min=f"{read.after_seq + 1}-0", max="+", count=read.limit)
-        replies = iter(await pipe.execute(raise_on_error=False))
+                commands.append(("EXISTS", k.info))
+            commands.append(
+                ("XRANGE", k.notices, f"{read.after_seq + 1}-0", "+", "COUNT", read.limit)
+            )
+        replies = iter(await send_all(self._r, commands, raise_on_error=False))
         out: list[Any] = []
         for read in reads:
             exists = 1 if read.known else next(replies)

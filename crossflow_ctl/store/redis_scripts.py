@@ -18,6 +18,8 @@ from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
 
+from crossflow_ctl.store.redis_pipeline import send_all
+
 PER_NODE = (
     "upsert_leases",
     "try_debit",
@@ -94,11 +96,11 @@ class Scripts:
         out: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         for attempt in range(2):
-            pipe = self._r.pipeline(transaction=False)
+            commands = []
             for i in todo:
                 keys, args = calls[i]
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            replies = await pipe.execute(raise_on_error=False)
+                commands.append(("EVALSHA", script.sha, len(keys), *keys, *args))
+            replies = await send_all(self._r, commands, raise_on_error=False)
             for i, reply in zip(todo, replies, strict=True):
                 out[i] = reply
             todo = [i for i in todo if isinstance(out[i], NoScriptError)]
@@ -141,15 +143,9 @@ class Scripts:
         again (each call must be safe to repeat)."""
         script = self.by_name[name]
         for attempt in range(2):
-            pipe = self._r.pipeline(transaction=False)
-            for command in before:
-                pipe.execute_command(*command)
-            for keys, args in calls:
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            for command in after:
-                pipe.execute_command(*command)
+            evalshas = [("EVALSHA", script.sha, len(keys), *keys, *args) for keys, args in calls]
             try:
-                return list(await pipe.execute())
+                return await send_all(self._r, [*before, *evalshas, *after])
             except NoScriptError:
                 if attempt:
                     raise

@@ -382,3 +382,32 @@ def test_a_batch_plans_on_rooms_computed_once_per_node_with_the_same_result() ->
     plan = plan_admission(REQUEST, pool(2000, 1000.0), [node("d0")], SETTINGS, NOW, None, full)
     assert plan.reason is Reason.NO_ROOM
     assert plan.nodes[0].available == Credits()
+
+
+@given(
+    outstanding=st.integers(0, 10**6),
+    rate=st.floats(0.0, 1e6),
+    uncached=st.integers(0, 5000),
+    cached=st.integers(0, 5000),
+    held=st.integers(0, 10**6),
+    ratio=st.one_of(st.none(), st.floats(0.01, 10.0)),
+)
+def test_a_plan_built_without_validation_is_what_validation_builds(
+    outstanding: int, rate: float, uncached: int, cached: int, held: int, ratio: float | None
+) -> None:
+    """The plan, its normal path and a prompt's own Demand are built unvalidated (``trusted``,
+    per Admit): validating their dump gives the same values, of the same types (every float a
+    float), so answers and ``--explain`` numbers are those a validating build gives."""
+    settings = SETTINGS.updated({"demand_prefill_ratio": ratio})
+    request = AdmissionRequest(
+        uncached_prompt_tokens=uncached, cached_prefix_tokens=cached, held_ahead_tokens=held
+    )
+    plan = plan_admission(request, pool(outstanding, rate), [node(), node("d1")], settings, NOW)
+    revalidated = type(plan).model_validate(plan.model_dump())
+    assert revalidated == plan
+    assert revalidated.model_dump_json() == plan.model_dump_json()
+    pairs = [(plan.demand, revalidated.demand), (plan.normal_path, revalidated.normal_path)]
+    for built, validated in pairs:
+        assert built is not None and validated is not None
+        for name in type(built).model_fields:
+            assert type(getattr(built, name)) is type(getattr(validated, name)), name
