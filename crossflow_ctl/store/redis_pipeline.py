@@ -47,8 +47,15 @@ async def send_all(
     conn: AbstractConnection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
         replies = await _round_trip(client, conn, commands)
+    except Exception:
+        # read_response drops the connection on its own errors; a reply callback that raised
+        # leaves the replies after it unread, so the connection must not go back in step-less
+        await conn.disconnect(nowait=True)
+        raise
     finally:
-        await pool.release(conn)
+        # Shielded as redis-py's Pipeline.reset shields it: release waits on the pool's lock
+        # when callers queue for a connection, and a cancel there would keep the slot for good.
+        await asyncio.shield(pool.release(conn))
     if raise_on_error:
         for number, (command, reply) in enumerate(zip(commands, replies, strict=True), 1):
             if isinstance(reply, ResponseError):

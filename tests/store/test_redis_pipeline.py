@@ -3,6 +3,7 @@ errors and connection handling must be those of ``pipeline(transaction=False).ex
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -91,3 +92,50 @@ async def test_a_reply_later_than_the_socket_timeout_is_a_timeout_and_drops_the_
         True,
         True,
     ]
+
+
+async def test_a_cancel_while_releasing_does_not_keep_the_connection(redis_url: str) -> None:
+    """A caller cancelled while ``release`` waits on the pool's lock (callers queue for a
+    connection) must still give the connection back: else the slot is gone for good."""
+    r = connect(redis_url, RedisConnection(), socket_timeout_s=2.0, max_connections=2)
+    pool = r.connection_pool
+    try:
+        call = asyncio.ensure_future(send_all(r, [("BLPOP", "cf:test:pipeline:empty", "0.1")]))
+        await asyncio.sleep(0.03)  # the BLPOP is in flight
+
+        async def hold_the_lock() -> None:
+            async with pool._condition:  # type: ignore[attr-defined]
+                await asyncio.sleep(0.3)
+
+        holder = asyncio.ensure_future(hold_the_lock())
+        await asyncio.sleep(0.2)  # the reply came; release now waits for the lock
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await holder
+        await asyncio.sleep(0.05)
+        assert not pool._in_use_connections  # type: ignore[attr-defined]
+        assert await send_all(r, [("PING",)]) == [True]
+    finally:
+        await r.aclose()
+        await pool.disconnect()
+
+
+async def test_a_failing_reply_callback_does_not_leave_the_connection_out_of_step(
+    redis_url: str,
+) -> None:
+    r = connect(redis_url, RedisConnection(), socket_timeout_s=2.0, max_connections=1)
+    try:
+
+        def broken(reply: Any) -> Any:
+            raise ValueError("callback failed")
+
+        r.response_callbacks["ECHO"] = broken
+        with pytest.raises(ValueError, match="callback failed"):
+            await send_all(r, [("ECHO", "first"), ("PING",), ("ECHO", "third")])
+        del r.response_callbacks["ECHO"]
+        # the one connection of the pool: the replies of the failed call must not be read here
+        assert await send_all(r, [("ECHO", "next")]) == [b"next"]
+    finally:
+        await r.aclose()
+        await r.connection_pool.disconnect()
