@@ -296,6 +296,7 @@ def pool_load(
     observed = snapshot.prefill_processing_rate_tps or snapshot.prompt_rate_tps
     rate = min(MAX_RATE_TPS, max(observed, modelled_rate_tps))
     running = snapshot.running_requests
+    wait = snapshot.prefill_queue_wait_ms
     per_request = rate / running if running > 0 else min(MAX_RATE_TPS, modelled_rate_tps)
     return PoolLoad(
         pool=pool,
@@ -305,4 +306,5 @@ def pool_load(
         prefill_rate_tps=per_request,
         ttl_ms=ttl_ms,
         queued_requests=min(snapshot.queued_requests, 10_000_000),
+        queue_wait_ms=None if wait is None else min(MAX_MS, wait),
     )
