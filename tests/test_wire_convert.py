@@ -198,7 +198,8 @@ def test_admission_round_trips() -> None:
         ),
         NodeState(info=NodeInfo(node_id="d2")),
     ]
-    for pool in (PoolSnapshot(pool="p", reports=(LOAD,)), PoolSnapshot(pool="p", reports=(TIMED,)), None):
+    pools = (PoolSnapshot(pool="p", reports=(LOAD,)), PoolSnapshot(pool="p", reports=(TIMED,)))
+    for pool in (*pools, None):
         # With tokens sent since the reports, so each Demand field crosses the wire (the
         # timed pool's: the request's prefill server and that its wait is in time).
         plan = plan_admission(req, pool, nodes, policy, NOW, check_demand(pool, policy, 1234))
