@@ -31,7 +31,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, roofline
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_time_s, roofline
 from crossflow_ctl.domain.lending import ChunkSizer
 
 
@@ -85,12 +85,7 @@ class StepModel:
         return self.roof.step_s(batch, context, prefill, prefix)
 
     def prefill_s(self, uncached: int, cached: int, chunk: int) -> float:
-        total, done = 0.0, 0
-        while done < uncached:
-            p = min(chunk, uncached - done)
-            total += self.step_s(0, 0, p, cached + done)
-            done += p
-        return total
+        return prefill_time_s(self.roof, uncached, cached, chunk)
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.model.kv_bytes_per_token / self.node.network_bytes_per_s
