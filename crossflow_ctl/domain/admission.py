@@ -9,7 +9,7 @@ the latest lease, so a plan made on a slightly old read can never over-commit.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, NamedTuple
 
@@ -28,6 +28,7 @@ from crossflow_ctl.domain.models import (
     PoolName,
     PoolSnapshot,
 )
+from crossflow_ctl.domain.pending import NONE_UNREPORTED, Unreported
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.safety import need_for, room_left, short_of_room
 
@@ -278,14 +279,21 @@ def check_demand(
     settings: PolicySettings,
     pending_tokens: int = 0,
     prefill_node_id: str | None = None,
+    sent_to: Mapping[str, int] | None = None,
 ) -> DemandCheck:
     """Demand at ``demand_threshold_ms``. Without ``prefill_node_id``, of the pool as a whole:
     whether it is behind for every prompt (a prompt's own threshold is never higher, and, when
     the pool reports waits in time, its server's wait never lower than the least-loaded one's:
     :func:`prompt_demand`, :func:`target_demand`). With it, for a prompt bound for that server.
     ``pending_tokens``: uncached tokens sent to the pool that its reports do not show yet
-    (:func:`~crossflow_ctl.domain.pending.unreported_tokens`)."""
-    wait = pool.estimated_wait_ms(pending_tokens, prefill_node_id) if pool is not None else None
+    (:func:`~crossflow_ctl.domain.pending.unreported_tokens`); ``sent_to``: those sent to a
+    named server, by server, when the pool reports waits in time (then not in
+    ``pending_tokens``: :class:`~crossflow_ctl.domain.pending.Unreported`)."""
+    wait = (
+        pool.estimated_wait_ms(pending_tokens, prefill_node_id, sent_to)
+        if pool is not None
+        else None
+    )
     if pool is None or wait is None:
         return DemandCheck(
             holds=False,
@@ -294,6 +302,9 @@ def check_demand(
             prefill_node_id=prefill_node_id,
         )
     rate = pool.processing_rate_tps  # a sum over the reports: read once
+    timed = pool.server_waits_ms() is not None
+    if timed and sent_to and prefill_node_id is not None:
+        pending_tokens += sent_to.get(prefill_node_id, 0)
     return DemandCheck(
         holds=wait > settings.demand_threshold_ms,
         pool_wait_ms=wait,
@@ -303,7 +314,7 @@ def check_demand(
         reporting_nodes=len(pool.reports),
         pending_uncached_tokens=pending_tokens if rate > 0 else 0,
         prefill_node_id=prefill_node_id,
-        timed=pool.server_waits_ms() is not None,
+        timed=timed,
     )
 
 
@@ -312,14 +323,16 @@ def target_demand(
     pool: PoolSnapshot | None,
     request: AdmissionRequest,
     settings: PolicySettings,
+    pending: Unreported = NONE_UNREPORTED,
 ) -> DemandCheck:
     """The pool's Demand (``demand``, :func:`check_demand` without a server) for a prompt the
-    router would send to ``request.prefill_node_id``: that server's wait, with the same tokens
-    sent since the reports; the pool's when the request names none."""
+    router would send to ``request.prefill_node_id``: that server's wait, with the tokens sent
+    since the reports (``pending``, what ``demand`` was computed with); the pool's when the
+    request names none."""
     target = request.prefill_node_id
     if target is None or pool is None:
         return demand
-    return check_demand(pool, settings, demand.pending_uncached_tokens, target)
+    return check_demand(pool, settings, pending.shared, target, pending.by_server)
 
 
 def prompt_demand(demand: DemandCheck, normal: NormalPath, settings: PolicySettings) -> DemandCheck:
@@ -470,15 +483,17 @@ def plan_admission(
     now_ms: int,
     demand: DemandCheck | None = None,
     rooms: Sequence[Room | None] | None = None,
+    pending: Unreported = NONE_UNREPORTED,
 ) -> Plan:
     """Demand, then Benefit and Safety on every candidate; rank the nodes that pass both.
 
     ``demand``: ``check_demand(pool, settings)`` (made the prompt's own by
     :func:`target_demand` and :func:`prompt_demand`), and ``rooms``: ``node_rooms(nodes,
     settings.borrow_share)``, when the caller already has them (a batch of requests planned on
-    one view shares them)."""
+    one view shares them); ``pending``: the tokens sent since the pool's reports ``demand``
+    was computed with."""
     pool_demand = demand if demand is not None else check_demand(pool, settings)
-    pool_demand = target_demand(pool_demand, pool, request, settings)
+    pool_demand = target_demand(pool_demand, pool, request, settings, pending)
     normal = estimate_normal_path(request, pool_demand, pool, settings)
     demand = prompt_demand(pool_demand, normal, settings)
     if rooms is None:

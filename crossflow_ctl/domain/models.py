@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, NamedTuple, TypeVar, cast
 
@@ -384,7 +384,10 @@ class PoolSnapshot(Frozen):
         return waits or None
 
     def estimated_wait_ms(
-        self, pending_tokens: int = 0, prefill_node_id: str | None = None
+        self,
+        pending_tokens: int = 0,
+        prefill_node_id: str | None = None,
+        sent_to: Mapping[str, int] | None = None,
     ) -> float | None:
         """The wait of a prompt sent to the pool now; None when nothing reports.
 
@@ -398,7 +401,9 @@ class PoolSnapshot(Frozen):
         they do not show yet; they count only at a known rate, spread over the pool (at its
         total rate). Without one (a pool that has not processed anything lately reports none)
         they say nothing about time: an idle pool's first prompts must not read as an unbounded
-        wait."""
+        wait. ``sent_to``: with waits in time, tokens sent to each named server that its own
+        report does not show yet, added to that server's wait at its own rate (a server's
+        wait then never reads below what was sent to it since)."""
         if not self.reports:
             return None
         rate = self.processing_rate_tps
@@ -408,6 +413,11 @@ class PoolSnapshot(Frozen):
         ):
             return None
         if waits is not None:
+            if sent_to:
+                for r in self.reports:
+                    sent = sent_to.get(r.node_id, 0)
+                    if sent > 0 and r.processing_rate_tps > 0:
+                        waits[r.node_id] += sent / r.processing_rate_tps * 1000.0
             wait = waits[prefill_node_id] if prefill_node_id is not None else min(waits.values())
             if rate > 0:
                 wait += pending_tokens / rate * 1000.0

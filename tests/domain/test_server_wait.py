@@ -19,6 +19,7 @@ from crossflow_ctl.domain.admission import (
     plan_admission,
 )
 from crossflow_ctl.domain.models import PoolLoad, PoolSnapshot
+from crossflow_ctl.domain.pending import Unreported
 from tests.domain.test_admission import NOW, SETTINGS, node
 
 
@@ -106,20 +107,35 @@ def test_benefit_weighs_the_least_loaded_servers_wait_in_time() -> None:
 
 @given(
     waits=st.lists(st.floats(0.0, 1e6), min_size=1, max_size=6),
+    sent=st.lists(st.integers(0, 10**6), min_size=6, max_size=6),
     which=st.integers(0, 5),
     pending=st.integers(0, 10**6),
     uncached=st.integers(0, 200_000),
 )
 def test_pool_wide_demand_still_implies_every_prompts_demand(
-    waits: list[float], which: int, pending: int, uncached: int
+    waits: list[float], sent: list[int], which: int, pending: int, uncached: int
 ) -> None:
-    """What a room watch reports (no server named: the least-loaded one's wait) holds for a
-    prompt bound for any server: no server's wait is below the least-loaded one's."""
+    """What a room watch reports (no server named: the least-loaded one's wait, tokens sent to
+    each server since its report included) holds for a prompt bound for any server: no
+    server's wait is below the least-loaded one's."""
     pool = PoolSnapshot(
         pool="default", reports=tuple(load(f"p{i}", 100, w) for i, w in enumerate(waits))
     )
+    unreported = Unreported(pending, {f"p{i}": n for i, n in enumerate(sent)})
     request = to(f"p{which % len(waits)}", uncached)
-    demand = check_demand(pool, SETTINGS, pending)
-    plan = plan_admission(request, pool, [node()], SETTINGS, NOW, demand)
+    demand = check_demand(pool, SETTINGS, unreported.shared, None, unreported.by_server)
+    plan = plan_admission(request, pool, [node()], SETTINGS, NOW, demand, None, unreported)
     if demand.holds:
         assert plan.demand.holds
+
+
+def test_tokens_sent_to_a_server_since_its_report_add_to_its_wait_at_its_rate() -> None:
+    """A burst sent to the idle server since its last report: its wait is that burst, at its
+    own rate (1000 tokens/s), not spread over the pool; the jammed server's is unchanged."""
+    sent = Unreported(0, {"p1": 3000})
+    assert JAMMED_IDLE.estimated_wait_ms(0, "p1", sent.by_server) == pytest.approx(3000.0)
+    assert JAMMED_IDLE.estimated_wait_ms(0, "p0", sent.by_server) == 30_000.0
+    assert JAMMED_IDLE.estimated_wait_ms(0, None, sent.by_server) == pytest.approx(3000.0)
+    plan = plan_admission(to("p1"), JAMMED_IDLE, [node()], SETTINGS, NOW, None, None, sent)
+    assert plan.demand.pool_wait_ms == pytest.approx(3000.0)
+    assert plan.demand.pending_uncached_tokens == 3000 and plan.reason is Reason.BORROWED
