@@ -302,9 +302,10 @@ def check_demand(
             prefill_node_id=prefill_node_id,
         )
     rate = pool.processing_rate_tps  # a sum over the reports: read once
-    timed = pool.server_waits_ms() is not None
-    if timed and sent_to and prefill_node_id is not None:
-        pending_tokens += sent_to.get(prefill_node_id, 0)
+    waits = pool.server_waits_ms(sent_to)
+    if waits is not None and sent_to:  # what was sent to the server whose wait this is
+        server = prefill_node_id or min(waits, key=waits.__getitem__)
+        pending_tokens += sent_to.get(server, 0)
     return DemandCheck(
         holds=wait > settings.demand_threshold_ms,
         pool_wait_ms=wait,
@@ -314,7 +315,7 @@ def check_demand(
         reporting_nodes=len(pool.reports),
         pending_uncached_tokens=pending_tokens if rate > 0 else 0,
         prefill_node_id=prefill_node_id,
-        timed=timed,
+        timed=waits is not None,
     )
 
 

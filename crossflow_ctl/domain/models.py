@@ -372,15 +372,21 @@ class PoolSnapshot(Frozen):
             and (self.processing_rate_tps <= 0)
         )
 
-    def server_waits_ms(self) -> dict[str, float] | None:
+    def server_waits_ms(self, sent_to: Mapping[str, int] | None = None) -> dict[str, float] | None:
         """Each server's own wait in time (``PoolLoad.queue_wait_ms``) by node id, when every
         live report carries one; None otherwise (one figure in tokens and one in time cannot be
-        compared, so a pool that is part way through an upgrade is read in tokens alone)."""
+        compared, so a pool that is part way through an upgrade is read in tokens alone).
+        ``sent_to``: uncached tokens sent to each server that its report does not show yet,
+        added at its own rate (when it reports one)."""
         waits: dict[str, float] = {}
         for r in self.reports:
             if r.queue_wait_ms is None:
                 return None
-            waits[r.node_id] = r.queue_wait_ms
+            wait = r.queue_wait_ms
+            sent = sent_to.get(r.node_id, 0) if sent_to else 0
+            if sent > 0 and r.processing_rate_tps > 0:
+                wait += sent / r.processing_rate_tps * 1000.0
+            waits[r.node_id] = wait
         return waits or None
 
     def estimated_wait_ms(
@@ -407,17 +413,12 @@ class PoolSnapshot(Frozen):
         if not self.reports:
             return None
         rate = self.processing_rate_tps
-        waits = self.server_waits_ms()
+        waits = self.server_waits_ms(sent_to)
         if prefill_node_id is not None and not any(
             r.node_id == prefill_node_id for r in self.reports
         ):
             return None
         if waits is not None:
-            if sent_to:
-                for r in self.reports:
-                    sent = sent_to.get(r.node_id, 0)
-                    if sent > 0 and r.processing_rate_tps > 0:
-                        waits[r.node_id] += sent / r.processing_rate_tps * 1000.0
             wait = waits[prefill_node_id] if prefill_node_id is not None else min(waits.values())
             if rate > 0:
                 wait += pending_tokens / rate * 1000.0

@@ -139,3 +139,5 @@ def test_tokens_sent_to_a_server_since_its_report_add_to_its_wait_at_its_rate() 
     plan = plan_admission(to("p1"), JAMMED_IDLE, [node()], SETTINGS, NOW, None, None, sent)
     assert plan.demand.pool_wait_ms == pytest.approx(3000.0)
     assert plan.demand.pending_uncached_tokens == 3000 and plan.reason is Reason.BORROWED
+    pooled = check_demand(JAMMED_IDLE, SETTINGS, 0, None, sent.by_server)  # a room watch's
+    assert pooled.pool_wait_ms == pytest.approx(3000.0) and pooled.pending_uncached_tokens == 3000
