@@ -76,6 +76,7 @@ LOAD = PoolLoad(
     ttl_ms=2_000,
     queued_requests=3,
 )
+TIMED = LOAD.model_copy(update={"queue_wait_ms": 2_500.5})
 
 
 def test_every_message_has_a_mirror_or_is_wire_only() -> None:
@@ -115,6 +116,8 @@ def test_common_and_admin_round_trips() -> None:
     assert c.lease_to_proto(LEASE).horizon_ms == 6_000
     assert c.lease_from_proto(c.lease_to_proto(ZERO)).horizon_ms == 0  # not said: an older agent
     assert c.pool_load_from_proto(c.pool_load_to_proto(LOAD)) == LOAD
+    assert not c.pool_load_to_proto(LOAD).HasField("queue_wait_ms")  # unset, not 0
+    assert c.pool_load_from_proto(c.pool_load_to_proto(TIMED)) == TIMED
     notice = Notice(
         node_id="d1", seq=4, kind=NoticeKind.RELEASE, reservation_id="r", debit=CREDITS, at_ms=NOW
     )
@@ -170,6 +173,7 @@ def test_admission_round_trips() -> None:
         dry_run=True,
         pool="p",
         held_ahead_tokens=300,
+        prefill_node_id="p1",
     )
     assert ca.admit_request_from_proto(ca.admit_request_to_proto(req)) == req
     policy = PolicySettings(borrow_share=1.0)
@@ -194,8 +198,10 @@ def test_admission_round_trips() -> None:
         ),
         NodeState(info=NodeInfo(node_id="d2")),
     ]
-    for pool in (PoolSnapshot(pool="p", reports=(LOAD,)), None):
-        # With tokens sent since the reports, so each Demand field crosses the wire.
+    pools = (PoolSnapshot(pool="p", reports=(LOAD,)), PoolSnapshot(pool="p", reports=(TIMED,)))
+    for pool in (*pools, None):
+        # With tokens sent since the reports, so each Demand field crosses the wire (the
+        # timed pool's: the request's prefill server and that its wait is in time).
         plan = plan_admission(req, pool, nodes, policy, NOW, check_demand(pool, policy, 1234))
         assert plan.normal_path is not None and plan.normal_path.hold_ms > 0
         borrow = Admission(

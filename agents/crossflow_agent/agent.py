@@ -28,7 +28,7 @@ from crossflow_agent.sources.base import ScrapeError, TelemetrySource
 from crossflow_agent.stream import LeaseStream
 from crossflow_ctl.aio import wait_any
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
-from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps, roofline
 from crossflow_ctl.domain.clock import Clock, SystemClock
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseDecision, decide, pool_load
@@ -209,6 +209,7 @@ class Agent:
                 modelled_rate_tps=prefill_rate_tps(
                     self.model, self.node, s.lease.prefill_chunk_tokens
                 ),
+                roof=roofline(self.model, self.node),
             )
             if load is not None:
                 self.stream.send(lease_pb2.ConnectRequest(pool_load=pool_load_to_proto(load)))

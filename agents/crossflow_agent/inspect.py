@@ -8,7 +8,7 @@ from typing import Any
 from crossflow_agent.runner import build_source, resolve_model
 from crossflow_agent.settings import AgentSettings
 from crossflow_agent.sources.base import ScrapeError
-from crossflow_ctl.domain.capacity import StepShape, prefill_rate_tps, step_time_s
+from crossflow_ctl.domain.capacity import StepShape, prefill_rate_tps, roofline, step_time_s
 from crossflow_ctl.domain.clock import SystemClock
 from crossflow_ctl.domain.leasing import ItlGuard, decide, pool_load
 from crossflow_ctl.domain.models import NodeRole
@@ -75,6 +75,7 @@ async def inspect_once(settings: AgentSettings, *, window_s: float) -> dict[str,
             ttl_ms=settings.ttl_ms,
             settings=settings.lease,
             modelled_rate_tps=prefill_rate_tps(model, node, settings.lease.prefill_chunk_tokens),
+            roof=roofline(model, node),
         )
         report["pool_load"] = None if load is None else load.model_dump()
         return report

@@ -56,7 +56,8 @@ def conditions(plan: Plan, asked: Sequence[str] = ()) -> list[str]:
     d = plan.demand
     lines = []
     if d.pool_wait_ms is None:
-        lines.append("1. Demand   fails  no live load report from the prefill pool")
+        source = f"prefill server {d.prefill_node_id}" if d.prefill_node_id else "prefill pool"
+        lines.append(f"1. Demand   fails  no live load report from the {source}")
     else:
         cmp = ">" if d.holds else "<="
         wait = "unbounded (no rate)" if d.no_rate else f"{d.pool_wait_ms:.1f} ms"
@@ -65,10 +66,20 @@ def conditions(plan: Plan, asked: Sequence[str] = ()) -> list[str]:
             if d.pending_uncached_tokens
             else ""
         )
+        if d.timed:
+            server = d.prefill_node_id or "the least-loaded server"
+            basis = (
+                f"reported wait of {server}{sent} at {d.processing_rate_tps:.0f} tokens/s, "
+                f"{d.reporting_nodes} reporting"
+            )
+        else:
+            basis = (
+                f"{d.outstanding_uncached_tokens} outstanding tokens"
+                f"{sent} / {d.processing_rate_tps:.0f} tokens/s, {d.reporting_nodes} reporting"
+            )
         lines.append(
             f"1. Demand   {_holds(d.holds)} prefill wait {wait} {cmp} threshold "
-            f"{d.threshold_ms:.1f} ms ({d.outstanding_uncached_tokens} outstanding tokens"
-            f"{sent} / {d.processing_rate_tps:.0f} tokens/s, {d.reporting_nodes} reporting)"
+            f"{d.threshold_ms:.1f} ms ({basis})"
         )
     normal = plan.normal_path
     normal_text = (
@@ -201,6 +212,11 @@ def admission_data(a: Admission, asked: Sequence[str] = ()) -> dict[str, Any]:
     default=0,
     help="Uncached tokens the router holds ahead of this prompt (late binding).",
 )
+@click.option(
+    "--prefill-node",
+    default=None,
+    help="Prefill server the prompt would go to on the normal path (default: least-loaded).",
+)
 @click.option("--node", "nodes", multiple=True, help="Candidate node (repeatable).")
 @click.option("--pool", default=None, help="Prefill pool (default: the context's).")
 @click.option("--dry-run", is_flag=True, help="Decide and explain, debit nothing.")
@@ -214,6 +230,7 @@ def admit(
     output_tokens: int,
     prefix_node: str | None,
     held_ahead: int,
+    prefill_node: str | None,
     nodes: tuple[str, ...],
     pool: str | None,
     dry_run: bool,
@@ -233,6 +250,7 @@ def admit(
         cached_prefix_node_id=prefix_node,
         expected_output_tokens=output_tokens,
         held_ahead_tokens=held_ahead,
+        prefill_node_id=prefill_node,
         candidate_node_ids=nodes,
         dry_run=dry_run,
         pool=st.pool(pool),

@@ -9,7 +9,7 @@ the latest lease, so a plan made on a slightly old read can never over-commit.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, NamedTuple
 
@@ -28,6 +28,7 @@ from crossflow_ctl.domain.models import (
     PoolName,
     PoolSnapshot,
 )
+from crossflow_ctl.domain.pending import NONE_UNREPORTED, Unreported
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.safety import need_for, room_left, short_of_room
 
@@ -68,6 +69,10 @@ class AdmissionRequest(Frozen):
     held_ahead_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
     """Uncached prompt tokens the router holds back from the prefill pool ahead of this prompt
     (late binding): they reach prefill before it does, so its normal path waits for them too."""
+    prefill_node_id: NodeId | None = None
+    """The prefill server the router would send the prompt to on the normal path: Demand and
+    Benefit then use that server's own wait when the pool reports waits in time
+    (``PoolSnapshot.estimated_wait_ms``). None: the router picks the least-loaded server."""
 
 
 class DemandCheck(Frozen):
@@ -80,11 +85,20 @@ class DemandCheck(Frozen):
     pending_uncached_tokens: int = 0
     """Uncached tokens sent to the pool since its reports, counted into ``pool_wait_ms``
     (:mod:`crossflow_ctl.domain.pending`)."""
+    prefill_node_id: str | None = None
+    """The prefill server whose wait ``pool_wait_ms`` is (the request's); None: the pool's."""
+    timed: bool = False
+    """``pool_wait_ms`` is from the servers' reported waits in time (that of
+    ``prefill_node_id``, else the least-loaded server's), not tokens over rate."""
 
     @property
     def no_rate(self) -> bool:
         """Work outstanding, no rate reported: the wait is unbounded (``PoolSnapshot.no_rate``)."""
-        return self.outstanding_uncached_tokens > 0 and self.processing_rate_tps <= 0
+        return (
+            not self.timed
+            and self.outstanding_uncached_tokens > 0
+            and self.processing_rate_tps <= 0
+        )
 
 
 class NormalPath(Frozen):
@@ -136,12 +150,16 @@ class Plan(Frozen):
     def summary(self) -> str:
         d = self.demand
         if self.reason is Reason.POOL_LOAD_MISSING:
+            if d.prefill_node_id is not None:
+                return f"demand fails: no live load report from prefill server {d.prefill_node_id}"
             return "demand fails: no live load report from the prefill pool"
         wait = f"{d.pool_wait_ms:.1f}" if d.pool_wait_ms is not None else "?"
         if d.pending_uncached_tokens:
             wait += f" ms (with {d.pending_uncached_tokens} tokens sent since its reports)"
         else:
             wait += " ms"
+        if d.prefill_node_id is not None and d.timed:
+            wait += f" on {d.prefill_node_id}"
         if not d.holds:
             return f"demand fails: prefill wait {wait} <= threshold {d.threshold_ms:.1f} ms"
         if self.ranked:
@@ -257,18 +275,37 @@ def debit_for(
 
 
 def check_demand(
-    pool: PoolSnapshot | None, settings: PolicySettings, pending_tokens: int = 0
+    pool: PoolSnapshot | None,
+    settings: PolicySettings,
+    pending_tokens: int = 0,
+    prefill_node_id: str | None = None,
+    sent_to: Mapping[str, int] | None = None,
 ) -> DemandCheck:
-    """Demand of the pool as a whole, at ``demand_threshold_ms``: whether it is behind for every
-    prompt (a prompt's own threshold is never higher: :func:`prompt_demand`). ``pending_tokens``:
-    uncached tokens sent to the pool that its reports do not show yet
-    (:func:`~crossflow_ctl.domain.pending.unreported_tokens`)."""
-    wait = pool.estimated_wait_ms(pending_tokens) if pool is not None else None
+    """Demand at ``demand_threshold_ms``. Without ``prefill_node_id``, of the pool as a whole:
+    whether it is behind for every prompt (a prompt's own threshold is never higher, and, when
+    the pool reports waits in time, its server's wait never lower than the least-loaded one's:
+    :func:`prompt_demand`, :func:`target_demand`). With it, for a prompt bound for that server.
+    ``pending_tokens``: uncached tokens sent to the pool that its reports do not show yet
+    (:func:`~crossflow_ctl.domain.pending.unreported_tokens`); ``sent_to``: those sent to a
+    named server, by server, when the pool reports waits in time (then not in
+    ``pending_tokens``: :class:`~crossflow_ctl.domain.pending.Unreported`)."""
+    wait = (
+        pool.estimated_wait_ms(pending_tokens, prefill_node_id, sent_to)
+        if pool is not None
+        else None
+    )
     if pool is None or wait is None:
         return DemandCheck(
-            holds=False, pool_wait_ms=None, threshold_ms=settings.demand_threshold_ms
+            holds=False,
+            pool_wait_ms=None,
+            threshold_ms=settings.demand_threshold_ms,
+            prefill_node_id=prefill_node_id,
         )
     rate = pool.processing_rate_tps  # a sum over the reports: read once
+    waits = pool.server_waits_ms(sent_to)
+    if waits is not None and sent_to:  # what was sent to the server whose wait this is
+        server = prefill_node_id or min(waits, key=waits.__getitem__)
+        pending_tokens += sent_to.get(server, 0)
     return DemandCheck(
         holds=wait > settings.demand_threshold_ms,
         pool_wait_ms=wait,
@@ -277,7 +314,26 @@ def check_demand(
         processing_rate_tps=rate,
         reporting_nodes=len(pool.reports),
         pending_uncached_tokens=pending_tokens if rate > 0 else 0,
+        prefill_node_id=prefill_node_id,
+        timed=waits is not None,
     )
+
+
+def target_demand(
+    demand: DemandCheck,
+    pool: PoolSnapshot | None,
+    request: AdmissionRequest,
+    settings: PolicySettings,
+    pending: Unreported = NONE_UNREPORTED,
+) -> DemandCheck:
+    """The pool's Demand (``demand``, :func:`check_demand` without a server) for a prompt the
+    router would send to ``request.prefill_node_id``: that server's wait, with the tokens sent
+    since the reports (``pending``, what ``demand`` was computed with); the pool's when the
+    request names none."""
+    target = request.prefill_node_id
+    if target is None or pool is None:
+        return demand
+    return check_demand(pool, settings, pending.shared, target, pending.by_server)
 
 
 def prompt_demand(demand: DemandCheck, normal: NormalPath, settings: PolicySettings) -> DemandCheck:
@@ -438,14 +494,17 @@ def plan_admission(
     now_ms: int,
     demand: DemandCheck | None = None,
     rooms: Sequence[Room | None] | None = None,
+    pending: Unreported = NONE_UNREPORTED,
 ) -> Plan:
     """Demand, then Benefit and Safety on every candidate; rank the nodes that pass both.
 
     ``demand``: ``check_demand(pool, settings)`` (made the prompt's own by
-    :func:`prompt_demand`), and ``rooms``: ``node_rooms(nodes,
+    :func:`target_demand` and :func:`prompt_demand`), and ``rooms``: ``node_rooms(nodes,
     settings.borrow_share)``, when the caller already has them (a batch of requests planned on
-    one view shares them)."""
+    one view shares them); ``pending``: the tokens sent since the pool's reports ``demand``
+    was computed with."""
     pool_demand = demand if demand is not None else check_demand(pool, settings)
+    pool_demand = target_demand(pool_demand, pool, request, settings, pending)
     normal = estimate_normal_path(request, pool_demand, pool, settings)
     demand = prompt_demand(pool_demand, normal, settings)
     if rooms is None:

@@ -412,6 +412,17 @@ NODE_PRESETS: dict[str, NodeProfile] = {
 }
 
 
+def prefill_time_s(roof: Roofline, uncached: int, cached: int, chunk_tokens: int) -> float:
+    """Time to prefill one prompt alone (``uncached`` tokens after a ``cached`` prefix) in
+    chunks of ``chunk_tokens``: each chunk attends to the prefix and the chunks before it."""
+    total, done = 0.0, 0
+    while done < uncached:
+        p = min(chunk_tokens, uncached - done)
+        total += roof.step_s(0, 0, p, cached + done)
+        done += p
+    return total
+
+
 def prefill_rate_tps(model: ModelSpec, node: NodeProfile, chunk_tokens: int) -> float:
     """Uncached prompt tokens per second of a prefill server running chunks of ``chunk_tokens``
     with no cached prefix: the rate its outstanding work drains at while it runs (a cached

@@ -13,7 +13,7 @@ import math
 import sys
 from typing import NamedTuple
 
-from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, Roofline, prefill_time_s
 from crossflow_ctl.domain.lease_credits import (
     CapacityBreakdown,
     ItlQuantile,
@@ -276,6 +276,7 @@ def pool_load(
     ttl_ms: int,
     settings: LeaseSettings,
     modelled_rate_tps: float = 0.0,
+    roof: Roofline | None = None,
 ) -> PoolLoad | None:
     """A prefill server's load report, or None when its telemetry is missing, stale or odd.
 
@@ -288,6 +289,10 @@ def pool_load(
     window processed fewer tokens than it drains once work is queued, so the observed rate alone
     makes a burst after a lull look seconds deep (and one after a fully idle window, endless).
     The floor errs toward a shorter wait: less Demand, so less borrowing, the safe side.
+
+    The server's wait in time is the source's when it tells one, else priced on ``roof`` (the
+    server's roofline) when the source tells the mean cached prefix
+    (:func:`modelled_queue_wait_ms`), else not reported.
     """
     if snapshot is None or now_ms - snapshot.taken_at_ms > settings.stale_after_ms:
         return None
@@ -296,6 +301,9 @@ def pool_load(
     observed = snapshot.prefill_processing_rate_tps or snapshot.prompt_rate_tps
     rate = min(MAX_RATE_TPS, max(observed, modelled_rate_tps))
     running = snapshot.running_requests
+    wait = snapshot.prefill_queue_wait_ms
+    if wait is None and roof is not None:
+        wait = modelled_queue_wait_ms(snapshot, roof, settings.prefill_chunk_tokens)
     per_request = rate / running if running > 0 else min(MAX_RATE_TPS, modelled_rate_tps)
     return PoolLoad(
         pool=pool,
@@ -305,4 +313,26 @@ def pool_load(
         prefill_rate_tps=per_request,
         ttl_ms=ttl_ms,
         queued_requests=min(snapshot.queued_requests, 10_000_000),
+        queue_wait_ms=None if wait is None else min(MAX_MS, wait),
     )
+
+
+def modelled_queue_wait_ms(
+    snapshot: EngineSnapshot, roof: Roofline, chunk_tokens: int
+) -> float | None:
+    """A prefill server's wait in time from what engines do export (counts and token totals):
+    each queued prompt taken as the mean recent one, its uncached tokens the outstanding ones
+    per queued prompt and its cached prefix the source's mean
+    (``prefill_mean_cached_tokens``), prefilled alone in ``chunk_tokens`` chunks on the
+    server's roofline. The running prompts are left out (how far each has got is not told), so
+    the figure errs short: less Demand, the side the system falls back to. None when the source
+    does not tell the cached prefix."""
+    cached = snapshot.prefill_mean_cached_tokens
+    queued = snapshot.queued_requests
+    if cached is None or chunk_tokens <= 0:
+        return None
+    if queued <= 0 or snapshot.outstanding_uncached_tokens <= 0:
+        return 0.0
+    uncached = round(snapshot.outstanding_uncached_tokens / queued)
+    one = prefill_time_s(roof, uncached, round(cached), chunk_tokens)
+    return min(MAX_MS, queued * one * 1000.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, NamedTuple, TypeVar, cast
 
@@ -309,6 +309,11 @@ class PoolLoad(Frozen):
     """Prefill rate one request sees on this server (0 when unknown)."""
     ttl_ms: Annotated[int, Field(gt=0, le=MAX_TTL_MS)]
     queued_requests: Annotated[int, Field(ge=0, le=10_000_000)] = 0
+    queue_wait_ms: Ms | None = None
+    """Time this server needs to clear the prompts it holds, running and queued, counting each
+    one's cached-prefix (context) cost as well as its uncached tokens: how long a prompt sent to
+    it now waits before its own prefill starts, as of the report. None: the agent cannot tell
+    (the broker then reads the pool's wait from tokens and rates alone)."""
 
 
 class StoredPoolLoad(Frozen):
@@ -358,24 +363,67 @@ class PoolSnapshot(Frozen):
     @property
     def no_rate(self) -> bool:
         """Work is outstanding but no server reports a processing rate: the wait is unbounded
-        (Demand holds); displays say "no rate" rather than a sentinel number of ms."""
+        (Demand holds); displays say "no rate" rather than a sentinel number of ms. Never when
+        every server reports its wait in time: that wait needs no rate."""
         return (
             bool(self.reports)
+            and self.server_waits_ms() is None
             and self.outstanding_uncached_tokens > 0
             and (self.processing_rate_tps <= 0)
         )
 
-    def estimated_wait_ms(self, pending_tokens: int = 0) -> float | None:
-        """Outstanding uncached tokens / recent rate; None when nothing reports.
+    def server_waits_ms(self, sent_to: Mapping[str, int] | None = None) -> dict[str, float] | None:
+        """Each server's own wait in time (``PoolLoad.queue_wait_ms``) by node id, when every
+        live report carries one; None otherwise (one figure in tokens and one in time cannot be
+        compared, so a pool that is part way through an upgrade is read in tokens alone).
+        ``sent_to``: uncached tokens sent to each server that its report does not show yet,
+        added at its own rate (when it reports one)."""
+        waits: dict[str, float] = {}
+        for r in self.reports:
+            if r.queue_wait_ms is None:
+                return None
+            wait = r.queue_wait_ms
+            sent = sent_to.get(r.node_id, 0) if sent_to else 0
+            if sent > 0 and r.processing_rate_tps > 0:
+                wait += sent / r.processing_rate_tps * 1000.0
+            waits[r.node_id] = wait
+        return waits or None
+
+    def estimated_wait_ms(
+        self,
+        pending_tokens: int = 0,
+        prefill_node_id: str | None = None,
+        sent_to: Mapping[str, int] | None = None,
+    ) -> float | None:
+        """The wait of a prompt sent to the pool now; None when nothing reports.
+
+        When every server reports its wait in time (:meth:`server_waits_ms`), it is that of
+        ``prefill_node_id`` (the server the router would send the prompt to), or, with none
+        named, that of the least-loaded server (where a least-loaded router sends it); a named
+        server without a live report gives None (its wait is unknown: Demand fails). Otherwise
+        it is the pool's outstanding uncached tokens over its recent rate.
 
         ``pending_tokens``: uncached tokens sent to the pool since its reports were taken, which
-        they do not show yet; they count only at a known rate. Without one (a pool that has not
-        processed anything lately reports none) they say nothing about time: an idle pool's
-        first prompts must not read as an unbounded wait."""
+        they do not show yet; they count only at a known rate, spread over the pool (at its
+        total rate). Without one (a pool that has not processed anything lately reports none)
+        they say nothing about time: an idle pool's first prompts must not read as an unbounded
+        wait. ``sent_to``: with waits in time, tokens sent to each named server that its own
+        report does not show yet, added to that server's wait at its own rate (a server's
+        wait then never reads below what was sent to it since)."""
         if not self.reports:
             return None
-        outstanding = self.outstanding_uncached_tokens
         rate = self.processing_rate_tps
+        waits = self.server_waits_ms(sent_to)
+        if prefill_node_id is not None and not any(
+            r.node_id == prefill_node_id for r in self.reports
+        ):
+            return None
+        if waits is not None:
+            wait = waits[prefill_node_id] if prefill_node_id is not None else min(waits.values())
+            if rate > 0:
+                wait += pending_tokens / rate * 1000.0
+            return min(MAX_MS, wait)
+        outstanding = self.outstanding_uncached_tokens
         if rate > 0:
             outstanding += pending_tokens
         if outstanding == 0:

@@ -16,14 +16,32 @@ stored between the replica's read and the send does not, which under-counts (the
 
 Not knowing which server took a prompt, a prompt counts in the share of the pool's reports
 stored before it was sent: all of them until the first server reports again, none once every
-server has. Pure arithmetic; the bookkeeping is the broker's
+server has. A prompt sent to a named server (``AdmissionRequest.prefill_node_id``) of a pool
+that reports waits in time counts on that server alone, until its own next report
+(:func:`sent_to_servers`). Pure arithmetic; the bookkeeping is the broker's
 (:mod:`crossflow_ctl.service.pending`).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import NamedTuple
+
+
+class Unreported(NamedTuple):
+    """Uncached tokens sent to a pool that its reports do not show yet, as Demand counts them:
+    ``shared``, spread over the pool (all of them, unless the pool reports waits in time), and
+    ``by_server``, those sent to a named server that its own report does not show yet (pools
+    reporting waits in time: each adds to its server's wait, :meth:`PoolSnapshot.
+    estimated_wait_ms`)."""
+
+    shared: int = 0
+    by_server: Mapping[str, int] = MappingProxyType({})
+
+
+NONE_UNREPORTED = Unreported()
 
 
 def report_order(report_seqs: Sequence[int]) -> tuple[int, ...]:
@@ -65,3 +83,19 @@ def unreported_tokens(sent: Iterable[tuple[int, int]], report_seqs: Sequence[int
     if not seqs:
         return 0
     return weighted_tokens(sent, seqs) // len(seqs)
+
+
+def sent_to_servers(
+    sent: Iterable[tuple[int, int, str]], server_seqs: Mapping[str, int]
+) -> dict[str, int]:
+    """Tokens of ``sent`` ((newest report sequence seen when sent, uncached tokens, server)
+    triples) that their server's report (``server_seqs``: each live server's report sequence)
+    does not show: that report was stored no later than the newest the sender had seen. A
+    server without a live report, or whose report has no sequence (0), counts nothing (the
+    first fails Demand anyway; the second is taken to show every prompt, as above)."""
+    out: dict[str, int] = {}
+    for seen_seq, tokens, server in sent:
+        seq = server_seqs.get(server, 0)
+        if 0 < seq <= seen_seq:
+            out[server] = out.get(server, 0) + tokens
+    return out

@@ -28,6 +28,7 @@ from crossflow_ctl.domain.models import (
     PoolSnapshot,
     Tokens,
 )
+from crossflow_ctl.domain.pending import NONE_UNREPORTED, Unreported
 from crossflow_ctl.domain.policy import PolicySettings
 
 MAX_UPDATES_PER_S = 1_000.0
@@ -146,11 +147,11 @@ def summarize_room(
     nodes: Sequence[NodeState],
     settings: PolicySettings,
     now_ms: int,
-    pending_tokens: int = 0,
+    pending: Unreported = NONE_UNREPORTED,
 ) -> RoomView:
     """The room of ``nodes`` and the pool's Demand, under ``settings``, at ``now_ms``, with
-    ``pending_tokens`` sent to the pool since its reports (as Admit counts them)."""
-    demand = check_demand(pool, settings, pending_tokens)
+    the tokens sent to the pool since its reports (``pending``, as Admit counts them)."""
+    demand = check_demand(pool, settings, pending.shared, None, pending.by_server)
     rooms = (node_room(n, settings.borrow_share, now_ms) for n in nodes)
     found = sorted((r for r in rooms if r is not None), key=lambda r: r.node_id)
     return RoomView(

@@ -60,6 +60,14 @@ class EngineSnapshot(Frozen):
     (``LeaseSettings.waiting_request_kv_tokens``)."""
     prefill_processing_rate_tps: float = 0.0
     """Uncached prompt tokens processed per second recently (prefill role)."""
+    prefill_queue_wait_ms: float | None = None
+    """Time the server needs to clear the prompts it holds, running and queued, counting their
+    cached-prefix (context) cost (prefill role): the wait of a prompt sent to it now. None: the
+    source cannot tell (no engine exports it; the simulator's servers do)."""
+    prefill_mean_cached_tokens: float | None = None
+    """Cached prefix tokens of a recent prompt, on average (prefill role): what prices the
+    queued prompts on the roofline when the engine tells counts and token totals only
+    (:func:`~crossflow_ctl.domain.leasing.modelled_queue_wait_ms`). None: not told."""
 
     window_s: float = 0.0
     """Length of the window behind the rates and quantiles (0 on a first scrape)."""

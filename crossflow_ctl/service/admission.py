@@ -41,6 +41,7 @@ from crossflow_ctl.domain.admission import (
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import NodeState, PoolSnapshot
+from crossflow_ctl.domain.pending import Unreported
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision
 from crossflow_ctl.service.pending import SentToPools, sent_to_pool
@@ -123,7 +124,9 @@ class Admitter:
         self.sent = SentToPools()
         """Prompts this replica sent to the prefill pools, counted into Demand's wait (and the
         room watches' Demand: :meth:`Broker.room_view`)."""
-        self._last_demand: tuple[PoolSnapshot | None, PolicySettings, int, DemandCheck] | None
+        self._last_demand: (
+            tuple[PoolSnapshot | None, PolicySettings, Unreported, DemandCheck] | None
+        )
         self._last_demand = None
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
@@ -308,15 +311,17 @@ class Admitter:
                 )
                 views[key] = (pool, nodes, node_rooms(nodes, policy.borrow_share))
             pool, nodes, rooms = views[key]
-            demand = self._demand(pool, policy)
-            plan = plan_admission(request, pool, nodes, policy, now, demand, rooms)
+            demand, unreported = self._demand(pool, policy)
+            plan = plan_admission(request, pool, nodes, policy, now, demand, rooms, unreported)
             answer = self._without_debit(request, plan, policy)
             if answer is None:
                 pending.append((i, plan))
             else:
                 answers[i] = answer
                 if sent_to_pool(request, answer):  # later requests of the batch see it
-                    self.sent.record(request.pool, request.uncached_prompt_tokens)
+                    self.sent.record(
+                        request.pool, request.uncached_prompt_tokens, request.prefill_node_id
+                    )
         refusals: dict[int, list[str]] = {i: [] for i, _ in pending}
         records = {i: admit_record(self.store, requests[i], policy) for i, _ in pending}
         for attempt in range(MAX_DEBIT_TRIES):
@@ -360,17 +365,19 @@ class Admitter:
             )
         return [a for a in answers if a is not None]
 
-    def _demand(self, pool: PoolSnapshot | None, policy: PolicySettings) -> DemandCheck:
+    def _demand(
+        self, pool: PoolSnapshot | None, policy: PolicySettings
+    ) -> tuple[DemandCheck, Unreported]:
         """``check_demand`` with the tokens this replica sent to the pool since its reports,
         computed once per pool snapshot, policy and count: the first two are immutable, and the
         store hands out the same cached snapshot to every Admit until it is renewed."""
-        sent = self.sent.tokens(pool) if pool is not None else 0
+        sent = self.sent.unreported(pool) if pool is not None else Unreported()
         last = self._last_demand
         if last is not None and last[0] is pool and last[1] is policy and last[2] == sent:
-            return last[3]
-        demand = check_demand(pool, policy, sent)
+            return last[3], sent
+        demand = check_demand(pool, policy, sent.shared, None, sent.by_server)
         self._last_demand = (pool, policy, sent, demand)
-        return demand
+        return demand, sent
 
     async def _shielded(self, call: Awaitable[list[DebitOutcome]]) -> list[DebitOutcome]:
         """``call`` shielded: when admission times out, debits may still land in the store;

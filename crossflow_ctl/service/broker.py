@@ -39,6 +39,7 @@ from crossflow_ctl.domain.models import (
     check_epoch,
     validated,
 )
+from crossflow_ctl.domain.pending import Unreported
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.domain.room import (
     RoomUpdate,
@@ -202,7 +203,7 @@ class Broker:
             detail = f"store slower than {limit_ms} ms" if isinstance(exc, TimeoutError) else exc
             log.warning("room_view.failed", error=repr(exc))
             return unknown_room(request.pool, f"room unknown: {detail}")
-        sent = self._admitter.sent.tokens(pool) if pool is not None else 0
+        sent = self._admitter.sent.unreported(pool) if pool is not None else Unreported()
         return summarize_room(request.pool, pool, nodes, policy, now, sent)
 
     def watch_room(self, request: RoomWatchRequest) -> AsyncIterator[RoomUpdate]:

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.models import PoolSnapshot
 from crossflow_ctl.domain.pending import (
+    Unreported,
     report_order,
+    sent_to_servers,
     sent_weight,
     sequence_restarted,
     weighted_tokens,
@@ -55,8 +57,9 @@ def sent_to_pool(request: AdmissionRequest, answer: Admission) -> bool:
 
 @dataclass(slots=True)
 class _Pool:
-    sent: deque[tuple[int, int]] = field(default_factory=deque)
-    """(newest report sequence seen when sent, uncached tokens), in the order sent."""
+    sent: deque[tuple[int, int, str]] = field(default_factory=deque)
+    """(newest report sequence seen when sent, uncached tokens, the prefill server it was
+    sent to or ""), in the order sent."""
     seen_seq: int = 0
     """The newest report sequence of the pool this replica has seen (0: none)."""
     snapshot: PoolSnapshot | None = None
@@ -66,6 +69,10 @@ class _Pool:
     """The last non-empty ``seqs`` (to tell a restarted sequence)."""
     weighted: int = 0
     """Sum of ``sent_weight`` over ``sent`` at ``seqs``."""
+    split: tuple[PoolSnapshot, int, Unreported] | None = None
+    """The last :meth:`SentToPools.unreported` answer: for which snapshot, after how many
+    records (``records``)."""
+    records: int = 0
 
 
 class SentToPools:
@@ -81,17 +88,41 @@ class SentToPools:
             state = self._pools[name] = _Pool()
         return state
 
-    def record(self, pool: str, tokens: int) -> None:
-        """``tokens`` uncached tokens were sent to ``pool`` now, after the newest of its reports
-        this replica has seen (:meth:`tokens` sees them: Demand reads it before answering)."""
+    def record(self, pool: str, tokens: int, server: str | None = None) -> None:
+        """``tokens`` uncached tokens were sent to ``pool`` (to its prefill ``server``, when
+        the router named one) now, after the newest of its reports this replica has seen
+        (:meth:`tokens` sees them: Demand reads it before answering)."""
         if tokens <= 0:
             return
         state = self._pool(pool)
         if len(state.sent) >= MAX_SENT:
-            seen, old = state.sent.popleft()
+            seen, old, _ = state.sent.popleft()
             state.weighted -= sent_weight(seen, old, state.seqs)
-        state.sent.append((state.seen_seq, tokens))
+        state.sent.append((state.seen_seq, tokens, server or ""))
         state.weighted += sent_weight(state.seen_seq, tokens, state.seqs)
+        state.records += 1
+
+    def unreported(self, snapshot: PoolSnapshot) -> Unreported:
+        """What Demand adds for the tokens sent to the pool that ``snapshot`` does not show:
+        all of them spread over the pool (:meth:`tokens`), unless every server reports its
+        wait in time; then those sent to a named server count on it until its own next report,
+        the rest spread over the pool."""
+        shared = self.tokens(snapshot)
+        state = self._pool(snapshot.pool)
+        if not state.seqs or snapshot.server_waits_ms() is None:
+            return Unreported(shared)
+        cached = state.split
+        if cached is not None and cached[0] is snapshot and cached[1] == state.records:
+            return cached[2]
+        untargeted = ((seen, n) for seen, n, server in state.sent if not server)
+        reports, known = snapshot.reports, snapshot.report_seqs
+        seqs = dict(zip((r.node_id for r in reports), known, strict=True)) if known else {}
+        split = Unreported(
+            weighted_tokens(untargeted, state.seqs) // len(state.seqs),
+            sent_to_servers((e for e in state.sent if e[2]), seqs),
+        )
+        state.split = (snapshot, state.records, split)
+        return split
 
     def tokens(self, snapshot: PoolSnapshot) -> int:
         """Uncached tokens sent to the pool that ``snapshot``'s reports do not show yet."""
@@ -120,4 +151,4 @@ class SentToPools:
             while state.sent and state.sent[0][0] < seqs[0]:
                 state.sent.popleft()
         state.seqs = seqs
-        state.weighted = weighted_tokens(state.sent, seqs)
+        state.weighted = weighted_tokens(((seen, n) for seen, n, _ in state.sent), seqs)

@@ -210,6 +210,7 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
             kv_waiting_requests=s.promised_requests,
             kv_waiting_tokens=s.promised_kv,
             prefill_processing_rate_tps=0.0,
+            prefill_queue_wait_ms=None,
             window_s=self.period_s,
         )
 
@@ -332,6 +333,7 @@ class PrefillAgent(FixedPoint[PoolLoad]):
             kv_waiting_requests=0,
             kv_waiting_tokens=None,
             prefill_processing_rate_tps=rate,
+            prefill_queue_wait_ms=s.wait_s(t) * 1000.0,
             window_s=self.period_s,
         )
 

@@ -88,6 +88,7 @@ class Simulation:
                 self.record,
                 self._dispatch,
                 self._pool_wait_s,
+                self._prefill_for,
                 store,
             )
             if config.policy is PolicyKind.LEASES
@@ -196,9 +197,8 @@ class Simulation:
         """Send ``req`` to decode node ``node`` to prefill there, or (None) to the prefill pool."""
         req.dispatch_s = t
         if node is None:
-            target = self._prefill_target.pop(req.rid)
-            if self.cache.scope is not CacheScope.NODE:
-                target = self._least_loaded_prefill(t)
+            target = self._prefill_for(req.rid, t)
+            del self._prefill_target[req.rid]
             self.prefill[target].enqueue(req, t)
             if self.control is not None:
                 await self.control.stir(self.control.prefill_agents[target], t)
@@ -207,6 +207,13 @@ class Simulation:
             req.borrowed = True
             delay = self.steps.transfer_s(req.cached_tokens)
             self.events.push(t + delay, EV_BORROW_ARRIVE, node, req)
+
+    def _prefill_for(self, rid: int, t: float) -> int:
+        """The prefill server released prompt ``rid`` goes to if sent to prefill at ``t``: the
+        one its prefix lives on (per-node caches), else the least-loaded then."""
+        if self.cache.scope is CacheScope.NODE:
+            return self._prefill_target[rid]
+        return self._least_loaded_prefill(t)
 
     def _least_loaded_prefill(self, t: float) -> int:
         return min(range(len(self.prefill)), key=lambda j: self.prefill[j].outstanding_tokens(t))

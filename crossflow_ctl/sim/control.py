@@ -82,6 +82,7 @@ class ControlPlane:
         record: RunRecord,
         dispatch: Handoff,
         pool_wait_s: Callable[[float, int], float],
+        prefill_for: Callable[[int, float], int],
         store: Store | None = None,
     ) -> None:
         self.cfg = config
@@ -89,6 +90,7 @@ class ControlPlane:
         self.record = record
         self.dispatch = dispatch
         self.pool_wait_s = pool_wait_s
+        self.prefill_for = prefill_for
         self.clock = ManualClock(CLOCK_BASE_MS)
         self.store: Store = store if store is not None else MemoryStore(seed=config.seed)
         self.broker = Broker(self.store, self.clock, _sim_settings(config), "sim")
@@ -208,8 +210,13 @@ class ControlPlane:
 
     # -- the router ------------------------------------------------------------------------------
     async def admit(self, request: AdmissionRequest) -> Admission:
-        """The queue's :class:`Admitter`: the broker in-process, on an up-to-date store."""
+        """The queue's :class:`Admitter`: the broker in-process, on an up-to-date store. Each
+        offer (a re-offer too) names the prefill server the prompt would go to now."""
         t = self.now
+        rid = int(request.request_id.partition("#")[0])  # a re-offer's id: ``<id>#<offer>``
+        target = self.prefill_agents[self.prefill_for(rid, t)].node_id
+        if request.prefill_node_id != target:
+            request = request.model_copy(update={"prefill_node_id": target})
         await self._catch_up(t)
         self.sync(t)
         answer = await self.broker.admit(request)

@@ -31,7 +31,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, roofline
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_time_s, roofline
 from crossflow_ctl.domain.lending import ChunkSizer
 
 
@@ -85,12 +85,7 @@ class StepModel:
         return self.roof.step_s(batch, context, prefill, prefix)
 
     def prefill_s(self, uncached: int, cached: int, chunk: int) -> float:
-        total, done = 0.0, 0
-        while done < uncached:
-            p = min(chunk, uncached - done)
-            total += self.step_s(0, 0, p, cached + done)
-            done += p
-        return total
+        return prefill_time_s(self.roof, uncached, cached, chunk)
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.model.kv_bytes_per_token / self.node.network_bytes_per_s
@@ -127,6 +122,8 @@ class PrefillServer:
     events: EventQueue
     queue: deque[Req] = field(default_factory=deque)
     queued_tokens: int = 0
+    queued_s: float = 0.0
+    """Prefill time of the queued prompts (each at its own cached prefix)."""
     current: Req | None = None
     start_s: float = 0.0
     end_s: float = 0.0
@@ -136,16 +133,28 @@ class PrefillServer:
     def enqueue(self, req: Req, t: float) -> None:
         self.queue.append(req)
         self.queued_tokens += req.uncached_tokens
+        self.queued_s += self._prefill_s(req)
         if self.current is None:
             self._start(t)
 
     def _start(self, t: float) -> None:
         req = self.queue.popleft()
         self.queued_tokens -= req.uncached_tokens
+        own = self._prefill_s(req)
+        self.queued_s = self.queued_s - own if self.queue else 0.0  # no drift once empty
         self.current = req
         req.start_s = self.start_s = t
-        self.end_s = t + self.steps.prefill_s(req.uncached_tokens, req.cached_tokens, self.chunk)
+        self.end_s = t + own
         self.events.push(self.end_s, EV_PREFILL_DONE, self.idx)
+
+    def _prefill_s(self, req: Req) -> float:
+        return self.steps.prefill_s(req.uncached_tokens, req.cached_tokens, self.chunk)
+
+    def wait_s(self, t: float) -> float:
+        """Time to clear what it holds: the rest of the running prompt, then the queue (what
+        a prompt sent now waits before its own prefill starts)."""
+        rest = max(0.0, self.end_s - t) if self.current is not None else 0.0
+        return rest + max(0.0, self.queued_s)
 
     def finish(self, t: float) -> Req:
         req = self.current

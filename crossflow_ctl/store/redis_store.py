@@ -290,7 +290,9 @@ class RedisStore(Store):
     async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
         expires = now_ms + min(load.ttl_ms, max_ttl_ms)
         stored = StoredPoolLoad(load=load, received_at_ms=now_ms, expires_at_ms=expires)
-        report = stored.model_dump_json(exclude={"seq"})  # the script adds the sequence
+        # The script adds the sequence. A report without a wait in time is written as before it
+        # existed, so older replicas still read it (README.md, Rolling upgrades).
+        report = stored.model_dump_json(exclude={"seq"}, exclude_none=True)
         pool = load.pool
         keys = [self._k.pool(pool), self._k.pool_expiries(pool), self._k.pool_seq(pool)]
         args: list[str | int] = [now_ms, load.node_id, report, expires]

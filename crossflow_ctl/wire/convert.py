@@ -175,6 +175,7 @@ def pool_load_from_proto(msg: common_pb2.PoolLoad, field: str = "pool_load") -> 
         prefill_rate_tps=msg.prefill_rate_tps,
         ttl_ms=msg.ttl_ms,
         queued_requests=msg.queued_requests,
+        queue_wait_ms=msg.queue_wait_ms if msg.HasField("queue_wait_ms") else None,
     )
     return result
 

@@ -75,6 +75,7 @@ def admit_request_to_proto(req: AdmissionRequest) -> admission_pb2.AdmitRequest:
         pool=req.pool,
         attempt=req.attempt,
         held_ahead_tokens=req.held_ahead_tokens,
+        prefill_node_id=req.prefill_node_id or "",
     )
 
 
@@ -92,6 +93,7 @@ def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionReques
         pool=msg.pool or "default",
         attempt=msg.attempt,
         held_ahead_tokens=msg.held_ahead_tokens,
+        prefill_node_id=msg.prefill_node_id or None,
     )
     return result
 
@@ -105,6 +107,8 @@ def _demand_fields(d: DemandCheck) -> dict[str, Any]:
         "processing_rate_tps": d.processing_rate_tps,
         "reporting_nodes": d.reporting_nodes,
         "pending_uncached_tokens": d.pending_uncached_tokens,
+        "prefill_node_id": d.prefill_node_id or "",
+        "timed": d.timed,
     }
 
 
@@ -121,6 +125,8 @@ def _demand_from_proto(msg: admission_pb2.DemandCheck) -> DemandCheck:
         processing_rate_tps=msg.processing_rate_tps,
         reporting_nodes=msg.reporting_nodes,
         pending_uncached_tokens=msg.pending_uncached_tokens,
+        prefill_node_id=msg.prefill_node_id or None,
+        timed=msg.timed,
     )
 
 

@@ -13,6 +13,7 @@ from crossflow_ctl.domain.capacity import (
     NODE_PRESETS,
     StepShape,
     prefill_rate_tps,
+    prefill_time_s,
     roofline,
     step_time_s,
 )
@@ -21,6 +22,7 @@ from crossflow_ctl.domain.leasing import (
     ItlGuard,
     decide,
     implausibility,
+    modelled_queue_wait_ms,
     pool_load,
 )
 from crossflow_ctl.domain.lending import FAR_PREFIX_TOKENS, OpenDebits
@@ -233,6 +235,38 @@ def test_prefill_pool_load_from_snapshot() -> None:
     assert pool_load(None, now_ms=NOW, node_id="p1", pool="d", ttl_ms=600, settings=LS) is None
     stale = snap(taken_at_ms=NOW - 10_000)
     assert pool_load(stale, now_ms=NOW, node_id="p1", pool="d", ttl_ms=600, settings=LS) is None
+
+
+def test_a_prefill_server_reports_its_wait_in_time_priced_on_its_roofline() -> None:
+    """3 queued prompts of 4,000 uncached tokens after a 500,000-token cached prefix: the wait
+    is three such prefills on the roofline (the prefix's attention cost is most of it), not
+    12,000 tokens at the server's rate. A source's own figure wins; without a cached-prefix
+    mean there is none."""
+    roof, chunk = roofline(MODEL, NODE), LS.prefill_chunk_tokens
+    queued = snap(
+        running=1,
+        outstanding_uncached_tokens=12_000,
+        queued_requests=3,
+        prefill_processing_rate_tps=8000.0,
+        prefill_mean_cached_tokens=500_000.0,
+    )
+    one = prefill_time_s(roof, 4_000, 500_000, chunk)
+    assert one > 3 * prefill_time_s(roof, 4_000, 0, chunk)
+    wait = modelled_queue_wait_ms(queued, roof, chunk)
+    assert wait == pytest.approx(3 * one * 1000.0)
+    kw = {"now_ms": NOW, "node_id": "p1", "pool": "d", "ttl_ms": 600, "settings": LS}
+    load = pool_load(queued, roof=roof, **kw)  # type: ignore[arg-type]
+    assert load is not None and load.queue_wait_ms == pytest.approx(wait)
+    assert load.queue_wait_ms > 1.5 * 12_000 / 8000.0 * 1000.0  # tokens over rate: 1.5 s
+    told = queued.model_copy(update={"prefill_queue_wait_ms": 1234.0})
+    told_load = pool_load(told, roof=roof, **kw)  # type: ignore[arg-type]
+    assert told_load is not None and told_load.queue_wait_ms == 1234.0
+    unknown = queued.model_copy(update={"prefill_mean_cached_tokens": None})
+    assert modelled_queue_wait_ms(unknown, roof, chunk) is None
+    unknown_load = pool_load(unknown, roof=roof, **kw)  # type: ignore[arg-type]
+    assert unknown_load is not None and unknown_load.queue_wait_ms is None
+    idle = queued.model_copy(update={"queued_requests": 0, "outstanding_uncached_tokens": 0})
+    assert modelled_queue_wait_ms(idle, roof, chunk) == 0.0
 
 
 def test_a_prefill_server_that_idled_reports_its_modelled_rate_not_its_throughput() -> None:

@@ -63,6 +63,9 @@ async def test_sglang_snapshot_values_rates_and_itl_quantiles(metrics_server) ->
     assert snap.prefill_processing_rate_tps == pytest.approx(6000 / 2)  # prefill_compute mode
     # 6000 uncached tokens over 4 new requests = 1500 per request, x 4 waiting
     assert snap.outstanding_uncached_tokens == 4 * 1500
+    # (8000 prompt - 6000 uncached) tokens over 4 new requests: a 500-token cached prefix each
+    assert snap.prefill_mean_cached_tokens == pytest.approx(500.0)
+    assert first.prefill_mean_cached_tokens is None  # no window, no mean yet
     # ITL: window deltas 0.010:10 0.015:30 0.020:60 0.025:90 0.030:98 0.035:99 0.040:100
     # p50: rank 50 in (0.015, 0.020]: 15 + 5 * (50 - 30) / (60 - 30) ms
     assert snap.itl_p50_ms == pytest.approx(15 + 5 * 20 / 30)
@@ -87,6 +90,8 @@ async def test_vllm_snapshot_values_rates_and_itl_quantiles(metrics_server) -> N
     assert snap.prefill_processing_rate_tps == pytest.approx(5_000 * 0.6)
     # mean prompt 10000 / 4 = 2500 tokens, 60% uncached, 5 waiting
     assert snap.outstanding_uncached_tokens == round(5 * 2500 * 0.6)
+    assert snap.prefill_mean_cached_tokens == pytest.approx(2500 * 0.4)  # the hit share of it
+    assert first.prefill_mean_cached_tokens is None  # no prefix-cache window yet
     # ITL deltas 0.01:0 0.025:40 0.05:180 0.075:200
     assert snap.itl_p50_ms == pytest.approx(25 + 25 * (100 - 40) / (180 - 40))
     assert snap.itl_p99_ms == pytest.approx(50 + 25 * (198 - 180) / (200 - 180))

@@ -24,7 +24,7 @@ from crossflow_ctl.domain.admission import (
 )
 from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.models import NodeRole, PoolLoad, PoolSnapshot
-from crossflow_ctl.domain.pending import unreported_tokens
+from crossflow_ctl.domain.pending import Unreported, unreported_tokens
 from crossflow_ctl.domain.room import RoomWatchRequest
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.service.config import BrokerSettings
@@ -180,6 +180,34 @@ def test_the_count_follows_the_reports_it_is_read_against() -> None:
     assert sent.tokens(snapshot(5)) == 0
     assert sent.tokens(snapshot()) == 0  # sequences unknown
     assert sent.tokens(PoolSnapshot(pool="other", reports=snapshot(1).reports)) == 0
+
+
+def timed(p1_seq: int, p2_seq: int) -> PoolSnapshot:
+    loads = tuple(
+        PoolLoad(
+            node_id=name,
+            outstanding_uncached_tokens=0,
+            processing_rate_tps=1.0,
+            ttl_ms=1,
+            queue_wait_ms=0.0,
+        )
+        for name in ("p1", "p2")
+    )
+    return PoolSnapshot(pool="default", reports=loads, report_seqs=(p1_seq, p2_seq))
+
+
+def test_tokens_sent_to_a_named_server_count_on_it_until_its_own_next_report() -> None:
+    sent = SentToPools()
+    assert sent.unreported(timed(5, 20)) == Unreported(0, {})
+    sent.record("default", 100, "p1")  # after seeing 5 and 20
+    sent.record("default", 40)  # no server named: spread over the pool
+    assert sent.unreported(timed(5, 20)) == Unreported(40, {"p1": 100})
+    # p2 reporting again shows nothing of p1's; half of the unnamed prompt's reports are newer
+    assert sent.unreported(timed(5, 25)) == Unreported(20, {"p1": 100})
+    assert sent.unreported(timed(30, 25)) == Unreported(0, {})  # p1's own report shows it
+    # a pool not all in time spreads every prompt, named or not, as before
+    sent.record("default", 60, "p2")  # after seeing 30
+    assert sent.unreported(snapshot(30, 25)) == Unreported(60, {})  # no report shows it
 
 
 def test_a_restarted_report_sequence_does_not_pin_every_prompt() -> None:

@@ -191,6 +191,36 @@ def test_admit_explain_shows_the_tokens_sent_since_the_pools_reports() -> None:
     )
 
 
+def test_admit_explain_names_the_prefill_server_whose_wait_demand_used() -> None:
+    demand = DemandCheck(
+        holds=True,
+        pool_wait_ms=30_050.0,
+        threshold_ms=100.0,
+        outstanding_uncached_tokens=500,
+        processing_rate_tps=20_000.0,
+        reporting_nodes=2,
+        pending_uncached_tokens=1_000,
+        prefill_node_id="prefill-0",
+        timed=True,
+    )
+    line = conditions(Plan(reason=Reason.NO_LEASES, demand=demand))[0]
+    assert line == (
+        "1. Demand   holds  prefill wait 30050.0 ms > threshold 100.0 ms (reported wait of"
+        " prefill-0 + 1000 sent since the reports at 20000 tokens/s, 2 reporting)"
+    )
+    pooled = demand.model_copy(update={"prefill_node_id": None})
+    assert (
+        "(reported wait of the least-loaded server"
+        in conditions(Plan(reason=Reason.NO_LEASES, demand=pooled))[0]
+    )
+    missing = conditions(
+        Plan(
+            reason=Reason.POOL_LOAD_MISSING, demand=demand.model_copy(update={"pool_wait_ms": None})
+        )
+    )[0]
+    assert missing == "1. Demand   fails  no live load report from the prefill server prefill-0"
+
+
 def _check(node_id: str, **fields: object) -> NodeCheck:
     return NodeCheck.model_validate({"node_id": node_id, **fields})
 

@@ -17,20 +17,20 @@ from crossflow_ctl.sim.traces import load_mooncake
 
 PINNED: dict[str, Any] = {
     "completed": 400,
-    "borrowed": 279,
+    "borrowed": 280,
     "overcommits": 0,
-    "held": 227,
-    "reoffers": 768,
-    "leases": 1520,
-    "outcomes": {"borrowed": 154, "borrowed_late": 125, "not_held": 10, "prefill_room": 111},
-    "admit_reasons": {"pool_load_missing": 10, "borrowed": 279, "no_benefit": 131, "no_room": 748},
-    "zero_reasons": {"itl_over_slo": 32, "no_capacity": 3},
+    "held": 195,
+    "reoffers": 728,
+    "leases": 1552,
+    "outcomes": {"borrowed": 185, "borrowed_late": 95, "not_held": 10, "prefill_room": 110},
+    "admit_reasons": {"pool_load_missing": 10, "borrowed": 280, "no_benefit": 146, "no_room": 692},
+    "zero_reasons": {"itl_over_slo": 25, "no_capacity": 4},
     "tokens": (5_710_530, 146_073),
-    "lease_chunk_sum": 939_776,
-    "lease_compute_sum": 121_826_117,
-    "ttft_mean_ms": 10_674.033,
-    "ttft_p99_ms": 33_657.236,
-    "itl_p99_ms": 46.6,
+    "lease_chunk_sum": 963_584,
+    "lease_compute_sum": 124_791_576,
+    "ttft_mean_ms": 10_577.394,
+    "ttft_p99_ms": 33_333.835,
+    "itl_p99_ms": 46.9,
 }
 
 

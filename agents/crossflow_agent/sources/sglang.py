@@ -11,7 +11,9 @@ Counters, as rates over the window: ``sglang:generation_tokens_total``,
 
 SGLang exports no queued-token gauge, so the outstanding uncached prompt tokens of a prefill
 server are estimated as ``queued requests x mean uncached prompt tokens per request`` (the mean
-from the counters' deltas, remembered across windows with no new request).
+from the counters' deltas, remembered across windows with no new request); the mean cached
+prefix per request (prompt minus uncached tokens, per request) lets the agent price the queued
+prompts' wait on its roofline, context cost included.
 
 On a decode server, the requests waiting for KV room are the decode prealloc queue (those in
 the transfer queue hold their KV already): ``kv_waiting_requests``. Their KV is
@@ -78,6 +80,9 @@ class SGLangReader:
         p50, p99 = window_quantiles(now, before, ITL, 0.5, 0.99)
         speed = now.total("sglang:kv_transfer_speed_gb_s")
         mean_uncached = _mean_uncached_per_request(now, before, window, uncached, window_s)
+        mean_cached = _mean_per_request(
+            now, before, window, "mean_cached", max(0.0, prompt - uncached), window_s
+        )
         return EngineSnapshot(
             taken_at_ms=taken_at_ms,
             source=self.name,
@@ -97,6 +102,7 @@ class SGLangReader:
                 gauge("sglang:num_queue_reqs") * mean_uncached, "outstanding_uncached_tokens"
             ),
             prefill_processing_rate_tps=uncached,
+            prefill_mean_cached_tokens=mean_cached,
             window_s=window_s,
         )
 
@@ -122,10 +128,24 @@ def _mean_uncached_per_request(
     uncached_tps: float,
     window_s: float,
 ) -> float:
+    mean = _mean_per_request(now, before, window, "mean_uncached", uncached_tps, window_s)
+    return 0.0 if mean is None else mean
+
+
+def _mean_per_request(
+    now: Exposition,
+    before: Exposition | None,
+    window: Window,
+    key: str,
+    tokens_tps: float,
+    window_s: float,
+) -> float | None:
+    """``tokens_tps`` over the window per new request, remembered as ``key`` across windows
+    with no new request (None before the first)."""
     new_requests = counter_delta(
         now.total("sglang:num_requests_total"),
         None if before is None else before.total("sglang:num_requests_total"),
     )
     if new_requests and new_requests > 0 and window_s > 0:
-        window.memo["mean_uncached"] = uncached_tps * window_s / new_requests
-    return window.memo.get("mean_uncached", 0.0)
+        window.memo[key] = tokens_tps * window_s / new_requests
+    return window.memo.get(key)

@@ -9,6 +9,12 @@ slots (or ``kv_cache_size_tokens`` where present). Counters, as rates:
 ``vllm:inter_token_latency_seconds`` (``vllm:time_per_output_token_seconds`` on older
 releases) for ITL, ``vllm:request_prompt_tokens`` for the mean prompt length.
 
+On a prefill server the mean cached prefix of a prompt (mean prompt length x the prefix cache's
+hit share) lets the agent price the queued prompts' wait on its roofline, context cost
+included; without prefix-cache counters it is not told. vLLM's
+``vllm:request_prefill_time_seconds`` is per request and overlaps across a batch, so it is not
+used as the server's time.
+
 On a decode server the requests waiting for KV room are
 ``vllm:num_requests_waiting_by_reason{reason="capacity"}`` (v1; absent on older releases: 0).
 vLLM does not tell their tokens, so the lease estimates them per request; borrowed prompts
@@ -92,6 +98,9 @@ class VLLMReader:
                 waiting * mean_prompt * uncached_share, "outstanding_uncached_tokens"
             ),
             prefill_processing_rate_tps=prompt * uncached_share,
+            prefill_mean_cached_tokens=(
+                mean_prompt * (1.0 - uncached_share) if "uncached_share" in window.memo else None
+            ),
             window_s=window_s,
         )
 

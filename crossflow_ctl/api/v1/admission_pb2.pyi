@@ -136,6 +136,7 @@ class AdmitRequest(_message.Message):
     POOL_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     HELD_AHEAD_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILL_NODE_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     uncached_prompt_tokens: _builtins.int
     cached_prefix_tokens: _builtins.int
@@ -154,6 +155,11 @@ class AdmitRequest(_message.Message):
     (late binding): they reach prefill first, so the normal path waits for them as well.
     0 when nothing is held ahead; negative is INVALID_ARGUMENT.
     """
+    prefill_node_id: _builtins.str
+    """The prefill server (its agent's node id) the router would send the prompt to on the normal
+    path: Demand and Benefit then use that server's own wait when the pool reports waits in
+    time. Empty: the router picks the least-loaded server.
+    """
     @_builtins.property
     def candidate_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -169,10 +175,11 @@ class AdmitRequest(_message.Message):
         pool: _builtins.str = ...,
         attempt: _builtins.int = ...,
         held_ahead_tokens: _builtins.int = ...,
+        prefill_node_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_prefix_node_id", b"cached_prefix_node_id", "cached_prefix_tokens", b"cached_prefix_tokens", "candidate_node_ids", b"candidate_node_ids", "dry_run", b"dry_run", "expected_output_tokens", b"expected_output_tokens", "held_ahead_tokens", b"held_ahead_tokens", "pool", b"pool", "request_id", b"request_id", "uncached_prompt_tokens", b"uncached_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_prefix_node_id", b"cached_prefix_node_id", "cached_prefix_tokens", b"cached_prefix_tokens", "candidate_node_ids", b"candidate_node_ids", "dry_run", b"dry_run", "expected_output_tokens", b"expected_output_tokens", "held_ahead_tokens", b"held_ahead_tokens", "pool", b"pool", "prefill_node_id", b"prefill_node_id", "request_id", b"request_id", "uncached_prompt_tokens", b"uncached_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -189,6 +196,8 @@ class DemandCheck(_message.Message):
     PROCESSING_RATE_TPS_FIELD_NUMBER: _builtins.int
     REPORTING_NODES_FIELD_NUMBER: _builtins.int
     PENDING_UNCACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILL_NODE_ID_FIELD_NUMBER: _builtins.int
+    TIMED_FIELD_NUMBER: _builtins.int
     holds: _builtins.bool
     pool_wait_ms: _builtins.float
     threshold_ms: _builtins.float
@@ -198,6 +207,14 @@ class DemandCheck(_message.Message):
     pending_uncached_tokens: _builtins.int
     """Uncached tokens this broker sent to the pool (answers NO_DEMAND) that the pool's load
     reports do not show yet, counted into pool_wait_ms.
+    """
+    prefill_node_id: _builtins.str
+    """The prefill server whose wait pool_wait_ms is (the request's prefill_node_id); empty: the
+    pool's figure.
+    """
+    timed: _builtins.bool
+    """pool_wait_ms is from the servers' reported waits in time (that of prefill_node_id, else the
+    least-loaded server's), not outstanding tokens over the pool's rate.
     """
     def __init__(
         self,
@@ -209,10 +226,12 @@ class DemandCheck(_message.Message):
         processing_rate_tps: _builtins.float = ...,
         reporting_nodes: _builtins.int = ...,
         pending_uncached_tokens: _builtins.int = ...,
+        prefill_node_id: _builtins.str = ...,
+        timed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["holds", b"holds", "outstanding_uncached_tokens", b"outstanding_uncached_tokens", "pending_uncached_tokens", b"pending_uncached_tokens", "pool_wait_ms", b"pool_wait_ms", "processing_rate_tps", b"processing_rate_tps", "reporting_nodes", b"reporting_nodes", "threshold_ms", b"threshold_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holds", b"holds", "outstanding_uncached_tokens", b"outstanding_uncached_tokens", "pending_uncached_tokens", b"pending_uncached_tokens", "pool_wait_ms", b"pool_wait_ms", "prefill_node_id", b"prefill_node_id", "processing_rate_tps", b"processing_rate_tps", "reporting_nodes", b"reporting_nodes", "threshold_ms", b"threshold_ms", "timed", b"timed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -214,6 +214,7 @@ class PoolLoad(_message.Message):
     PREFILL_RATE_TPS_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    QUEUE_WAIT_MS_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     node_id: _builtins.str
     outstanding_uncached_tokens: _builtins.int
@@ -224,6 +225,11 @@ class PoolLoad(_message.Message):
     """Prefill rate one request sees on this server, tokens per second."""
     ttl_ms: _builtins.int
     queued_requests: _builtins.int
+    queue_wait_ms: _builtins.float
+    """Time this server needs to clear the prompts it holds, running and queued, counting their
+    cached-prefix (context) cost: the wait of a prompt sent to it now, in ms. Unset when the
+    agent cannot tell (the broker then reads the pool's wait from tokens and rates).
+    """
     def __init__(
         self,
         *,
@@ -234,11 +240,14 @@ class PoolLoad(_message.Message):
         prefill_rate_tps: _builtins.float = ...,
         ttl_ms: _builtins.int = ...,
         queued_requests: _builtins.int = ...,
+        queue_wait_ms: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_queue_wait_ms", b"_queue_wait_ms", "queue_wait_ms", b"queue_wait_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "outstanding_uncached_tokens", b"outstanding_uncached_tokens", "pool", b"pool", "prefill_rate_tps", b"prefill_rate_tps", "processing_rate_tps", b"processing_rate_tps", "queued_requests", b"queued_requests", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_queue_wait_ms", b"_queue_wait_ms", "node_id", b"node_id", "outstanding_uncached_tokens", b"outstanding_uncached_tokens", "pool", b"pool", "prefill_rate_tps", b"prefill_rate_tps", "processing_rate_tps", b"processing_rate_tps", "queue_wait_ms", b"queue_wait_ms", "queued_requests", b"queued_requests", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__queue_wait_ms: _TypeAlias = _typing.Literal["queue_wait_ms"]  # noqa: Y015
+    _WhichOneofArgType__queue_wait_ms: _TypeAlias = _typing.Literal["_queue_wait_ms", b"_queue_wait_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__queue_wait_ms) -> _WhichOneofReturnType__queue_wait_ms | None: ...
 
 Global___PoolLoad: _TypeAlias = PoolLoad  # noqa: Y015
