@@ -10,7 +10,7 @@ class NodeView(Frozen):
 
     state: NodeState
     available: Credits = Credits()
-    """Lease x policy borrow_share - open debits; zero when expired, zero or cordoned."""
+    """Lease x the policy's borrow shares - open debits; zero when expired, zero or cordoned."""
     lease_expired: bool = False
 
 

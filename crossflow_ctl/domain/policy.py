@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
-from crossflow_ctl.domain.models import MAX_HORIZON_MS, Frozen, validated
+from crossflow_ctl.domain.models import MAX_HORIZON_MS, Frozen, Shares, validated
 
 # GPT-OSS-120B-like: 2 (K and V) x 36 layers x 8 KV heads x 64 head dim x 2 bytes (bf16).
 DEFAULT_KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 64 * 2
@@ -73,6 +73,12 @@ class PolicySettings(Frozen):
     """Nodes sampled when the router names no candidates (cost stays flat with fleet size)."""
     admit_timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 50
     """Admission answers NORMAL (fail closed) when the store takes longer than this."""
+
+    @property
+    def shares(self) -> Shares:
+        """The borrow share of each credit (what Safety applies,
+        :mod:`crossflow_ctl.domain.safety`): ``borrow_share`` on every one."""
+        return Shares.of(self.borrow_share)
 
     @model_validator(mode="after")
     def _commit_outlasts_horizon(self) -> PolicySettings:

@@ -306,7 +306,7 @@ class Admitter:
                         request.pool, request.candidate_node_ids, policy.candidate_sample, now
                     ),
                 )
-                views[key] = (pool, nodes, node_rooms(nodes, policy.borrow_share))
+                views[key] = (pool, nodes, node_rooms(nodes, policy.shares))
             pool, nodes, rooms = views[key]
             demand = self._demand(pool, policy)
             plan = plan_admission(request, pool, nodes, policy, now, demand, rooms)
@@ -341,7 +341,7 @@ class Admitter:
                 timed(
                     self.metrics,
                     "debit",
-                    self.store.try_debits(debits, policy.borrow_share, now, policy.hold_ttl_ms),
+                    self.store.try_debits(debits, policy.shares, now, policy.hold_ttl_ms),
                 )
             )
             for (i, plan, check), outcome in zip(tries, outcomes, strict=True):

@@ -370,7 +370,7 @@ def test_a_batch_plans_on_rooms_computed_once_per_node_with_the_same_result() ->
     ]
     half = SETTINGS.model_copy(update={"borrow_share": 0.5})
     for settings in (SETTINGS, half):
-        rooms = node_rooms(nodes, settings.borrow_share)
+        rooms = node_rooms(nodes, settings.shares)
         assert rooms[4] is None
         for prompt in (10, 1000, 3000):
             req = AdmissionRequest(uncached_prompt_tokens=prompt, expected_output_tokens=100)
