@@ -158,7 +158,7 @@ def test_common_and_admin_round_trips() -> None:
     assert c.node_state_from_proto(c.node_status_to_proto(bare, NOW, 1.0)) == bare
     pool = PoolSnapshot(pool="p", reports=(LOAD,))
     assert c.pool_from_proto(c.pool_to_proto(pool)) == pool
-    policy = PolicySettings(borrow_share=0.3, shadow_mode=True)
+    policy = PolicySettings(borrow_share=0.3, borrow_kv_share=0.8, shadow_mode=True)
     assert c.policy_from_json(c.policy_to_json(policy)) == policy
 
 

@@ -218,9 +218,7 @@ class BrokerServer:
             )
         if self._metrics_enabled:
             broker = self.broker
-            gauges = NodeGauges(
-                broker.metrics, broker.clock.now_ms, lambda: broker.policy.borrow_share
-            )
+            gauges = NodeGauges(broker.metrics, broker.clock.now_ms, lambda: broker.policy.shares)
             interval_s = self.settings.metrics_refresh_ms / 1000.0
             self.supervisor.spawn(
                 "metrics-gauges",

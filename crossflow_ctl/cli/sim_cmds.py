@@ -148,7 +148,14 @@ def _quiet_logs() -> None:
     type=click.FloatRange(0.0, 1.0),
     default=0.5,
     show_default=True,
-    help="Cluster-wide borrow limit.",
+    help="Cluster-wide borrow limit on compute, output and slots.",
+)
+@click.option(
+    "--borrow-kv-share",
+    type=click.FloatRange(0.0, 1.0),
+    default=PolicySettings().borrow_kv_share,
+    show_default=True,
+    help="Cluster-wide borrow limit on the KV credits (kv, kv_transfer).",
 )
 @click.option(
     "--late-binding/--no-late-binding",
@@ -230,6 +237,7 @@ def sim(
     itl_slo_ms: float,
     horizon_ms: int,
     borrow_share: float,
+    borrow_kv_share: float,
     late_binding: bool,
     max_hold_ms: int,
     fresh_first_ms: int,
@@ -262,6 +270,7 @@ def sim(
         loaded.append(trace.with_warmup(warmup_s))
     policy = PolicySettings(
         borrow_share=borrow_share,
+        borrow_kv_share=borrow_kv_share,
         borrow_horizon_ms=horizon_ms,
         commit_ttl_ms=max(30_000, 2 * horizon_ms),
     )

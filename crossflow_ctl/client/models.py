@@ -18,7 +18,7 @@ class NodeView(Frozen):
 
     state: NodeState
     available: Credits = Credits()
-    """Lease x policy borrow_share - open debits; zero when expired, zero or cordoned."""
+    """Lease x the policy's borrow shares - open debits; zero when expired, zero or cordoned."""
     lease_expired: bool = False
 
     def status(self, at_ms: int, reporting: frozenset[str] = frozenset()) -> str:

@@ -30,7 +30,7 @@ from crossflow_ctl.demo.trace import Trace
 from crossflow_ctl.demo.view import CLEAR, Observations, frame, summary, summary_data
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, StepShape, step_time_s
 from crossflow_ctl.domain.errors import Unavailable
-from crossflow_ctl.domain.models import NodeRole
+from crossflow_ctl.domain.models import NodeRole, Share
 
 START_TIMEOUT_S = 30.0
 
@@ -121,7 +121,7 @@ class Demo:
         self.children: Children | None = None
         self.obs = Observations()
         self.interrupted = False
-        self.share = 1.0
+        self.share: Share = 1.0
         self.namespace = opts.redis_namespace or f"crossflow-demo-{uuid.uuid4().hex[:8]}"
 
     def _interrupt(self) -> None:
@@ -166,7 +166,7 @@ class Demo:
         await self._start_agents(broker, prefill, decode)
         async with AdminClient(broker, timeout_s=2.0) as admin:
             await self._wait_ready(admin, len(prefill), len(decode))
-            self.share = (await admin.get_policy()).policy.borrow_share
+            self.share = (await admin.get_policy()).policy.shares
             if self.stop.is_set():
                 return 0
             params = ModelParams(

@@ -15,6 +15,7 @@ from crossflow_ctl.domain.models import (
     NodeRole,
     PoolSnapshot,
     Reservation,
+    Share,
     ZeroReason,
 )
 from crossflow_ctl.domain.safety import over_committed
@@ -47,16 +48,16 @@ class Observations:
     """Node observations where the over-commit check applied (open grants, lease in history)."""
 
     def check_grants(
-        self, reservations: list[Reservation], history: dict[str, list[Lease]], share: float
+        self, reservations: list[Reservation], history: dict[str, list[Lease]], share: Share
     ) -> None:
         """No over-commit (DESIGN.md §5.3), checked from the outside.
 
         Every reservation open now was open when the newest of them was granted, and that grant
-        checked (atomically, in the store) that all of them fit in ``share`` x the lease it was
-        granted against. So their sum must fit in that lease, credit by credit; anything else is
-        an over-commit. (A later, smaller lease may legitimately sit below older debits, so the
-        node's latest lease is not the yardstick.) ``history`` holds each node's recent leases,
-        read after ``reservations``."""
+        checked (atomically, in the store) that all of them fit in ``share`` (per credit) x the
+        lease it was granted against. So their sum must fit in that lease, credit by credit;
+        anything else is an over-commit. (A later, smaller lease may legitimately sit below older
+        debits, so the node's latest lease is not the yardstick.) ``history`` holds each node's
+        recent leases, read after ``reservations``."""
         by_node: dict[str, list[Reservation]] = {}
         for r in reservations:
             by_node.setdefault(r.node_id, []).append(r)

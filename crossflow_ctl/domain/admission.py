@@ -27,6 +27,7 @@ from crossflow_ctl.domain.models import (
     NodeState,
     PoolName,
     PoolSnapshot,
+    Share,
 )
 from crossflow_ctl.domain.pending import NONE_UNREPORTED, Unreported
 from crossflow_ctl.domain.policy import PolicySettings
@@ -394,13 +395,13 @@ Room = tuple[tuple[int, ...], Credits]
 and the same floored at zero (``NodeCheck.available``)."""
 
 
-def node_rooms(nodes: Sequence[NodeState], share: float) -> tuple[Room | None, ...]:
+def node_rooms(nodes: Sequence[NodeState], share: Share) -> tuple[Room | None, ...]:
     """Each node's room at ``share`` (None without a lease): the same for every request planned
     on these states, so a batch computes it once per node, not once per request and node."""
     return tuple(None if n.lease is None else _room(n, n.lease.lease, share) for n in nodes)
 
 
-def _room(node: NodeState, lease: Lease, share: float) -> Room:
+def _room(node: NodeState, lease: Lease, share: Share) -> Room:
     """The node's room under ``lease`` (its latest), open debits counted in the lease's unit.
     A debit priced against this same lease is in that unit already (:func:`debit_for`); what
     it needs of this room is :func:`.safety.need_for`'s."""
@@ -417,7 +418,7 @@ def check_node(
     now_ms: int,
     room: Room | None = None,
 ) -> NodeCheck:
-    """Benefit and Safety on one node; ``room``: the node's at ``settings.borrow_share``
+    """Benefit and Safety on one node; ``room``: the node's at ``settings.shares``
     (:func:`node_rooms`), computed here when not given."""
     node_id = node.info.node_id
     stored = node.lease
@@ -440,7 +441,7 @@ def check_node(
     if lease.zero_reason is not None:
         detail = f"zero lease: {lease.zero_reason.value}"
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail=detail, **base)
-    left, available = room or _room(node, lease, settings.borrow_share)
+    left, available = room or _room(node, lease, settings.shares)
     opened, time, rate = node.open_debits, node.open_compute, lease.borrowed_prefill_rate_tps
     need = need_for(debit, debit_us, opened.compute_tokens, time, rate)
     short = short_of_room(left, need)  # ``available`` is floored at zero, for display only
@@ -500,7 +501,7 @@ def plan_admission(
 
     ``demand``: ``check_demand(pool, settings)`` (made the prompt's own by
     :func:`target_demand` and :func:`prompt_demand`), and ``rooms``: ``node_rooms(nodes,
-    settings.borrow_share)``, when the caller already has them (a batch of requests planned on
+    settings.shares)``, when the caller already has them (a batch of requests planned on
     one view shares them); ``pending``: the tokens sent since the pool's reports ``demand``
     was computed with."""
     pool_demand = demand if demand is not None else check_demand(pool, settings)
@@ -508,7 +509,7 @@ def plan_admission(
     normal = estimate_normal_path(request, pool_demand, pool, settings)
     demand = prompt_demand(pool_demand, normal, settings)
     if rooms is None:
-        rooms = node_rooms(nodes, settings.borrow_share)
+        rooms = node_rooms(nodes, settings.shares)
     checks = tuple(
         check_node(request, n, normal, settings, now_ms, r)
         for n, r in zip(nodes, rooms, strict=True)

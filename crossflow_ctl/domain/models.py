@@ -137,6 +137,28 @@ class ZeroReason(StrEnum):
 CREDIT_NAMES = ("compute_tokens", "kv_tokens", "kv_transfer_bytes", "output_tokens", "slots")
 
 
+class Shares(NamedTuple):
+    """The borrow share of each credit (0..1, CREDIT_NAMES order): the part of a node's lease,
+    credit by credit, that may be lent (``PolicySettings.shares``)."""
+
+    compute: float
+    kv: float
+    kv_transfer: float
+    output: float
+    slots: float
+
+    @classmethod
+    def of(cls, share: Share) -> Shares:
+        """``share`` per credit: a single float is the same share on every credit."""
+        if isinstance(share, Shares):
+            return share
+        return cls(share, share, share, share, share)
+
+
+Share = float | Shares
+"""One borrow share for every credit, or one per credit."""
+
+
 class Credits(Frozen):
     """The five credits of a lease, each in its own unit."""
 
@@ -210,9 +232,11 @@ class Credits(Frozen):
             [a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)]
         )
 
-    def scaled(self, share: float) -> Credits:
-        """Each credit times ``share`` (0..1), rounded down."""
-        return Credits.from_tuple([int(v * share) for v in self.as_tuple()])
+    def scaled(self, share: Share) -> Credits:
+        """Each credit times its ``share`` (0..1), rounded down."""
+        return Credits.from_tuple(
+            [int(v * s) for v, s in zip(self.as_tuple(), Shares.of(share), strict=True)]
+        )
 
 
 class Lease(Frozen):
@@ -587,8 +611,8 @@ class NodeState(Frozen):
     """The node time behind ``open_debits.compute_tokens``: Safety counts them in the unit of
     the node's latest lease from it (:mod:`crossflow_ctl.domain.safety`)."""
 
-    def available(self, now_ms: int, share: float = 1.0) -> Credits:
-        """Latest lease credit x share, minus open debits in its unit (DESIGN.md §5.2)."""
+    def available(self, now_ms: int, share: Share = 1.0) -> Credits:
+        """Latest lease credit x its share, minus open debits in its unit (DESIGN.md §5.2)."""
         if self.lease is None or self.info.cordoned:
             return Credits()
         credits = self.lease.effective_credits(now_ms).scaled(share)

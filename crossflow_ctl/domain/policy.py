@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
-from crossflow_ctl.domain.models import MAX_HORIZON_MS, Frozen, validated
+from crossflow_ctl.domain.models import MAX_HORIZON_MS, Frozen, Shares, validated
 
 # GPT-OSS-120B-like: 2 (K and V) x 36 layers x 8 KV heads x 64 head dim x 2 bytes (bf16).
 DEFAULT_KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 64 * 2
@@ -42,7 +42,24 @@ class PolicySettings(Frozen):
     Applied per node inside the node's own atomic check-and-debit, so the sum of borrowed credit
     over the whole cluster never exceeds ``borrow_share`` x the sum of leases, without any
     cross-slot operation (Redis Cluster safe). The rest stays free for requests already coming
-    from the prefill pool."""
+    from the prefill pool. On the KV credits ``borrow_kv_share`` applies instead."""
+    borrow_kv_share: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 1.0
+    """The borrowing limit on the KV credits, kv and kv_transfer, as ``borrow_share`` is on the
+    others (compute, output, slots).
+
+    The share keeps free what the node's own work needs, and that differs by credit. Borrowed
+    compute, output and slots are work the node takes on only on the borrowed path: they slow
+    its batch (ITL) and crowd its own decode. KV is not: a request's KV (its prompt, a pulled-in
+    prefix, its output) lands on a decode node whichever path it takes, and the lease's KV
+    credit is already net of the reserve for the running requests' growth and of the KV
+    promised to the engine's waiting queue (requests transferred from the prefill pool). The
+    kv_transfer credit is how that KV comes in, capped by the KV credit in bytes; the agent
+    sets its share of the network (``LeaseSettings.kv_transfer_share``). At ``borrow_share``
+    0.5 no 1M-token node could ever take a prompt with a 500k-token prefix, which then queued
+    for prefill and took the same KV on a decode node anyway; on the agentic sample at 4x
+    (2P4D, seeds 0-3) those were 22 of the 39 prompts held or queued over 5 s. Lower it to
+    keep part of every node's KV for requests still in prefill, whose KV is not in the node's
+    queue yet."""
     hold_ttl_ms: Annotated[int, Field(gt=0, le=600_000)] = 2_000
     """A HELD reservation not committed within this expires."""
     commit_ttl_ms: Annotated[int, Field(gt=0, le=3_600_000)] = 30_000
@@ -73,6 +90,14 @@ class PolicySettings(Frozen):
     """Nodes sampled when the router names no candidates (cost stays flat with fleet size)."""
     admit_timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 50
     """Admission answers NORMAL (fail closed) when the store takes longer than this."""
+
+    @property
+    def shares(self) -> Shares:
+        """The borrow share of each credit: ``borrow_kv_share`` on kv and kv_transfer,
+        ``borrow_share`` on the others (what Safety applies, :mod:`crossflow_ctl.domain.safety`)."""
+        share = self.borrow_share
+        kv = self.borrow_kv_share
+        return Shares(share, kv, kv, share, share)
 
     @model_validator(mode="after")
     def _commit_outlasts_horizon(self) -> PolicySettings:

@@ -26,6 +26,7 @@ from crossflow_ctl.domain.models import (
     NodeState,
     PoolName,
     PoolSnapshot,
+    Share,
     Tokens,
 )
 from crossflow_ctl.domain.pending import NONE_UNREPORTED, Unreported
@@ -116,7 +117,7 @@ class RoomWatchRequest(Frozen):
         return value
 
 
-def node_room(node: NodeState, share: float, now_ms: int) -> NodeRoom | None:
+def node_room(node: NodeState, share: Share, now_ms: int) -> NodeRoom | None:
     """The node's room, or None when it has none (no, expired or zero lease, cordoned, or
     short on compute, KV, output or slots: what Admit's Safety check would refuse a prompt
     for, so a watcher is not told of room every re-offer would find gone)."""
@@ -152,7 +153,7 @@ def summarize_room(
     """The room of ``nodes`` and the pool's Demand, under ``settings``, at ``now_ms``, with
     the tokens sent to the pool since its reports (``pending``, as Admit counts them)."""
     demand = check_demand(pool, settings, pending.shared, None, pending.by_server)
-    rooms = (node_room(n, settings.borrow_share, now_ms) for n in nodes)
+    rooms = (node_room(n, settings.shares, now_ms) for n in nodes)
     found = sorted((r for r in rooms if r is not None), key=lambda r: r.node_id)
     return RoomView(
         pool=pool_name,

@@ -4,9 +4,9 @@ A node has room for a debit when, credit by credit,
 
     floor(lease credit x share) - open debits >= debit
 
-where ``share`` is the policy's cluster-wide borrowing limit applied to each node's own lease
-(``PolicySettings.borrow_share``) and open debits are the node's counting reservations, each
-credit in the lease's unit.
+where ``share`` is the policy's cluster-wide borrowing limit applied to each node's own lease,
+that credit's own (``PolicySettings.shares``), and open debits are the node's counting
+reservations, each credit in the lease's unit.
 
 **One unit.** The compute credit counts tokens at the lease's borrowed-prefill rate (node
 seconds x rate), and that rate follows the decode batch, lease by lease. Each open compute debit
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from crossflow_ctl.domain.models import CREDIT_NAMES, ComputeTime, Credits
+from crossflow_ctl.domain.models import CREDIT_NAMES, ComputeTime, Credits, Share, Shares
 
 Amounts = Credits | Sequence[int]
 """Five credit amounts, as Credits or in CREDIT_NAMES order."""
@@ -81,17 +81,21 @@ def need_for(
 def room_left(
     lease: Amounts,
     open_debits: Amounts,
-    share: float,
+    share: Share,
     rate_tps: float = 0.0,
     open_time: ComputeTime = UNTIMED,
 ) -> tuple[int, ...]:
-    """``floor(lease x share) - open`` per credit (CREDIT_NAMES order), the open debits in the
-    unit of the lease (``rate_tps``, its borrowed-prefill rate; ``open_time``, the node time
-    behind their compute); may be negative."""
+    """``floor(lease x share) - open`` per credit (CREDIT_NAMES order; ``share``: one for every
+    credit, or each credit's own), the open debits in the unit of the lease (``rate_tps``, its
+    borrowed-prefill rate; ``open_time``, the node time behind their compute); may be
+    negative."""
     return tuple(
-        int(have * share) - used
-        for have, used in zip(
-            _amounts(lease), in_lease_unit(open_debits, open_time, rate_tps), strict=True
+        int(have * part) - used
+        for have, part, used in zip(
+            _amounts(lease),
+            Shares.of(share),
+            in_lease_unit(open_debits, open_time, rate_tps),
+            strict=True,
         )
     )
 
@@ -105,7 +109,7 @@ def short_of_room(room: Sequence[int], need: Sequence[int]) -> tuple[str, ...]:
 def short_credits(
     lease: Amounts,
     open_debits: Amounts,
-    share: float,
+    share: Share,
     debit: Amounts,
     rate_tps: float = 0.0,
     open_time: ComputeTime = UNTIMED,
@@ -122,7 +126,7 @@ def short_credits(
 def fits(
     lease: Amounts,
     open_debits: Amounts,
-    share: float,
+    share: Share,
     debit: Amounts,
     rate_tps: float = 0.0,
     open_time: ComputeTime = UNTIMED,
@@ -135,7 +139,7 @@ def fits(
 def over_committed(
     lease: Amounts,
     open_debits: Amounts,
-    share: float,
+    share: Share,
     rate_tps: float = 0.0,
     open_time: ComputeTime = UNTIMED,
 ) -> tuple[str, ...]:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import structlog
 
 from crossflow_ctl.domain.errors import CrossflowError
-from crossflow_ctl.domain.models import NodeRole, NodeState
+from crossflow_ctl.domain.models import NodeRole, NodeState, Share
 from crossflow_ctl.observability.instruments import BrokerMetrics
 
 log = structlog.get_logger(__name__)
@@ -30,12 +30,12 @@ class NodeGauges:
         self,
         metrics: BrokerMetrics,
         now_ms: Callable[[], int],
-        share: Callable[[], float] = lambda: 1.0,
+        share: Callable[[], Share] = lambda: 1.0,
     ) -> None:
         self.metrics = metrics
         self.now_ms = now_ms
         self.share = share
-        """The live borrowing share (``lambda: broker.policy.borrow_share``)."""
+        """The live borrowing shares (``lambda: broker.policy.shares``)."""
         self._known: set[str] = set()
 
     def update(self, nodes: Sequence[NodeState]) -> None:

@@ -309,7 +309,7 @@ class Admitter:
                         request.pool, request.candidate_node_ids, policy.candidate_sample, now
                     ),
                 )
-                views[key] = (pool, nodes, node_rooms(nodes, policy.borrow_share))
+                views[key] = (pool, nodes, node_rooms(nodes, policy.shares))
             pool, nodes, rooms = views[key]
             demand, unreported = self._demand(pool, policy)
             plan = plan_admission(request, pool, nodes, policy, now, demand, rooms, unreported)
@@ -346,7 +346,7 @@ class Admitter:
                 timed(
                     self.metrics,
                     "debit",
-                    self.store.try_debits(debits, policy.borrow_share, now, policy.hold_ttl_ms),
+                    self.store.try_debits(debits, policy.shares, now, policy.hold_ttl_ms),
                 )
             )
             for (i, plan, check), outcome in zip(tries, outcomes, strict=True):

@@ -313,7 +313,7 @@ class ControlPlane:
         if state.lease is None:
             self.record.overcommits += 1
             return
-        share = self.cfg.broker_policy.borrow_share
+        share = self.cfg.broker_policy.shares
         lease = state.lease.lease
         rate = lease.borrowed_prefill_rate_tps
         if over_committed(lease.credits, state.open_debits, share, rate, state.open_compute):

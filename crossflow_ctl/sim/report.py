@@ -167,7 +167,7 @@ the share of requests with TTFT <= the TTFT SLO and mean ITL <= the ITL SLO; str
 share of server-seconds not spent stepping; borrowed is the share of prompts prefilled on a
 decode node; KV waits counts borrowed prompts that waited for KV room on their node, in the
 queue it shares with transferred requests (the lease had promised room); over-commit counts
-granted debits after which a node's open debits exceeded its lease x borrow share (must be 0).
+granted debits after which a node's open debits exceeded its lease x borrow shares (must be 0).
 Best static: highest output throughput, then lowest mean TTFT among splits within 1 % of it."""
 
 
@@ -203,7 +203,7 @@ def write_report(
         f"tokens per server; ITL SLO {config.lease.itl_slo_ms:g} ms, TTFT SLO "
         f"{config.ttft_slo_ms:g} ms; agent period {config.agent_period_ms} ms; "
         f"borrow horizon {config.lease.horizon_ms} ms, borrow share "
-        f"{config.broker_policy.borrow_share:g}; "
+        f"{config.broker_policy.borrow_share:g} (KV {config.broker_policy.borrow_kv_share:g}); "
         f"prefix cache {config.cache_scope.value} ({config.cache_capacity_tokens:,} tokens); "
         f"router queue {queue_words(config)}; seed {config.seed}.",
         "",

@@ -8,7 +8,8 @@ Semantics (both implementations, proved by tests/store/test_contract.py):
   have expired and RELEASED ones whose release notice the agent had seen when its snapshot was
   taken (``lease.last_notice_seq >= release_seq``, §5.4).
 * ``try_debit`` checks, in one atomic step, that the node is known, not cordoned, has a live
-  non-zero lease, and that ``lease.credits x share - open debits >= debit`` on every credit,
+  non-zero lease, and that ``lease.credits x share - open debits >= debit`` on every credit
+  (``share``: one for every credit, or :class:`~crossflow_ctl.domain.models.Shares`),
   the open debits and the debit counted in the lease's unit (:mod:`crossflow_ctl.domain.safety`:
   timed compute debits by their node time at the lease's rate); then records a HELD
   reservation (with its ``compute_us``) and a GRANT notice (§5.3). Otherwise nothing changes.
@@ -37,6 +38,7 @@ from typing import NamedTuple
 
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
 from crossflow_ctl.domain.models import (
+    CREDIT_NAMES,
     MAX_COMPUTE_US,
     MAX_TOKENS,
     Credits,
@@ -49,13 +51,15 @@ from crossflow_ctl.domain.models import (
     PoolLoad,
     PoolSnapshot,
     Reservation,
+    Share,
+    Shares,
     StoredLease,
 )
 from crossflow_ctl.domain.policy import VersionedPolicy
 
 
 def check_debit_args(
-    share: float,
+    share: Share,
     hold_ttl_ms: int,
     owner: str = "",
     compute_us: int = 0,
@@ -64,8 +68,10 @@ def check_debit_args(
     """The arguments of :meth:`Store.try_debit` every implementation refuses alike."""
     check_compute_us(compute_us)
     check_pulled_tokens(pulled_tokens)
-    if not 0.0 <= share <= 1.0:
-        raise InvalidArgument(f"share must be within [0, 1], got {share}", field="share")
+    for name, part in zip(CREDIT_NAMES, Shares.of(share), strict=True):
+        if not 0.0 <= part <= 1.0:
+            field = "share" if not isinstance(share, Shares) else f"share.{name}"
+            raise InvalidArgument(f"share must be within [0, 1], got {part}", field=field)
     if hold_ttl_ms <= 0:
         raise InvalidArgument("hold_ttl_ms must be positive", field="hold_ttl_ms")
     check_owner(owner)
@@ -227,7 +233,7 @@ class Store(abc.ABC):
         self,
         node_id: str,
         debit: Credits,
-        share: float,
+        share: Share,
         now_ms: int,
         hold_ttl_ms: int,
         request_id: str = "",
@@ -242,7 +248,7 @@ class Store(abc.ABC):
         (None: the notice leaves them out)."""
 
     async def try_debits(
-        self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
+        self, debits: Sequence[DebitRequest], share: Share, now_ms: int, hold_ttl_ms: int
     ) -> list[DebitOutcome]:
         """:meth:`try_debit` for each item, in order; each one atomic on its own node (a batch
         is not a transaction). Stores with a network round trip send the batch as one.

@@ -17,7 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from crossflow_ctl.domain.models import CREDIT_NAMES, Credits, Reservation, ReservationState
+from crossflow_ctl.domain.models import (
+    CREDIT_NAMES,
+    Credits,
+    Reservation,
+    ReservationState,
+    Share,
+    Shares,
+)
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.base import DebitOutcome, DebitRequest, RequestRecord, grant_member
 from crossflow_ctl.store.keys import NOTICES_CAP, Keys, new_reservation_id
@@ -166,9 +173,16 @@ NODE_KEYS = 5
 """The node's own keys of a ``try_debit`` call; request record keys follow them."""
 
 
-def script_calls(keys: Keys, calls: Sequence[DebitCall], share: float) -> list[ScriptCall]:
+def packed_shares(share: Share) -> str:
+    """The debit script's shares argument: each credit's share as exact float text (``repr``:
+    Lua's ``tonumber`` reads back the same double), comma-separated in CREDIT_NAMES order."""
+    return ",".join(repr(float(part)) for part in Shares.of(share))
+
+
+def script_calls(keys: Keys, calls: Sequence[DebitCall], share: Share) -> list[ScriptCall]:
     """The batch grouped by node (one atomic script call per node), nodes in first-seen order;
     a debit's request record key joins its node's call's KEYS."""
+    shares = packed_shares(share)
     by_node: dict[str, ScriptCall] = {}
     for position, call in enumerate(calls):
         group = by_node.get(call.node_id)
@@ -176,7 +190,7 @@ def script_calls(keys: Keys, calls: Sequence[DebitCall], share: float) -> list[S
             k = keys.node(call.node_id)
             group = by_node[call.node_id] = ScriptCall(
                 keys=[k.info, k.lease, k.reservations, k.notices, k.expiries],
-                args=[call.now_ms, repr(float(share)), call.expires_at_ms, NOTICES_CAP],
+                args=[call.now_ms, shares, call.expires_at_ms, NOTICES_CAP],
                 positions=[],
             )
         key_index = 0

@@ -56,6 +56,7 @@ from crossflow_ctl.domain.models import (
     PoolLoad,
     PoolSnapshot,
     Reservation,
+    Share,
     StoredLease,
     StoredPoolLoad,
     validated,
@@ -313,7 +314,7 @@ class RedisStore(Store):
         self,
         node_id: str,
         debit: Credits,
-        share: float,
+        share: Share,
         now_ms: int,
         hold_ttl_ms: int,
         request_id: str = "",
@@ -327,7 +328,7 @@ class RedisStore(Store):
         return (await self.try_debits((request,), share, now_ms, hold_ttl_ms))[0]
 
     async def try_debits(
-        self, debits: Sequence[DebitRequest], share: float, now_ms: int, hold_ttl_ms: int
+        self, debits: Sequence[DebitRequest], share: Share, now_ms: int, hold_ttl_ms: int
     ) -> list[DebitOutcome]:
         """ONE script call per node, all of them in ONE round trip (pipelined when several)."""
         check_debit_args(share, hold_ttl_ms)

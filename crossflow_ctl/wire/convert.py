@@ -28,6 +28,7 @@ from crossflow_ctl.domain.models import (
     PoolSnapshot,
     Reservation,
     ReservationState,
+    Share,
     StoredLease,
     ZeroReason,
     validated_from,
@@ -273,8 +274,9 @@ def reservation_from_proto(msg: admin_pb2.Reservation) -> Reservation:
     )
 
 
-def node_status_to_proto(node: NodeState, now_ms: int, share: float) -> admin_pb2.NodeStatus:
-    """``available`` is what admission could still lend: lease x ``share`` - open debits."""
+def node_status_to_proto(node: NodeState, now_ms: int, share: Share) -> admin_pb2.NodeStatus:
+    """``available`` is what admission could still lend: lease x ``share`` (per credit) - open
+    debits."""
     msg = admin_pb2.NodeStatus(
         node_id=node.info.node_id,
         role=role_to_proto(node.info.role),  # type: ignore[arg-type]

@@ -197,6 +197,7 @@ async def test_bad_policy_update_is_refused_and_policy_unchanged(cluster) -> Non
         for updates, named in [
             ({"borrow_share": 1.5}, "borrow_share"),
             ({"borrow_share": "NaN"}, "borrow_share"),
+            ({"borrow_kv_share": -0.1}, "borrow_kv_share"),
             ({"no_such_knob": 1}, "no_such_knob"),
             ({"commit_ttl_ms": 10}, ""),
         ]:

@@ -6,10 +6,10 @@ decode agents stream to different replicas and keep replacing their leases (rand
 borrowed-prefill rates) while hundreds of concurrent Admits race over all replicas (half unary,
 half on AdmitStreams, whose debits go to Redis in batches). Afterwards, reading the store:
 ordering each node's reservations by grant sequence (the order the atomic check-and-debit ran
-in), every grant plus all grants before it fits in ``borrow_share`` x the lease it was granted
-against, credit by credit, the compute debits counted in that lease's unit (their node time at
-its rate, :mod:`crossflow_ctl.domain.safety`). Reservations never expire or get released here, so
-every earlier grant was still open.
+in), every grant plus all grants before it fits in the policy's shares (each credit its own) x
+the lease it was granted against, credit by credit, the compute debits counted in that lease's
+unit (their node time at its rate, :mod:`crossflow_ctl.domain.safety`). Reservations never
+expire or get released here, so every earlier grant was still open.
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.client import AdminClient, AdmissionClient, AdmissionStream
 from crossflow_ctl.domain.admission import Decision
 from crossflow_ctl.domain.models import ComputeTime, Credits
+from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.safety import over_committed
 from tests.broker.agents import FakeAgent
 from tests.conftest import delete_cluster_namespace
 
 REPLICAS = 3
-SHARE = 0.75
+POLICY = PolicySettings(borrow_share=0.75, borrow_kv_share=0.9)
+SHARES = POLICY.shares
+"""Each credit at its own share (the brokers' policy): kv and kv_transfer at 0.9, the rest 0.75."""
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +66,8 @@ async def replicas(request: pytest.FixtureRequest) -> AsyncIterator[Replicas]:
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
-        "CROSSFLOW_POLICY__BORROW_SHARE": str(SHARE),
+        "CROSSFLOW_POLICY__BORROW_SHARE": str(POLICY.borrow_share),
+        "CROSSFLOW_POLICY__BORROW_KV_SHARE": str(POLICY.borrow_kv_share),
         "CROSSFLOW_POLICY__HOLD_TTL_MS": "60000",
         "CROSSFLOW_POLICY__COMMIT_TTL_MS": "60000",
         "CROSSFLOW_POLICY__MAX_LEASE_TTL_MS": "60000",
@@ -214,7 +218,7 @@ async def test_open_debits_never_exceed_the_lease(
                 lease, rate = granted_against[(node, r.lease_version)]
                 open_debits = open_debits.plus(r.debit)
                 time = time.plus(r.compute_time)
-                over = over_committed(lease, open_debits, SHARE, rate, time)
+                over = over_committed(lease, open_debits, SHARES, rate, time)
                 assert not over, (node, r.reservation_id, over, open_debits, time, lease, rate)
             borrowed -= {r.reservation_id for r in reservations}
     assert not borrowed, f"BORROW answers without a stored reservation: {borrowed}"

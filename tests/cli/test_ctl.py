@@ -209,6 +209,12 @@ async def test_exit_codes_not_found_and_usage(ctl: Ctl, fleet: Fleet) -> None:
     stale = await ctl("policy", "set", "borrow_share=0.9", "--expected-version", "1")
     assert stale.rc == 1 and "policy changed meanwhile" in stale.err, stale
     assert json.loads((await ctl("policy", "get", "-o", "json")).out)["borrow_share"] == 0.25
+    assert policy["borrow_kv_share"] == 1.0  # KV is lent whole unless set lower
+    kv = await ctl("policy", "set", "borrow_kv_share=0.8", "-o", "json")
+    assert kv.rc == 0 and json.loads(kv.out)["borrow_kv_share"] == 0.8
+    assert (await ctl("policy", "set", "borrow_kv_share=1.5")).err.startswith(
+        "error: borrow_kv_share: "
+    )
 
 
 async def test_describe_node_shows_credits_debits_history(ctl: Ctl, fleet: Fleet) -> None:

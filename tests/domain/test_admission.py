@@ -22,6 +22,7 @@ from crossflow_ctl.domain.models import (
     NodeState,
     PoolLoad,
     PoolSnapshot,
+    Shares,
     StoredLease,
     ZeroReason,
 )
@@ -190,6 +191,22 @@ def test_open_debits_reduce_room_and_borrow_share_caps_it() -> None:
     small = node(credits=ROOMY.model_copy(update={"compute_tokens": 1999}))
     plan = plan_admission(REQUEST, pool(2000, 1000.0), [small], half, NOW)
     assert plan.nodes[0].short_credits == ("compute_tokens",)  # 1999 x 0.5 < 1000
+
+
+def test_kv_is_lent_at_its_own_share_not_at_borrow_share() -> None:
+    """A prompt whose KV (here 1,000 prompt + 100 output tokens) is over half the lease's KV
+    credit still borrows at ``borrow_share`` 0.5: KV is lent at ``borrow_kv_share`` (whole by
+    default), as that KV lands on a decode node on the normal path too."""
+    half = SETTINGS.updated({"borrow_share": 0.5})
+    assert half.shares == Shares(compute=0.5, kv=1.0, kv_transfer=1.0, output=0.5, slots=0.5)
+    tight = node(credits=ROOMY.model_copy(update={"kv_tokens": 1_500}))
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), [tight], half, NOW)
+    assert plan.reason is Reason.BORROWED
+    assert plan.ranked[0].debit.kv_tokens == 1_100  # over 1,500 x 0.5
+    kv_half = half.updated({"borrow_kv_share": 0.5})
+    plan = plan_admission(REQUEST, pool(2000, 1000.0), [tight], kv_half, NOW)
+    assert plan.reason is Reason.NO_ROOM
+    assert plan.nodes[0].short_credits == ("kv_tokens",)
 
 
 @pytest.mark.parametrize(
@@ -369,8 +386,9 @@ def test_a_batch_plans_on_rooms_computed_once_per_node_with_the_same_result() ->
         NodeState(info=NodeInfo(node_id="d4")),  # no lease: no room
     ]
     half = SETTINGS.model_copy(update={"borrow_share": 0.5})
-    for settings in (SETTINGS, half):
-        rooms = node_rooms(nodes, settings.borrow_share)
+    kv_half = half.model_copy(update={"borrow_kv_share": 0.5})
+    for settings in (SETTINGS, half, kv_half):
+        rooms = node_rooms(nodes, settings.shares)
         assert rooms[4] is None
         for prompt in (10, 1000, 3000):
             req = AdmissionRequest(uncached_prompt_tokens=prompt, expected_output_tokens=100)

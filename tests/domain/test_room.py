@@ -69,7 +69,11 @@ def test_summary_lists_only_nodes_with_room_after_share_and_debits() -> None:
     view = summarize_room("default", pool(50_000), nodes, PolicySettings(borrow_share=0.5), NOW)
     assert [n.node_id for n in view.nodes] == ["d1", "d3"]
     d1 = view.nodes[0]
-    assert (d1.compute_tokens, d1.slots, d1.kv_tokens) == (3_000, 1, 50_000)
+    assert (d1.compute_tokens, d1.slots, d1.kv_tokens) == (3_000, 1, 100_000)  # KV lent whole
+    kv_half = PolicySettings(borrow_share=0.5, borrow_kv_share=0.5)
+    assert summarize_room("default", pool(50_000), nodes, kv_half, NOW).nodes[0].kv_tokens == (
+        50_000
+    )
     # the lease's 7 ms + the broker's 1,000 open tokens at 2,000/s
     assert d1.queue_wait_ms == 507.0 and d1.lease_version == 3
     assert view.nodes[1].queue_wait_ms == 7.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from crossflow_ctl.domain.models import CREDIT_NAMES, ComputeTime, Credits
+from crossflow_ctl.domain.models import CREDIT_NAMES, ComputeTime, Credits, Shares
 from crossflow_ctl.domain.safety import (
     fits,
     need_for,
@@ -15,7 +15,9 @@ from crossflow_ctl.domain.safety import (
 )
 
 amounts = st.tuples(*(st.integers(min_value=0, max_value=10_000) for _ in CREDIT_NAMES))
-shares = st.sampled_from([0.0, 0.1, 0.25, 1 / 3, 0.5, 0.7, 1.0])
+share_values = st.sampled_from([0.0, 0.1, 0.25, 1 / 3, 0.5, 0.7, 1.0])
+shares = st.one_of(share_values, st.tuples(*[share_values] * 5).map(lambda t: Shares(*t)))
+"""One share for every credit, or each credit its own."""
 
 
 def test_room_is_floor_of_lease_times_share_minus_open_and_may_be_negative() -> None:
@@ -24,15 +26,20 @@ def test_room_is_floor_of_lease_times_share_minus_open_and_may_be_negative() -> 
     assert over_committed(lease, (4, 0, 0, 5, 1), 0.5) == ("output_tokens",)
     # A zero debit does not fit a credit that is already over (no flooring at zero).
     assert short_credits(lease, (4, 0, 0, 5, 1), 0.5, Credits()) == ("output_tokens",)
+    # Each credit at its own share: KV lent whole, output at 0.9.
+    each = Shares(compute=0.5, kv=1.0, kv_transfer=0.5, output=0.9, slots=0.5)
+    assert room_left(lease, (4, 0, 0, 2, 1), each) == (1, 7, 0, 0, 0)
+    assert short_credits(lease, (4, 6, 0, 1, 1), each, Credits(kv_tokens=1)) == ()
+    assert short_credits(lease, (4, 6, 0, 1, 1), 0.5, Credits(kv_tokens=1)) == ("kv_tokens",)
 
 
 @given(amounts, amounts, shares, amounts)
 def test_short_credits_name_exactly_the_credits_that_do_not_fit(
-    lease: tuple[int, ...], open_: tuple[int, ...], share: float, debit: tuple[int, ...]
+    lease: tuple[int, ...], open_: tuple[int, ...], share: float | Shares, debit: tuple[int, ...]
 ) -> None:
     short = short_credits(lease, open_, share, debit)
     for i, name in enumerate(CREDIT_NAMES):
-        assert (name in short) == (open_[i] + debit[i] > int(lease[i] * share))
+        assert (name in short) == (open_[i] + debit[i] > int(lease[i] * Shares.of(share)[i]))
     assert fits(lease, open_, share, debit) == (not short)
     # Credits and plain tuples are the same amounts.
     assert short == short_credits(
@@ -42,7 +49,7 @@ def test_short_credits_name_exactly_the_credits_that_do_not_fit(
 
 @given(amounts, amounts, shares, amounts)
 def test_granting_what_fits_never_over_commits(
-    lease: tuple[int, ...], open_: tuple[int, ...], share: float, debit: tuple[int, ...]
+    lease: tuple[int, ...], open_: tuple[int, ...], share: float | Shares, debit: tuple[int, ...]
 ) -> None:
     if not over_committed(lease, open_, share) and fits(lease, open_, share, debit):
         after = tuple(a + b for a, b in zip(open_, debit, strict=True))
@@ -121,7 +128,10 @@ def test_a_time_that_cannot_be_behind_the_open_tokens_counts_them_untimed() -> N
     [((3_494, 1, 1, 1, 1), 1_500_000), ((12_229, 1, 1, 1, 1), 5_250_000)],
 )
 def test_granting_what_fits_at_one_rate_never_over_commits_it(
-    lease: tuple[int, ...], rate: float, share: float, debits: list[tuple[tuple[int, ...], int]]
+    lease: tuple[int, ...],
+    rate: float,
+    share: float | Shares,
+    debits: list[tuple[tuple[int, ...], int]],
 ) -> None:
     """Debits granted one after another against one lease (each checked with the open ones in
     the lease's unit) never sum above it, at any rate: each is checked by the state after it,
@@ -138,7 +148,7 @@ def test_granting_what_fits_at_one_rate_never_over_commits_it(
 def test_a_debit_fits_exactly_when_the_open_compute_after_it_stays_within_the_lease(
     lease: tuple[int, ...],
     rate: float,
-    share: float,
+    share: float | Shares,
     opened: list[tuple[tuple[int, ...], int]],
     debit: tuple[int, ...],
     us: int,
@@ -151,4 +161,4 @@ def test_a_debit_fits_exactly_when_the_open_compute_after_it_stays_within_the_le
         time = time.plus(ComputeTime.of_debit(d[0], d_us))
     after = time.plus(ComputeTime.of_debit(debit[0], us)).tokens_at(open_[0] + debit[0], rate)
     short = short_credits(lease, open_, share, debit, rate, time, us)
-    assert ("compute_tokens" in short) == (after > int(lease[0] * share))
+    assert ("compute_tokens" in short) == (after > int(lease[0] * Shares.of(share).compute))

@@ -26,6 +26,7 @@ def test_sim_writes_a_report_with_plots(traces_dir: Path, tmp_path: Path) -> Non
         "--borrow-splits", "2P4D",
         "--warmup-s", "0",
         "--jobs", "1",
+        "--borrow-kv-share", "0.75",
         "--out", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -34,6 +35,7 @@ def test_sim_writes_a_report_with_plots(traces_dir: Path, tmp_path: Path) -> Non
     assert "| mooncake_conversation_trace | 4x | 2P4D/leases |" in text
     assert "| mooncake_conversation_trace | 4x | 2P4D/static | 2P4D/threshold |" in text
     assert "Over-commit count over all runs: **0**" in text
+    assert "borrow share 0.5 (KV 0.75);" in text
     assert (
         "router queue fifo, hold up to 600,000 ms, fresh-first (smallest) once behind 5,000 ms;"
         in text
@@ -168,6 +170,7 @@ def test_sim_refuses_out_of_range_settings_naming_the_flag(tmp_path: Path) -> No
     a negative --session-rate was accepted."""
     for flag, value in (
         ("--borrow-share", "5"),
+        ("--borrow-kv-share", "2"),
         ("--horizon-ms", "0"),
         ("--kv-capacity-tokens", "0"),
         ("--itl-slo-ms", "0"),

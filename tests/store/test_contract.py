@@ -22,6 +22,7 @@ from crossflow_ctl.domain.models import (
     NoticeKind,
     PoolLoad,
     ReservationState,
+    Shares,
     ZeroReason,
 )
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
@@ -260,6 +261,22 @@ async def test_share_limits_what_is_lent(store: Store) -> None:
     with pytest.raises(InvalidArgument) as err:
         await store.try_debit("d1", credits(1), 1.5, NOW, 100)
     assert err.value.field == "share"
+
+
+async def test_each_credit_is_lent_at_its_own_share(store: Store) -> None:
+    """``PolicySettings.shares``: KV and KV transfer at ``borrow_kv_share``, the rest at
+    ``borrow_share``; the store applies each credit's own."""
+    await register(store, "d1")
+    await store.upsert_lease(lease(value=10), NOW, MAX_TTL)
+    shares = PolicySettings(borrow_share=0.5, borrow_kv_share=1.0).shares
+    # floor(10 x 0.5) = 5 on compute, output and slots; the whole 10 on kv and kv_transfer
+    big = credits(5, kv_tokens=8, kv_transfer_bytes=10)
+    assert (await store.try_debit("d1", big, shares, NOW, 100)).granted
+    short = await store.try_debit("d1", credits(0, kv_tokens=3, slots=1), shares, NOW, 100)
+    assert short.short_credits == ("kv_tokens", "slots")
+    with pytest.raises(InvalidArgument) as err:
+        await store.try_debit("d1", credits(1), Shares(0.5, 1.5, 0.5, 0.5, 0.5), NOW, 100)
+    assert err.value.field == "share.kv_tokens"
 
 
 # -- reservations ------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from crossflow_ctl.domain.errors import CrossflowError
-from crossflow_ctl.domain.models import Credits, NodeState, ZeroReason
+from crossflow_ctl.domain.models import Credits, NodeState, Share, ZeroReason
+from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.safety import over_committed
 from crossflow_ctl.store.base import DebitOutcome, Store
 from crossflow_ctl.store.memory import MemoryStore
@@ -37,7 +38,7 @@ debit_op = st.tuples(
     st.just("debit"),
     st.sampled_from(NODES),
     st.tuples(small, small, small, small, st.integers(min_value=0, max_value=3)),
-    st.sampled_from([0.25, 0.5, 1.0]),
+    st.sampled_from([0.25, 0.5, 1.0, PolicySettings(borrow_share=0.5).shares]),  # KV's own
     st.integers(min_value=50, max_value=2_000),
     st.one_of(st.just(0), st.integers(min_value=1, max_value=20_000_000)),  # node time, us
 )
@@ -132,7 +133,7 @@ class Lockstep:
             self.ev[node] = new
 
     async def debit_op(
-        self, node: str, values: tuple[int, ...], share: float, hold: int, compute_us: int
+        self, node: str, values: tuple[int, ...], share: Share, hold: int, compute_us: int
     ):
         debit = Credits.from_tuple(values)
         outs = [

@@ -1,11 +1,12 @@
 """The Redis debit script answers Safety exactly as crossflow_ctl.domain.safety defines it.
 
 Random leases, open debits (granted against a larger lease, then left above or below a smaller
-one), debits and shares on real Redis: the script grants exactly when the domain says the debit
-fits, and names the same short credits when it refuses; a batch of debits on the node (one
-script call) agrees with the domain applied debit after debit. The two leases have borrowed-prefill
-rates of their own (0: none) and the debits node time or none, so the open compute debits granted
-against the first lease are counted in the second's unit by both, to the token.
+one), debits and shares (one for every credit, or each credit its own) on real Redis: the script
+grants exactly when the domain says the debit fits, and names the same short credits when it
+refuses; a batch of debits on the node (one script call) agrees with the domain applied debit
+after debit. The two leases have borrowed-prefill rates of their own (0: none) and the debits
+node time or none, so the open compute debits granted against the first lease are counted in the
+second's unit by both, to the token.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from crossflow_ctl.domain.models import (
     MAX_TOKENS,
     ComputeTime,
     Credits,
+    Shares,
 )
 from crossflow_ctl.domain.safety import fits, over_committed, short_credits
 from crossflow_ctl.store.base import DebitRequest
@@ -50,10 +52,13 @@ def amounts(scale: int) -> st.SearchStrategy[Credits]:
     return st.tuples(*fields).map(Credits.from_tuple)
 
 
-shares = st.one_of(
+share_values = st.one_of(
     st.sampled_from([0.0, 0.1, 1 / 3, 0.5, 0.7, 0.9, 1.0]),
     st.floats(min_value=0.0, max_value=1.0, allow_nan=False),
 )
+shares = st.one_of(share_values, st.tuples(*[share_values] * 5).map(lambda t: Shares(*t)))
+"""One share for every credit, or one per credit (as ``PolicySettings.shares`` gives: the KV
+credit's own, ``borrow_kv_share``)."""
 rates = st.one_of(
     st.sampled_from([0.0, 0.0, 0.5, 1.0, 3.0, 1_000.0]),
     st.sampled_from(UNEVEN_RATES),
@@ -102,6 +107,16 @@ def timed(d: Credits, us: int) -> ComputeTime:
     batch=[(Credits(compute_tokens=12_229, slots=1), 5_249_999)],
     share=1.0,
 )
+@example(  # KV lent whole (borrow_kv_share 1.0), the rest at half: the debit fits only on KV's
+    first=REVIEWED,
+    first_rate=0.0,
+    open_debits=[(Credits(kv_tokens=4, slots=1), 0)],
+    second=REVIEWED,
+    second_rate=0.0,
+    debit=(Credits(kv_tokens=6, slots=1), 0),
+    batch=[(Credits(kv_tokens=1, slots=1), 0), (Credits(compute_tokens=1, slots=1), 0)],
+    share=Shares(0.5, 1.0, 0.5, 0.5, 0.5),
+)
 async def test_lua_debit_agrees_with_the_domain_safety_check(
     redis_url: str,
     redis_namespace: str,
@@ -112,7 +127,7 @@ async def test_lua_debit_agrees_with_the_domain_safety_check(
     second_rate: float,
     debit: tuple[Credits, int],
     batch: list[tuple[Credits, int]],
-    share: float,
+    share: float | Shares,
 ) -> None:
     store = RedisStore(redis_url, namespace=f"{redis_namespace}-{uuid.uuid4().hex[:8]}")
     try:

@@ -23,7 +23,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     def _status(self, node: NodeState) -> admin_pb2.NodeStatus:
         b = self._broker
-        return c.node_status_to_proto(node, b.clock.now_ms(), b.policy.borrow_share)
+        return c.node_status_to_proto(node, b.clock.now_ms(), b.policy.shares)
 
     @maps_errors
     async def ListNodes(

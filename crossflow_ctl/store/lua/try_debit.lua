@@ -3,7 +3,8 @@
 -- KEYS[1] info HASH, KEYS[2] lease HASH, KEYS[3] reservations HASH, KEYS[4] notices STREAM,
 -- KEYS[5] reservation expiries ZSET.
 -- KEYS[6..] request record STRINGs (standalone Redis only: they lie in other slots).
--- ARGV[1] now_ms, ARGV[2] share (0..1, exact float text), ARGV[3] hold expires_at_ms,
+-- ARGV[1] now_ms, ARGV[2] the credits' shares "s1,s2,s3,s4,s5" (each 0..1, exact float text;
+-- ``packed_shares`` in crossflow_ctl/store/redis_debit.py), ARGV[3] hold expires_at_ms,
 -- ARGV[4] notices MAXLEN, then ONE packed argument per debit (``DebitCall.packed`` in
 -- crossflow_ctl/store/redis_debit.py): "rid,c1,c2,c3,c4,c5,us,p,r,ttl,nq,no,nh:" then the
 -- request id (nq bytes), the owner (the granted router's identity, '' without authentication;
@@ -20,11 +21,13 @@
 -- open is the node's open debits after that debit, "c1,c2,c3,c4,c5,count,us,timed" (exact at
 -- now_ms: expired reservations are purged first), so the replica can refresh its cached view of
 -- the node without reading it again.
--- Safety is crossflow_ctl/domain/safety.py's: open + debit <= floor(lease x share), per credit,
--- the compute of the open debits with the debit in the lease's unit (cf_compute_after at the
--- lease's 'rate': the state after the grant, never the debit's own ceil against the room).
+-- Safety is crossflow_ctl/domain/safety.py's: open + debit <= floor(lease x share), per credit
+-- at that credit's share, the compute of the open debits with the debit in the lease's unit
+-- (cf_compute_after at the lease's 'rate': the state after the grant, never the debit's own ceil
+-- against the room).
 local info, lease, res, notices, exp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local now, share, expires, maxlen = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local now, expires, maxlen = ARGV[1], ARGV[3], ARGV[4]
+local share = {string.match(ARGV[2], '^([^,]*),([^,]*),([^,]*),([^,]*),([^,]*)$')}
 local count = #ARGV - 4
 
 -- One packed debit: its header fields (h[1] reservation id, h[2..6] c1..c5, h[7] us, h[8]
@@ -77,7 +80,7 @@ if refusal then
 end
 local limit = {}
 for c = 1, 5 do
-  limit[c] = math.floor(tonumber(l[4 + c]) * share)
+  limit[c] = math.floor(tonumber(l[4 + c]) * tonumber(share[c]))
 end
 local rate = tonumber(l[10] or '0')
 local out = {}
