@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
-from crossflow_ctl.domain.models import MAX_HORIZON_MS, Frozen, Shares, validated
+from crossflow_ctl.domain.models import MAX_HORIZON_MS, Frozen, Shares, validated, validated_from
 
 # GPT-OSS-120B-like: 2 (K and V) x 36 layers x 8 KV heads x 64 head dim x 2 bytes (bf16).
 DEFAULT_KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 64 * 2
@@ -181,6 +181,33 @@ class VersionedPolicy(Frozen):
 
     policy: PolicySettings
     version: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    unknown_fields: tuple[str, ...] = ()
+    """Fields of the stored policy this version does not know (a newer replica wrote it during
+    a rolling upgrade): the settings above apply without them, and this replica refuses to write
+    the policy (the write would drop them): :func:`stored_policy`."""
+
+    def check_writable(self) -> None:
+        """Refuse a write based on a policy whose fields this version cannot carry over."""
+        if self.unknown_fields:
+            raise FailedPrecondition(
+                f"the stored policy (version {self.version}) holds settings this broker does "
+                f"not know ({', '.join(self.unknown_fields)}): a newer replica wrote it; change "
+                "the policy through an upgraded replica",
+                field="policy",
+            )
+
+
+def stored_policy(data: object) -> tuple[PolicySettings, tuple[str, ...]]:
+    """A stored policy's settings and the names of its fields this version does not know.
+
+    Unknown fields are set aside, not refused: in a rolling upgrade a newer replica may write a
+    setting an older one lacks, and refusing the whole policy would leave the older replica on a
+    stale one (or none). Invalid values of known fields are refused (InvalidArgument)."""
+    if not isinstance(data, dict):
+        raise InvalidArgument("the stored policy is not a JSON object", field="policy")
+    known = PolicySettings.model_fields
+    unknown = tuple(sorted(str(k) for k in data if k not in known))
+    return validated_from(PolicySettings, {k: v for k, v in data.items() if k in known}), unknown
 
 
 def parse_policy_updates(updates: dict[str, str]) -> dict[str, Any]:

@@ -89,6 +89,14 @@ class PolicyKeeper:
             stored = await self._store.get_policy()
             stored_version = stored.version if stored is not None else 0
             if stored is not None and stored.version >= self.current.version:
+                if stored.unknown_fields and stored.version != self.current.version:
+                    log.warning(
+                        "policy.unknown_fields",
+                        version=stored.version,
+                        fields=list(stored.unknown_fields),
+                        detail="a newer replica wrote settings this broker does not know; it "
+                        "applies the rest and refuses policy writes until it is upgraded",
+                    )
                 self._adopt(stored)
                 return stored
             seen = self.current
@@ -119,6 +127,7 @@ class PolicyKeeper:
             raise InvalidArgument("no updates given", field="updates")
         for _ in range(WRITE_TRIES):
             base = await self.load()
+            base.check_writable()
             if expected_version is not None and expected_version != base.version:
                 raise Aborted(
                     f"policy is at version {base.version}, not {expected_version}",
@@ -161,4 +170,8 @@ async def refresh_forever(
             await load()
         except CrossflowError as exc:
             log.warning("policy.refresh_failed", error=str(exc))
+        except Exception as exc:
+            # The loop must outlive any one bad read: keeping the current policy beats a dead
+            # refresh loop (this replica stuck on it until restarted).
+            log.error("policy.refresh_failed", error=repr(exc))
         await wait_any(stop, timeout_s=interval_s)

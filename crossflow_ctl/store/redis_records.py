@@ -7,13 +7,14 @@ script (the policy's compare-and-set) or one command (``SET NX GET`` for a reque
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
 from redis.asyncio import Redis, RedisCluster
 
-from crossflow_ctl.domain.errors import Aborted
-from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
+from crossflow_ctl.domain.errors import Aborted, InvalidArgument
+from crossflow_ctl.domain.policy import VersionedPolicy, stored_policy
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.base import grant_member
 from crossflow_ctl.store.keys import Keys
@@ -36,8 +37,14 @@ class RedisRecords:
             version, raw = await self._r.hmget(self._k.policy, ["version", "json"])
         if not raw:
             return None
-        policy = PolicySettings.model_validate_json(raw)
-        return VersionedPolicy(policy=policy, version=int(codec.text(version or b"0")))
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"the stored policy is not JSON: {exc}", field="policy") from None
+        policy, unknown = stored_policy(data)
+        return VersionedPolicy(
+            policy=policy, version=int(codec.text(version or b"0")), unknown_fields=unknown
+        )
 
     async def set_policy(self, policy: VersionedPolicy, expected_version: int) -> None:
         args = [expected_version, policy.version, policy.policy.model_dump_json()]
