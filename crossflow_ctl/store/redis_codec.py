@@ -25,6 +25,7 @@ from crossflow_ctl.domain.models import (
     NodeState,
     Notice,
     NoticeKind,
+    PoolLoad,
     Reservation,
     ReservationState,
     StoredLease,
@@ -403,8 +404,26 @@ def event_from(raw: Raw) -> NodeEvent:
 
 def live_pool_loads(raw: Mapping[Raw, Raw], now_ms: int) -> list[StoredPoolLoad]:
     """The unexpired reports of one pool hash, sorted by reporting node."""
-    stored = [StoredPoolLoad.model_validate_json(v) for v in raw.values()]
+    stored = [stored_pool_load(v) for v in raw.values()]
     return sorted((s for s in stored if s.expires_at_ms > now_ms), key=lambda s: s.load.node_id)
+
+
+def stored_pool_load(raw: Raw) -> StoredPoolLoad:
+    """One stored report. Fields this version does not know (a newer broker replica stored the
+    report during a rolling upgrade) are set aside, so older replicas keep reading the pool's
+    load from the fields they know rather than failing every read of it; a bad value of a
+    known field is still refused."""
+    try:
+        return StoredPoolLoad.model_validate_json(raw)
+    except ValidationError as exc:
+        if not any(e["type"] == "extra_forbidden" for e in exc.errors()):
+            raise
+    data = json.loads(raw)
+    load = data.get("load")
+    if isinstance(load, dict):
+        data["load"] = {k: v for k, v in load.items() if k in PoolLoad.model_fields}
+    known = StoredPoolLoad.model_fields
+    return StoredPoolLoad.model_validate({k: v for k, v in data.items() if k in known})
 
 
 def flat_pairs(values: Sequence[Raw]) -> dict[str, str]:

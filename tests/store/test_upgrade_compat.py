@@ -1,6 +1,8 @@
-"""A policy written by a newer replica (a setting this version lacks) during a rolling upgrade:
-this replica applies what it knows, keeps refreshing, and refuses to write it back without the
-new setting. A policy that cannot be read at all never stops the refresh loop."""
+"""Records written by a newer replica during a rolling upgrade, with fields this version lacks.
+
+A policy: this replica applies what it knows, keeps refreshing, and refuses to write it back
+without the new setting; a policy that cannot be read at all never stops the refresh loop. A
+prefill pool's load report: read from the fields this version knows."""
 
 from __future__ import annotations
 
@@ -8,12 +10,15 @@ import asyncio
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
+from crossflow_ctl.domain.models import PoolLoad, StoredPoolLoad
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.service.policy_keeper import PolicyKeeper, refresh_forever
 from crossflow_ctl.store.keys import Keys
+from crossflow_ctl.store.redis_codec import live_pool_loads
 from crossflow_ctl.store.redis_store import RedisStore
 
 pytestmark = pytest.mark.redis
@@ -58,3 +63,18 @@ async def test_the_refresh_loop_outlives_a_read_that_fails_unexpectedly() -> Non
 
     await asyncio.wait_for(refresh_forever(load, stop, interval_s=0.001), timeout=10)
     assert calls == 3
+
+
+def test_a_pool_report_with_fields_this_version_lacks_is_read_from_the_rest() -> None:
+    load = PoolLoad(
+        node_id="p1", outstanding_uncached_tokens=900, processing_rate_tps=300.0, ttl_ms=1_000
+    )
+    stored = StoredPoolLoad(load=load, received_at_ms=1, expires_at_ms=5_000, seq=4)
+    newer = json.loads(stored.model_dump_json())
+    newer["load"]["a_future_figure"] = 12.5
+    newer["a_future_stamp"] = 1
+    (read,) = live_pool_loads({b"p1": json.dumps(newer).encode()}, now_ms=2)
+    assert read == stored
+    newer["load"]["outstanding_uncached_tokens"] = -1  # a bad value of a known field
+    with pytest.raises(ValidationError):
+        live_pool_loads({b"p1": json.dumps(newer).encode()}, now_ms=2)
