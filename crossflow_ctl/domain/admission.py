@@ -352,16 +352,9 @@ def prompt_demand(demand: DemandCheck, normal: NormalPath, settings: PolicySetti
     own = ratio * normal.prefill_ms
     if own >= demand.threshold_ms:
         return demand
-    # A copy with two fields changed, of their types (``model_copy`` costs twice as much).
-    return DemandCheck.trusted(
-        holds=demand.pool_wait_ms > own,
-        pool_wait_ms=demand.pool_wait_ms,
-        threshold_ms=own,
-        outstanding_uncached_tokens=demand.outstanding_uncached_tokens,
-        processing_rate_tps=demand.processing_rate_tps,
-        reporting_nodes=demand.reporting_nodes,
-        pending_uncached_tokens=demand.pending_uncached_tokens,
-    )
+    # A copy, not a field-by-field rebuild: a field added to DemandCheck later (as the named
+    # server's id was) must carry over, not fall silently to its default.
+    return demand.model_copy(update={"threshold_ms": own, "holds": demand.pool_wait_ms > own})
 
 
 def estimate_normal_path(

@@ -211,6 +211,7 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
             kv_waiting_tokens=s.promised_kv,
             prefill_processing_rate_tps=0.0,
             prefill_queue_wait_ms=None,
+            prefill_mean_cached_tokens=None,
             window_s=self.period_s,
         )
 
@@ -334,6 +335,7 @@ class PrefillAgent(FixedPoint[PoolLoad]):
             kv_waiting_tokens=None,
             prefill_processing_rate_tps=rate,
             prefill_queue_wait_ms=s.wait_s(t) * 1000.0,
+            prefill_mean_cached_tokens=None,  # the exact wait above needs no estimate
             window_s=self.period_s,
         )
 
