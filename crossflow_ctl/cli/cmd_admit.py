@@ -42,6 +42,12 @@ def _held(hold_ms: float) -> str:
     return f"held behind the router's queue {hold_ms:.1f} + " if hold_ms else ""
 
 
+def priced(checks: Sequence[NodeCheck]) -> list[NodeCheck]:
+    """The checks the policy priced: a node without a live lease (none, expired, zero,
+    cordoned) is never priced, and its zero wait and service time mean nothing."""
+    return [c for c in checks if c.verdict is not Reason.NO_LEASES]
+
+
 def _short(c: NodeCheck) -> str:
     if c.short_credits:
         return f"{c.node_id} short on {', '.join(c.short_credits)}"
@@ -78,13 +84,16 @@ def conditions(plan: Plan, asked: Sequence[str] = ()) -> list[str]:
         else "normal path unknown"
     )
     with_benefit = [c for c in plan.nodes if c.benefit]
-    best = min(plan.nodes, key=lambda c: c.predicted_ttft_ms, default=None)
+    best = min(priced(plan.nodes), key=lambda c: c.predicted_ttft_ms, default=None)
     known = {c.node_id for c in plan.nodes}
     unknown = [n for n in dict.fromkeys(asked) if n not in known]
     why = f" (unknown nodes, not planned: {', '.join(unknown)})" if unknown else ""
     if best is None:
         lines.append(f"2. Benefit  fails  no candidate node has a live lease{why}; {normal_text}")
-        lines.append("3. Safety   fails  no candidate node")
+        if plan.nodes:  # cordoned, zero, expired or no lease: say which
+            lines.append(f"3. Safety   fails  {'; '.join(_short(c) for c in plan.nodes[:4])}")
+        else:
+            lines.append("3. Safety   fails  no candidate node")
         return lines
     pick = min(with_benefit, key=lambda c: c.predicted_ttft_ms) if with_benefit else best
     lines.append(
@@ -159,7 +168,8 @@ def admission_text(a: Admission, explain: bool, asked: Sequence[str] = ()) -> st
             {
                 **c.model_dump(mode="json"),
                 "verdict": _verdict(c, a),
-                "predicted_ttft_ms": c.predicted_ttft_ms,
+                # a node without a live lease was never priced: no 0.0 ms prediction
+                "predicted_ttft_ms": None if c.verdict is Reason.NO_LEASES else c.predicted_ttft_ms,
             }
             for c in a.plan.nodes
         ]

@@ -256,3 +256,24 @@ def test_admit_reason_is_printed_once_and_only_the_used_node_is_borrowed() -> No
         if line.strip().startswith("decode-")
     }
     assert rows == {"decode-3": "borrowed", "decode-4": "eligible"}
+
+
+def test_admit_explain_never_prices_a_node_without_a_live_lease() -> None:
+    """A named candidate that is cordoned (or has no, an expired or a zero lease) was shown
+    with a predicted TTFT of 0.0 ms and picked as the 'best' node of a Benefit that failed
+    ("best decode-1 predicted 0.0 ms ... vs normal 92.7 ms")."""
+    normal = NormalPath(wait_ms=0.0, prefill_ms=80.9, kv_transfer_ms=11.8)
+    cordoned = _check("decode-1", verdict="no_leases", detail="cordoned")
+    priced = _check("decode-2", verdict="no_benefit", detail="predicted 196.5 ms >= normal 92.7 ms",
+                    service_ms=196.5, safe=True)  # fmt: skip
+    plan = Plan(reason=Reason.NO_BENEFIT, demand=_DEMAND, normal_path=normal,
+                nodes=(cordoned, priced))  # fmt: skip
+    benefit = conditions(plan)[1]
+    assert "best decode-2 predicted 196.5 ms" in benefit, benefit
+    alone = Plan(reason=Reason.NO_LEASES, demand=_DEMAND, normal_path=normal, nodes=(cordoned,))
+    lines = conditions(alone)
+    assert lines[1].startswith("2. Benefit  fails  no candidate node has a live lease;"), lines
+    assert lines[2] == "3. Safety   fails  decode-1: cordoned"
+    text = admission_text(Admission.normal(Reason.NO_LEASES, "no leases", alone), explain=True)
+    row = next(line for line in text.splitlines() if line.strip().startswith("decode-1"))
+    assert row.split()[1:3] == ["no_leases", "<none>"], row
