@@ -13,7 +13,7 @@ from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, OutputFormat, render_list, to_json, to_yaml
 
 CONTEXT_COLUMNS = [
-    Column("CURRENT", "current"),
+    Column("CURRENT", "current", empty=""),  # kubectl: blank unless current
     Column("NAME", "name"),
     Column("SERVER", "server"),
     Column("TLS", "tls"),

@@ -266,6 +266,8 @@ async def test_contexts_file_drives_the_server(ctl: Ctl, fleet: Fleet) -> None:
     assert (await ctl("config", "use-context", "default", server=False)).rc == 0
     contexts = (await ctl("config", "get-contexts", server=False)).out
     assert any(line.startswith("*") and "default" in line for line in contexts.splitlines())
+    # the other context's CURRENT is blank, as kubectl's (it said "<none>")
+    assert [line.split()[0] for line in contexts.splitlines()[1:]] == ["*", "local"], contexts
     # --server still wins over the context
     assert (await ctl("--context", "local", "get", "nodes", server=False)).rc == 0
 
