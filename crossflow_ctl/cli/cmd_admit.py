@@ -191,6 +191,24 @@ def admission_data(a: Admission, asked: Sequence[str] = ()) -> dict[str, Any]:
     return data
 
 
+ADMIT_FLAGS = {
+    "uncached_prompt_tokens": "--uncached",
+    "cached_prefix_tokens": "--cached",
+    "cached_prefix_node_id": "--prefix-node",
+    "expected_output_tokens": "--output-tokens",
+    "held_ahead_tokens": "--held-ahead",
+    "candidate_node_ids": "--node",
+    "pool": "--pool",
+}
+"""AdmissionRequest field -> the admit flag that sets it, for refusals."""
+
+
+def _flag_of(field: str | None) -> str:
+    """The flag behind a refused request field (``candidate_node_ids.1`` -> ``--node``)."""
+    name = (field or "").split(".")[0]
+    return ADMIT_FLAGS.get(name, field or "request")
+
+
 @click.command()
 @click.option(
     "--uncached", type=click.IntRange(min=0), required=True, help="Uncached prompt tokens."
@@ -235,18 +253,21 @@ def admit(
     Without --dry-run a BORROW holds a real reservation until it expires (the hold TTL)."""
     st = state(ctx)
     fmt = st.output(output_format)
-    request = validated(
-        AdmissionRequest,
-        request_id="crossflowctl",
-        uncached_prompt_tokens=uncached,
-        cached_prefix_tokens=cached,
-        cached_prefix_node_id=prefix_node,
-        expected_output_tokens=output_tokens,
-        held_ahead_tokens=held_ahead,
-        candidate_node_ids=nodes,
-        dry_run=dry_run,
-        pool=st.pool(pool),
-    )
+    try:
+        request = validated(
+            AdmissionRequest,
+            request_id="crossflowctl",
+            uncached_prompt_tokens=uncached,
+            cached_prefix_tokens=cached,
+            cached_prefix_node_id=prefix_node,
+            expected_output_tokens=output_tokens,
+            held_ahead_tokens=held_ahead,
+            candidate_node_ids=nodes,
+            dry_run=dry_run,
+            pool=st.pool(pool),
+        )
+    except InvalidArgument as exc:
+        raise CliError(f"{_flag_of(exc.field)}: {exc.message}", ExitCode.USAGE) from None
 
     async def go() -> Admission:
         async with st.session() as session:

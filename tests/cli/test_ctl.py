@@ -90,6 +90,23 @@ async def test_admit_explains_each_condition(ctl: Ctl, fleet: Fleet) -> None:
     assert (await ctl("admit", "--uncached", "1", "--held-ahead", "-1")).rc == 2
 
 
+async def test_admit_refusals_name_the_flag_not_the_request_field(ctl: Ctl) -> None:
+    """They named AdmissionRequest's fields ("uncached_prompt_tokens: Input should be less
+    than or equal to 1000000000", "candidate_node_ids.0: ..."), which no flag is called."""
+    cases = {
+        ("--uncached", "99999999999"): "error: --uncached: Input should be less than or equal",
+        ("--uncached", "1", "--cached", "2000000000"): "error: --cached: ",
+        ("--uncached", "1", "--output-tokens", "2000000000"): "error: --output-tokens: ",
+        ("--uncached", "1", "--held-ahead", "2000000000"): "error: --held-ahead: ",
+        ("--uncached", "1", "--node", "decode-1", "--node", "a b"): "error: --node: ",
+        ("--uncached", "1", "--prefix-node", ""): "error: --prefix-node: ",
+        ("--uncached", "1", "--pool", "a/b"): "error: --pool: ",
+    }
+    for args, said in cases.items():
+        res = await ctl("admit", *args, "--dry-run")
+        assert res.rc == 2 and res.err.startswith(said), (args, res)
+
+
 async def test_cordon_stops_borrowing_and_uncordon_restores(ctl: Ctl, fleet: Fleet) -> None:
     res = await ctl("cordon", "decode-1", "--reason", "maintenance")
     assert (res.rc, res.out.strip()) == (0, "node/decode-1 cordoned")
