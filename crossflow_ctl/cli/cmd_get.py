@@ -82,7 +82,12 @@ def _run_listing(
 
 
 def _watch_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    func = click.option("-w", "--watch", is_flag=True, help="Keep printing as things change.")(func)
+    func = click.option(
+        "-w",
+        "--watch",
+        is_flag=True,
+        help="Print again every --interval seconds, changed or not, until Ctrl-C or --watch-count.",
+    )(func)
     func = click.option(
         "--interval",
         type=click.FloatRange(min=0.05),

@@ -277,3 +277,15 @@ def test_admit_explain_never_prices_a_node_without_a_live_lease() -> None:
     text = admission_text(Admission.normal(Reason.NO_LEASES, "no leases", alone), explain=True)
     row = next(line for line in text.splitlines() if line.strip().startswith("decode-1"))
     assert row.split()[1:3] == ["no_leases", "<none>"], row
+
+
+def test_watch_help_says_it_reprints_on_a_timer() -> None:
+    """-w said "Keep printing as things change"; it prints every --interval seconds whether
+    anything changed or not (kubectl's -w prints changes only)."""
+    from click.testing import CliRunner
+
+    from crossflow_ctl.cli.ctl import cli
+
+    for resource in ("nodes", "leases", "reservations", "pools"):
+        out = " ".join(CliRunner().invoke(cli, ["get", resource, "--help"]).output.split())
+        assert "every --interval seconds, changed or not" in out, (resource, out)
