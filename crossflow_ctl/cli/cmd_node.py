@@ -68,6 +68,11 @@ def detail_data(detail: NodeDetailView, at: int, report: PoolLoad | None = None)
     }
 
 
+def _itl_text(itl_ms: float) -> str:
+    """A lease's ITL; 0 is the agent's "no decode step measured" (an idle node), not 0 ms."""
+    return f"{itl_ms:.1f}" if itl_ms > 0 else "none measured (idle)"
+
+
 def describe_text(detail: NodeDetailView, at: int, report: PoolLoad | None = None) -> str:
     data = detail_data(detail, at, report)
     node = detail.node.state
@@ -106,7 +111,7 @@ def describe_text(detail: NodeDetailView, at: int, report: PoolLoad | None = Non
                     ("Zero reason", reason),
                     ("Queue wait", f"{lease.queue_wait_ms:.1f} ms"),
                     ("Borrowed prefill rate", f"{lease.borrowed_prefill_rate_tps:.0f} tokens/s"),
-                    ("ITL / SLO", f"{lease.itl_ms:.1f} / {lease.itl_slo_ms:.1f} ms"),
+                    ("ITL / SLO", f"{_itl_text(lease.itl_ms)} / {lease.itl_slo_ms:.1f} ms"),
                     ("Last notice seen", lease.last_notice_seq),
                 ],
                 indent=2,

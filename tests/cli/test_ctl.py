@@ -12,6 +12,7 @@ import yaml
 
 from crossflow_ctl.client import AdmissionClient
 from crossflow_ctl.domain.admission import Decision
+from tests.broker.agents import FakeAgent
 from tests.cli.conftest import Ctl, Fleet
 
 
@@ -247,6 +248,22 @@ async def test_describe_node_shows_credits_debits_history(ctl: Ctl, fleet: Fleet
     }
     assert [r["id"] for r in data["reservations"]] == [granted.reservation_id]
     assert data["recent_leases"], "lease history is shown"
+
+
+async def test_describe_node_does_not_show_an_unmeasured_itl_as_0_ms(ctl: Ctl) -> None:
+    """An idle decode node's lease says ITL 0 (no step measured, ``ItlGuard``); describe
+    printed "ITL / SLO: 0.0 / 50.0 ms", a node faster than any engine."""
+    agent = FakeAgent(ctl.server, "decode-8")
+    await agent.connect()
+    try:
+        await agent.send_lease(itl_ms=0.0)
+        idle = (await ctl("describe", "node", "decode-8")).out
+        await agent.send_lease(itl_ms=21.5)
+        busy = (await ctl("describe", "node", "decode-8")).out
+    finally:
+        await agent.close()
+    assert "ITL / SLO:             none measured (idle) / 50.0 ms" in idle, idle
+    assert "ITL / SLO:             21.5 / 50.0 ms" in busy, busy
 
 
 async def test_describe_prefill_node_shows_its_load_report(ctl: Ctl, fleet: Fleet) -> None:
