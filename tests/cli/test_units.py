@@ -76,8 +76,12 @@ def test_contexts_file_round_trips_and_refuses_bad_values(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match=r"contexts\.x\.defaults\.output"):
         load_config(path)
     path.write_text("contexts: [oops\n")
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="cannot read") as err:
         load_config(path)
+    assert str(err.value) == (  # one line, the file's own line (was PyYAML's 5-line report)
+        f"cannot read {path}: line 2, column 1: while parsing a flow sequence:"
+        " expected ',' or ']', but got '<stream end>'"
+    )
 
 
 @pytest.mark.parametrize(
