@@ -65,7 +65,7 @@ def node_row(view: NodeView, at_ms: int, reporting: frozenset[str] = frozenset()
         "labels": dict(node.info.labels),
         "lease": f"v{stored.lease.version}" if stored else None,
         "epoch": stored.lease.epoch if stored else None,
-        "lease_age": age(stored.received_at_ms, at_ms) if stored else "<none>",
+        "lease_age": age(stored.received_at_ms, at_ms) if stored else None,
         "compute_tokens": available.compute_tokens,
         "kv_tokens": available.kv_tokens,
         "kv_transfer_bytes": available.kv_transfer_bytes,

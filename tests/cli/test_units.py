@@ -293,3 +293,15 @@ def test_watch_help_says_it_reprints_on_a_timer() -> None:
     for resource in ("nodes", "leases", "reservations", "pools"):
         out = " ".join(CliRunner().invoke(cli, ["get", resource, "--help"]).output.split())
         assert "every --interval seconds, changed or not" in out, (resource, out)
+
+
+def test_a_node_without_a_lease_has_no_lease_age_in_json() -> None:
+    """-o json/yaml said "lease_age": "<none>" (the table's empty mark, a string where every
+    other missing value of the row is null)."""
+    from crossflow_ctl.cli.views import NODE_COLUMNS, node_row
+
+    view = NodeView(state=NodeState(info=NodeInfo(node_id="p", role=NodeRole.PREFILL)))
+    row = node_row(view, at_ms=1_000, reporting=frozenset({"p"}))
+    item = json.loads(render_list([row], NODE_COLUMNS, OutputFormat.JSON, kind="NodeList"))
+    assert item["items"][0]["lease_age"] is None and item["items"][0]["lease"] is None
+    assert table([row], NODE_COLUMNS, wide=False).splitlines()[1].split()[-1] == "<none>"
