@@ -305,3 +305,13 @@ def test_a_node_without_a_lease_has_no_lease_age_in_json() -> None:
     item = json.loads(render_list([row], NODE_COLUMNS, OutputFormat.JSON, kind="NodeList"))
     assert item["items"][0]["lease_age"] is None and item["items"][0]["lease"] is None
     assert table([row], NODE_COLUMNS, wide=False).splitlines()[1].split()[-1] == "<none>"
+
+
+def test_wide_byte_columns_say_their_unit() -> None:
+    """Every wide column with a unit says it (ITL-MS, RATE-TPS); KV-XFER showed 11825897472
+    with no unit (bytes)."""
+    from crossflow_ctl.cli.views import LEASE_COLUMNS, NODE_COLUMNS
+
+    for columns in (NODE_COLUMNS, LEASE_COLUMNS):
+        headers = {c.key: c.header for c in columns}
+        assert headers["kv_transfer_bytes"] == "KV-XFER-BYTES"
