@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from crossflow_ctl.cli.common import output_option, run, state
+from crossflow_ctl.cli.common import complete_node, output_option, run, state
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, key_values, render_object, table
 from crossflow_ctl.domain.admission import (
@@ -222,14 +222,25 @@ def _flag_of(field: str | None) -> str:
     default=0,
     help="Expected output tokens (--output is the older spelling).",
 )
-@click.option("--prefix-node", default=None, help="Decode node holding the cached prefix.")
+@click.option(
+    "--prefix-node",
+    default=None,
+    shell_complete=complete_node,
+    help="Decode node holding the cached prefix.",
+)
 @click.option(
     "--held-ahead",
     type=click.IntRange(min=0),
     default=0,
     help="Uncached tokens the router holds ahead of this prompt (late binding).",
 )
-@click.option("--node", "nodes", multiple=True, help="Candidate node (repeatable).")
+@click.option(
+    "--node",
+    "nodes",
+    multiple=True,
+    shell_complete=complete_node,
+    help="Candidate node (repeatable).",
+)
 @click.option("--pool", default=None, help="Prefill pool (default: the context's).")
 @click.option("--dry-run", is_flag=True, help="Decide and explain, debit nothing.")
 @click.option("--explain", is_flag=True, help="Show each condition with its numbers.")

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from crossflow_ctl.cli.api import BrokerSession
-from crossflow_ctl.cli.common import output_option, run, state
+from crossflow_ctl.cli.common import complete_node, output_option, run, state
 from crossflow_ctl.cli.output import OutputFormat, render_list
 from crossflow_ctl.cli.views import (
     LEASE_COLUMNS,
@@ -152,7 +152,9 @@ _node_listing("leases", "The latest lease of every node that sent one.", leases=
 
 @get.command("reservations")
 @_watch_options
-@click.option("--node", default=None, help="Only this node's reservations.")
+@click.option(
+    "--node", default=None, shell_complete=complete_node, help="Only this node's reservations."
+)
 @click.pass_context
 def get_reservations(
     ctx: click.Context,

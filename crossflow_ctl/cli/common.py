@@ -145,6 +145,18 @@ def complete_node(
     return [CompletionItem(n) for n in found if n.startswith(incomplete)]
 
 
+def complete_context(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[CompletionItem]:
+    """Shell completion of context names from the config file; nothing on any failure."""
+    path = ctx.find_root().params.get("config_path")
+    try:
+        cfg = load_config(Path(path).expanduser() if path else CtlSettings().config_path())
+    except Exception:
+        return []
+    return [CompletionItem(n) for n in cfg.contexts if n.startswith(incomplete)]
+
+
 def run(coro: Awaitable[T]) -> T:
     async def _main() -> T:
         return await coro

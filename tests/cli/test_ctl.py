@@ -350,6 +350,25 @@ async def test_node_names_complete_from_the_broker(ctl: Ctl, fleet: Fleet) -> No
     env = {"_CROSSFLOWCTL_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": "4"}
     res = await ctl(server=False, env=env)
     assert res.out.split() == ["plain,decode-1", "plain,decode-2"]
+    # the node-valued options too (they completed nothing)
+    for tail in ("admit --node decode-", "admit --prefix-node decode-",
+                 "get reservations --node decode-"):  # fmt: skip
+        words = f"crossflowctl --server {ctl.server} {tail}"
+        cword = str(len(words.split()) - 1)
+        env = {"_CROSSFLOWCTL_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": cword}
+        res = await ctl(server=False, env=env)
+        assert res.out.split() == ["plain,decode-1", "plain,decode-2"], (tail, res)
+
+
+async def test_context_names_complete_from_the_config_file(ctl: Ctl) -> None:
+    """use-context, set-context and --context completed nothing."""
+    assert (await ctl("config", "set-context", "prod", "--server", "b:1", server=False)).rc == 0
+    for words in ("crossflowctl config use-context p", "crossflowctl config set-context p",
+                  "crossflowctl --context p"):  # fmt: skip
+        cword = str(len(words.split()) - 1)
+        env = {"_CROSSFLOWCTL_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": cword}
+        res = await ctl(server=False, env=env)
+        assert res.out.split() == ["plain,prod"], (words, res)
 
 
 async def test_tls_context_with_unreadable_ca_is_a_usage_error(ctl: Ctl, tmp_path: Path) -> None:
