@@ -296,8 +296,12 @@ def drain(ctx: click.Context, name: str, timeout_s: float, interval: float) -> N
 
     async def go() -> int:
         async with st.session() as session:
-            await session.cordon(name, "drain")
-            click.echo(f"node/{name} cordoned")
+            if (await session.get_node(name)).state.info.cordoned:
+                # keep the operator's cordon and its reason (a drain's "drain" overwrote it)
+                click.echo(f"node/{name} already cordoned")
+            else:
+                await session.cordon(name, "drain")
+                click.echo(f"node/{name} cordoned")
             deadline = time.monotonic() + timeout_s
             while True:
                 node = await session.get_node(name)

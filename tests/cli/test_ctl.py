@@ -159,6 +159,18 @@ async def test_drain_waits_for_open_reservations(ctl: Ctl, fleet: Fleet) -> None
     assert json.loads(reservations.out)["items"] == []
 
 
+async def test_drain_keeps_an_earlier_cordon_and_its_reason(ctl: Ctl, fleet: Fleet) -> None:
+    """drain cordoned again with reason "drain", overwriting the operator's, and said
+    "cordoned" of a node that already was."""
+    assert (await ctl("cordon", "decode-1", "--reason", "disk swap, ticket 4711")).rc == 0
+    res = await ctl("drain", "decode-1", "--timeout", "5")
+    assert (res.rc, res.out.splitlines()) == (
+        0, ["node/decode-1 already cordoned", "node/decode-1 drained"]
+    ), res  # fmt: skip
+    described = (await ctl("describe", "node", "decode-1")).out
+    assert "Cordoned:   yes (disk swap, ticket 4711)" in described, described
+
+
 async def test_drain_timeout_exits_5_with_one_line(ctl: Ctl, fleet: Fleet) -> None:
     async with AdmissionClient(ctl.server, timeout_s=5) as client:
         granted = await client.admit(uncached_prompt_tokens=500, candidate_node_ids=("decode-1",))
