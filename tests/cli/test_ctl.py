@@ -169,6 +169,11 @@ async def test_drain_keeps_an_earlier_cordon_and_its_reason(ctl: Ctl, fleet: Fle
     ), res  # fmt: skip
     described = (await ctl("describe", "node", "decode-1")).out
     assert "Cordoned:   yes (disk swap, ticket 4711)" in described, described
+    # -o json says it too (the reason did not cross the wire: "cordon_reason": "")
+    data = json.loads((await ctl("describe", "node", "decode-1", "-o", "json")).out)
+    assert data["cordon_reason"] == "disk swap, ticket 4711", data
+    nodes = json.loads((await ctl("get", "nodes", "-o", "json")).out)["items"]
+    assert {n["name"]: n["cordon_reason"] for n in nodes}["decode-1"] == "disk swap, ticket 4711"
 
 
 async def test_drain_timeout_exits_5_with_one_line(ctl: Ctl, fleet: Fleet) -> None:
