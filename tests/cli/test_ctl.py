@@ -417,6 +417,21 @@ async def test_server_without_a_port_is_refused_not_sent_to_443(ctl: Ctl) -> Non
     assert res.rc == 2, (res.out, res.err)
     (line,) = res.err.splitlines()
     assert "--server must be host:port" in line and "localhost:50051" in line
+    # a bad port is replaced in the example, not kept with :50051 after it
+    for bad, example in (("127.0.0.1:99999", "127.0.0.1:50051"), (":50051", "127.0.0.1:50051")):
+        ctl.server = bad
+        res = await ctl("get", "nodes")
+        assert res.rc == 2 and res.err.rstrip().endswith(f"(e.g. {example})"), res.err
+
+
+async def test_a_lone_client_certificate_names_the_flags(ctl: Ctl, tmp_path: Path) -> None:
+    """It said "credentials: Value error, cert_file and key_file must be given together"."""
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    res = await ctl("--cert-file", str(cert), "get", "nodes")
+    assert (res.rc, res.err.strip()) == (
+        2, "error: credentials: --cert-file and --key-file must be given together"
+    ), res  # fmt: skip
 
 
 async def test_a_commit_ttl_below_a_just_lowered_horizon_says_to_retry_later(ctl: Ctl) -> None:
