@@ -139,13 +139,21 @@ def _verdict(c: NodeCheck, a: Admission) -> str:
     return c.verdict.value
 
 
+def _normal_ttft(a: Admission) -> str:
+    """The normal path's TTFT, or that none was estimated: an answer given before any plan
+    (borrowing disabled, store down, timeout) carries 0, which is no estimate."""
+    if a.plan is not None and a.plan.normal_path is not None:
+        return f"{a.normal_ttft_ms:.1f} ms"
+    return "<none> (not estimated)"
+
+
 def admission_text(a: Admission, explain: bool, asked: Sequence[str] = ()) -> str:
     if a.decision is not Decision.BORROW and would_borrow(a):
         head = [
             ("Decision", f"would BORROW on {a.node_id} (dry run: nothing debited)"),
             ("Lease", f"{a.lease_epoch}/{a.lease_version}"),
             ("Predicted TTFT", f"{a.predicted_ttft_ms:.1f} ms"),
-            ("Normal-path TTFT", f"{a.normal_ttft_ms:.1f} ms"),
+            ("Normal-path TTFT", _normal_ttft(a)),
         ]
     elif a.decision is Decision.BORROW:
         head = [
@@ -153,10 +161,10 @@ def admission_text(a: Admission, explain: bool, asked: Sequence[str] = ()) -> st
             ("Reservation", a.reservation_id or "<none> (dry run)"),
             ("Lease", f"{a.lease_epoch}/{a.lease_version}"),
             ("Predicted TTFT", f"{a.predicted_ttft_ms:.1f} ms"),
-            ("Normal-path TTFT", f"{a.normal_ttft_ms:.1f} ms"),
+            ("Normal-path TTFT", _normal_ttft(a)),
         ]
     else:
-        head = [("Decision", "NORMAL"), ("Normal-path TTFT", f"{a.normal_ttft_ms:.1f} ms")]
+        head = [("Decision", "NORMAL"), ("Normal-path TTFT", _normal_ttft(a))]
     head.append(("Reason", reason_text(a)))
     if a.shadow_decision is not None:
         head.append(("Shadow decision", a.shadow_decision.value.upper()))

@@ -315,3 +315,16 @@ def test_wide_byte_columns_say_their_unit() -> None:
     for columns in (NODE_COLUMNS, LEASE_COLUMNS):
         headers = {c.key: c.header for c in columns}
         assert headers["kv_transfer_bytes"] == "KV-XFER-BYTES"
+
+
+def test_an_answer_without_a_plan_has_no_normal_path_ttft() -> None:
+    """With borrowing disabled (or the store down) the answer carries normal_ttft_ms 0, which
+    was printed as "Normal-path TTFT: 0.0 ms"."""
+    text = admission_text(
+        Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled"), explain=True
+    )
+    assert "Normal-path TTFT: <none> (not estimated)" in text, text
+    normal = NormalPath(wait_ms=1.0, prefill_ms=2.0, kv_transfer_ms=0.5)
+    planned = Plan(reason=Reason.NO_DEMAND, demand=_DEMAND, normal_path=normal)
+    text = admission_text(Admission.normal(Reason.NO_DEMAND, "no demand", planned), explain=False)
+    assert "Normal-path TTFT: 3.5 ms" in text, text
