@@ -95,7 +95,7 @@ NODE_COLUMNS = [
     Column("EPOCH", "epoch", wide=True),
     Column("OUTPUT", "output_tokens", wide=True),
     Column("KV-XFER-BYTES", "kv_transfer_bytes", wide=True),
-    Column("ITL-MS", "itl_ms", wide=True),
+    Column("ITL-MS", "itl_ms", wide=True, unset=0.0),  # 0: no step measured (idle)
     Column("SLO-MS", "itl_slo_ms", wide=True),
     Column("WAIT-MS", "queue_wait_ms", wide=True),
     Column("LABELS", "labels", wide=True),
@@ -137,7 +137,7 @@ LEASE_COLUMNS = [
     Column("ZERO-REASON", "zero_reason"),
     Column("EXPIRES-IN", "expires_in"),
     Column("KV-XFER-BYTES", "kv_transfer_bytes", wide=True),
-    Column("ITL-MS", "itl_ms", wide=True),
+    Column("ITL-MS", "itl_ms", wide=True, unset=0.0),  # 0: no step measured (idle)
     Column("SLO-MS", "itl_slo_ms", wide=True),
     Column("RATE-TPS", "borrowed_prefill_rate_tps", wide=True),
     Column("NOTICE-SEQ", "last_notice_seq", wide=True),
