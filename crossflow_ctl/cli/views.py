@@ -160,6 +160,7 @@ def reservation_row(res: Reservation, at_ms: int) -> dict[str, Any]:
         "grant_seq": res.grant_seq,
         "release_seq": res.release_seq,
         "request_id": res.request_id,
+        "owner": res.owner,
     }
 
 
@@ -175,6 +176,7 @@ RESERVATION_COLUMNS = [
     Column("GRANT-SEQ", "grant_seq", wide=True),
     Column("RELEASE-SEQ", "release_seq", wide=True),
     Column("REQUEST", "request_id", wide=True),
+    Column("OWNER", "owner", wide=True),  # the router it was granted to (with auth)
 ]
 
 

@@ -328,3 +328,19 @@ def test_an_answer_without_a_plan_has_no_normal_path_ttft() -> None:
     planned = Plan(reason=Reason.NO_DEMAND, demand=_DEMAND, normal_path=normal)
     text = admission_text(Admission.normal(Reason.NO_DEMAND, "no demand", planned), explain=False)
     assert "Normal-path TTFT: 3.5 ms" in text, text
+
+
+def test_reservations_say_which_router_owns_them() -> None:
+    """With auth only the owning router (or an admin) may commit or release a reservation,
+    but neither -o wide nor -o json said who that was."""
+    from crossflow_ctl.cli.views import RESERVATION_COLUMNS, reservation_row
+    from crossflow_ctl.domain.models import Credits, Reservation, ReservationState
+
+    res = Reservation(
+        reservation_id="r@d1", node_id="d1", state=ReservationState.HELD, debit=Credits(),
+        lease_epoch=1, lease_version=2, created_at_ms=0, expires_at_ms=10, grant_seq=1,
+        owner="router/r1",
+    )  # fmt: skip
+    row = reservation_row(res, at_ms=0)
+    assert row["owner"] == "router/r1"
+    assert table([row], RESERVATION_COLUMNS, wide=True).splitlines()[1].split()[-1] == "router/r1"
