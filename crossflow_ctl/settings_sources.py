@@ -36,12 +36,27 @@ S = TypeVar("S", bound=BaseSettings)
 _config_file: ContextVar[Path | None] = ContextVar("crossflow_config_file", default=None)
 
 
+def read_error_text(exc: Exception) -> str:
+    """Why a file could not be read or parsed, on one line: a YAML error as the file's own
+    line and column and the problem (PyYAML's text spans lines, quotes the offending line
+    and calls the file "<unicode string>")."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        what = ": ".join(p for p in (exc.context, exc.problem) if p)
+        return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def _read_yaml_mapping(path: Path) -> dict[str, Any]:
     """The mapping a YAML settings file holds (an empty file holds none); ConfigError else."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}", field="config") from None
+        raise ConfigError(
+            f"cannot read config file {path}: {read_error_text(exc)}", field="config"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -57,6 +57,21 @@ def test_refusals_name_the_field(tmp_path: Path, text: str, field: str) -> None:
     assert err.value.field == field
 
 
+def test_a_file_that_is_not_yaml_is_said_in_one_line_with_its_line(tmp_path: Path) -> None:
+    """PyYAML's report spans five lines, quotes the offending one and names the file
+    "<unicode string>"; every process printed it as it was."""
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("name: ok\ninner: [\n")
+    with pytest.raises(ConfigError) as err:
+        load_layered(_Settings, cfg)
+    text = str(err.value)
+    assert "\n" not in text and "<unicode string>" not in text, text
+    assert text == (
+        f"config: cannot read config file {cfg}: line 3, column 1: while parsing a flow node:"
+        " expected the node content, but found '<stream end>'"
+    )
+
+
 def test_missing_file_is_refused_and_an_empty_one_is_defaults(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_layered(_Settings, tmp_path / "missing.yaml")

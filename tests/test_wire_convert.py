@@ -146,6 +146,7 @@ def test_common_and_admin_round_trips() -> None:
             role=NodeRole.DECODE,
             pool="p",
             cordoned=True,
+            cordon_reason="disk swap",  # was dropped on the wire: -o json said ""
             labels={"zone": "a"},
             notice_seq=6,
         ),

@@ -125,9 +125,20 @@ def _where(exc: ConfigError) -> str:
 @click.option("--key-file", type=click.Path(dir_okay=False), help="Node key (mTLS).")
 @click.option("--server-name", help="Name to check the broker's certificate against.")
 @click.option("--token-file", type=click.Path(dir_okay=False), help="Bearer token file.")
-@click.option("--metrics-listen", help="host:port of the agent's own /metrics endpoint.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--log-json/--log-text", "log_json", default=None)
+@click.option(
+    "--metrics-listen", help="host:port of the agent's own /metrics and /healthz. [none served]"
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    help=f"Log level: info says state changes, debug every decision. [{_D.log_level}]",
+)
+@click.option(
+    "--log-json/--log-text",
+    "log_json",
+    default=None,
+    help=f"JSON log lines, or console text. [{'json' if _D.log_json else 'text'}]",
+)
 def run(config_file: Path | None, **flags: Any) -> None:
     """Publish leases (decode) or pool load (prefill) to the brokers until SIGINT/SIGTERM."""
     from crossflow_agent.runner import run_agent

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from crossflow_ctl.cli.common import output_option, run, state
+from crossflow_ctl.cli.common import complete_node, output_option, run, state
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, key_values, render_object, table
 from crossflow_ctl.domain.admission import (
@@ -40,6 +40,12 @@ def _holds(ok: bool) -> str:
 
 def _held(hold_ms: float) -> str:
     return f"held behind the router's queue {hold_ms:.1f} + " if hold_ms else ""
+
+
+def priced(checks: Sequence[NodeCheck]) -> list[NodeCheck]:
+    """The checks the policy priced: a node without a live lease (none, expired, zero,
+    cordoned) is never priced, and its zero wait and service time mean nothing."""
+    return [c for c in checks if c.verdict is not Reason.NO_LEASES]
 
 
 def _short(c: NodeCheck) -> str:
@@ -89,13 +95,16 @@ def conditions(plan: Plan, asked: Sequence[str] = ()) -> list[str]:
         else "normal path unknown"
     )
     with_benefit = [c for c in plan.nodes if c.benefit]
-    best = min(plan.nodes, key=lambda c: c.predicted_ttft_ms, default=None)
+    best = min(priced(plan.nodes), key=lambda c: c.predicted_ttft_ms, default=None)
     known = {c.node_id for c in plan.nodes}
     unknown = [n for n in dict.fromkeys(asked) if n not in known]
     why = f" (unknown nodes, not planned: {', '.join(unknown)})" if unknown else ""
     if best is None:
         lines.append(f"2. Benefit  fails  no candidate node has a live lease{why}; {normal_text}")
-        lines.append("3. Safety   fails  no candidate node")
+        if plan.nodes:  # cordoned, zero, expired or no lease: say which
+            lines.append(f"3. Safety   fails  {'; '.join(_short(c) for c in plan.nodes[:4])}")
+        else:
+            lines.append("3. Safety   fails  no candidate node")
         return lines
     pick = min(with_benefit, key=lambda c: c.predicted_ttft_ms) if with_benefit else best
     lines.append(
@@ -141,13 +150,21 @@ def _verdict(c: NodeCheck, a: Admission) -> str:
     return c.verdict.value
 
 
+def _normal_ttft(a: Admission) -> str:
+    """The normal path's TTFT, or that none was estimated: an answer given before any plan
+    (borrowing disabled, store down, timeout) carries 0, which is no estimate."""
+    if a.plan is not None and a.plan.normal_path is not None:
+        return f"{a.normal_ttft_ms:.1f} ms"
+    return "<none> (not estimated)"
+
+
 def admission_text(a: Admission, explain: bool, asked: Sequence[str] = ()) -> str:
     if a.decision is not Decision.BORROW and would_borrow(a):
         head = [
             ("Decision", f"would BORROW on {a.node_id} (dry run: nothing debited)"),
             ("Lease", f"{a.lease_epoch}/{a.lease_version}"),
             ("Predicted TTFT", f"{a.predicted_ttft_ms:.1f} ms"),
-            ("Normal-path TTFT", f"{a.normal_ttft_ms:.1f} ms"),
+            ("Normal-path TTFT", _normal_ttft(a)),
         ]
     elif a.decision is Decision.BORROW:
         head = [
@@ -155,10 +172,10 @@ def admission_text(a: Admission, explain: bool, asked: Sequence[str] = ()) -> st
             ("Reservation", a.reservation_id or "<none> (dry run)"),
             ("Lease", f"{a.lease_epoch}/{a.lease_version}"),
             ("Predicted TTFT", f"{a.predicted_ttft_ms:.1f} ms"),
-            ("Normal-path TTFT", f"{a.normal_ttft_ms:.1f} ms"),
+            ("Normal-path TTFT", _normal_ttft(a)),
         ]
     else:
-        head = [("Decision", "NORMAL"), ("Normal-path TTFT", f"{a.normal_ttft_ms:.1f} ms")]
+        head = [("Decision", "NORMAL"), ("Normal-path TTFT", _normal_ttft(a))]
     head.append(("Reason", reason_text(a)))
     if a.shadow_decision is not None:
         head.append(("Shadow decision", a.shadow_decision.value.upper()))
@@ -170,7 +187,8 @@ def admission_text(a: Admission, explain: bool, asked: Sequence[str] = ()) -> st
             {
                 **c.model_dump(mode="json"),
                 "verdict": _verdict(c, a),
-                "predicted_ttft_ms": c.predicted_ttft_ms,
+                # a node without a live lease was never priced: no 0.0 ms prediction
+                "predicted_ttft_ms": None if c.verdict is Reason.NO_LEASES else c.predicted_ttft_ms,
             }
             for c in a.plan.nodes
         ]
@@ -192,6 +210,25 @@ def admission_data(a: Admission, asked: Sequence[str] = ()) -> dict[str, Any]:
     return data
 
 
+ADMIT_FLAGS = {
+    "uncached_prompt_tokens": "--uncached",
+    "cached_prefix_tokens": "--cached",
+    "cached_prefix_node_id": "--prefix-node",
+    "expected_output_tokens": "--output-tokens",
+    "held_ahead_tokens": "--held-ahead",
+    "prefill_node_id": "--prefill-node",
+    "candidate_node_ids": "--node",
+    "pool": "--pool",
+}
+"""AdmissionRequest field -> the admit flag that sets it, for refusals."""
+
+
+def _flag_of(field: str | None) -> str:
+    """The flag behind a refused request field (``candidate_node_ids.1`` -> ``--node``)."""
+    name = (field or "").split(".")[0]
+    return ADMIT_FLAGS.get(name, field or "request")
+
+
 @click.command()
 @click.option(
     "--uncached", type=click.IntRange(min=0), required=True, help="Uncached prompt tokens."
@@ -205,7 +242,12 @@ def admission_data(a: Admission, asked: Sequence[str] = ()) -> dict[str, Any]:
     default=0,
     help="Expected output tokens (--output is the older spelling).",
 )
-@click.option("--prefix-node", default=None, help="Decode node holding the cached prefix.")
+@click.option(
+    "--prefix-node",
+    default=None,
+    shell_complete=complete_node,
+    help="Decode node holding the cached prefix.",
+)
 @click.option(
     "--held-ahead",
     type=click.IntRange(min=0),
@@ -215,9 +257,16 @@ def admission_data(a: Admission, asked: Sequence[str] = ()) -> dict[str, Any]:
 @click.option(
     "--prefill-node",
     default=None,
+    shell_complete=complete_node,
     help="Prefill server the prompt would go to on the normal path (default: least-loaded).",
 )
-@click.option("--node", "nodes", multiple=True, help="Candidate node (repeatable).")
+@click.option(
+    "--node",
+    "nodes",
+    multiple=True,
+    shell_complete=complete_node,
+    help="Candidate node (repeatable).",
+)
 @click.option("--pool", default=None, help="Prefill pool (default: the context's).")
 @click.option("--dry-run", is_flag=True, help="Decide and explain, debit nothing.")
 @click.option("--explain", is_flag=True, help="Show each condition with its numbers.")
@@ -242,19 +291,22 @@ def admit(
     Without --dry-run a BORROW holds a real reservation until it expires (the hold TTL)."""
     st = state(ctx)
     fmt = st.output(output_format)
-    request = validated(
-        AdmissionRequest,
-        request_id="crossflowctl",
-        uncached_prompt_tokens=uncached,
-        cached_prefix_tokens=cached,
-        cached_prefix_node_id=prefix_node,
-        expected_output_tokens=output_tokens,
-        held_ahead_tokens=held_ahead,
-        prefill_node_id=prefill_node,
-        candidate_node_ids=nodes,
-        dry_run=dry_run,
-        pool=st.pool(pool),
-    )
+    try:
+        request = validated(
+            AdmissionRequest,
+            request_id="crossflowctl",
+            uncached_prompt_tokens=uncached,
+            cached_prefix_tokens=cached,
+            cached_prefix_node_id=prefix_node,
+            expected_output_tokens=output_tokens,
+            held_ahead_tokens=held_ahead,
+            prefill_node_id=prefill_node,
+            candidate_node_ids=nodes,
+            dry_run=dry_run,
+            pool=st.pool(pool),
+        )
+    except InvalidArgument as exc:
+        raise CliError(f"{_flag_of(exc.field)}: {exc.message}", ExitCode.USAGE) from None
 
     async def go() -> Admission:
         async with st.session() as session:

@@ -7,13 +7,13 @@ from pathlib import Path
 import click
 from click.shell_completion import get_completion_class
 
-from crossflow_ctl.cli.common import output_option, state
+from crossflow_ctl.cli.common import complete_context, output_option, state
 from crossflow_ctl.cli.config import Context, ContextDefaults, save_config
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, OutputFormat, render_list, to_json, to_yaml
 
 CONTEXT_COLUMNS = [
-    Column("CURRENT", "current"),
+    Column("CURRENT", "current", empty=""),  # kubectl: blank unless current
     Column("NAME", "name"),
     Column("SERVER", "server"),
     Column("TLS", "tls"),
@@ -62,7 +62,7 @@ def config_get_contexts(ctx: click.Context, output: str | None) -> None:
 
 
 @config.command("use-context")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_context)
 @click.pass_context
 def config_use_context(ctx: click.Context, name: str) -> None:
     """Make NAME the current context."""
@@ -78,7 +78,7 @@ def config_use_context(ctx: click.Context, name: str) -> None:
 
 
 @config.command("set-context")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_context)
 @click.option("--server", default=None, help="Broker address, host:port.")
 @click.option(
     "--ca-file", type=click.Path(dir_okay=False), default=None, help="CA bundle; turns TLS on."

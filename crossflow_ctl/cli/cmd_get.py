@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from crossflow_ctl.cli.api import BrokerSession
-from crossflow_ctl.cli.common import output_option, run, state
+from crossflow_ctl.cli.common import complete_node, output_option, run, state
 from crossflow_ctl.cli.output import OutputFormat, render_list
 from crossflow_ctl.cli.views import (
     LEASE_COLUMNS,
@@ -82,7 +82,12 @@ def _run_listing(
 
 
 def _watch_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    func = click.option("-w", "--watch", is_flag=True, help="Keep printing as things change.")(func)
+    func = click.option(
+        "-w",
+        "--watch",
+        is_flag=True,
+        help="Print again every --interval seconds, changed or not, until Ctrl-C or --watch-count.",
+    )(func)
     func = click.option(
         "--interval",
         type=click.FloatRange(min=0.05),
@@ -147,7 +152,9 @@ _node_listing("leases", "The latest lease of every node that sent one.", leases=
 
 @get.command("reservations")
 @_watch_options
-@click.option("--node", default=None, help="Only this node's reservations.")
+@click.option(
+    "--node", default=None, shell_complete=complete_node, help="Only this node's reservations."
+)
 @click.pass_context
 def get_reservations(
     ctx: click.Context,

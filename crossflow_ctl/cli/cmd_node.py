@@ -68,6 +68,11 @@ def detail_data(detail: NodeDetailView, at: int, report: PoolLoad | None = None)
     }
 
 
+def _itl_text(itl_ms: float) -> str:
+    """A lease's ITL; 0 is the agent's "no decode step measured" (an idle node), not 0 ms."""
+    return f"{itl_ms:.1f}" if itl_ms > 0 else "none measured (idle)"
+
+
 def describe_text(detail: NodeDetailView, at: int, report: PoolLoad | None = None) -> str:
     data = detail_data(detail, at, report)
     node = detail.node.state
@@ -106,7 +111,7 @@ def describe_text(detail: NodeDetailView, at: int, report: PoolLoad | None = Non
                     ("Zero reason", reason),
                     ("Queue wait", f"{lease.queue_wait_ms:.1f} ms"),
                     ("Borrowed prefill rate", f"{lease.borrowed_prefill_rate_tps:.0f} tokens/s"),
-                    ("ITL / SLO", f"{lease.itl_ms:.1f} / {lease.itl_slo_ms:.1f} ms"),
+                    ("ITL / SLO", f"{_itl_text(lease.itl_ms)} / {lease.itl_slo_ms:.1f} ms"),
                     ("Last notice seen", lease.last_notice_seq),
                 ],
                 indent=2,
@@ -218,7 +223,9 @@ def delete() -> None:
 @click.pass_context
 def delete_node(ctx: click.Context, name: str, force: bool) -> None:
     """Remove NAME and all its state (a node that has gone away). Refused while it has open
-    reservations unless --force; an agent still streaming registers it again on reconnect."""
+    reservations unless --force. A decode agent still streaming brings the node back at once
+    (its next lease ends its stream; it reconnects and registers again); a prefill agent's
+    load reports keep counting in its pool, the node unlisted, until that agent reconnects."""
     st = state(ctx)
 
     async def go() -> int:
@@ -289,8 +296,12 @@ def drain(ctx: click.Context, name: str, timeout_s: float, interval: float) -> N
 
     async def go() -> int:
         async with st.session() as session:
-            await session.cordon(name, "drain")
-            click.echo(f"node/{name} cordoned")
+            if (await session.get_node(name)).state.info.cordoned:
+                # keep the operator's cordon and its reason (a drain's "drain" overwrote it)
+                click.echo(f"node/{name} already cordoned")
+            else:
+                await session.cordon(name, "drain")
+                click.echo(f"node/{name} cordoned")
             deadline = time.monotonic() + timeout_s
             while True:
                 node = await session.get_node(name)

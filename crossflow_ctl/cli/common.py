@@ -83,7 +83,9 @@ class CtlState:
             host_port(server)
         except ValueError as exc:
             # gRPC would quietly default a bare host to port 443
-            raise CliError(f"--server {exc} (e.g. {server}:50051)", ExitCode.USAGE) from None
+            host, sep, _ = server.rpartition(":")  # a bad port is replaced, a missing one added
+            hint = f"{host or '127.0.0.1'}:50051" if sep else f"{server}:50051"
+            raise CliError(f"--server {exc} (e.g. {hint})", ExitCode.USAGE) from None
         from crossflow_ctl.cli.api import Target
 
         return Target(
@@ -143,6 +145,18 @@ def complete_node(
     except Exception:
         return []
     return [CompletionItem(n) for n in found if n.startswith(incomplete)]
+
+
+def complete_context(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[CompletionItem]:
+    """Shell completion of context names from the config file; nothing on any failure."""
+    path = ctx.find_root().params.get("config_path")
+    try:
+        cfg = load_config(Path(path).expanduser() if path else CtlSettings().config_path())
+    except Exception:
+        return []
+    return [CompletionItem(n) for n in cfg.contexts if n.startswith(incomplete)]
 
 
 def run(coro: Awaitable[T]) -> T:

@@ -34,7 +34,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from crossflow_ctl.cli.output import OutputFormat
 from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.security import ClientCredentials
-from crossflow_ctl.settings_sources import host_port
+from crossflow_ctl.settings_sources import host_port, read_error_text, refusal_text
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 DEFAULT_CONFIG_PATH = Path("~/.config/crossflow/config.yaml")
@@ -94,7 +94,10 @@ class Context(_Kebab):
         try:
             return ClientCredentials(**fields)
         except ValidationError as exc:
-            raise ConfigError(exc.errors()[0]["msg"], field="credentials") from None
+            text = refusal_text(exc.errors()[0])  # the validator's words, no "Value error, "
+            for name in CREDENTIAL_FIELDS:  # the flags (and context keys) they are set by
+                text = text.replace(name, "--" + name.replace("_", "-"))
+            raise ConfigError(text, field="credentials") from None
 
 
 class CtlConfig(_Kebab):
@@ -119,7 +122,7 @@ def load_config(path: Path) -> CtlConfig:
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
+        raise ConfigError(f"cannot read {path}: {read_error_text(exc)}") from None
     try:
         return CtlConfig.model_validate(raw)
     except ValidationError as exc:

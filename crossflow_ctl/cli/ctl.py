@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from crossflow_ctl.cli.common import CtlState, run_cli
+from crossflow_ctl.cli.common import CtlState, complete_context, run_cli
 
 EPILOG = """\b
 Exit codes: 0 ok, 1 error, 2 usage or invalid value, 3 not found,
@@ -60,7 +60,11 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
 @click.option("--server", "-s", metavar="HOST:PORT", help="Broker address (overrides the context).")
 @click.option(
-    "--context", "context_name", metavar="NAME", help="Context of the config file to use."
+    "--context",
+    "context_name",
+    metavar="NAME",
+    shell_complete=complete_context,
+    help="Context of the config file to use.",
 )
 @click.option(
     "--config",

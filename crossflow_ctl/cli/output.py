@@ -27,15 +27,28 @@ FORMATS = [f.value for f in OutputFormat]
 class Column:
     """One table column: header, the key it reads from a row, and whether only -o wide shows it."""
 
-    def __init__(self, header: str, key: str, *, wide: bool = False) -> None:
+    def __init__(
+        self,
+        header: str,
+        key: str,
+        *,
+        wide: bool = False,
+        empty: str = "<none>",
+        unset: Any = None,
+    ) -> None:
         self.header = header
         self.key = key
         self.wide = wide
+        self.empty = empty
+        """What a missing value shows as (a mark column such as CURRENT shows blank)."""
+        self.unset = unset
+        """A value that means "not measured" in this column (an ITL of 0), shown as missing;
+        json and yaml keep it as it is."""
 
 
-def cell(value: Any) -> str:
+def cell(value: Any, empty: str = "<none>") -> str:
     if value is None or value == "":
-        return "<none>"
+        return empty
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
@@ -47,10 +60,14 @@ def cell(value: Any) -> str:
     return str(value)
 
 
+def _shown(value: Any, column: Column) -> Any:
+    return None if column.unset is not None and value == column.unset else value
+
+
 def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column], *, wide: bool) -> str:
     shown = [c for c in columns if wide or not c.wide]
     grid = [[c.header for c in shown]]
-    grid += [[cell(row.get(c.key)) for c in shown] for row in rows]
+    grid += [[cell(_shown(row.get(c.key), c), c.empty) for c in shown] for row in rows]
     widths = [max(len(line[i]) for line in grid) for i in range(len(shown))]
     lines = [
         "   ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in grid

@@ -7,7 +7,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -370,6 +370,19 @@ def format_plan(plan: SizingPlan, fleet: int) -> list[str]:
     ]
 
 
+PLAN_FLAGS = {"rho": "--rho", "r": "--r-p5/--r-p50/--r-p95", "r_p50": "--r-p5/--r-p50/--r-p95"}
+"""Sizing's field names -> the plan flags behind them (``ratios``: the trace's windows)."""
+
+
+def _sized(make: Callable[[], SizingPlan]) -> SizingPlan:
+    """``make()``; a refusal names the flag behind it ("rho: rho must be ..." said no flag)."""
+    try:
+        return make()
+    except InvalidArgument as exc:
+        flag = PLAN_FLAGS.get(exc.field or "", "--trace")
+        raise click.UsageError(f"{flag}: {exc.message}") from None
+
+
 @click.command("plan")
 @click.option("--rho", type=float, help="Decode / prefill per-token throughput (default: model).")
 @click.option(
@@ -410,6 +423,11 @@ def plan(
     hardware: str,
 ) -> None:
     """Size prefill and decode pools, static and with leases (f = rho R / (1 + rho R))."""
+    given = [
+        f for f, v in (("--r-p5", r_p5), ("--r-p50", r_p50), ("--r-p95", r_p95)) if v is not None
+    ]
+    if trace is not None and given:
+        raise click.UsageError(f"--trace takes R from the trace: drop {', '.join(given)}")
     if rho is None:
         est = rho_from_model(MODEL_PRESETS[model], NODE_PRESETS[hardware])
         rho = est.rho
@@ -421,10 +439,10 @@ def plan(
     if trace is not None:
         ratios = trace_ratios(load_trace(trace), window_s)
         click.echo(f"R from {trace.name}: {len(ratios)} windows")
-        sizing = plan_from_ratios(rho, ratios)
+        sizing = _sized(lambda: plan_from_ratios(rho, ratios))
     else:
         if r_p5 is None or r_p50 is None or r_p95 is None:
             raise click.UsageError("give --r-p5, --r-p50 and --r-p95, or --trace FILE")
-        sizing = plan_sizing(rho, r_p5, r_p50, r_p95)
+        sizing = _sized(lambda: plan_sizing(rho, r_p5, r_p50, r_p95))
     for line in format_plan(sizing, fleet):
         click.echo(line)

@@ -65,7 +65,7 @@ def node_row(view: NodeView, at_ms: int, reporting: frozenset[str] = frozenset()
         "labels": dict(node.info.labels),
         "lease": f"v{stored.lease.version}" if stored else None,
         "epoch": stored.lease.epoch if stored else None,
-        "lease_age": age(stored.received_at_ms, at_ms) if stored else "<none>",
+        "lease_age": age(stored.received_at_ms, at_ms) if stored else None,
         "compute_tokens": available.compute_tokens,
         "kv_tokens": available.kv_tokens,
         "kv_transfer_bytes": available.kv_transfer_bytes,
@@ -94,8 +94,8 @@ NODE_COLUMNS = [
     Column("POOL", "pool", wide=True),
     Column("EPOCH", "epoch", wide=True),
     Column("OUTPUT", "output_tokens", wide=True),
-    Column("KV-XFER", "kv_transfer_bytes", wide=True),
-    Column("ITL-MS", "itl_ms", wide=True),
+    Column("KV-XFER-BYTES", "kv_transfer_bytes", wide=True),
+    Column("ITL-MS", "itl_ms", wide=True, unset=0.0),  # 0: no step measured (idle)
     Column("SLO-MS", "itl_slo_ms", wide=True),
     Column("WAIT-MS", "queue_wait_ms", wide=True),
     Column("LABELS", "labels", wide=True),
@@ -136,8 +136,8 @@ LEASE_COLUMNS = [
     Column("SLOTS", "slots"),
     Column("ZERO-REASON", "zero_reason"),
     Column("EXPIRES-IN", "expires_in"),
-    Column("KV-XFER", "kv_transfer_bytes", wide=True),
-    Column("ITL-MS", "itl_ms", wide=True),
+    Column("KV-XFER-BYTES", "kv_transfer_bytes", wide=True),
+    Column("ITL-MS", "itl_ms", wide=True, unset=0.0),  # 0: no step measured (idle)
     Column("SLO-MS", "itl_slo_ms", wide=True),
     Column("RATE-TPS", "borrowed_prefill_rate_tps", wide=True),
     Column("NOTICE-SEQ", "last_notice_seq", wide=True),
@@ -160,6 +160,7 @@ def reservation_row(res: Reservation, at_ms: int) -> dict[str, Any]:
         "grant_seq": res.grant_seq,
         "release_seq": res.release_seq,
         "request_id": res.request_id,
+        "owner": res.owner,
     }
 
 
@@ -175,6 +176,7 @@ RESERVATION_COLUMNS = [
     Column("GRANT-SEQ", "grant_seq", wide=True),
     Column("RELEASE-SEQ", "release_seq", wide=True),
     Column("REQUEST", "request_id", wide=True),
+    Column("OWNER", "owner", wide=True),  # the router it was granted to (with auth)
 ]
 
 

@@ -148,7 +148,8 @@ def frame(
         status = view.status(at_ms, reporting)
         lease = f"v{stored.lease.version}" if stored else "-"
         a = view.available
-        itl = f"{stored.lease.itl_ms:.1f}" if stored else "-"
+        # an ITL of 0 is the agent's "no decode step measured" (idle), not 0 ms
+        itl = f"{stored.lease.itl_ms:.1f}" if stored and stored.lease.itl_ms > 0 else "-"
         lines.append(
             f"{node.info.node_id:<10} {node.info.role.value:<8} {status:<22} {lease:>8} "
             f"{a.compute_tokens:>8} {a.kv_tokens:>8} {a.slots:>5} {node.open_reservations:>4} "

@@ -281,6 +281,7 @@ def node_status_to_proto(node: NodeState, now_ms: int, share: Share) -> admin_pb
         node_id=node.info.node_id,
         role=role_to_proto(node.info.role),  # type: ignore[arg-type]
         cordoned=node.info.cordoned,
+        cordon_reason=node.info.cordon_reason,
         open_debits=credits_to_proto(node.open_debits),
         available=credits_to_proto(node.available(now_ms, share)),
         open_reservations=node.open_reservations,
@@ -311,6 +312,7 @@ def node_state_from_proto(msg: admin_pb2.NodeStatus) -> NodeState:
         role=role_from_proto(msg.role) or NodeRole.DECODE,
         pool=msg.pool or "default",
         cordoned=msg.cordoned,
+        cordon_reason=msg.cordon_reason,
         labels=dict(msg.labels),
         notice_seq=msg.notice_seq,
     )

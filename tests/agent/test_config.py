@@ -190,5 +190,8 @@ def test_run_help_says_each_settings_default() -> None:
         f"[{defaults.metrics_url}]",
         f"[{','.join(defaults.brokers)}]",
         f"[{defaults.period_ms}]",
+        f"[{defaults.log_level}]",  # --log-level and --log-json had no help at all
+        "JSON log lines, or console text. [json]",
+        "/healthz. [none served]",
     ):
         assert said in out, said

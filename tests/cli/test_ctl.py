@@ -12,6 +12,7 @@ import yaml
 
 from crossflow_ctl.client import AdmissionClient
 from crossflow_ctl.domain.admission import Decision
+from tests.broker.agents import FakeAgent
 from tests.cli.conftest import Ctl, Fleet
 
 
@@ -90,6 +91,23 @@ async def test_admit_explains_each_condition(ctl: Ctl, fleet: Fleet) -> None:
     assert (await ctl("admit", "--uncached", "1", "--held-ahead", "-1")).rc == 2
 
 
+async def test_admit_refusals_name_the_flag_not_the_request_field(ctl: Ctl) -> None:
+    """They named AdmissionRequest's fields ("uncached_prompt_tokens: Input should be less
+    than or equal to 1000000000", "candidate_node_ids.0: ..."), which no flag is called."""
+    cases = {
+        ("--uncached", "99999999999"): "error: --uncached: Input should be less than or equal",
+        ("--uncached", "1", "--cached", "2000000000"): "error: --cached: ",
+        ("--uncached", "1", "--output-tokens", "2000000000"): "error: --output-tokens: ",
+        ("--uncached", "1", "--held-ahead", "2000000000"): "error: --held-ahead: ",
+        ("--uncached", "1", "--node", "decode-1", "--node", "a b"): "error: --node: ",
+        ("--uncached", "1", "--prefix-node", ""): "error: --prefix-node: ",
+        ("--uncached", "1", "--pool", "a/b"): "error: --pool: ",
+    }
+    for args, said in cases.items():
+        res = await ctl("admit", *args, "--dry-run")
+        assert res.rc == 2 and res.err.startswith(said), (args, res)
+
+
 async def test_cordon_stops_borrowing_and_uncordon_restores(ctl: Ctl, fleet: Fleet) -> None:
     res = await ctl("cordon", "decode-1", "--reason", "maintenance")
     assert (res.rc, res.out.strip()) == (0, "node/decode-1 cordoned")
@@ -139,6 +157,23 @@ async def test_drain_waits_for_open_reservations(ctl: Ctl, fleet: Fleet) -> None
     assert out.decode().splitlines() == ["node/decode-2 cordoned", "node/decode-2 drained"]
     reservations = await ctl("get", "reservations", "--node", "decode-2", "-o", "json")
     assert json.loads(reservations.out)["items"] == []
+
+
+async def test_drain_keeps_an_earlier_cordon_and_its_reason(ctl: Ctl, fleet: Fleet) -> None:
+    """drain cordoned again with reason "drain", overwriting the operator's, and said
+    "cordoned" of a node that already was."""
+    assert (await ctl("cordon", "decode-1", "--reason", "disk swap, ticket 4711")).rc == 0
+    res = await ctl("drain", "decode-1", "--timeout", "5")
+    assert (res.rc, res.out.splitlines()) == (
+        0, ["node/decode-1 already cordoned", "node/decode-1 drained"]
+    ), res  # fmt: skip
+    described = (await ctl("describe", "node", "decode-1")).out
+    assert "Cordoned:   yes (disk swap, ticket 4711)" in described, described
+    # -o json says it too (the reason did not cross the wire: "cordon_reason": "")
+    data = json.loads((await ctl("describe", "node", "decode-1", "-o", "json")).out)
+    assert data["cordon_reason"] == "disk swap, ticket 4711", data
+    nodes = json.loads((await ctl("get", "nodes", "-o", "json")).out)["items"]
+    assert {n["name"]: n["cordon_reason"] for n in nodes}["decode-1"] == "disk swap, ticket 4711"
 
 
 async def test_drain_timeout_exits_5_with_one_line(ctl: Ctl, fleet: Fleet) -> None:
@@ -238,6 +273,22 @@ async def test_describe_node_shows_credits_debits_history(ctl: Ctl, fleet: Fleet
     assert data["recent_leases"], "lease history is shown"
 
 
+async def test_describe_node_does_not_show_an_unmeasured_itl_as_0_ms(ctl: Ctl) -> None:
+    """An idle decode node's lease says ITL 0 (no step measured, ``ItlGuard``); describe
+    printed "ITL / SLO: 0.0 / 50.0 ms", a node faster than any engine."""
+    agent = FakeAgent(ctl.server, "decode-8")
+    await agent.connect()
+    try:
+        await agent.send_lease(itl_ms=0.0)
+        idle = (await ctl("describe", "node", "decode-8")).out
+        await agent.send_lease(itl_ms=21.5)
+        busy = (await ctl("describe", "node", "decode-8")).out
+    finally:
+        await agent.close()
+    assert "ITL / SLO:             none measured (idle) / 50.0 ms" in idle, idle
+    assert "ITL / SLO:             21.5 / 50.0 ms" in busy, busy
+
+
 async def test_describe_prefill_node_shows_its_load_report(ctl: Ctl, fleet: Fleet) -> None:
     text = (await ctl("describe", "node", "prefill-1")).out
     data = json.loads((await ctl("describe", "node", "prefill-1", "-o", "json")).out)
@@ -272,6 +323,8 @@ async def test_contexts_file_drives_the_server(ctl: Ctl, fleet: Fleet) -> None:
     assert (await ctl("config", "use-context", "default", server=False)).rc == 0
     contexts = (await ctl("config", "get-contexts", server=False)).out
     assert any(line.startswith("*") and "default" in line for line in contexts.splitlines())
+    # the other context's CURRENT is blank, as kubectl's (it said "<none>")
+    assert [line.split()[0] for line in contexts.splitlines()[1:]] == ["*", "local"], contexts
     # --server still wins over the context
     assert (await ctl("--context", "local", "get", "nodes", server=False)).rc == 0
 
@@ -320,6 +373,25 @@ async def test_node_names_complete_from_the_broker(ctl: Ctl, fleet: Fleet) -> No
     env = {"_CROSSFLOWCTL_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": "4"}
     res = await ctl(server=False, env=env)
     assert res.out.split() == ["plain,decode-1", "plain,decode-2"]
+    # the node-valued options too (they completed nothing)
+    for tail in ("admit --node decode-", "admit --prefix-node decode-",
+                 "get reservations --node decode-"):  # fmt: skip
+        words = f"crossflowctl --server {ctl.server} {tail}"
+        cword = str(len(words.split()) - 1)
+        env = {"_CROSSFLOWCTL_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": cword}
+        res = await ctl(server=False, env=env)
+        assert res.out.split() == ["plain,decode-1", "plain,decode-2"], (tail, res)
+
+
+async def test_context_names_complete_from_the_config_file(ctl: Ctl) -> None:
+    """use-context, set-context and --context completed nothing."""
+    assert (await ctl("config", "set-context", "prod", "--server", "b:1", server=False)).rc == 0
+    for words in ("crossflowctl config use-context p", "crossflowctl config set-context p",
+                  "crossflowctl --context p"):  # fmt: skip
+        cword = str(len(words.split()) - 1)
+        env = {"_CROSSFLOWCTL_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": cword}
+        res = await ctl(server=False, env=env)
+        assert res.out.split() == ["plain,prod"], (words, res)
 
 
 async def test_tls_context_with_unreadable_ca_is_a_usage_error(ctl: Ctl, tmp_path: Path) -> None:
@@ -351,6 +423,21 @@ async def test_server_without_a_port_is_refused_not_sent_to_443(ctl: Ctl) -> Non
     assert res.rc == 2, (res.out, res.err)
     (line,) = res.err.splitlines()
     assert "--server must be host:port" in line and "localhost:50051" in line
+    # a bad port is replaced in the example, not kept with :50051 after it
+    for bad, example in (("127.0.0.1:99999", "127.0.0.1:50051"), (":50051", "127.0.0.1:50051")):
+        ctl.server = bad
+        res = await ctl("get", "nodes")
+        assert res.rc == 2 and res.err.rstrip().endswith(f"(e.g. {example})"), res.err
+
+
+async def test_a_lone_client_certificate_names_the_flags(ctl: Ctl, tmp_path: Path) -> None:
+    """It said "credentials: Value error, cert_file and key_file must be given together"."""
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    res = await ctl("--cert-file", str(cert), "get", "nodes")
+    assert (res.rc, res.err.strip()) == (
+        2, "error: credentials: --cert-file and --key-file must be given together"
+    ), res  # fmt: skip
 
 
 async def test_a_commit_ttl_below_a_just_lowered_horizon_says_to_retry_later(ctl: Ctl) -> None:

@@ -7,7 +7,7 @@ import json
 
 import grpc
 
-from crossflow_ctl.api.v1 import lease_pb2
+from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.client import AdmissionClient
 from crossflow_ctl.domain.admission import Decision
 from tests.broker.agents import FakeAgent, lease_msg
@@ -67,3 +67,24 @@ async def test_an_agent_of_a_deleted_node_reconnects_and_registers_again(ctl: Ct
         assert "decode-9" in await _names(ctl)
     finally:
         await again.close()
+
+
+async def test_a_deleted_prefill_node_keeps_counting_until_its_agent_reconnects(ctl: Ctl) -> None:
+    """What `delete node --help` says of a prefill node (it said every agent re-registers its
+    node on reconnect, as if that came at once): its stream goes on, its load still counts in
+    the pool, and the node is not listed until its agent says Hello again."""
+    agent = FakeAgent(ctl.server, "prefill-9", role=common_pb2.NODE_ROLE_PREFILL)
+    await agent.connect()
+    try:
+        await agent.send_pool_load()
+        await agent.sync()
+        assert (await ctl("delete", "node", "prefill-9")).rc == 0
+        await agent.send_pool_load()
+        await agent.sync()  # the stream is still up
+        pools = json.loads((await ctl("get", "pools", "-o", "json")).out)["items"]
+        assert [r["node_id"] for r in pools[0]["reports"]] == ["prefill-9"]
+        assert "prefill-9" not in await _names(ctl)
+    finally:
+        await agent.close()
+    help_text = (await ctl("delete", "node", "--help", server=False)).out
+    assert "load reports keep counting in its pool" in " ".join(help_text.split())

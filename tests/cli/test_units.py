@@ -76,8 +76,12 @@ def test_contexts_file_round_trips_and_refuses_bad_values(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match=r"contexts\.x\.defaults\.output"):
         load_config(path)
     path.write_text("contexts: [oops\n")
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="cannot read") as err:
         load_config(path)
+    assert str(err.value) == (  # one line, the file's own line (was PyYAML's 5-line report)
+        f"cannot read {path}: line 2, column 1: while parsing a flow sequence:"
+        " expected ',' or ']', but got '<stream end>'"
+    )
 
 
 @pytest.mark.parametrize(
@@ -286,3 +290,87 @@ def test_admit_reason_is_printed_once_and_only_the_used_node_is_borrowed() -> No
         if line.strip().startswith("decode-")
     }
     assert rows == {"decode-3": "borrowed", "decode-4": "eligible"}
+
+
+def test_admit_explain_never_prices_a_node_without_a_live_lease() -> None:
+    """A named candidate that is cordoned (or has no, an expired or a zero lease) was shown
+    with a predicted TTFT of 0.0 ms and picked as the 'best' node of a Benefit that failed
+    ("best decode-1 predicted 0.0 ms ... vs normal 92.7 ms")."""
+    normal = NormalPath(wait_ms=0.0, prefill_ms=80.9, kv_transfer_ms=11.8)
+    cordoned = _check("decode-1", verdict="no_leases", detail="cordoned")
+    priced = _check("decode-2", verdict="no_benefit", detail="predicted 196.5 ms >= normal 92.7 ms",
+                    service_ms=196.5, safe=True)  # fmt: skip
+    plan = Plan(reason=Reason.NO_BENEFIT, demand=_DEMAND, normal_path=normal,
+                nodes=(cordoned, priced))  # fmt: skip
+    benefit = conditions(plan)[1]
+    assert "best decode-2 predicted 196.5 ms" in benefit, benefit
+    alone = Plan(reason=Reason.NO_LEASES, demand=_DEMAND, normal_path=normal, nodes=(cordoned,))
+    lines = conditions(alone)
+    assert lines[1].startswith("2. Benefit  fails  no candidate node has a live lease;"), lines
+    assert lines[2] == "3. Safety   fails  decode-1: cordoned"
+    text = admission_text(Admission.normal(Reason.NO_LEASES, "no leases", alone), explain=True)
+    row = next(line for line in text.splitlines() if line.strip().startswith("decode-1"))
+    assert row.split()[1:3] == ["no_leases", "<none>"], row
+
+
+def test_watch_help_says_it_reprints_on_a_timer() -> None:
+    """-w said "Keep printing as things change"; it prints every --interval seconds whether
+    anything changed or not (kubectl's -w prints changes only)."""
+    from click.testing import CliRunner
+
+    from crossflow_ctl.cli.ctl import cli
+
+    for resource in ("nodes", "leases", "reservations", "pools"):
+        out = " ".join(CliRunner().invoke(cli, ["get", resource, "--help"]).output.split())
+        assert "every --interval seconds, changed or not" in out, (resource, out)
+
+
+def test_a_node_without_a_lease_has_no_lease_age_in_json() -> None:
+    """-o json/yaml said "lease_age": "<none>" (the table's empty mark, a string where every
+    other missing value of the row is null)."""
+    from crossflow_ctl.cli.views import NODE_COLUMNS, node_row
+
+    view = NodeView(state=NodeState(info=NodeInfo(node_id="p", role=NodeRole.PREFILL)))
+    row = node_row(view, at_ms=1_000, reporting=frozenset({"p"}))
+    item = json.loads(render_list([row], NODE_COLUMNS, OutputFormat.JSON, kind="NodeList"))
+    assert item["items"][0]["lease_age"] is None and item["items"][0]["lease"] is None
+    assert table([row], NODE_COLUMNS, wide=False).splitlines()[1].split()[-1] == "<none>"
+
+
+def test_wide_byte_columns_say_their_unit() -> None:
+    """Every wide column with a unit says it (ITL-MS, RATE-TPS); KV-XFER showed 11825897472
+    with no unit (bytes)."""
+    from crossflow_ctl.cli.views import LEASE_COLUMNS, NODE_COLUMNS
+
+    for columns in (NODE_COLUMNS, LEASE_COLUMNS):
+        headers = {c.key: c.header for c in columns}
+        assert headers["kv_transfer_bytes"] == "KV-XFER-BYTES"
+
+
+def test_an_answer_without_a_plan_has_no_normal_path_ttft() -> None:
+    """With borrowing disabled (or the store down) the answer carries normal_ttft_ms 0, which
+    was printed as "Normal-path TTFT: 0.0 ms"."""
+    text = admission_text(
+        Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled"), explain=True
+    )
+    assert "Normal-path TTFT: <none> (not estimated)" in text, text
+    normal = NormalPath(wait_ms=1.0, prefill_ms=2.0, kv_transfer_ms=0.5)
+    planned = Plan(reason=Reason.NO_DEMAND, demand=_DEMAND, normal_path=normal)
+    text = admission_text(Admission.normal(Reason.NO_DEMAND, "no demand", planned), explain=False)
+    assert "Normal-path TTFT: 3.5 ms" in text, text
+
+
+def test_reservations_say_which_router_owns_them() -> None:
+    """With auth only the owning router (or an admin) may commit or release a reservation,
+    but neither -o wide nor -o json said who that was."""
+    from crossflow_ctl.cli.views import RESERVATION_COLUMNS, reservation_row
+    from crossflow_ctl.domain.models import Credits, Reservation, ReservationState
+
+    res = Reservation(
+        reservation_id="r@d1", node_id="d1", state=ReservationState.HELD, debit=Credits(),
+        lease_epoch=1, lease_version=2, created_at_ms=0, expires_at_ms=10, grant_seq=1,
+        owner="router/r1",
+    )  # fmt: skip
+    row = reservation_row(res, at_ms=0)
+    assert row["owner"] == "router/r1"
+    assert table([row], RESERVATION_COLUMNS, wide=True).splitlines()[1].split()[-1] == "router/r1"

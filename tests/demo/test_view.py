@@ -80,3 +80,33 @@ def test_itl_summary_counts_nodes_whose_lease_is_zero_for_itl() -> None:
     )
     assert sorted(obs.itl_ms) == [20.0, 80.0]
     assert obs.zero_leases == 2
+
+
+def test_frame_and_wide_tables_show_an_unmeasured_itl_as_missing() -> None:
+    """An idle node's lease says ITL 0 (no decode step measured): the demo view and get -o wide
+    printed 0.0 ms, faster than any engine; json keeps the lease's number."""
+    import json
+
+    from crossflow_ctl.cli.output import OutputFormat, render_list
+    from crossflow_ctl.cli.views import LEASE_COLUMNS, NODE_COLUMNS, lease_row, node_row
+    from crossflow_ctl.demo.router import RouterStats
+    from crossflow_ctl.demo.view import frame
+
+    def view(node_id: str, itl: float) -> NodeView:
+        lease = Lease(node_id=node_id, epoch=1, version=1, ttl_ms=1000, itl_ms=itl)
+        stored = StoredLease(lease=lease, received_at_ms=0, expires_at_ms=10_000)
+        return NodeView(state=NodeState(info=NodeInfo(node_id=node_id), lease=stored))
+
+    nodes = [view("idle", 0.0), view("busy", 14.9)]
+    text = frame("t", 1.0, RouterStats(), nodes, [], Observations(), 1, at_ms=0)
+    itl = {line.split()[0]: line.split()[-1] for line in text.splitlines()[-2:]}
+    assert itl == {"idle": "-", "busy": "14.9"}, text
+    for rows, columns in (
+        ([node_row(n, 0) for n in nodes], NODE_COLUMNS),
+        ([r for r in (lease_row(n, 0) for n in nodes) if r is not None], LEASE_COLUMNS),
+    ):
+        wide = render_list(rows, columns, OutputFormat.WIDE, kind="L").splitlines()
+        at = [c.header for c in columns].index("ITL-MS")
+        assert [line.split()[at] for line in wide[1:]] == ["<none>", "14.9"], wide
+        data = json.loads(render_list(rows, columns, OutputFormat.JSON, kind="L"))
+        assert [i["itl_ms"] for i in data["items"]] == [0.0, 14.9]

@@ -443,6 +443,30 @@ def test_security_values_that_cannot_work_are_refused(
 
 
 @needs_helm
+@pytest.mark.parametrize(
+    ("settings", "rendered"),
+    [
+        (("broker.replicas=1",), False),
+        (("broker.podDisruptionBudget.minAvailable=2",), False),
+        (("broker.podDisruptionBudget.minAvailable=51%",), False),  # rounds up to 2 of 2
+        (("broker.replicas=1", "broker.podDisruptionBudget.minAvailable=50%"), False),
+        (("broker.podDisruptionBudget.minAvailable=50%",), True),
+        (("broker.replicas=1", "broker.podDisruptionBudget.minAvailable=0"), True),
+        (("broker.replicas=1", "broker.podDisruptionBudget.enabled=false"), True),
+    ],
+)
+def test_a_disruption_budget_that_blocks_every_drain_is_refused(
+    settings: tuple[str, ...], rendered: bool
+) -> None:
+    """replicas=1 with the default minAvailable 1 rendered a PodDisruptionBudget that lets no
+    broker pod be evicted: `kubectl drain` of its node then waits for ever."""
+    result = helm("template", "cf", str(CHART), *(a for s in settings for a in ("--set", s)))
+    assert (result.returncode == 0) is rendered, result.stderr
+    if not rendered:
+        assert "broker.podDisruptionBudget.enabled=false" in result.stderr, result.stderr
+
+
+@needs_helm
 def test_required_auth_renders_with_tokens_or_client_certificates() -> None:
     for extra in (
         ("security.tokenHashesSecret=tokens",),

@@ -165,6 +165,24 @@ def test_plan_refuses_a_zero_window_and_a_one_node_fleet_naming_the_flag(
     assert "R at its median" in helped and "seconds of trace per R sample" in helped
 
 
+def test_plan_refusals_name_the_flag_and_trace_excludes_the_percentiles(
+    traces_dir: Path,
+) -> None:
+    """Refusals named sizing's fields ("rho: rho must be ...", "r: R must be ...",
+    "r_p50: need ..."); --r-p5/--r-p50/--r-p95 beside --trace were silently ignored."""
+    r = ("--r-p5", "5", "--r-p50", "10", "--r-p95", "20")
+    for args, flag in (
+        (("--rho", "-1", *r), "--rho: "),
+        (("--rho", "0.1", "--r-p5", "-5", "--r-p50", "10", "--r-p95", "20"), "--r-p5/--r-p50/"),
+        (("--rho", "0.1", "--r-p5", "20", "--r-p50", "10", "--r-p95", "5"), "--r-p5/--r-p50/"),
+    ):
+        res = _ctl("plan", *args)
+        assert res.returncode == 2 and f"error: {flag}" in res.stderr, (args, res.stderr)
+    trace = str(traces_dir / "agent_sessions_sample.jsonl")
+    both = _ctl("plan", "--rho", "0.1", "--trace", trace, "--r-p50", "10")
+    assert both.returncode == 2 and "drop --r-p50" in both.stderr, both.stderr
+
+
 def test_sim_refuses_out_of_range_settings_naming_the_flag(tmp_path: Path) -> None:
     """These reached the models unchecked and printed pydantic's multi-line report (exit 1);
     a negative --session-rate was accepted."""
