@@ -317,22 +317,38 @@ def pool_load(
     )
 
 
+MAX_PRICED_STEPS = 4_096
+"""The most chunks :func:`modelled_queue_wait_ms` prices one prompt in (a tick's budget)."""
+
+
 def modelled_queue_wait_ms(
     snapshot: EngineSnapshot, roof: Roofline, chunk_tokens: int
 ) -> float | None:
     """A prefill server's wait in time from what engines do export (counts and token totals):
     each queued prompt taken as the mean recent one, its uncached tokens the outstanding ones
-    per queued prompt and its cached prefix the source's mean
-    (``prefill_mean_cached_tokens``), prefilled alone in ``chunk_tokens`` chunks on the
-    server's roofline. The running prompts are left out (how far each has got is not told), so
-    the figure errs short: less Demand, the side the system falls back to. None when the source
-    does not tell the cached prefix."""
+    per queued prompt and its cached prefix the source's mean (``prefill_mean_cached_tokens``),
+    on the server's roofline. Prompts shorter than a chunk are batched as the engines batch
+    them, ``chunk_tokens // uncached`` to a step (each step's fixed cost shared, every token
+    attending to the mean prefix); longer ones are prefilled alone in ``chunk_tokens`` chunks.
+    The running prompts are left out (how far each has got is not told), so the figure errs
+    short: less Demand, the side the system falls back to. None when the source does not tell
+    the cached prefix, or when chunks so small would take over ``MAX_PRICED_STEPS`` steps to
+    price (the pool is then read in tokens)."""
     cached = snapshot.prefill_mean_cached_tokens
     queued = snapshot.queued_requests
     if cached is None or chunk_tokens <= 0:
         return None
     if queued <= 0 or snapshot.outstanding_uncached_tokens <= 0:
         return 0.0
-    uncached = round(snapshot.outstanding_uncached_tokens / queued)
+    uncached = max(1, round(snapshot.outstanding_uncached_tokens / queued))
+    if uncached < chunk_tokens:
+        per_step = chunk_tokens // uncached
+        steps = -(-queued // per_step)
+        last = queued - (steps - 1) * per_step
+        full = roof.step_s(0, 0, per_step * uncached, round(cached))
+        tail = roof.step_s(0, 0, last * uncached, round(cached))
+        return min(MAX_MS, ((steps - 1) * full + tail) * 1000.0)
+    if -(-uncached // chunk_tokens) > MAX_PRICED_STEPS:
+        return None
     one = prefill_time_s(roof, uncached, round(cached), chunk_tokens)
     return min(MAX_MS, queued * one * 1000.0)

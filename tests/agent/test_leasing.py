@@ -253,7 +253,7 @@ def test_a_prefill_server_reports_its_wait_in_time_priced_on_its_roofline() -> N
     one = prefill_time_s(roof, 4_000, 500_000, chunk)
     assert one > 3 * prefill_time_s(roof, 4_000, 0, chunk)
     wait = modelled_queue_wait_ms(queued, roof, chunk)
-    assert wait == pytest.approx(3 * one * 1000.0)
+    assert wait is not None and wait == pytest.approx(3 * one * 1000.0, rel=0.05)
     kw = {"now_ms": NOW, "node_id": "p1", "pool": "d", "ttl_ms": 600, "settings": LS}
     load = pool_load(queued, roof=roof, **kw)  # type: ignore[arg-type]
     assert load is not None and load.queue_wait_ms == pytest.approx(wait)
@@ -267,6 +267,44 @@ def test_a_prefill_server_reports_its_wait_in_time_priced_on_its_roofline() -> N
     assert unknown_load is not None and unknown_load.queue_wait_ms is None
     idle = queued.model_copy(update={"queued_requests": 0, "outstanding_uncached_tokens": 0})
     assert modelled_queue_wait_ms(idle, roof, chunk) == 0.0
+
+
+def test_short_queued_prompts_are_priced_batched_as_engines_run_them() -> None:
+    """20 queued prompts of 200 uncached tokens after a 2,000-token prefix: the engine runs them
+    as one chunk-sized step, not 20 steps each with its own fixed cost (which read ~9x long and
+    held Demand on a pool that was not behind)."""
+    roof, chunk = roofline(MODEL, NODE), LS.prefill_chunk_tokens
+    queued = snap(
+        running=0,
+        outstanding_uncached_tokens=4_000,
+        queued_requests=20,
+        prefill_processing_rate_tps=8000.0,
+        prefill_mean_cached_tokens=2_000.0,
+    )
+    wait = modelled_queue_wait_ms(queued, roof, chunk)
+    batched = roof.step_s(0, 0, 4_000, 2_000) * 1000.0
+    assert wait == pytest.approx(batched)
+    assert wait < 20 * prefill_time_s(roof, 200, 2_000, chunk) * 1000.0 / 3
+    # more than a chunk's worth: full steps and a last partial one
+    many = queued.model_copy(update={"queued_requests": 100, "outstanding_uncached_tokens": 20_000})
+    per_step = chunk // 200
+    full, last = divmod(100, per_step)
+    expected = full * roof.step_s(0, 0, per_step * 200, 2_000)
+    expected += roof.step_s(0, 0, last * 200, 2_000) if last else 0.0
+    assert modelled_queue_wait_ms(many, roof, chunk) == pytest.approx(expected * 1000.0)
+
+
+def test_a_wait_no_source_could_mean_is_not_reported() -> None:
+    """A source's wait that cannot be one makes the snapshot implausible: no report (the pool's
+    load then expires: fail-closed), not an error. Chunks too small to price give no wait."""
+    kw = {"now_ms": NOW, "node_id": "p1", "pool": "d", "ttl_ms": 600, "settings": LS}
+    for bad in (-1.0, float("nan"), float("inf")):
+        told = snap(queued_requests=1, outstanding_uncached_tokens=10, prefill_queue_wait_ms=bad)
+        assert pool_load(told, **kw) is None  # type: ignore[arg-type]
+    tiny_chunks = snap(
+        queued_requests=1, outstanding_uncached_tokens=1_000_000, prefill_mean_cached_tokens=0.0
+    )
+    assert modelled_queue_wait_ms(tiny_chunks, roofline(MODEL, NODE), 1) is None
 
 
 def test_a_prefill_server_that_idled_reports_its_modelled_rate_not_its_throughput() -> None:
