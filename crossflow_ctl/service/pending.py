@@ -69,10 +69,14 @@ class _Pool:
     """The last non-empty ``seqs`` (to tell a restarted sequence)."""
     weighted: int = 0
     """Sum of ``sent_weight`` over ``sent`` at ``seqs``."""
-    split: tuple[PoolSnapshot, int, Unreported] | None = None
-    """The last :meth:`SentToPools.unreported` answer: for which snapshot, after how many
-    records (``records``)."""
-    records: int = 0
+    split_for: PoolSnapshot | None = None
+    """The snapshot the split below is kept for (None: none kept)."""
+    server_seqs: dict[str, int] = field(default_factory=dict)
+    """Each live server's report sequence in ``split_for``."""
+    untargeted: int = 0
+    """Sum of ``sent_weight`` over the prompts of ``sent`` sent to no named server."""
+    by_server: dict[str, int] = field(default_factory=dict)
+    """Tokens sent to each named server that its report in ``split_for`` does not show."""
 
 
 class SentToPools:
@@ -96,11 +100,27 @@ class SentToPools:
             return
         state = self._pool(pool)
         if len(state.sent) >= MAX_SENT:
-            seen, old, _ = state.sent.popleft()
-            state.weighted -= sent_weight(seen, old, state.seqs)
-        state.sent.append((state.seen_seq, tokens, server or ""))
+            entry = state.sent.popleft()
+            state.weighted -= sent_weight(entry[0], entry[1], state.seqs)
+            self._count(state, entry, -1)
+        entry = (state.seen_seq, tokens, server or "")
+        state.sent.append(entry)
         state.weighted += sent_weight(state.seen_seq, tokens, state.seqs)
-        state.records += 1
+        self._count(state, entry, 1)
+
+    @staticmethod
+    def _count(state: _Pool, entry: tuple[int, int, str], sign: int) -> None:
+        """Keep the split of :meth:`unreported` up to date with one prompt added or dropped
+        (each Admit's split is then O(servers), not a pass over every prompt remembered)."""
+        if state.split_for is None:
+            return
+        seen, tokens, server = entry
+        if not server:
+            state.untargeted += sign * sent_weight(seen, tokens, state.seqs)
+            return
+        seq = state.server_seqs.get(server, 0)
+        if 0 < seq <= seen:
+            state.by_server[server] = state.by_server.get(server, 0) + sign * tokens
 
     def unreported(self, snapshot: PoolSnapshot) -> Unreported:
         """What Demand adds for the tokens sent to the pool that ``snapshot`` does not show:
@@ -111,18 +131,18 @@ class SentToPools:
         state = self._pool(snapshot.pool)
         if not state.seqs or snapshot.server_waits_ms() is None:
             return Unreported(shared)
-        cached = state.split
-        if cached is not None and cached[0] is snapshot and cached[1] == state.records:
-            return cached[2]
-        untargeted = ((seen, n) for seen, n, server in state.sent if not server)
-        reports, known = snapshot.reports, snapshot.report_seqs
-        seqs = dict(zip((r.node_id for r in reports), known, strict=True)) if known else {}
-        split = Unreported(
-            weighted_tokens(untargeted, state.seqs) // len(state.seqs),
-            sent_to_servers((e for e in state.sent if e[2]), seqs),
-        )
-        state.split = (snapshot, state.records, split)
-        return split
+        if state.split_for is not snapshot:
+            reports, known = snapshot.reports, snapshot.report_seqs
+            state.server_seqs = (
+                dict(zip((r.node_id for r in reports), known, strict=True)) if known else {}
+            )
+            untargeted = ((seen, n) for seen, n, server in state.sent if not server)
+            state.untargeted = weighted_tokens(untargeted, state.seqs)
+            targeted = (e for e in state.sent if e[2])
+            state.by_server = sent_to_servers(targeted, state.server_seqs)
+            state.split_for = snapshot
+        by_server = {k: v for k, v in state.by_server.items() if v > 0}
+        return Unreported(state.untargeted // len(state.seqs), by_server)
 
     def tokens(self, snapshot: PoolSnapshot) -> int:
         """Uncached tokens sent to the pool that ``snapshot``'s reports do not show yet."""
@@ -134,6 +154,7 @@ class SentToPools:
                 # as long as the old ones lasted: forget them (the safe side) and start again.
                 state.sent.clear()
                 state.seen_seq = 0
+                state.split_for = None
             if seqs:
                 state.held = seqs
             if seqs and seqs[-1] > state.seen_seq:
@@ -151,4 +172,5 @@ class SentToPools:
             while state.sent and state.sent[0][0] < seqs[0]:
                 state.sent.popleft()
         state.seqs = seqs
+        state.split_for = None  # prompts were dropped and the weights change: split afresh
         state.weighted = weighted_tokens(((seen, n) for seen, n, _ in state.sent), seqs)

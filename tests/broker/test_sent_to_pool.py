@@ -24,7 +24,7 @@ from crossflow_ctl.domain.admission import (
 )
 from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.models import NodeRole, PoolLoad, PoolSnapshot
-from crossflow_ctl.domain.pending import Unreported, unreported_tokens
+from crossflow_ctl.domain.pending import Unreported, sent_to_servers, unreported_tokens
 from crossflow_ctl.domain.room import RoomWatchRequest
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.service.config import BrokerSettings
@@ -306,6 +306,62 @@ def pool_snapshot(reported: dict[int, int]) -> PoolSnapshot:
         reports=tuple(
             PoolLoad(
                 node_id=f"p{s}", outstanding_uncached_tokens=0, processing_rate_tps=1.0, ttl_ms=1
+            )
+            for s in sorted(reported)
+        ),
+        report_seqs=tuple(reported[s] for s in sorted(reported)),
+    )
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.integers(1, 5_000), st.sampled_from(["", "p0", "p1", "p2", "gone"])),
+            st.sets(st.integers(min_value=0, max_value=2), min_size=1),  # servers reporting
+        ),
+        max_size=60,
+    )
+)
+def test_the_split_by_server_is_the_domain_rule_kept_up_to_date(events: list[Any]) -> None:
+    """In a pool reporting waits in time, the book's split (kept up to date per prompt, not
+    recounted per Admit) is, after every send and every new report, and read twice on one
+    snapshot, what the domain rules give over everything sent."""
+    book = SentToPools()
+    sent: list[tuple[int, int, str]] = []
+    reported = {0: 1, 1: 1, 2: 1}
+    seq = 1
+    snap = timed_pool(reported)
+    book.unreported(snap)
+    for event in events:
+        if isinstance(event, tuple):
+            tokens, server = event
+            book.record("default", tokens, server or None)
+            sent.append((max(reported.values()), tokens, server))
+        else:
+            for server in sorted(event):
+                seq += 1
+                reported[server] = seq
+            snap = timed_pool(reported)
+        seqs = dict(zip((r.node_id for r in snap.reports), snap.report_seqs, strict=True))
+        untargeted = [(s, n) for s, n, server in sent if not server]
+        want = Unreported(
+            unreported_tokens(untargeted, snap.report_seqs),
+            sent_to_servers([e for e in sent if e[2]], seqs),
+        )
+        assert book.unreported(snap) == want
+        assert book.unreported(snap) == want  # the kept split, read again
+
+
+def timed_pool(reported: dict[int, int]) -> PoolSnapshot:
+    return PoolSnapshot(
+        pool="default",
+        reports=tuple(
+            PoolLoad(
+                node_id=f"p{s}",
+                outstanding_uncached_tokens=0,
+                processing_rate_tps=1.0,
+                ttl_ms=1,
+                queue_wait_ms=0.0,
             )
             for s in sorted(reported)
         ),
