@@ -202,9 +202,15 @@ def stored_policy(data: object) -> tuple[PolicySettings, tuple[str, ...]]:
 
     Unknown fields are set aside, not refused: in a rolling upgrade a newer replica may write a
     setting an older one lacks, and refusing the whole policy would leave the older replica on a
-    stale one (or none). Invalid values of known fields are refused (InvalidArgument)."""
+    stale one (or none). Invalid values of known fields are refused (InvalidArgument). A policy
+    stored before ``borrow_kv_share`` existed keeps its one ``borrow_share`` on the KV credits
+    too (what it meant when written; ``policy set borrow_kv_share=...`` changes it)."""
     if not isinstance(data, dict):
         raise InvalidArgument("the stored policy is not a JSON object", field="policy")
+    if "borrow_kv_share" not in data and "borrow_share" in data:
+        # Stored before the KV credits had a share of their own: one share held every credit,
+        # and an upgrade must not loosen the operator's limit on KV behind their back.
+        data = {**data, "borrow_kv_share": data["borrow_share"]}
     known = PolicySettings.model_fields
     unknown = tuple(sorted(str(k) for k in data if k not in known))
     return validated_from(PolicySettings, {k: v for k, v in data.items() if k in known}), unknown

@@ -78,3 +78,25 @@ def test_a_pool_report_with_fields_this_version_lacks_is_read_from_the_rest() ->
     newer["load"]["outstanding_uncached_tokens"] = -1  # a bad value of a known field
     with pytest.raises(ValidationError):
         live_pool_loads({b"p1": json.dumps(newer).encode()}, now_ms=2)
+
+
+async def test_a_policy_stored_before_the_kv_share_keeps_its_one_share_on_kv(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """An upgrade must not loosen an operator's limit: a policy stored with one borrow_share
+    (0.3, for every credit then) keeps 0.3 on the KV credits until someone sets them apart."""
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    try:
+        old = PolicySettings(borrow_share=0.3).model_dump(mode="json")
+        del old["borrow_kv_share"]
+        await store._r.hset(
+            Keys(redis_namespace).policy, mapping={"version": 3, "json": json.dumps(old)}
+        )
+        keeper = PolicyKeeper(store, PolicySettings(), ManualClock(1_000), refresh_ms=1_000)
+        loaded = await keeper.load()
+        assert loaded.policy.borrow_kv_share == 0.3 and loaded.unknown_fields == ()
+        changed = await keeper.update({"borrow_kv_share": 1.0})
+        assert changed.policy.borrow_kv_share == 1.0 and changed.policy.borrow_share == 0.3
+        assert (await store.get_policy()) == changed  # written with the key: no longer legacy
+    finally:
+        await store.close()
