@@ -371,13 +371,20 @@ class HoldBook(Generic[K]):
         return out
 
     @staticmethod
-    def reoffer_request(held: Held[K], ahead_tokens: int = 0) -> AdmissionRequest:
+    def reoffer_request(
+        held: Held[K], ahead_tokens: int = 0, prefill_node_id: str | None = None
+    ) -> AdmissionRequest:
         """The request a re-offer sends: the same prompt with the tokens now held ahead of
         it, under a request id of its own (``<id>#<offer>``), since a broker that keeps
         request records replays the first answer to a repeated id. Each offer is a new
         admission attempt; only one can borrow, as nothing is re-offered once borrowed. An
-        empty id stays empty."""
-        update: dict[str, object] = {"held_ahead_tokens": max(0, ahead_tokens)}
+        empty id stays empty. ``prefill_node_id``: the prefill server a NORMAL answer would
+        send it to now (None: none named, the broker reads the least-loaded server's wait);
+        the first offer's may be seconds old, its server since jammed, drained or gone."""
+        update: dict[str, object] = {
+            "held_ahead_tokens": max(0, ahead_tokens),
+            "prefill_node_id": prefill_node_id,
+        }
         base = held.request.request_id
         if base:
             suffix = f"#{held.offers + 1}"

@@ -141,8 +141,13 @@ class AdmissionQueue:
         prefill_room: PrefillRoom | None = None,
         on_outcome: Callable[[Outcome], None] | None = None,
         observer: QueueObserver | None = None,
+        prefill_target: Callable[[AdmissionRequest], str | None] | None = None,
     ) -> None:
+        """``prefill_target``: the prefill server the router would send a held prompt to now,
+        named on each re-offer (a router that picks servers by load); without it a re-offer
+        names none and the broker judges the least-loaded server's wait."""
         self.admitter = admitter
+        self.prefill_target = prefill_target
         self.config = config or QueueConfig()
         self.clock: Clock = clock or SystemClock()
         self.prefill_room = prefill_room
@@ -232,7 +237,8 @@ class AdmissionQueue:
                 for observer in self._observers:
                     observer.reoffered(held.request)
                 gone = sum(tokens for at, tokens in borrowed if at < ahead)
-                request = self._book.reoffer_request(held, ahead - gone)
+                target = self.prefill_target(held.request) if self.prefill_target else None
+                request = self._book.reoffer_request(held, ahead - gone, target)
                 admission = await self._reoffer(request)
                 step = self._book.answered(held, admission)
                 if step is Step.BORROWED:

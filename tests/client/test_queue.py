@@ -186,6 +186,27 @@ async def test_each_offer_carries_the_tokens_held_ahead_of_the_prompt() -> None:
     assert tickets[1].request.held_ahead_tokens == 0
 
 
+async def test_each_reoffer_names_the_prefill_server_of_now_not_of_the_first_offer() -> None:
+    """A held prompt's first offer named the server a NORMAL answer would have sent it to
+    then; by a re-offer that server may be jammed or gone. The router's hook names the one of
+    now; without a hook a re-offer names none (the broker reads the least-loaded server)."""
+    for hook, want in ((lambda request: "prefill-2", "prefill-2"), (None, None)):
+        broker, clock = FakeBroker(room=0), ManualClock(0)
+        named: dict[str, str | None] = {}
+
+        def note(request: AdmissionRequest, named: dict[str, str | None] = named) -> None:
+            named[request.request_id] = request.prefill_node_id
+
+        broker.on_call = note
+        queue = AdmissionQueue(broker, QueueConfig(), clock=clock, prefill_target=hook)
+        first = req("a").model_copy(update={"prefill_node_id": "prefill-1"})
+        ticket = await queue.submit(first)
+        broker.room = 5_000
+        await queue.on_room(room(5_000))
+        assert (await ticket).dispatch is Dispatch.BORROWED_LATE
+        assert named == {"a": "prefill-1", "a#2": want}
+
+
 async def test_shortest_order_counts_only_shorter_prompts_ahead() -> None:
     broker, clock = FakeBroker(room=0), ManualClock(0)
     queue, _ = make(broker, clock, order="shortest")
