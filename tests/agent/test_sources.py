@@ -63,8 +63,10 @@ async def test_sglang_snapshot_values_rates_and_itl_quantiles(metrics_server) ->
     assert snap.prefill_processing_rate_tps == pytest.approx(6000 / 2)  # prefill_compute mode
     # 6000 uncached tokens over 4 new requests = 1500 per request, x 4 waiting
     assert snap.outstanding_uncached_tokens == 4 * 1500
-    # (8000 prompt - 6000 uncached) tokens over 4 new requests: a 500-token cached prefix each
-    assert snap.prefill_mean_cached_tokens == pytest.approx(500.0)
+    # 6000 prefill_cache tokens over 4 new requests: a 1500-token cached prefix each, counted
+    # as the scheduler ran them (prompt - uncached, 8000 - 6000, mixes in the prompt counter's
+    # finish-time clock: it would say 500)
+    assert snap.prefill_mean_cached_tokens == pytest.approx(1500.0)
     assert first.prefill_mean_cached_tokens is None  # no window, no mean yet
     # ITL: window deltas 0.010:10 0.015:30 0.020:60 0.025:90 0.030:98 0.035:99 0.040:100
     # p50: rank 50 in (0.015, 0.020]: 15 + 5 * (50 - 30) / (60 - 30) ms

@@ -6,13 +6,16 @@ Gauges (summed over data-parallel ranks): ``sglang:num_running_reqs``, ``sglang:
 ``sglang:kv_transfer_speed_gb_s``, ``sglang:cache_hit_rate``, ``sglang:gen_throughput``.
 Counters, as rates over the window: ``sglang:generation_tokens_total``,
 ``sglang:prompt_tokens_total``, ``sglang:realtime_tokens_total{mode="prefill_compute"}``
-(uncached prompt tokens), ``sglang:num_requests_total``. Histogram:
+(uncached prompt tokens) and ``{mode="prefill_cache"}`` (prompt tokens served from the prefix
+cache, counted as the scheduler runs them, on the same clock as the computed ones),
+``sglang:num_requests_total``. Histogram:
 ``sglang:inter_token_latency_seconds`` (p50/p99 of the window's observations).
 
 SGLang exports no queued-token gauge, so the outstanding uncached prompt tokens of a prefill
 server are estimated as ``queued requests x mean uncached prompt tokens per request`` (the mean
 from the counters' deltas, remembered across windows with no new request); the mean cached
-prefix per request (prompt minus uncached tokens, per request) lets the agent price the queued
+prefix per request (``prefill_cache`` tokens per request; older SGLang without it: prompt minus
+uncached tokens, the prompt counted only when a request finishes) lets the agent price the queued
 prompts' wait on its roofline, context cost included.
 
 On a decode server, the requests waiting for KV room are the decode prealloc queue (those in
@@ -80,9 +83,10 @@ class SGLangReader:
         p50, p99 = window_quantiles(now, before, ITL, 0.5, 0.99)
         speed = now.total("sglang:kv_transfer_speed_gb_s")
         mean_uncached = _mean_uncached_per_request(now, before, window, uncached, window_s)
-        mean_cached = _mean_per_request(
-            now, before, window, "mean_cached", max(0.0, prompt - uncached), window_s
-        )
+        cached = rate(now, before, window_s, "sglang:realtime_tokens_total", mode="prefill_cache")
+        if cached is None:  # older SGLang: prompt tokens (counted at finish) less the computed
+            cached = max(0.0, prompt - uncached)
+        mean_cached = _mean_per_request(now, before, window, "mean_cached", cached, window_s)
         return EngineSnapshot(
             taken_at_ms=taken_at_ms,
             source=self.name,
