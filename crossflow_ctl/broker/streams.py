@@ -265,10 +265,17 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                 raise InvalidArgument(
                     f"{load.node_id!r} is not this stream's node", field="pool_load.node_id"
                 )
-            await self._broker.ingest_pool_load(load, info.role, info.pool)
+            if not await self._broker.ingest_pool_load(load, info.role, info.pool):
+                # deleted while the agent streamed: end the stream (_read) so the agent says
+                # Hello again and the node is listed, as a decode node's next lease does
+                raise FailedPrecondition(
+                    f"node {info.node_id!r} is not registered", field="node_id"
+                )
         except StoreUnavailable:
             raise
         except CrossflowError as exc:
+            if isinstance(exc, FailedPrecondition) and exc.field == "node_id":
+                raise
             log.warning("pool_load.refused", error=str(exc))
 
     async def _push_settings(self, announced: SessionSettings, out: _Out) -> None:

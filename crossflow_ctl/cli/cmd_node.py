@@ -223,9 +223,8 @@ def delete() -> None:
 @click.pass_context
 def delete_node(ctx: click.Context, name: str, force: bool) -> None:
     """Remove NAME and all its state (a node that has gone away). Refused while it has open
-    reservations unless --force. A decode agent still streaming brings the node back at once
-    (its next lease ends its stream; it reconnects and registers again); a prefill agent's
-    load reports keep counting in its pool, the node unlisted, until that agent reconnects."""
+    reservations unless --force. An agent still streaming brings the node back at once: its
+    next lease or load report ends its stream, and it reconnects and registers again."""
     st = state(ctx)
 
     async def go() -> int:

@@ -353,9 +353,10 @@ class Broker:
 
     async def ingest_pool_load(
         self, load: PoolLoad, role: NodeRole = NodeRole.PREFILL, pool: str | None = None
-    ) -> None:
+    ) -> bool:
         """Record a prefill server's load; FailedPrecondition from a decode node (``pool_load``)
-        or for a pool other than the node's registered one (``pool_load.pool``)."""
+        or for a pool other than the node's registered one (``pool_load.pool``). Returns whether
+        the node is registered (``Store.put_pool_load``)."""
         if role is not NodeRole.PREFILL:
             raise FailedPrecondition(
                 f"node {load.node_id!r} is a {role.value} node: only prefill nodes report load",
@@ -366,9 +367,10 @@ class Broker:
                 f"node {load.node_id!r} is registered in pool {pool!r}, not {load.pool!r}",
                 field="pool_load.pool",
             )
-        await self._admin_call(
+        registered: bool = await self._admin_call(
             self.store.put_pool_load(load, self.clock.now_ms(), self.policy.max_lease_ttl_ms)
         )
+        return registered
 
     async def read_notices(self, node_id: str, after_seq: int, block_ms: int) -> list[Notice]:
         """The node's notices after ``after_seq``; waits in the store up to ``block_ms``. The

@@ -213,10 +213,12 @@ class Store(abc.ABC):
         """Store ``lease`` if newer than the stored one (see module docstring)."""
 
     @abc.abstractmethod
-    async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
+    async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> bool:
         """Record one prefill server's report; it expires after min(ttl, max_ttl). The report
         gets the pool's next ingest sequence (``StoredPoolLoad.seq``), assigned by the store
-        itself, so every replica orders the pool's reports alike."""
+        itself, so every replica orders the pool's reports alike. Returns whether the node is
+        registered (a deleted one's report is stored, to expire, but its stream should end so
+        its agent registers it again, as a decode node's next lease does)."""
 
     # -- admission --------------------------------------------------------------------------
     @abc.abstractmethod

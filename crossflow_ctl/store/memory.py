@@ -198,7 +198,7 @@ class MemoryStore(Store):
                 purged_reservations=purged,
             )
 
-    async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
+    async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> bool:
         async with self._lock:
             self._pool_seq += 1
             self._pools.setdefault(load.pool, {})[load.node_id] = StoredPoolLoad.trusted(
@@ -207,8 +207,10 @@ class MemoryStore(Store):
                 expires_at_ms=now_ms + min(load.ttl_ms, max_ttl_ms),
                 seq=self._pool_seq,
             )
-            if load.node_id in self._nodes:
-                self._seen[load.node_id] = now_ms
+            if load.node_id not in self._nodes:
+                return False
+            self._seen[load.node_id] = now_ms
+            return True
 
     # -- admission --------------------------------------------------------------------------
     def _snapshot(self, pool: str, now_ms: int) -> PoolSnapshot:

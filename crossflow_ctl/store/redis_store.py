@@ -288,7 +288,7 @@ class RedisStore(Store):
             purged_reservations=int(out[3]),
         )
 
-    async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> None:
+    async def put_pool_load(self, load: PoolLoad, now_ms: int, max_ttl_ms: int) -> bool:
         expires = now_ms + min(load.ttl_ms, max_ttl_ms)
         stored = StoredPoolLoad(load=load, received_at_ms=now_ms, expires_at_ms=expires)
         # The script adds the sequence. A report without a wait in time is written as before it
@@ -301,8 +301,9 @@ class RedisStore(Store):
             await self._scripts.run_with(
                 "put_pool_load", keys, args, ("SADD", self._k.pools, load.pool)
             )
-            await self._run("touch_node", [self._k.node(load.node_id).info], [now_ms])
+            registered = await self._run("touch_node", [self._k.node(load.node_id).info], [now_ms])
         self._pools.drop(load.pool)
+        return bool(int(registered))
 
     # -- admission --------------------------------------------------------------------------
     async def admission_view(

@@ -69,10 +69,12 @@ async def test_an_agent_of_a_deleted_node_reconnects_and_registers_again(ctl: Ct
         await again.close()
 
 
-async def test_a_deleted_prefill_node_keeps_counting_until_its_agent_reconnects(ctl: Ctl) -> None:
-    """What `delete node --help` says of a prefill node (it said every agent re-registers its
-    node on reconnect, as if that came at once): its stream goes on, its load still counts in
-    the pool, and the node is not listed until its agent says Hello again."""
+async def test_a_deleted_prefill_nodes_next_report_ends_its_stream_so_it_registers_again(
+    ctl: Ctl,
+) -> None:
+    """As with a decode node's next lease: a deleted prefill node's next load report ends its
+    stream (NOT_FOUND), so its agent says Hello again and the node is listed; before, the
+    stream went on and the node's load kept counting in its pool, the node unlisted."""
     agent = FakeAgent(ctl.server, "prefill-9", role=common_pb2.NODE_ROLE_PREFILL)
     await agent.connect()
     try:
@@ -80,11 +82,18 @@ async def test_a_deleted_prefill_node_keeps_counting_until_its_agent_reconnects(
         await agent.sync()
         assert (await ctl("delete", "node", "prefill-9")).rc == 0
         await agent.send_pool_load()
-        await agent.sync()  # the stream is still up
-        pools = json.loads((await ctl("get", "pools", "-o", "json")).out)["items"]
-        assert [r["node_id"] for r in pools[0]["reports"]] == ["prefill-9"]
-        assert "prefill-9" not in await _names(ctl)
+        assert agent._reader is not None
+        await asyncio.wait_for(agent._reader, timeout=10)  # the reader ends with the stream
+        assert agent.ended is grpc.StatusCode.NOT_FOUND
     finally:
         await agent.close()
+    again = FakeAgent(ctl.server, "prefill-9", role=common_pb2.NODE_ROLE_PREFILL)
+    await again.connect()
+    try:
+        await again.send_pool_load()
+        await again.sync()
+        assert "prefill-9" in await _names(ctl)
+    finally:
+        await again.close()
     help_text = (await ctl("delete", "node", "--help", server=False)).out
-    assert "load reports keep counting in its pool" in " ".join(help_text.split())
+    assert "next lease or load report ends its stream" in " ".join(help_text.split())

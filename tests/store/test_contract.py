@@ -491,6 +491,21 @@ async def test_pool_load_reports_expire(store: Store) -> None:
     assert [(p.pool, len(p.reports)) for p in pools] == [("default", 1)]
 
 
+async def test_a_pool_report_says_whether_its_node_is_registered(store: Store) -> None:
+    """The stream ends on a deleted node's report (its agent registers it again): the store
+    tells, and stores the report either way (it expires)."""
+    load = PoolLoad(
+        node_id="p7", outstanding_uncached_tokens=5, processing_rate_tps=1.0, ttl_ms=900
+    )
+    assert await store.put_pool_load(load, NOW, 5_000) is False
+    await store.register_node("p7", NodeRole.PREFILL, "default", {}, NOW)
+    assert await store.put_pool_load(load, NOW, 5_000) is True
+    await store.delete_node("p7", False, NOW)
+    assert await store.put_pool_load(load, NOW, 5_000) is False
+    pool, _ = await store.admission_view("default", [], 0, NOW)
+    assert pool is not None and [r.node_id for r in pool.reports] == ["p7"]
+
+
 async def test_pool_reports_take_rising_ingest_sequences(store: Store) -> None:
     """Each stored report gets a sequence above every earlier one of its pool, whatever the
     caller's clock says (here it goes back): replicas order reports by it, not by receipt."""
