@@ -237,8 +237,9 @@ class AdmissionQueue:
                 for observer in self._observers:
                     observer.reoffered(held.request)
                 gone = sum(tokens for at, tokens in borrowed if at < ahead)
-                target = self.prefill_target(held.request) if self.prefill_target else None
-                request = self._book.reoffer_request(held, ahead - gone, target)
+                request = self._book.reoffer_request(
+                    held, ahead - gone, self._prefill_target_of(held.request)
+                )
                 admission = await self._reoffer(request)
                 step = self._book.answered(held, admission)
                 if step is Step.BORROWED:
@@ -336,6 +337,15 @@ class AdmissionQueue:
         except Exception as exc:
             log.warning("admission_queue.reoffer_failed", error=repr(exc))
             return Admission.normal(Reason.BROKER_UNAVAILABLE, f"re-offer failed: {exc}")
+
+    def _prefill_target_of(self, request: AdmissionRequest) -> str | None:
+        if self.prefill_target is None:
+            return None
+        try:
+            return self.prefill_target(request)
+        except Exception:  # a router callback must not end the queue: name no server
+            log.exception("admission_queue.prefill_target_failed")
+            return None
 
     def _prefill_has_room(self, request: AdmissionRequest) -> bool:
         if self.prefill_room is None:

@@ -100,6 +100,16 @@ class PolicyKeeper:
                 self._adopt(stored)
                 return stored
             seen = self.current
+            if seen.unknown_fields:
+                # Written back by this replica, the policy would lose the settings it does not
+                # know (a newer replica's): leave the restore to a replica that knows them all.
+                log.error(
+                    "policy.store_lost_it",
+                    stored_version=stored_version,
+                    detail="not restoring a policy with settings this replica does not know "
+                    f"({', '.join(seen.unknown_fields)}): an upgraded replica will",
+                )
+                return seen
             if seen.version > 0:
                 log.error(
                     "policy.store_lost_it",

@@ -207,6 +207,18 @@ async def test_each_reoffer_names_the_prefill_server_of_now_not_of_the_first_off
         assert named == {"a": "prefill-1", "a#2": want}
 
 
+async def test_a_prefill_target_hook_that_raises_names_no_server_and_the_queue_goes_on() -> None:
+    def broken(request: AdmissionRequest) -> str | None:
+        raise LookupError("the router's server table is empty")
+
+    broker, clock = FakeBroker(room=0), ManualClock(0)
+    queue = AdmissionQueue(broker, QueueConfig(), clock=clock, prefill_target=broken)
+    ticket = await queue.submit(req("a"))
+    broker.room = 5_000
+    await queue.on_room(room(5_000))
+    assert (await ticket).dispatch is Dispatch.BORROWED_LATE and not queue.closed
+
+
 async def test_shortest_order_counts_only_shorter_prompts_ahead() -> None:
     broker, clock = FakeBroker(room=0), ManualClock(0)
     queue, _ = make(broker, clock, order="shortest")
