@@ -330,8 +330,10 @@ def modelled_queue_wait_ms(
     on the server's roofline. Prompts shorter than a chunk are batched as the engines batch
     them, ``chunk_tokens // uncached`` to a step (each step's fixed cost shared, every token
     attending to the mean prefix); longer ones are prefilled alone in ``chunk_tokens`` chunks.
-    The running prompts are left out (how far each has got is not told), so the figure errs
-    short: less Demand, the side the system falls back to. None when the source does not tell
+    A batched step is priced as one sequence of its tokens after the mean prefix: that counts
+    attention between prompts that do not attend to each other (long, most with many short
+    prompts to a step) and reads the prefix once, not per prompt (short). The running prompts
+    are left out (how far each has got is not told: short). None when the source does not tell
     the cached prefix, or when chunks so small would take over ``MAX_PRICED_STEPS`` steps to
     price (the pool is then read in tokens)."""
     cached = snapshot.prefill_mean_cached_tokens
