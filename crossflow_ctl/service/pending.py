@@ -69,14 +69,15 @@ class _Pool:
     """The last non-empty ``seqs`` (to tell a restarted sequence)."""
     weighted: int = 0
     """Sum of ``sent_weight`` over ``sent`` at ``seqs``."""
-    split_for: PoolSnapshot | None = None
-    """The snapshot the split below is kept for (None: none kept)."""
+    split_for: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+    """The reports (node ids, sequences) the split below is kept for (None: none kept): a
+    snapshot with the same reports, rebuilt per Admit by the embedded store, shares it."""
     server_seqs: dict[str, int] = field(default_factory=dict)
-    """Each live server's report sequence in ``split_for``."""
+    """Each live server's report sequence in those reports."""
     untargeted: int = 0
     """Sum of ``sent_weight`` over the prompts of ``sent`` sent to no named server."""
     by_server: dict[str, int] = field(default_factory=dict)
-    """Tokens sent to each named server that its report in ``split_for`` does not show."""
+    """Tokens sent to each named server that its report does not show."""
 
 
 class SentToPools:
@@ -131,16 +132,15 @@ class SentToPools:
         state = self._pool(snapshot.pool)
         if not state.seqs or snapshot.server_waits_ms() is None:
             return Unreported(shared)
-        if state.split_for is not snapshot:
-            reports, known = snapshot.reports, snapshot.report_seqs
-            state.server_seqs = (
-                dict(zip((r.node_id for r in reports), known, strict=True)) if known else {}
-            )
+        known = snapshot.report_seqs
+        key = (tuple(r.node_id for r in snapshot.reports), known)
+        if state.split_for != key:
+            state.server_seqs = dict(zip(key[0], known, strict=True)) if known else {}
             untargeted = ((seen, n) for seen, n, server in state.sent if not server)
             state.untargeted = weighted_tokens(untargeted, state.seqs)
             targeted = (e for e in state.sent if e[2])
             state.by_server = sent_to_servers(targeted, state.server_seqs)
-            state.split_for = snapshot
+            state.split_for = key
         by_server = {k: v for k, v in state.by_server.items() if v > 0}
         return Unreported(state.untargeted // len(state.seqs), by_server)
 
