@@ -38,7 +38,7 @@ async def _nodes_text(
     if leases:
         rows = [r for r in (lease_row(n, at) for n in nodes) if r is not None]
         return render_list(rows, LEASE_COLUMNS, fmt, kind="LeaseList")
-    reporting: frozenset[str] = frozenset()
+    reporting: frozenset[tuple[str, str]] = frozenset()
     if any(n.state.info.role is NodeRole.PREFILL for n in nodes):
         reporting = reporting_nodes(await session.list_pools())
     rows = [node_row(n, at, reporting) for n in nodes]

@@ -54,7 +54,11 @@ def detail_data(detail: NodeDetailView, at: int, report: PoolLoad | None = None)
         }
         for name in CREDIT_NAMES
     ]
-    reporting = frozenset((report.node_id,)) if report is not None else frozenset[str]()
+    reporting = (
+        frozenset(((report.pool, report.node_id),))
+        if report is not None
+        else frozenset[tuple[str, str]]()
+    )
     return {
         **node_row(view, at, reporting),
         "load_report": report.model_dump(mode="json") if report is not None else None,

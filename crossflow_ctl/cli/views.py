@@ -49,7 +49,9 @@ def lease_dict(stored: StoredLease, at_ms: int) -> dict[str, Any]:
     }
 
 
-def node_row(view: NodeView, at_ms: int, reporting: frozenset[str] = frozenset()) -> dict[str, Any]:
+def node_row(
+    view: NodeView, at_ms: int, reporting: frozenset[tuple[str, str]] = frozenset()
+) -> dict[str, Any]:
     """One node; ``available`` is what the broker says is left to lend (lease x share - debits);
     ``reporting``: as for :meth:`NodeView.status`."""
     node = view.state

@@ -21,17 +21,18 @@ class NodeView(Frozen):
     """Lease x the policy's borrow shares - open debits; zero when expired, zero or cordoned."""
     lease_expired: bool = False
 
-    def status(self, at_ms: int, reporting: frozenset[str] = frozenset()) -> str:
+    def status(self, at_ms: int, reporting: frozenset[tuple[str, str]] = frozenset()) -> str:
         """Decode nodes: Ready, Cordoned, NoLease, Expired or Zero(<reason>). Prefill nodes
-        send load reports, not leases: Reporting when ``reporting`` (node ids with a live
-        report, :func:`reporting_nodes`) holds the node, else NoReport (its pool's wait no
-        longer counts it)."""
+        send load reports, not leases: Reporting when ``reporting`` ((pool, node id) of each
+        live report, :func:`reporting_nodes`) holds the node in its pool, else NoReport (its
+        pool's wait no longer counts it)."""
         node = self.state
         stored = node.lease
         if node.info.cordoned:
             return "Cordoned"
         if node.info.role is NodeRole.PREFILL:
-            return "Reporting" if node.info.node_id in reporting else "NoReport"
+            reports = (node.info.pool, node.info.node_id) in reporting
+            return "Reporting" if reports else "NoReport"
         if stored is None:
             return "NoLease"
         if self.lease_expired or stored.expired(at_ms):
@@ -41,9 +42,10 @@ class NodeView(Frozen):
         return "Ready"
 
 
-def reporting_nodes(pools: list[PoolSnapshot]) -> frozenset[str]:
-    """The prefill nodes with a live load report in ``pools`` (for :meth:`NodeView.status`)."""
-    return frozenset(r.node_id for pool in pools for r in pool.reports)
+def reporting_nodes(pools: list[PoolSnapshot]) -> frozenset[tuple[str, str]]:
+    """(pool, node id) of each live load report in ``pools`` (for :meth:`NodeView.status`): a
+    node moved to another pool is not Reporting on its old pool's report."""
+    return frozenset((pool.pool, r.node_id) for pool in pools for r in pool.reports)
 
 
 class NodeEventView(Frozen):

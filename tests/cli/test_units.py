@@ -146,10 +146,13 @@ def test_prefill_status_says_whether_its_load_report_is_live() -> None:
     def view(role: NodeRole, cordoned: bool = False) -> NodeView:
         return NodeView(state=NodeState(info=NodeInfo(node_id="n", role=role, cordoned=cordoned)))
 
-    assert view(NodeRole.PREFILL).status(0, frozenset({"n"})) == "Reporting"
-    assert view(NodeRole.PREFILL).status(0, frozenset({"other"})) == "NoReport"
-    assert view(NodeRole.PREFILL, cordoned=True).status(0, frozenset({"n"})) == "Cordoned"
-    assert view(NodeRole.DECODE).status(0, frozenset({"n"})) == "NoLease"
+    assert view(NodeRole.PREFILL).status(0, frozenset({("default", "n")})) == "Reporting"
+    assert view(NodeRole.PREFILL).status(0, frozenset({("default", "other")})) == "NoReport"
+    # a report left in the pool it moved from does not count for it
+    assert view(NodeRole.PREFILL).status(0, frozenset({("old-pool", "n")})) == "NoReport"
+    cordoned = view(NodeRole.PREFILL, cordoned=True)
+    assert cordoned.status(0, frozenset({("default", "n")})) == "Cordoned"
+    assert view(NodeRole.DECODE).status(0, frozenset({("default", "n")})) == "NoLease"
 
 
 def test_lazy_command_table_matches_the_commands() -> None:
