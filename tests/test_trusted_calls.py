@@ -4,7 +4,8 @@
 ``model_construct``, which fills the default silently. So a field added to a model later would
 be dropped by every call site that rebuilds it field by field (as a prompt's Demand once lost the
 prefill server it was judged on). This test reads the calls from the source (AST) and holds each
-one to the model's field list; calls that spread ``**values`` are checked where they run."""
+one to the model's field list. Calls that spread ``**values`` (or that are made on ``cls``) are
+not checked here: what they spread is known only when they run."""
 
 from __future__ import annotations
 
