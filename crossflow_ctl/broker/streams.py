@@ -249,8 +249,8 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         except StoreUnavailable:
             raise
         except CrossflowError as exc:
-            if isinstance(exc, FailedPrecondition) and exc.field == "node_id":
-                raise  # the node is not registered (any more): _read ends the stream
+            if _node_gone(exc):
+                raise  # _read ends the stream
             self._broker.metrics.record_lease("invalid")
             ack.result = lease_pb2.LEASE_RESULT_INVALID
             ack.message = str(exc)
@@ -274,8 +274,8 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         except StoreUnavailable:
             raise
         except CrossflowError as exc:
-            if isinstance(exc, FailedPrecondition) and exc.field == "node_id":
-                raise
+            if _node_gone(exc):
+                raise  # _read ends the stream
             log.warning("pool_load.refused", error=str(exc))
 
     async def _push_settings(self, announced: SessionSettings, out: _Out) -> None:
@@ -335,3 +335,10 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                     await out.send(lease_pb2.ConnectResponse(notice=c.notice_to_proto(notice)))
             if linger_s > 0:
                 await asyncio.sleep(linger_s)
+
+
+def _node_gone(exc: CrossflowError) -> bool:
+    """Whether ``exc`` says the stream's node is not registered (any more: deleted by hand or
+    expired while its agent streamed), the one refusal that ends a stream so the agent says
+    Hello again, from a lease or a load report alike."""
+    return isinstance(exc, FailedPrecondition) and exc.field == "node_id"

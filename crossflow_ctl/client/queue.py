@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterable, Callable, Generator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -38,6 +38,7 @@ from crossflow_ctl.domain.models import Frozen
 from crossflow_ctl.domain.room import RoomUpdate
 
 log = structlog.get_logger()
+R = TypeVar("R")
 
 
 class Admitter(Protocol):
@@ -339,22 +340,12 @@ class AdmissionQueue:
             return Admission.normal(Reason.BROKER_UNAVAILABLE, f"re-offer failed: {exc}")
 
     def _prefill_target_of(self, request: AdmissionRequest) -> str | None:
-        if self.prefill_target is None:
-            return None
-        try:
-            return self.prefill_target(request)
-        except Exception:  # a router callback must not end the queue: name no server
-            log.exception("admission_queue.prefill_target_failed")
-            return None
+        # a failing pick names no server (the broker reads the least-loaded one)
+        return _router_hook(self.prefill_target, request, None, "prefill_target")
 
     def _prefill_has_room(self, request: AdmissionRequest) -> bool:
-        if self.prefill_room is None:
-            return False
-        try:
-            return bool(self.prefill_room(request))
-        except Exception:  # a router callback must not strand prompts: treat as room
-            log.exception("admission_queue.prefill_room_failed")
-            return True
+        # a failing check counts as room: held prompts must not be stranded
+        return bool(_router_hook(self.prefill_room, request, False, "prefill_room", True))
 
     def _expire(self) -> None:
         for held in self._book.due(self.clock.now_ms()):
@@ -410,3 +401,22 @@ class AdmissionQueue:
                 self.on_outcome(outcome)
             except Exception:
                 log.exception("admission_queue.on_outcome_failed")
+
+
+def _router_hook(
+    hook: Callable[[AdmissionRequest], R] | None,
+    request: AdmissionRequest,
+    absent: R,
+    name: str,
+    failed: R | None = None,
+) -> R | None:
+    """A router callback's answer: ``absent`` without one, ``failed`` (logged) when it raises. A
+    router callback must never end the queue (``run`` would close it, dispatching every held
+    prompt and holding none again)."""
+    if hook is None:
+        return absent
+    try:
+        return hook(request)
+    except Exception:
+        log.exception(f"admission_queue.{name}_failed")
+        return failed

@@ -115,6 +115,17 @@ def validated_from(cls: type[M], data: dict[str, Any]) -> M:
         raise InvalidArgument(err["msg"], field=field) from None
 
 
+def known_fields(
+    cls: type[BaseModel], data: Mapping[str, Any]
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``data`` keeping only the keys ``cls`` has a field for, and the others' names, sorted:
+    how a record stored by a newer version (a rolling upgrade) is read from the fields this one
+    knows, the rest set aside rather than refused."""
+    known = cls.model_fields
+    kept = {k: v for k, v in data.items() if k in known}
+    return kept, tuple(sorted(str(k) for k in data if k not in known))
+
+
 class NodeRole(StrEnum):
     DECODE = "decode"
     PREFILL = "prefill"

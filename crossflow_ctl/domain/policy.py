@@ -10,7 +10,14 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
-from crossflow_ctl.domain.models import MAX_HORIZON_MS, Frozen, Shares, validated, validated_from
+from crossflow_ctl.domain.models import (
+    MAX_HORIZON_MS,
+    Frozen,
+    Shares,
+    known_fields,
+    validated,
+    validated_from,
+)
 
 # GPT-OSS-120B-like: 2 (K and V) x 36 layers x 8 KV heads x 64 head dim x 2 bytes (bf16).
 DEFAULT_KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 64 * 2
@@ -211,9 +218,8 @@ def stored_policy(data: object) -> tuple[PolicySettings, tuple[str, ...]]:
         # Stored before the KV credits had a share of their own: one share held every credit,
         # and an upgrade must not loosen the operator's limit on KV behind their back.
         data = {**data, "borrow_kv_share": data["borrow_share"]}
-    known = PolicySettings.model_fields
-    unknown = tuple(sorted(str(k) for k in data if k not in known))
-    return validated_from(PolicySettings, {k: v for k, v in data.items() if k in known}), unknown
+    kept, unknown = known_fields(PolicySettings, data)
+    return validated_from(PolicySettings, kept), unknown
 
 
 def parse_policy_updates(updates: dict[str, str]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from crossflow_ctl.domain.models import (
     ReservationState,
     StoredLease,
     StoredPoolLoad,
+    known_fields,
 )
 from crossflow_ctl.store.base import NodeEvent
 
@@ -418,12 +419,10 @@ def stored_pool_load(raw: Raw) -> StoredPoolLoad:
     except ValidationError as exc:
         if not any(e["type"] == "extra_forbidden" for e in exc.errors()):
             raise
-    data = json.loads(raw)
-    load = data.get("load")
-    if isinstance(load, dict):
-        data["load"] = {k: v for k, v in load.items() if k in PoolLoad.model_fields}
-    known = StoredPoolLoad.model_fields
-    return StoredPoolLoad.model_validate({k: v for k, v in data.items() if k in known})
+    data, _ = known_fields(StoredPoolLoad, json.loads(raw))
+    if isinstance(data.get("load"), dict):
+        data["load"], _ = known_fields(PoolLoad, data["load"])
+    return StoredPoolLoad.model_validate(data)
 
 
 def flat_pairs(values: Sequence[Raw]) -> dict[str, str]:
