@@ -16,6 +16,16 @@ it publishes the lease of the latest period that would have passed, with that pe
 and receipt time. Counters (leases, zero reasons, mean credits) count every skipped period, so
 a run reports what eager ticking would; ``SimConfig.fast_forward_agents=False`` ticks every
 period (the tests compare both).
+
+**Deferred storing** (exact, for speed; with fast-forward, over the in-process store): a decode
+agent computes and counts its lease every tick, but stores it only before something reads or
+changes its node in the store (an Admit or room view, a commit, a release, its catch-up after
+sleeping), as received at its tick (the clock set back to then). A lease nothing read before the
+next tick is dropped, superseded by that tick's: storing it would only have purged released
+reservations the next lease purges too, unless a reservation on the node is due to expire by the
+next tick (the store's EXPIRE notices come from the purge on a stored lease, and the agent
+reads them), in which case it is stored at its tick first. The store's lease history then lacks
+the dropped leases, as it lacks the periods a sleeping agent skips.
 """
 
 from __future__ import annotations
@@ -29,9 +39,9 @@ from typing import Generic, TypeVar
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps, roofline
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.lease_credits import LeaseSettings
-from crossflow_ctl.domain.leasing import ItlGuard, decide, pool_load
+from crossflow_ctl.domain.leasing import NO_CREDITS, ItlGuard, LeaseDecision, decide, pool_load
 from crossflow_ctl.domain.lending import ChunkSizer, OpenDebits
-from crossflow_ctl.domain.models import CREDIT_NAMES, Lease, PoolLoad
+from crossflow_ctl.domain.models import CREDIT_NAMES, Credits, Lease, PoolLoad, ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.service import Broker
 from crossflow_ctl.sim.servers import DecodeServer, PrefillServer
@@ -186,6 +196,11 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         self.open_borrows = 0
         """Reservations granted on this node and not yet released (no fast-forward while > 0:
         their expiry would change what the agent reads)."""
+        self._due: Callable[[str, int], bool] | None = None
+        self._sync: Callable[[float], int] | None = None
+        self._pending: tuple[LeaseDecision, int, int, float] | None = None
+        """Deferred publishing (:meth:`defer`): the last tick's decision, lease version, notice
+        sequence and time, not stored yet."""
 
     def snapshot(self, t: float, now_ms: int) -> EngineSnapshot:
         s = self.server
@@ -215,8 +230,20 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
             window_s=self.period_s,
         )
 
+    def defer(self, due: Callable[[str, int], bool] | None, sync: Callable[[float], int]) -> None:
+        """Store leases lazily (see the module doc): ``due(node_id, now_ms)`` says whether a
+        lease stored on the node at ``now_ms`` would expire a reservation; ``sync`` sets the
+        clock. None: store each lease at its tick."""
+        self._due, self._sync = due, sync
+
     async def tick(self, broker: Broker, t: float, now_ms: int) -> bool:
         """One period; False when the agent went dormant (schedule no next tick)."""
+        if self._pending is not None:
+            due = self._due
+            if due is not None and not due(self.node_id, now_ms):
+                self._pending = None  # nothing read it, and this period's lease supersedes it
+            else:
+                await self.flush(broker, t)
         notices = await broker.read_notices(self.node_id, self.last_notice_seq, 0)
         if notices:
             self.last_notice_seq = notices[-1].seq
@@ -234,29 +261,45 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         )
         self.guard = decision.guard
         self.version += 1
-        lease = decision.to_lease(
-            node_id=self.node_id,
-            epoch=1,
-            version=self.version,
-            ttl_ms=self.ttl_ms,
-            last_notice_seq=self.last_notice_seq,
-        )
+        zero_reason = decision.zero_reason
         chunk = decision.capacity.chunk_tokens if decision.capacity is not None else 0
-        self._count(lease, chunk, 1)
-        self.zero = lease.zero_reason is not None
-        await broker.ingest_lease(lease)
+        self._count(decision.credits if zero_reason is None else NO_CREDITS, zero_reason, chunk, 1)
+        self.zero = zero_reason is not None
+        pending = (decision, self.version, self.last_notice_seq, t)
+        lease: Lease | None = None
+        if self._due is None:
+            lease = _lease_of(self, *pending)
+            await broker.ingest_lease(lease)
+        else:
+            self._pending = pending
         steady = not notices and self.open_borrows == 0 and decision.guard == guard
-        return not self._settle(snapshot, steady, (lease, chunk))
+        if not self._settle(snapshot, steady, None):
+            return True
+        self._fixed = (lease if lease is not None else _lease_of(self, *pending), chunk)
+        return False
 
-    def _count(self, lease: Lease, chunk: int, n: int) -> None:
-        """Count ``n`` publications of ``lease`` (sized chunk ``chunk``) in the run's figures."""
+    async def flush(self, broker: Broker, t: float) -> None:
+        """Store the lease the last tick deferred, as received then (the clock is at ``t``
+        after): before anything reads or changes the node in the store."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        sync = self._sync
+        assert sync is not None  # set with ``due`` by :meth:`defer`
+        sync(pending[3])
+        await broker.ingest_lease(_lease_of(self, *pending))
+        sync(t)
+
+    def _count(self, credits: Credits, zero_reason: ZeroReason | None, chunk: int, n: int) -> None:
+        """Count ``n`` publications of a lease (``credits``, ``zero_reason``; sized chunk
+        ``chunk``) in the run's figures."""
         self.leases += n
-        if lease.zero_reason is not None:
+        if zero_reason is not None:
             self.zero_leases += n
-            why = lease.zero_reason.value
+            why = zero_reason.value
             self.zero_reasons[why] = self.zero_reasons.get(why, 0) + n
         else:
-            c, sums = lease.credits, self._credit_sums
+            c, sums = credits, self._credit_sums
             sums[0] += c.compute_tokens * n
             sums[1] += c.kv_tokens * n
             sums[2] += c.kv_transfer_bytes * n
@@ -282,7 +325,7 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         lease, chunk = fixed
         self.version += n
         lease = lease.model_copy(update={"version": self.version})
-        self._count(lease, chunk, n)
+        self._count(lease.credits, lease.zero_reason, chunk, n)
         sync(last_s)
         await broker.ingest_lease(lease)
         sync(t)
@@ -368,6 +411,18 @@ class PrefillAgent(FixedPoint[PoolLoad]):
         await _put_load(broker, fixed)
         sync(t)
         return fixed
+
+
+def _lease_of(
+    agent: DecodeAgent, decision: LeaseDecision, version: int, last_notice_seq: int, _t: float
+) -> Lease:
+    return decision.to_lease(
+        node_id=agent.node_id,
+        epoch=1,
+        version=version,
+        ttl_ms=agent.ttl_ms,
+        last_notice_seq=last_notice_seq,
+    )
 
 
 async def _put_load(broker: Broker, load: PoolLoad) -> None:

@@ -124,6 +124,9 @@ class ControlPlane:
             )
             for s in prefill
         ]
+        if ff and isinstance(self.store, MemoryStore):
+            for agent in self.decode_agents:
+                agent.defer(self.store.reservation_due, self.sync)
         self._sleeping: dict[DecodeAgent | PrefillAgent, None] = {}
         self.reqs: dict[int, Req] = {}
         self.now = 0.0
@@ -184,11 +187,16 @@ class ControlPlane:
         if not agent.dormant:
             agent.stirred = True
             return
+        if isinstance(agent, DecodeAgent):
+            await agent.flush(self.broker, t)
         del self._sleeping[agent]
         kind = EV_AGENT if isinstance(agent, DecodeAgent) else EV_POOL
         self.events.push(await agent.wake(self.broker, t, self.sync), kind, agent.server.idx)
 
     async def _catch_up(self, t: float) -> None:
+        """Bring the store up to date for a read at ``t``: deferred leases, then sleepers'."""
+        for decode_agent in self.decode_agents:
+            await decode_agent.flush(self.broker, t)
         for agent in self._sleeping:
             await agent.catch_up(self.broker, t, self.sync)
 
@@ -253,7 +261,9 @@ class ControlPlane:
         self.now = t
         node = self._index.get(req.node_id, -1)
         if node >= 0:
-            self.decode_agents[node].open_borrows -= 1
+            agent = self.decode_agents[node]
+            agent.open_borrows -= 1
+            await agent.flush(self.broker, t)
         try:
             self.sync(t)
             await self.broker.release(req.reservation_id, "prefilled")
@@ -294,6 +304,7 @@ class ControlPlane:
             await self.dispatch(req, node, t)
 
     async def _commit(self, req: Req, answer: Admission, t: float) -> int | None:
+        await self.decode_agents[self._index[answer.node_id]].flush(self.broker, t)
         await self._check_overcommit(answer.node_id, t)
         try:
             await self.broker.commit(answer.reservation_id)

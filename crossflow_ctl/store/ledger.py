@@ -131,7 +131,8 @@ class NodeLedger:
         self._time = self._time.minus(res.compute_time)
         self._open = None
 
-    def _next_expiry(self) -> int | None:
+    def next_expiry(self) -> int | None:
+        """When the first of the reservations still on the books expires (None: there are none)."""
         heap = self._expiries
         while heap:
             exp, _, rid = heap[0]
@@ -146,7 +147,7 @@ class NodeLedger:
         if not self._expiries or self._expiries[0][0] > now_ms:
             return 0  # nothing in the heap is due, lapsed entries included (every lease does this)
         expired: list[Reservation] = []
-        while (exp := self._next_expiry()) is not None and exp <= now_ms:
+        while (exp := self.next_expiry()) is not None and exp <= now_ms:
             _, _, rid = heapq.heappop(self._expiries)
             expired.append(self.reservations[rid])
             self._drop(rid)
@@ -167,7 +168,7 @@ class NodeLedger:
 
     def open_debits(self, now_ms: int) -> tuple[Credits, int, ComputeTime]:
         """Sum, count and compute time of the reservations still counting at ``now_ms``."""
-        nxt = self._next_expiry()
+        nxt = self.next_expiry()
         if nxt is None or nxt > now_ms:
             if self._open is None:
                 self._open = Credits.from_tuple(self._totals)

@@ -391,6 +391,17 @@ class MemoryStore(Store):
     async def list_pools(self, now_ms: int) -> list[PoolSnapshot]:
         return [self._snapshot(p, now_ms) for p in sorted(self._pools)]
 
+    def reservation_due(self, node_id: str, now_ms: int) -> bool:
+        """Whether a reservation on ``node_id`` (held, committed or released and not yet purged)
+        expires at or before ``now_ms``: what decides whether a lease stored then would expire
+        any (the simulator's deferred leases, :mod:`crossflow_ctl.sim.agents`). Not part of the
+        :class:`Store` contract; False for an unknown node."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False
+        due = node.next_expiry()
+        return due is not None and due <= now_ms
+
     async def lease_history(self, node_id: str, limit: int) -> list[StoredLease]:
         history = self._node(node_id).history
         return list(reversed(history))[: max(0, limit)]
