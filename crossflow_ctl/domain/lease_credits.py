@@ -248,8 +248,11 @@ def compute_capacity(
     node: NodeProfile,
     settings: LeaseSettings,
     open_debits: OpenDebits | None = None,
+    previous: CapacityBreakdown | None = None,
 ) -> CapacityBreakdown:
-    """The five credits and benefit fields from a plausible snapshot (see the module doc)."""
+    """The five credits and benefit fields from a plausible snapshot (see the module doc).
+    ``previous``: the breakdown a period ago, whose chunk seeds this one's search (the same
+    answer, usually sooner: :func:`~crossflow_ctl.domain.lending.fit_along`)."""
     roof = roofline(model, node)
     batch = max(0, snapshot.running_requests)
     context = max(0, snapshot.decode_context_tokens)
@@ -261,7 +264,8 @@ def compute_capacity(
     step, max_chunk = settings.chunk_step_tokens, settings.max_chunk_tokens
     chunk, chunk_t = (0, 0.0)
     if base <= budget:
-        chunk, chunk_t = best_chunk(roof, budget, batch, context, 0, step, max_chunk, base)
+        guess = previous.chunk_tokens if previous is not None else 0
+        chunk, chunk_t = best_chunk(roof, budget, batch, context, 0, step, max_chunk, base, guess)
     coeff = prefill_coefficients(
         roof, budget, batch, context, chunk, chunk_t, base, step, max_chunk
     )

@@ -188,6 +188,7 @@ def decide(
     failure: str = "",
     failure_reason: ZeroReason = ZeroReason.TELEMETRY_MISSING,
     open_debits: OpenDebits | None = None,
+    previous: CapacityBreakdown | None = None,
 ) -> LeaseDecision:
     """Apply the zero-lease rules in order, then the capacity model.
 
@@ -195,7 +196,8 @@ def decide(
     TELEMETRY_MISSING, or TELEMETRY_IMPLAUSIBLE for values no snapshot can hold) -> stale ->
     implausible -> cordoned -> ITL over SLO (hysteresis) -> no capacity. The ITL guard
     advances only on fresh, plausible snapshots. ``open_debits`` are the reservations the
-    broker still counts, as of the notice sequence the lease will be stamped with.
+    broker still counts, as of the notice sequence the lease will be stamped with;
+    ``previous``: the last decision's capacity, which seeds the search (:func:`compute_capacity`).
     """
     slo = settings.itl_slo_ms
     if snapshot is None:
@@ -226,7 +228,7 @@ def decide(
     itl = observed_itl_ms(snapshot, settings)
     guard = guard.observe(itl, settings, idle=snapshot.running_requests == 0)
     itl_ms = _clamp_ms(guard.last_itl_ms)  # this window's ITL, or the last one measured while busy
-    capacity = compute_capacity(snapshot, model, node, settings, open_debits)
+    capacity = compute_capacity(snapshot, model, node, settings, open_debits, previous)
     zero_reason: ZeroReason | None = None
     detail = ""
     c = capacity.credits

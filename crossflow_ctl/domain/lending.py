@@ -57,6 +57,7 @@ def fit_along(
     d_chunk: int,
     top: int,
     t_zero: float,
+    guess: int = 0,
 ) -> tuple[int, dict[int, float]]:
     """The largest n in [1, top] whose step fits: ``t(n) <= budget_s`` with ``t(n) =
     step_s(batch + n * d_batch, context + n * d_context, n * d_chunk, prefix)``, rising in n and
@@ -66,11 +67,28 @@ def fit_along(
     A secant through the two latest points guesses the crossing, kept strictly inside the
     bracket (lo, hi): two to four evaluations where a scan of the grid takes dozens. Written
     out, with no callback: the agent runs it three times a period (best chunk with no prefix
-    and with a far one, the decode batch's room) and the simulator for every agent tick."""
+    and with a far one, the decode batch's room) and the simulator for every agent tick.
+
+    ``guess``: a likely answer (the last one, a period ago): checked with two evaluations, n
+    and n + 1 (or n - 1), before any search. The answer is the same whatever the guess (t
+    rises in n, so one n fits with n + 1 not fitting), and so are the t's it returns: only
+    how many it evaluates changes."""
     seen: dict[int, float] = {}
     if top < 1:
         return 0, seen
     step_s = roof.step_s
+    if 1 < guess <= top:
+        t_g = seen[guess] = step_s(
+            batch + guess * d_batch, context + guess * d_context, guess * d_chunk, prefix
+        )
+        n = guess + 1 if t_g <= budget_s else guess - 1
+        if n > top:
+            return guess, seen
+        t_n = seen[n] = step_s(batch + n * d_batch, context + n * d_context, n * d_chunk, prefix)
+        if n > guess and t_n > budget_s:
+            return guess, seen
+        if n < guess and t_n <= budget_s:
+            return n, seen
     t_lo = seen[1] = step_s(batch + d_batch, context + d_context, d_chunk, prefix)
     if t_lo > budget_s:
         return 0, seen
@@ -118,8 +136,11 @@ def best_chunk(
     step: int,
     max_chunk: int,
     base_s: float | None = None,
+    guess: int = 0,
 ) -> tuple[int, float]:
-    """(the grid chunk with the highest rate ``P / t`` among those within the budget, its t).
+    """(the grid chunk with the highest rate ``P / t`` among those within the budget, its t;
+    ``guess``: a likely largest fitting chunk, which changes nothing but the work, see
+    :func:`fit_along`).
 
     Usually the largest that fits (fixed step costs amortise over more tokens); when the
     chunk's attention, quadratic in P, dominates, the rate peaks below it: ``P / t(P)`` is
@@ -127,7 +148,8 @@ def best_chunk(
     peak in the rare second case. The best rate over a set that shrinks as the load grows (or
     the budget tightens) never rises, which keeps every credit monotonic."""
     base = roof.step_s(batch, context) if base_s is None else base_s
-    n, seen = fit_along(roof, budget_s, batch, context, prefix, 0, 0, step, max_chunk // step, base)
+    top, hint = max_chunk // step, guess // step
+    n, seen = fit_along(roof, budget_s, batch, context, prefix, 0, 0, step, top, base, hint)
     if n == 0:
         return 0, 0.0
     t = seen[n]

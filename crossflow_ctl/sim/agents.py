@@ -38,7 +38,7 @@ from typing import Generic, TypeVar
 
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps, roofline
 from crossflow_ctl.domain.errors import CrossflowError
-from crossflow_ctl.domain.lease_credits import LeaseSettings
+from crossflow_ctl.domain.lease_credits import CapacityBreakdown, LeaseSettings
 from crossflow_ctl.domain.leasing import NO_CREDITS, ItlGuard, LeaseDecision, decide, pool_load
 from crossflow_ctl.domain.lending import ChunkSizer, OpenDebits
 from crossflow_ctl.domain.models import CREDIT_NAMES, Credits, Lease, PoolLoad, ZeroReason
@@ -198,6 +198,8 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         their expiry would change what the agent reads)."""
         self._due: Callable[[str, int], bool] | None = None
         self._sync: Callable[[float], int] | None = None
+        self._capacity: CapacityBreakdown | None = None
+        """The last tick's capacity (it seeds the next one's search; no result depends on it)."""
         self._pending: tuple[LeaseDecision, int, int, float] | None = None
         """Deferred publishing (:meth:`defer`): the last tick's decision, lease version, notice
         sequence and time, not stored yet."""
@@ -258,8 +260,10 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
             settings=self.settings,
             guard=self.guard,
             open_debits=self.open_debits,
+            previous=self._capacity,
         )
         self.guard = decision.guard
+        self._capacity = decision.capacity
         self.version += 1
         zero_reason = decision.zero_reason
         chunk = decision.capacity.chunk_tokens if decision.capacity is not None else 0

@@ -158,3 +158,36 @@ def test_the_decode_batch_search_matches_the_reference_search(
     )
     n, seen = fit_along(roof, budget, batch, context, 0, 1, length, 0, cap, base)
     assert ((n, seen[n]) if n else (0, 0.0)) == expected
+
+
+@settings(max_examples=400, deadline=None)
+@given(*search_inputs, st.integers(0, 20_000))
+def test_a_guess_changes_no_answer_of_the_searches(
+    model: str,
+    node: str,
+    budget: float,
+    batch: int,
+    per_request: int,
+    prefix: int,
+    step: int,
+    steps: int,
+    guess: int,
+) -> None:
+    """A seeded search (the agent seeds each period's with the last answer) returns what an
+    unseeded one does, whatever the seed: the answer, its step time and the next one's."""
+    roof = roofline(MODEL_PRESETS[model], NODE_PRESETS[node])
+    context = batch * per_request
+    max_chunk = max(1, steps * step)
+    base = roof.step_s(batch, context)
+    top = max_chunk // step
+    for hint in (guess % (top + 2), guess):
+        args = (roof, budget, batch, context, prefix, 0, 0, step, top, base)
+        n, seen = fit_along(*args)
+        m, seeded = fit_along(*args, hint)
+        assert m == n
+        assert [seeded.get(k) for k in (n, n + 1) if k in seen] == [
+            seen[k] for k in (n, n + 1) if k in seen
+        ]
+        assert best_chunk(
+            roof, budget, batch, context, prefix, step, max_chunk, base, hint * step
+        ) == (best_chunk(roof, budget, batch, context, prefix, step, max_chunk, base))
