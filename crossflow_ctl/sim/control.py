@@ -241,12 +241,20 @@ class ControlPlane:
         """Submit a released prompt; its outcome reaches ``dispatch`` now or once decided."""
         self.now = t
         self.reqs[req.rid] = req
-        request = AdmissionRequest(
+        # Every field, in order, in bounds (the trace's token counts, validated node ids):
+        # built without validation, once per released prompt.
+        request = AdmissionRequest.trusted(
             request_id=str(req.rid),
             uncached_prompt_tokens=req.uncached_tokens,
             cached_prefix_tokens=req.cached_tokens,
+            cached_prefix_node_id=None,
             expected_output_tokens=req.output_tokens,
             candidate_node_ids=self.decode_ids,
+            dry_run=False,
+            pool="default",
+            attempt=0,
+            held_ahead_tokens=0,
+            prefill_node_id=None,
         )
         ticket = await self.queue.submit(request)
         if ticket.outcome is not None:

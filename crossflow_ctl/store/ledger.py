@@ -77,8 +77,8 @@ class NodeLedger:
         """Append a notice with the next sequence number; wake blocked readers.
         ``pulled_tokens``: a GRANT's pulled-in prefix (``Notice.pulled_tokens``)."""
         self.seq += 1
-        self.notices.append(
-            Notice(
+        self.notices.append(  # the registered node's id, a checked pulled_tokens: no validation
+            Notice.trusted(
                 node_id=self._info.node_id,
                 seq=self.seq,
                 kind=kind,

@@ -277,7 +277,9 @@ class MemoryStore(Store):
             if short:
                 return refuse("short", short)
             rid = new_reservation_id(node_id, self._rng.getrandbits(128))
-            res = Reservation(
+            # Every field, of its type and in bounds (the node's registered id, the arguments
+            # checked above): built without validation, once per granted debit.
+            res = Reservation.trusted(
                 reservation_id=rid,
                 node_id=node_id,
                 state=ReservationState.HELD,
@@ -288,13 +290,21 @@ class MemoryStore(Store):
                 created_at_ms=now_ms,
                 expires_at_ms=now_ms + hold_ttl_ms,
                 grant_seq=node.seq + 1,
+                release_seq=0,
                 request_id=request_id,
                 owner=owner,
             )
             node.notify(NoticeKind.GRANT, now_ms, res, pulled_tokens)
             node.put(res)
-            return DebitOutcome(
-                granted=True, reservation=res, lease_epoch=epoch, lease_version=version
+            return DebitOutcome.trusted(
+                granted=True,
+                reservation=res,
+                short_credits=(),
+                refusal="",
+                lease_epoch=epoch,
+                lease_version=version,
+                recorded=None,
+                record_key="",
             )
 
     async def commit(
