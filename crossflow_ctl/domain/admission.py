@@ -194,12 +194,22 @@ class Admission(Frozen):
     @classmethod
     def normal(cls, reason: Reason, message: str, plan: Plan | None = None) -> Admission:
         normal = plan.normal_path.total_ms if plan and plan.normal_path else 0.0
-        return cls(
+        # Every field, in order, of its type (the NORMAL answer of every Admit that does not
+        # borrow): built without validation.
+        return Admission.trusted(
             decision=Decision.NORMAL,
             reason=reason,
             message=message,
-            plan=plan,
+            node_id="",
+            reservation_id="",
+            lease_epoch=0,
+            lease_version=0,
+            expires_at_ms=0,
+            predicted_ttft_ms=0.0,
             normal_ttft_ms=normal,
+            plan=plan,
+            shadow_decision=None,
+            replayed=False,
         )
 
 
@@ -307,7 +317,8 @@ def check_demand(
     if waits is not None and sent_to:  # what was sent to the server whose wait this is
         server = prefill_node_id or min(waits, key=waits.__getitem__)
         pending_tokens += sent_to.get(server, 0)
-    return DemandCheck(
+    # Every field, in order, of its type (computed above, per Admit): without validation.
+    return DemandCheck.trusted(
         holds=wait > settings.demand_threshold_ms,
         pool_wait_ms=wait,
         threshold_ms=settings.demand_threshold_ms,

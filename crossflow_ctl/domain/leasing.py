@@ -25,6 +25,7 @@ from crossflow_ctl.domain.models import (
     MAX_MS,
     MAX_RATE_TPS,
     MAX_TOKENS,
+    MAX_TTL_MS,
     Credits,
     Lease,
     PoolLoad,
@@ -307,16 +308,22 @@ def pool_load(
     if wait is None and roof is not None:
         wait = modelled_queue_wait_ms(snapshot, roof, settings.prefill_chunk_tokens)
     per_request = rate / running if running > 0 else min(MAX_RATE_TPS, modelled_rate_tps)
-    return PoolLoad(
-        pool=pool,
-        node_id=node_id,
-        outstanding_uncached_tokens=snapshot.outstanding_uncached_tokens,
-        processing_rate_tps=rate,
-        prefill_rate_tps=per_request,
-        ttl_ms=ttl_ms,
-        queued_requests=min(snapshot.queued_requests, 10_000_000),
-        queue_wait_ms=None if wait is None else min(MAX_MS, wait),
-    )
+    values = {
+        "pool": pool,
+        "node_id": node_id,
+        "outstanding_uncached_tokens": snapshot.outstanding_uncached_tokens,
+        "processing_rate_tps": rate,
+        "prefill_rate_tps": per_request,
+        "ttl_ms": ttl_ms,
+        "queued_requests": min(snapshot.queued_requests, 10_000_000),
+        "queue_wait_ms": None if wait is None else min(MAX_MS, wait),
+    }
+    if per_request >= 0.0 and 0 < ttl_ms <= MAX_TTL_MS:
+        # A plausible snapshot's figures, clamped into their bounds above, and the caller's
+        # identity from its validated settings: no validation (every prefill period); the
+        # broker validates what it receives, the edge. Odd caller figures are validated.
+        return PoolLoad.trusted(**values)
+    return PoolLoad(**values)
 
 
 MAX_PRICED_STEPS = 4_096
