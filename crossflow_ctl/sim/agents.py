@@ -25,7 +25,11 @@ next tick is dropped, superseded by that tick's: storing it would only have purg
 reservations the next lease purges too, unless a reservation on the node is due to expire by the
 next tick (the store's EXPIRE notices come from the purge on a stored lease, and the agent
 reads them), in which case it is stored at its tick first. The store's lease history then lacks
-the dropped leases, as it lacks the periods a sleeping agent skips.
+the dropped leases, as it lacks the periods a sleeping agent skips. Prefill agents' load
+reports likewise reach the store only before a read of the pool (an Admit or room view), in the
+order they were taken: a report nothing read is superseded by its server's next one. The store
+numbers the reports it stores in order, so fewer are numbered, but every comparison of those
+numbers (which reports were stored before a prompt was sent) comes out as before.
 """
 
 from __future__ import annotations
@@ -357,6 +361,31 @@ class PrefillAgent(FixedPoint[PoolLoad]):
             server.steps.model, server.steps.node, server.chunk
         )
         self.last_processed = 0.0
+        self._sync: Callable[[float], int] | None = None
+        self._pending: tuple[PoolLoad, float] | None = None
+        """Deferred storing (:meth:`defer`): the last load report and its tick, not stored yet."""
+
+    def defer(self, sync: Callable[[float], int] | None) -> None:
+        """Store load reports lazily (see the module doc); ``sync`` sets the clock. None:
+        store each one at its tick."""
+        self._sync = sync
+
+    @property
+    def pending_s(self) -> float | None:
+        """When the load report not stored yet was taken (None: none is waiting)."""
+        return self._pending[1] if self._pending is not None else None
+
+    async def flush(self, broker: Broker, t: float) -> None:
+        """Store the load report the last tick deferred, as received then (the clock is at
+        ``t`` after): before anything reads the pool in the store."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        sync = self._sync
+        assert sync is not None  # set by :meth:`defer`
+        sync(pending[1])
+        await _put_load(broker, pending[0])
+        sync(t)
 
     def snapshot(self, t: float, now_ms: int) -> EngineSnapshot:
         s = self.server
@@ -399,7 +428,10 @@ class PrefillAgent(FixedPoint[PoolLoad]):
             modelled_rate_tps=self.modelled_rate_tps,
         )
         if load is not None:
-            await _put_load(broker, load)
+            if self._sync is None:
+                await _put_load(broker, load)
+            else:
+                self._pending = (load, t)  # supersedes one nothing read
         return not self._settle(snapshot, True, load)
 
     async def _republish(

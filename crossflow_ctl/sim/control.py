@@ -127,6 +127,8 @@ class ControlPlane:
         if ff and isinstance(self.store, MemoryStore):
             for agent in self.decode_agents:
                 agent.defer(self.store.reservation_due, self.sync)
+            for pool_agent in self.prefill_agents:
+                pool_agent.defer(self.sync)
         self._sleeping: dict[DecodeAgent | PrefillAgent, None] = {}
         self.reqs: dict[int, Req] = {}
         self.now = 0.0
@@ -187,16 +189,21 @@ class ControlPlane:
         if not agent.dormant:
             agent.stirred = True
             return
-        if isinstance(agent, DecodeAgent):
-            await agent.flush(self.broker, t)
+        await agent.flush(self.broker, t)
         del self._sleeping[agent]
         kind = EV_AGENT if isinstance(agent, DecodeAgent) else EV_POOL
         self.events.push(await agent.wake(self.broker, t, self.sync), kind, agent.server.idx)
 
     async def _catch_up(self, t: float) -> None:
-        """Bring the store up to date for a read at ``t``: deferred leases, then sleepers'."""
+        """Bring the store up to date for a read at ``t``: deferred leases and load reports
+        (these in the order they were taken), then sleepers'."""
         for decode_agent in self.decode_agents:
             await decode_agent.flush(self.broker, t)
+        waiting = [a for a in self.prefill_agents if a.pending_s is not None]
+        if len(waiting) > 1:
+            waiting.sort(key=lambda a: a.pending_s or 0.0)
+        for pool_agent in waiting:
+            await pool_agent.flush(self.broker, t)
         for agent in self._sleeping:
             await agent.catch_up(self.broker, t, self.sync)
 

@@ -1,4 +1,5 @@
-"""Decode agents that defer storing their lease until something reads the node change no result.
+"""Agents that defer storing their lease or load report until something reads it change no
+result.
 
 Each tick's lease is computed and counted as before, but reaches the in-process store only
 before a read or change of its node there (an Admit, a room view, a commit or release), or at
@@ -52,6 +53,8 @@ async def _run(trace: Trace, cfg: SimConfig, deferred: bool) -> tuple[RunRecord,
     if not deferred:
         for agent in sim.control.decode_agents:
             agent.defer(None, sim.control.sync)
+        for pool_agent in sim.control.prefill_agents:
+            pool_agent.defer(None)
     return await sim.run(), store
 
 
@@ -89,6 +92,8 @@ async def _unclaimed_hold(deferred: bool) -> tuple[dict[str, float], int, int]:
     if not deferred:
         for a in control.decode_agents:
             a.defer(None, control.sync)
+        for p in control.prefill_agents:
+            p.defer(None)
     await control.start()
     agent, store = control.decode_agents[0], control.store
     await agent.tick(control.broker, 0.0, control.sync(0.0))
@@ -141,3 +146,25 @@ async def test_reservation_due_says_whether_a_reservation_expires_by_then() -> N
     assert store.reservation_due("d1", NOW + 1_000)  # released, not purged: it still expires
     await store.upsert_lease(lease(version=2, last_notice_seq=99), NOW + 2, MAX_TTL)
     assert not store.reservation_due("d1", NOW + 1_000)  # purged by a lease that saw it
+
+
+async def test_deferred_load_reports_are_stored_in_the_order_they_were_taken() -> None:
+    """Two prefill servers report; nothing reads the pool until a later read, which finds each
+    server's latest report, received at its tick, numbered in the order they were taken."""
+    cfg = SimConfig(prefill_nodes=2, decode_nodes=1, policy=PolicyKind.LEASES)
+    sim = Simulation(_bursts(1, 1, 1.0), cfg)
+    control = sim.control
+    assert control is not None
+    await control.start()
+    first, second = control.prefill_agents
+    for t, agent in ((0.10, first), (0.15, second), (0.30, first)):
+        await agent.tick(control.broker, t, control.sync(t))
+    pools = await control.store.list_pools(control.sync(0.35))
+    assert pools == [] or not pools[0].reports  # nothing stored yet
+    await control._catch_up(0.35)
+    [pool] = await control.store.list_pools(control.sync(0.35))
+    by_node = dict(zip((r.node_id for r in pool.reports), pool.report_seqs, strict=True))
+    assert by_node[second.node_id] < by_node[first.node_id]  # taken at 0.15, then 0.30
+    stored = control.store._pools["default"]
+    assert stored[first.node_id].received_at_ms == control.sync(0.30)
+    assert stored[second.node_id].received_at_ms == control.sync(0.15)
