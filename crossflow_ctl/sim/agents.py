@@ -45,7 +45,14 @@ from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.lease_credits import CapacityBreakdown, LeaseSettings
 from crossflow_ctl.domain.leasing import NO_CREDITS, ItlGuard, LeaseDecision, decide, pool_load
 from crossflow_ctl.domain.lending import ChunkSizer, OpenDebits
-from crossflow_ctl.domain.models import CREDIT_NAMES, Credits, Lease, PoolLoad, ZeroReason
+from crossflow_ctl.domain.models import (
+    CREDIT_NAMES,
+    Credits,
+    Lease,
+    Notice,
+    PoolLoad,
+    ZeroReason,
+)
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.service import Broker
 from crossflow_ctl.sim.servers import DecodeServer, PrefillServer
@@ -201,6 +208,7 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         """Reservations granted on this node and not yet released (no fast-forward while > 0:
         their expiry would change what the agent reads)."""
         self._due: Callable[[str, int], bool] | None = None
+        self._notice_seq: Callable[[str], int] | None = None
         self._sync: Callable[[float], int] | None = None
         self._capacity: CapacityBreakdown | None = None
         """The last tick's capacity (it seeds the next one's search; no result depends on it)."""
@@ -236,11 +244,17 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
             window_s=self.period_s,
         )
 
-    def defer(self, due: Callable[[str, int], bool] | None, sync: Callable[[float], int]) -> None:
+    def defer(
+        self,
+        due: Callable[[str, int], bool] | None,
+        sync: Callable[[float], int],
+        notice_seq: Callable[[str], int] | None = None,
+    ) -> None:
         """Store leases lazily (see the module doc): ``due(node_id, now_ms)`` says whether a
         lease stored on the node at ``now_ms`` would expire a reservation; ``sync`` sets the
-        clock. None: store each lease at its tick."""
-        self._due, self._sync = due, sync
+        clock. None: store each lease at its tick. ``notice_seq(node_id)``: the node's latest
+        notice sequence in the store, so a tick with nothing new skips the read."""
+        self._due, self._sync, self._notice_seq = due, sync, notice_seq
 
     async def tick(self, broker: Broker, t: float, now_ms: int) -> bool:
         """One period; False when the agent went dormant (schedule no next tick)."""
@@ -250,7 +264,11 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
                 self._pending = None  # nothing read it, and this period's lease supersedes it
             else:
                 await self.flush(broker, t)
-        notices = await broker.read_notices(self.node_id, self.last_notice_seq, 0)
+        seq = self._notice_seq
+        if seq is not None and seq(self.node_id) == self.last_notice_seq:
+            notices: list[Notice] = []  # none since the last read: what reading would return
+        else:
+            notices = await broker.read_notices(self.node_id, self.last_notice_seq, 0)
         if notices:
             self.last_notice_seq = notices[-1].seq
             self.open_debits.apply(notices)

@@ -126,7 +126,7 @@ class ControlPlane:
         ]
         if ff and isinstance(self.store, MemoryStore):
             for agent in self.decode_agents:
-                agent.defer(self.store.reservation_due, self.sync)
+                agent.defer(self.store.reservation_due, self.sync, self.store.notice_seq)
             for pool_agent in self.prefill_agents:
                 pool_agent.defer(self.sync)
         self._sleeping: dict[DecodeAgent | PrefillAgent, None] = {}

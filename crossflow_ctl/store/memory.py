@@ -412,6 +412,12 @@ class MemoryStore(Store):
         due = node.next_expiry()
         return due is not None and due <= now_ms
 
+    def notice_seq(self, node_id: str) -> int:
+        """The sequence of ``node_id``'s latest notice (0: none, or an unknown node): a reader
+        that has seen it has nothing to read. Not part of the :class:`Store` contract."""
+        node = self._nodes.get(node_id)
+        return node.seq if node is not None else 0
+
     async def lease_history(self, node_id: str, limit: int) -> list[StoredLease]:
         history = self._node(node_id).history
         return list(reversed(history))[: max(0, limit)]

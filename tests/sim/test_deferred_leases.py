@@ -148,6 +148,20 @@ async def test_reservation_due_says_whether_a_reservation_expires_by_then() -> N
     assert not store.reservation_due("d1", NOW + 1_000)  # purged by a lease that saw it
 
 
+async def test_notice_seq_is_the_latest_notice_a_reader_would_get() -> None:
+    store = MemoryStore(seed=1)
+    assert store.notice_seq("d1") == 0
+    await store.register_node("d1", NodeRole.DECODE, "default", {}, NOW)
+    await store.upsert_lease(lease(), NOW, MAX_TTL)
+    assert store.notice_seq("d1") == 0 and await store.read_notices("d1", 0, 10) == []
+    granted = await store.try_debit("d1", credits(10), 1.0, NOW, 1_000)
+    assert granted.reservation is not None
+    await store.release(granted.reservation.reservation_id, NOW + 1)
+    notices = await store.read_notices("d1", 0, 10)
+    assert store.notice_seq("d1") == notices[-1].seq == 2
+    assert await store.read_notices("d1", store.notice_seq("d1"), 10) == []
+
+
 async def test_deferred_load_reports_are_stored_in_the_order_they_were_taken() -> None:
     """Two prefill servers report; nothing reads the pool until a later read, which finds each
     server's latest report, received at its tick, numbered in the order they were taken."""
