@@ -367,3 +367,19 @@ async def test_history_is_trimmed_in_steps_and_reads_at_most_its_cap(
         assert HISTORY_CAP <= await raw.llen(key) <= HISTORY_CAP + 8 or v < HISTORY_CAP
     history = await s.lease_history("d1", 100)
     assert [h.lease.version for h in history] == list(range(HISTORY_CAP + 19, 19, -1))
+
+
+@pytest.mark.parametrize(
+    "value", [0.0, -0.0, 1.0, -2.5, 1e-300, 2e-9, 0.1 + 0.2, 1e22, float("inf"), float("nan")]
+)
+def test_float_text_is_repr_whatever_it_remembered(value: float) -> None:
+    """The remembered float texts are exactly repr, also for 0.0 after -0.0 (one dict key)."""
+    for _ in range(2):
+        for v in (value, -value):
+            assert codec.float_text(v) == repr(v)
+
+
+@pytest.mark.parametrize("epoch,version", [(0, 0), (1, 2), (TOP, TOP - 1), (10**25, 7)])
+def test_the_order_marker_pads_each_number_to_20_digits(epoch: int, version: int) -> None:
+    lease = Lease.model_construct(epoch=epoch, version=version)
+    assert codec.order_marker(lease) == f"{epoch:020d}{version:020d}"
