@@ -39,9 +39,9 @@ LEASES_PER_SCRIPT = 16
 """Leases per ``upsert_leases`` call: one call runs them back to back inside Redis (about 1 ms
 for 16), so debits queued behind it wait no longer than behind a few pipelined commands."""
 
-WRITTEN_CAPACITY = 1 << 16
-"""Nodes whose last written lease a replica keeps (:class:`LeaseIngest`); when full it starts
-over (each node's next lease is then written whole)."""
+WRITTEN_CAPACITY = 1 << 14
+"""Nodes whose last written lease a replica keeps (:class:`LeaseIngest`: about 2 KB each); when
+full it starts over (each node's next lease is then written whole)."""
 _RECV = list(codec.LEASE_FIELDS).index("recv")
 
 
