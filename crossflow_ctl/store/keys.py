@@ -26,7 +26,8 @@ from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import MAX_ID_LEN
 
 HISTORY_CAP = 32
-"""Accepted leases kept per node for ``lease_history``."""
+"""Accepted leases kept per node for ``lease_history`` (Redis keeps up to 8 more between trims:
+``upsert_leases.lua``; reads return at most this many)."""
 EVENTS_CAP = 64
 """State-change events kept per node for ``node_events``."""
 NOTICES_CAP = 10_000

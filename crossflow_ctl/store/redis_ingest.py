@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from operator import ne
 from typing import Any, NamedTuple
 
 from redis.exceptions import ResponseError
@@ -38,6 +39,11 @@ LEASES_PER_SCRIPT = 16
 """Leases per ``upsert_leases`` call: one call runs them back to back inside Redis (about 1 ms
 for 16), so debits queued behind it wait no longer than behind a few pipelined commands."""
 
+WRITTEN_CAPACITY = 1 << 14
+"""Nodes whose last written lease a replica keeps (:class:`LeaseIngest`: about 2 KB each); when
+full it starts over (each node's next lease is then written whole)."""
+_RECV = list(codec.LEASE_FIELDS).index("recv")
+
 
 class UpsertCall(NamedTuple):
     keys: tuple[bytes, ...]
@@ -45,6 +51,8 @@ class UpsertCall(NamedTuple):
     bucket (encoded once per node, not per lease)."""
     slot: int
     """The node's Cluster hash slot (0 on a plain Redis): calls of one slot share a script."""
+    values: tuple[str, ...]
+    """The lease hash's values (:func:`.redis_codec.lease_hash_values`)."""
     packed: str
     """The lease hash's values as one argument (:func:`.redis_codec.packed_lease_values`): the
     lease's one serialized form, stored as the hash and as the history entry."""
@@ -62,7 +70,15 @@ class LeaseIngest:
     replica's draw) and to ``index_lenders`` (the lender index: one pipeline a batch) when it is
     given; None when the script updates the index itself (a plain Redis, where one script may
     name the node's keys and its index bucket). ``slot``: a node's Cluster hash slot, None on a
-    plain Redis; ``timeout_s``: the :class:`Coalescer`'s bound on each caller's wait."""
+    plain Redis; ``timeout_s``: the :class:`Coalescer`'s bound on each caller's wait.
+
+    Most of a lease's fields repeat the node's last lease (its model's constants, credits that
+    did not move), and each field the script writes costs Redis about as much as the rest of
+    the lease's work. So the ingest remembers the values of the last lease it sent for each
+    node and marks which of the next one's differ; the script writes only those when the
+    node's hash still holds that last lease (its ``ev`` and ``recv``, which no other lease
+    shares) and the whole lease otherwise: a lease another replica stored meanwhile, or one of
+    ours that failed or went stale, costs one whole write, never a wrong field."""
 
     def __init__(
         self,
@@ -90,6 +106,9 @@ class LeaseIngest:
             return tuple(key.encode() for key in flat), 0 if slot is None else slot(k.info)
 
         self._node_keys = codec.Memo(node_keys, capacity=1 << 16)
+        self._written: dict[str, tuple[str, ...]] = {}
+        """Each node's last lease sent (its hash values), as if stored: a call that is not
+        stored drops it (if still the last), and the script checks it before relying on it."""
 
     @property
     def batches(self) -> int:
@@ -104,6 +123,7 @@ class LeaseIngest:
         call = UpsertCall(
             keys=keys,
             slot=slot,
+            values=values,
             packed=codec.packed_lease_values(values),
             lease=lease,
             received_at_ms=now_ms,
@@ -123,10 +143,12 @@ class LeaseIngest:
             for positions in by_slot.values()
             for start in range(0, len(positions), LEASES_PER_SCRIPT)
         ]
+        changed = [self._changed(call) for call in calls]  # in order: a node's later lease last
         script_calls = []
         for chunk in chunks:
             args: list[Any] = [*self._head]
-            args += (calls[i].packed for i in chunk)
+            for i in chunk:
+                args += (changed[i], calls[i].packed)
             script_calls.append(([key for i in chunk for key in calls[i].keys], args))
         replies = await self._scripts.run_each("upsert_leases", script_calls)
         out: list[Any] = [None] * len(calls)
@@ -135,7 +157,10 @@ class LeaseIngest:
                 out[i] = reply if isinstance(reply, BaseException) else _one(reply[n])
         changes: dict[str, int | None] = {}
         for call, one in zip(calls, out, strict=True):
-            if not isinstance(one, BaseException) and int(one[0]) == 1:
+            if isinstance(one, BaseException) or int(one[0]) != 1:
+                if self._written.get(call.lease.node_id) is call.values:
+                    del self._written[call.lease.node_id]  # not stored: the next is whole
+            else:
                 purged, cordoned = int(one[3]), bool(int(one[4]))
                 self._cache.leased(
                     call.lease, call.received_at_ms, call.expires_at_ms, purged, cordoned
@@ -147,6 +172,19 @@ class LeaseIngest:
             if self._index_lenders is not None:
                 await self._index_lenders(changes)
         return out
+
+    def _changed(self, call: UpsertCall) -> bytes:
+        """The script's ``changed`` argument for ``call``: which values differ from the node's
+        last lease sent, one byte each (1: changed), then that lease's ``ev`` and ``recv``; b""
+        (write every field) when none is known. The call becomes the node's last lease."""
+        node_id = call.lease.node_id
+        last = self._written.get(node_id)
+        if last is None and len(self._written) >= WRITTEN_CAPACITY:
+            self._written.clear()
+        self._written[node_id] = call.values
+        if last is None:
+            return b""
+        return bytes(map(ne, call.values, last)) + (last[0] + last[_RECV]).encode()
 
     async def close(self) -> None:
         await self._coalescer.close()

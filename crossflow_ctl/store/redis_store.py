@@ -78,6 +78,7 @@ from crossflow_ctl.store.base import (
 )
 from crossflow_ctl.store.keys import (
     EVENTS_CAP,
+    HISTORY_CAP,
     NOTICES_CAP,
     Keys,
     is_node_id,
@@ -446,8 +447,9 @@ class RedisStore(Store):
             return await self._admin.list_pools(now_ms)
 
     async def lease_history(self, node_id: str, limit: int) -> list[StoredLease]:
+        # The list may hold a few more than the cap (upsert_leases.lua trims it in steps).
         async with self._backend("read_list"):
-            items = await self._admin.node_list(node_id, "history", limit)
+            items = await self._admin.node_list(node_id, "history", min(limit, HISTORY_CAP))
         return [codec.stored_lease_from_packed(i) for i in items]
 
     async def node_events(self, node_id: str, limit: int) -> list[NodeEvent]:

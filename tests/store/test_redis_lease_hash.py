@@ -3,16 +3,19 @@ round-trips exactly, and a corrupt hash is a StoreUnavailable, not a crash."""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 
 from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import Credits, Lease, StoredLease, ZeroReason
 from crossflow_ctl.store import redis_codec as codec
-from crossflow_ctl.store.keys import Keys
+from crossflow_ctl.store.keys import HISTORY_CAP, Keys
 from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import delete_cluster_namespace
 from tests.store.helpers import NOW, credits, register
 
 MAX_TTL = 60_000
@@ -217,3 +220,166 @@ async def test_a_lease_an_earlier_broker_stored_without_its_horizon_reads_as_not
     del values[list(codec.LEASE_FIELDS).index("horizon")]
     await raw.lset(keys.history, 0, codec.PACKED_SEPARATOR.join(values))
     assert await s.lease_history("d1", 1) == [unsaid]
+
+
+# -- partial writes: only the fields a node's next lease changes ---------------------------------
+@pytest.fixture(params=["redis", "redis-cluster"])
+async def replicas(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[RedisStore, RedisStore, Redis | RedisCluster, Keys]]:
+    """Two replicas (stores) sharing one namespace, on one Redis and on a real Redis Cluster,
+    with a raw client to read the hashes."""
+    cleanup = None
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_url")
+        namespace = request.getfixturevalue("redis_namespace")
+        stores = [RedisStore(url, namespace=namespace) for _ in range(2)]
+        raw: Redis | RedisCluster = Redis.from_url(url)
+    else:
+        url = request.getfixturevalue("redis_cluster_url")
+        namespace = f"cft-{uuid.uuid4().hex[:12]}"
+        stores = [RedisStore(url, namespace=namespace, cluster=True) for _ in range(2)]
+        raw = RedisCluster.from_url(url)
+        cleanup = (url, namespace)
+    await register(stores[0], "d1")
+    try:
+        yield stores[0], stores[1], raw, Keys(namespace)
+    finally:
+        for s in stores:
+            await s.close()
+        await raw.aclose()
+        if cleanup is not None:
+            delete_cluster_namespace(*cleanup)
+
+
+BASE = LEASES["lending, every value set"].model_copy(update={"epoch": 7, "version": 1})
+
+
+def _next(before: Lease, **update: object) -> Lease:
+    return before.model_copy(update={"version": before.version + 1, **update})
+
+
+async def _stored_is(
+    raw: Redis | RedisCluster, keys: Keys, s: RedisStore, stored: StoredLease
+) -> None:
+    """The hash holds exactly ``stored``'s values, and the store reads it back whole."""
+    values = codec.lease_hash_values(stored.lease, stored.received_at_ms, stored.expires_at_ms)
+    fields = codec.text_map(await raw.hgetall(keys.node("d1").lease))
+    assert fields == dict(zip(codec.LEASE_FIELDS, values, strict=True))
+    node = await s.get_node("d1", stored.received_at_ms)
+    assert node is not None and node.lease == stored
+
+
+async def test_fields_a_lease_does_not_change_still_read_back_after_partial_writes(
+    replicas: tuple[RedisStore, RedisStore, Redis | RedisCluster, Keys],
+) -> None:
+    """A replica writes only the fields that changed since the node's last lease it wrote; every
+    lease of a sequence that changes a few fields at a time (credits, zeroing with a reason and
+    detail, lending again, model constants) still reads back exactly, as does the last of two
+    leases of one node sent together."""
+    s, _, raw, keys = replicas
+    leases = [BASE]
+    leases.append(_next(leases[-1], credits=credits(5)))
+    leases.append(_next(leases[-1], itl_ms=61.5, queue_wait_ms=0.0))
+    leases.append(
+        _next(
+            leases[-1],
+            credits=Credits(),
+            zero_reason=ZeroReason.ITL_OVER_SLO,
+            zero_detail="itl 61.5 ms > slo 50 ms",
+        )
+    )
+    leases.append(_next(leases[-1], zero_detail="itl 70 ms > slo 50 ms"))
+    leases.append(_next(leases[-1], credits=credits(9), zero_reason=None, zero_detail=""))
+    leases.append(_next(leases[-1], ttl_ms=2_500, horizon_ms=4_000, itl_slo_ms=40.0))
+    leases.append(_next(leases[-1], epoch=8, version=1, last_notice_seq=0))
+    for i, lease in enumerate(leases):
+        now = NOW + 10 * i
+        assert (await s.upsert_lease(lease, now, MAX_TTL)).accepted
+        expires = now + min(lease.ttl_ms, MAX_TTL)
+        await _stored_is(
+            raw, keys, s, StoredLease(lease=lease, received_at_ms=now, expires_at_ms=expires)
+        )
+    a, b = _next(leases[-1], credits=credits(3)), _next(leases[-1], version=leases[-1].version + 2)
+    now = NOW + 1_000
+    outcomes = await asyncio.gather(
+        s.upsert_lease(a, now, MAX_TTL), s.upsert_lease(b, now, MAX_TTL)
+    )
+    assert [o.accepted for o in outcomes] == [True, True]
+    await _stored_is(
+        raw, keys, s, StoredLease(lease=b, received_at_ms=now, expires_at_ms=now + b.ttl_ms)
+    )
+
+
+async def test_a_lease_writes_only_the_fields_that_changed(
+    replicas: tuple[RedisStore, RedisStore, Redis | RedisCluster, Keys],
+) -> None:
+    """The next lease from the replica that wrote the last one rewrites only its changed fields:
+    a value planted in a field it does not change stays (shown here; nothing else writes the
+    hash), while a changed one is written."""
+    s, _, raw, keys = replicas
+    key = keys.node("d1").lease
+    assert (await s.upsert_lease(BASE, NOW, MAX_TTL)).accepted
+    await raw.hset(key, mapping={"itl_slo": "1234.5", "c2": "1"})
+    assert (await s.upsert_lease(_next(BASE, credits=credits(5)), NOW + 1, MAX_TTL)).accepted
+    assert codec.text_map(await raw.hgetall(key))["itl_slo"] == "1234.5"
+    assert codec.text_map(await raw.hgetall(key))["c2"] == "5"
+
+
+async def test_a_lease_another_replica_stored_meanwhile_means_a_whole_write(
+    replicas: tuple[RedisStore, RedisStore, Redis | RedisCluster, Keys],
+) -> None:
+    """Replica A compares its next lease with the one A wrote last, but replica B stored another
+    since (the agent moved): A's write is whole, so a field A's lease keeps from A's last one is
+    not left at B's value. A lease refused as stale leaves A's next write whole too."""
+    a, b, raw, keys = replicas
+    first = BASE
+    theirs = _next(first, itl_slo_ms=60.0, credits=credits(6))
+    ours = _next(theirs, credits=credits(7))  # itl_slo back to first's: unchanged for A
+    assert (await a.upsert_lease(first, NOW, MAX_TTL)).accepted
+    assert (await b.upsert_lease(theirs, NOW + 1, MAX_TTL)).accepted
+    await raw.hset(keys.node("d1").lease, "a", "0.5")  # shows the next write is whole
+    ours = ours.model_copy(update={"itl_slo_ms": first.itl_slo_ms})
+    assert (await a.upsert_lease(ours, NOW + 2, MAX_TTL)).accepted
+    expires = NOW + 2 + ours.ttl_ms
+    await _stored_is(
+        raw, keys, a, StoredLease(lease=ours, received_at_ms=NOW + 2, expires_at_ms=expires)
+    )
+    assert not (await a.upsert_lease(first, NOW + 3, MAX_TTL)).accepted
+    await raw.hset(keys.node("d1").lease, "a", "0.5")
+    last = _next(ours)
+    assert (await a.upsert_lease(last, NOW + 4, MAX_TTL)).accepted
+    expires = NOW + 4 + last.ttl_ms
+    await _stored_is(
+        raw, keys, a, StoredLease(lease=last, received_at_ms=NOW + 4, expires_at_ms=expires)
+    )
+
+
+async def test_history_is_trimmed_in_steps_and_reads_at_most_its_cap(
+    store: tuple[RedisStore, Redis], redis_namespace: str
+) -> None:
+    """The history LIST is trimmed back to its cap once it holds a few more (not on every
+    lease); lease_history never returns more than the cap, newest first."""
+    s, raw = store
+    key = Keys(redis_namespace).node("d1").history
+    for v in range(1, HISTORY_CAP + 20):
+        assert (await s.upsert_lease(_next(BASE, version=v), NOW + v, MAX_TTL)).accepted
+        assert HISTORY_CAP <= await raw.llen(key) <= HISTORY_CAP + 8 or v < HISTORY_CAP
+    history = await s.lease_history("d1", 100)
+    assert [h.lease.version for h in history] == list(range(HISTORY_CAP + 19, 19, -1))
+
+
+@pytest.mark.parametrize(
+    "value", [0.0, -0.0, 1.0, -2.5, 1e-300, 2e-9, 0.1 + 0.2, 1e22, float("inf"), float("nan")]
+)
+def test_float_text_is_repr_whatever_it_remembered(value: float) -> None:
+    """The remembered float texts are exactly repr, also for 0.0 after -0.0 (one dict key)."""
+    for _ in range(2):
+        for v in (value, -value):
+            assert codec.float_text(v) == repr(v)
+
+
+@pytest.mark.parametrize("epoch,version", [(0, 0), (1, 2), (TOP, TOP - 1), (10**25, 7)])
+def test_the_order_marker_pads_each_number_to_20_digits(epoch: int, version: int) -> None:
+    lease = Lease.model_construct(epoch=epoch, version=version)
+    assert codec.order_marker(lease) == f"{epoch:020d}{version:020d}"

@@ -11,66 +11,75 @@
 -- the stored lease stored and accepted).
 -- ARGV[1] history cap, ARGV[2] events cap, ARGV[3] notices MAXLEN, ARGV[4] the lease HASH's
 -- field names joined by '|' (LEASE_FIELDS in crossflow_ctl/store/redis_codec.py, 'detail'
--- last), ARGV[5] K; then one per lease: ARGV[6+i] the lease HASH's values in that order,
--- joined by '\31' (only the last, the free-text detail, may hold that byte): the lease's one
--- serialized form, also pushed whole onto the history LIST (a log of past leases, read by
--- lease_history). The script reads ev ("<epoch:020d><version:020d>", 40 digits compared as
--- text so 63-bit values stay exact), epoch, version, exp (the expiry, broker clock), zero (''
--- when the lease lends), node, nseq (last_notice_seq) and recv (when the broker received it:
--- "now" for that lease, broker clock) from them.
+-- last), ARGV[5] K; then two per lease, lease i at ARGV[6+2i] and ARGV[7+2i]:
+--   changed: '' to write every field, else one byte per field (1: changed, 0: not) followed by
+--     the ev and recv values of the lease the bytes compare against (redis_ingest.py: the last
+--     lease this replica stored for the node). Only the changed fields are written when the
+--     hash holds that lease (its ev and recv, which no other lease shares, and all its fields);
+--     otherwise every field is, as with ''.
+--   packed: the lease HASH's values in that order, joined by '\31' (only the last, the
+--     free-text detail, may hold that byte): the lease's one serialized form, also pushed whole
+--     onto the history LIST (a log of past leases, read by lease_history).
+-- The script reads ev ("<epoch:020d><version:020d>", 40 digits compared as text so 63-bit
+-- values stay exact), epoch, version, exp (the expiry, broker clock), zero ('' when the lease
+-- lends), node, nseq (last_notice_seq) and recv (when the broker received it: "now" for that
+-- lease, broker clock) from them.
 -- An accepted lease also marks the node as heard of at recv (info 'seen', read by node expiry).
 -- Returns one reply per lease, in order: {-1} for an unregistered node; {0, stored_epoch,
 -- stored_version, 0} for a stale lease (nothing changed); {1, epoch, version, purged,
 -- cordoned(0/1)} when stored; {-2, error} when a command failed for that lease.
-local history_cap, events_cap, maxlen = tonumber(ARGV[1]) - 1, tonumber(ARGV[2]) - 1, ARGV[3]
+local history_cap, events_cap, maxlen = tonumber(ARGV[1]), tonumber(ARGV[2]) - 1, ARGV[3]
+-- The history LIST is trimmed back to its cap once it holds HISTORY_SLACK more (one LTRIM per
+-- that many leases, not one each); lease_history reads no more than the cap.
+local HISTORY_SLACK = 8
 local stride = tonumber(ARGV[5])
 local names = {}
 for name in string.gmatch(ARGV[4], '[^|]+') do
   names[#names + 1] = name
 end
 local count = #names
-
--- The lease HASH as field/value pairs, and the values by name.
-local function unpack_fields(packed)
-  local pairs_, new = {}, {}
-  local pos = 1
-  for i = 1, count do
-    local value
-    if i < count then
-      local sep = string.find(packed, '\31', pos, true)
-      value = string.sub(packed, pos, sep - 1)
-      pos = sep + 1
-    else
-      value = string.sub(packed, pos)
-    end
-    pairs_[2 * i - 1], pairs_[2 * i] = names[i], value
-    new[names[i]] = value
-  end
-  return pairs_, new
+local at = {}
+for i = 1, count do
+  at[names[i]] = i
 end
+local I_EV, I_EPOCH, I_VERSION, I_EXP, I_ZERO = at.ev, at.epoch, at.version, at.exp, at.zero
+local I_NODE, I_NSEQ, I_RECV = at.node, at.nseq, at.recv
+-- The open totals of a node with no reservation stored.
+local NONE_OPEN = cf_totals_text(cf_totals_of(nil))
+-- One lease's values in one pattern match (one C call, not a find and a sub per field): the
+-- last, free text, takes the rest.
+local VALUES = '^' .. string.rep('([^\31]*)\31', count - 1) .. '(.*)$'
 
-local function upsert(base, packed)
+local function upsert(base, changed, packed)
   local info, lease, res, notices = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local history, events, exp = KEYS[base + 5], KEYS[base + 6], KEYS[base + 7]
-  local node = redis.call('HMGET', info, 'role', 'cordoned')
+  local node = redis.call('HMGET', info, 'role', 'cordoned', 'open')
   if not node[1] then
     return {-1}
   end
-  local fields, new = unpack_fields(packed)
-  local ev, epoch, zero, last_seen = new.ev, new.epoch, new.zero, tonumber(new.nseq)
-  local now = new.recv
-  local old = redis.call('HMGET', lease, 'ev', 'epoch', 'version', 'exp', 'zero')
+  local v = {string.match(packed, VALUES)}
+  if #v ~= count then
+    error('malformed lease values')
+  end
+  local ev, epoch, zero, last_seen = v[I_EV], v[I_EPOCH], v[I_ZERO], tonumber(v[I_NSEQ])
+  local now = v[I_RECV]
+  local old = redis.call('HMGET', lease, 'ev', 'epoch', 'version', 'exp', 'zero', 'recv')
   if old[1] and ev <= old[1] then
     return {0, old[2], old[3], 0}
   end
 
-  local purged = cf_purge_expired(info, res, exp, notices, maxlen, now)
-  local all = redis.call('HGETALL', res)
-  for i = 1, #all, 2 do
-    local f = cf_parse(all[i + 1])
-    if f[1] == 'released' and tonumber(f[3]) <= last_seen then
-      cf_drop(info, res, exp, all[i], f)
-      purged = purged + 1
+  -- No reservation stored (the open totals count every record, released ones too: all zero
+  -- or never set): nothing to purge, so neither the expiries nor the records are read.
+  local purged = 0
+  if node[3] and node[3] ~= NONE_OPEN then
+    purged = cf_purge_expired(info, res, exp, notices, maxlen, now)
+    local all = redis.call('HGETALL', res)
+    for i = 1, #all, 2 do
+      local f = cf_parse(all[i + 1])
+      if f[1] == 'released' and tonumber(f[3]) <= last_seen then
+        cf_drop(info, res, exp, all[i], f)
+        purged = purged + 1
+      end
     end
   end
 
@@ -91,33 +100,52 @@ local function upsert(base, packed)
     redis.call('LTRIM', events, 0, events_cap)
   end
 
-  -- HSET writes every field, replacing the hash's values in place (no DEL and re-create per
-  -- lease); a hash of another layout (say with a JSON copy) is deleted first, so none of its
-  -- fields outlives it.
-  if redis.call('HLEN', lease) ~= count then
-    redis.call('DEL', lease)
+  -- HSET replaces the hash's values in place (no DEL and re-create per lease): only the changed
+  -- ones when the hash holds the lease they were compared against, else every one; a hash of
+  -- another layout (say with a JSON copy) is deleted first, so none of its fields outlives it.
+  local fields, n = {}, 0
+  local whole = redis.call('HLEN', lease) == count
+  local base_ = changed ~= '' and old[1] and old[6] and old[1] .. old[6]
+  if whole and base_ and string.sub(changed, count + 1) == base_ then
+    local at_ = string.find(changed, '\1', 1, true)
+    while at_ and at_ <= count do
+      fields[n + 1], fields[n + 2] = names[at_], v[at_]
+      n = n + 2
+      at_ = string.find(changed, '\1', at_ + 1, true)
+    end
+  else
+    if not whole then
+      redis.call('DEL', lease)
+    end
+    for i = 1, count do
+      fields[2 * i - 1], fields[2 * i] = names[i], v[i]
+    end
+    n = 2 * count
   end
-  redis.call('HSET', lease, unpack(fields))
+  if n > 0 then
+    redis.call('HSET', lease, unpack(fields))
+  end
   redis.call('HSET', info, 'seen', now)
-  redis.call('LPUSH', history, packed)
-  redis.call('LTRIM', history, 0, history_cap)
+  if redis.call('LPUSH', history, packed) > history_cap + HISTORY_SLACK then
+    redis.call('LTRIM', history, 0, history_cap - 1)
+  end
   local cordoned = 0
   if node[2] == '1' then
     cordoned = 1
   end
   if stride == 8 then  -- best effort (pcall): the index only steers sampling
     if zero == '' and cordoned == 0 then
-      redis.pcall('ZADD', KEYS[base + 8], new.exp, new.node)
+      redis.pcall('ZADD', KEYS[base + 8], v[I_EXP], v[I_NODE])
     else
-      redis.pcall('ZREM', KEYS[base + 8], new.node)
+      redis.pcall('ZREM', KEYS[base + 8], v[I_NODE])
     end
   end
-  return {1, epoch, new.version, purged, cordoned}
+  return {1, epoch, v[I_VERSION], purged, cordoned}
 end
 
 local out = {}
 for i = 0, #KEYS / stride - 1 do
-  local ok, reply = pcall(upsert, stride * i, ARGV[6 + i])
+  local ok, reply = pcall(upsert, stride * i, ARGV[6 + 2 * i], ARGV[7 + 2 * i])
   if not ok then
     reply = {-2, type(reply) == 'table' and reply.err or tostring(reply)}
   end
