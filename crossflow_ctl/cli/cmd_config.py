@@ -13,7 +13,8 @@ from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, OutputFormat, render_list, to_json, to_yaml
 
 CONTEXT_COLUMNS = [
-    Column("CURRENT", "current", empty=""),  # kubectl: blank unless current
+    # kubectl: * or blank; json and yaml say true or false
+    Column("CURRENT", "current", empty="", text=lambda row: "*" if row["current"] else None),
     Column("NAME", "name"),
     Column("SERVER", "server"),
     Column("TLS", "tls"),
@@ -48,7 +49,7 @@ def config_get_contexts(ctx: click.Context, output: str | None) -> None:
     current = st.context_override or cfg.current_context
     rows = [
         {
-            "current": "*" if name == current else "",
+            "current": name == current,
             "name": name,
             "server": c.server,
             "tls": c.tls,

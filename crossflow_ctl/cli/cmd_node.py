@@ -14,7 +14,9 @@ from crossflow_ctl.cli.output import Column, cell, key_values, render_object, ta
 from crossflow_ctl.cli.views import (
     RESERVATION_COLUMNS,
     age,
+    age_s,
     credits_dict,
+    duration,
     node_row,
     now_ms,
     reservation_row,
@@ -36,7 +38,11 @@ HISTORY_COLUMNS = [
     Column("SLOTS", "slots"),
     Column("ZERO-REASON", "zero_reason"),
 ]
-EVENT_COLUMNS = [Column("AGE", "age"), Column("KIND", "kind"), Column("MESSAGE", "message")]
+EVENT_COLUMNS = [
+    Column("AGE", "age_s", text=lambda row: duration(row["age_s"])),
+    Column("KIND", "kind"),
+    Column("MESSAGE", "message"),
+]
 
 
 def detail_data(detail: NodeDetailView, at: int, report: PoolLoad | None = None) -> dict[str, Any]:
@@ -66,7 +72,7 @@ def detail_data(detail: NodeDetailView, at: int, report: PoolLoad | None = None)
         "reservations": [reservation_row(r, at) for r in detail.reservations],
         "recent_leases": [lease.model_dump(mode="json") for lease in detail.recent_leases],
         "events": [
-            {"at_ms": e.at_ms, "age": age(e.at_ms, at), "kind": e.kind, "message": e.message}
+            {"at_ms": e.at_ms, "age_s": age_s(e.at_ms, at), "kind": e.kind, "message": e.message}
             for e in detail.events
         ],
     }
