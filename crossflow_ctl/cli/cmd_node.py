@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -21,8 +22,8 @@ from crossflow_ctl.cli.views import (
     now_ms,
     reservation_row,
 )
-from crossflow_ctl.client import NodeDetailView
-from crossflow_ctl.domain.models import CREDIT_NAMES, NodeRole, PoolLoad
+from crossflow_ctl.client import NodeDetailView, reporting_nodes
+from crossflow_ctl.domain.models import CREDIT_NAMES, NodeRole, PoolLoad, PoolSnapshot
 
 CREDIT_COLUMNS = [
     Column("CREDIT", "credit"),
@@ -45,8 +46,21 @@ EVENT_COLUMNS = [
 ]
 
 
-def detail_data(detail: NodeDetailView, at: int, report: PoolLoad | None = None) -> dict[str, Any]:
-    """``report``: a prefill node's live load report (None: none, or a decode node)."""
+def load_report(detail: NodeDetailView, pools: Sequence[PoolSnapshot]) -> PoolLoad | None:
+    """A prefill node's live load report in its own pool (None: none, or a decode node)."""
+    info = detail.node.state.info
+    if info.role is not NodeRole.PREFILL:
+        return None
+    reports = (r for p in pools if p.pool == info.pool for r in p.reports)
+    return next((r for r in reports if r.node_id == info.node_id), None)
+
+
+def detail_data(
+    detail: NodeDetailView, at: int, pools: Sequence[PoolSnapshot] = ()
+) -> dict[str, Any]:
+    """``pools``: the live pool loads (a prefill node's status and load report come from
+    them, as in ``get nodes``)."""
+    report = load_report(detail, pools)
     view = detail.node
     node = view.state
     lease = node.lease.effective_credits(at) if node.lease else None
@@ -60,13 +74,8 @@ def detail_data(detail: NodeDetailView, at: int, report: PoolLoad | None = None)
         }
         for name in CREDIT_NAMES
     ]
-    reporting = (
-        frozenset(((report.pool, report.node_id),))
-        if report is not None
-        else frozenset[tuple[str, str]]()
-    )
     return {
-        **node_row(view, at, reporting),
+        **node_row(view, at, reporting_nodes(list(pools))),
         "load_report": report.model_dump(mode="json") if report is not None else None,
         "credits": credits,
         "reservations": [reservation_row(r, at) for r in detail.reservations],
@@ -83,8 +92,9 @@ def _itl_text(itl_ms: float) -> str:
     return f"{itl_ms:.1f}" if itl_ms > 0 else "none measured (idle)"
 
 
-def describe_text(detail: NodeDetailView, at: int, report: PoolLoad | None = None) -> str:
-    data = detail_data(detail, at, report)
+def describe_text(detail: NodeDetailView, at: int, pools: Sequence[PoolSnapshot] = ()) -> str:
+    data = detail_data(detail, at, pools)
+    report = load_report(detail, pools)
     node = detail.node.state
     stored = node.lease
     head = [
@@ -206,20 +216,17 @@ def describe_node(ctx: click.Context, name: str, output: str | None) -> None:
     st = state(ctx)
     fmt = st.output(output)
 
-    async def go() -> tuple[NodeDetailView, PoolLoad | None]:
+    async def go() -> tuple[NodeDetailView, list[PoolSnapshot]]:
         async with st.session() as session:
             detail = await session.describe_node(name)
-            info = detail.node.state.info
-            if info.role is not NodeRole.PREFILL:
-                return detail, None
-            pools = await session.list_pools()
-            reports = (r for p in pools if p.pool == info.pool for r in p.reports)
-            return detail, next((r for r in reports if r.node_id == info.node_id), None)
+            if detail.node.state.info.role is not NodeRole.PREFILL:
+                return detail, []
+            return detail, await session.list_pools()
 
-    detail, report = run(go())
+    detail, pools = run(go())
     at = now_ms()
-    text = describe_text(detail, at, report)
-    click.echo(render_object(detail_data(detail, at, report), fmt, text))
+    text = describe_text(detail, at, pools)
+    click.echo(render_object(detail_data(detail, at, pools), fmt, text))
 
 
 @click.group()
