@@ -75,6 +75,10 @@ def test_contexts_file_round_trips_and_refuses_bad_values(tmp_path: Path) -> Non
     path.write_text("contexts: {x: {server: a:1, defaults: {output: xml}}}\n")
     with pytest.raises(ConfigError, match=r"contexts\.x\.defaults\.output"):
         load_config(path)
+    path.write_text("contexts: {x: {server: localhost}}\n")
+    with pytest.raises(ConfigError) as refused:  # said "Value error, must be host:port, ..."
+        load_config(path)
+    assert str(refused.value) == f"{path}: contexts.x.server: must be host:port, got 'localhost'"
     path.write_text("contexts: [oops\n")
     with pytest.raises(ConfigError, match="cannot read") as err:
         load_config(path)
