@@ -39,6 +39,7 @@ HISTORY_COLUMNS = [
     Column("SLOTS", "slots"),
     Column("ZERO-REASON", "zero_reason"),
 ]
+DEFAULT_CORDON_REASON = "cordoned by crossflowctl"
 EVENT_COLUMNS = [
     Column("AGE", "age_s", text=lambda row: duration(row["age_s"])),
     Column("KIND", "kind"),
@@ -255,16 +256,22 @@ def delete_node(ctx: click.Context, name: str, force: bool) -> None:
 
 @click.command()
 @click.argument("name", shell_complete=complete_node)
-@click.option("--reason", default="cordoned by crossflowctl", help="Why (shown in describe).")
+@click.option(
+    "--reason",
+    default=None,
+    help="Why (shown in describe); on a cordoned node it replaces the reason. [default: "
+    f"{DEFAULT_CORDON_REASON!r}]",
+)
 @click.pass_context
-def cordon(ctx: click.Context, name: str, reason: str) -> None:
+def cordon(ctx: click.Context, name: str, reason: str | None) -> None:
     """Stop lending from NAME: its lease counts as zero until uncordoned."""
     st = state(ctx)
 
     async def go() -> bool:
         async with st.session() as session:
             was = (await session.get_node(name)).state.info.cordoned
-            await session.cordon(name, reason)  # again: the reason given now is kept
+            if not was or reason is not None:  # a plain cordon again keeps the reason it has
+                await session.cordon(name, reason or DEFAULT_CORDON_REASON)
             return was
 
     was_cordoned = run(go())
