@@ -450,3 +450,24 @@ def test_json_and_yaml_carry_numbers_where_the_table_shows_text(tmp_path: Path) 
     assert current == {"a": False, "b": True}
     run = CliRunner().invoke(cli, ["--config", str(config), "config", "get-contexts"])
     assert [line.split()[0] for line in run.output.splitlines()[1:]] == ["a", "*"], run.output
+
+
+def test_set_context_refusals_name_the_flag(tmp_path: Path) -> None:
+    """config set-context --server nohost said "error: server: must be host:port ..." (the
+    model's field) and --pool of 70 characters "error: pool: ..."; they name the flag, exit 2,
+    and the file is not written."""
+    from click.testing import CliRunner
+
+    from crossflow_ctl.cli.ctl import cli
+
+    config = tmp_path / "config.yaml"
+    for args, said in (
+        (("--server", "nohost"), "--server: must be host:port, got 'nohost'"),
+        (("--pool", "x" * 70), "--pool: String should have at most 64 characters"),
+    ):
+        run = CliRunner().invoke(
+            cli, ["--config", str(config), "config", "set-context", "c", *args]
+        )
+        assert isinstance(run.exception, CliError), run.output
+        assert (run.exception.message, run.exception.code) == (said, ExitCode.USAGE)
+    assert not config.exists()
