@@ -471,3 +471,19 @@ def test_set_context_refusals_name_the_flag(tmp_path: Path) -> None:
         assert isinstance(run.exception, CliError), run.output
         assert (run.exception.message, run.exception.code) == (said, ExitCode.USAGE)
     assert not config.exists()
+
+
+@pytest.mark.parametrize("argv", [["crossflowctl"], ["crossflowctl", "get"]])
+def test_a_group_without_a_command_prints_its_help(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`crossflowctl` and `crossflowctl get` printed their whole help as an error:
+    "error: Usage: crossflowctl [OPTIONS] ...", 30 lines, "... (see 'crossflowctl --help')"."""
+    from crossflow_ctl.cli.common import run_cli
+    from crossflow_ctl.cli.ctl import cli
+
+    monkeypatch.setattr("sys.argv", argv)
+    assert run_cli(cli, prog_name="crossflowctl") == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"Usage: {' '.join(argv)} [OPTIONS] COMMAND"), err
+    assert "error:" not in err and "(see '" not in err, err
