@@ -585,3 +585,30 @@ def test_notes_check_command_works_with_the_security_values() -> None:
     )  # fmt: skip
     assert "crossflowctl --server 127.0.0.1:50051 --token-file admin.token get nodes" in tokens
     assert "spiffe://acme/admin/<name>" in tokens
+
+
+@needs_helm
+def test_notes_say_which_labels_the_agents_need() -> None:
+    """The notes said agents run on nodes labelled crossflow.io/role=...; the DaemonSets also
+    select agent.nodeSelector (nvidia.com/gpu.present=true by default), so a node labelled as
+    told got no agent on a cluster without the GPU operator's labels."""
+    assert (
+        "crossflow.io/role=<decode|prefill> that also carry nvidia.com/gpu.present=true "
+        "(agent.nodeSelector):"
+    ) in notes()
+    assert "that also carry" not in notes("agent.nodeSelector=null")
+
+
+@needs_helm
+@pytest.mark.parametrize("key", ["agent.nodeSelector", "agent.config", "broker.config"])
+def test_a_map_value_set_to_null_renders(key: str) -> None:
+    """`--set agent.nodeSelector=null` (how Helm drops a default map, here the GPU label) failed
+    with Go's "error calling deepCopy: reflect: call of reflect.Value.Type on zero Value";
+    broker.config and agent.config alike (and in the notes and Certificates, on dig)."""
+    docs = render("--set", f"{key}=null", *values_args("mtls.yaml"))
+    assert find(docs, "Deployment")
+    if key == "agent.nodeSelector":
+        ds = find(docs, "DaemonSet", "cf-crossflow-agent-decode")["spec"]["template"]["spec"]
+        assert ds["nodeSelector"] == {"crossflow.io/role": "decode"}
+    assert "spiffe://" in notes(f"{key}=null", "security.tokenHashesSecret=h",
+                                "security.agentCredentials.tokenSecret=t")  # fmt: skip
