@@ -352,7 +352,7 @@ async def test_a_missing_config_file_or_context_is_said_with_what_exists(
     unknown = await ctl("config", "use-context", "b", server=False)
     assert unknown.rc == 3 and unknown.err.rstrip().endswith("(known: a, default)"), unknown
     bad = await ctl("config", "set-context", "c", "--server", "nohost", server=False)
-    assert (bad.rc, bad.err.strip()) == (2, "error: server: must be host:port, got 'nohost'")
+    assert (bad.rc, bad.err.strip()) == (2, "error: --server: must be host:port, got 'nohost'")
 
 
 async def test_watch_refreshes_and_ctrl_c_exits_0(ctl: Ctl, fleet: Fleet) -> None:
