@@ -49,6 +49,15 @@ class Measured:
     sample: TimingSample
 
 
+CPU_FALLBACK = (
+    "--device auto: no CUDA device is visible (torch.cuda.is_available() is false), so this "
+    "falls back to cpu: the PyTorch reference kernels timed on this CPU. The profile describes "
+    "the CPU, not a GPU; use it only to try the pipeline, never for `crossflow-agent run "
+    "--profile` on a GPU node (--device cuda refuses instead of falling back)"
+)
+"""Said on stderr (also with --json) when ``auto`` finds no GPU."""
+
+
 def resolve_device(choice: str) -> str:
     try:
         import torch
@@ -57,7 +66,10 @@ def resolve_device(choice: str) -> str:
             "calibrate needs torch and triton: pip install 'crossflow[kernels]'"
         ) from None
     if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available():
+            return "cuda"
+        click.echo(CPU_FALLBACK, err=True)
+        return "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: no CUDA device is visible")
     return choice
@@ -136,7 +148,8 @@ def profile_extras(fit: CalibrationFit, dev_name: str, meta: dict[str, Any]) -> 
     type=click.Choice(["auto", "cuda", "cpu"]),
     default="auto",
     show_default=True,
-    help="cuda: compiled Triton kernels; cpu: PyTorch references.",
+    help="cuda: compiled Triton kernels; cpu: PyTorch references on the CPU; auto: cuda when a "
+    "GPU is visible, else cpu (and says so).",
 )
 @click.option("--sweep", type=click.Choice(["full", "quick"]), default="full", show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)

@@ -27,7 +27,7 @@ import structlog
 
 from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.security import AuthSettings, Identity, Role, TokenTable
-from crossflow_ctl.security.channel import read_secret
+from crossflow_ctl.security.channel import read_ca_bundle, read_key_pair
 from crossflow_ctl.security.identity import parse_identity_uri
 
 log = structlog.get_logger()
@@ -165,10 +165,11 @@ def server_credentials(settings: AuthSettings) -> grpc.ServerCredentials | None:
     tls = settings.tls
     if tls.cert_file is None or tls.key_file is None:
         return None
-    key = read_secret(tls.key_file, "auth.tls.key_file")
-    cert = read_secret(tls.cert_file, "auth.tls.cert_file")
+    cert, key = read_key_pair(
+        tls.cert_file, tls.key_file, ("auth.tls.cert_file", "auth.tls.key_file")
+    )
     client_ca = (
-        read_secret(tls.client_ca_file, "auth.tls.client_ca_file")
+        read_ca_bundle(tls.client_ca_file, "auth.tls.client_ca_file")
         if tls.client_ca_file is not None
         else None
     )

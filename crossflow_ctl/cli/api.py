@@ -23,6 +23,7 @@ from crossflow_ctl.domain.errors import (
     FailedPrecondition,
     NotFound,
     StoreUnavailable,
+    Unauthenticated,
 )
 from crossflow_ctl.domain.models import NodeRole, PoolSnapshot, Reservation
 from crossflow_ctl.domain.policy import VersionedPolicy
@@ -39,6 +40,35 @@ class Target:
 
 def _channel(target: Target) -> grpc.aio.Channel:
     return open_channel(target.server, target.credentials, channel_options())
+
+
+def _tls_hint(error: str, creds: ClientCredentials) -> str:
+    """What a connection closed during set-up most likely means: the two ends disagree on TLS
+    (it read "is a broker serving there?" of a broker that was)."""
+    text = error.lower()
+    if "hostname verification" in text:
+        return (
+            "the broker's certificate is not for this address: give --server-name with the "
+            "name it is for; "
+        )
+    if "handshake" in text and creds.tls:
+        return (
+            "the TLS handshake failed: a broker serving plaintext (leave out --ca-file), or a "
+            "certificate that does not match --ca-file or --server-name; "
+        )
+    if "socket closed" not in text:
+        return ""
+    if not creds.tls:
+        return (
+            "the connection was closed during set-up: a broker serving TLS needs --ca-file "
+            "(and, for mutual TLS, --cert-file and --key-file); "
+        )
+    if creds.cert_file is None:
+        return (
+            "the connection was closed during set-up: a broker asking for client certificates "
+            "(mutual TLS) needs --cert-file and --key-file; "
+        )
+    return "the connection was closed during set-up: is the client certificate the broker's CA's? "
 
 
 class BrokerSession:
@@ -86,9 +116,17 @@ class BrokerSession:
             ) from None
         except BrokerUnavailable as exc:
             raise CliError(
-                f"cannot reach the broker at {self.target.server}: {exc} (is a broker serving "
-                "there? pass --server HOST:PORT, or see `crossflowctl config view`)",
+                f"cannot reach the broker at {self.target.server}: {exc} ("
+                + (_tls_hint(str(exc), self.target.credentials) or "is a broker serving there? ")
+                + "pass --server HOST:PORT, or see `crossflowctl config view`)",
                 ExitCode.UNAVAILABLE,
+            ) from None
+        except Unauthenticated as exc:
+            raise CliError(
+                f"{exc} (the broker at {self.target.server} authenticates callers: give "
+                "--token-file FILE, or --ca-file with --cert-file and --key-file, or a context "
+                "that has them; `crossflowctl config view` shows what the context gives)",
+                ExitCode.DENIED,
             ) from None
         except NotFound as exc:
             if exc.field != "node_id":

@@ -6,14 +6,17 @@ from pathlib import Path
 
 import click
 from click.shell_completion import get_completion_class
+from pydantic import ValidationError
 
 from crossflow_ctl.cli.common import complete_context, output_option, state
 from crossflow_ctl.cli.config import Context, ContextDefaults, save_config
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, OutputFormat, render_list, to_json, to_yaml
+from crossflow_ctl.settings_sources import refusal_text
 
 CONTEXT_COLUMNS = [
-    Column("CURRENT", "current", empty=""),  # kubectl: blank unless current
+    # kubectl: * or blank; json and yaml say true or false
+    Column("CURRENT", "current", empty="", text=lambda row: "*" if row["current"] else None),
     Column("NAME", "name"),
     Column("SERVER", "server"),
     Column("TLS", "tls"),
@@ -48,7 +51,7 @@ def config_get_contexts(ctx: click.Context, output: str | None) -> None:
     current = st.context_override or cfg.current_context
     rows = [
         {
-            "current": "*" if name == current else "",
+            "current": name == current,
             "name": name,
             "server": c.server,
             "tls": c.tls,
@@ -136,15 +139,20 @@ def config_set_context(
         defaults["pool"] = pool
     if timeout_s is not None:
         defaults["timeout_s"] = timeout_s
-    new = Context(
-        server=server or old.server,
-        ca_file=Path(ca_file) if ca_file else old.ca_file,
-        cert_file=Path(cert_file) if cert_file else old.cert_file,
-        key_file=Path(key_file) if key_file else old.key_file,
-        server_name=server_name or old.server_name,
-        token_file=Path(token_file) if token_file else old.token_file,
-        defaults=ContextDefaults.model_validate(defaults),
-    )
+    try:
+        new = Context(
+            server=server or old.server,
+            ca_file=Path(ca_file) if ca_file else old.ca_file,
+            cert_file=Path(cert_file) if cert_file else old.cert_file,
+            key_file=Path(key_file) if key_file else old.key_file,
+            server_name=server_name or old.server_name,
+            token_file=Path(token_file) if token_file else old.token_file,
+            defaults=ContextDefaults.model_validate(defaults),
+        )
+    except ValidationError as exc:  # said the model's field ("server: ..."), not the flag
+        err = exc.errors()[0]
+        flag = "--" + str(err["loc"][-1]).replace("_", "-") if err["loc"] else "set-context"
+        raise CliError(f"{flag}: {refusal_text(err)}", ExitCode.USAGE) from None
     update: dict[str, object] = {"contexts": {**cfg.contexts, name: new}}
     if use_it or not st.config_path.exists():
         update["current_context"] = name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -14,13 +15,15 @@ from crossflow_ctl.cli.output import Column, cell, key_values, render_object, ta
 from crossflow_ctl.cli.views import (
     RESERVATION_COLUMNS,
     age,
+    age_s,
     credits_dict,
+    duration,
     node_row,
     now_ms,
     reservation_row,
 )
-from crossflow_ctl.client import NodeDetailView
-from crossflow_ctl.domain.models import CREDIT_NAMES, NodeRole, PoolLoad
+from crossflow_ctl.client import NodeDetailView, reporting_nodes
+from crossflow_ctl.domain.models import CREDIT_NAMES, NodeRole, PoolLoad, PoolSnapshot
 
 CREDIT_COLUMNS = [
     Column("CREDIT", "credit"),
@@ -36,11 +39,29 @@ HISTORY_COLUMNS = [
     Column("SLOTS", "slots"),
     Column("ZERO-REASON", "zero_reason"),
 ]
-EVENT_COLUMNS = [Column("AGE", "age"), Column("KIND", "kind"), Column("MESSAGE", "message")]
+DEFAULT_CORDON_REASON = "cordoned by crossflowctl"
+EVENT_COLUMNS = [
+    Column("AGE", "age_s", text=lambda row: duration(row["age_s"])),
+    Column("KIND", "kind"),
+    Column("MESSAGE", "message"),
+]
 
 
-def detail_data(detail: NodeDetailView, at: int, report: PoolLoad | None = None) -> dict[str, Any]:
-    """``report``: a prefill node's live load report (None: none, or a decode node)."""
+def load_report(detail: NodeDetailView, pools: Sequence[PoolSnapshot]) -> PoolLoad | None:
+    """A prefill node's live load report in its own pool (None: none, or a decode node)."""
+    info = detail.node.state.info
+    if info.role is not NodeRole.PREFILL:
+        return None
+    reports = (r for p in pools if p.pool == info.pool for r in p.reports)
+    return next((r for r in reports if r.node_id == info.node_id), None)
+
+
+def detail_data(
+    detail: NodeDetailView, at: int, pools: Sequence[PoolSnapshot] = ()
+) -> dict[str, Any]:
+    """``pools``: the live pool loads (a prefill node's status and load report come from
+    them, as in ``get nodes``)."""
+    report = load_report(detail, pools)
     view = detail.node
     node = view.state
     lease = node.lease.effective_credits(at) if node.lease else None
@@ -54,19 +75,14 @@ def detail_data(detail: NodeDetailView, at: int, report: PoolLoad | None = None)
         }
         for name in CREDIT_NAMES
     ]
-    reporting = (
-        frozenset(((report.pool, report.node_id),))
-        if report is not None
-        else frozenset[tuple[str, str]]()
-    )
     return {
-        **node_row(view, at, reporting),
+        **node_row(view, at, reporting_nodes(list(pools))),
         "load_report": report.model_dump(mode="json") if report is not None else None,
         "credits": credits,
         "reservations": [reservation_row(r, at) for r in detail.reservations],
         "recent_leases": [lease.model_dump(mode="json") for lease in detail.recent_leases],
         "events": [
-            {"at_ms": e.at_ms, "age": age(e.at_ms, at), "kind": e.kind, "message": e.message}
+            {"at_ms": e.at_ms, "age_s": age_s(e.at_ms, at), "kind": e.kind, "message": e.message}
             for e in detail.events
         ],
     }
@@ -77,8 +93,9 @@ def _itl_text(itl_ms: float) -> str:
     return f"{itl_ms:.1f}" if itl_ms > 0 else "none measured (idle)"
 
 
-def describe_text(detail: NodeDetailView, at: int, report: PoolLoad | None = None) -> str:
-    data = detail_data(detail, at, report)
+def describe_text(detail: NodeDetailView, at: int, pools: Sequence[PoolSnapshot] = ()) -> str:
+    data = detail_data(detail, at, pools)
+    report = load_report(detail, pools)
     node = detail.node.state
     stored = node.lease
     head = [
@@ -200,20 +217,17 @@ def describe_node(ctx: click.Context, name: str, output: str | None) -> None:
     st = state(ctx)
     fmt = st.output(output)
 
-    async def go() -> tuple[NodeDetailView, PoolLoad | None]:
+    async def go() -> tuple[NodeDetailView, list[PoolSnapshot]]:
         async with st.session() as session:
             detail = await session.describe_node(name)
-            info = detail.node.state.info
-            if info.role is not NodeRole.PREFILL:
-                return detail, None
-            pools = await session.list_pools()
-            reports = (r for p in pools if p.pool == info.pool for r in p.reports)
-            return detail, next((r for r in reports if r.node_id == info.node_id), None)
+            if detail.node.state.info.role is not NodeRole.PREFILL:
+                return detail, []
+            return detail, await session.list_pools()
 
-    detail, report = run(go())
+    detail, pools = run(go())
     at = now_ms()
-    text = describe_text(detail, at, report)
-    click.echo(render_object(detail_data(detail, at, report), fmt, text))
+    text = describe_text(detail, at, pools)
+    click.echo(render_object(detail_data(detail, at, pools), fmt, text))
 
 
 @click.group()
@@ -242,16 +256,22 @@ def delete_node(ctx: click.Context, name: str, force: bool) -> None:
 
 @click.command()
 @click.argument("name", shell_complete=complete_node)
-@click.option("--reason", default="cordoned by crossflowctl", help="Why (shown in describe).")
+@click.option(
+    "--reason",
+    default=None,
+    help="Why (shown in describe); on a cordoned node it replaces the reason. [default: "
+    f"{DEFAULT_CORDON_REASON!r}]",
+)
 @click.pass_context
-def cordon(ctx: click.Context, name: str, reason: str) -> None:
+def cordon(ctx: click.Context, name: str, reason: str | None) -> None:
     """Stop lending from NAME: its lease counts as zero until uncordoned."""
     st = state(ctx)
 
     async def go() -> bool:
         async with st.session() as session:
             was = (await session.get_node(name)).state.info.cordoned
-            await session.cordon(name, reason)  # again: the reason given now is kept
+            if not was or reason is not None:  # a plain cordon again keeps the reason it has
+                await session.cordon(name, reason or DEFAULT_CORDON_REASON)
             return was
 
     was_cordoned = run(go())

@@ -175,6 +175,10 @@ def run_cli(group: click.Group, prog_name: str) -> int:
         return 130
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        # a group run without a command: its help, as click prints it (not as a one-line error)
+        click.echo(exc.format_message(), err=True)
+        return ExitCode.USAGE
     except click.UsageError as exc:
         where = exc.ctx.command_path if exc.ctx else prog_name
         click.echo(f"error: {exc.format_message()} (see '{where} --help')", err=True)

@@ -128,7 +128,7 @@ def load_config(path: Path) -> CtlConfig:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
-        raise ConfigError(f"{path}: {where}: {err['msg']}") from None
+        raise ConfigError(f"{path}: {where}: {refusal_text(err)}") from None
 
 
 def save_config(path: Path, config: CtlConfig) -> None:

@@ -10,6 +10,7 @@ import click
 
 from crossflow_ctl.cli.common import run_cli
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
+from crossflow_ctl.domain.errors import InvalidArgument
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -158,11 +159,13 @@ def demo(
     setup_logging(json=False, level="warning")
     from crossflow_ctl.demo.trace import load_trace, synthetic_agentic
 
-    trace = (
-        load_trace(trace_path, max_requests)
-        if trace_path is not None
-        else synthetic_agentic(sessions=sessions, seed=seed, scale=load)
-    )
+    if trace_path is None:
+        trace = synthetic_agentic(sessions=sessions, seed=seed, scale=load)
+    else:
+        try:
+            trace = load_trace(trace_path, max_requests)
+        except InvalidArgument as exc:  # it named the trace's own field ("line: ...")
+            raise InvalidArgument(exc.message, field="--trace") from None
     live = view == "live" or (view == "auto" and sys.stdout.isatty())
     opts = DemoOptions(
         trace=trace,

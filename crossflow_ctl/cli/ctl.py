@@ -6,6 +6,7 @@ Exit codes are documented in :mod:`crossflow_ctl.cli.exit_codes`; every error pr
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -94,4 +95,6 @@ def cli(
 
 
 def main() -> None:
+    # gRPC's C core logs TLS handshake failures at info on stderr: every error is one line
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     sys.exit(run_cli(cli, prog_name="crossflowctl"))

@@ -7,7 +7,7 @@ Tables are kubectl-style: upper-case headers, columns padded with three spaces, 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -35,6 +35,7 @@ class Column:
         wide: bool = False,
         empty: str = "<none>",
         unset: Any = None,
+        text: Callable[[Mapping[str, Any]], Any] | None = None,
     ) -> None:
         self.header = header
         self.key = key
@@ -44,6 +45,13 @@ class Column:
         self.unset = unset
         """A value that means "not measured" in this column (an ITL of 0), shown as missing;
         json and yaml keep it as it is."""
+        self.text = text
+        """The cell's text made from the whole row (a version as ``v7``, an age as ``3m``), so
+        that json and yaml carry the numbers and only the table the display."""
+
+    def value(self, row: Mapping[str, Any]) -> Any:
+        value = self.text(row) if self.text is not None else row.get(self.key)
+        return None if self.unset is not None and value == self.unset else value
 
 
 def cell(value: Any, empty: str = "<none>") -> str:
@@ -60,14 +68,10 @@ def cell(value: Any, empty: str = "<none>") -> str:
     return str(value)
 
 
-def _shown(value: Any, column: Column) -> Any:
-    return None if column.unset is not None and value == column.unset else value
-
-
 def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column], *, wide: bool) -> str:
     shown = [c for c in columns if wide or not c.wide]
     grid = [[c.header for c in shown]]
-    grid += [[cell(_shown(row.get(c.key), c), c.empty) for c in shown] for row in rows]
+    grid += [[cell(c.value(row), c.empty) for c in shown] for row in rows]
     widths = [max(len(line[i]) for line in grid) for i in range(len(shown))]
     lines = [
         "   ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in grid

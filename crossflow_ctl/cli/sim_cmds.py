@@ -51,8 +51,11 @@ def _floats(text: str, field: str) -> list[float]:
     return values
 
 
-def _splits(text: str) -> list[tuple[int, int]]:
-    return [parse_split(x) for x in text.split(",") if x.strip()]
+def _splits(text: str, flag: str) -> list[tuple[int, int]]:
+    try:
+        return [parse_split(x) for x in text.split(",") if x.strip()]
+    except InvalidArgument as exc:
+        raise InvalidArgument(exc.message, field=flag) from None
 
 
 def _policies(text: str) -> list[PolicyKind]:
@@ -60,7 +63,7 @@ def _policies(text: str) -> list[PolicyKind]:
         return [PolicyKind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
         raise InvalidArgument(
-            f"policies are {[p.value for p in PolicyKind]}", field="policies"
+            f"policies are {[p.value for p in PolicyKind]}", field="--policies"
         ) from None
 
 
@@ -254,13 +257,20 @@ def sim(
     if not traces and not synthetic:
         raise click.UsageError("give --trace FILE and/or --synthetic")
     _quiet_logs()
+    # the flags first: a typo is refused before a large trace is read
+    scales = _floats(loads, "--load")
+    split_list, borrow_list = _splits(splits, "--splits"), _splits(borrow_splits, "--borrow-splits")
+    policy_list = _policies(policies)
     loaded: list[Trace] = []
     for path in traces:
-        trace = load_trace(path, limit=limit, seed=seed)
-        if session_rate is not None and trace.closed_loop:
-            from crossflow_ctl.sim.traces import load_sessions
+        try:
+            trace = load_trace(path, limit=limit, seed=seed)
+            if session_rate is not None and trace.closed_loop:
+                from crossflow_ctl.sim.traces import load_sessions
 
-            trace = load_sessions(path, session_rate_per_s=session_rate, seed=seed, limit=limit)
+                trace = load_sessions(path, session_rate_per_s=session_rate, seed=seed, limit=limit)
+        except InvalidArgument as exc:  # it named the trace's own field ("json: ...")
+            raise InvalidArgument(exc.message, field="--trace") from None
         loaded.append(trace.with_warmup(warmup_s))
     if synthetic:
         spec = AgenticSpec(duration_s=synthetic_duration_s)
@@ -291,14 +301,7 @@ def sim(
         ),
         prefill_room_ms=prefill_room_ms,
     )
-    runs = plan_runs(
-        loaded,
-        _floats(loads, "load"),
-        base,
-        _splits(splits),
-        _splits(borrow_splits),
-        _policies(policies),
-    )
+    runs = plan_runs(loaded, scales, base, split_list, borrow_list, policy_list)
     out_dir = out or Path("reports") / datetime.now(UTC).strftime("sim-%Y%m%d-%H%M%S")
     started = time.perf_counter()
     total = sum(len(r.trace.requests) for r in runs)
@@ -336,7 +339,7 @@ def _check_measured(records: Sequence[RunRecord], warmup_s: float) -> None:
             f"no request of {', '.join(empty)} arrives after the warm-up ({warmup_s:g} trace "
             "seconds), so nothing was measured: lower --warmup-s (0 measures every request) "
             "or raise --limit",
-            field="warmup_s",
+            field="--warmup-s",
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from crossflow_ctl.cli.output import Column
@@ -14,15 +15,42 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def age(ms: int, at_ms: int | None = None) -> str:
-    """kubectl-style age: 5s, 3m, 2h, 4d."""
+def age_s(ms: int, at_ms: int | None = None) -> int | None:
+    """Whole seconds since ``ms`` (None for an unset time): what json and yaml carry."""
     if ms <= 0:
+        return None
+    return max(0, ((at_ms if at_ms is not None else now_ms()) - ms) // 1000)
+
+
+def duration(seconds: int | None) -> str:
+    """kubectl-style age: 5s, 3m, 2h, 4d."""
+    if seconds is None:
         return "<none>"
-    seconds = max(0, ((at_ms if at_ms is not None else now_ms()) - ms) // 1000)
     for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60)):
         if seconds >= size:
             return f"{seconds // size}{unit}"
     return f"{seconds}s"
+
+
+def age(ms: int, at_ms: int | None = None) -> str:
+    """kubectl-style age of a time: 5s, 3m, 2h, 4d."""
+    return duration(age_s(ms, at_ms))
+
+
+def _age_text(key: str) -> Callable[[Mapping[str, Any]], str | None]:
+    def text(row: Mapping[str, Any]) -> str | None:
+        return None if row.get(key) is None else duration(row[key])
+
+    return text
+
+
+def _expires_text(row: Mapping[str, Any]) -> str:
+    left = row["expires_in_ms"]
+    return "expired" if left <= 0 else f"{left}ms"
+
+
+def _version_text(row: Mapping[str, Any]) -> str | None:
+    return None if row.get("lease_version") is None else f"v{row['lease_version']}"
 
 
 def credits_dict(credits: Credits) -> dict[str, int]:
@@ -65,9 +93,9 @@ def node_row(
         "cordoned": node.info.cordoned,
         "cordon_reason": node.info.cordon_reason,
         "labels": dict(node.info.labels),
-        "lease": f"v{stored.lease.version}" if stored else None,
+        "lease_version": stored.lease.version if stored else None,
         "epoch": stored.lease.epoch if stored else None,
-        "lease_age": age(stored.received_at_ms, at_ms) if stored else None,
+        "lease_age_s": age_s(stored.received_at_ms, at_ms) if stored else None,
         "compute_tokens": available.compute_tokens,
         "kv_tokens": available.kv_tokens,
         "kv_transfer_bytes": available.kv_transfer_bytes,
@@ -87,12 +115,12 @@ NODE_COLUMNS = [
     Column("NAME", "name"),
     Column("ROLE", "role"),
     Column("STATUS", "status"),
-    Column("LEASE", "lease"),
+    Column("LEASE", "lease_version", text=_version_text),
     Column("COMPUTE", "compute_tokens"),
     Column("KV", "kv_tokens"),
     Column("SLOTS", "slots"),
     Column("OPEN", "open_reservations"),
-    Column("AGE", "lease_age"),
+    Column("AGE", "lease_age_s", text=_age_text("lease_age_s")),
     Column("POOL", "pool", wide=True),
     Column("EPOCH", "epoch", wide=True),
     Column("OUTPUT", "output_tokens", wide=True),
@@ -114,30 +142,28 @@ def lease_row(view: NodeView, at_ms: int) -> dict[str, Any] | None:
     return {
         "name": node.info.node_id,
         **row,
-        "epoch_version": f"{stored.lease.epoch}/{stored.lease.version}",
         "compute_tokens": credits["compute_tokens"],
         "kv_tokens": credits["kv_tokens"],
         "output_tokens": credits["output_tokens"],
         "kv_transfer_bytes": credits["kv_transfer_bytes"],
         "slots": credits["slots"],
-        "expires_in": _expires_in(stored.expires_at_ms, at_ms),
+        "expires_in_ms": stored.expires_at_ms - at_ms,
     }
 
 
-def _expires_in(expires_at_ms: int, at_ms: int) -> str:
-    left = expires_at_ms - at_ms
-    return "expired" if left <= 0 else f"{left}ms"
+def _epoch_version_text(row: Mapping[str, Any]) -> str:
+    return f"{row['epoch']}/{row['version']}"
 
 
 LEASE_COLUMNS = [
     Column("NODE", "name"),
-    Column("EPOCH/VERSION", "epoch_version"),
+    Column("EPOCH/VERSION", "version", text=_epoch_version_text),
     Column("COMPUTE", "compute_tokens"),
     Column("KV", "kv_tokens"),
     Column("OUTPUT", "output_tokens"),
     Column("SLOTS", "slots"),
     Column("ZERO-REASON", "zero_reason"),
-    Column("EXPIRES-IN", "expires_in"),
+    Column("EXPIRES-IN", "expires_in_ms", text=_expires_text),
     Column("KV-XFER-BYTES", "kv_transfer_bytes", wide=True),
     Column("ITL-MS", "itl_ms", wide=True, unset=0.0),  # 0: no step measured (idle)
     Column("SLO-MS", "itl_slo_ms", wide=True),
@@ -154,16 +180,21 @@ def reservation_row(res: Reservation, at_ms: int) -> dict[str, Any]:
         "debit": credits_dict(res.debit),
         "compute_tokens": res.debit.compute_tokens,
         "kv_tokens": res.debit.kv_tokens,
-        "lease": f"{res.lease_epoch}/{res.lease_version}",
+        "lease_epoch": res.lease_epoch,
+        "lease_version": res.lease_version,
         "created_at_ms": res.created_at_ms,
         "expires_at_ms": res.expires_at_ms,
-        "age": age(res.created_at_ms, at_ms),
-        "expires_in": _expires_in(res.expires_at_ms, at_ms),
+        "age_s": age_s(res.created_at_ms, at_ms),
+        "expires_in_ms": res.expires_at_ms - at_ms,
         "grant_seq": res.grant_seq,
         "release_seq": res.release_seq,
         "request_id": res.request_id,
         "owner": res.owner,
     }
+
+
+def _reservation_lease_text(row: Mapping[str, Any]) -> str:
+    return f"{row['lease_epoch']}/{row['lease_version']}"
 
 
 RESERVATION_COLUMNS = [
@@ -172,9 +203,9 @@ RESERVATION_COLUMNS = [
     Column("STATE", "state"),
     Column("COMPUTE", "compute_tokens"),
     Column("KV", "kv_tokens"),
-    Column("AGE", "age"),
-    Column("EXPIRES-IN", "expires_in"),
-    Column("LEASE", "lease", wide=True),
+    Column("AGE", "age_s", text=_age_text("age_s")),
+    Column("EXPIRES-IN", "expires_in_ms", text=_expires_text),
+    Column("LEASE", "lease_version", wide=True, text=_reservation_lease_text),
     Column("GRANT-SEQ", "grant_seq", wide=True),
     Column("RELEASE-SEQ", "release_seq", wide=True),
     Column("REQUEST", "request_id", wide=True),
@@ -191,10 +222,17 @@ def pool_row(pool: PoolSnapshot) -> dict[str, Any]:
         "processing_rate_tps": pool.processing_rate_tps,
         "prefill_rate_tps": pool.prefill_rate_tps,
         "estimated_wait_ms": None if pool.no_rate else wait,
-        "wait": "no rate" if pool.no_rate else ("-" if wait is None else f"{wait:.0f}"),
+        "no_rate": pool.no_rate,
         "queued_requests": sum(r.queued_requests for r in pool.reports),
         "reports": [r.model_dump(mode="json") for r in pool.reports],
     }
+
+
+def _wait_text(row: Mapping[str, Any]) -> str:
+    if row["no_rate"]:
+        return "no rate"
+    wait = row["estimated_wait_ms"]
+    return "-" if wait is None else f"{wait:.0f}"
 
 
 POOL_COLUMNS = [
@@ -202,7 +240,7 @@ POOL_COLUMNS = [
     Column("NODES", "reporting_nodes"),
     Column("OUTSTANDING", "outstanding_uncached_tokens"),
     Column("RATE-TPS", "processing_rate_tps"),
-    Column("WAIT-MS", "wait"),
+    Column("WAIT-MS", "estimated_wait_ms", text=_wait_text),
     Column("QUEUED", "queued_requests", wide=True),
     Column("PREFILL-TPS", "prefill_rate_tps", wide=True),
 ]

@@ -9,6 +9,7 @@ terminates TLS). Unreadable files raise ConfigError naming the setting.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,51 @@ def read_secret(path: Path, field: str) -> bytes:
         return path.expanduser().read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}", field=field) from None
+
+
+_CERT_MARK = b"-----BEGIN CERTIFICATE-----"
+_KEY_MARK = b"PRIVATE KEY-----"
+
+
+def read_ca_bundle(path: Path, field: str) -> bytes:
+    """A PEM CA bundle; ConfigError naming ``field`` when it holds no certificate (gRPC would
+    only fail each connection, as if the peer could not be reached)."""
+    data = read_secret(path, field)
+    if _CERT_MARK not in data:
+        raise ConfigError(f"{path} holds no PEM certificate (a CA bundle)", field=field)
+    try:
+        ssl.create_default_context(cadata=data.decode("ascii"))
+    except (UnicodeDecodeError, ssl.SSLError, ValueError) as exc:
+        raise ConfigError(
+            f"{path} is not a PEM CA bundle: {_ssl_reason(exc)}", field=field
+        ) from None
+    return data
+
+
+def read_key_pair(cert: Path, key: Path, fields: tuple[str, str]) -> tuple[bytes, bytes]:
+    """A PEM certificate (chain) and its unencrypted private key; ConfigError naming the field
+    of the file at fault (the certificate's when the key is not its key)."""
+    cert_pem, key_pem = read_secret(cert, fields[0]), read_secret(key, fields[1])
+    if _CERT_MARK not in cert_pem:
+        raise ConfigError(f"{cert} holds no PEM certificate", field=fields[0])
+    if _KEY_MARK not in key_pem:
+        raise ConfigError(f"{key} holds no PEM private key", field=fields[1])
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(
+            cert.expanduser(), key.expanduser(), password=lambda: b""
+        )
+    except (ssl.SSLError, ValueError) as exc:
+        raise ConfigError(
+            f"{key} is not the unencrypted private key of {cert}, or one of them is not valid "
+            f"PEM: {_ssl_reason(exc)}",
+            field=fields[0],
+        ) from None
+    return cert_pem, key_pem
+
+
+def _ssl_reason(exc: Exception) -> str:
+    reason = getattr(exc, "reason", None)
+    return str(reason).lower().replace("_", " ") if reason else str(exc)
 
 
 def read_token(path: Path, field: str = "token_file") -> str:
@@ -90,10 +136,11 @@ def bearer_interceptors(token: str) -> list[Any]:
 def channel_credentials(creds: ClientCredentials) -> grpc.ChannelCredentials:
     """TLS credentials from ``creds`` (which must have a CA bundle)."""
     assert creds.ca_file is not None
-    key = read_secret(creds.key_file, "key_file") if creds.key_file else None
-    cert = read_secret(creds.cert_file, "cert_file") if creds.cert_file else None
+    cert = key = None
+    if creds.cert_file is not None and creds.key_file is not None:
+        cert, key = read_key_pair(creds.cert_file, creds.key_file, ("cert_file", "key_file"))
     return grpc.ssl_channel_credentials(
-        root_certificates=read_secret(creds.ca_file, "ca_file"),
+        root_certificates=read_ca_bundle(creds.ca_file, "ca_file"),
         private_key=key,
         certificate_chain=cert,
     )

@@ -126,6 +126,9 @@ class BrokerSettings(LayeredSettings):
     def _redis_tls(self) -> BrokerSettings:
         if self.redis_ca_file is not None and not (self.redis_url or "").startswith("rediss://"):
             raise ValueError("redis_ca_file needs a rediss:// redis_url")
+        if self.redis_cluster and not self.redis_url:
+            # it was dropped without a word: the replica ran on its embedded store
+            raise ValueError("redis_cluster needs a redis_url (a node of the Redis Cluster)")
         return self
 
     @field_validator("redis_url")

@@ -101,6 +101,14 @@ class PackedSSLConnection(_HiredisWrites, SSLConnection):
     """A TLS connection with hiredis packing and in-task writes."""
 
 
+def error_text(exc: BaseException) -> str:
+    """A Redis client error as ``Type: message``. redis-py 8's ``repr`` of its errors is only a
+    category and the type (``server:ResponseError``), which left the operator without Redis's
+    own words ("ERR DB index is out of range", "Connection refused")."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 @dataclass(frozen=True)
 class RedisConnection:
     username: str | None = None

@@ -48,6 +48,7 @@ from crossflow_ctl.domain.models import Notice
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.coalescer import Coalescer
 from crossflow_ctl.store.keys import Keys
+from crossflow_ctl.store.redis_connect import error_text
 from crossflow_ctl.store.redis_pipeline import send_all
 
 log = structlog.get_logger()
@@ -181,10 +182,10 @@ class WakeHub:
         if self._down_since_s is None:
             self._down_since_s = time.monotonic()
             self._failed_tries = 0
-            log.warning("notice_wakes.broken", channel=self.channel, error=repr(exc))
+            log.warning("notice_wakes.broken", channel=self.channel, error=error_text(exc))
         else:
             self._failed_tries += 1
-            log.debug("notice_wakes.retry_failed", channel=self.channel, error=repr(exc))
+            log.debug("notice_wakes.retry_failed", channel=self.channel, error=error_text(exc))
 
     def _restored(self) -> None:
         if self._down_since_s is not None:

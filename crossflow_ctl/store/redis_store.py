@@ -85,7 +85,7 @@ from crossflow_ctl.store.keys import (
     node_of_reservation,
 )
 from crossflow_ctl.store.redis_admin import RedisAdmin
-from crossflow_ctl.store.redis_connect import RedisConnection, connect
+from crossflow_ctl.store.redis_connect import RedisConnection, connect, error_text
 from crossflow_ctl.store.redis_debit import (
     UNKNOWN_NODE,
     DebitCall,
@@ -114,8 +114,8 @@ def _failure(what: str, exc: BaseException) -> StoreAuthFailed | StoreUnavailabl
         isinstance(exc, ResponseError) and str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM"))
     ):
         return StoreAuthFailed(f"redis refused the credentials: {exc}")
-    log.warning("store_unavailable", op=what, error=repr(exc))
-    return StoreUnavailable(f"redis {what} failed: {exc!r}")
+    log.warning("store_unavailable", op=what, error=error_text(exc))
+    return StoreUnavailable(f"redis {what} failed: {error_text(exc)}")
 
 
 class RedisStore(Store):
@@ -222,7 +222,7 @@ class RedisStore(Store):
             async with asyncio.timeout(self._op_timeout_s):
                 await self._index.set_lenders(changes)
         except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("lender_index_update_failed", nodes=len(changes), error=repr(exc))
+            log.warning("lender_index_update_failed", nodes=len(changes), error=error_text(exc))
 
     def _forget(self, node_id: str) -> None:
         """A node was deleted: this replica's caches must not vouch for it."""

@@ -30,6 +30,7 @@ from crossflow_ctl.domain.models import NodeState, PoolSnapshot
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.keys import Keys, is_node_id
 from crossflow_ctl.store.redis_cache import LenderSample, NodeCache, PoolCache
+from crossflow_ctl.store.redis_connect import error_text
 from crossflow_ctl.store.redis_index import NodeIndex
 
 log = structlog.get_logger()
@@ -156,7 +157,7 @@ class AdmissionView:
             self.pools.put(pool, codec.live_pool_loads(reports, now_ms), now_ms)
         except Exception as exc:  # best effort, whatever failed (a corrupt view included)
             # Nothing is lost: the entries age out and the next Admit reads (failing closed).
-            log.warning("admission_view_renewal_failed", error=repr(exc))
+            log.warning("admission_view_renewal_failed", error=error_text(exc))
 
     async def close(self) -> None:
         if self.renewal is not None:

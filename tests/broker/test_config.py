@@ -83,3 +83,13 @@ def test_cli_refuses_conflicting_flags_and_bad_settings_with_exit_2() -> None:
     assert bad.exit_code == 2 and "listen" in bad.output and "invalid configuration" in bad.output
     schema = runner.invoke(cli, ["schema"])
     assert schema.exit_code == 0 and "redis_url" in json.loads(schema.output)["properties"]
+
+
+def test_redis_cluster_without_a_redis_url_is_refused() -> None:
+    """--redis-cluster with the embedded store (or no redis_url) was dropped without a word:
+    the replica ran alone on its in-process store, sharing nothing with the others."""
+    for args in (["--redis-cluster", "--embedded-store"], ["--redis-cluster"]):
+        run = CliRunner().invoke(cli, ["serve", "--listen", "127.0.0.1:0", *args])
+        assert run.exit_code == 2, run.output
+        assert "redis_cluster needs a redis_url" in run.output, run.output
+    assert BrokerSettings(redis_url="redis://r:6379/0", redis_cluster=True).redis_cluster

@@ -174,6 +174,15 @@ async def test_drain_keeps_an_earlier_cordon_and_its_reason(ctl: Ctl, fleet: Fle
     assert data["cordon_reason"] == "disk swap, ticket 4711", data
     nodes = json.loads((await ctl("get", "nodes", "-o", "json")).out)["items"]
     assert {n["name"]: n["cordon_reason"] for n in nodes}["decode-1"] == "disk swap, ticket 4711"
+    # a plain cordon of a cordoned node keeps the reason too (it wrote its default over it)
+    again = await ctl("cordon", "decode-1")
+    assert (again.rc, again.out.strip()) == (0, "node/decode-1 already cordoned"), again
+    data = json.loads((await ctl("describe", "node", "decode-1", "-o", "json")).out)
+    assert data["cordon_reason"] == "disk swap, ticket 4711", data
+    # a new --reason replaces it, as before
+    assert (await ctl("cordon", "decode-1", "--reason", "ticket 4712")).rc == 0
+    data = json.loads((await ctl("describe", "node", "decode-1", "-o", "json")).out)
+    assert data["cordon_reason"] == "ticket 4712", data
 
 
 async def test_drain_timeout_exits_5_with_one_line(ctl: Ctl, fleet: Fleet) -> None:
@@ -343,7 +352,7 @@ async def test_a_missing_config_file_or_context_is_said_with_what_exists(
     unknown = await ctl("config", "use-context", "b", server=False)
     assert unknown.rc == 3 and unknown.err.rstrip().endswith("(known: a, default)"), unknown
     bad = await ctl("config", "set-context", "c", "--server", "nohost", server=False)
-    assert (bad.rc, bad.err.strip()) == (2, "error: server: must be host:port, got 'nohost'")
+    assert (bad.rc, bad.err.strip()) == (2, "error: --server: must be host:port, got 'nohost'")
 
 
 async def test_watch_refreshes_and_ctrl_c_exits_0(ctl: Ctl, fleet: Fleet) -> None:

@@ -75,6 +75,10 @@ def test_contexts_file_round_trips_and_refuses_bad_values(tmp_path: Path) -> Non
     path.write_text("contexts: {x: {server: a:1, defaults: {output: xml}}}\n")
     with pytest.raises(ConfigError, match=r"contexts\.x\.defaults\.output"):
         load_config(path)
+    path.write_text("contexts: {x: {server: localhost}}\n")
+    with pytest.raises(ConfigError) as refused:  # said "Value error, must be host:port, ..."
+        load_config(path)
+    assert str(refused.value) == f"{path}: contexts.x.server: must be host:port, got 'localhost'"
     path.write_text("contexts: [oops\n")
     with pytest.raises(ConfigError, match="cannot read") as err:
         load_config(path)
@@ -131,7 +135,7 @@ def test_pool_wait_says_no_rate_instead_of_a_sentinel() -> None:
         ),
     )
     row = pool_row(stalled)
-    assert row["wait"] == "no rate" and row["estimated_wait_ms"] is None
+    assert row["no_rate"] is True and row["estimated_wait_ms"] is None
     text = render_list([row], POOL_COLUMNS, OutputFormat.TABLE, kind="PoolList")
     assert "no rate" in text and "86400000" not in text
     assert (
@@ -336,7 +340,7 @@ def test_a_node_without_a_lease_has_no_lease_age_in_json() -> None:
     view = NodeView(state=NodeState(info=NodeInfo(node_id="p", role=NodeRole.PREFILL)))
     row = node_row(view, at_ms=1_000, reporting=frozenset({"p"}))
     item = json.loads(render_list([row], NODE_COLUMNS, OutputFormat.JSON, kind="NodeList"))
-    assert item["items"][0]["lease_age"] is None and item["items"][0]["lease"] is None
+    assert item["items"][0]["lease_age_s"] is None and item["items"][0]["lease_version"] is None
     assert table([row], NODE_COLUMNS, wide=False).splitlines()[1].split()[-1] == "<none>"
 
 
@@ -377,3 +381,109 @@ def test_reservations_say_which_router_owns_them() -> None:
     row = reservation_row(res, at_ms=0)
     assert row["owner"] == "router/r1"
     assert table([row], RESERVATION_COLUMNS, wide=True).splitlines()[1].split()[-1] == "router/r1"
+
+
+def test_json_and_yaml_carry_numbers_where_the_table_shows_text(tmp_path: Path) -> None:
+    """-o json/yaml carried the table's display strings: a lease version "v7", ages "3m",
+    "expires_in": "537ms", the pool's "wait": "0" next to its number, a reservation's lease
+    "1/2", and the current context as "*" (or ""). They now carry numbers and booleans; only
+    the table formats them."""
+    from click.testing import CliRunner
+
+    from crossflow_ctl.cli.ctl import cli
+    from crossflow_ctl.cli.views import (
+        LEASE_COLUMNS,
+        NODE_COLUMNS,
+        RESERVATION_COLUMNS,
+        lease_row,
+        node_row,
+        reservation_row,
+    )
+    from crossflow_ctl.domain.models import (
+        Credits,
+        Lease,
+        Reservation,
+        ReservationState,
+        StoredLease,
+    )
+
+    at = 200_000
+    lease = Lease(node_id="d1", epoch=5, version=7, ttl_ms=1_000)
+    stored = StoredLease(lease=lease, received_at_ms=at - 180_000, expires_at_ms=at + 250)
+    view = NodeView(state=NodeState(info=NodeInfo(node_id="d1"), lease=stored))
+    res = Reservation(
+        reservation_id="r@d1", node_id="d1", state=ReservationState.HELD, debit=Credits(),
+        lease_epoch=1, lease_version=2, created_at_ms=at - 5_000, expires_at_ms=at - 1,
+        grant_seq=1,
+    )  # fmt: skip
+    pool = PoolSnapshot(
+        pool="default",
+        reports=(PoolLoad(node_id="p1", outstanding_uncached_tokens=1_000,
+                          processing_rate_tps=10_000.0, ttl_ms=1_000),),
+    )  # fmt: skip
+    cases = [
+        (node_row(view, at), NODE_COLUMNS, {"lease_version": 7, "lease_age_s": 180}, "v7"),
+        (lease_row(view, at), LEASE_COLUMNS, {"version": 7, "expires_in_ms": 250}, "250ms"),
+        (
+            reservation_row(res, at),
+            RESERVATION_COLUMNS,
+            {"lease_epoch": 1, "lease_version": 2, "age_s": 5, "expires_in_ms": -1},
+            "expired",
+        ),
+        (pool_row(pool), POOL_COLUMNS, {"estimated_wait_ms": 100.0, "no_rate": False}, "100"),
+    ]
+    for row, columns, numbers, shown in cases:
+        assert row is not None
+        for fmt, load in ((OutputFormat.JSON, json.loads), (OutputFormat.YAML, yaml.safe_load)):
+            item = load(render_list([row], columns, fmt, kind="L"))["items"][0]
+            assert {k: item[k] for k in numbers} == numbers, (fmt, item)
+            texts = [k for k, v in item.items() if isinstance(v, str) and v[:1].isdigit()]
+            assert texts == [], f"display strings in {fmt}: {texts}"
+        assert shown in table([row], columns, wide=True).split(), (shown, row)
+    assert "3m" in table([cases[0][0]], NODE_COLUMNS, wide=False).split()
+
+    config = tmp_path / "config.yaml"
+    save_config(config, CtlConfig(current_context="b", contexts={"a": Context(), "b": Context()}))
+    run = CliRunner().invoke(cli, ["--config", str(config), "config", "get-contexts", "-o", "json"])
+    assert run.exit_code == 0, run.output
+    current = {i["name"]: i["current"] for i in json.loads(run.output)["items"]}
+    assert current == {"a": False, "b": True}
+    run = CliRunner().invoke(cli, ["--config", str(config), "config", "get-contexts"])
+    assert [line.split()[0] for line in run.output.splitlines()[1:]] == ["a", "*"], run.output
+
+
+def test_set_context_refusals_name_the_flag(tmp_path: Path) -> None:
+    """config set-context --server nohost said "error: server: must be host:port ..." (the
+    model's field) and --pool of 70 characters "error: pool: ..."; they name the flag, exit 2,
+    and the file is not written."""
+    from click.testing import CliRunner
+
+    from crossflow_ctl.cli.ctl import cli
+
+    config = tmp_path / "config.yaml"
+    for args, said in (
+        (("--server", "nohost"), "--server: must be host:port, got 'nohost'"),
+        (("--pool", "x" * 70), "--pool: String should have at most 64 characters"),
+    ):
+        run = CliRunner().invoke(
+            cli, ["--config", str(config), "config", "set-context", "c", *args]
+        )
+        assert isinstance(run.exception, CliError), run.output
+        assert (run.exception.message, run.exception.code) == (said, ExitCode.USAGE)
+    assert not config.exists()
+
+
+@pytest.mark.parametrize("argv", [["crossflowctl"], ["crossflowctl", "get"]])
+def test_a_group_without_a_command_prints_its_help(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`crossflowctl` and `crossflowctl get` printed their whole help as an error:
+    "error: Usage: crossflowctl [OPTIONS] ...", 30 lines, "... (see 'crossflowctl --help')"."""
+    from crossflow_ctl.cli.common import run_cli
+    from crossflow_ctl.cli.ctl import cli
+
+    monkeypatch.setattr("sys.argv", argv)
+    assert run_cli(cli, prog_name="crossflowctl") == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"Usage: {' '.join(argv)} [OPTIONS] COMMAND"), err
+    assert "error:" not in err and "(see '" not in err, err

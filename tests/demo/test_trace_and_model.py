@@ -124,3 +124,24 @@ def test_default_log_dir_is_new_and_left_in_place(tmp_path) -> None:
     finally:
         first.rmdir()
         second.rmdir()
+
+
+def test_a_bad_demo_trace_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    """`crossflow demo --trace` refusals said the reader's field ("error: trace: no trace
+    file ...", "error: line: t.jsonl:1: not JSON"), not the flag; they name --trace, exit 2."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"session_id": "a", "seq": 0}\nnot json\n')
+    main = "from crossflow_ctl.cli.crossflow import main; main()"
+    for path, said in (
+        (tmp_path / "missing.jsonl", "error: --trace: no trace file at "),
+        (bad, "error: --trace: t.jsonl:"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-c", main, "demo", "--trace", str(path), "--no-sim"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(said), proc.stderr

@@ -432,6 +432,14 @@ def test_tls_needs_a_secret_or_cert_manager() -> None:
         ),
         # Mutual TLS without TLS was dropped without a word: an open broker.
         (("security.tls.mutual=true",), "security.tls.enabled"),
+        # A broker that authenticates callers, and agents given no identity: every agent
+        # stream was refused (UNAUTHENTICATED) and no node ever leased.
+        (("security.tokenHashesSecret=h",), "security.agentCredentials.tokenSecret"),
+        (("broker.config.auth.token_file=/t",), "security.agentCredentials.tokenSecret"),
+        (
+            ("security.tls.enabled=true", "security.tls.secretName=s", "security.tls.mutual=true"),
+            "security.certManager.agentNodes",
+        ),
     ],
 )
 def test_security_values_that_cannot_work_are_refused(
@@ -469,10 +477,11 @@ def test_a_disruption_budget_that_blocks_every_drain_is_refused(
 @needs_helm
 def test_required_auth_renders_with_tokens_or_client_certificates() -> None:
     for extra in (
-        ("security.tokenHashesSecret=tokens",),
-        ("broker.config.auth.token_file=/etc/tokens",),
-        ("security.tls.enabled=true", "security.tls.secretName=s", "security.tls.mutual=true"),
-    ):
+        ("security.tokenHashesSecret=tokens", "security.agentCredentials.tokenSecret=t"),
+        ("broker.config.auth.token_file=/etc/tokens", "agent.enabled=false"),
+        ("security.tls.enabled=true", "security.tls.secretName=s", "security.tls.mutual=true",
+         "security.agentCredentials.tlsSecret=a"),
+    ):  # fmt: skip
         args = ("security.required=true", *extra)
         config = yaml.safe_load(
             find(render(*(a for s in args for a in ("--set", s))), "ConfigMap",
@@ -562,13 +571,44 @@ def test_notes_check_command_works_with_the_security_values() -> None:
     assert "crossflowctl --server 127.0.0.1:50051 get nodes" in plain
     assert "--ca-file" not in plain
     mtls = notes(
-        "security.tls.enabled=true", "security.tls.secretName=s", "security.tls.mutual=true"
-    )
+        "security.tls.enabled=true", "security.tls.secretName=s", "security.tls.mutual=true",
+        "security.agentCredentials.tlsSecret=a",
+    )  # fmt: skip
     assert (
         "crossflowctl --server 127.0.0.1:50051 --ca-file ca.crt --server-name "
         "cf-crossflow-broker.serving.svc --cert-file admin.crt --key-file admin.key get nodes"
     ) in mtls
     assert "get secret s -o jsonpath" in mtls and "spiffe://crossflow/admin/<name>" in mtls
-    tokens = notes("security.tokenHashesSecret=t", "broker.config.auth.trust_domain=acme")
+    tokens = notes(
+        "security.tokenHashesSecret=t", "broker.config.auth.trust_domain=acme",
+        "security.agentCredentials.tokenSecret=a",
+    )  # fmt: skip
     assert "crossflowctl --server 127.0.0.1:50051 --token-file admin.token get nodes" in tokens
     assert "spiffe://acme/admin/<name>" in tokens
+
+
+@needs_helm
+def test_notes_say_which_labels_the_agents_need() -> None:
+    """The notes said agents run on nodes labelled crossflow.io/role=...; the DaemonSets also
+    select agent.nodeSelector (nvidia.com/gpu.present=true by default), so a node labelled as
+    told got no agent on a cluster without the GPU operator's labels."""
+    assert (
+        "crossflow.io/role=<decode|prefill> that also carry nvidia.com/gpu.present=true "
+        "(agent.nodeSelector):"
+    ) in notes()
+    assert "that also carry" not in notes("agent.nodeSelector=null")
+
+
+@needs_helm
+@pytest.mark.parametrize("key", ["agent.nodeSelector", "agent.config", "broker.config"])
+def test_a_map_value_set_to_null_renders(key: str) -> None:
+    """`--set agent.nodeSelector=null` (how Helm drops a default map, here the GPU label) failed
+    with Go's "error calling deepCopy: reflect: call of reflect.Value.Type on zero Value";
+    broker.config and agent.config alike (and in the notes and Certificates, on dig)."""
+    docs = render("--set", f"{key}=null", *values_args("mtls.yaml"))
+    assert find(docs, "Deployment")
+    if key == "agent.nodeSelector":
+        ds = find(docs, "DaemonSet", "cf-crossflow-agent-decode")["spec"]["template"]["spec"]
+        assert ds["nodeSelector"] == {"crossflow.io/role": "decode"}
+    assert "spiffe://" in notes(f"{key}=null", "security.tokenHashesSecret=h",
+                                "security.agentCredentials.tokenSecret=t")  # fmt: skip

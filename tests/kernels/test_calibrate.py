@@ -164,3 +164,36 @@ def test_a_malformed_timings_file_is_a_usage_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["calibrate", "--from-timings", str(bad), "--out", "x"])
     assert result.exit_code == 2
     assert "--from-timings" in result.output
+
+
+def test_auto_without_a_gpu_says_it_falls_back_to_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--device auto on a machine without a GPU printed only "calibrating on cpu" and wrote a
+    CPU profile, with nothing saying that it fell back, what cpu means (PyTorch references on
+    this CPU) or that the profile is no GPU's. It says so on stderr, also with --json (stdout
+    stays the document), and --device cuda still refuses."""
+    torch = pytest.importorskip("torch", reason="the sweep needs the .[kernels] extra (torch)")
+    from crossflow_agent import calibrate as calibrate_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    seen: list[str] = []
+    samples = _synthetic_timings(SLOW_NODE)
+
+    def fake_measure(*, device: str, **_: object) -> tuple[list[object], str, dict[str, object]]:
+        seen.append(device)
+        measured = [calibrate_mod.Measured(s.kind, f"t{i}", s) for i, s in enumerate(samples)]
+        return measured, "cpu-test", {"backend": "torch-reference"}
+
+    monkeypatch.setattr(calibrate_mod, "measure_node", fake_measure)
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(cli, ["calibrate", "--device", "auto", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert seen == ["cpu"]
+    assert json.loads(result.stdout)["device"] == "cpu-test"
+    said = " ".join(result.stderr.split())
+    assert "no CUDA device is visible" in said and "falls back to cpu" in said, said
+    assert "PyTorch reference kernels" in said and "not a GPU" in said, said
+
+    refused = CliRunner().invoke(cli, ["calibrate", "--device", "cuda", "--out", str(out)])
+    assert refused.exit_code == 2 and "no CUDA device is visible" in refused.output

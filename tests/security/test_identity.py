@@ -86,6 +86,63 @@ def test_unreadable_credentials_name_the_setting(tmp_path: Path) -> None:
     assert refused.value.field == "token_file"
 
 
+def test_tls_files_that_are_not_pem_are_refused_naming_the_setting(tmp_path: Path) -> None:
+    """A CA, certificate or key file that was readable but not PEM (or a key of another
+    certificate) was handed to gRPC as it was: crossflowctl and the agent then reported the
+    broker as unreachable (exit 4, after gRPC's own C-core log lines) and the broker said
+    "cannot listen on HOST:PORT: Failed to bind to address". Each is now refused where it is
+    read, naming the setting, and the CLI exits 2."""
+    from crossflow_ctl.broker.auth import server_credentials
+    from crossflow_ctl.cli.ctl import cli as ctl_cli
+    from crossflow_ctl.cli.exit_codes import ExitCode, exit_code_for, one_line
+    from crossflow_ctl.security import ServerTLS
+    from tests.security.pki import TestCA
+
+    ca = TestCA(tmp_path / "pki")
+    mine, other = ca.issue("a"), ca.issue("b")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    check_credentials(ClientCredentials(ca_file=ca.cert, cert_file=mine.cert, key_file=mine.key))
+    cases = [
+        (ClientCredentials(ca_file=junk), "ca_file", "holds no PEM certificate"),
+        (ClientCredentials(ca_file=mine.key), "ca_file", "holds no PEM certificate"),
+        (
+            ClientCredentials(ca_file=ca.cert, cert_file=junk, key_file=mine.key),
+            "cert_file",
+            "holds no PEM certificate",
+        ),
+        (
+            ClientCredentials(ca_file=ca.cert, cert_file=mine.cert, key_file=mine.cert),
+            "key_file",
+            "holds no PEM private key",
+        ),
+        (
+            ClientCredentials(ca_file=ca.cert, cert_file=mine.cert, key_file=other.key),
+            "cert_file",
+            "is not the unencrypted private key of",
+        ),
+    ]
+    for creds, field, words in cases:
+        with pytest.raises(ConfigError, match=words) as refused:
+            check_credentials(creds)
+        assert refused.value.field == field
+    server = ServerTLS(cert_file=junk, key_file=mine.key)
+    with pytest.raises(ConfigError, match="holds no PEM certificate") as refused:
+        server_credentials(AuthSettings(tls=server))
+    assert refused.value.field == "auth.tls.cert_file"
+    server = ServerTLS(cert_file=mine.cert, key_file=mine.key, client_ca_file=junk)
+    with pytest.raises(ConfigError, match="holds no PEM certificate") as refused:
+        server_credentials(AuthSettings(tls=server))
+    assert refused.value.field == "auth.tls.client_ca_file"
+
+    run = CliRunner().invoke(
+        ctl_cli, ["--server", "127.0.0.1:1", "--ca-file", str(junk), "get", "nodes"]
+    )
+    assert isinstance(run.exception, ConfigError), run.output  # was: UNAVAILABLE, exit 4
+    assert exit_code_for(run.exception) == ExitCode.USAGE
+    assert one_line(run.exception).startswith("error: ca_file: ")
+
+
 def test_rule_table_defaults_fail_closed() -> None:
     rules = Authorizer(AuthSettings(token_file=Path("/unused")), None)
     assert rules.allowed("/grpc.health.v1.Health/Check") is None

@@ -126,6 +126,13 @@ async def test_mtls_broker_agents_and_crossflowctl_processes(procs: Procs, tmp_p
     assert "PERMISSION_DENIED" in err or "may not call" in err
     rc, _, err = await ctl(ca, None, address, "get", "nodes")  # no client certificate
     assert rc == 4, err
+    # it asked "is a broker serving there?" of a broker that was, and refused the handshake;
+    # it says what the broker wants, in one line (gRPC's C core logged the handshake too)
+    assert "needs --cert-file and --key-file" in err and "is a broker serving" not in err, err
+    assert len(err.splitlines()) == 1, err
+    other = TestCA(tmp_path / "other-pki", name="other-ca")
+    rc, _, err = await ctl(other, admin, address, "get", "nodes")  # a CA that is not the broker's
+    assert rc == 4 and "the TLS handshake failed" in err and len(err.splitlines()) == 1, err
     assert [n["cordoned"] for n in await nodes()] == [False]
     assert "PERMISSION_DENIED" in (tmp_path / "agent-d2.log").read_text()
 
@@ -180,3 +187,5 @@ async def test_crossflowctl_context_keeps_a_token_and_tls_settings(
     rc, _, err = await _ctl_plain(config, "--token-file", str(wrong), "get", "nodes")
     assert rc == 6, err  # the flag overrides the context's token; the broker refuses it
     assert "unknown bearer token" in err
+    # it said only the broker's words; it now says what to give
+    assert "give --token-file FILE, or --ca-file with --cert-file and --key-file" in err, err

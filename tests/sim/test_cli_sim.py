@@ -197,3 +197,24 @@ def test_sim_refuses_out_of_range_settings_naming_the_flag(tmp_path: Path) -> No
         result = _ctl("sim", "--synthetic", flag, value, "--out", str(tmp_path / "x"))
         assert result.returncode == 2, (flag, result.stderr)
         assert flag in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def test_sim_refusals_name_the_flag_and_flags_are_checked_before_traces(tmp_path: Path) -> None:
+    """Refusals said the inner field ("load: give positive numbers", "split: split '9X' ...",
+    "json: t.jsonl line 1: not valid JSON", "policies: ..."), and a bad --load was found only
+    after every trace had been read (minutes for a large one) and refused as the trace's."""
+    bad = tmp_path / "t.jsonl"
+    bad.write_text("garbage\n")
+    cases = [
+        (("--synthetic", "--load", "0"), "error: --load: give positive numbers"),
+        (("--synthetic", "--splits", "9X"), "error: --splits: split '9X'"),
+        (("--synthetic", "--borrow-splits", "9X"), "error: --borrow-splits: split '9X'"),
+        (("--synthetic", "--policies", "foo"), "error: --policies: policies are"),
+        (("--trace", str(bad)), "error: --trace: t.jsonl line 1: not valid JSON"),
+        (("--trace", str(bad), "--load", "0"), "error: --load: "),
+    ]
+    for args, said in cases:
+        result = _ctl("sim", *args, "--jobs", "1", "--out", str(tmp_path / "x"))
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stderr.startswith(said), (args, result.stderr)
+    assert not (tmp_path / "x").exists()

@@ -157,6 +157,28 @@ async def test_closed_port_is_unavailable_not_a_redis_error() -> None:
         await store.close()
 
 
+async def test_unavailable_says_what_redis_said(redis_url: str) -> None:
+    """redis-py 8 shows its errors' repr as a category and type only, so a store error read
+    "redis ping failed: server:ResponseError" (for a database index Redis does not have) or
+    "network:ConnectionError", in the broker's log and in crossflowctl's one-line error."""
+    base = redis_url.rsplit("/", 1)[0] if redis_url.count("/") > 2 else redis_url
+    store = RedisStore(f"{base}/9999", socket_timeout_s=2.0)
+    try:
+        with pytest.raises(StoreUnavailable) as refused:
+            await store.ping()
+        assert "ResponseError: DB index is out of range" in str(refused.value), refused.value
+    finally:
+        await store.close()
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=0.2)
+    try:
+        with pytest.raises(StoreUnavailable) as refused:
+            await store.ping()
+        assert "ConnectionError: " in str(refused.value), refused.value
+        assert "connecting to 127.0.0.1:" in str(refused.value), refused.value
+    finally:
+        await store.close()
+
+
 async def test_silent_server_times_out_as_unavailable() -> None:
     """A peer that accepts connections and never answers: socket timeouts, not a hang."""
     peers: list[asyncio.StreamWriter] = []
