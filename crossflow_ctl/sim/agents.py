@@ -27,7 +27,8 @@ next tick (the store's EXPIRE notices come from the purge on a stored lease, and
 reads them), in which case it is stored at its tick first. The store's lease history then lacks
 the dropped leases, as it lacks the periods a sleeping agent skips. Prefill agents' load
 reports likewise reach the store only before a read of the pool (an Admit or room view), in the
-order they were taken: a report nothing read is superseded by its server's next one. The store
+order they were taken (except that a sleeping agent its server wakes stores its own first): a
+report nothing read is superseded by its server's next one. The store
 numbers the reports it stores in order, so fewer are numbered, but every comparison of those
 numbers (which reports were stored before a prompt was sent) comes out as before.
 """
@@ -294,14 +295,14 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         pending = (decision, self.version, self.last_notice_seq, t)
         lease: Lease | None = None
         if self._due is None:
-            lease = _lease_of(self, *pending)
+            lease = _lease_of(self, *pending[:3])
             await broker.ingest_lease(lease)
         else:
             self._pending = pending
         steady = not notices and self.open_borrows == 0 and decision.guard == guard
         if not self._settle(snapshot, steady, None):
             return True
-        self._fixed = (lease if lease is not None else _lease_of(self, *pending), chunk)
+        self._fixed = (lease if lease is not None else _lease_of(self, *pending[:3]), chunk)
         return False
 
     async def flush(self, broker: Broker, t: float) -> None:
@@ -313,7 +314,7 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         sync = self._sync
         assert sync is not None  # set with ``due`` by :meth:`defer`
         sync(pending[3])
-        await broker.ingest_lease(_lease_of(self, *pending))
+        await broker.ingest_lease(_lease_of(self, *pending[:3]))
         sync(t)
 
     def _count(self, credits: Credits, zero_reason: ZeroReason | None, chunk: int, n: int) -> None:
@@ -468,7 +469,7 @@ class PrefillAgent(FixedPoint[PoolLoad]):
 
 
 def _lease_of(
-    agent: DecodeAgent, decision: LeaseDecision, version: int, last_notice_seq: int, _t: float
+    agent: DecodeAgent, decision: LeaseDecision, version: int, last_notice_seq: int
 ) -> Lease:
     return decision.to_lease(
         node_id=agent.node_id,

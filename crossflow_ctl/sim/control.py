@@ -15,7 +15,13 @@ live router uses it, with the broker in-process as its :class:`Admitter`:
   its hold deadline passes, or when Demand stops holding.
 
 Agents tick every period, or sleep over a fixed point (see :mod:`crossflow_ctl.sim.agents`):
-every read of the store (an Admit, a room view) first brings sleeping agents up to date.
+every read of the store (an Admit, a room view) first brings sleeping agents up to date. On the
+in-process store an awake agent's lease or load report is stored only before something reads or
+changes its node or pool (deferred: a lease nobody read is replaced by the next one), so any new
+call into the store or the broker here must first ``flush`` the agents it touches (or
+``_catch_up`` all of them), and a policy change mid-run would have to ``_catch_up`` before it: a
+deferred lease is capped by the policy in force when it is stored. ``tests/sim/
+test_deferred_leases.py`` holds whole runs to storing every tick.
 """
 
 from __future__ import annotations
@@ -196,7 +202,9 @@ class ControlPlane:
 
     async def _catch_up(self, t: float) -> None:
         """Bring the store up to date for a read at ``t``: deferred leases and load reports
-        (these in the order they were taken), then sleepers'."""
+        (these in the order they were taken), then sleepers'. (:meth:`stir` stores one woken
+        agent's report on its own, so the store may number reports out of the order they were
+        taken; nothing compares them but to a prompt's stamp, taken after a full catch-up.)"""
         for decode_agent in self.decode_agents:
             await decode_agent.flush(self.broker, t)
         waiting = [a for a in self.prefill_agents if a.pending_s is not None]
@@ -319,7 +327,6 @@ class ControlPlane:
             await self.dispatch(req, node, t)
 
     async def _commit(self, req: Req, answer: Admission, t: float) -> int | None:
-        await self.decode_agents[self._index[answer.node_id]].flush(self.broker, t)
         await self._check_overcommit(answer.node_id, t)
         try:
             await self.broker.commit(answer.reservation_id)
@@ -335,6 +342,7 @@ class ControlPlane:
         return node
 
     async def _check_overcommit(self, node_id: str, t: float) -> None:
+        await self.decode_agents[self._index[node_id]].flush(self.broker, t)
         state = await self.store.get_node(node_id, self.sync(t))
         if state.lease is None:
             self.record.overcommits += 1

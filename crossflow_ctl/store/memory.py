@@ -221,7 +221,9 @@ class MemoryStore(Store):
     def _sample(self, sample: int, now_ms: int) -> list[str]:
         for node_id in [n for n, exp in self._lenders.items() if exp <= now_ms]:
             del self._lenders[node_id]
-        ids = list(self._lenders)
+        # Sorted: the draw depends on the seed and the lenders, not on the order their leases
+        # arrived (the simulator's deferred leases change that order, not the lenders).
+        ids = sorted(self._lenders)
         return self._rng.sample(ids, min(sample, len(ids)))
 
     async def admission_view(
