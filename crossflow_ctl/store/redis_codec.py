@@ -169,7 +169,10 @@ def float_text(value: float) -> str:
     """``repr(value)`` (reads back exactly), remembered for nonzero values: a node's model
     constants (rate, prefill costs, ITL SLO) repeat in every lease it sends, and formatting a
     float cost more than looking it up. Zero is not remembered (0.0 and -0.0 are one key but
-    two texts). The map starts over when full."""
+    two texts), nor is anything but a float (1, 1.0 and True are one key but three texts). The
+    map starts over when full."""
+    if type(value) is not float:
+        return repr(value)
     text = _FLOAT_TEXT.get(value)
     if text is None:
         text = repr(value)

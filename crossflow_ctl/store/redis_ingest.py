@@ -41,7 +41,8 @@ for 16), so debits queued behind it wait no longer than behind a few pipelined c
 
 WRITTEN_CAPACITY = 1 << 14
 """Nodes whose last written lease a replica keeps (:class:`LeaseIngest`: about 2 KB each); when
-full it starts over (each node's next lease is then written whole)."""
+full it starts over (each node's next lease is then written whole; a replica streaming more
+nodes than this round-robin writes every lease whole: correct, only without the saving)."""
 _RECV = list(codec.LEASE_FIELDS).index("recv")
 
 

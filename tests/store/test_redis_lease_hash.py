@@ -383,3 +383,16 @@ def test_float_text_is_repr_whatever_it_remembered(value: float) -> None:
 def test_the_order_marker_pads_each_number_to_20_digits(epoch: int, version: int) -> None:
     lease = Lease.model_construct(epoch=epoch, version=version)
     assert codec.order_marker(lease) == f"{epoch:020d}{version:020d}"
+
+
+def test_float_text_of_a_number_that_is_not_a_float_is_its_own_repr() -> None:
+    """1, 1.0 and True are one dict key: a remembered 1.0 must not answer for an int 1."""
+    assert codec.float_text(1.0) == "1.0"
+    assert codec.float_text(1) == "1"  # type: ignore[arg-type]
+    assert codec.float_text(True) == "True"  # type: ignore[arg-type]
+
+
+def test_the_lease_fields_fit_the_upsert_scripts_one_match() -> None:
+    """upsert_leases.lua splits a lease's values with one pattern of one capture per field, and
+    Lua allows 32 captures: a 33rd field would fail every lease at run time."""
+    assert len(codec.LEASE_FIELDS) <= 32

@@ -14,7 +14,7 @@
 -- last), ARGV[5] K; then two per lease, lease i at ARGV[6+2i] and ARGV[7+2i]:
 --   changed: '' to write every field, else one byte per field (1: changed, 0: not) followed by
 --     the ev and recv values of the lease the bytes compare against (redis_ingest.py: the last
---     lease this replica stored for the node). Only the changed fields are written when the
+--     lease this replica sent for the node). Only the changed fields are written when the
 --     hash holds that lease (its ev and recv, which no other lease shares, and all its fields);
 --     otherwise every field is, as with ''.
 --   packed: the lease HASH's values in that order, joined by '\31' (only the last, the
@@ -47,7 +47,8 @@ local I_NODE, I_NSEQ, I_RECV = at.node, at.nseq, at.recv
 -- The open totals of a node with no reservation stored.
 local NONE_OPEN = cf_totals_text(cf_totals_of(nil))
 -- One lease's values in one pattern match (one C call, not a find and a sub per field): the
--- last, free text, takes the rest.
+-- last, free text, takes the rest. Lua allows 32 captures, so at most 32 fields (a test holds
+-- LEASE_FIELDS to that).
 local VALUES = '^' .. string.rep('([^\31]*)\31', count - 1) .. '(.*)$'
 
 local function upsert(base, changed, packed)
