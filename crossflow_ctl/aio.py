@@ -68,6 +68,25 @@ async def within(call: Awaitable[T], timeout_s: float) -> T:
         return await _Resumed(steps, first)
 
 
+async def shielded(call: Coroutine[Any, Any, T]) -> T:
+    """``await asyncio.shield(call)``, without a task for a call that finishes without
+    suspending (a connection pool's release when no one waits for its lock: nearly always).
+
+    The call runs to its first suspension at once (nothing can cancel it before then); only if
+    it suspends does the rest run shielded, in a task of its own that a cancellation of the
+    caller does not reach, as ``asyncio.shield`` runs all of it."""
+    steps = call.__await__()
+    try:
+        first = steps.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    return await asyncio.shield(_rest(_Resumed(steps, first)))
+
+
+async def _rest(resumed: _Resumed[T]) -> T:
+    return await resumed
+
+
 class _Resumed(Generic[T]):
     """The rest of a call already run to its first suspension (``first``: what it yielded)."""
 

@@ -1,5 +1,6 @@
 """crossflow_ctl.aio: wait_any wakes on the first event or its timeout; cancel_and_wait reaps;
-within bounds a call by a timeout, arming no timer for a call that never suspends."""
+within bounds a call by a timeout, arming no timer for a call that never suspends; shielded
+shields a call from its caller's cancellation, making no task for a call that never suspends."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import pytest
 import structlog
 
-from crossflow_ctl.aio import cancel_and_wait, detached_task, wait_any, within
+from crossflow_ctl.aio import cancel_and_wait, detached_task, shielded, wait_any, within
 
 
 async def test_wait_any_wakes_on_either_event_or_timeout_and_leaks_no_task() -> None:
@@ -136,3 +137,48 @@ async def test_a_detached_task_leaves_its_starters_log_fields_behind() -> None:
         detached = await detached_task(_log_fields(), name="shared")
     assert plain == {"node_id": "d1"}  # what a shared task started by a stream would log with
     assert detached == {}
+
+
+async def test_shielded_runs_a_call_that_never_suspends_in_the_callers_task() -> None:
+    ran_in: list[asyncio.Task[object] | None] = []
+
+    async def at_once() -> int:
+        ran_in.append(asyncio.current_task())
+        return 7
+
+    assert await shielded(at_once()) == 7
+    assert ran_in == [asyncio.current_task()]
+
+
+async def test_shielded_finishes_a_suspended_call_its_caller_stopped_waiting_for() -> None:
+    gate = asyncio.Event()
+    steps: list[str] = []
+
+    async def releases() -> str:
+        steps.append("started")
+        await gate.wait()  # a pool's lock another caller holds
+        steps.append("finished")
+        return "released"
+
+    caller = asyncio.create_task(shielded(releases()))
+    await asyncio.sleep(0.01)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert steps == ["started"]
+    gate.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert steps == ["started", "finished"]  # the cancel never reached it
+
+
+async def test_shielded_passes_on_results_and_errors_after_a_suspension() -> None:
+    async def later(fail: bool) -> str:
+        await asyncio.sleep(0)
+        if fail:
+            raise ValueError("boom")
+        return "done"
+
+    assert await shielded(later(False)) == "done"
+    with pytest.raises(ValueError, match="boom"):
+        await shielded(later(True))

@@ -105,7 +105,7 @@ class Admitter:
         clock: Clock,
         metrics: BrokerMetrics,
         policy: Callable[[], PolicySettings],
-        abandoned: Callable[[asyncio.Future[list[DebitOutcome]]], None] = lambda _: None,
+        abandoned: Callable[[list[DebitOutcome]], None] = lambda _: None,
         release_late: Callable[[str, str, str], None] = lambda _rid, _why, _key: None,
     ) -> None:
         self.store = store
@@ -113,7 +113,8 @@ class Admitter:
         self.metrics = metrics
         self._policy = policy
         self._abandoned = abandoned
-        """Called with debits an Admit stopped waiting for (timeout): they may still land."""
+        """Called with the outcomes of debits an Admit stopped waiting for (its deadline, or its
+        caller gone) once they land."""
         self._release_late = release_late
         """Releases a reservation granted to a caller that stopped waiting (cancelled), and
         deletes the request record written with it (key; "" when none)."""
@@ -172,9 +173,10 @@ class Admitter:
         it is decided here queue, and the flusher starts for them when it is done.
 
         One request only: its grant is the last step of deciding it, so a caller cancelled
-        before then leaves its debit to ``_shielded`` (released once it lands). A batch can
-        hold grants from one debit round while a later round waits; cancelled there, only the
-        flusher (which the caller's cancel does not reach) still releases them."""
+        before then leaves its debit to :meth:`_debit`'s hand-over (released once it lands).
+        A batch can hold grants from one debit round while a later round waits; cancelled
+        there, only the flusher (which the caller's cancel does not reach) still releases
+        them."""
         self._leading = True
         try:
             await asyncio.sleep(0)
@@ -342,13 +344,7 @@ class Admitter:
                 )
                 for i, plan, c in tries
             ]
-            outcomes = await self._shielded(
-                timed(
-                    self.metrics,
-                    "debit",
-                    self.store.try_debits(debits, policy.shares, now, policy.hold_ttl_ms),
-                )
-            )
+            outcomes = await self._debit(debits, policy, now)
             for (i, plan, check), outcome in zip(tries, outcomes, strict=True):
                 if outcome.granted:
                     answers[i] = _borrowed(plan, check, outcome)
@@ -379,26 +375,31 @@ class Admitter:
         self._last_demand = (pool, policy, sent, demand)
         return demand, sent
 
-    async def _shielded(self, call: Awaitable[list[DebitOutcome]]) -> list[DebitOutcome]:
-        """``call`` shielded: when admission times out, debits may still land in the store;
-        they are then waited for and released, never left for nobody (phantom holds)."""
-        # A task of its own from the start: a timeout the store call sets up (redis-py bounds
-        # each read with one) must cancel the debit, never the Admit's caller. The caller waits
-        # on a future the task settles as its last step (what ``asyncio.shield`` does, one
-        # event-loop turn sooner: shield settles its own future from the task's done callback).
-        answer: asyncio.Future[list[DebitOutcome]] = asyncio.get_running_loop().create_future()
-        debits = asyncio.ensure_future(_settling(call, answer))
+    async def _debit(
+        self, debits: Sequence[DebitRequest], policy: PolicySettings, now: int
+    ) -> list[DebitOutcome]:
+        """The debits' outcomes, their store call timed. When admission stops waiting (its
+        deadline, or its caller gone), the debits may still land: their outcomes then go to
+        ``abandoned`` (granted ones are released, never left for nobody: phantom holds), and
+        the call is timed once they are known (``Store.try_debits_settled``)."""
+        metrics = self.metrics
+        started = time.perf_counter()
+
+        def late(outcomes: list[DebitOutcome]) -> None:
+            metrics.record_store_operation("debit", time.perf_counter() - started)
+            self._abandoned(outcomes)
+
         try:
-            return await answer
+            outcomes = await self.store.try_debits_settled(
+                debits, policy.shares, now, policy.hold_ttl_ms, late
+            )
         except asyncio.CancelledError:
-            debits.add_done_callback(self._abandoned)
-            raise
+            raise  # timed by ``late`` if they land
         except BaseException:
-            # The task ended with that same error in the step that set it: retrieved here,
-            # as shield retrieves it, so asyncio never reports it as unretrieved.
-            if debits.done() and not debits.cancelled():
-                debits.exception()
+            metrics.record_store_operation("debit", time.perf_counter() - started, ok=False)
             raise
+        metrics.record_store_operation("debit", time.perf_counter() - started)
+        return outcomes
 
     def _without_debit(
         self, request: AdmissionRequest, plan: Plan, policy: PolicySettings
@@ -431,25 +432,6 @@ class Admitter:
         log.info("admit.shadow", would=would.value, plan_reason=plan.reason.value, node_id=best)
         answer = Admission.normal(Reason.SHADOW_MODE, f"shadow mode: {plan.summary()}", plan)
         return answer.model_copy(update={"shadow_decision": would})
-
-
-async def _settling(
-    call: Awaitable[list[DebitOutcome]], answer: asyncio.Future[list[DebitOutcome]]
-) -> list[DebitOutcome]:
-    """``call``'s outcome, also settled into ``answer`` (unless its waiter gave up) in the same
-    step: the waiter resumes on the next loop turn."""
-    try:
-        outcomes = await call
-    except asyncio.CancelledError:
-        answer.cancel()
-        raise
-    except BaseException as exc:
-        if not answer.done():
-            answer.set_exception(exc)
-        raise
-    if not answer.done():
-        answer.set_result(outcomes)
-    return outcomes
 
 
 def _borrow(

@@ -30,7 +30,7 @@ For router authors (also in README.md):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import structlog
@@ -156,11 +156,10 @@ class OrphanDebits:
         self._store = store
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def watch(self, debits: asyncio.Future[list[DebitOutcome]]) -> None:
-        """Done-callback of debits their Admit stopped waiting for: release those granted."""
-        if debits.cancelled() or debits.exception() is not None:
-            return  # nothing landed, or the store failed: a HELD debit expires by itself
-        for outcome in debits.result():
+    def watch(self, outcomes: Sequence[DebitOutcome]) -> None:
+        """The outcomes of debits their Admit stopped waiting for, once they landed: release
+        those granted (debits that failed never come here: a HELD debit expires by itself)."""
+        for outcome in outcomes:
             if outcome.granted and outcome.reservation is not None:
                 rid = outcome.reservation.reservation_id
                 self.release(rid, "admission timed out", outcome.record_key)

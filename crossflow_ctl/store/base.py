@@ -32,8 +32,9 @@ Semantics (both implementations, proved by tests/store/test_contract.py):
 from __future__ import annotations
 
 import abc
+import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple
 
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
@@ -275,6 +276,40 @@ class Store(abc.ABC):
             for d in debits
         ]
 
+    async def try_debits_settled(
+        self,
+        debits: Sequence[DebitRequest],
+        share: Share,
+        now_ms: int,
+        hold_ttl_ms: int,
+        late: Callable[[list[DebitOutcome]], None],
+    ) -> list[DebitOutcome]:
+        """:meth:`try_debits` for a caller that may stop waiting (cancelled: the admission
+        deadline, or its own caller gone): the debits may still land then, and their outcomes
+        go to ``late`` once known, so a grant nobody was told of can be released (none when
+        the store failed: a HELD debit expires by itself). A timeout the store call sets up
+        cancels the debit, never the caller.
+
+        Here: :meth:`try_debits` in a task of its own from the start, the caller waiting on a
+        future the task settles as its last step (what ``asyncio.shield`` does, one event-loop
+        turn sooner). A store whose debit can be waited for in the caller's own task and still
+        be finished once it left (the Redis store's dedicated connection) overrides it."""
+        answer: asyncio.Future[list[DebitOutcome]] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(
+            _settling(self.try_debits(debits, share, now_ms, hold_ttl_ms), answer)
+        )
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda done: _hand_over(done, late))
+            raise
+        except BaseException:
+            # The task ended with that same error in the step that set it: retrieved here,
+            # as shield retrieves it, so asyncio never reports it as unretrieved.
+            if task.done() and not task.cancelled():
+                task.exception()
+            raise
+
     @abc.abstractmethod
     async def commit(
         self, reservation_id: str, now_ms: int, commit_ttl_ms: int, owner: str | None = None
@@ -376,3 +411,31 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections."""
+
+
+async def _settling(
+    call: Awaitable[list[DebitOutcome]], answer: asyncio.Future[list[DebitOutcome]]
+) -> list[DebitOutcome]:
+    """``call``'s outcome, also settled into ``answer`` (unless its waiter gave up) in the same
+    step: the waiter resumes on the next loop turn."""
+    try:
+        outcomes = await call
+    except asyncio.CancelledError:
+        answer.cancel()
+        raise
+    except BaseException as exc:
+        if not answer.done():
+            answer.set_exception(exc)
+        raise
+    if not answer.done():
+        answer.set_result(outcomes)
+    return outcomes
+
+
+def _hand_over(
+    debits: asyncio.Future[list[DebitOutcome]], late: Callable[[list[DebitOutcome]], None]
+) -> None:
+    """Done-callback of debits their caller stopped waiting for: their outcomes to ``late``
+    (nothing when they failed or were cancelled: nothing landed, or a HELD debit expires)."""
+    if not debits.cancelled() and debits.exception() is None:
+        late(debits.result())

@@ -29,6 +29,8 @@ from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from crossflow_ctl.aio import shielded
+
 Command = tuple[Any, ...]
 
 
@@ -54,8 +56,9 @@ async def send_all(
         raise
     finally:
         # Shielded as redis-py's Pipeline.reset shields it: release waits on the pool's lock
-        # when callers queue for a connection, and a cancel there would keep the slot for good.
-        await asyncio.shield(pool.release(conn))
+        # when callers queue for a connection, and a cancel there would keep the slot for good
+        # (a task only when it does wait).
+        await shielded(pool.release(conn))
     if raise_on_error:
         for number, (command, reply) in enumerate(zip(commands, replies, strict=True), 1):
             if isinstance(reply, ResponseError):

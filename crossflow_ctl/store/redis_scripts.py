@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+import contextvars
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
+import structlog
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from crossflow_ctl.store.redis_pipeline import send_all
+
+log = structlog.get_logger()
 
 PER_NODE = (
     "upsert_leases",
@@ -156,39 +160,129 @@ class Scripts:
 class DedicatedLine:
     """One pooled connection held for one hot script (the admission debit, standalone Redis).
 
-    Admission's group commit sends one debit call at a time, so the connection is taken from
+    Admission's group commit sends one debit round at a time, so the connection is taken from
     the pool once (it counts against the pool's size) and kept, instead of a checkout per call
     (a condition, a timeout, a readiness probe of the socket, the release: more Python than
-    the call itself). Calls are serialised (a late, shielded debit may still be in flight when
-    the next batch sends); on any error or cancellation (a reply might still be on its way)
-    the connection is disconnected and handed back, and the next call takes one again. The
-    socket timeout bounds each read, as on every pooled connection."""
+    the call itself). Calls are serialised; a round's script calls go out together (one write,
+    one round trip) and are read back in order, each within the socket timeout, in the
+    CALLER's task: no task of its own, no hand-off of the replies.
+
+    A caller cancelled while it waits (the admission deadline, or its own caller gone) leaves
+    the script calls to land, as they may: when it gave ``late``, the replies still due are read
+    in the background and handed to ``late`` (the connection stays in step and is kept);
+    without, the connection is dropped. On any other error the connection is disconnected and
+    handed back, and the next call takes one again."""
 
     def __init__(self, client: Redis, scripts: Scripts, name: str) -> None:
         self._client = client
         self._script = scripts.by_name[name]
         self._conn: AbstractConnection | None = None
         self._lock = asyncio.Lock()
+        self._finishing: set[asyncio.Task[None]] = set()
 
     async def run(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """The script's reply (one round trip; two, once, after NOSCRIPT)."""
-        script = self._script
-        async with self._lock:
+        """The script's reply (one round trip; two, once, after NOSCRIPT); raises its error."""
+        reply = (await self.run_each([(keys, args)]))[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def run_each(
+        self,
+        calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+        late: Callable[[list[Any]], None] | None = None,
+    ) -> list[Any]:
+        """Each (keys, args) call of the script, in ONE round trip (two, once, for the calls
+        that met NOSCRIPT: nothing ran for those); each call's reply or its own error (a
+        ResponseError object) in order. Cancelled while waiting: with ``late``, the replies are
+        read in the background and handed to it (the calls may have run); see the class."""
+        await self._lock.acquire()
+        handed_over = False
+        try:
             conn = self._conn or await self._connection()
             self._conn = None
+            script = self._script
+            slots: list[int] = []
+            """Which call each command written is, in order (a resent call twice)."""
+            wire: list[Any] = []
+            """The replies read so far, in order."""
             try:
-                try:
-                    await conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                    reply = await conn.read_response()
-                except NoScriptError:  # nothing ran: load it and send again
+                first = range(len(calls))
+                await self._write(conn, [_evalsha(script.sha, calls[i]) for i in first])
+                slots.extend(first)
+                await self._read(conn, len(slots), wire)
+                todo = [i for i, reply in enumerate(wire) if isinstance(reply, NoScriptError)]
+                if todo:  # nothing ran for those: load the script and send them again
                     script.sha = await self._client.script_load(script.script)
-                    await conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                    reply = await conn.read_response()
+                    await self._write(conn, [_evalsha(script.sha, calls[i]) for i in todo])
+                    slots.extend(todo)
+                    await self._read(conn, len(slots), wire)
+            except asyncio.CancelledError:
+                if late is None:
+                    await self._hand_back(conn)
+                    raise
+                handed_over = True  # the lock goes with it: the connection is not in step yet
+                finish = self._finish(conn, len(calls), slots, wire, late)
+                task = asyncio.get_running_loop().create_task(
+                    finish, name="crossflow-late-debit", context=contextvars.Context()
+                )
+                self._finishing.add(task)
+                task.add_done_callback(self._finishing.discard)
+                raise
             except BaseException:
                 await self._hand_back(conn)
                 raise
             self._conn = conn
-            return reply
+            return _by_call(len(calls), slots, wire)
+        finally:
+            if not handed_over:
+                self._lock.release()
+
+    @staticmethod
+    async def _write(conn: AbstractConnection, commands: Sequence[tuple[Any, ...]]) -> None:
+        """Write ``commands`` in one go. On the store's own connections a write waits only when
+        the socket's buffer is full (:func:`~.redis_connect.send_in_task`); a cancellation
+        that cuts it short drops the connection (a debit that still went out expires)."""
+        await conn.send_packed_command(conn.pack_commands(commands))
+
+    @staticmethod
+    async def _read(conn: AbstractConnection, due: int, wire: list[Any]) -> None:
+        """Read replies onto ``wire`` until it holds ``due``, each within the socket timeout;
+        an error reply takes its slot. A read cancelled while it waits leaves the connection in
+        step (nothing of the reply consumed) and ``wire`` holding those read."""
+        while len(wire) < due:
+            try:
+                reply = await conn.read_response(disconnect_on_error=False)
+            except ResponseError as exc:
+                wire.append(exc)
+            else:
+                wire.append(reply)
+
+    async def _finish(
+        self,
+        conn: AbstractConnection,
+        count: int,
+        slots: list[int],
+        wire: list[Any],
+        late: Callable[[list[Any]], None],
+    ) -> None:
+        """Read the replies a cancelled caller left (a NOSCRIPT one stays an error: nothing
+        ran), keep the connection and hand each call's reply to ``late``; on a read error, drop
+        the connection (what landed is unknown: a HELD debit expires by itself)."""
+        try:
+            try:
+                await self._read(conn, len(slots), wire)
+            except BaseException as exc:
+                await self._hand_back(conn)
+                log.warning("late_debit.read_failed", error=repr(exc))
+                return
+            self._conn = conn
+        finally:
+            self._lock.release()
+        try:
+            late(_by_call(count, slots, wire))
+        except Exception:  # a bug in the hand-over must not vanish in a task nobody awaits
+            log.exception("late_debit.hand_over_failed")
 
     async def _connection(self) -> AbstractConnection:
         """A connection taken from the pool (waiting for one, within the pool's timeout)."""
@@ -201,7 +295,23 @@ class DedicatedLine:
         await self._client.connection_pool.release(conn)
 
     async def close(self) -> None:
+        if self._finishing:  # late replies still being read: let them land and be handed over
+            await asyncio.wait(set(self._finishing), timeout=1.0)
         async with self._lock:
             conn, self._conn = self._conn, None
             if conn is not None:
                 await self._hand_back(conn)
+
+
+def _evalsha(sha: str, call: tuple[Sequence[str], Sequence[Any]]) -> tuple[Any, ...]:
+    keys, args = call
+    return ("EVALSHA", sha, len(keys), *keys, *args)
+
+
+def _by_call(count: int, slots: Sequence[int], wire: Sequence[Any]) -> list[Any]:
+    """Each call's reply: its last one read (a call resent after NOSCRIPT: the resent one's);
+    None for a call whose command was never written."""
+    out: list[Any] = [None] * count
+    for i, reply in zip(slots, wire, strict=True):
+        out[i] = reply
+    return out

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import structlog
@@ -333,6 +333,24 @@ class RedisStore(Store):
         self, debits: Sequence[DebitRequest], share: Share, now_ms: int, hold_ttl_ms: int
     ) -> list[DebitOutcome]:
         """ONE script call per node, all of them in ONE round trip (pipelined when several)."""
+        return await self._debit(debits, share, now_ms, hold_ttl_ms, None)
+
+    async def try_debits_settled(
+        self,
+        debits: Sequence[DebitRequest],
+        share: Share,
+        now_ms: int,
+        hold_ttl_ms: int,
+        late: Callable[[list[DebitOutcome]], None],
+    ) -> list[DebitOutcome]:
+        """``Store.try_debits_settled`` in the caller's own task on a standalone Redis (the
+        dedicated connection reads what a cancelled caller left and hands it to ``late``: no
+        task per debit round); as the base class does on a Cluster."""
+        if self._debit_line is None:
+            return await super().try_debits_settled(debits, share, now_ms, hold_ttl_ms, late)
+        return await self._debit(debits, share, now_ms, hold_ttl_ms, late)
+
+    def _check_debits(self, debits: Sequence[DebitRequest], share: Share, hold_ttl_ms: int) -> None:
         check_debit_args(share, hold_ttl_ms)
         for d in debits:
             check_owner(d.owner)
@@ -340,27 +358,52 @@ class RedisStore(Store):
             check_pulled_tokens(d.pulled_tokens)
             if d.record is not None and not self.folds_request_records:
                 raise InvalidArgument("a Redis Cluster store takes no record with a debit")
-        calls = [DebitCall.build(d, now_ms, hold_ttl_ms) for d in debits if is_node_id(d.node_id)]
+
+    async def _debit(
+        self,
+        debits: Sequence[DebitRequest],
+        share: Share,
+        now_ms: int,
+        hold_ttl_ms: int,
+        late: Callable[[list[DebitOutcome]], None] | None,
+    ) -> list[DebitOutcome]:
+        self._check_debits(debits, share, hold_ttl_ms)
+        calls = DebitCall.build_all(
+            [d for d in debits if is_node_id(d.node_id)], now_ms, hold_ttl_ms
+        )
         groups = script_calls(self._k, calls, share)
-        try:  # no timeout of its own: the admission deadline (or the socket timeouts) bound it
-            if len(groups) == 1 and self._debit_line is not None:
-                replies = [await self._debit_line.run(groups[0].keys, groups[0].args)]
+
+        def outcomes(replies: Sequence[Any]) -> list[DebitOutcome]:
+            """Each debit's outcome (a call that failed or never went out: unknown_node)."""
+            by_call: list[DebitOutcome] = [UNKNOWN_NODE] * len(calls)
+            for group, reply in zip(groups, replies, strict=True):
+                if not isinstance(reply, list):
+                    continue
+                for position, item in zip(group.positions, reply, strict=True):
+                    by_call[position] = calls[position].outcome(item)
+                node_id = calls[group.positions[0]].node_id
+                refresh_cache(self._node_cache, node_id, reply[-1], now_ms)
+            found = iter(by_call)
+            return [next(found) if is_node_id(d.node_id) else UNKNOWN_NODE for d in debits]
+
+        script_args = [(g.keys, g.args) for g in groups]
+        # no timeout of its own: the admission deadline (or the socket timeouts) bound it
+        try:
+            if not groups:
+                replies: list[Any] = []
+            elif self._debit_line is not None:
+                hand_over = None if late is None else (lambda got: late(outcomes(got)))
+                replies = await self._debit_line.run_each(script_args, hand_over)
+                for reply in replies:
+                    if isinstance(reply, Exception):
+                        raise reply
             elif len(groups) == 1:
-                replies = [await self._run("try_debit", groups[0].keys, groups[0].args)]
+                replies = [await self._run("try_debit", *script_args[0])]
             else:
-                replies = await self._scripts.run_many(
-                    "try_debit", [(g.keys, g.args) for g in groups]
-                )
+                replies = await self._scripts.run_many("try_debit", script_args)
         except (RedisError, OSError, TimeoutError) as exc:
             raise _failure("try_debit", exc) from None
-        by_call: list[DebitOutcome] = [UNKNOWN_NODE] * len(calls)
-        for group, reply in zip(groups, replies, strict=True):
-            for position, item in zip(group.positions, reply, strict=True):
-                by_call[position] = calls[position].outcome(item)
-            node_id = calls[group.positions[0]].node_id
-            refresh_cache(self._node_cache, node_id, reply[-1], now_ms)
-        found = iter(by_call)
-        return [next(found) if is_node_id(d.node_id) else UNKNOWN_NODE for d in debits]
+        return outcomes(replies)
 
     async def _change(self, name: str, reservation_id: str, args: list[Any]) -> Reservation:
         node_id = node_of_reservation(reservation_id)

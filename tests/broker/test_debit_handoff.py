@@ -1,43 +1,57 @@
-"""The Admitter's debit hand-off (``Admitter._shielded``): the debit runs in a task of its own,
-its outcome or error reaches the waiting Admit, and an Admit that stops waiting (timeout or
-cancel) leaves the debit to finish and hands it to ``abandoned`` (which releases what lands)."""
+"""The debit hand-off (``Store.try_debits_settled``): the outcome or error reaches the waiting
+Admit, and an Admit that stops waiting (timeout or cancel) leaves the debits to land and hands
+their outcomes to ``late`` (which releases what was granted).
+
+Two forms: the default (the debit in a task of its own, the caller waiting on its outcome) and
+the Redis store's, on a standalone Redis, where the caller's own task waits on the dedicated
+connection and the replies a cancelled caller left are read in the background (no task per
+debit round): proved here over real Redis behind a proxy that holds the replies back."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
+from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import StoreUnavailable
-from crossflow_ctl.observability import BrokerMetrics
-from crossflow_ctl.service.admission import Admitter
+from crossflow_ctl.domain.models import Credits, ReservationState
+from crossflow_ctl.store.base import DebitOutcome, DebitRequest, Store
+from crossflow_ctl.store.redis_store import RedisStore
+from tests.broker.conftest import TEST_POLICY, lending_broker
 
 
-def _admitter(abandoned: list[asyncio.Future[Any]]) -> Admitter:
-    return Admitter(
-        store=None,  # type: ignore[arg-type]  # the hand-off never reaches the store
-        clock=None,  # type: ignore[arg-type]
-        metrics=BrokerMetrics.noop(),
-        policy=lambda: None,  # type: ignore[arg-type,return-value]
-        abandoned=abandoned.append,
-    )
+class _Gated:
+    """A store whose ``try_debits`` waits for ``gate``, then answers ``outcome`` (or raises
+    it); the hand-off is the base class's."""
+
+    def __init__(self, gate: asyncio.Event, outcome: Any = "granted") -> None:
+        self.gate = gate
+        self.outcome = outcome
+
+    async def try_debits(self, *args: Any) -> Any:
+        await self.gate.wait()
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return [self.outcome]
+
+    try_debits_settled = Store.try_debits_settled
 
 
-async def _debit(gate: asyncio.Event, outcome: Any = "granted") -> Any:
-    await gate.wait()
-    if isinstance(outcome, BaseException):
-        raise outcome
-    return [outcome]
+async def _settled(store: _Gated, late: list[Any]) -> Any:
+    return await store.try_debits_settled([], 1.0, 0, 1, late.append)  # type: ignore[arg-type]
 
 
 async def test_the_outcome_reaches_the_waiting_admit() -> None:
-    abandoned: list[asyncio.Future[Any]] = []
+    late: list[Any] = []
     gate = asyncio.Event()
     gate.set()
-    assert await _admitter(abandoned)._shielded(_debit(gate)) == ["granted"]
-    assert abandoned == []
+    assert await _settled(_Gated(gate), late) == ["granted"]
+    assert late == []
 
 
 async def test_a_debit_error_reaches_the_admit_and_is_never_reported_unretrieved() -> None:
@@ -48,7 +62,7 @@ async def test_a_debit_error_reaches_the_admit_and_is_never_reported_unretrieved
         gate = asyncio.Event()
         gate.set()
         with pytest.raises(StoreUnavailable):
-            await _admitter([])._shielded(_debit(gate, StoreUnavailable("down")))
+            await _settled(_Gated(gate, StoreUnavailable("down")), [])
         await asyncio.sleep(0)
         gc.collect()  # an unretrieved task exception is reported when the task is collected
         await asyncio.sleep(0)
@@ -58,16 +72,134 @@ async def test_a_debit_error_reaches_the_admit_and_is_never_reported_unretrieved
 
 
 async def test_an_admit_that_stops_waiting_leaves_the_debit_to_land_and_hands_it_over() -> None:
-    abandoned: list[asyncio.Future[Any]] = []
+    late: list[Any] = []
     gate = asyncio.Event()
-    admit = asyncio.ensure_future(_admitter(abandoned)._shielded(_debit(gate)))
+    admit = asyncio.ensure_future(_settled(_Gated(gate), late))
     await asyncio.sleep(0.01)
     admit.cancel()
     with pytest.raises(asyncio.CancelledError):
         await admit
-    assert len(abandoned) == 0  # handed over once the debit is done, as a done callback
+    assert late == []  # handed over once the debit is done
     gate.set()  # the debit lands after its Admit went away
     for _ in range(5):
         await asyncio.sleep(0)
-    assert len(abandoned) == 1
-    assert abandoned[0].result() == ["granted"]
+    assert late == [["granted"]]
+
+
+class HeldReplies:
+    """A TCP proxy to Redis that holds each reply back ``delay_s`` (0: passes at once)."""
+
+    def __init__(self, redis_url: str) -> None:
+        url = urlsplit(redis_url)
+        self._host, self._port = url.hostname or "127.0.0.1", url.port or 6379
+        self._db = url.path
+        self.delay_s = 0.0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"redis://127.0.0.1:{port}{self._db}"
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        redis_r, redis_w = await asyncio.open_connection(self._host, self._port)
+        ups = [
+            asyncio.create_task(self._pipe(client_r, redis_w, held=False)),
+            asyncio.create_task(self._pipe(redis_r, client_w, held=True)),
+        ]
+        self._tasks.update(ups)
+        await asyncio.wait(ups, return_when=asyncio.FIRST_COMPLETED)
+        for task in ups:
+            task.cancel()
+        client_w.close()
+        redis_w.close()
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, held: bool) -> None:
+        while data := await r.read(65536):
+            if held and self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            w.write(data)
+            await w.drain()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            self._server.close()
+
+
+@pytest.fixture
+async def held(
+    redis_url: str, redis_namespace: str
+) -> AsyncIterator[tuple[HeldReplies, RedisStore]]:
+    proxy = HeldReplies(redis_url)
+    store = RedisStore(await proxy.start(), namespace=redis_namespace, cache_max_age_ms=60_000)
+    try:
+        yield proxy, store
+    finally:
+        proxy.delay_s = 0.0
+        await store.close()
+        await proxy.close()
+
+
+def _debit(node_id: str = "d1") -> DebitRequest:
+    return DebitRequest(node_id, Credits(compute_tokens=100, slots=1), "", "", None, 0, None)
+
+
+async def test_redis_a_cancelled_debit_lands_is_handed_over_and_the_line_stays_in_step(
+    held: tuple[HeldReplies, RedisStore],
+) -> None:
+    proxy, store = held
+    broker = await lending_broker(store, TEST_POLICY, slots=2)
+    share, now = TEST_POLICY.shares, 1_700_000_000_000
+    first = await store.try_debits_settled([_debit()], share, now, 10_000, lambda _: None)
+    assert first[0].granted  # warm: the dedicated connection is open
+    late: list[Sequence[DebitOutcome]] = []
+    proxy.delay_s = 0.3
+    waiting = asyncio.create_task(
+        store.try_debits_settled([_debit(), _debit()], share, now, 10_000, late.append)
+    )
+    await asyncio.sleep(0.1)  # the debits are in Redis; their replies are held back
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert late == []
+    for _ in range(100):  # the replies come, are read in the background and handed over
+        if late:
+            break
+        await asyncio.sleep(0.02)
+    assert [[o.granted for o in outcomes] for outcomes in late] == [[True, False]]
+    granted = late[0][0].reservation
+    assert granted is not None
+    assert late[0][1].short_credits == ("slots",)  # the second saw the first: one slot left
+    held_ids = {r.reservation_id for r in await broker.list_reservations()}
+    assert granted.reservation_id in held_ids
+    proxy.delay_s = 0.0
+    # The same connection answers the next call with ITS replies, not the late ones.
+    again = await store.try_debits_settled([_debit("nope")], share, now, 10_000, late.append)
+    assert [o.refusal for o in again] == ["unknown_node"]
+    after = await store.try_debits_settled([_debit()], share, now, 10_000, late.append)
+    assert after[0].short_credits == ("slots",) and len(late) == 1  # both slots are held
+
+
+async def test_redis_an_admit_past_its_deadline_answers_timeout_and_its_grant_is_released(
+    held: tuple[HeldReplies, RedisStore],
+) -> None:
+    proxy, store = held
+    broker = await lending_broker(store, TEST_POLICY.updated({"admit_timeout_ms": 100}))
+    ask = AdmissionRequest(uncached_prompt_tokens=100)
+    assert (await broker.admit(ask)).decision is Decision.BORROW  # warm
+    proxy.delay_s = 0.4
+    answer = await broker.admit(ask)
+    assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
+    proxy.delay_s = 0.0
+    states: list[ReservationState] = []
+    for _ in range(200):  # the debit lands after the answer, then is released in the background
+        states = sorted(r.state for r in await broker.list_reservations())
+        if states == [ReservationState.HELD, ReservationState.RELEASED]:
+            break
+        await asyncio.sleep(0.02)
+    assert states == [ReservationState.HELD, ReservationState.RELEASED]
+    assert (await broker.admit(ask)).decision is Decision.BORROW  # the line is in step

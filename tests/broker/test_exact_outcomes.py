@@ -20,6 +20,7 @@ from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import FailedPrecondition
 from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.store.base import Store
 from tests.broker.conftest import TEST_POLICY, target
 
 
@@ -34,6 +35,9 @@ class SlowDebits:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    # The hand-off every store has by default, around this wrapper's own (late) debits.
+    try_debits_settled = Store.try_debits_settled
 
     async def try_debits(self, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.shield(asyncio.ensure_future(self._land(*args, **kwargs)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -126,6 +127,40 @@ async def test_a_lone_admit_is_decided_in_its_own_task_and_later_arrivals_wait_f
     assert slow.debits == warm + 2  # the two that waited went together, in one batch
     assert [a.decision for a in answers] == [Decision.BORROW, Decision.NORMAL]
     assert answers[1].reason is Reason.NO_ROOM
+
+
+async def test_a_warm_lone_admit_starts_no_task_on_standalone_redis(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Its debit is waited for in its own task on the dedicated connection (no task per debit
+    round; the store's own connections write in the caller's task too)."""
+    store = RedisStore(redis_url, namespace=redis_namespace, cache_max_age_ms=60_000)
+    try:
+        await _no_task_for_a_warm_admit(store)
+    finally:
+        await store.close()
+
+
+async def _no_task_for_a_warm_admit(store: RedisStore) -> None:
+    broker = await lending_broker(store, PATIENT)
+    await broker.admit(ask())  # warm: caches filled, script loaded, the debit's connection open
+    loop = asyncio.get_running_loop()
+    started: list[str] = []
+    default = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+        started.append(getattr(coro, "__qualname__", repr(coro)))
+        if default is not None:
+            return default(loop, coro, **kwargs)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+    try:
+        answer = await broker.admit(ask())
+    finally:
+        loop.set_task_factory(default)
+    assert answer.decision is Decision.BORROW
+    assert started == []
 
 
 class StalledDebits(SlowDebits):
