@@ -9,6 +9,7 @@ terminates TLS). Unreadable files raise ConfigError naming the setting.
 
 from __future__ import annotations
 
+import re
 import ssl
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,16 @@ def read_secret(path: Path, field: str) -> bytes:
 
 _CERT_MARK = b"-----BEGIN CERTIFICATE-----"
 _KEY_MARK = b"PRIVATE KEY-----"
+_CERT_BLOCK = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.DOTALL)
+
+
+def _checking_context() -> ssl.SSLContext:
+    """A context that checks what gRPC checks (PEM, a key that fits its certificate) and nothing
+    more: OpenSSL security level 0, as Python's default level 2 refuses RSA-1024 keys and SHA-1
+    signatures that gRPC serves and verifies."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
+    return ctx
 
 
 def read_ca_bundle(path: Path, field: str) -> bytes:
@@ -39,8 +50,11 @@ def read_ca_bundle(path: Path, field: str) -> bytes:
     data = read_secret(path, field)
     if _CERT_MARK not in data:
         raise ConfigError(f"{path} holds no PEM certificate (a CA bundle)", field=field)
+    # Only the certificate blocks: bundles carry comments and labels (p11-kit's, in UTF-8) that
+    # gRPC skips.
+    blocks = b"\n".join(_CERT_BLOCK.findall(data))
     try:
-        ssl.create_default_context(cadata=data.decode("ascii"))
+        _checking_context().load_verify_locations(cadata=blocks.decode("ascii"))
     except (UnicodeDecodeError, ssl.SSLError, ValueError) as exc:
         raise ConfigError(
             f"{path} is not a PEM CA bundle: {_ssl_reason(exc)}", field=field
@@ -57,7 +71,7 @@ def read_key_pair(cert: Path, key: Path, fields: tuple[str, str]) -> tuple[bytes
     if _KEY_MARK not in key_pem:
         raise ConfigError(f"{key} holds no PEM private key", field=fields[1])
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(
+        _checking_context().load_cert_chain(
             cert.expanduser(), key.expanduser(), password=lambda: b""
         )
     except (ssl.SSLError, ValueError) as exc:

@@ -143,6 +143,53 @@ def test_tls_files_that_are_not_pem_are_refused_naming_the_setting(tmp_path: Pat
     assert one_line(run.exception).startswith("error: ca_file: ")
 
 
+def test_tls_files_grpc_accepts_are_not_refused(tmp_path: Path) -> None:
+    """The PEM checks refuse what gRPC refuses, no more: a CA bundle with UTF-8 labels between
+    its certificates (p11-kit's) was refused as not ASCII, and an RSA-1024 key (OpenSSL's level 2
+    rejects it, as it does SHA-1 signatures; gRPC serves and verifies both) as not the key of its
+    certificate."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    from tests.security.pki import TestCA
+
+    ca = TestCA(tmp_path / "pki")
+    bundle = tmp_path / "bundle.crt"
+    bundle.write_bytes("# Főtanúsítvány\n".encode() + ca.cert.read_bytes())
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "old")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "old.crt", tmp_path / "old.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    check_credentials(ClientCredentials(ca_file=bundle, cert_file=cert_file, key_file=key_file))
+    other = ca.issue("b")
+    with pytest.raises(ConfigError, match="is not the unencrypted private key of"):
+        check_credentials(
+            ClientCredentials(ca_file=bundle, cert_file=cert_file, key_file=other.key)
+        )
+
+
 def test_rule_table_defaults_fail_closed() -> None:
     rules = Authorizer(AuthSettings(token_file=Path("/unused")), None)
     assert rules.allowed("/grpc.health.v1.Health/Check") is None
