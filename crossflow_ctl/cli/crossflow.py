@@ -164,8 +164,10 @@ def demo(
     else:
         try:
             trace = load_trace(trace_path, max_requests)
-        except InvalidArgument as exc:  # it named the trace's own field ("line: ...")
-            raise InvalidArgument(exc.message, field="--trace") from None
+        except InvalidArgument as exc:  # named the trace's own field: kept in the message
+            known = exc.field in (None, "", "trace", "line")
+            message = exc.message if known else f"{exc.message} ({exc.field})"
+            raise InvalidArgument(message, field="--trace") from None
     live = view == "live" or (view == "auto" and sys.stdout.isatty())
     opts = DemoOptions(
         trace=trace,

@@ -128,7 +128,8 @@ def test_default_log_dir_is_new_and_left_in_place(tmp_path) -> None:
 
 def test_a_bad_demo_trace_is_refused_naming_the_flag(tmp_path: Path) -> None:
     """`crossflow demo --trace` refusals said the reader's field ("error: trace: no trace
-    file ...", "error: line: t.jsonl:1: not JSON"), not the flag; they name --trace, exit 2."""
+    file ...", "error: line: t.jsonl:1: not JSON"), not the flag; they name --trace, exit 2,
+    and still say which field of the trace is at fault."""
     import subprocess
     import sys
 
@@ -137,7 +138,7 @@ def test_a_bad_demo_trace_is_refused_naming_the_flag(tmp_path: Path) -> None:
     main = "from crossflow_ctl.cli.crossflow import main; main()"
     for path, said in (
         (tmp_path / "missing.jsonl", "error: --trace: no trace file at "),
-        (bad, "error: --trace: t.jsonl:"),
+        (bad, "error: --trace: t.jsonl:1: missing field (cached_prefix_tokens)"),
     ):
         proc = subprocess.run(
             [sys.executable, "-c", main, "demo", "--trace", str(path), "--no-sim"],
