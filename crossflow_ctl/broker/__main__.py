@@ -58,8 +58,9 @@ def overrides_from(
         out["listen"] = listen
     if redis_url:
         out["redis_url"] = redis_url
-    if embedded_store:
+    if embedded_store:  # the settings file's Redis, a Cluster too, set aside for a local try
         out["redis_url"] = None
+        out["redis_cluster"] = False
     if redis_namespace:
         out["redis_namespace"] = redis_namespace
     if redis_cluster:

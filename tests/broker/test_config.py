@@ -93,3 +93,12 @@ def test_redis_cluster_without_a_redis_url_is_refused() -> None:
         assert run.exit_code == 2, run.output
         assert "redis_cluster needs a redis_url" in run.output, run.output
     assert BrokerSettings(redis_url="redis://r:6379/0", redis_cluster=True).redis_cluster
+
+
+def test_embedded_store_sets_aside_a_settings_files_redis_cluster(tmp_path: Path) -> None:
+    """A production settings file (a Redis Cluster) run with --embedded-store for a local try
+    runs on the embedded store, as the flag says; it was refused as a cluster without a URL."""
+    config = tmp_path / "broker.yaml"
+    config.write_text("redis_url: redis://r:6379/0\nredis_cluster: true\n")
+    settings = load_settings(*_flags("--config", str(config), "--embedded-store"))
+    assert settings.redis_url is None and not settings.redis_cluster
