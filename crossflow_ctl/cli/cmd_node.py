@@ -269,10 +269,13 @@ def cordon(ctx: click.Context, name: str, reason: str | None) -> None:
 
     async def go() -> bool:
         async with st.session() as session:
-            was = (await session.get_node(name)).state.info.cordoned
-            if not was or reason is not None:  # a plain cordon again keeps the reason it has
-                await session.cordon(name, reason or DEFAULT_CORDON_REASON)
-            return was
+            info = (await session.get_node(name)).state.info
+            kept = info.cordon_reason if info.cordoned else ""  # a plain cordon again keeps it
+            # Always sent, so the node is cordoned even if someone uncordoned it meanwhile.
+            await session.cordon(
+                name, reason if reason is not None else kept or DEFAULT_CORDON_REASON
+            )
+            return info.cordoned
 
     was_cordoned = run(go())
     click.echo(f"node/{name} {'already cordoned' if was_cordoned else 'cordoned'}")

@@ -96,5 +96,7 @@ def cli(
 
 def main() -> None:
     # gRPC's C core logs TLS handshake failures at info on stderr: every error is one line
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    # (unless gRPC tracing is asked for: its output is logged at info too)
+    if "GRPC_TRACE" not in os.environ:
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     sys.exit(run_cli(cli, prog_name="crossflowctl"))

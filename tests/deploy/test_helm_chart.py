@@ -451,6 +451,19 @@ def test_security_values_that_cannot_work_are_refused(
 
 
 @needs_helm
+def test_token_auth_with_an_open_lease_service_needs_no_agent_token() -> None:
+    """With crossflow.v1.LeaseService in auth.open_services the agents need no identity: the
+    refusal of token auth without agent tokens blocked that valid install."""
+    open_services = "{grpc.health.v1.Health,crossflow.v1.LeaseService}"
+    result = helm(
+        "template", "cf", str(CHART),
+        "--set", "security.tokenHashesSecret=h",
+        "--set", f"broker.config.auth.open_services={open_services}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
+@needs_helm
 @pytest.mark.parametrize(
     ("settings", "rendered"),
     [
