@@ -94,7 +94,7 @@ def node_row(
         "cordon_reason": node.info.cordon_reason,
         "labels": dict(node.info.labels),
         "lease_version": stored.lease.version if stored else None,
-        "epoch": stored.lease.epoch if stored else None,
+        "lease_epoch": stored.lease.epoch if stored else None,
         "lease_age_s": age_s(stored.received_at_ms, at_ms) if stored else None,
         "compute_tokens": available.compute_tokens,
         "kv_tokens": available.kv_tokens,
@@ -122,7 +122,7 @@ NODE_COLUMNS = [
     Column("OPEN", "open_reservations"),
     Column("AGE", "lease_age_s", text=_age_text("lease_age_s")),
     Column("POOL", "pool", wide=True),
-    Column("EPOCH", "epoch", wide=True),
+    Column("EPOCH", "lease_epoch", wide=True),
     Column("OUTPUT", "output_tokens", wide=True),
     Column("KV-XFER-BYTES", "kv_transfer_bytes", wide=True),
     Column("ITL-MS", "itl_ms", wide=True, unset=0.0),  # 0: no step measured (idle)

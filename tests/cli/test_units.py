@@ -341,6 +341,8 @@ def test_a_node_without_a_lease_has_no_lease_age_in_json() -> None:
     row = node_row(view, at_ms=1_000, reporting=frozenset({"p"}))
     item = json.loads(render_list([row], NODE_COLUMNS, OutputFormat.JSON, kind="NodeList"))
     assert item["items"][0]["lease_age_s"] is None and item["items"][0]["lease_version"] is None
+    # the lease's epoch is named as reservations name it
+    assert "epoch" not in item["items"][0] and item["items"][0]["lease_epoch"] is None
     assert table([row], NODE_COLUMNS, wide=False).splitlines()[1].split()[-1] == "<none>"
 
 
