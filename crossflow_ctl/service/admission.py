@@ -324,42 +324,68 @@ class Admitter:
                     self.sent.record(
                         request.pool, request.uncached_prompt_tokens, request.prefill_node_id
                     )
+        await self._debit_rounds(requests, owners, policy, now, pending, answers)
+        return [a for a in answers if a is not None]
+
+    async def _debit_rounds(
+        self,
+        requests: Sequence[AdmissionRequest],
+        owners: Sequence[str],
+        policy: PolicySettings,
+        now: int,
+        pending: list[tuple[int, Plan]],
+        answers: list[Admission | None],
+    ) -> None:
+        """Debit ``pending`` (index, plan) in rounds, each on the next ranked node of the
+        requests still unanswered, and fill in their ``answers`` (NO_ROOM for those no round
+        granted)."""
         refusals: dict[int, list[str]] = {i: [] for i, _ in pending}
         records = {i: admit_record(self.store, requests[i], policy) for i, _ in pending}
-        for attempt in range(MAX_DEBIT_TRIES):
-            tries = [
-                (i, plan, plan.ranked[attempt]) for i, plan in pending if attempt < len(plan.ranked)
-            ]
-            if not tries:
-                break
-            debits = [
-                DebitRequest(
-                    c.node_id,
-                    c.debit,
-                    requests[i].request_id,
-                    owners[i],
-                    _record(records[i], plan, c),
-                    c.debit_us,
-                    pulled_tokens(requests[i], c.node_id),
-                )
-                for i, plan, c in tries
-            ]
-            outcomes = await self._debit(debits, policy, now)
-            for (i, plan, check), outcome in zip(tries, outcomes, strict=True):
-                if outcome.granted:
-                    answers[i] = _borrowed(plan, check, outcome)
-                elif outcome.recorded is not None:  # an earlier call's outcome: nothing debited
-                    answers[i] = replay_admission(outcome.recorded)
-                else:
-                    refusals[i].append(f"{check.node_id}: {outcome.refusal}")
-            pending = [(i, plan) for i, plan in pending if answers[i] is None]
+        granted: list[DebitOutcome] = []
+        try:
+            for attempt in range(MAX_DEBIT_TRIES):
+                tries = [
+                    (i, plan, plan.ranked[attempt])
+                    for i, plan in pending
+                    if attempt < len(plan.ranked)
+                ]
+                if not tries:
+                    break
+                debits = [
+                    DebitRequest(
+                        c.node_id,
+                        c.debit,
+                        requests[i].request_id,
+                        owners[i],
+                        _record(records[i], plan, c),
+                        c.debit_us,
+                        pulled_tokens(requests[i], c.node_id),
+                    )
+                    for i, plan, c in tries
+                ]
+                outcomes = await self._debit(debits, policy, now)
+                for (i, plan, check), outcome in zip(tries, outcomes, strict=True):
+                    if outcome.granted:
+                        granted.append(outcome)
+                        answers[i] = _borrowed(plan, check, outcome)
+                    elif outcome.recorded is not None:  # an earlier call's: nothing debited
+                        answers[i] = replay_admission(outcome.recorded)
+                    else:
+                        refusals[i].append(f"{check.node_id}: {outcome.refusal}")
+                pending = [(i, plan) for i, plan in pending if answers[i] is None]
+        except BaseException:
+            # A later round failed or ran past the deadline: the whole batch answers NORMAL, so
+            # the earlier rounds' grants reach no caller; release them (they held room until
+            # their hold TTL).
+            if granted:
+                self._abandoned(granted)
+            raise
         for i, plan in pending:
             answers[i] = Admission.normal(
                 Reason.NO_ROOM,
                 "room taken by concurrent admissions (" + "; ".join(refusals[i]) + ")",
                 plan,
             )
-        return [a for a in answers if a is not None]
 
     def _demand(
         self, pool: PoolSnapshot | None, policy: PolicySettings

@@ -203,3 +203,39 @@ async def test_redis_an_admit_past_its_deadline_answers_timeout_and_its_grant_is
         await asyncio.sleep(0.02)
     assert states == [ReservationState.HELD, ReservationState.RELEASED]
     assert (await broker.admit(ask)).decision is Decision.BORROW  # the line is in step
+
+
+async def test_a_batch_whose_later_round_misses_the_deadline_releases_its_earlier_grants() -> None:
+    """Two Admits in one batch race for d1's one slot: round 1 grants one, the other's round 2
+    (d2) is stuck past the deadline, so the batch answers NORMAL (TIMEOUT) to both. Round 1's
+    grant then reached no caller and was never released: HELD until its hold TTL."""
+    from crossflow_ctl.store.memory import MemoryStore
+
+    store = MemoryStore(seed=1)
+    policy = TEST_POLICY.updated({"admit_timeout_ms": 100, "hold_ttl_ms": 600_000})
+    broker = await lending_broker(store, policy, decode=("d1", "d2"), slots=1)
+    rounds = 0
+    stuck = asyncio.Event()  # never set
+    debits_settled = store.try_debits_settled
+
+    async def second_round_stuck(*args: Any, **kwargs: Any) -> list[DebitOutcome]:
+        nonlocal rounds
+        rounds += 1
+        if rounds == 2:
+            await stuck.wait()
+        return await debits_settled(*args, **kwargs)
+
+    store.try_debits_settled = second_round_stuck  # type: ignore[method-assign]
+    first = AdmissionRequest(uncached_prompt_tokens=100, candidate_node_ids=("d1",))
+    second = AdmissionRequest(uncached_prompt_tokens=100, candidate_node_ids=("d1", "d2"))
+    answers = await broker.admit_many([first, second])
+    assert rounds == 2
+    assert [(a.decision, a.reason) for a in answers] == [(Decision.NORMAL, Reason.TIMEOUT)] * 2
+    held: list[str] = []
+    for _ in range(100):  # the release runs in the background
+        await asyncio.sleep(0.01)
+        listed = await broker.list_reservations()
+        held = [r.node_id for r in listed if r.state is ReservationState.HELD]
+        if not held:
+            break
+    assert held == []
