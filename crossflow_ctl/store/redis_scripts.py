@@ -20,6 +20,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
+from crossflow_ctl.aio import shielded
 from crossflow_ctl.store.redis_pipeline import send_all
 
 log = structlog.get_logger()
@@ -268,15 +269,17 @@ class DedicatedLine:
     ) -> None:
         """Read the replies a cancelled caller left (a NOSCRIPT one stays an error: nothing
         ran), keep the connection and hand each call's reply to ``late``; on a read error, drop
-        the connection (what landed is unknown: a HELD debit expires by itself)."""
+        the connection and hand over the replies read (what else landed is unknown: a HELD
+        debit expires by itself)."""
         try:
             try:
                 await self._read(conn, len(slots), wire)
             except BaseException as exc:
                 await self._hand_back(conn)
                 log.warning("late_debit.read_failed", error=repr(exc))
-                return
-            self._conn = conn
+                slots = slots[: len(wire)]
+            else:
+                self._conn = conn
         finally:
             self._lock.release()
         try:
@@ -292,7 +295,9 @@ class DedicatedLine:
     async def _hand_back(self, conn: AbstractConnection) -> None:
         with contextlib.suppress(RedisError, OSError):
             await conn.disconnect(nowait=True)
-        await self._client.connection_pool.release(conn)
+        # Shielded: this runs in the caller's task, and a cancel while the pool's lock is
+        # awaited would keep the connection checked out for good (a pool slot lost).
+        await shielded(self._client.connection_pool.release(conn))
 
     async def close(self) -> None:
         if self._finishing:  # late replies still being read: let them land and be handed over

@@ -394,9 +394,11 @@ class RedisStore(Store):
             elif self._debit_line is not None:
                 hand_over = None if late is None else (lambda got: late(outcomes(got)))
                 replies = await self._debit_line.run_each(script_args, hand_over)
-                for reply in replies:
-                    if isinstance(reply, Exception):
-                        raise reply
+                failed = next((r for r in replies if isinstance(r, Exception)), None)
+                if failed is not None:
+                    if late is not None:  # the other nodes' calls may have granted: released
+                        late(outcomes(replies))
+                    raise failed
             elif len(groups) == 1:
                 replies = [await self._run("try_debit", *script_args[0])]
             else:

@@ -239,3 +239,30 @@ async def test_a_batch_whose_later_round_misses_the_deadline_releases_its_earlie
         if not held:
             break
     assert held == []
+
+
+async def test_redis_a_failed_call_hands_the_other_nodes_grants_over(
+    held: tuple[HeldReplies, RedisStore], redis_url: str
+) -> None:
+    """One debit round on two nodes: d2's script fails (its reservations key of the wrong
+    type), d1's grants. The round raises StoreUnavailable, and d1's grant, which no caller
+    gets, was dropped with it: HELD until its hold TTL. Now it goes to ``late`` (released)."""
+    from redis.asyncio import Redis
+
+    _, store = held
+    await lending_broker(store, TEST_POLICY, decode=("d1", "d2"), slots=5)
+    raw = Redis.from_url(redis_url)
+    try:
+        key = store._k.node("d2").reservations
+        await raw.delete(key)
+        await raw.set(key, "not a hash")
+        late: list[Sequence[DebitOutcome]] = []
+        share, now = TEST_POLICY.shares, 1_700_000_000_000
+        with pytest.raises(StoreUnavailable):
+            await store.try_debits_settled(
+                [_debit("d1"), _debit("d2")], share, now, 10_000, late.append
+            )
+        assert [[o.granted for o in outcomes] for outcomes in late] == [[True, False]]
+    finally:
+        await raw.delete(store._k.node("d2").reservations)
+        await raw.aclose()
