@@ -42,6 +42,27 @@ def _channel(target: Target) -> grpc.aio.Channel:
     return open_channel(target.server, target.credentials, channel_options())
 
 
+def _identity_hint(target: Target) -> str:
+    """What a refused identity most likely means, from what the caller gave."""
+    creds, server = target.credentials, target.server
+    given = [
+        f"{flag} {path}"
+        for flag, path in (("--token-file", creds.token_file), ("--cert-file", creds.cert_file))
+        if path is not None
+    ]
+    if given:
+        return (
+            f"the broker at {server} refused the identity given ({', '.join(given)}): check "
+            "that it is one the broker knows (its token hashes, or a certificate its client CA "
+            "signed); `crossflowctl config view` shows what the context gives"
+        )
+    return (
+        f"the broker at {server} authenticates callers: give --token-file FILE, or --ca-file "
+        "with --cert-file and --key-file, or a context that has them; `crossflowctl config "
+        "view` shows what the context gives"
+    )
+
+
 def _tls_hint(error: str, creds: ClientCredentials) -> str:
     """What a connection closed during set-up most likely means: the two ends disagree on TLS
     (it read "is a broker serving there?" of a broker that was)."""
@@ -122,12 +143,7 @@ class BrokerSession:
                 ExitCode.UNAVAILABLE,
             ) from None
         except Unauthenticated as exc:
-            raise CliError(
-                f"{exc} (the broker at {self.target.server} authenticates callers: give "
-                "--token-file FILE, or --ca-file with --cert-file and --key-file, or a context "
-                "that has them; `crossflowctl config view` shows what the context gives)",
-                ExitCode.DENIED,
-            ) from None
+            raise CliError(f"{exc} ({_identity_hint(self.target)})", ExitCode.DENIED) from None
         except NotFound as exc:
             if exc.field != "node_id":
                 raise

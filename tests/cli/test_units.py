@@ -489,3 +489,15 @@ def test_a_group_without_a_command_prints_its_help(
     err = capsys.readouterr().err
     assert err.startswith(f"Usage: {' '.join(argv)} [OPTIONS] COMMAND"), err
     assert "error:" not in err and "(see '" not in err, err
+
+
+def test_a_refused_identity_is_named_and_a_missing_one_asked_for() -> None:
+    from pathlib import Path
+
+    from crossflow_ctl.cli.api import Target, _identity_hint
+    from crossflow_ctl.security.settings import ClientCredentials
+
+    bare = Target(server="b:50051", credentials=ClientCredentials())
+    assert "authenticates callers: give --token-file FILE" in _identity_hint(bare)
+    token = Target(server="b:50051", credentials=ClientCredentials(token_file=Path("/t")))
+    assert "refused the identity given (--token-file /t)" in _identity_hint(token)

@@ -187,5 +187,6 @@ async def test_crossflowctl_context_keeps_a_token_and_tls_settings(
     rc, _, err = await _ctl_plain(config, "--token-file", str(wrong), "get", "nodes")
     assert rc == 6, err  # the flag overrides the context's token; the broker refuses it
     assert "unknown bearer token" in err
-    # it said only the broker's words; it now says what to give
-    assert "give --token-file FILE, or --ca-file with --cert-file and --key-file" in err, err
+    # it said only the broker's words, then "give --token-file FILE" of a token given: it now
+    # says the identity given was refused, naming it
+    assert f"refused the identity given (--token-file {wrong})" in err, err
