@@ -28,8 +28,9 @@ A warm Admit is ONE Redis round trip (the atomic debit): the plan uses the repli
 Then AdmitStream, the streaming Admit for high-QPS routers (target >= 10,000 decisions/s per
 broker process): raw, ``--stream-batch`` items per message with ``--stream-window`` messages in
 flight, next to its floor, the same messages echoed by a bare grpc.aio bidirectional stream
-(no broker code); and through the client's ``AdmissionStream`` with ``--stream-callers``
-concurrent callers.
+(no broker code), with the broker's CPU per streamed decision (all its threads; on a shared
+machine it says more than the rate); and through the client's ``AdmissionStream`` with
+``--stream-callers`` concurrent callers.
 """
 
 from __future__ import annotations
@@ -500,13 +501,16 @@ async def main(args: argparse.Namespace) -> None:
         echo_stub = admission_pb2_grpc.AdmissionServiceStub(floor_channel)
         batch, window = args.stream_batch, args.stream_window
         await stream_rate(stream_stub, request, 0.3, batch, window)  # warm up
+        cpu0, wall0 = cpu_seconds(proc.pid), time.perf_counter()
         rate, share = await stream_rate(stream_stub, request, args.seconds, batch, window)
+        stream_cpu_us = (cpu_seconds(proc.pid) - cpu0) / (rate * (time.perf_counter() - wall0))
         echo, _ = await stream_rate(echo_stub, request, args.seconds, batch, window)
         helper, helper_share = await helper_rate(addr, args.seconds, args.stream_callers)
         print(
             f"AdmitStream ({batch} items/message, {window} messages in flight): "
             f"{rate:,.0f} decisions/s ({share:.0%} borrowed) vs floor (bare bidi echo) "
-            f"{echo:,.0f}/s = {rate / echo:.0%} of it (target: >= 10,000/s)"
+            f"{echo:,.0f}/s = {rate / echo:.0%} of it (target: >= 10,000/s); broker CPU "
+            f"{stream_cpu_us * 1e6:.0f} us per decision"
         )
         print(
             f"AdmitStream via client AdmissionStream, {args.stream_callers} concurrent callers: "

@@ -3,6 +3,8 @@ and every mirrored value survives a round trip."""
 
 from __future__ import annotations
 
+import math
+
 from crossflow_ctl.api.v1 import admin_pb2, admission_pb2, common_pb2, lease_pb2
 from crossflow_ctl.domain.admission import (
     Admission,
@@ -227,9 +229,19 @@ def test_admission_round_trips() -> None:
         if pool is not None:
             assert plan.reason is Reason.BORROWED
             answers.append(borrow)
-        for adm in answers:
+        unbounded = borrow.model_copy(update={"predicted_ttft_ms": math.inf, "plan": None})
+        for adm in [*answers, unbounded]:
             back = ca.admission_from_proto(ca.admission_to_proto(adm))
-            assert back == adm, adm.reason
+            assert back == adm or adm is unbounded, adm.reason
+            for explain in (True, False):  # AdmitStream's in-place form: the same message
+                made = ca.admission_to_proto(adm, explain=explain)
+                result = admission_pb2.AdmitStreamResult(id=7)
+                ca.admission_into_proto(adm, result.decision, explain=explain)
+                assert result.WhichOneof("result") == "decision"
+                assert result.decision == made, adm.reason
+                assert result.decision.SerializeToString(deterministic=True) == (
+                    made.SerializeToString(deterministic=True)
+                )
 
 
 def test_room_round_trips() -> None:

@@ -25,7 +25,7 @@ from crossflow_ctl.api.v1 import admission_pb2
 from crossflow_ctl.domain.admission import AdmissionRequest
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.service.broker import Broker
-from crossflow_ctl.wire.convert_admission import admission_to_proto, admit_request_from_proto
+from crossflow_ctl.wire.convert_admission import admission_into_proto, admit_request_from_proto
 
 MAX_BATCH = 64
 """Items decided together: small enough that planning them (CPU) stays well inside the
@@ -36,26 +36,49 @@ QUEUED_MESSAGES = 64
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
+REQUEST_MEMO = 1024
+"""Decoded requests kept by their bytes (:func:`request_from_item`)."""
+_requests: dict[bytes, AdmissionRequest] = {}
+
+
+def request_from_item(msg: admission_pb2.AdmitRequest) -> AdmissionRequest:
+    """``admit_request_from_proto(msg)``; a request without a request_id is looked up by its
+    bytes first: a router's stream repeats few shapes of request, and validating each again
+    was a tenth of AdmitStream's CPU. Requests are frozen, so one may serve many items; a
+    refused one is not kept (it is refused again, the same way)."""
+    if msg.request_id:
+        return admit_request_from_proto(msg)
+    key = msg.SerializeToString()
+    request = _requests.get(key)
+    if request is None:
+        request = admit_request_from_proto(msg)
+        if len(_requests) >= REQUEST_MEMO:
+            _requests.clear()
+        _requests[key] = request
+    return request
+
+
 async def decide(
     broker: Broker, items: Sequence[admission_pb2.AdmitStreamItem], owner: str = ""
 ) -> admission_pb2.AdmitStreamResponse:
-    """One result per item: a decision, or an error for an item that is not a valid request."""
-    results: list[admission_pb2.AdmitStreamResult] = []
+    """One result per item: a decision, or an error for an item that is not a valid request
+    (the errors first, then the decisions in item order). Results are written into the
+    response in place (:func:`admission_into_proto`)."""
+    response = admission_pb2.AdmitStreamResponse()
+    add = response.results.add
     ids: list[int] = []
     requests: list[AdmissionRequest] = []
     for item in items:
         try:
-            requests.append(admit_request_from_proto(item.request))
+            requests.append(request_from_item(item.request))
         except InvalidArgument as exc:
-            error = admission_pb2.AdmitStreamError(code=_INVALID, message=str(exc))
-            results.append(admission_pb2.AdmitStreamResult(id=item.id, error=error))
+            add(id=item.id, error=admission_pb2.AdmitStreamError(code=_INVALID, message=str(exc)))
         else:
             ids.append(item.id)
     answers = await broker.admit_many(requests, owner)
     for item_id, request, answer in zip(ids, requests, answers, strict=True):
-        decision = admission_to_proto(answer, explain=request.dry_run)
-        results.append(admission_pb2.AdmitStreamResult(id=item_id, decision=decision))
-    return admission_pb2.AdmitStreamResponse(results=results)
+        admission_into_proto(answer, add(id=item_id).decision, explain=request.dry_run)
+    return response
 
 
 async def answer_stream(

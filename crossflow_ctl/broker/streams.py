@@ -319,20 +319,20 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         linger_s = self._broker.settings.notice_linger_ms / 1000.0
         while True:
             try:
-                notices = await self._broker.read_notices(node_id, after_seq, block_ms)
+                batch = await self._broker.read_notice_batch(node_id, after_seq, block_ms)
             except CrossflowError as exc:
                 log.warning("relay.read_failed", error=str(exc))
                 await asyncio.sleep(RELAY_RETRY_S)
                 continue
+            notices = batch.notices
             if not notices:
                 continue
             after_seq = notices[-1].seq
             if batches:
-                batch = lease_pb2.NoticeBatch(notices=[c.notice_to_proto(n) for n in notices])
                 await out.send(lease_pb2.ConnectResponse(notices=batch))
             else:
                 for notice in notices:
-                    await out.send(lease_pb2.ConnectResponse(notice=c.notice_to_proto(notice)))
+                    await out.send(lease_pb2.ConnectResponse(notice=notice))
             if linger_s > 0:
                 await asyncio.sleep(linger_s)
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import structlog
 
 from crossflow_ctl.aio import within
+from crossflow_ctl.api.v1 import lease_pb2
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import (
@@ -377,6 +378,15 @@ class Broker:
         store bounds the wait and its calls (``Store.read_notices``): a timer here would be one
         more per waiting agent stream, thousands on a large replica."""
         return await self.store.read_notices(
+            node_id, after_seq, self.settings.notice_batch, block_ms
+        )
+
+    async def read_notice_batch(
+        self, node_id: str, after_seq: int, block_ms: int
+    ) -> lease_pb2.NoticeBatch:
+        """:meth:`read_notices` as the message the node's agent stream relays (built by the
+        store without the Notice models in between: the relay runs for every grant)."""
+        return await self.store.read_notice_batch(
             node_id, after_seq, self.settings.notice_batch, block_ms
         )
 

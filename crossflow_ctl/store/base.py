@@ -37,6 +37,7 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple
 
+from crossflow_ctl.api.v1 import lease_pb2
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
 from crossflow_ctl.domain.models import (
     CREDIT_NAMES,
@@ -57,6 +58,7 @@ from crossflow_ctl.domain.models import (
     StoredLease,
 )
 from crossflow_ctl.domain.policy import VersionedPolicy
+from crossflow_ctl.wire.convert import notice_to_proto
 
 
 def check_debit_args(
@@ -376,6 +378,15 @@ class Store(abc.ABC):
         """Notices with seq > after_seq, oldest first; waits up to block_ms when none. Returns,
         or raises StoreUnavailable, within about block_ms plus one call's timeout (callers
         arm no timer of their own)."""
+
+    async def read_notice_batch(
+        self, node_id: str, after_seq: int, limit: int, block_ms: int = 0
+    ) -> lease_pb2.NoticeBatch:
+        """:meth:`read_notices` as the message an agent stream relays, each notice converted
+        by ``notice_to_proto``. A store may build it without the Notice models in between
+        (the Redis store decodes its stream entries straight into the message)."""
+        notices = await self.read_notices(node_id, after_seq, limit, block_ms)
+        return lease_pb2.NoticeBatch(notices=[notice_to_proto(n) for n in notices])
 
     # -- policy -----------------------------------------------------------------------------
     @abc.abstractmethod

@@ -14,9 +14,11 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
+from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import (
     CREDIT_NAMES,
+    MAX_TOKENS,
     ComputeTime,
     Credits,
     Lease,
@@ -33,6 +35,7 @@ from crossflow_ctl.domain.models import (
     known_fields,
 )
 from crossflow_ctl.store.base import NodeEvent
+from crossflow_ctl.wire.convert import credits_to_proto, enum_to_proto, notice_to_proto
 
 Raw = bytes | str
 K = TypeVar("K", bound=Hashable)
@@ -419,6 +422,60 @@ def notice_from(node_id: str, entry_id: Raw, fields: Mapping[Raw, Raw]) -> Notic
         at_ms=int(t) if t is not None else 0,
         pulled_tokens=int(p) if p is not None else None,
     )
+
+
+def entry_seq(entry_id: Raw) -> int:
+    """The notice seq of a stream entry id (``<seq>-0``)."""
+    return int(text(entry_id).split("-", 1)[0])
+
+
+_NOTICE_KIND_NUMBERS: dict[Raw, int] = {
+    raw: enum_to_proto(kind, lease_pb2.NoticeKind, "NOTICE_KIND_")
+    for kind in NoticeKind
+    for raw in (kind.value, kind.value.encode())
+}
+"""A stored ``k`` field (bytes or str) -> its ``lease_pb2.NoticeKind`` number."""
+
+
+def _notice_debit_proto(stored: Raw) -> common_pb2.Credits:
+    return credits_to_proto(notice_debit(stored))  # validated as the Notice's debit would be
+
+
+notice_debit_proto: Memo[Raw, common_pb2.Credits] = Memo(_notice_debit_proto)
+"""A notice's ``d`` field as the message (never modified: copied into each notice)."""
+
+
+def notice_entries_to_proto(
+    node_id: str, entries: Sequence[tuple[Raw, Mapping[Raw, Raw]]], batch: lease_pb2.NoticeBatch
+) -> None:
+    """Append notice stream entries to ``batch`` as messages, field for field what
+    ``notice_to_proto(notice_from(...))`` makes, without the Notice in between: the relay of
+    every grant and expiry to its agent was a sixth of a busy broker's CPU (issue 13). An entry
+    that is not plainly valid (an unknown kind, pulled tokens out of range) takes that slow path,
+    which refuses it as before."""
+    add = batch.notices.add
+    kinds = _NOTICE_KIND_NUMBERS
+    for entry_id, fields in entries:
+        if b"k" in fields:
+            k, r, d, t, p = (fields.get(raw) for raw in (b"k", b"r", b"d", b"t", b"p"))
+        else:
+            k, r, d, t, p = (fields.get(name) for name in ("k", "r", "d", "t", "p"))
+        kind = kinds.get(k) if k is not None else None
+        pulled = int(p) if p is not None else None
+        if kind is None or (pulled is not None and not 0 <= pulled <= MAX_TOKENS):
+            add().CopyFrom(notice_to_proto(notice_from(node_id, entry_id, fields)))
+            continue
+        debit = notice_debit_proto(d) if d is not None else None
+        notice = add(
+            seq=entry_seq(entry_id),
+            kind=kind,
+            reservation_id=text(r) if r is not None else "",
+            at_unix_ms=int(t) if t is not None else 0,
+            pulled_tokens=pulled,
+        )
+        notice.debit.SetInParent()  # present even when zero, as notice_to_proto sets it
+        if debit is not None:
+            notice.debit.CopyFrom(debit)
 
 
 def event_from(raw: Raw) -> NodeEvent:

@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -61,6 +61,8 @@ UNSUBSCRIBED_POLL_S = 0.25
 """How often a waiting read polls its stream while the wake subscription is down."""
 PING_EVERY_S = 5.0
 
+Entry = tuple[codec.Raw, Mapping[codec.Raw, codec.Raw]]
+"""One notice stream entry as XRANGE returns it: its id and its fields."""
 Backend = Callable[[str, float], AbstractAsyncContextManager[None]]
 """``RedisStore._backend``: bounds a call in time and maps backend errors to StoreUnavailable."""
 
@@ -293,7 +295,7 @@ class NoticeReader:
     def forget(self, node_id: str) -> None:
         self._known.discard(node_id)
 
-    async def _range(self, node_id: str, after_seq: int, limit: int) -> list[Notice]:
+    async def _range(self, node_id: str, after_seq: int, limit: int) -> list[Entry]:
         """XRANGE after ``after_seq`` (in the next batch of reads; with an existence check if
         the node is unknown)."""
         read = _Range(node_id, after_seq, limit, node_id in self._known)
@@ -301,7 +303,7 @@ class NoticeReader:
             got: Any = await self._ranges.submit(read)
         if not read.known:
             self.remember(node_id)
-        return [codec.notice_from(node_id, eid, fields) for eid, fields in got]
+        return list(got)
 
     async def _read_batch(self, reads: Sequence[_Range]) -> list[Any]:
         """One pipeline for ``reads``: each read's entries, or its own error (NotFound for a
@@ -332,6 +334,14 @@ class NoticeReader:
 
     async def read(self, node_id: str, after_seq: int, limit: int, block_ms: int) -> list[Notice]:
         """Notices after ``after_seq`` (a checked node id, ``limit`` > 0), waiting ``block_ms``."""
+        entries = await self.read_entries(node_id, after_seq, limit, block_ms)
+        return [codec.notice_from(node_id, eid, fields) for eid, fields in entries]
+
+    async def read_entries(
+        self, node_id: str, after_seq: int, limit: int, block_ms: int
+    ) -> list[Entry]:
+        """:meth:`read`'s stream entries as Redis returned them, not yet decoded (the relay
+        turns them straight into messages: ``codec.notice_entries_to_proto``)."""
         if block_ms <= 0:
             return await self._range(node_id, after_seq, limit)
         hub = self.hub
@@ -345,7 +355,8 @@ class NoticeReader:
                 if len(found) < limit and hub.live and hub.generation == generation:
                     # Nothing after its last notice as of wake ``count``: the caller's next read
                     # (after that notice) waits for a wake instead of reading an empty range.
-                    sig.empty_at = (found[-1].seq if found else after_seq, count, generation)
+                    last = codec.entry_seq(found[-1][0]) if found else after_seq
+                    sig.empty_at = (last, count, generation)
                 if found:
                     return found
             left_s = deadline - loop.time()

@@ -38,6 +38,7 @@ from redis.asyncio import Redis, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
+from crossflow_ctl.api.v1 import lease_pb2
 from crossflow_ctl.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -511,6 +512,17 @@ class RedisStore(Store):
         if limit <= 0:
             return []
         return await self._notices.read(node_id, after_seq, limit, block_ms)
+
+    async def read_notice_batch(
+        self, node_id: str, after_seq: int, limit: int, block_ms: int = 0
+    ) -> lease_pb2.NoticeBatch:
+        if not is_node_id(node_id):
+            raise NotFound(f"unknown node {node_id!r}", field="node_id")
+        batch = lease_pb2.NoticeBatch()
+        if limit > 0:
+            entries = await self._notices.read_entries(node_id, after_seq, limit, block_ms)
+            codec.notice_entries_to_proto(node_id, entries, batch)
+        return batch
 
     # -- policy -----------------------------------------------------------------------------
     async def get_policy(self) -> VersionedPolicy | None:

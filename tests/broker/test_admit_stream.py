@@ -5,6 +5,7 @@ round trip per batch), no over-commit, and late grants handed back."""
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import grpc
@@ -12,14 +13,16 @@ import pytest
 from redis.asyncio import Redis
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc, common_pb2, lease_pb2
+from crossflow_ctl.broker import admit_stream
 from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.client import AdminClient, AdmissionStream
-from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.memory import MemoryStore
 from crossflow_ctl.store.redis_store import RedisStore
+from crossflow_ctl.wire.convert_admission import admission_to_proto, admit_request_from_proto
 from tests.broker.conftest import TEST_POLICY, lending_broker, target
 from tests.broker.test_fail_closed import _broker_on, _closed_port
 from tests.store.test_redis_round_trips import CountingConnection
@@ -197,3 +200,93 @@ async def test_a_bug_behind_the_stream_ends_it_internal_not_unknown() -> None:
     finally:
         await server.stop()
     assert err.value.code() == grpc.StatusCode.INTERNAL
+
+
+# -- decoding and encoding (broker.admit_stream.decide) ----------------------------------------
+class _FixedBroker:
+    """admit_many's answers, one per request in order, recording what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[AdmissionRequest]] = []
+
+    async def admit_many(self, requests: Any, owner: str = "") -> list[Any]:
+        self.asked.append(list(requests))
+        return [
+            Admission.normal(Reason.NO_ROOM, f"#{i}")
+            if r.dry_run
+            else Admission(
+                decision=Decision.BORROW,
+                reason=Reason.BORROWED,
+                message=f"#{i}",
+                node_id="d1",
+                reservation_id=f"r{i}@d1",
+                lease_epoch=1,
+                lease_version=2,
+                expires_at_ms=3,
+                predicted_ttft_ms=math.inf,
+                normal_ttft_ms=9.0,
+            )
+            for i, r in enumerate(requests)
+        ]
+
+
+async def test_decide_answers_as_one_message_built_item_by_item_would() -> None:
+    """The response decide writes in place is the one built from admission_to_proto per item:
+    errors first, then the decisions in item order (a dry run's with its explanation)."""
+    good = admission_pb2.AdmitRequest(uncached_prompt_tokens=500, expected_output_tokens=9)
+    named = admission_pb2.AdmitRequest(request_id="q1", uncached_prompt_tokens=7)
+    dry = admission_pb2.AdmitRequest(uncached_prompt_tokens=5, dry_run=True)
+    bad = admission_pb2.AdmitRequest(uncached_prompt_tokens=5, attempt=5_000)
+    items = [
+        admission_pb2.AdmitStreamItem(id=i, request=r)
+        for i, r in enumerate([good, bad, named, good, dry, bad])
+    ]
+    broker = _FixedBroker()
+    got = await admit_stream.decide(broker, items)  # type: ignore[arg-type]
+    (asked,) = broker.asked
+    assert [r.request_id for r in asked] == ["", "q1", "", ""]
+    answers = await _FixedBroker().admit_many(asked)
+    errors = []
+    for i in (1, 5):
+        with pytest.raises(InvalidArgument) as err:
+            admit_request_from_proto(items[i].request)
+        error = admission_pb2.AdmitStreamError(code=3, message=str(err.value))
+        errors.append(admission_pb2.AdmitStreamResult(id=i, error=error))
+    decisions = [
+        admission_pb2.AdmitStreamResult(id=i, decision=admission_to_proto(a, explain=r.dry_run))
+        for i, r, a in zip((0, 2, 3, 4), asked, answers, strict=True)
+    ]
+    expected = admission_pb2.AdmitStreamResponse(results=[*errors, *decisions])
+    assert got == expected
+    assert got.SerializeToString(deterministic=True) == expected.SerializeToString(
+        deterministic=True
+    )
+
+
+def test_requests_without_an_id_are_decoded_once_per_shape(monkeypatch) -> None:
+    """The same request bytes give the same (frozen) request, validated once; a request with a
+    request_id, or one refused, is decoded every time; the memo stays bounded."""
+    monkeypatch.setattr(admit_stream, "_requests", {})
+    monkeypatch.setattr(admit_stream, "REQUEST_MEMO", 3)
+    msg = admission_pb2.AdmitRequest(uncached_prompt_tokens=500, candidate_node_ids=["d1"])
+    first = admit_stream.request_from_item(msg)
+    assert first == admit_request_from_proto(msg)
+    assert (
+        admit_stream.request_from_item(
+            admission_pb2.AdmitRequest.FromString(msg.SerializeToString())
+        )
+        is first
+    )
+    named = admission_pb2.AdmitRequest(request_id="q", uncached_prompt_tokens=500)
+    one, two = (admit_stream.request_from_item(named) for _ in range(2))
+    assert one == two == admit_request_from_proto(named) and one is not two
+    bad = admission_pb2.AdmitRequest(uncached_prompt_tokens=5, attempt=5_000)
+    for _ in range(2):
+        with pytest.raises(InvalidArgument) as err:
+            admit_stream.request_from_item(bad)
+        assert err.value.field == "attempt"
+    assert len(admit_stream._requests) == 1
+    for tokens in range(10):
+        shaped = admission_pb2.AdmitRequest(uncached_prompt_tokens=tokens)
+        assert admit_stream.request_from_item(shaped).uncached_prompt_tokens == tokens
+        assert len(admit_stream._requests) <= 3

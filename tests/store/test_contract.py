@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from crossflow_ctl.api.v1 import lease_pb2
 from crossflow_ctl.domain.errors import (
     Aborted,
     FailedPrecondition,
@@ -28,6 +29,7 @@ from crossflow_ctl.domain.models import (
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.domain.safety import over_committed
 from crossflow_ctl.store.base import DebitRequest, RequestRecord, Store
+from crossflow_ctl.wire.convert import notice_to_proto
 from tests.store.helpers import MAX_TTL, NOW, credits, lease, register
 
 
@@ -430,6 +432,46 @@ async def test_a_grant_notice_carries_the_pulled_tokens_of_its_own_debit(store: 
             await store.try_debit("d1", credits(1), 1.0, NOW, 1_000, pulled_tokens=bad)
         assert err.value.field == "pulled_tokens"
     assert await snapshot(store) == before
+
+
+async def test_a_notice_batch_is_the_notices_as_the_relay_sends_them(store: Store) -> None:
+    """``read_notice_batch`` (the agent stream's relay) equals ``read_notices`` converted by
+    ``notice_to_proto``, field for field and byte for byte: grants with and without pulled
+    tokens, a release, expiries, a cordon; resumed, limited, blocking, and refused alike."""
+    await register(store, "d1", "d2")
+    await store.upsert_lease(lease(), NOW, MAX_TTL)
+    told = await store.try_debit("d1", credits(3), 1.0, NOW, 1_000, pulled_tokens=4_000)
+    (local,) = await store.try_debits(
+        [DebitRequest("d1", credits(1), pulled_tokens=0)], 1.0, NOW, 100
+    )
+    held = (await store.try_debit("d1", credits(2), 1.0, NOW, 100)).reservation
+    assert told.reservation is not None and local.granted and held is not None
+    await store.release(told.reservation.reservation_id, NOW)
+    await store.set_cordon("d1", True, "maintenance", NOW)
+    with pytest.raises(NotFound):  # the held reservations expire (EXPIRE notices)
+        await store.commit(held.reservation_id, NOW + 5_000, 1_000)
+
+    async def same(after: int, limit: int, block_ms: int = 0) -> int:
+        notices = await store.read_notices("d1", after, limit, block_ms)
+        batch = await store.read_notice_batch("d1", after, limit, block_ms)
+        expected = lease_pb2.NoticeBatch(notices=[notice_to_proto(n) for n in notices])
+        assert batch == expected
+        assert batch.SerializeToString(deterministic=True) == expected.SerializeToString(
+            deterministic=True
+        )
+        return len(batch.notices)
+
+    kinds = {n.kind for n in await store.read_notices("d1", 0, 100)}
+    assert {NoticeKind.GRANT, NoticeKind.RELEASE, NoticeKind.EXPIRE, NoticeKind.CORDON} <= kinds
+    total = await same(0, 100)
+    assert total >= 5
+    assert await same(2, 2) == 2
+    assert await same(total, 10) == 0
+    assert await same(total, 10, block_ms=20) == 0
+    assert await same(0, 0) == 0
+    assert len((await store.read_notice_batch("d2", 0, 10)).notices) == 0
+    with pytest.raises(NotFound):
+        await store.read_notice_batch("ghost", 0, 10)
 
 
 async def test_blocking_read_wakes_on_a_new_notice(store: Store) -> None:
