@@ -36,28 +36,6 @@ QUEUED_MESSAGES = 64
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
-REQUEST_MEMO = 1024
-"""Decoded requests kept by their bytes (:func:`request_from_item`)."""
-_requests: dict[bytes, AdmissionRequest] = {}
-
-
-def request_from_item(msg: admission_pb2.AdmitRequest) -> AdmissionRequest:
-    """``admit_request_from_proto(msg)``; a request without a request_id is looked up by its
-    bytes first: a router's stream repeats few shapes of request, and validating each again
-    was a tenth of AdmitStream's CPU. Requests are frozen, so one may serve many items; a
-    refused one is not kept (it is refused again, the same way)."""
-    if msg.request_id:
-        return admit_request_from_proto(msg)
-    key = msg.SerializeToString()
-    request = _requests.get(key)
-    if request is None:
-        request = admit_request_from_proto(msg)
-        if len(_requests) >= REQUEST_MEMO:
-            _requests.clear()
-        _requests[key] = request
-    return request
-
-
 async def decide(
     broker: Broker, items: Sequence[admission_pb2.AdmitStreamItem], owner: str = ""
 ) -> admission_pb2.AdmitStreamResponse:
@@ -70,7 +48,7 @@ async def decide(
     requests: list[AdmissionRequest] = []
     for item in items:
         try:
-            requests.append(request_from_item(item.request))
+            requests.append(admit_request_from_proto(item.request))
         except InvalidArgument as exc:
             add(id=item.id, error=admission_pb2.AdmitStreamError(code=_INVALID, message=str(exc)))
         else:

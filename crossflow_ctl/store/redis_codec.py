@@ -456,7 +456,7 @@ def notice_entries_to_proto(
     add = batch.notices.add
     kinds = _NOTICE_KIND_NUMBERS
     for entry_id, fields in entries:
-        if b"k" in fields:
+        if b"k" in fields:  # redis-py returns one key type per reply (bytes, or str decoded)
             k, r, d, t, p = (fields.get(raw) for raw in (b"k", b"r", b"d", b"t", b"p"))
         else:
             k, r, d, t, p = (fields.get(name) for name in ("k", "r", "d", "t", "p"))

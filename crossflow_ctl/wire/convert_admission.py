@@ -246,9 +246,9 @@ def admission_to_proto(a: Admission, explain: bool = True) -> admission_pb2.Admi
 def admission_into_proto(
     a: Admission, msg: admission_pb2.AdmitResponse, explain: bool = True
 ) -> None:
-    """:func:`admission_to_proto` written into ``msg`` (a fresh message, or one nested in
-    another: an AdmitStream result), field by field: no message built and then copied in
-    (AdmitStream answers tens of thousands of items a second)."""
+    """:func:`admission_to_proto` written into ``msg``, which must be EMPTY (a fresh message,
+    or one just added to a repeated field: an AdmitStream result): field by field, no message
+    built and then copied in. On a reused message an earlier explanation would survive."""
     msg.SetInParent()  # present even were every field its default (a oneof member)
     msg.decision = _DECISION_NUMBERS[a.decision]  # type: ignore[assignment]
     msg.reason = _REASON_NUMBERS[a.reason]  # type: ignore[assignment]

@@ -261,32 +261,3 @@ async def test_decide_answers_as_one_message_built_item_by_item_would() -> None:
     assert got.SerializeToString(deterministic=True) == expected.SerializeToString(
         deterministic=True
     )
-
-
-def test_requests_without_an_id_are_decoded_once_per_shape(monkeypatch) -> None:
-    """The same request bytes give the same (frozen) request, validated once; a request with a
-    request_id, or one refused, is decoded every time; the memo stays bounded."""
-    monkeypatch.setattr(admit_stream, "_requests", {})
-    monkeypatch.setattr(admit_stream, "REQUEST_MEMO", 3)
-    msg = admission_pb2.AdmitRequest(uncached_prompt_tokens=500, candidate_node_ids=["d1"])
-    first = admit_stream.request_from_item(msg)
-    assert first == admit_request_from_proto(msg)
-    assert (
-        admit_stream.request_from_item(
-            admission_pb2.AdmitRequest.FromString(msg.SerializeToString())
-        )
-        is first
-    )
-    named = admission_pb2.AdmitRequest(request_id="q", uncached_prompt_tokens=500)
-    one, two = (admit_stream.request_from_item(named) for _ in range(2))
-    assert one == two == admit_request_from_proto(named) and one is not two
-    bad = admission_pb2.AdmitRequest(uncached_prompt_tokens=5, attempt=5_000)
-    for _ in range(2):
-        with pytest.raises(InvalidArgument) as err:
-            admit_stream.request_from_item(bad)
-        assert err.value.field == "attempt"
-    assert len(admit_stream._requests) == 1
-    for tokens in range(10):
-        shaped = admission_pb2.AdmitRequest(uncached_prompt_tokens=tokens)
-        assert admit_stream.request_from_item(shaped).uncached_prompt_tokens == tokens
-        assert len(admit_stream._requests) <= 3
