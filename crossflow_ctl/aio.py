@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import Awaitable, Coroutine, Generator, Iterable
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -81,6 +82,26 @@ async def shielded(call: Coroutine[Any, Any, T]) -> T:
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
     return await asyncio.shield(_rest(_Resumed(steps, first)))
+
+
+@dataclass(frozen=True, slots=True)
+class Finished(Generic[T]):
+    """A call that finished without suspending, and what it returned."""
+
+    value: T
+
+
+def begin(call: Awaitable[T]) -> Finished[T] | Awaitable[T]:
+    """Run ``call`` to its first suspension now: :class:`Finished` when it returned without
+    suspending (nothing could cancel it or run in between), else an awaitable for the rest of
+    it (await it, or wrap it in a task, as ``call`` itself would have been). An exception
+    raised before the first suspension propagates here."""
+    steps = call.__await__()
+    try:
+        first = steps.send(None)
+    except StopIteration as done:
+        return Finished(done.value)
+    return _Resumed(steps, first)
 
 
 async def _rest(resumed: _Resumed[T]) -> T:

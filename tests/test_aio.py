@@ -5,11 +5,20 @@ shields a call from its caller's cancellation, making no task for a call that ne
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 import pytest
 import structlog
 
-from crossflow_ctl.aio import cancel_and_wait, detached_task, shielded, wait_any, within
+from crossflow_ctl.aio import (
+    Finished,
+    begin,
+    cancel_and_wait,
+    detached_task,
+    shielded,
+    wait_any,
+    within,
+)
 
 
 async def test_wait_any_wakes_on_either_event_or_timeout_and_leaks_no_task() -> None:
@@ -182,3 +191,26 @@ async def test_shielded_passes_on_results_and_errors_after_a_suspension() -> Non
     assert await shielded(later(False)) == "done"
     with pytest.raises(ValueError, match="boom"):
         await shielded(later(True))
+
+
+async def test_begin_finishes_a_call_that_never_suspends_and_resumes_one_that_does() -> None:
+    async def at_once() -> int:
+        return 1
+
+    async def later(gate: asyncio.Event) -> int:
+        await gate.wait()
+        return 2
+
+    assert begin(at_once()) == Finished(1)
+    gate = asyncio.Event()
+    rest = begin(later(gate))
+    assert not isinstance(rest, Finished)
+    task = asyncio.ensure_future(_await(rest))
+    await asyncio.sleep(0)
+    assert not task.done()
+    gate.set()
+    assert await task == 2
+
+
+async def _await(call: Awaitable[int]) -> int:
+    return await call

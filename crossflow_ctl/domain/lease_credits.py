@@ -227,10 +227,18 @@ class CapacityBreakdown(NamedTuple):
 
 
 def _extra_batch(
-    roof: Roofline, budget: float, batch: int, context: int, length: int, cap: int, base: float
+    roof: Roofline,
+    budget: float,
+    batch: int,
+    context: int,
+    length: int,
+    cap: int,
+    base: float,
+    guess: int = 0,
 ) -> tuple[int, float]:
-    """(largest b <= cap with ``t(batch + b, context + b * length) <= budget``, t at that b)."""
-    n, seen = fit_along(roof, budget, batch, context, 0, 1, length, 0, cap, base)
+    """(largest b <= cap with ``t(batch + b, context + b * length) <= budget``, t at that b;
+    ``guess``: a likely b, which changes nothing but the work: :func:`fit_along`)."""
+    n, seen = fit_along(roof, budget, batch, context, 0, 1, length, 0, cap, base, guess)
     return (n, seen[n]) if n else (0, 0.0)
 
 
@@ -251,8 +259,8 @@ def compute_capacity(
     previous: CapacityBreakdown | None = None,
 ) -> CapacityBreakdown:
     """The five credits and benefit fields from a plausible snapshot (see the module doc).
-    ``previous``: the breakdown a period ago, whose chunk seeds this one's search (the same
-    answer, usually sooner: :func:`~crossflow_ctl.domain.lending.fit_along`)."""
+    ``previous``: the breakdown a period ago, whose chunk and extra batch seed this one's
+    searches (the same answers, usually sooner: :func:`~crossflow_ctl.domain.lending.fit_along`)."""
     roof = roofline(model, node)
     batch = max(0, snapshot.running_requests)
     context = max(0, snapshot.decode_context_tokens)
@@ -302,7 +310,7 @@ def compute_capacity(
     if base <= budget:
         extra, extra_t = _extra_batch(
             roof, budget, batch, context, settings.borrowed_context_tokens,
-            settings.max_slots, base,
+            settings.max_slots, base, previous.extra_batch if previous is not None else 0,
         )  # fmt: skip
     output = int(extra * horizon_s / extra_t) if extra else 0
 

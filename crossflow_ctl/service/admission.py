@@ -107,6 +107,7 @@ class Admitter:
         policy: Callable[[], PolicySettings],
         abandoned: Callable[[list[DebitOutcome]], None] = lambda _: None,
         release_late: Callable[[str, str, str], None] = lambda _rid, _why, _key: None,
+        sequential: bool = False,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -122,6 +123,9 @@ class Admitter:
         self._flusher: asyncio.Task[None] | None = None
         self._leading = False
         """Whether a lone entry is being decided in its caller's task (:meth:`_lead`)."""
+        self._sequential = sequential
+        """Admits come one at a time from one in-process caller (the simulator): a lone one is
+        decided at once, not after an event-loop turn for others to join it (none would)."""
         self.sent = SentToPools()
         """Prompts this replica sent to the prefill pools, counted into Demand's wait (and the
         room watches' Demand: :meth:`Broker.room_view`)."""
@@ -167,10 +171,11 @@ class Admitter:
 
     async def _lead(self, queued: _Queued) -> list[Admission]:
         """Answers for ``queued``, one request and the first entry while no batch is being
-        decided: after one event-loop turn (so requests arriving in the same turn join it), an
-        entry still alone is decided here, in its caller's task (no flusher task, no hand-off of
-        the answer); otherwise the flusher takes the queue as usual. Entries that arrive while
-        it is decided here queue, and the flusher starts for them when it is done.
+        decided: after one event-loop turn (so requests arriving in the same turn join it; none
+        when ``sequential``), an entry still alone is decided here, in its caller's task (no
+        flusher task, no hand-off of the answer); otherwise the flusher takes the queue as
+        usual. Entries that arrive while it is decided here queue, and the flusher starts for
+        them when it is done.
 
         One request only: its grant is the last step of deciding it, so a caller cancelled
         before then leaves its debit to :meth:`_debit`'s hand-over (released once it lands).
@@ -179,7 +184,8 @@ class Admitter:
         them."""
         self._leading = True
         try:
-            await asyncio.sleep(0)
+            if not self._sequential:
+                await asyncio.sleep(0)
             if len(self._queue) == 1 and self._queue[0] is queued:
                 self._queue.clear()
                 return (await self._decide_queued([queued]))[0]

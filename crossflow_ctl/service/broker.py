@@ -93,7 +93,12 @@ class Broker:
         settings: BrokerSettings,
         broker_id: str = "",
         metrics: BrokerMetrics | None = None,
+        *,
+        sequential: bool = False,
     ) -> None:
+        """``sequential``: Admits come one at a time from one in-process caller (the
+        simulator), so a lone Admit is decided at once rather than after one event-loop turn
+        for concurrent ones to join its group commit (:class:`Admitter`)."""
         self.store = store
         self.clock = clock
         self.settings = settings
@@ -111,6 +116,7 @@ class Broker:
             lambda: self.policy,
             self._orphans.watch,
             self._orphans.release,
+            sequential,
         )
         self.rooms = RoomWatches(settings.room, clock, self.room_view)
         """This replica's WatchRoom subscriptions (late binding)."""

@@ -99,7 +99,8 @@ class ControlPlane:
         self.prefill_for = prefill_for
         self.clock = ManualClock(CLOCK_BASE_MS)
         self.store: Store = store if store is not None else MemoryStore(seed=config.seed)
-        self.broker = Broker(self.store, self.clock, _sim_settings(config), "sim")
+        # The queue's Admits, one at a time (nothing else calls the broker here).
+        self.broker = Broker(self.store, self.clock, _sim_settings(config), "sim", sequential=True)
         self.decode_ids = tuple(f"decode-{s.idx}" for s in decode)
         self._index = {node_id: i for i, node_id in enumerate(self.decode_ids)}
         period = config.agent_period_ms / 1000.0

@@ -296,21 +296,7 @@ class Store(abc.ABC):
         future the task settles as its last step (what ``asyncio.shield`` does, one event-loop
         turn sooner). A store whose debit can be waited for in the caller's own task and still
         be finished once it left (the Redis store's dedicated connection) overrides it."""
-        answer: asyncio.Future[list[DebitOutcome]] = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(
-            _settling(self.try_debits(debits, share, now_ms, hold_ttl_ms), answer)
-        )
-        try:
-            return await answer
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda done: _hand_over(done, late))
-            raise
-        except BaseException:
-            # The task ended with that same error in the step that set it: retrieved here,
-            # as shield retrieves it, so asyncio never reports it as unretrieved.
-            if task.done() and not task.cancelled():
-                task.exception()
-            raise
+        return await settled_debits(self.try_debits(debits, share, now_ms, hold_ttl_ms), late)
 
     @abc.abstractmethod
     async def commit(
@@ -422,6 +408,26 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections."""
+
+
+async def settled_debits(
+    call: Awaitable[list[DebitOutcome]], late: Callable[[list[DebitOutcome]], None]
+) -> list[DebitOutcome]:
+    """``call`` (debits) in a task of its own, its outcomes to ``late`` should its caller stop
+    waiting (``Store.try_debits_settled``)."""
+    answer: asyncio.Future[list[DebitOutcome]] = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(_settling(call, answer))
+    try:
+        return await answer
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda done: _hand_over(done, late))
+        raise
+    except BaseException:
+        # The task ended with that same error in the step that set it: retrieved here,
+        # as shield retrieves it, so asyncio never reports it as unretrieved.
+        if task.done() and not task.cancelled():
+            task.exception()
+        raise
 
 
 async def _settling(

@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from crossflow_ctl.aio import Finished, begin
 from crossflow_ctl.domain.errors import (
     Aborted,
     FailedPrecondition,
@@ -43,6 +44,7 @@ from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.domain.safety import short_credits
 from crossflow_ctl.store.base import (
     DebitOutcome,
+    DebitRequest,
     LeaseOutcome,
     NodeEvent,
     Store,
@@ -50,6 +52,7 @@ from crossflow_ctl.store.base import (
     check_identity,
     check_owner,
     grant_member,
+    settled_debits,
 )
 from crossflow_ctl.store.keys import (
     new_reservation_id,
@@ -233,6 +236,24 @@ class MemoryStore(Store):
         chosen = list(dict.fromkeys(node_ids)) if node_ids else self._sample(sample, now_ms)
         states = [self._state(self._nodes[n], now_ms) for n in chosen if n in self._nodes]
         return (snapshot if snapshot.reports else None), states
+
+    async def try_debits_settled(
+        self,
+        debits: Sequence[DebitRequest],
+        share: Share,
+        now_ms: int,
+        hold_ttl_ms: int,
+        late: Callable[[list[DebitOutcome]], None],
+    ) -> list[DebitOutcome]:
+        """``Store.try_debits_settled``, run at once to its first suspension: debits that land
+        without one (the lock free: nearly always) are answered with no task, as nothing could
+        cancel them; the rest of one that waits for the lock runs in a task as the base's does.
+        (Safe here only: these debits set up no timeout, which would otherwise be armed on the
+        caller's task, not the debit's.)"""
+        started = begin(self.try_debits(debits, share, now_ms, hold_ttl_ms))
+        if isinstance(started, Finished):
+            return started.value
+        return await settled_debits(started, late)
 
     async def try_debit(
         self,

@@ -128,11 +128,16 @@ async def blackhole() -> AsyncIterator[int]:
 
 
 async def lending_broker(
-    store: Store, policy: PolicySettings, decode: tuple[str, ...] = ("d1",), slots: int = 100
+    store: Store,
+    policy: PolicySettings,
+    decode: tuple[str, ...] = ("d1",),
+    slots: int = 100,
+    sequential: bool = False,
 ) -> Broker:
     """A Broker (no gRPC) on ``store`` with ``decode`` nodes leasing ``slots`` borrowed-prompt
     slots each and a prefill pool with a long queue, so an Admit borrows while room lasts."""
-    broker = Broker(store, ManualClock(1_700_000_000_000), BrokerSettings(policy=policy))
+    clock = ManualClock(1_700_000_000_000)
+    broker = Broker(store, clock, BrokerSettings(policy=policy), sequential=sequential)
     for node_id in decode:
         await broker.register(node_id, NodeRole.DECODE, "default", {})
         credits = Credits(compute_tokens=10**6, kv_tokens=10**6, output_tokens=10**6, slots=slots)

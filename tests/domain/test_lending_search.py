@@ -12,8 +12,15 @@ from collections.abc import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, Roofline, roofline
+from crossflow_ctl.domain.capacity import (
+    MODEL_PRESETS,
+    NODE_PRESETS,
+    Roofline,
+    roofline,
+)
+from crossflow_ctl.domain.lease_credits import LeaseSettings, _extra_batch, compute_capacity
 from crossflow_ctl.domain.lending import best_chunk, fit_along, largest_chunk
+from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 
 def _memo(
@@ -191,3 +198,60 @@ def test_a_guess_changes_no_answer_of_the_searches(
         assert best_chunk(
             roof, budget, batch, context, prefix, step, max_chunk, base, hint * step
         ) == (best_chunk(roof, budget, batch, context, prefix, step, max_chunk, base))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(sorted(MODEL_PRESETS)),
+    st.sampled_from(sorted(NODE_PRESETS)),
+    st.floats(0.001, 0.5),
+    st.integers(0, 512),
+    st.integers(0, 200_000),
+    st.integers(1, 20_000),
+    st.integers(1, 4_096),
+    st.integers(0, 5_000),
+)
+def test_a_guess_changes_no_answer_of_the_decode_batch_search(
+    model: str,
+    node: str,
+    budget: float,
+    batch: int,
+    context: int,
+    length: int,
+    cap: int,
+    guess: int,
+) -> None:
+    """The decode batch's room, seeded with a period ago's (as compute_capacity seeds it),
+    returns what the unseeded search does, whatever the seed."""
+    roof = roofline(MODEL_PRESETS[model], NODE_PRESETS[node])
+    base = roof.step_s(batch, context)
+    for hint in (guess % (cap + 2), guess):
+        args = (roof, budget, batch, context, length, cap, base)
+        assert _extra_batch(*args, hint) == _extra_batch(*args)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(sorted(MODEL_PRESETS)),
+    st.sampled_from(sorted(NODE_PRESETS)),
+    st.integers(0, 256),
+    st.integers(0, 60_000),
+    st.integers(0, 4_096),
+    st.integers(0, 64),
+)
+def test_a_previous_breakdown_changes_no_capacity(
+    model: str, node: str, batch: int, per_request: int, chunk_guess: int, extra_guess: int
+) -> None:
+    """compute_capacity seeds its searches from the last period's breakdown: any breakdown
+    gives the same capacity as none."""
+    spec, profile, lease = MODEL_PRESETS[model], NODE_PRESETS[node], LeaseSettings()
+    snap = EngineSnapshot(
+        taken_at_ms=0,
+        running_requests=batch,
+        kv_used_tokens=100_000,
+        kv_total_tokens=400_000,
+        decode_context_tokens=batch * per_request,
+    )
+    fresh = compute_capacity(snap, spec, profile, lease)
+    seed = fresh._replace(chunk_tokens=chunk_guess, extra_batch=extra_guess)
+    assert compute_capacity(snap, spec, profile, lease, previous=seed) == fresh
