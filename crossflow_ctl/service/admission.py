@@ -416,9 +416,11 @@ class Admitter:
         the call is timed once they are known (``Store.try_debits_settled``)."""
         metrics = self.metrics
         started = time.perf_counter()
+        waiting = True
 
         def late(outcomes: list[DebitOutcome]) -> None:
-            metrics.record_store_operation("debit", time.perf_counter() - started)
+            if not waiting:  # landed after the caller left (else: a failed call, timed below)
+                metrics.record_store_operation("debit", time.perf_counter() - started)
             self._abandoned(outcomes)
 
         try:
@@ -426,6 +428,7 @@ class Admitter:
                 debits, policy.shares, now, policy.hold_ttl_ms, late
             )
         except asyncio.CancelledError:
+            waiting = False
             raise  # timed by ``late`` if they land
         except BaseException:
             metrics.record_store_operation("debit", time.perf_counter() - started, ok=False)

@@ -259,10 +259,16 @@ class Store(abc.ABC):
         is not a transaction). Stores with a network round trip send the batch as one.
 
         InvalidArgument, changing nothing, for an item with a ``record`` when the store does not
-        ``folds_request_records``: dropping it would leave a retry with no outcome to find."""
+        ``folds_request_records`` (dropping it would leave a retry with no outcome to find), or
+        with a bad owner, node time or pulled tokens: every item is checked before any is
+        debited, so no grant is made for a batch that then fails."""
         check_debit_args(share, hold_ttl_ms)
         if not self.folds_request_records and any(d.record is not None for d in debits):
             raise InvalidArgument(f"{type(self).__name__} takes no request record with a debit")
+        for d in debits:
+            check_owner(d.owner)
+            check_compute_us(d.compute_us)
+            check_pulled_tokens(d.pulled_tokens)
         return [
             await self.try_debit(
                 d.node_id,
@@ -295,7 +301,8 @@ class Store(abc.ABC):
         Here: :meth:`try_debits` in a task of its own from the start, the caller waiting on a
         future the task settles as its last step (what ``asyncio.shield`` does, one event-loop
         turn sooner). A store whose debit can be waited for in the caller's own task and still
-        be finished once it left (the Redis store's dedicated connection) overrides it."""
+        be finished once it left overrides it: the Redis store's dedicated connection, and the
+        in-process store, which runs the debits inline unless it must wait for its lock."""
         return await settled_debits(self.try_debits(debits, share, now_ms, hold_ttl_ms), late)
 
     @abc.abstractmethod

@@ -662,6 +662,19 @@ async def test_a_record_rides_with_its_debit_only_where_the_store_folds_records(
     assert stored is not None and outcome.reservation.reservation_id in stored
 
 
+async def test_a_batch_with_a_bad_item_debits_nothing(store: Store) -> None:
+    """Every item is checked before any is debited: the in-process store granted the items
+    before a bad one (a negative node time), then raised, and that grant reached no caller."""
+    await register(store, "d1")
+    await store.upsert_lease(lease(value=80), NOW, MAX_TTL)
+    before = await snapshot(store)
+    good = DebitRequest("d1", credits(10), "r1", "")
+    bad = DebitRequest("d1", credits(10), "r2", "", None, -1)
+    with pytest.raises(InvalidArgument):
+        await store.try_debits([good, bad], 1.0, NOW, 100)
+    assert await snapshot(store) == before
+
+
 async def test_identity_is_fixed_unless_cordoned(store: Store) -> None:
     await store.register_node("n1", NodeRole.DECODE, "default", {"zone": "a"}, NOW)
     for role, pool, named in (
