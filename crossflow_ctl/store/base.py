@@ -147,6 +147,24 @@ class DebitOutcome(Frozen):
     record_key: str = ""
     """A grant recorded under this request record key (``DebitRequest.record``), else ""."""
 
+    @classmethod
+    def grant(
+        cls, reservation: Reservation, lease_epoch: int, lease_version: int, record_key: str = ""
+    ) -> DebitOutcome:
+        """A granted debit's outcome, built without validation (every store's hot path: the
+        reservation was just built, the rest are the lease's numbers; named, not ``cls``, so
+        tests/test_trusted_calls.py checks it gets every field)."""
+        return DebitOutcome.trusted(
+            granted=True,
+            reservation=reservation,
+            short_credits=(),
+            refusal="",
+            lease_epoch=lease_epoch,
+            lease_version=lease_version,
+            recorded=None,
+            record_key=record_key,
+        )
+
 
 class RequestRecord(NamedTuple):
     """A request record written with a grant, in the debit's atomic step.

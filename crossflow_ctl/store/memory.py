@@ -319,16 +319,7 @@ class MemoryStore(Store):
             )
             node.notify(NoticeKind.GRANT, now_ms, res, pulled_tokens)
             node.put(res)
-            return DebitOutcome.trusted(
-                granted=True,
-                reservation=res,
-                short_credits=(),
-                refusal="",
-                lease_epoch=epoch,
-                lease_version=version,
-                recorded=None,
-                record_key="",
-            )
+            return DebitOutcome.grant(res, epoch, version)
 
     async def commit(
         self, reservation_id: str, now_ms: int, commit_ttl_ms: int, owner: str | None = None

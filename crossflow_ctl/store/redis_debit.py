@@ -144,15 +144,8 @@ class DebitCall:
             request_id=self.request_id,
             owner=self.owner,
         )
-        return DebitOutcome.trusted(
-            granted=True,
-            reservation=res,
-            short_credits=(),
-            refusal="",
-            lease_epoch=epoch,
-            lease_version=version,
-            recorded=None,
-            record_key="" if self.record is None else self.record.key,
+        return DebitOutcome.grant(
+            res, epoch, version, "" if self.record is None else self.record.key
         )
 
 
