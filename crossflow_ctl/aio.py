@@ -60,13 +60,11 @@ async def within(call: Awaitable[T], timeout_s: float) -> T:
     a timeout, due at the same loop time ``asyncio.timeout`` would have set, so a call that
     suspends times out exactly as before (TimeoutError)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    steps = call.__await__()
-    try:
-        first = steps.send(None)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
+    started = begin(call)
+    if isinstance(started, Finished):
+        return started.value
     async with asyncio.timeout_at(deadline):
-        return await _Resumed(steps, first)
+        return await started
 
 
 async def shielded(call: Coroutine[Any, Any, T]) -> T:
@@ -76,12 +74,10 @@ async def shielded(call: Coroutine[Any, Any, T]) -> T:
     The call runs to its first suspension at once (nothing can cancel it before then); only if
     it suspends does the rest run shielded, in a task of its own that a cancellation of the
     caller does not reach, as ``asyncio.shield`` runs all of it."""
-    steps = call.__await__()
-    try:
-        first = steps.send(None)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
-    return await asyncio.shield(_rest(_Resumed(steps, first)))
+    started = begin(call)
+    if isinstance(started, Finished):
+        return started.value
+    return await asyncio.shield(_rest(started))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +90,9 @@ class Finished(Generic[T]):
 def begin(call: Awaitable[T]) -> Finished[T] | Awaitable[T]:
     """Run ``call`` to its first suspension now: :class:`Finished` when it returned without
     suspending (nothing could cancel it or run in between), else an awaitable for the rest of
-    it (await it, or wrap it in a task, as ``call`` itself would have been). An exception
-    raised before the first suspension propagates here."""
+    it, to be awaited exactly once, at once or by a task made at once (the call is already
+    waiting on whatever suspended it, a lock's queue say). An exception raised before the first
+    suspension propagates here. :func:`within` and :func:`shielded` are built on it."""
     steps = call.__await__()
     try:
         first = steps.send(None)
@@ -104,7 +101,7 @@ def begin(call: Awaitable[T]) -> Finished[T] | Awaitable[T]:
     return _Resumed(steps, first)
 
 
-async def _rest(resumed: _Resumed[T]) -> T:
+async def _rest(resumed: Awaitable[T]) -> T:
     return await resumed
 
 
