@@ -114,6 +114,17 @@ search_inputs = (
     st.integers(0, 128),
 )
 
+batch_search_inputs = (
+    st.sampled_from(sorted(MODEL_PRESETS)),
+    st.sampled_from(sorted(NODE_PRESETS)),
+    st.floats(0.001, 0.5),
+    st.integers(0, 512),
+    st.integers(0, 200_000),
+    st.integers(1, 20_000),
+    st.integers(1, 4_096),
+)
+"""The decode batch's room search: model, node, budget, batch, context, length, cap."""
+
 
 @settings(max_examples=400, deadline=None)
 @given(*search_inputs)
@@ -140,15 +151,7 @@ def test_the_inline_chunk_searches_return_what_the_callback_search_returns(
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    st.sampled_from(sorted(MODEL_PRESETS)),
-    st.sampled_from(sorted(NODE_PRESETS)),
-    st.floats(0.001, 0.5),
-    st.integers(0, 512),
-    st.integers(0, 200_000),
-    st.integers(1, 20_000),
-    st.integers(1, 4_096),
-)
+@given(*batch_search_inputs)
 def test_the_decode_batch_search_matches_the_reference_search(
     model: str, node: str, budget: float, batch: int, context: int, length: int, cap: int
 ) -> None:
@@ -201,16 +204,7 @@ def test_a_guess_changes_no_answer_of_the_searches(
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    st.sampled_from(sorted(MODEL_PRESETS)),
-    st.sampled_from(sorted(NODE_PRESETS)),
-    st.floats(0.001, 0.5),
-    st.integers(0, 512),
-    st.integers(0, 200_000),
-    st.integers(1, 20_000),
-    st.integers(1, 4_096),
-    st.integers(0, 5_000),
-)
+@given(*batch_search_inputs, st.integers(0, 5_000))
 def test_a_guess_changes_no_answer_of_the_decode_batch_search(
     model: str,
     node: str,
