@@ -280,13 +280,7 @@ class Store(abc.ABC):
         ``folds_request_records`` (dropping it would leave a retry with no outcome to find), or
         with a bad owner, node time or pulled tokens: every item is checked before any is
         debited, so no grant is made for a batch that then fails."""
-        check_debit_args(share, hold_ttl_ms)
-        if not self.folds_request_records and any(d.record is not None for d in debits):
-            raise InvalidArgument(f"{type(self).__name__} takes no request record with a debit")
-        for d in debits:
-            check_owner(d.owner)
-            check_compute_us(d.compute_us)
-            check_pulled_tokens(d.pulled_tokens)
+        self.check_debits(debits, share, hold_ttl_ms)
         return [
             await self.try_debit(
                 d.node_id,
@@ -301,6 +295,20 @@ class Store(abc.ABC):
             )
             for d in debits
         ]
+
+    def check_debits(self, debits: Sequence[DebitRequest], share: Share, hold_ttl_ms: int) -> None:
+        """What :meth:`try_debits` refuses (InvalidArgument), checked for every item before
+        any is sent or debited."""
+        check_debit_args(share, hold_ttl_ms)
+        for d in debits:
+            check_owner(d.owner)
+            check_compute_us(d.compute_us)
+            check_pulled_tokens(d.pulled_tokens)
+            if d.record is not None and not self.folds_request_records:
+                raise InvalidArgument(
+                    f"{type(self).__name__} takes no request record with a debit"
+                    " (a Redis Cluster store cannot write it in the debit's atomic step)"
+                )
 
     async def try_debits_settled(
         self,

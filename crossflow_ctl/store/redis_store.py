@@ -70,11 +70,7 @@ from crossflow_ctl.store.base import (
     LeaseOutcome,
     NodeEvent,
     Store,
-    check_compute_us,
-    check_debit_args,
     check_identity,
-    check_owner,
-    check_pulled_tokens,
     owner_arg,
 )
 from crossflow_ctl.store.keys import (
@@ -351,15 +347,6 @@ class RedisStore(Store):
             return await super().try_debits_settled(debits, share, now_ms, hold_ttl_ms, late)
         return await self._debit(debits, share, now_ms, hold_ttl_ms, late)
 
-    def _check_debits(self, debits: Sequence[DebitRequest], share: Share, hold_ttl_ms: int) -> None:
-        check_debit_args(share, hold_ttl_ms)
-        for d in debits:
-            check_owner(d.owner)
-            check_compute_us(d.compute_us)
-            check_pulled_tokens(d.pulled_tokens)
-            if d.record is not None and not self.folds_request_records:
-                raise InvalidArgument("a Redis Cluster store takes no record with a debit")
-
     async def _debit(
         self,
         debits: Sequence[DebitRequest],
@@ -368,7 +355,7 @@ class RedisStore(Store):
         hold_ttl_ms: int,
         late: Callable[[list[DebitOutcome]], None] | None,
     ) -> list[DebitOutcome]:
-        self._check_debits(debits, share, hold_ttl_ms)
+        self.check_debits(debits, share, hold_ttl_ms)
         calls = DebitCall.build_all(
             [d for d in debits if is_node_id(d.node_id)], now_ms, hold_ttl_ms
         )
