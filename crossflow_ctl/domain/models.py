@@ -232,6 +232,14 @@ class Credits(Frozen):
             or self.slots
         )
 
+    @classmethod
+    def saturated(cls, values: tuple[int, ...] | list[int]) -> Credits:
+        """A total of many amounts (a node's open debits), each floored at zero and capped at
+        its bound: the total can pass a bound (reading it raised a ValidationError), and capped
+        it still leaves no room under any lease, whose credits keep within the same bounds."""
+        bounds = (MAX_TOKENS, MAX_TOKENS, MAX_BYTES, MAX_TOKENS, MAX_SLOTS)
+        return cls.from_tuple([min(int(v), top) for v, top in zip(values, bounds, strict=True)])
+
     def minus(self, other: Credits) -> Credits:
         """Credit by credit, floored at zero."""
         return Credits.from_tuple(

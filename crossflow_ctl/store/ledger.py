@@ -171,7 +171,7 @@ class NodeLedger:
         nxt = self.next_expiry()
         if nxt is None or nxt > now_ms:
             if self._open is None:
-                self._open = Credits.from_tuple(self._totals)
+                self._open = Credits.saturated(self._totals)
             return self._open, len(self.reservations), self._time
         live = [r for r in self.reservations.values() if r.expires_at_ms > now_ms]
         totals = [sum(col) for col in zip(*(r.debit.as_tuple() for r in live), strict=True)]
@@ -179,7 +179,7 @@ class NodeLedger:
         for r in live:
             if r.compute_us:
                 time = time.plus(r.compute_time)
-        return Credits.from_tuple(totals or [0] * 5), len(live), time
+        return Credits.saturated(totals or [0] * 5), len(live), time
 
     def open_totals(self) -> tuple[list[int], ComputeTime]:
         """Running totals of every held reservation, and their compute time; exact right after

@@ -322,7 +322,7 @@ def _view_info(node_id: str, fields: Sequence[Raw]) -> NodeInfo:
 
 
 def _view_totals(raw: Sequence[Any]) -> Credits:
-    return Credits.from_tuple(list(raw[2:7]))  # decimal replies, bytes or str: int() reads both
+    return Credits.saturated(list(raw[2:7]))  # decimal replies, bytes or str: int() reads both
 
 
 def _view_time(raw: Sequence[Any]) -> ComputeTime:

@@ -143,3 +143,9 @@ def test_from_tuple_floors_at_zero_and_still_refuses_amounts_out_of_bounds() -> 
         amounts[over] += 1
         with pytest.raises(ValidationError):
             Credits.from_tuple(amounts)
+
+
+def test_a_total_past_a_bound_is_capped_at_it() -> None:
+    """A node's open debits can total more than a credit's bound; reading them must not raise."""
+    total = Credits.saturated([MAX_TOKENS + 1, -3, MAX_BYTES * 2, 7, MAX_SLOTS + 5])
+    assert total.as_tuple() == (MAX_TOKENS, 0, MAX_BYTES, 7, MAX_SLOTS)

@@ -117,6 +117,16 @@ def timed(d: Credits, us: int) -> ComputeTime:
     batch=[(Credits(kv_tokens=1, slots=1), 0), (Credits(compute_tokens=1, slots=1), 0)],
     share=Shares(0.5, 1.0, 0.5, 0.5, 0.5),
 )
+@example(  # open debits totalling one token over MAX_TOKENS: the node view raised reading them
+    first=Credits(compute_tokens=1),
+    first_rate=0.5,
+    open_debits=[(Credits(compute_tokens=11), 1), (Credits(compute_tokens=999_999_990), 1)],
+    second=Credits(),
+    second_rate=0.0,
+    debit=(Credits(compute_tokens=1, slots=1), 0),
+    batch=[],
+    share=1.0,
+)
 async def test_lua_debit_agrees_with_the_domain_safety_check(
     redis_url: str,
     redis_namespace: str,
