@@ -73,3 +73,29 @@ async def test_an_outage_warns_once_names_no_stream_and_says_when_it_ended(workd
             proc.terminate()
             proc.wait(timeout=10)
     structlog.contextvars.clear_contextvars()
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["bytes", "decode_responses"])
+async def test_a_quiet_subscription_stays_up_on_pongs_and_wakes_its_node(
+    redis_url: str, redis_namespace: str, decode: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hub reads its subscription's replies itself: the confirmation, wakes for the nodes it
+    fans out to, and the pongs of its pings, which keep a quiet subscription up (three quiet
+    ping periods with no pong would break it and bump the generation)."""
+    monkeypatch.setattr("crossflow_ctl.store.redis_notices.PING_EVERY_S", 1.0)
+    client = Redis.from_url(redis_url, decode_responses=decode)
+    hub = WakeHub(client, f"{redis_namespace}:notices")
+    try:
+        sig = hub.signal("n1")
+        await _until(lambda: hub.live)
+        generation, woken = hub.generation, sig.count
+        await client.publish(hub.channel, "n1")
+        await _until(lambda: sig.count > woken)
+        await asyncio.sleep(3.5)  # past three quiet ping periods
+        assert (hub.live, hub.generation) == (True, generation)
+        await client.publish(hub.channel, "n1")
+        await _until(lambda: hub.wakes == 2)
+        assert hub.generation == generation
+    finally:
+        await hub.close()
+        await client.aclose()
