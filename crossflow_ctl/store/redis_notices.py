@@ -210,7 +210,9 @@ class WakeHub:
             try:
                 await pubsub.subscribe(self.channel)
                 await self._listen(pubsub)
-            except (RedisError, OSError, TimeoutError) as exc:
+            except Exception as exc:  # Redis down, or a reply this code cannot read
+                # (a payload that is not UTF-8 on a decoding client): subscribe again on a
+                # fresh connection; the hub must never end while streams wait on it
                 self._broken(exc)
             finally:
                 self._break()
@@ -243,10 +245,11 @@ class WakeHub:
                     self._sweep()
                 continue
             quiet_s = 0.0
-            kind = codec.text(reply[0]) if isinstance(reply, list) else "pong"  # or a list
+            # a pong is b"PONG" in RESP3 and [b"pong", b""] in RESP2; the rest are lists
+            kind = codec.text(reply[0]) if isinstance(reply, list) else "pong"
             if kind == "message":
                 self.wakes += 1
-                woken = self._signals.get(codec.text(reply[2]))
+                woken = self._signals.get(_node_of(reply[2]))
                 if woken is not None:
                     woken.wake()
             elif kind == "subscribe":
@@ -262,6 +265,17 @@ class WakeHub:
         if task is not None:
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 await cancel_and_wait([task])
+
+
+def _node_of(payload: bytes | str) -> str:
+    """The node a wake names; "" (no node) for a payload that is not UTF-8, which no script of
+    ours publishes (anyone who can reach Redis can)."""
+    if isinstance(payload, str):
+        return payload
+    try:
+        return payload.decode()
+    except UnicodeDecodeError:
+        return ""
 
 
 class _Range(NamedTuple):

@@ -75,15 +75,20 @@ async def test_an_outage_warns_once_names_no_stream_and_says_when_it_ended(workd
     structlog.contextvars.clear_contextvars()
 
 
+@pytest.mark.parametrize("protocol", [2, 3], ids=["resp2", "resp3"])
 @pytest.mark.parametrize("decode", [False, True], ids=["bytes", "decode_responses"])
 async def test_a_quiet_subscription_stays_up_on_pongs_and_wakes_its_node(
-    redis_url: str, redis_namespace: str, decode: bool, monkeypatch: pytest.MonkeyPatch
+    redis_url: str,
+    redis_namespace: str,
+    decode: bool,
+    protocol: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The hub reads its subscription's replies itself: the confirmation, wakes for the nodes it
     fans out to, and the pongs of its pings, which keep a quiet subscription up (three quiet
     ping periods with no pong would break it and bump the generation)."""
     monkeypatch.setattr("crossflow_ctl.store.redis_notices.PING_EVERY_S", 1.0)
-    client = Redis.from_url(redis_url, decode_responses=decode)
+    client = Redis.from_url(redis_url, decode_responses=decode, protocol=protocol)
     hub = WakeHub(client, f"{redis_namespace}:notices")
     try:
         sig = hub.signal("n1")
@@ -99,3 +104,28 @@ async def test_a_quiet_subscription_stays_up_on_pongs_and_wakes_its_node(
     finally:
         await hub.close()
         await client.aclose()
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["bytes", "decode_responses"])
+async def test_a_wake_that_is_not_utf8_leaves_the_hub_serving(
+    redis_url: str, redis_namespace: str, decode: bool
+) -> None:
+    """Anyone who can reach Redis can publish on the wake channel. A payload that is not UTF-8
+    names no node; the hub ignores it (or, where the client's decoder refuses the reply,
+    subscribes again) and keeps waking its nodes: it never ends while streams wait on it."""
+    client = Redis.from_url(redis_url, decode_responses=decode)
+    raw = Redis.from_url(redis_url)  # publishes the bad bytes as they are
+    hub = WakeHub(client, f"{redis_namespace}:notices")
+    try:
+        sig = hub.signal("n1")
+        await _until(lambda: hub.live)
+        await raw.publish(hub.channel, b"\xff\xfe")
+        woken = sig.count
+        await _until(lambda: hub.live and hub._task is not None and not hub._task.done())
+        await raw.publish(hub.channel, "n1")
+        await _until(lambda: sig.count > woken and hub.live)
+        assert hub._task is not None and not hub._task.done()
+    finally:
+        await hub.close()
+        await client.aclose()
+        await raw.aclose()
