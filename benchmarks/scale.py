@@ -18,6 +18,8 @@ fleet connected (every relay waiting for notices, N lenders in the index):
   ``--seconds``; accepted leases per second at the broker;
 * ``cpu b/f``: CPU seconds per second the broker and the fleet process used while ingesting
   (the machine's other load shows as a broker below 1.0 with the fleet not at 1.0 either);
+* ``us/lease``: the broker's CPU per accepted lease, in microseconds: the ingest figure that
+  the machine's other load moves least (leases/s is bound by the cores the fleet shares);
 * ``floor/s``: the ingest floor, measured here in the same run: the same fleet against a
   no-op LeaseService in its own process (grpc.aio, acks every lease at once, no store), with
   acks per CPU second of that server: what grpc.aio alone costs per lease on this machine;
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import resource
 import statistics
@@ -85,6 +88,7 @@ class Stream:
         """How the stream ended (a status name), "" while open."""
         self._stub = stub
         self._call: Any = None
+        self._reader: asyncio.Task[None] | None = None
         self._window = asyncio.Semaphore(window)
         self._acked = asyncio.Event()
         self._request = lease_pb2.ConnectRequest(
@@ -99,25 +103,36 @@ class Stream:
         )
 
     async def open(self) -> None:
-        """Hello until welcomed: like a real agent, retry with backoff when the broker refuses
-        (a registration storm can find every Redis connection busy: UNAVAILABLE)."""
+        """Hello until welcomed and the first lease acked: like a real agent, retry with backoff
+        when the broker refuses or ends the stream (a registration storm can find every Redis
+        connection busy, or a starved machine run a store call past its timeout: UNAVAILABLE)."""
         hello = lease_pb2.Hello(node_id=self.node_id, role=common_pb2.NODE_ROLE_DECODE, epoch=1)
         for attempt in range(30):
-            self._call = self._stub.Connect()
-            try:
-                await self._call.write(lease_pb2.ConnectRequest(hello=hello))
-                first = await self._call.read()
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                first = None
-            if first is not None and first is not grpc.aio.EOF:
-                break
+            if await self._connect(hello):
+                return
             self.retries += 1
             self._call.cancel()
             await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
-        assert first is not None and first.WhichOneof("body") == "welcome", first
-        asyncio.get_running_loop().create_task(self._read())
-        await self.send()
+        raise SystemExit(f"{self.node_id}: no first lease acked in 30 tries")
+
+    async def _connect(self, hello: Any) -> bool:
+        """One stream: Hello, then the first lease; whether it was acked on a stream still open."""
+        self._call = self._stub.Connect()
+        self.ended = ""
+        self._acked.clear()
+        try:
+            await self._call.write(lease_pb2.ConnectRequest(hello=hello))
+            first = await self._call.read()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return False
+        if first is grpc.aio.EOF:
+            return False
+        assert first.WhichOneof("body") == "welcome", first
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            await self.send()  # if the stream ended, the reader ends too and wakes the wait
         await self._acked.wait()
+        return not self.ended
 
     def _lease(self) -> Any:
         """The stream's one request, with the next version (grpc serializes it in ``write``, so
@@ -138,6 +153,7 @@ class Stream:
         finally:
             self.ended = self.ended or "OK"
             self._window.release()  # a pump waiting on this stream stops
+            self._acked.set()  # and so does an open waiting for its first ack
 
     async def _read_all(self) -> None:
         while True:
@@ -391,6 +407,7 @@ async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, fl
             "notices": int(notices),
             "conns": conns,
             "broker_cpu": broker_cpu,
+            "broker_us_per_lease": broker_cpu * 1e6 / max(1.0, int(accepted) / float(elapsed)),
             "fleet_cpu": fleet_cpu,
             "floor_per_s": floor_per_s,
             "floor_per_cpu_s": floor_per_cpu_s,
@@ -423,7 +440,7 @@ async def main(args: argparse.Namespace) -> None:
     head = (
         f"{'nodes':>6} {'open s':>7} {'redis p50/p99 ms':>17} {'grpc p50/p99 ms':>16} "
         f"{'admit p50/p99 ms':>17} {'borrowed':>8} {'ingest/s':>9} {'cpu b/f':>9} "
-        f"{'floor/s':>8} {'notices':>8} {'conns':>5}"
+        f"{'us/lease':>8} {'floor/s':>8} {'notices':>8} {'conns':>5}"
     )
     print(head)
     rows = []
@@ -438,7 +455,8 @@ async def main(args: argparse.Namespace) -> None:
                 f"{row['admit_p50']:>8.2f}/{row['admit_p99']:<8.2f} "
                 f"{row['borrowed_share']:>8.0%} {row['ingest_per_s']:>9.0f} "
                 f"{row['broker_cpu']:>4.2f}/{row['fleet_cpu']:<4.2f} "
-                f"{row['floor_per_s']:>8.0f} {row['notices']:>8} {row['conns']:>5}",
+                f"{row['broker_us_per_lease']:>8.1f} {row['floor_per_s']:>8.0f} "
+                f"{row['notices']:>8} {row['conns']:>5}",
                 flush=True,
             )
     finally:
@@ -465,6 +483,12 @@ async def main(args: argparse.Namespace) -> None:
         f"(target >= 10,000), {last['ingest_per_s'] / last['broker_cpu']:.0f} per broker CPU "
         f"second; floor (no-op LeaseService, same fleet): {last['floor_per_s']:.0f} acks/s, "
         f"{last['floor_per_cpu_s']:.0f} per server CPU second"
+    )
+    print(
+        "broker CPU per accepted lease: "
+        + ", ".join(f"{r['broker_us_per_lease']:.1f} us at {r['nodes']}" for r in rows)
+        + "; floor (no-op LeaseService) per ack: "
+        + ", ".join(f"{1e6 / r['floor_per_cpu_s']:.1f} us at {r['nodes']}" for r in rows)
     )
     print(
         f"stale or refused: {sum(r['refused'] for r in rows)}; streams the broker "

@@ -40,7 +40,7 @@ from crossflow_ctl.domain.errors import (
 )
 from crossflow_ctl.domain.models import NodeInfo, NodeRole
 from crossflow_ctl.domain.session import SessionSettings
-from crossflow_ctl.observability import span
+from crossflow_ctl.observability import span, spans_recorded
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire import convert as c
 
@@ -197,11 +197,15 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
     ) -> None:
         node_id = info.node_id
         attrs = {"crossflow.node_id": node_id}
+        traced = spans_recorded()  # once per stream, not per lease (see spans_recorded)
         try:
             async for req in requests:
                 body = req.WhichOneof("body")
                 if body == "lease":
-                    with span("crossflow.lease_batch", attrs):  # nothing made without an SDK
+                    if traced:
+                        with span("crossflow.lease_batch", attrs):
+                            await out.send(await self._ack(req.lease, info))
+                    else:
                         await out.send(await self._ack(req.lease, info))
                 elif body == "pool_load":
                     await self._pool_load(req.pool_load, info)

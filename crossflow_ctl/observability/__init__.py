@@ -53,6 +53,7 @@ from crossflow_ctl.observability.tracing import (
     rpc_span,
     setup_tracing,
     span,
+    spans_recorded,
 )
 
 __all__ = [
@@ -71,4 +72,5 @@ __all__ = [
     "setup_metrics",
     "setup_tracing",
     "span",
+    "spans_recorded",
 ]

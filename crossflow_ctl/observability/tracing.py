@@ -147,6 +147,14 @@ def rpc_span(
         yield span
 
 
+def spans_recorded() -> bool:
+    """Whether the process's tracer provider is an SDK one (:func:`setup_tracing`), which
+    :func:`span` needs to make a span at all. A hot path asks once (an agent stream, when it
+    opens) rather than per item: with no provider installed, the API's lookup reads the
+    environment on every call."""
+    return isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
 def span(
     name: str,
     attributes: Mapping[str, str | int | float | bool] | None = None,

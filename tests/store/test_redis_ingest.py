@@ -120,6 +120,29 @@ async def test_waits_are_bounded_per_batch_not_per_call() -> None:
     assert ran == [["slow"], ["after"]]  # the queued call never ran
 
 
+def test_a_coalescer_serves_each_loop_that_uses_it_in_turn() -> None:
+    """Its futures are made on the loop of its last submit while that loop runs (no loop lookup
+    per call): one used from a loop, then from the next once the first has stopped, answers on
+    the loop that asks, and batches calls of one turn together on each."""
+    ran: list[Sequence[str]] = []
+
+    async def run_batch(calls: Sequence[str]) -> list[Any]:
+        ran.append(calls)
+        return [f"done {c}" for c in calls]
+
+    coalescer: Coalescer[str] = Coalescer(run_batch, max_in_flight=1)
+
+    async def use(*calls: str) -> list[Any]:
+        futures = [coalescer.submit(c) for c in calls]
+        assert all(f.get_loop() is asyncio.get_running_loop() for f in futures)
+        return list(await asyncio.gather(*futures))
+
+    first = asyncio.run(use("a", "b"))
+    second = asyncio.run(use("c", "d"))
+    assert (first, second) == (["done a", "done b"], ["done c", "done d"])
+    assert ran == [["a", "b"], ["c", "d"]]
+
+
 async def test_a_warm_view_takes_local_leases_in_place(
     redis_url: str, redis_namespace: str
 ) -> None:
