@@ -53,8 +53,8 @@ class NodeLedger:
     # -- info ---------------------------------------------------------------------------------
     @property
     def info(self) -> NodeInfo:
-        if self._info.notice_seq != self.seq:
-            self._info = self._info.model_copy(update={"notice_seq": self.seq})
+        if self._info.notice_seq != self.seq:  # a copy with the new count, not revalidated
+            self._info = NodeInfo.trusted(**{**self._info.__dict__, "notice_seq": self.seq})
         return self._info
 
     @info.setter

@@ -378,12 +378,11 @@ class MemoryStore(Store):
                 )
             if res.state is ReservationState.COMMITTED:
                 return res
-            res = res.model_copy(
-                update={
-                    "state": ReservationState.COMMITTED,
-                    "expires_at_ms": now_ms + commit_ttl_ms,
-                }
-            )
+            # A copy of a stored reservation with two fields of their types (the TTL checked
+            # above): not revalidated, once per borrowed prompt.
+            expires = now_ms + commit_ttl_ms
+            update = {"state": ReservationState.COMMITTED, "expires_at_ms": expires}
+            res = Reservation.trusted(**{**res.__dict__, **update})
             node.put(res)
             node.notify(NoticeKind.COMMIT, now_ms, res)
             return res
@@ -396,7 +395,8 @@ class MemoryStore(Store):
             if res.state is ReservationState.RELEASED:
                 return res
             seq = node.seq + 1
-            res = res.model_copy(update={"state": ReservationState.RELEASED, "release_seq": seq})
+            update = {"state": ReservationState.RELEASED, "release_seq": seq}
+            res = Reservation.trusted(**{**res.__dict__, **update})  # as in commit
             node.put(res)
             node.notify(NoticeKind.RELEASE, now_ms, res)
             return res
