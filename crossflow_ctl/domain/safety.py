@@ -45,6 +45,8 @@ UNTIMED = ComputeTime()
 
 
 def _amounts(value: Amounts) -> tuple[int, ...]:
+    if isinstance(value, tuple):  # already five amounts (immutable: no copy)
+        return value
     return value.as_tuple() if isinstance(value, Credits) else tuple(value)
 
 
