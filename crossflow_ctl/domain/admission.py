@@ -426,29 +426,30 @@ def check_node(
 ) -> NodeCheck:
     """Benefit and Safety on one node; ``room``: the node's at ``settings.shares``
     (:func:`node_rooms`), computed here when not given."""
-    info, stored = node.info, node.lease
-    node_id = info.node_id
-    lease = stored.lease if stored is not None else None
-    debit, debit_us = debit_for(request, node_id, settings, lease)
-    if info.cordoned:
+    node_id = node.info.node_id
+    stored = node.lease
+    debit, debit_us = debit_for(
+        request, node_id, settings, stored.lease if stored is not None else None
+    )
+    if node.info.cordoned:
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="cordoned", debit=debit)
-    if stored is None or lease is None:
+    if stored is None:
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="no lease", debit=debit)
-    if stored.expired(now_ms) or lease.zero_reason is not None:
-        zero = lease.zero_reason
-        return NodeCheck(
-            node_id=node_id,
-            verdict=Reason.NO_LEASES,
-            detail="lease expired" if zero is None else f"zero lease: {zero.value}",
-            lease_epoch=lease.epoch,
-            lease_version=lease.version,
-            debit=debit,
-            debit_us=debit_us,
-        )
+    lease = stored.lease
+    base = {
+        "lease_epoch": lease.epoch,
+        "lease_version": lease.version,
+        "debit": debit,
+        "debit_us": debit_us,
+    }
+    if stored.expired(now_ms):
+        return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="lease expired", **base)
+    if lease.zero_reason is not None:
+        detail = f"zero lease: {lease.zero_reason.value}"
+        return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail=detail, **base)
     left, available = room or _room(node, lease, settings.shares)
-    opened, time = node.open_debits.compute_tokens, node.open_compute
-    rate = lease.borrowed_prefill_rate_tps
-    need = need_for(debit.as_tuple(), debit_us, opened, time, rate)
+    opened, time, rate = node.open_debits, node.open_compute, lease.borrowed_prefill_rate_tps
+    need = need_for(debit, debit_us, opened.compute_tokens, time, rate)
     short = short_of_room(left, need)  # ``available`` is floored at zero, for display only
     service_ms = (
         lease.prefill_service_s(request.uncached_prompt_tokens, request.cached_prefix_tokens)
@@ -456,7 +457,7 @@ def check_node(
     )
     if debit.kv_transfer_bytes:
         service_ms += debit.kv_transfer_bytes / settings.kv_transfer_bytes_per_s * 1000.0
-    wait_ms = queue_wait_ms(lease, opened, time)
+    wait_ms = queue_wait_ms(lease, node.open_debits.compute_tokens, node.open_compute)
     predicted = wait_ms + service_ms
     # An empty prompt (nothing uncached) has no prefill to move: borrowing cannot help it.
     has_work = request.uncached_prompt_tokens > 0
