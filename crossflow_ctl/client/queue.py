@@ -383,7 +383,9 @@ class AdmissionQueue:
         *,
         held: bool = False,
     ) -> None:
-        outcome = Outcome(
+        # Every field, in order, of its type (the submitted request, its answer, the queue's
+        # own counts): built without validation, once per prompt.
+        outcome = Outcome.trusted(
             request=ticket.request,
             admission=admission,
             dispatch=cause,

@@ -364,8 +364,10 @@ def prompt_demand(demand: DemandCheck, normal: NormalPath, settings: PolicySetti
     if own >= demand.threshold_ms:
         return demand
     # A copy, not a field-by-field rebuild: a field added to DemandCheck later (as the named
-    # server's id was) must carry over, not fall silently to its default.
-    return demand.model_copy(update={"threshold_ms": own, "holds": demand.pool_wait_ms > own})
+    # server's id was) must carry over, not fall silently to its default. Every field in order,
+    # two of them replaced by values of their types: built without validation, per Admit.
+    holds = demand.pool_wait_ms > own
+    return DemandCheck.trusted(**{**demand.__dict__, "threshold_ms": own, "holds": holds})
 
 
 def estimate_normal_path(

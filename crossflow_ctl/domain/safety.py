@@ -45,6 +45,8 @@ UNTIMED = ComputeTime()
 
 
 def _amounts(value: Amounts) -> tuple[int, ...]:
+    if isinstance(value, tuple):  # already five amounts (immutable: no copy)
+        return value
     return value.as_tuple() if isinstance(value, Credits) else tuple(value)
 
 
@@ -89,20 +91,25 @@ def room_left(
     credit, or each credit's own), the open debits in the unit of the lease (``rate_tps``, its
     borrowed-prefill rate; ``open_time``, the node time behind their compute); may be
     negative."""
-    return tuple(
-        int(have * part) - used
-        for have, part, used in zip(
-            _amounts(lease),
-            Shares.of(share),
-            in_lease_unit(open_debits, open_time, rate_tps),
-            strict=True,
-        )
+    l0, l1, l2, l3, l4 = _amounts(lease)
+    s0, s1, s2, s3, s4 = Shares.of(share)
+    u0, u1, u2, u3, u4 = in_lease_unit(open_debits, open_time, rate_tps)
+    return (
+        int(l0 * s0) - u0,
+        int(l1 * s1) - u1,
+        int(l2 * s2) - u2,
+        int(l3 * s3) - u3,
+        int(l4 * s4) - u4,
     )
 
 
 def short_of_room(room: Sequence[int], need: Sequence[int]) -> tuple[str, ...]:
     """Names of the credits on which ``need`` (as :func:`need_for` gives) exceeds ``room`` (as
     :func:`room_left` gives)."""
+    r0, r1, r2, r3, r4 = room
+    n0, n1, n2, n3, n4 = need
+    if n0 <= r0 and n1 <= r1 and n2 <= r2 and n3 <= r3 and n4 <= r4:
+        return ()  # the common answer, without walking the names
     return tuple(name for name, left, n in zip(CREDIT_NAMES, room, need, strict=True) if n > left)
 
 

@@ -16,6 +16,7 @@ from crossflow_ctl.domain.models import (
     ComputeTime,
     Credits,
     NodeInfo,
+    NodeState,
     Notice,
     NoticeKind,
     Reservation,
@@ -32,7 +33,7 @@ class NodeLedger:
     def __init__(self, info: NodeInfo) -> None:
         self._info = info
         self.seq = info.notice_seq
-        self.lease: StoredLease | None = None
+        self._lease: StoredLease | None = None
         self.reservations: dict[str, Reservation] = {}
         self.notices: list[Notice] = []
         self.history: deque[StoredLease] = deque(maxlen=HISTORY_CAP)
@@ -45,17 +46,30 @@ class NodeLedger:
         self._expiries: list[tuple[int, int, str]] = []  # (expires_at_ms, grant_seq, id)
         self._released: deque[tuple[int, str]] = deque()  # (release_seq, id)
         self._changed: asyncio.Event | None = None
+        self._state: NodeState | None = None
+        """The node as :meth:`state` last built it, kept until the books change (admission reads
+        every candidate node per Admit, most of them unchanged since the last one)."""
 
     # -- info ---------------------------------------------------------------------------------
     @property
     def info(self) -> NodeInfo:
-        if self._info.notice_seq != self.seq:
-            self._info = self._info.model_copy(update={"notice_seq": self.seq})
+        if self._info.notice_seq != self.seq:  # a copy with the new count, not revalidated
+            self._info = NodeInfo.trusted(**{**self._info.__dict__, "notice_seq": self.seq})
         return self._info
 
     @info.setter
     def info(self, info: NodeInfo) -> None:
         self._info = info.model_copy(update={"notice_seq": self.seq})
+        self._state = None
+
+    @property
+    def lease(self) -> StoredLease | None:
+        return self._lease
+
+    @lease.setter
+    def lease(self, stored: StoredLease | None) -> None:
+        self._lease = stored
+        self._state = None
 
     @property
     def node_id(self) -> str:
@@ -77,6 +91,7 @@ class NodeLedger:
         """Append a notice with the next sequence number; wake blocked readers.
         ``pulled_tokens``: a GRANT's pulled-in prefix (``Notice.pulled_tokens``)."""
         self.seq += 1
+        self._state = None
         self.notices.append(  # the registered node's id, a checked pulled_tokens: no validation
             Notice.trusted(
                 node_id=self._info.node_id,
@@ -112,6 +127,7 @@ class NodeLedger:
         """Add ``res``, or replace it after a state change (commit, release)."""
         rid = res.reservation_id
         old = self.reservations.get(rid)
+        self._state = None
         if old is None:
             for i, v in enumerate(res.debit.as_tuple()):
                 self._totals[i] += v
@@ -130,6 +146,7 @@ class NodeLedger:
             self._totals[i] -= v
         self._time = self._time.minus(res.compute_time)
         self._open = None
+        self._state = None
 
     def next_expiry(self) -> int | None:
         """When the first of the reservations still on the books expires (None: there are none)."""
@@ -180,6 +197,25 @@ class NodeLedger:
             if r.compute_us:
                 time = time.plus(r.compute_time)
         return Credits.saturated(totals or [0] * 5), len(live), time
+
+    def state(self, now_ms: int) -> NodeState:
+        """The node as admission and the admin API see it at ``now_ms``: the same object from
+        one call to the next until the books change or a reservation on them expires."""
+        nxt = self.next_expiry()
+        settled = nxt is None or nxt > now_ms  # the open debits are the running totals
+        if settled and self._state is not None:
+            return self._state
+        debits, count, time = self.open_debits(now_ms)
+        state = NodeState.trusted(
+            info=self.info,
+            lease=self._lease,
+            open_debits=debits,
+            open_reservations=count,
+            open_compute=time,
+        )
+        if settled:
+            self._state = state
+        return state
 
     def open_totals(self) -> tuple[list[int], ComputeTime]:
         """Running totals of every held reservation, and their compute time; exact right after

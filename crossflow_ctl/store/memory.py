@@ -14,6 +14,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from crossflow_ctl.aio import Finished, begin
 from crossflow_ctl.domain.errors import (
@@ -81,6 +82,26 @@ def lease_event(old: StoredLease | None, new: Lease, now_ms: int) -> list[NodeEv
     return events
 
 
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """A pool snapshot and when it still holds: no report stored since (``seq``, the store's
+    ingest counter), every report it left out still expired (at or before ``now_ms``: the
+    latest of their expiries, ``dead_ms``) and every one in it still live (the earliest of
+    theirs after ``now_ms``, ``live_ms``)."""
+
+    snapshot: PoolSnapshot
+    seq: int
+    dead_ms: int | None
+    live_ms: int | None
+
+    def holds(self, seq: int, now_ms: int) -> bool:
+        return (
+            seq == self.seq
+            and (self.dead_ms is None or self.dead_ms <= now_ms)
+            and (self.live_ms is None or now_ms < self.live_ms)
+        )
+
+
 class MemoryStore(Store):
     """Everything in this process; ``seed`` makes sampling and reservation ids reproducible."""
 
@@ -98,6 +119,8 @@ class MemoryStore(Store):
         """Request records: key -> (outcome, expiry on the monotonic clock)."""
         self._seen: dict[str, int] = {}
         """Node -> when it was last heard of (registration, accepted lease or pool load), ms."""
+        self._snapshots: dict[str, _Snapshot] = {}
+        """Each pool's last snapshot, handed out again while it holds (:meth:`_snapshot`)."""
 
     # -- helpers ----------------------------------------------------------------------------
     def _node(self, node_id: str) -> NodeLedger:
@@ -113,17 +136,6 @@ class MemoryStore(Store):
             self._lenders.pop(node_id, None)
         else:
             self._lenders[node_id] = stored.expires_at_ms
-
-    @staticmethod
-    def _state(node: NodeLedger, now_ms: int) -> NodeState:
-        debits, count, time = node.open_debits(now_ms)
-        return NodeState.trusted(
-            info=node.info,
-            lease=node.lease,
-            open_debits=debits,
-            open_reservations=count,
-            open_compute=time,
-        )
 
     def _reservation(
         self, reservation_id: str, now_ms: int, owner: str | None
@@ -217,9 +229,24 @@ class MemoryStore(Store):
 
     # -- admission --------------------------------------------------------------------------
     def _snapshot(self, pool: str, now_ms: int) -> PoolSnapshot:
+        """The pool's live reports at ``now_ms``: the same object as last time while no report
+        was stored since and none changed side of its expiry (the Redis store's replicas hand
+        out one cached view the same way), so a caller can tell an unchanged pool by identity
+        (the admission service's Demand is computed once per snapshot)."""
+        cached = self._snapshots.get(pool)
+        if cached is not None and cached.holds(self._pool_seq, now_ms):
+            return cached.snapshot
         reports = self._pools.get(pool, {})
         live = [reports[k] for k in sorted(reports) if reports[k].expires_at_ms > now_ms]
-        return PoolSnapshot.of_stored(pool, live)
+        dead = [r.expires_at_ms for r in reports.values() if r.expires_at_ms <= now_ms]
+        snapshot = PoolSnapshot.of_stored(pool, live)
+        self._snapshots[pool] = _Snapshot(
+            snapshot,
+            self._pool_seq,
+            max(dead, default=None),
+            min((r.expires_at_ms for r in live), default=None),
+        )
+        return snapshot
 
     def _sample(self, sample: int, now_ms: int) -> list[str]:
         for node_id in [n for n, exp in self._lenders.items() if exp <= now_ms]:
@@ -234,7 +261,7 @@ class MemoryStore(Store):
     ) -> tuple[PoolSnapshot | None, list[NodeState]]:
         snapshot = self._snapshot(pool, now_ms)
         chosen = list(dict.fromkeys(node_ids)) if node_ids else self._sample(sample, now_ms)
-        states = [self._state(self._nodes[n], now_ms) for n in chosen if n in self._nodes]
+        states = [self._nodes[n].state(now_ms) for n in chosen if n in self._nodes]
         return (snapshot if snapshot.reports else None), states
 
     async def try_debits_settled(
@@ -268,58 +295,75 @@ class MemoryStore(Store):
         pulled_tokens: int | None = None,
     ) -> DebitOutcome:
         check_debit_args(share, hold_ttl_ms, owner, compute_us, pulled_tokens)
+        item = DebitRequest(node_id, debit, request_id, owner, None, compute_us, pulled_tokens)
         async with self._lock:
-            node = self._nodes.get(node_id)
-            if node is None:
-                return DebitOutcome(granted=False, refusal="unknown_node")
-            node.purge_expired(now_ms)
-            stored = node.lease
-            epoch, version = (stored.lease.epoch, stored.lease.version) if stored else (0, 0)
+            return self._debit(item, share, now_ms, hold_ttl_ms)
 
-            def refuse(why: str, short: tuple[str, ...] = ()) -> DebitOutcome:
-                return DebitOutcome(
-                    granted=False,
-                    refusal=why,
-                    short_credits=short,
-                    lease_epoch=epoch,
-                    lease_version=version,
-                )
+    async def try_debits(
+        self, debits: Sequence[DebitRequest], share: Share, now_ms: int, hold_ttl_ms: int
+    ) -> list[DebitOutcome]:
+        """``Store.try_debits``: every item checked first (``check_debits``: what each
+        ``try_debit`` checks), then each debited in turn, in one critical section."""
+        self.check_debits(debits, share, hold_ttl_ms)
+        async with self._lock:
+            return [self._debit(d, share, now_ms, hold_ttl_ms) for d in debits]
 
-            if node.cordoned:
-                return refuse("cordoned")
-            if stored is None:
-                return refuse("no_lease")
-            if stored.expired(now_ms):
-                return refuse("expired")
-            if stored.lease.is_zero:
-                return refuse("zero_lease")
-            lease = stored.lease
-            totals, time = node.open_totals()
-            rate = lease.borrowed_prefill_rate_tps
-            short = short_credits(lease.credits, totals, share, debit, rate, time, compute_us)
-            if short:
-                return refuse("short", short)
-            rid = new_reservation_id(node_id, self._rng.getrandbits(128))
-            # Every field, of its type and in bounds (the node's registered id, the arguments
-            # checked above): built without validation, once per granted debit.
-            res = Reservation.trusted(
-                reservation_id=rid,
-                node_id=node_id,
-                state=ReservationState.HELD,
-                debit=debit,
-                compute_us=compute_us,
+    def _debit(
+        self, item: DebitRequest, share: Share, now_ms: int, hold_ttl_ms: int
+    ) -> DebitOutcome:
+        """One checked debit's check-and-record, under the lock (no ``await``: atomic)."""
+        node_id, debit, request_id, owner, _, compute_us, pulled_tokens = item
+        node = self._nodes.get(node_id)
+        if node is None:
+            return DebitOutcome(granted=False, refusal="unknown_node")
+        node.purge_expired(now_ms)
+        stored = node.lease
+        epoch, version = (stored.lease.epoch, stored.lease.version) if stored else (0, 0)
+
+        def refuse(why: str, short: tuple[str, ...] = ()) -> DebitOutcome:
+            return DebitOutcome(
+                granted=False,
+                refusal=why,
+                short_credits=short,
                 lease_epoch=epoch,
                 lease_version=version,
-                created_at_ms=now_ms,
-                expires_at_ms=now_ms + hold_ttl_ms,
-                grant_seq=node.seq + 1,
-                release_seq=0,
-                request_id=request_id,
-                owner=owner,
             )
-            node.notify(NoticeKind.GRANT, now_ms, res, pulled_tokens)
-            node.put(res)
-            return DebitOutcome.grant(res, epoch, version)
+
+        if node.cordoned:
+            return refuse("cordoned")
+        if stored is None:
+            return refuse("no_lease")
+        if stored.expired(now_ms):
+            return refuse("expired")
+        if stored.lease.is_zero:
+            return refuse("zero_lease")
+        lease = stored.lease
+        totals, time = node.open_totals()
+        rate = lease.borrowed_prefill_rate_tps
+        short = short_credits(lease.credits, totals, share, debit, rate, time, compute_us)
+        if short:
+            return refuse("short", short)
+        rid = new_reservation_id(node_id, self._rng.getrandbits(128))
+        # Every field, of its type and in bounds (the node's registered id, the arguments
+        # checked above): built without validation, once per granted debit.
+        res = Reservation.trusted(
+            reservation_id=rid,
+            node_id=node_id,
+            state=ReservationState.HELD,
+            debit=debit,
+            compute_us=compute_us,
+            lease_epoch=epoch,
+            lease_version=version,
+            created_at_ms=now_ms,
+            expires_at_ms=now_ms + hold_ttl_ms,
+            grant_seq=node.seq + 1,
+            release_seq=0,
+            request_id=request_id,
+            owner=owner,
+        )
+        node.notify(NoticeKind.GRANT, now_ms, res, pulled_tokens)
+        node.put(res)
+        return DebitOutcome.grant(res, epoch, version)
 
     async def commit(
         self, reservation_id: str, now_ms: int, commit_ttl_ms: int, owner: str | None = None
@@ -334,12 +378,11 @@ class MemoryStore(Store):
                 )
             if res.state is ReservationState.COMMITTED:
                 return res
-            res = res.model_copy(
-                update={
-                    "state": ReservationState.COMMITTED,
-                    "expires_at_ms": now_ms + commit_ttl_ms,
-                }
-            )
+            # A copy of a stored reservation with two fields of their types (the TTL checked
+            # above): not revalidated, once per borrowed prompt.
+            expires = now_ms + commit_ttl_ms
+            update = {"state": ReservationState.COMMITTED, "expires_at_ms": expires}
+            res = Reservation.trusted(**{**res.__dict__, **update})
             node.put(res)
             node.notify(NoticeKind.COMMIT, now_ms, res)
             return res
@@ -352,7 +395,8 @@ class MemoryStore(Store):
             if res.state is ReservationState.RELEASED:
                 return res
             seq = node.seq + 1
-            res = res.model_copy(update={"state": ReservationState.RELEASED, "release_seq": seq})
+            update = {"state": ReservationState.RELEASED, "release_seq": seq}
+            res = Reservation.trusted(**{**res.__dict__, **update})  # as in commit
             node.put(res)
             node.notify(NoticeKind.RELEASE, now_ms, res)
             return res
@@ -402,10 +446,10 @@ class MemoryStore(Store):
         return gone
 
     async def list_nodes(self, now_ms: int) -> list[NodeState]:
-        return [self._state(self._nodes[n], now_ms) for n in sorted(self._nodes)]
+        return [self._nodes[n].state(now_ms) for n in sorted(self._nodes)]
 
     async def get_node(self, node_id: str, now_ms: int) -> NodeState:
-        return self._state(self._node(node_id), now_ms)
+        return self._node(node_id).state(now_ms)
 
     async def list_reservations(self, node_id: str | None, now_ms: int) -> list[Reservation]:
         nodes = [self._node(node_id)] if node_id is not None else list(self._nodes.values())
