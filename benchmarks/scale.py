@@ -89,6 +89,7 @@ class Stream:
         self._stub = stub
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None
+        self._size = window
         self._window = asyncio.Semaphore(window)
         self._acked = asyncio.Event()
         self._request = lease_pb2.ConnectRequest(
@@ -120,6 +121,9 @@ class Stream:
         self._call = self._stub.Connect()
         self.ended = ""
         self._acked.clear()
+        # a fresh window: an ack and the end of a stream that was retried both released the old
+        # one, which would let this stream keep one more lease in flight per retry
+        self._window = asyncio.Semaphore(self._size)
         try:
             await self._call.write(lease_pb2.ConnectRequest(hello=hello))
             first = await self._call.read()
