@@ -236,7 +236,9 @@ class MemoryStore(Store):
         cached = self._snapshots.get(pool)
         if cached is not None and cached.holds(self._pool_seq, now_ms):
             return cached.snapshot
-        reports = self._pools.get(pool, {})
+        reports = self._pools.get(pool)
+        if reports is None:  # no pool by that name: nothing to keep (any name can be asked)
+            return PoolSnapshot.of_stored(pool, [])
         live = [reports[k] for k in sorted(reports) if reports[k].expires_at_ms > now_ms]
         dead = [r.expires_at_ms for r in reports.values() if r.expires_at_ms <= now_ms]
         snapshot = PoolSnapshot.of_stored(pool, live)

@@ -71,3 +71,15 @@ async def test_a_node_state_is_reused_until_its_books_change() -> None:
     assert renewed.lease is not None and renewed.lease.lease.credits == credits(50)
     _, states = await store.admission_view("default", ["d1"], 0, NOW + 700)
     assert states == [renewed]
+
+
+async def test_pools_nobody_reports_on_are_not_kept() -> None:
+    """Any pool name can be asked about (Admit and WatchRoom pass the router's); only pools with
+    reports are kept, so a router cycling names cannot grow the embedded broker's memory."""
+    store = MemoryStore(seed=1)
+    await store.put_pool_load(_load("p1", 100), NOW, 5_000)
+    for i in range(100):
+        pool, _ = await store.admission_view(f"nobody-{i}", [], 0, NOW)
+        assert pool is None  # no reports: no pool to read
+    await store.admission_view("default", [], 0, NOW)
+    assert list(store._snapshots) == ["default"]  # the cache itself: nothing else shows it
