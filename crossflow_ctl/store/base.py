@@ -438,6 +438,13 @@ class Store(abc.ABC):
     async def ping(self) -> None:
         """Raise StoreUnavailable when the backend does not answer."""
 
+    async def settle(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for debit replies still being read in the background (of
+        callers that stopped waiting: ``try_debits_settled``), so their ``late`` hand-overs
+        happen now, while the store can still release what they granted (at shutdown: before
+        the broker waits for its releases and the store closes). None here."""
+        return None
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections."""

@@ -299,9 +299,16 @@ class DedicatedLine:
         # awaited would keep the connection checked out for good (a pool slot lost).
         await shielded(self._client.connection_pool.release(conn))
 
+    async def settle(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the replies cancelled callers left to be read and
+        handed to their ``late`` (those a cancel leaves meanwhile included)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._finishing and (left_s := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._finishing), timeout=left_s)
+
     async def close(self) -> None:
-        if self._finishing:  # late replies still being read: let them land and be handed over
-            await asyncio.wait(set(self._finishing), timeout=1.0)
+        await self.settle(1.0)  # late replies still being read: let them land and be handed over
         async with self._lock:
             conn, self._conn = self._conn, None
             if conn is not None:

@@ -533,6 +533,10 @@ class RedisStore(Store):
         async with self._backend("ping"):
             await self._r.ping()
 
+    async def settle(self, timeout_s: float) -> None:
+        if self._debit_line is not None:
+            await self._debit_line.settle(timeout_s)
+
     async def close(self) -> None:
         if self._debit_line is not None:
             await self._debit_line.close()

@@ -17,9 +17,12 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
+from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import Credits, ReservationState
+from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import DebitOutcome, DebitRequest, Store
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.conftest import TEST_POLICY, lending_broker
@@ -266,3 +269,36 @@ async def test_redis_a_failed_call_hands_the_other_nodes_grants_over(
     finally:
         await raw.delete(store._k.node("d2").reservations)
         await raw.aclose()
+
+
+async def test_redis_a_late_debit_read_at_shutdown_is_released_before_the_store_closes(
+    held: tuple[HeldReplies, RedisStore], redis_url: str, redis_namespace: str
+) -> None:
+    """An Admit past its deadline leaves its debit's reply to be read in the background, and the
+    broker stops at once. The late read used to end in the store's close, after the broker had
+    waited for its orphan releases: the release it started (deleting the request record written
+    with the debit, then releasing) was cut off by the close and the grant stayed HELD, its
+    record naming it (room lost for nobody until the hold TTL). Now the store settles its late
+    reads first, then the broker waits for the releases, then the store closes."""
+    proxy, store = held
+    policy = TEST_POLICY.updated({"admit_timeout_ms": 100, "hold_ttl_ms": 600_000})
+    await lending_broker(store, policy)
+    settings = BrokerSettings(listen="127.0.0.1:0", policy=policy, stream_grace_s=3.0)
+    server = BrokerServer(settings, store, ManualClock(1_700_000_000_000))
+    await server.start()
+    warm = AdmissionRequest(uncached_prompt_tokens=100, request_id="warm")
+    assert (await server.broker.admit(warm)).decision is Decision.BORROW  # kept HELD
+    proxy.delay_s = 0.4  # every reply held back, the release's too
+    late = AdmissionRequest(uncached_prompt_tokens=100, request_id="late")
+    answer = await server.broker.admit(late)
+    assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
+    await server.stop()
+    fresh = RedisStore(redis_url, namespace=redis_namespace)  # not through the proxy
+    try:
+        listed = await fresh.list_reservations(None, 1_700_000_000_000)
+        record = await fresh.read_request("admit:late")
+    finally:
+        await fresh.close()
+    states = sorted(r.state for r in listed)
+    assert states == [ReservationState.HELD, ReservationState.RELEASED]
+    assert record is None  # deleted before the release: a retry decides afresh
