@@ -46,7 +46,13 @@ from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision
 from crossflow_ctl.service.pending import SentToPools, sent_to_pool
 from crossflow_ctl.service.requests import admit_record, borrow_record, replay_admission
-from crossflow_ctl.store.base import DebitOutcome, DebitRequest, RequestRecord, Store
+from crossflow_ctl.store.base import (
+    REPLY_LOST,
+    DebitOutcome,
+    DebitRequest,
+    RequestRecord,
+    Store,
+)
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -444,6 +450,8 @@ class Admitter:
         waiting = True
 
         def late(outcomes: list[DebitOutcome]) -> None:
+            if lost := sum(1 for outcome in outcomes if outcome.refusal == REPLY_LOST):
+                metrics.record_lost_debits(lost)  # granted or not: unknown
             if waiting:  # a failed call's round (timed below)
                 self._abandoned(outcomes, "another debit of its round failed")
                 return

@@ -158,6 +158,13 @@ class Scripts:
         raise AssertionError("unreachable")
 
 
+class LostReply:
+    """The reply of a call whose late read failed (:meth:`DedicatedLine._finish`)."""
+
+
+LOST_REPLY = LostReply()
+
+
 class DedicatedLine:
     """One pooled connection held for one hot script (the admission debit, standalone Redis).
 
@@ -269,15 +276,16 @@ class DedicatedLine:
     ) -> None:
         """Read the replies a cancelled caller left (a NOSCRIPT one stays an error: nothing
         ran), keep the connection and hand each call's reply to ``late``; on a read error, drop
-        the connection and hand over the replies read (what else landed is unknown: a HELD
-        debit expires by itself)."""
+        the connection and hand over the replies read, ``LOST_REPLY`` for the others (whether
+        they ran is unknown: a HELD debit expires by itself)."""
         try:
             try:
                 await self._read(conn, len(slots), wire)
             except BaseException as exc:
                 await self._hand_back(conn)
-                log.warning("late_debit.read_failed", error=repr(exc))
-                slots = slots[: len(wire)]
+                lost = len(slots) - len(wire)
+                log.warning("late_debit.read_failed", error=repr(exc), replies_lost=lost)
+                wire.extend([LOST_REPLY] * lost)
             else:
                 self._conn = conn
         finally:
