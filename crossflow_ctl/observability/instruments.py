@@ -111,6 +111,12 @@ class BrokerMetrics:
         self._store_errors = m.create_counter(
             "crossflow_broker_store_errors", "1", "Store operations that failed or timed out"
         )
+        self._lost_debits = m.create_counter(
+            "crossflow_broker_lost_debit_replies",
+            "1",
+            "Debits whose Admit stopped waiting and whose reply was then lost: granted or not is"
+            " unknown, and a grant holds its room until its hold TTL",
+        )
         self._leases = m.create_counter(
             "crossflow_broker_leases_received", "1", "Leases received, by accepted/stale/invalid"
         )
@@ -163,6 +169,10 @@ class BrokerMetrics:
         self._store_latency.record(max(0.0, seconds), {"operation": op})
         if not ok:
             self._store_errors.add(1, {"operation": op})
+
+    def record_lost_debits(self, count: int) -> None:
+        """``count`` late debits whose reply was lost (their fate unknown)."""
+        self._lost_debits.add(count)
 
     def record_lease(self, result: str, zero_reason: ZeroReason | str | None = None) -> None:
         """One lease received: accepted, stale or invalid (zero reason when accepted zero)."""

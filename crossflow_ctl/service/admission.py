@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import structlog
@@ -46,7 +46,13 @@ from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision
 from crossflow_ctl.service.pending import SentToPools, sent_to_pool
 from crossflow_ctl.service.requests import admit_record, borrow_record, replay_admission
-from crossflow_ctl.store.base import DebitOutcome, DebitRequest, RequestRecord, Store
+from crossflow_ctl.store.base import (
+    REPLY_LOST,
+    DebitOutcome,
+    DebitRequest,
+    RequestRecord,
+    Store,
+)
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -78,6 +84,21 @@ async def timed(metrics: BrokerMetrics, operation: str, call: Awaitable[T]) -> T
     return result
 
 
+TIMED_OUT = "admission timed out"
+CALLER_GONE = "the caller stopped waiting"
+
+
+@dataclass(slots=True)
+class _Fate:
+    """What becomes of a batch's grants should it answer none of them: its debit rounds'
+    grants so far (released then) and why it stopped waiting, named by
+    :meth:`Admitter._decide` as the batch ends. A debit round that lands after that (a store
+    hands it over on a later event-loop turn than the cancel) reads ``why`` then."""
+
+    granted: list[DebitOutcome] = field(default_factory=list)
+    why: str = CALLER_GONE
+
+
 @dataclass(slots=True)
 class _Queued:
     """Requests waiting for the next group commit, answered together through ``answers``."""
@@ -105,7 +126,7 @@ class Admitter:
         clock: Clock,
         metrics: BrokerMetrics,
         policy: Callable[[], PolicySettings],
-        abandoned: Callable[[list[DebitOutcome]], None] = lambda _: None,
+        abandoned: Callable[[list[DebitOutcome], str], None] = lambda _outcomes, _why: None,
         release_late: Callable[[str, str, str], None] = lambda _rid, _why, _key: None,
         sequential: bool = False,
     ) -> None:
@@ -114,8 +135,8 @@ class Admitter:
         self.metrics = metrics
         self._policy = policy
         self._abandoned = abandoned
-        """Called with the outcomes of debits an Admit stopped waiting for (its deadline, or its
-        caller gone) once they land."""
+        """Called with the outcomes of debits no caller hears of (their Admit stopped waiting:
+        its deadline, or its caller gone; or its batch failed) once they land, and why."""
         self._release_late = release_late
         """Releases a reservation granted to a caller that stopped waiting (cancelled), and
         deletes the request record written with it (key; "" when none)."""
@@ -249,7 +270,7 @@ class Admitter:
             if answer.decision is Decision.BORROW and answer.reservation_id and not answer.replayed:
                 record = admit_record(self.store, request, policy)
                 key = record[0] if record is not None else ""
-                self._release_late(answer.reservation_id, "the caller stopped waiting", key)
+                self._release_late(answer.reservation_id, CALLER_GONE, key)
 
     async def _decide_queued(self, batch: Sequence[_Queued]) -> list[list[Admission]]:
         """Answers per queued entry, the batch decided together."""
@@ -284,24 +305,42 @@ class Admitter:
         count = len(requests)
         if not policy.enabled:
             return [Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled")] * count
+        fate = _Fate()
         try:
             left_s = deadline - asyncio.get_running_loop().time()
-            return await within(self._admit(requests, owners, policy), left_s)
+            return await within(self._admit(requests, owners, policy, fate), left_s)
         except TimeoutError:
+            fate.why = TIMED_OUT
             log.warning("admit.timeout", timeout_ms=policy.admit_timeout_ms, requests=count)
             answer = Admission.normal(
                 Reason.TIMEOUT, f"store slower than {policy.admit_timeout_ms} ms"
             )
         except StoreUnavailable as exc:
+            fate.why = f"a later debit round failed: {exc}"
             log.warning("admit.store_unavailable", error=str(exc), requests=count)
             answer = Admission.normal(Reason.STORE_UNAVAILABLE, f"store unavailable: {exc}")
         except Exception as exc:  # fail closed on anything unforeseen, never raise
+            fate.why = f"admission failed: {exc!r}"
             log.exception("admit.failed", requests=count)
             answer = Admission.normal(Reason.STORE_UNAVAILABLE, f"admission failed: {exc!r}")
+        except BaseException:  # cancelled: the earlier rounds' grants reach no caller either
+            self._abandon(fate)
+            raise
+        self._abandon(fate)
         return [answer] * count
 
+    def _abandon(self, fate: _Fate) -> None:
+        """Release the grants of a batch that answers none of them (a later round failed or ran
+        past the deadline, or the caller left: they held room until their hold TTL)."""
+        if fate.granted:
+            self._abandoned(fate.granted, fate.why)
+
     async def _admit(
-        self, requests: Sequence[AdmissionRequest], owners: Sequence[str], policy: PolicySettings
+        self,
+        requests: Sequence[AdmissionRequest],
+        owners: Sequence[str],
+        policy: PolicySettings,
+        fate: _Fate,
     ) -> list[Admission]:
         now = self.clock.now_ms()
         answers: list[Admission | None] = [None] * len(requests)
@@ -330,7 +369,7 @@ class Admitter:
                     self.sent.record(
                         request.pool, request.uncached_prompt_tokens, request.prefill_node_id
                     )
-        await self._debit_rounds(requests, owners, policy, now, pending, answers)
+        await self._debit_rounds(requests, owners, policy, now, pending, answers, fate)
         return [a for a in answers if a is not None]
 
     async def _debit_rounds(
@@ -341,51 +380,42 @@ class Admitter:
         now: int,
         pending: list[tuple[int, Plan]],
         answers: list[Admission | None],
+        fate: _Fate,
     ) -> None:
         """Debit ``pending`` (index, plan) in rounds, each on the next ranked node of the
         requests still unanswered, and fill in their ``answers`` (NO_ROOM for those no round
-        granted)."""
+        granted). Grants go to ``fate.granted`` too: should a later round fail or run past
+        the deadline, the whole batch answers NORMAL and :meth:`_decide` releases them."""
         refusals: dict[int, list[str]] = {i: [] for i, _ in pending}
         records = {i: admit_record(self.store, requests[i], policy) for i, _ in pending}
-        granted: list[DebitOutcome] = []
-        try:
-            for attempt in range(MAX_DEBIT_TRIES):
-                tries = [
-                    (i, plan, plan.ranked[attempt])
-                    for i, plan in pending
-                    if attempt < len(plan.ranked)
-                ]
-                if not tries:
-                    break
-                debits = [
-                    DebitRequest(
-                        c.node_id,
-                        c.debit,
-                        requests[i].request_id,
-                        owners[i],
-                        _record(records[i], plan, c),
-                        c.debit_us,
-                        pulled_tokens(requests[i], c.node_id),
-                    )
-                    for i, plan, c in tries
-                ]
-                outcomes = await self._debit(debits, policy, now)
-                for (i, plan, check), outcome in zip(tries, outcomes, strict=True):
-                    if outcome.granted:
-                        granted.append(outcome)
-                        answers[i] = _borrowed(plan, check, outcome)
-                    elif outcome.recorded is not None:  # an earlier call's: nothing debited
-                        answers[i] = replay_admission(outcome.recorded)
-                    else:
-                        refusals[i].append(f"{check.node_id}: {outcome.refusal}")
-                pending = [(i, plan) for i, plan in pending if answers[i] is None]
-        except BaseException:
-            # A later round failed or ran past the deadline: the whole batch answers NORMAL, so
-            # the earlier rounds' grants reach no caller; release them (they held room until
-            # their hold TTL).
-            if granted:
-                self._abandoned(granted)
-            raise
+        for attempt in range(MAX_DEBIT_TRIES):
+            tries = [
+                (i, plan, plan.ranked[attempt]) for i, plan in pending if attempt < len(plan.ranked)
+            ]
+            if not tries:
+                break
+            debits = [
+                DebitRequest(
+                    c.node_id,
+                    c.debit,
+                    requests[i].request_id,
+                    owners[i],
+                    _record(records[i], plan, c),
+                    c.debit_us,
+                    pulled_tokens(requests[i], c.node_id),
+                )
+                for i, plan, c in tries
+            ]
+            outcomes = await self._debit(debits, policy, now, fate)
+            for (i, plan, check), outcome in zip(tries, outcomes, strict=True):
+                if outcome.granted:
+                    fate.granted.append(outcome)
+                    answers[i] = _borrowed(plan, check, outcome)
+                elif outcome.recorded is not None:  # an earlier call's: nothing debited
+                    answers[i] = replay_admission(outcome.recorded)
+                else:
+                    refusals[i].append(f"{check.node_id}: {outcome.refusal}")
+            pending = [(i, plan) for i, plan in pending if answers[i] is None]
         for i, plan in pending:
             answers[i] = Admission.normal(
                 Reason.NO_ROOM,
@@ -408,20 +438,25 @@ class Admitter:
         return demand, sent
 
     async def _debit(
-        self, debits: Sequence[DebitRequest], policy: PolicySettings, now: int
+        self, debits: Sequence[DebitRequest], policy: PolicySettings, now: int, fate: _Fate
     ) -> list[DebitOutcome]:
         """The debits' outcomes, their store call timed. When admission stops waiting (its
-        deadline, or its caller gone), the debits may still land: their outcomes then go to
-        ``abandoned`` (granted ones are released, never left for nobody: phantom holds), and
-        the call is timed once they are known (``Store.try_debits_settled``)."""
+        deadline, or its caller gone: ``fate.why``), the debits may still land: their outcomes
+        then go to ``abandoned`` (granted ones are released, never left for nobody: phantom
+        holds), and the call is timed once they are known (``Store.try_debits_settled``). So
+        do the others of a round whose call on one node failed."""
         metrics = self.metrics
         started = time.perf_counter()
         waiting = True
 
         def late(outcomes: list[DebitOutcome]) -> None:
-            if not waiting:  # landed after the caller left (else: a failed call, timed below)
-                metrics.record_store_operation("debit", time.perf_counter() - started)
-            self._abandoned(outcomes)
+            if lost := sum(1 for outcome in outcomes if outcome.refusal == REPLY_LOST):
+                metrics.record_lost_debits(lost)  # granted or not: unknown
+            if waiting:  # a failed call's round (timed below)
+                self._abandoned(outcomes, "another debit of its round failed")
+                return
+            metrics.record_store_operation("debit", time.perf_counter() - started)
+            self._abandoned(outcomes, fate.why)
 
         try:
             outcomes = await self.store.try_debits_settled(

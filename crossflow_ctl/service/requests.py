@@ -156,13 +156,14 @@ class OrphanDebits:
         self._store = store
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def watch(self, outcomes: Sequence[DebitOutcome]) -> None:
-        """The outcomes of debits their Admit stopped waiting for, once they landed: release
-        those granted (debits that failed never come here: a HELD debit expires by itself)."""
+    def watch(self, outcomes: Sequence[DebitOutcome], why: str) -> None:
+        """The outcomes of debits no caller hears of, once they landed (``why``: their Admit
+        timed out, its caller left, or its batch failed): release those granted (debits that
+        failed never come here: a HELD debit expires by itself)."""
         for outcome in outcomes:
             if outcome.granted and outcome.reservation is not None:
                 rid = outcome.reservation.reservation_id
-                self.release(rid, "admission timed out", outcome.record_key)
+                self.release(rid, why, outcome.record_key)
 
     def release(self, reservation_id: str, why: str, record_key: str = "") -> None:
         """Release ``reservation_id`` in the background, after deleting the request record

@@ -133,13 +133,19 @@ class LeaseOutcome(Frozen):
     purged_reservations: int = 0
 
 
+REPLY_LOST = "reply_lost"
+"""The refusal of a late debit (``Store.try_debits_settled``) whose reply was lost."""
+
+
 class DebitOutcome(Frozen):
     granted: bool
     reservation: Reservation | None = None
     short_credits: tuple[str, ...] = ()
     refusal: str = ""
     """Why nothing was debited: unknown_node, cordoned, no_lease, expired, zero_lease, short,
-    or recorded (the debit's request record already held ``recorded``)."""
+    or recorded (the debit's request record already held ``recorded``); or ``REPLY_LOST``:
+    the reply of a debit its caller stopped waiting for was lost, so whether it debited is
+    unknown (a grant then holds its room until its hold TTL)."""
     lease_epoch: int = 0
     lease_version: int = 0
     recorded: str | None = None
@@ -437,6 +443,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def ping(self) -> None:
         """Raise StoreUnavailable when the backend does not answer."""
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for debit replies still being read in the background (of
+        callers that stopped waiting: ``try_debits_settled``), so their ``late`` hand-overs
+        happen now, while the store can still release what they granted (at shutdown: before
+        the broker waits for its releases and the store closes). None here."""
+        return None
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -158,6 +158,13 @@ class Scripts:
         raise AssertionError("unreachable")
 
 
+class LostReply:
+    """The reply of a call whose late read failed (:meth:`DedicatedLine._finish`)."""
+
+
+LOST_REPLY = LostReply()
+
+
 class DedicatedLine:
     """One pooled connection held for one hot script (the admission debit, standalone Redis).
 
@@ -269,15 +276,16 @@ class DedicatedLine:
     ) -> None:
         """Read the replies a cancelled caller left (a NOSCRIPT one stays an error: nothing
         ran), keep the connection and hand each call's reply to ``late``; on a read error, drop
-        the connection and hand over the replies read (what else landed is unknown: a HELD
-        debit expires by itself)."""
+        the connection and hand over the replies read, ``LOST_REPLY`` for the others (whether
+        they ran is unknown: a HELD debit expires by itself)."""
         try:
             try:
                 await self._read(conn, len(slots), wire)
             except BaseException as exc:
                 await self._hand_back(conn)
-                log.warning("late_debit.read_failed", error=repr(exc))
-                slots = slots[: len(wire)]
+                lost = len(slots) - len(wire)
+                log.warning("late_debit.read_failed", error=repr(exc), replies_lost=lost)
+                wire.extend([LOST_REPLY] * lost)
             else:
                 self._conn = conn
         finally:
@@ -299,9 +307,16 @@ class DedicatedLine:
         # awaited would keep the connection checked out for good (a pool slot lost).
         await shielded(self._client.connection_pool.release(conn))
 
+    async def settle(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the replies cancelled callers left to be read and
+        handed to their ``late`` (those a cancel leaves meanwhile included)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._finishing and (left_s := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._finishing), timeout=left_s)
+
     async def close(self) -> None:
-        if self._finishing:  # late replies still being read: let them land and be handed over
-            await asyncio.wait(set(self._finishing), timeout=1.0)
+        await self.settle(1.0)  # late replies still being read: let them land and be handed over
         async with self._lock:
             conn, self._conn = self._conn, None
             if conn is not None:

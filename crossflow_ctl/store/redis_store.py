@@ -65,6 +65,7 @@ from crossflow_ctl.domain.models import (
 from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.base import (
+    REPLY_LOST,
     DebitOutcome,
     DebitRequest,
     LeaseOutcome,
@@ -93,10 +94,13 @@ from crossflow_ctl.store.redis_index import NodeIndex
 from crossflow_ctl.store.redis_ingest import LeaseIngest
 from crossflow_ctl.store.redis_notices import NoticeReader
 from crossflow_ctl.store.redis_records import RedisRecords
-from crossflow_ctl.store.redis_scripts import DedicatedLine, Scripts
+from crossflow_ctl.store.redis_scripts import LOST_REPLY, DedicatedLine, Scripts
 from crossflow_ctl.store.redis_view import AdmissionView
 
 log = structlog.get_logger()
+
+LOST = DebitOutcome(granted=False, refusal=REPLY_LOST)
+"""A late debit's outcome when its reply was lost (``DedicatedLine``)."""
 
 DEFAULT_CACHE_MAX_AGE_MS = 50
 """A quarter of the agents' default 200 ms period: the staleness a cached pool read adds."""
@@ -362,10 +366,12 @@ class RedisStore(Store):
         groups = script_calls(self._k, calls, share)
 
         def outcomes(replies: Sequence[Any]) -> list[DebitOutcome]:
-            """Each debit's outcome (a call that failed or never went out: unknown_node)."""
+            """Each debit's outcome (a call that failed or never went out: unknown_node; one
+            whose late reply was lost: ``REPLY_LOST``)."""
             by_call: list[DebitOutcome] = [UNKNOWN_NODE] * len(calls)
             for group, reply in zip(groups, replies, strict=True):
                 if not isinstance(reply, list):
+                    _mark_lost(by_call, group.positions, reply)
                     continue
                 for position, item in zip(group.positions, reply, strict=True):
                     by_call[position] = calls[position].outcome(item)
@@ -533,6 +539,10 @@ class RedisStore(Store):
         async with self._backend("ping"):
             await self._r.ping()
 
+    async def settle(self, timeout_s: float) -> None:
+        if self._debit_line is not None:
+            await self._debit_line.settle(timeout_s)
+
     async def close(self) -> None:
         if self._debit_line is not None:
             await self._debit_line.close()
@@ -545,3 +555,11 @@ class RedisStore(Store):
                     await self._r.aclose(close_connection_pool=True)
                 else:
                     await self._r.aclose()
+
+
+def _mark_lost(by_call: list[DebitOutcome], positions: Sequence[int], reply: object) -> None:
+    """The outcomes of a call that gave no script reply: ``LOST`` when its late reply was lost
+    (the call may have debited), else they stay unknown_node (it failed or never went out)."""
+    if reply is LOST_REPLY:
+        for position in positions:
+            by_call[position] = LOST

@@ -17,6 +17,7 @@ from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.domain.clock import ManualClock, SystemClock
 from crossflow_ctl.domain.models import Credits, Lease, NodeRole, PoolLoad
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.observability import BrokerMetrics
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import Store
@@ -133,11 +134,13 @@ async def lending_broker(
     decode: tuple[str, ...] = ("d1",),
     slots: int = 100,
     sequential: bool = False,
+    metrics: BrokerMetrics | None = None,
 ) -> Broker:
     """A Broker (no gRPC) on ``store`` with ``decode`` nodes leasing ``slots`` borrowed-prompt
     slots each and a prefill pool with a long queue, so an Admit borrows while room lasts."""
     clock = ManualClock(1_700_000_000_000)
-    broker = Broker(store, clock, BrokerSettings(policy=policy), sequential=sequential)
+    settings = BrokerSettings(policy=policy)
+    broker = Broker(store, clock, settings, metrics=metrics, sequential=sequential)
     for node_id in decode:
         await broker.register(node_id, NodeRole.DECODE, "default", {})
         credits = Credits(compute_tokens=10**6, kv_tokens=10**6, output_tokens=10**6, slots=slots)

@@ -16,10 +16,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, Sum
 
+from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
+from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import Credits, ReservationState
+from crossflow_ctl.observability import BrokerMetrics
+from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import DebitOutcome, DebitRequest, Store
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.conftest import TEST_POLICY, lending_broker
@@ -266,3 +272,80 @@ async def test_redis_a_failed_call_hands_the_other_nodes_grants_over(
     finally:
         await raw.delete(store._k.node("d2").reservations)
         await raw.aclose()
+
+
+async def test_redis_a_late_debit_read_at_shutdown_is_released_before_the_store_closes(
+    held: tuple[HeldReplies, RedisStore], redis_url: str, redis_namespace: str
+) -> None:
+    """An Admit past its deadline leaves its debit's reply to be read in the background, and the
+    broker stops at once. The late read used to end in the store's close, after the broker had
+    waited for its orphan releases: the release it started (deleting the request record written
+    with the debit, then releasing) was cut off by the close and the grant stayed HELD, its
+    record naming it (room lost for nobody until the hold TTL). Now the store settles its late
+    reads first, then the broker waits for the releases, then the store closes."""
+    proxy, store = held
+    policy = TEST_POLICY.updated({"admit_timeout_ms": 100, "hold_ttl_ms": 600_000})
+    await lending_broker(store, policy)
+    settings = BrokerSettings(listen="127.0.0.1:0", policy=policy, stream_grace_s=3.0)
+    server = BrokerServer(settings, store, ManualClock(1_700_000_000_000))
+    await server.start()
+    warm = AdmissionRequest(uncached_prompt_tokens=100, request_id="warm")
+    assert (await server.broker.admit(warm)).decision is Decision.BORROW  # kept HELD
+    proxy.delay_s = 0.4  # every reply held back, the release's too
+    late = AdmissionRequest(uncached_prompt_tokens=100, request_id="late")
+    answer = await server.broker.admit(late)
+    assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
+    await server.stop()
+    fresh = RedisStore(redis_url, namespace=redis_namespace)  # not through the proxy
+    try:
+        listed = await fresh.list_reservations(None, 1_700_000_000_000)
+        record = await fresh.read_request("admit:late")
+    finally:
+        await fresh.close()
+    states = sorted(r.state for r in listed)
+    assert states == [ReservationState.HELD, ReservationState.RELEASED]
+    assert record is None  # deleted before the release: a retry decides afresh
+
+
+def _lost_debits(reader: InMemoryMetricReader) -> float:
+    data = reader.get_metrics_data()
+    total = 0.0
+    for resource in data.resource_metrics if data else []:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == "crossflow_broker_lost_debit_replies":
+                    assert isinstance(metric.data, Sum)
+                    total += sum(point.value for point in metric.data.data_points)
+    return total
+
+
+async def test_redis_a_late_debit_whose_reply_is_lost_is_counted(
+    held: tuple[HeldReplies, RedisStore], redis_url: str, redis_namespace: str
+) -> None:
+    """An Admit past its deadline leaves its debit's reply to be read in the background, and the
+    connection breaks before it comes: whether the debit was granted is unknown (it was: HELD
+    until its hold TTL, room lost for nobody). That was only logged; now it is counted, so an
+    operator can alert on it."""
+    proxy, store = held
+    reader = InMemoryMetricReader()
+    metrics = BrokerMetrics(MeterProvider(metric_readers=[reader]))
+    policy = TEST_POLICY.updated({"admit_timeout_ms": 100, "hold_ttl_ms": 600_000})
+    broker = await lending_broker(store, policy, metrics=metrics)
+    ask = AdmissionRequest(uncached_prompt_tokens=100)
+    assert (await broker.admit(ask)).decision is Decision.BORROW  # warm
+    proxy.delay_s = 0.4
+    answer = await broker.admit(ask)
+    assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
+    assert _lost_debits(reader) == 0
+    await proxy.close()  # the connection breaks while the late reply is held back
+    for _ in range(200):
+        if _lost_debits(reader):
+            break
+        await asyncio.sleep(0.01)
+    assert _lost_debits(reader) == 1
+    fresh = RedisStore(redis_url, namespace=redis_namespace)  # not through the proxy
+    try:
+        listed = await fresh.list_reservations(None, 1_700_000_000_000)
+    finally:
+        await fresh.close()
+    assert [r.state for r in listed] == [ReservationState.HELD] * 2  # the lost one too
