@@ -60,6 +60,7 @@ with hypothesis.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, NamedTuple
 
@@ -250,6 +251,58 @@ def promised_kv_tokens(snapshot: EngineSnapshot, settings: LeaseSettings) -> int
     return max(0, snapshot.kv_waiting_requests) * settings.waiting_request_kv_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseTerms:
+    """What :func:`compute_capacity` reads from the model, the node and the settings, worked
+    out once for the three (:func:`lease_terms`): the agent and the simulator size a lease
+    every period with the same ones."""
+
+    roof: Roofline
+    budget_s: float
+    horizon_s: float
+    step: int
+    max_chunk: int
+    prefix_tokens: int
+    """The reference prefix (``borrowed_prefix_tokens``)."""
+    unknown_prefix_tokens: int
+    kv_bytes_per_token: int
+    transfer_bytes: float
+    """The node's KV pull bandwidth over the horizon, at the borrowable share."""
+
+    @classmethod
+    def of(cls, model: ModelSpec, node: NodeProfile, settings: LeaseSettings) -> LeaseTerms:
+        horizon_s = settings.horizon_s
+        return cls(
+            roof=roofline(model, node),
+            budget_s=settings.budget_s,
+            horizon_s=horizon_s,
+            step=settings.chunk_step_tokens,
+            max_chunk=settings.max_chunk_tokens,
+            prefix_tokens=settings.borrowed_prefix_tokens,
+            unknown_prefix_tokens=settings.unknown_prefix_tokens,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            transfer_bytes=node.network_bytes_per_s * horizon_s * settings.kv_transfer_share,
+        )
+
+
+_TERMS: dict[tuple[int, int, int], tuple[ModelSpec, NodeProfile, LeaseSettings, LeaseTerms]] = {}
+
+
+def lease_terms(model: ModelSpec, node: NodeProfile, settings: LeaseSettings) -> LeaseTerms:
+    """The :class:`LeaseTerms` of the three, looked up by identity as
+    :func:`~crossflow_ctl.domain.capacity.roofline` does (each entry keeps its objects alive,
+    so an id is not reused while cached; all three are frozen)."""
+    key = (id(model), id(node), id(settings))
+    hit = _TERMS.get(key)
+    if hit is not None and hit[0] is model and hit[1] is node and hit[2] is settings:
+        return hit[3]
+    if len(_TERMS) >= 256:
+        _TERMS.clear()
+    terms = LeaseTerms.of(model, node, settings)
+    _TERMS[key] = (model, node, settings, terms)
+    return terms
+
+
 def compute_capacity(
     snapshot: EngineSnapshot,
     model: ModelSpec,
@@ -261,15 +314,14 @@ def compute_capacity(
     """The five credits and benefit fields from a plausible snapshot (see the module doc).
     ``previous``: the breakdown a period ago, whose chunk and extra batch seed this one's
     searches (the same answers, usually sooner: :func:`~crossflow_ctl.domain.lending.fit_along`)."""
-    roof = roofline(model, node)
+    terms = lease_terms(model, node, settings)
+    roof, budget, horizon_s = terms.roof, terms.budget_s, terms.horizon_s
     batch = max(0, snapshot.running_requests)
     context = max(0, snapshot.decode_context_tokens)
-    horizon_s = settings.horizon_s
-    budget = settings.budget_s
     base = roof.step_s(batch, context)
     throughput = batch / base if base > 0 else 0.0
 
-    step, max_chunk = settings.chunk_step_tokens, settings.max_chunk_tokens
+    step, max_chunk = terms.step, terms.max_chunk
     chunk, chunk_t = (0, 0.0)
     if base <= budget:
         guess = previous.chunk_tokens if previous is not None else 0
@@ -281,13 +333,14 @@ def compute_capacity(
         coeff = PrefillCoefficients(
             a_s=min(coeff.a_s, MAX_S_PER_TOKEN), b_s=min(coeff.b_s, MAX_S_PER_TOKEN_CONTEXT)
         )
-    per_token = coeff.a_s + coeff.b_s * settings.borrowed_prefix_tokens
+    a_s, b_s = coeff
+    per_token = a_s + b_s * terms.prefix_tokens
     rate = min(1.0 / per_token, MAX_RATE_TPS) if chunk and per_token > 0 else 0.0
     outstanding = max(0, snapshot.outstanding_uncached_tokens)
-    reserved = open_debits.uncached_tokens(model.kv_bytes_per_token) if open_debits else 0
+    reserved = open_debits.uncached_tokens(terms.kv_bytes_per_token) if open_debits else 0
     covered = min(outstanding, reserved)
     uncovered = outstanding - covered
-    uncovered_s = uncovered * (coeff.a_s + coeff.b_s * settings.unknown_prefix_tokens)
+    uncovered_s = uncovered * (a_s + b_s * terms.unknown_prefix_tokens)
     compute = max(0, int(rate * (horizon_s - uncovered_s)))
     if uncovered == 0:
         queue_wait_ms = 0.0
@@ -313,9 +366,7 @@ def compute_capacity(
             settings.max_slots, base, previous.extra_batch if previous is not None else 0,
         )  # fmt: skip
     output = int(extra * horizon_s / extra_t) if extra else 0
-
-    network = node.network_bytes_per_s * horizon_s * settings.kv_transfer_share
-    transfer = int(min(network, kv * model.kv_bytes_per_token, MAX_BYTES))
+    transfer = int(min(terms.transfer_bytes, kv * terms.kv_bytes_per_token, MAX_BYTES))
 
     credits = Credits.trusted(
         compute_tokens=min(compute, MAX_TOKENS),

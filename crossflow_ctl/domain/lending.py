@@ -191,10 +191,13 @@ class ChunkSizer:
     step: int
     max_chunk: int
 
-    def chunk(self, batch: int, context: int, prefix: int) -> int:
+    def chunk(self, batch: int, context: int, prefix: int, guess: int = 0) -> int:
+        """The chunk for a prompt over ``prefix`` at this decode load; ``guess``: a likely one
+        (the prompt's last), which changes nothing but the work (:func:`best_chunk`)."""
         size, _ = best_chunk(
-            self.roof, self.budget_s, batch, context, prefix, self.step, self.max_chunk
-        )
+            self.roof, self.budget_s, batch, context, prefix, self.step, self.max_chunk,
+            guess=guess,
+        )  # fmt: skip
         return size or self.step
 
 

@@ -74,24 +74,25 @@ class Frozen(BaseModel):
         as fast when ``values`` names every field, in order: the same object without pydantic's
         scan of each field for aliases and defaults. For hot loops (simulated telemetry, lease
         credits, stored leases)."""
-        order = _FIELD_ORDER.get(cls)
-        if order is None:
-            order = _FIELD_ORDER[cls] = (
-                () if cls.__pydantic_post_init__ else tuple(cls.__pydantic_fields__)
-            )
+        known = _FIELDS.get(cls)
+        if known is None:
+            order = () if cls.__pydantic_post_init__ else tuple(cls.__pydantic_fields__)
+            known = _FIELDS[cls] = (order, set(order))
+        order, names = known
         if tuple(values) != order or not order:
             return cast(F, cls.model_construct(**values))
         model = _new(cls)
         _set(model, "__dict__", values)
-        _set_fields_set(model, set(values))
+        _set_fields_set(model, names.copy())  # every field was set; each model owns its set
         _set_extra(model, None)
         _set_private(model, None)
         return model
 
 
-_FIELD_ORDER: dict[type[Frozen], tuple[str, ...]] = {}
+_FIELDS: dict[type[Frozen], tuple[tuple[str, ...], set[str]]] = {}
 """Each model's field names in order, as :meth:`Frozen.trusted` compares them (empty: the model
-has a post-init hook, so it always goes through ``model_construct``)."""
+has a post-init hook, so it always goes through ``model_construct``), and as a set (copied, not
+rebuilt from the keys, for each model's ``model_fields_set``)."""
 _set = object.__setattr__
 _new = object.__new__
 _set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__

@@ -195,6 +195,8 @@ class DecodeServer:
     borrow_chunk: int
     sizer: ChunkSizer | None = None
     """Leases policy: each borrowed prompt's chunk is sized for its prefix (else borrow_chunk)."""
+    sized: int = 0
+    """The last chunk the sizer gave (it seeds the next search; no result depends on it)."""
     running: dict[int, Req] = field(default_factory=dict)
     finish_heap: list[tuple[int, int]] = field(default_factory=list)
     steps_done: int = 0
@@ -348,7 +350,10 @@ class DecodeServer:
         ctx = self.ctx_base + b * self.steps_done
         if head is not None:
             prefix = head.cached_tokens + head.prefilled
-            size = self.sizer.chunk(b, ctx, prefix) if self.sizer else self.borrow_chunk
+            if self.sizer is not None:
+                size = self.sized = self.sizer.chunk(b, ctx, prefix, self.sized)
+            else:
+                size = self.borrow_chunk
             p = min(size, head.uncached_tokens - head.prefilled)
             if head.start_s < 0.0:
                 head.start_s = t

@@ -17,7 +17,7 @@ from crossflow_ctl.domain.capacity import (
     roofline,
     step_time_s,
 )
-from crossflow_ctl.domain.lease_credits import LeaseSettings, compute_capacity
+from crossflow_ctl.domain.lease_credits import LeaseSettings, compute_capacity, lease_terms
 from crossflow_ctl.domain.leasing import (
     ItlGuard,
     decide,
@@ -71,6 +71,20 @@ def test_a_quiet_node_offers_every_credit() -> None:
     # ... and the network's share when that is the lower (2 s)
     short = compute_capacity(snap(), MODEL, NODE, LS.model_copy(update={"horizon_ms": 2_000}))
     assert short.credits.kv_transfer_bytes == int(25e9 * 2.0)
+
+
+def test_lease_terms_follow_each_settings_object() -> None:
+    # worked out once per (model, node, settings) and looked up by identity: a copy with other
+    # figures gets its own terms, never the first one's
+    terms = lease_terms(MODEL, NODE, LS)
+    assert lease_terms(MODEL, NODE, LS) is terms
+    assert terms.roof is roofline(MODEL, NODE)
+    assert (terms.budget_s, terms.horizon_s) == (LS.budget_s, LS.horizon_s)
+    tight = LS.model_copy(update={"itl_slo_ms": 20.0, "horizon_ms": 2_000})
+    other = lease_terms(MODEL, NODE, tight)
+    assert (other.budget_s, other.horizon_s) == (tight.budget_s, 2.0)
+    assert other.transfer_bytes == NODE.network_bytes_per_s * 2.0
+    assert lease_terms(MODEL, NODE, LS) is terms
 
 
 def test_outstanding_borrowed_work_lowers_compute_and_sets_queue_wait() -> None:

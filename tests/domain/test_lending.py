@@ -69,6 +69,10 @@ def test_a_longer_prefix_gets_a_smaller_chunk_within_the_same_budget() -> None:
     assert 0 < long < short
     assert r.step_s(16, 64_000, long, 36_000) <= 0.045
     assert r.step_s(16, 64_000, short, 36_000) > 0.045  # the 8k-sized chunk overruns
+    # a guess (the simulator passes the prompt's last chunk) changes nothing but the work
+    for guess in (256, 512, long, long + 256, short, 16_384, 1 << 20):
+        assert sizer.chunk(16, 64_000, 36_000, guess) == long
+        assert sizer.chunk(16, 64_000, 8_192, guess) == short
 
 
 def _capacity(node=GB300, ledger=None, **snap):  # type: ignore[no-untyped-def]

@@ -124,6 +124,7 @@ def test_trusted_builds_what_model_construct_builds() -> None:
     fast = Credits.trusted(**full)
     assert fast == Credits.model_construct(**full) == Credits(**full)
     assert fast.model_fields_set == set(full)
+    assert Credits.trusted(**full).model_fields_set is not fast.model_fields_set  # its own
     assert fast.model_dump_json() == Credits(**full).model_dump_json()
     # a partial or reordered set takes pydantic's path: defaults filled, fields in order
     partial = Credits.trusted(slots=2, kv_tokens=7)
