@@ -97,6 +97,8 @@ class Agent:
         self.guard = ItlGuard()
         self.scrape_health = ScrapeHealth(_describe(source), time.monotonic)
         self._state_said = ""
+        self._broker_lease: tuple[LeaseSettings, LeaseSettings] | None = None
+        """The local lease settings and their copy with the broker's horizon (lease_settings)."""
         """The lease state last logged ("lending" or a zero reason; "" before the first), so
         only changes are said at info."""
         self._wake = asyncio.Event()
@@ -188,7 +190,12 @@ class Agent:
         horizon = min(self.stream.state.borrow_horizon_ms, MAX_HORIZON_MS)
         if horizon <= 0 or horizon == lease.horizon_ms:
             return lease
-        return lease.model_copy(update={"horizon_ms": horizon})
+        kept = self._broker_lease
+        if kept is None or kept[0] is not lease or kept[1].horizon_ms != horizon:
+            # one copy per horizon the broker sends, not one a period: the capacity model
+            # looks up what it derives from the settings by the object's identity
+            kept = self._broker_lease = (lease, lease.model_copy(update={"horizon_ms": horizon}))
+        return kept[1]
 
     async def tick(self) -> Lease | None:
         """One period's work; the lease sent (decode role) or None (prefill role)."""

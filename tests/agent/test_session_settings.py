@@ -73,6 +73,8 @@ async def test_a_policy_change_reaches_an_agent_streaming_to_another_replica(
         assert state.policy_version == changed.version
         assert state.open_debits.kv_bytes_per_token == bytes_per_token
         assert run.agent.lease_settings().horizon_ms == horizon
+        # one copy per horizon, not one per period (the capacity model keys on its identity)
+        assert run.agent.lease_settings() is run.agent.lease_settings()
         assert state.sessions == 1 and state.connected  # the same stream, no reconnect
 
         async def sized_over_it() -> Lease | None:
