@@ -32,7 +32,9 @@ Inside an RPC (the broker's interceptor made the span current)::
 
 Prometheus names: ``crossflow_broker_admissions_total{decision,reason}``,
 ``crossflow_broker_admission_duration_seconds``, ``crossflow_broker_store_operation_duration_
-seconds{operation}``, ``crossflow_broker_store_errors_total``, ``crossflow_broker_leases_received_
+seconds{operation}``, ``crossflow_broker_store_errors_total``,
+``crossflow_broker_lost_debit_replies_total`` (late debits whose reply was lost: granted or not
+is unknown, held until the hold TTL; alert on it), ``crossflow_broker_leases_received_
 total{result}``, ``crossflow_broker_zero_leases_total{reason}``, ``crossflow_broker_open_
 reservations``, ``crossflow_broker_borrowed_tokens``, ``crossflow_broker_node_available_credits
 {node,credit}``, ``crossflow_broker_stream_connections``; ``crossflow_agent_scrape_duration_

@@ -335,7 +335,18 @@ class Store(abc.ABC):
         turn sooner). A store whose debit can be waited for in the caller's own task and still
         be finished once it left overrides it: the Redis store's dedicated connection, and the
         in-process store, which runs the debits inline unless it must wait for its lock."""
-        return await settled_debits(self.try_debits(debits, share, now_ms, hold_ttl_ms), late)
+        return await settled_debits(
+            self.try_debits(debits, share, now_ms, hold_ttl_ms), late, self._late_debits()
+        )
+
+    _late: set[asyncio.Task[list[DebitOutcome]]] | None = None
+
+    def _late_debits(self) -> set[asyncio.Task[list[DebitOutcome]]]:
+        """The debits of callers that stopped waiting still running here (:meth:`settle`)."""
+        late = self._late
+        if late is None:
+            late = self._late = set()
+        return late
 
     @abc.abstractmethod
     async def commit(
@@ -445,11 +456,13 @@ class Store(abc.ABC):
         """Raise StoreUnavailable when the backend does not answer."""
 
     async def settle(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for debit replies still being read in the background (of
-        callers that stopped waiting: ``try_debits_settled``), so their ``late`` hand-overs
-        happen now, while the store can still release what they granted (at shutdown: before
-        the broker waits for its releases and the store closes). None here."""
-        return None
+        """Wait up to ``timeout_s`` for debits still running, or their replies still being
+        read, in the background (of callers that stopped waiting: ``try_debits_settled``), so
+        their ``late`` hand-overs happen now, while the store can still release what they
+        granted (at shutdown: before the broker waits for its releases and the store closes)."""
+        late = self._late
+        if late:
+            await asyncio.wait(set(late), timeout=timeout_s)
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -457,16 +470,22 @@ class Store(abc.ABC):
 
 
 async def settled_debits(
-    call: Awaitable[list[DebitOutcome]], late: Callable[[list[DebitOutcome]], None]
+    call: Awaitable[list[DebitOutcome]],
+    late: Callable[[list[DebitOutcome]], None],
+    running: set[asyncio.Task[list[DebitOutcome]]],
 ) -> list[DebitOutcome]:
     """``call`` (debits) in a task of its own, its outcomes to ``late`` should its caller stop
-    waiting (``Store.try_debits_settled``)."""
+    waiting (``Store.try_debits_settled``); such a task is in ``running`` until it ends (its
+    hand-over runs first: ``Store.settle`` waits for both)."""
     answer: asyncio.Future[list[DebitOutcome]] = asyncio.get_running_loop().create_future()
     task = asyncio.ensure_future(_settling(call, answer))
     try:
         return await answer
     except asyncio.CancelledError:
         task.add_done_callback(lambda done: _hand_over(done, late))
+        if not task.done():
+            running.add(task)
+            task.add_done_callback(running.discard)
         raise
     except BaseException:
         # The task ended with that same error in the step that set it: retrieved here,

@@ -282,7 +282,7 @@ class MemoryStore(Store):
         started = begin(self.try_debits(debits, share, now_ms, hold_ttl_ms))
         if isinstance(started, Finished):
             return started.value
-        return await settled_debits(started, late)
+        return await settled_debits(started, late, self._late_debits())
 
     async def try_debit(
         self,

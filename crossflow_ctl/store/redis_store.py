@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -540,8 +541,12 @@ class RedisStore(Store):
             await self._r.ping()
 
     async def settle(self, timeout_s: float) -> None:
+        """The dedicated line's late reads (standalone Redis), then the debits run in tasks
+        of their own (Redis Cluster, and rounds that do not take the line), in one timeout."""
+        deadline = time.monotonic() + timeout_s
         if self._debit_line is not None:
             await self._debit_line.settle(timeout_s)
+        await super().settle(max(0.0, deadline - time.monotonic()))
 
     async def close(self) -> None:
         if self._debit_line is not None:

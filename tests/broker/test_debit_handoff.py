@@ -46,6 +46,9 @@ class _Gated:
         return [self.outcome]
 
     try_debits_settled = Store.try_debits_settled
+    _late = None
+    _late_debits = Store._late_debits
+    settle = Store.settle
 
 
 async def _settled(store: _Gated, late: list[Any]) -> Any:
@@ -89,6 +92,23 @@ async def test_an_admit_that_stops_waiting_leaves_the_debit_to_land_and_hands_it
     gate.set()  # the debit lands after its Admit went away
     for _ in range(5):
         await asyncio.sleep(0)
+    assert late == [["granted"]]
+
+
+async def test_settle_waits_for_a_debit_its_caller_stopped_waiting_for_and_its_hand_over() -> None:
+    """At shutdown the store settles first: a debit still running for a caller that went away
+    lands and is handed over before the broker waits for its releases (here: the task path,
+    which a Redis Cluster client and a busy in-process store take)."""
+    late: list[Any] = []
+    gate = asyncio.Event()
+    store = _Gated(gate)
+    admit = asyncio.ensure_future(_settled(store, late))
+    await asyncio.sleep(0.01)
+    admit.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await admit
+    asyncio.get_running_loop().call_later(0.05, gate.set)
+    await store.settle(30.0)  # a hang guard: it returns once the debit is handed over
     assert late == [["granted"]]
 
 
@@ -274,16 +294,22 @@ async def test_redis_a_failed_call_hands_the_other_nodes_grants_over(
         await raw.aclose()
 
 
+@pytest.mark.parametrize("path", ["debit line", "debit task"])
 async def test_redis_a_late_debit_read_at_shutdown_is_released_before_the_store_closes(
-    held: tuple[HeldReplies, RedisStore], redis_url: str, redis_namespace: str
+    held: tuple[HeldReplies, RedisStore], redis_url: str, redis_namespace: str, path: str
 ) -> None:
     """An Admit past its deadline leaves its debit's reply to be read in the background, and the
     broker stops at once. The late read used to end in the store's close, after the broker had
     waited for its orphan releases: the release it started (deleting the request record written
     with the debit, then releasing) was cut off by the close and the grant stayed HELD, its
     record naming it (room lost for nobody until the hold TTL). Now the store settles its late
-    reads first, then the broker waits for the releases, then the store closes."""
+    reads first, then the broker waits for the releases, then the store closes.
+
+    "debit task": the debit in a task of its own (``Store.try_debits_settled``), the path a
+    Redis Cluster client takes (no dedicated line): settle waits for those tasks too."""
     proxy, store = held
+    if path == "debit task":
+        store._debit_line = None  # what a RedisCluster client gets
     policy = TEST_POLICY.updated({"admit_timeout_ms": 100, "hold_ttl_ms": 600_000})
     await lending_broker(store, policy)
     settings = BrokerSettings(listen="127.0.0.1:0", policy=policy, stream_grace_s=3.0)

@@ -70,6 +70,7 @@ async def test_broker_metrics_are_exposed_with_prometheus_names(
     m.record_lease("stale")
     m.record_lease("invalid")
     m.record_reservation_event("commit")
+    m.record_lost_debits(2)
     m.set_open_reservations(3)
     m.set_borrowed_tokens(4096)
     m.set_node_credits("decode-0", Credits(compute_tokens=8000, kv_tokens=20000, slots=4))
@@ -96,6 +97,7 @@ async def test_broker_metrics_are_exposed_with_prometheus_names(
     assert value(s, leases, result="invalid") == 1
     assert value(s, "crossflow_broker_zero_leases_total", reason="itl_over_slo") == 1
     assert value(s, "crossflow_broker_reservation_events_total", event="commit") == 1
+    assert value(s, "crossflow_broker_lost_debit_replies_total") == 2  # the name operators alert on
     assert value(s, "crossflow_broker_open_reservations") == 3
     assert value(s, "crossflow_broker_borrowed_tokens") == 4096
     credits = "crossflow_broker_node_available_credits"
