@@ -37,10 +37,11 @@ from crossflow_ctl.domain.admission import (
     node_rooms,
     plan_admission,
     pulled_tokens,
+    target_demand,
 )
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import StoreUnavailable
-from crossflow_ctl.domain.models import NodeState, PoolSnapshot
+from crossflow_ctl.domain.models import NodeState, PoolSnapshot, Share
 from crossflow_ctl.domain.pending import Unreported
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision
@@ -150,10 +151,9 @@ class Admitter:
         self.sent = SentToPools()
         """Prompts this replica sent to the prefill pools, counted into Demand's wait (and the
         room watches' Demand: :meth:`Broker.room_view`)."""
-        self._last_demand: (
-            tuple[PoolSnapshot | None, PolicySettings, Unreported, DemandCheck] | None
-        )
-        self._last_demand = None
+        self._last_demand: _DemandMemo | None = None
+        self._last_rooms: tuple[tuple[NodeState, ...], Share, tuple[Room | None, ...]] | None
+        self._last_rooms = None
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
 
@@ -356,9 +356,9 @@ class Admitter:
                         request.pool, request.candidate_node_ids, policy.candidate_sample, now
                     ),
                 )
-                views[key] = (pool, nodes, node_rooms(nodes, policy.shares))
+                views[key] = (pool, nodes, self._rooms(nodes, policy.shares))
             pool, nodes, rooms = views[key]
-            demand, unreported = self._demand(pool, policy)
+            demand, unreported = self._demand(pool, policy, request)
             plan = plan_admission(request, pool, nodes, policy, now, demand, rooms, unreported)
             answer = self._without_debit(request, plan, policy)
             if answer is None:
@@ -424,18 +424,43 @@ class Admitter:
             )
 
     def _demand(
-        self, pool: PoolSnapshot | None, policy: PolicySettings
+        self, pool: PoolSnapshot | None, policy: PolicySettings, request: AdmissionRequest
     ) -> tuple[DemandCheck, Unreported]:
-        """``check_demand`` with the tokens this replica sent to the pool since its reports,
-        computed once per pool snapshot, policy and count: the first two are immutable, and the
-        store hands out the same cached snapshot to every Admit until it is renewed."""
+        """Demand for a prompt bound for the request's prefill server (``check_demand``, made
+        the server's by ``target_demand``) with the tokens this replica sent to the pool since
+        its reports, computed once per pool snapshot, policy, count and server: the first two
+        are immutable, and the store hands out the same cached snapshot to every Admit until it
+        is renewed. Only servers that report are kept (the names come from routers)."""
         sent = self.sent.unreported(pool) if pool is not None else Unreported()
-        last = self._last_demand
-        if last is not None and last[0] is pool and last[1] is policy and last[2] == sent:
-            return last[3], sent
-        demand = check_demand(pool, policy, sent.shared, None, sent.by_server)
-        self._last_demand = (pool, policy, sent, demand)
-        return demand, sent
+        memo = self._last_demand
+        if memo is None or memo.pool is not pool or memo.policy is not policy or memo.sent != sent:
+            demand = check_demand(pool, policy, sent.shared, None, sent.by_server)
+            memo = self._last_demand = _DemandMemo(pool, policy, sent, demand)
+        server = request.prefill_node_id
+        if server is None or pool is None:
+            return memo.demand, sent
+        targeted = memo.by_server.get(server)
+        if targeted is None:
+            targeted = target_demand(memo.demand, pool, request, policy, sent)
+            if any(r.node_id == server for r in pool.reports):
+                memo.by_server[server] = targeted
+        return targeted, sent
+
+    def _rooms(self, nodes: list[NodeState], shares: Share) -> tuple[Room | None, ...]:
+        """``node_rooms``, computed once per node states and shares: states are immutable, and
+        the store hands out the same ones until a node changes (the memo keeps them, so an id
+        reused by a new object can never match)."""
+        last = self._last_rooms
+        if (
+            last is not None
+            and last[1] == shares
+            and len(last[0]) == len(nodes)
+            and all(a is b for a, b in zip(last[0], nodes, strict=True))
+        ):
+            return last[2]
+        rooms = node_rooms(nodes, shares)
+        self._last_rooms = (tuple(nodes), shares, rooms)
+        return rooms
 
     async def _debit(
         self, debits: Sequence[DebitRequest], policy: PolicySettings, now: int, fate: _Fate
@@ -502,6 +527,18 @@ class Admitter:
         log.info("admit.shadow", would=would.value, plan_reason=plan.reason.value, node_id=best)
         answer = Admission.normal(Reason.SHADOW_MODE, f"shadow mode: {plan.summary()}", plan)
         return answer.model_copy(update={"shadow_decision": would})
+
+
+@dataclass(slots=True)
+class _DemandMemo:
+    """The pool's Demand (``demand``) for one pool snapshot, policy and unreported count, and
+    the Demand for a prompt bound for each reporting server asked so far (``by_server``)."""
+
+    pool: PoolSnapshot | None
+    policy: PolicySettings
+    sent: Unreported
+    demand: DemandCheck
+    by_server: dict[str, DemandCheck] = field(default_factory=dict)
 
 
 def _borrow(
