@@ -170,13 +170,17 @@ class Admitter:
         if not requests:
             return []
         loop = asyncio.get_running_loop()
-        queued = _Queued(requests, owner, loop.create_future(), loop.time())
-        self._queue.append(queued)
-        if self._flusher is None and not self._leading and len(requests) == 1:
-            answers = await self._lead(queued)
+        alone = self._flusher is None and not self._leading and len(requests) == 1
+        if alone and self._sequential:
+            answers = await self._decide_now(requests, owner, loop.time())
         else:
-            self._start_flusher()
-            answers = await queued.answers
+            queued = _Queued(requests, owner, loop.create_future(), loop.time())
+            self._queue.append(queued)
+            if alone:
+                answers = await self._lead(queued)
+            else:
+                self._start_flusher()
+                answers = await queued.answers
         if log_decisions():
             for request, answer in zip(requests, answers, strict=True):
                 log.debug(
@@ -190,13 +194,32 @@ class Admitter:
             annotate_decision(answers[0].decision, answers[0].reason, answers[0].node_id)
         return answers
 
+    async def _decide_now(
+        self, requests: Sequence[AdmissionRequest], owner: str, arrived_s: float
+    ) -> list[Admission]:
+        """Answers for one request of a ``sequential`` caller while nothing else is being
+        decided: decided at once, in its caller's task, without a queue entry or an event-loop
+        turn (no other request would join it). Otherwise as :meth:`_lead`: entries that arrive
+        meanwhile (a store call that suspends) queue, and the flusher starts for them when it
+        is done; a caller cancelled before its grant leaves its debit to :meth:`_debit`'s
+        hand-over."""
+        self._leading = True
+        try:
+            policy = self._policy()
+            deadline = arrived_s + policy.admit_timeout_ms / 1000.0
+            answers = await self._decide(requests, (owner,), policy, deadline)
+            self._count(answers, asyncio.get_running_loop().time() - arrived_s)
+            return answers
+        finally:
+            self._leading = False
+            self._start_flusher()
+
     async def _lead(self, queued: _Queued) -> list[Admission]:
         """Answers for ``queued``, one request and the first entry while no batch is being
-        decided: after one event-loop turn (so requests arriving in the same turn join it; none
-        when ``sequential``), an entry still alone is decided here, in its caller's task (no
-        flusher task, no hand-off of the answer); otherwise the flusher takes the queue as
-        usual. Entries that arrive while it is decided here queue, and the flusher starts for
-        them when it is done.
+        decided: after one event-loop turn (so requests arriving in the same turn join it), an
+        entry still alone is decided here, in its caller's task (no flusher task, no hand-off
+        of the answer); otherwise the flusher takes the queue as usual. Entries that arrive
+        while it is decided here queue, and the flusher starts for them when it is done.
 
         One request only: its grant is the last step of deciding it, so a caller cancelled
         before then leaves its debit to :meth:`_debit`'s hand-over (released once it lands).
@@ -205,8 +228,7 @@ class Admitter:
         them."""
         self._leading = True
         try:
-            if not self._sequential:
-                await asyncio.sleep(0)
+            await asyncio.sleep(0)
             if len(self._queue) == 1 and self._queue[0] is queued:
                 self._queue.clear()
                 return (await self._decide_queued([queued]))[0]
@@ -286,14 +308,17 @@ class Admitter:
         for queued in batch:
             answers = flat[start : start + len(queued.requests)]
             start += len(queued.requests)
-            elapsed = loop_now - queued.arrived_s
-            for answer in answers:
-                shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
-                self.metrics.record_admission(
-                    answer.decision, answer.reason, elapsed, shadow_decision=shadow
-                )
+            self._count(answers, loop_now - queued.arrived_s)
             out.append(answers)
         return out
+
+    def _count(self, answers: Sequence[Admission], elapsed_s: float) -> None:
+        """Record ``answers``, decided ``elapsed_s`` after their request arrived."""
+        for answer in answers:
+            shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
+            self.metrics.record_admission(
+                answer.decision, answer.reason, elapsed_s, shadow_decision=shadow
+            )
 
     async def _decide(
         self,
