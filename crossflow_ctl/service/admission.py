@@ -152,8 +152,7 @@ class Admitter:
         """Prompts this replica sent to the prefill pools, counted into Demand's wait (and the
         room watches' Demand: :meth:`Broker.room_view`)."""
         self._last_demand: _DemandMemo | None = None
-        self._last_rooms: tuple[tuple[NodeState, ...], Share, tuple[Room | None, ...]] | None
-        self._last_rooms = None
+        self._last_rooms: tuple[Share, dict[int, tuple[NodeState, Room | None]]] | None = None
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
 
@@ -472,19 +471,19 @@ class Admitter:
         return targeted, sent
 
     def _rooms(self, nodes: list[NodeState], shares: Share) -> tuple[Room | None, ...]:
-        """``node_rooms``, computed once per node states and shares: states are immutable, and
-        the store hands out the same ones until a node changes (the memo keeps them, so an id
-        reused by a new object can never match)."""
+        """``node_rooms``, each node's computed once per state and shares: states are immutable,
+        and the store hands out the same one until its node changes (one debit changes one
+        node of a view, in whatever order the view samples them). The memo holds the states it
+        was computed for, the last view's, so an id it knows names that live object, never a
+        new one that reuses a freed id."""
         last = self._last_rooms
-        if (
-            last is not None
-            and last[1] == shares
-            and len(last[0]) == len(nodes)
-            and all(a is b for a, b in zip(last[0], nodes, strict=True))
-        ):
-            return last[2]
-        rooms = node_rooms(nodes, shares)
-        self._last_rooms = (tuple(nodes), shares, rooms)
+        known = last[1] if last is not None and last[0] == shares else {}
+        missing = [n for n in nodes if id(n) not in known]
+        if not missing:
+            return tuple(known[id(n)][1] for n in nodes)
+        fresh = {id(n): r for n, r in zip(missing, node_rooms(missing, shares), strict=True)}
+        rooms = tuple(fresh[id(n)] if id(n) in fresh else known[id(n)][1] for n in nodes)
+        self._last_rooms = (shares, {id(n): (n, r) for n, r in zip(nodes, rooms, strict=True)})
         return rooms
 
     async def _debit(
