@@ -341,9 +341,10 @@ def target_demand(
     """The pool's Demand (``demand``, :func:`check_demand` without a server) for a prompt the
     router would send to ``request.prefill_node_id``: that server's wait, with the tokens sent
     since the reports (``pending``, what ``demand`` was computed with); the pool's when the
-    request names none."""
+    request names none. A ``demand`` already for that server (this function's answer, which a
+    caller planning many requests on one pool keeps per server) is returned as it is."""
     target = request.prefill_node_id
-    if target is None or pool is None:
+    if target is None or pool is None or demand.prefill_node_id == target:
         return demand
     return check_demand(pool, settings, pending.shared, target, pending.by_server)
 
@@ -505,8 +506,9 @@ def plan_admission(
 ) -> Plan:
     """Demand, then Benefit and Safety on every candidate; rank the nodes that pass both.
 
-    ``demand``: ``check_demand(pool, settings)`` (made the prompt's own by
-    :func:`target_demand` and :func:`prompt_demand`), and ``rooms``: ``node_rooms(nodes,
+    ``demand``: ``check_demand(pool, settings)``, or already its :func:`target_demand` for the
+    request's prefill server (made the prompt's own by :func:`target_demand` and
+    :func:`prompt_demand`), and ``rooms``: ``node_rooms(nodes,
     settings.shares)``, when the caller already has them (a batch of requests planned on
     one view shares them); ``pending``: the tokens sent since the pool's reports ``demand``
     was computed with."""

@@ -37,10 +37,11 @@ from crossflow_ctl.domain.admission import (
     node_rooms,
     plan_admission,
     pulled_tokens,
+    target_demand,
 )
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import StoreUnavailable
-from crossflow_ctl.domain.models import NodeState, PoolSnapshot
+from crossflow_ctl.domain.models import NodeState, PoolSnapshot, Share
 from crossflow_ctl.domain.pending import Unreported
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision
@@ -150,10 +151,8 @@ class Admitter:
         self.sent = SentToPools()
         """Prompts this replica sent to the prefill pools, counted into Demand's wait (and the
         room watches' Demand: :meth:`Broker.room_view`)."""
-        self._last_demand: (
-            tuple[PoolSnapshot | None, PolicySettings, Unreported, DemandCheck] | None
-        )
-        self._last_demand = None
+        self._last_demand: _DemandMemo | None = None
+        self._last_rooms: tuple[Share, dict[int, tuple[NodeState, Room | None]]] | None = None
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
 
@@ -170,13 +169,17 @@ class Admitter:
         if not requests:
             return []
         loop = asyncio.get_running_loop()
-        queued = _Queued(requests, owner, loop.create_future(), loop.time())
-        self._queue.append(queued)
-        if self._flusher is None and not self._leading and len(requests) == 1:
-            answers = await self._lead(queued)
+        alone = self._flusher is None and not self._leading and len(requests) == 1
+        if alone and self._sequential:
+            answers = await self._decide_now(requests, owner, loop.time())
         else:
-            self._start_flusher()
-            answers = await queued.answers
+            queued = _Queued(requests, owner, loop.create_future(), loop.time())
+            self._queue.append(queued)
+            if alone:
+                answers = await self._lead(queued)
+            else:
+                self._start_flusher()
+                answers = await queued.answers
         if log_decisions():
             for request, answer in zip(requests, answers, strict=True):
                 log.debug(
@@ -190,13 +193,32 @@ class Admitter:
             annotate_decision(answers[0].decision, answers[0].reason, answers[0].node_id)
         return answers
 
+    async def _decide_now(
+        self, requests: Sequence[AdmissionRequest], owner: str, arrived_s: float
+    ) -> list[Admission]:
+        """Answers for one request of a ``sequential`` caller while nothing else is being
+        decided: decided at once, in its caller's task, without a queue entry or an event-loop
+        turn (no other request would join it). Otherwise as :meth:`_lead`: entries that arrive
+        meanwhile (a store call that suspends) queue, and the flusher starts for them when it
+        is done; a caller cancelled before its grant leaves its debit to :meth:`_debit`'s
+        hand-over."""
+        self._leading = True
+        try:
+            policy = self._policy()
+            deadline = arrived_s + policy.admit_timeout_ms / 1000.0
+            answers = await self._decide(requests, (owner,), policy, deadline)
+            self._count(answers, asyncio.get_running_loop().time() - arrived_s)
+            return answers
+        finally:
+            self._leading = False
+            self._start_flusher()
+
     async def _lead(self, queued: _Queued) -> list[Admission]:
         """Answers for ``queued``, one request and the first entry while no batch is being
-        decided: after one event-loop turn (so requests arriving in the same turn join it; none
-        when ``sequential``), an entry still alone is decided here, in its caller's task (no
-        flusher task, no hand-off of the answer); otherwise the flusher takes the queue as
-        usual. Entries that arrive while it is decided here queue, and the flusher starts for
-        them when it is done.
+        decided: after one event-loop turn (so requests arriving in the same turn join it), an
+        entry still alone is decided here, in its caller's task (no flusher task, no hand-off
+        of the answer); otherwise the flusher takes the queue as usual. Entries that arrive
+        while it is decided here queue, and the flusher starts for them when it is done.
 
         One request only: its grant is the last step of deciding it, so a caller cancelled
         before then leaves its debit to :meth:`_debit`'s hand-over (released once it lands).
@@ -205,8 +227,7 @@ class Admitter:
         them."""
         self._leading = True
         try:
-            if not self._sequential:
-                await asyncio.sleep(0)
+            await asyncio.sleep(0)
             if len(self._queue) == 1 and self._queue[0] is queued:
                 self._queue.clear()
                 return (await self._decide_queued([queued]))[0]
@@ -286,14 +307,17 @@ class Admitter:
         for queued in batch:
             answers = flat[start : start + len(queued.requests)]
             start += len(queued.requests)
-            elapsed = loop_now - queued.arrived_s
-            for answer in answers:
-                shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
-                self.metrics.record_admission(
-                    answer.decision, answer.reason, elapsed, shadow_decision=shadow
-                )
+            self._count(answers, loop_now - queued.arrived_s)
             out.append(answers)
         return out
+
+    def _count(self, answers: Sequence[Admission], elapsed_s: float) -> None:
+        """Record ``answers``, decided ``elapsed_s`` after their request arrived."""
+        for answer in answers:
+            shadow = answer.shadow_decision if answer.reason is Reason.SHADOW_MODE else None
+            self.metrics.record_admission(
+                answer.decision, answer.reason, elapsed_s, shadow_decision=shadow
+            )
 
     async def _decide(
         self,
@@ -356,9 +380,9 @@ class Admitter:
                         request.pool, request.candidate_node_ids, policy.candidate_sample, now
                     ),
                 )
-                views[key] = (pool, nodes, node_rooms(nodes, policy.shares))
+                views[key] = (pool, nodes, self._rooms(nodes, policy.shares))
             pool, nodes, rooms = views[key]
-            demand, unreported = self._demand(pool, policy)
+            demand, unreported = self._demand(pool, policy, request)
             plan = plan_admission(request, pool, nodes, policy, now, demand, rooms, unreported)
             answer = self._without_debit(request, plan, policy)
             if answer is None:
@@ -424,18 +448,43 @@ class Admitter:
             )
 
     def _demand(
-        self, pool: PoolSnapshot | None, policy: PolicySettings
+        self, pool: PoolSnapshot | None, policy: PolicySettings, request: AdmissionRequest
     ) -> tuple[DemandCheck, Unreported]:
-        """``check_demand`` with the tokens this replica sent to the pool since its reports,
-        computed once per pool snapshot, policy and count: the first two are immutable, and the
-        store hands out the same cached snapshot to every Admit until it is renewed."""
+        """Demand for a prompt bound for the request's prefill server (``check_demand``, made
+        the server's by ``target_demand``) with the tokens this replica sent to the pool since
+        its reports, computed once per pool snapshot, policy, count and server: the first two
+        are immutable, and the store hands out the same cached snapshot to every Admit until it
+        is renewed. Only servers that report are kept (the names come from routers)."""
         sent = self.sent.unreported(pool) if pool is not None else Unreported()
-        last = self._last_demand
-        if last is not None and last[0] is pool and last[1] is policy and last[2] == sent:
-            return last[3], sent
-        demand = check_demand(pool, policy, sent.shared, None, sent.by_server)
-        self._last_demand = (pool, policy, sent, demand)
-        return demand, sent
+        memo = self._last_demand
+        if memo is None or memo.pool is not pool or memo.policy is not policy or memo.sent != sent:
+            demand = check_demand(pool, policy, sent.shared, None, sent.by_server)
+            memo = self._last_demand = _DemandMemo(pool, policy, sent, demand)
+        server = request.prefill_node_id
+        if server is None or pool is None:
+            return memo.demand, sent
+        targeted = memo.by_server.get(server)
+        if targeted is None:
+            targeted = target_demand(memo.demand, pool, request, policy, sent)
+            if any(r.node_id == server for r in pool.reports):
+                memo.by_server[server] = targeted
+        return targeted, sent
+
+    def _rooms(self, nodes: list[NodeState], shares: Share) -> tuple[Room | None, ...]:
+        """``node_rooms``, each node's computed once per state and shares: states are immutable,
+        and the store hands out the same one until its node changes (one debit changes one
+        node of a view, in whatever order the view samples them). The memo holds the states it
+        was computed for, the last view's, so an id it knows names that live object, never a
+        new one that reuses a freed id."""
+        last = self._last_rooms
+        known = last[1] if last is not None and last[0] == shares else {}
+        missing = [n for n in nodes if id(n) not in known]
+        if not missing:
+            return tuple(known[id(n)][1] for n in nodes)
+        fresh = {id(n): r for n, r in zip(missing, node_rooms(missing, shares), strict=True)}
+        rooms = tuple(fresh[id(n)] if id(n) in fresh else known[id(n)][1] for n in nodes)
+        self._last_rooms = (shares, {id(n): (n, r) for n, r in zip(nodes, rooms, strict=True)})
+        return rooms
 
     async def _debit(
         self, debits: Sequence[DebitRequest], policy: PolicySettings, now: int, fate: _Fate
@@ -502,6 +551,18 @@ class Admitter:
         log.info("admit.shadow", would=would.value, plan_reason=plan.reason.value, node_id=best)
         answer = Admission.normal(Reason.SHADOW_MODE, f"shadow mode: {plan.summary()}", plan)
         return answer.model_copy(update={"shadow_decision": would})
+
+
+@dataclass(slots=True)
+class _DemandMemo:
+    """The pool's Demand (``demand``) for one pool snapshot, policy and unreported count, and
+    the Demand for a prompt bound for each reporting server asked so far (``by_server``)."""
+
+    pool: PoolSnapshot | None
+    policy: PolicySettings
+    sent: Unreported
+    demand: DemandCheck
+    by_server: dict[str, DemandCheck] = field(default_factory=dict)
 
 
 def _borrow(

@@ -85,3 +85,20 @@ async def test_a_debit_waiting_for_the_memory_store_lock_still_hands_over_when_a
         await asyncio.sleep(0)
     assert len(late) == 1 and late[0][0].granted  # the debit landed, and late was told
     assert [r.request_id for r in await broker.list_reservations()] == ["r1"]
+
+
+async def test_an_admit_arriving_while_a_sequential_one_waits_on_the_store_is_answered() -> None:
+    """Sequential is the caller's promise, not enforced: an Admit that comes while a lone one
+    waits for the store (its lock held here) queues, and is decided once that one is done."""
+    store = MemoryStore(seed=1)
+    broker = await lending_broker(store, TEST_POLICY, sequential=True)
+    await broker.admit(_ask())  # warm (the policy read from the store)
+    async with store._lock:
+        first = asyncio.ensure_future(broker.admit(_ask()))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(broker.admit(_ask()))
+        await asyncio.sleep(0)
+        assert not first.done() and not second.done()
+    answers = await asyncio.wait_for(asyncio.gather(first, second), timeout=5.0)
+    assert [a.decision for a in answers] == [Decision.BORROW, Decision.BORROW]
+    assert len({a.reservation_id for a in answers}) == 2

@@ -17,6 +17,7 @@ from crossflow_ctl.domain.admission import (
     Reason,
     check_demand,
     plan_admission,
+    target_demand,
 )
 from crossflow_ctl.domain.models import PoolLoad, PoolSnapshot
 from crossflow_ctl.domain.pending import Unreported
@@ -142,3 +143,18 @@ def test_tokens_sent_to_a_server_since_its_report_add_to_its_wait_at_its_rate() 
     assert plan.demand.pending_uncached_tokens == 3000 and plan.reason is Reason.BORROWED
     pooled = check_demand(JAMMED_IDLE, SETTINGS, 0, None, sent.by_server)  # a room watch's
     assert pooled.pool_wait_ms == pytest.approx(3000.0) and pooled.pending_uncached_tokens == 3000
+
+
+def test_a_demand_already_for_the_named_server_is_taken_as_it_is() -> None:
+    """What a caller planning many prompts keeps per server (the service's memo) plans exactly
+    as the pool's Demand it was made from."""
+    sent = Unreported(0, {"p1": 3000})
+    pooled = check_demand(JAMMED_IDLE, SETTINGS, 0, None, sent.by_server)
+    for server in ("p0", "p1"):
+        request = to(server)
+        own = target_demand(pooled, JAMMED_IDLE, request, SETTINGS, sent)
+        assert own.prefill_node_id == server
+        assert target_demand(own, JAMMED_IDLE, request, SETTINGS, sent) is own
+        kept = plan_admission(request, JAMMED_IDLE, [node()], SETTINGS, NOW, own, None, sent)
+        made = plan_admission(request, JAMMED_IDLE, [node()], SETTINGS, NOW, pooled, None, sent)
+        assert kept == made
