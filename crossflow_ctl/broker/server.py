@@ -3,8 +3,9 @@ reflection, message size limits, one supervisor for every background task, stage
 
 Shutdown (``BrokerServer.stop``): health NOT_SERVING; end room watches; stop accepting RPCs;
 ask agent streams to end and give them ``stream_grace_s``; cancel the supervisor's tasks; let
-the store read the debit replies of Admits that stopped waiting and the broker release what
-they granted (one ``stream_grace_s`` for both); close the store.
+Admit batches still being decided finish, the store read the debit replies of Admits that
+stopped waiting and the broker release what they granted (one ``stream_grace_s`` for all);
+close the store.
 """
 
 from __future__ import annotations
@@ -264,12 +265,14 @@ class BrokerServer:
         await stopping
         self._stop_policy.set()
         await self.supervisor.shutdown()
-        # Late debit replies first (their grants go to the orphan releases), then those
-        # releases, then the store closes: a release started after the wait, or cut off by the
-        # close, leaves its grant HELD for nobody until its hold TTL. Both within one grace.
+        # Admit batches still being decided first (their callers may be gone), then late debit
+        # replies (their grants go to the orphan releases), then those releases, then the
+        # store closes: a release started after the wait, or cut off by the close, leaves its
+        # grant HELD for nobody until its hold TTL. All within one grace.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        await self.store.settle(grace)
+        await self.broker.settle_admissions(grace)
+        await self.store.settle(max(0.0, deadline - loop.time()))
         await self.broker.drain(max(0.0, deadline - loop.time()))
         with contextlib.suppress(CrossflowError):
             await self.store.close()

@@ -239,6 +239,16 @@ class Admitter:
             self._start_flusher()
         return await queued.answers
 
+    async def settle(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the batches being decided (at shutdown: their callers
+        may be gone, RPCs cut at the server's grace, and only the flusher releases what such a
+        batch granted, :meth:`_deliver`), so their grants reach a caller or a release before the
+        store settles and closes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (flusher := self._flusher) is not None and (left := deadline - loop.time()) > 0:
+            await asyncio.wait({flusher}, timeout=left)
+
     def _start_flusher(self) -> None:
         """Start deciding the queue in a task of its own, unless it is empty or a flusher or a
         lone Admit (:meth:`_lead`, which starts one when it is done) is already deciding."""

@@ -165,6 +165,11 @@ class Broker:
             return await admit_once(self.store, request, self.policy, decide, self._orphans.release)
         return await self._admitter.admit(request, owner)
 
+    async def settle_admissions(self, timeout_s: float) -> None:
+        """Wait for the Admit batches being decided (at shutdown, before the store settles:
+        a batch whose callers went away hands its grants to the orphan releases)."""
+        await self._admitter.settle(timeout_s)
+
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Wait for background releases of late debits (at shutdown)."""
         await self._orphans.drain(timeout_s)

@@ -185,5 +185,9 @@ class OrphanDebits:
         task.add_done_callback(self._tasks.discard)
 
     async def drain(self, timeout_s: float) -> None:
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        """Wait up to ``timeout_s`` for the releases running, and any they start meanwhile
+        (a late hand-over landing during the wait)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._tasks and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._tasks), timeout=left)

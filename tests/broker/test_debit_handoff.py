@@ -333,6 +333,40 @@ async def test_redis_a_late_debit_read_at_shutdown_is_released_before_the_store_
     assert record is None  # deleted before the release: a retry decides afresh
 
 
+async def test_redis_a_batch_decided_at_shutdown_for_callers_gone_is_released(
+    held: tuple[HeldReplies, RedisStore], redis_url: str, redis_namespace: str
+) -> None:
+    """A batch (the group commit's flusher) is mid-round when its callers go away (AdmitStream
+    calls cut at the server's grace) and the broker stops. Only the flusher releases what such
+    a batch grants, once its round lands; the store's settle does not see it (a live call, not
+    a late read). Shutdown used to close the store under it: its grants stayed HELD for nobody.
+    Now the broker waits for the batch first (review of 74e85e3)."""
+    proxy, store = held
+    policy = TEST_POLICY.updated({"admit_timeout_ms": 2000, "hold_ttl_ms": 600_000})
+    await lending_broker(store, policy, slots=10)
+    settings = BrokerSettings(listen="127.0.0.1:0", policy=policy, stream_grace_s=3.0)
+    server = BrokerServer(settings, store, ManualClock(1_700_000_000_000))
+    await server.start()
+    warm = AdmissionRequest(uncached_prompt_tokens=100)
+    assert (await server.broker.admit(warm)).decision is Decision.BORROW  # kept HELD
+    proxy.delay_s = 0.4  # every reply held back
+    batch = [AdmissionRequest(uncached_prompt_tokens=100) for _ in range(2)]
+    caller = asyncio.ensure_future(server.broker.admit_many(batch))
+    await asyncio.sleep(0.1)  # the round is written, its replies held back
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await server.stop()
+    fresh = RedisStore(redis_url, namespace=redis_namespace)  # not through the proxy
+    try:
+        listed = await fresh.list_reservations(None, 1_700_000_000_000)
+    finally:
+        await fresh.close()
+    states = sorted(r.state for r in listed)
+    assert states.count(ReservationState.HELD) == 1, states  # the warm one only
+    assert states.count(ReservationState.RELEASED) == 2, states
+
+
 def _lost_debits(reader: InMemoryMetricReader) -> float:
     data = reader.get_metrics_data()
     total = 0.0
