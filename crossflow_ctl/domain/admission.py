@@ -368,7 +368,7 @@ def prompt_demand(demand: DemandCheck, normal: NormalPath, settings: PolicySetti
     # server's id was) must carry over, not fall silently to its default. Every field in order,
     # two of them replaced by values of their types: built without validation, per Admit.
     holds = demand.pool_wait_ms > own
-    return DemandCheck.trusted(**{**demand.__dict__, "threshold_ms": own, "holds": holds})
+    return demand.replaced(threshold_ms=own, holds=holds)
 
 
 def estimate_normal_path(

@@ -88,6 +88,11 @@ class Frozen(BaseModel):
         _set_private(model, None)
         return model
 
+    def replaced(self: F, **update: Any) -> F:
+        """A copy with ``update``'s fields, built by :meth:`trusted` (no validation: for
+        values known valid, of the fields' types; hot paths copy stored values this way)."""
+        return type(self).trusted(**{**self.__dict__, **update})
+
 
 _FIELDS: dict[type[Frozen], tuple[tuple[str, ...], set[str]]] = {}
 """Each model's field names in order, as :meth:`Frozen.trusted` compares them (empty: the model

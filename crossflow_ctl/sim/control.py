@@ -240,7 +240,7 @@ class ControlPlane:
         rid = int(request.request_id.partition("#")[0])  # a re-offer's id: ``<id>#<offer>``
         target = self.prefill_agents[self.prefill_for(rid, t)].node_id
         if request.prefill_node_id != target:  # a validated node id: no validation, per offer
-            request = AdmissionRequest.trusted(**{**request.__dict__, "prefill_node_id": target})
+            request = request.replaced(prefill_node_id=target)
         await self._catch_up(t)
         self.sync(t)
         answer = await self.broker.admit(request)

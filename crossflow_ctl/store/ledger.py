@@ -54,7 +54,7 @@ class NodeLedger:
     @property
     def info(self) -> NodeInfo:
         if self._info.notice_seq != self.seq:  # a copy with the new count, not revalidated
-            self._info = NodeInfo.trusted(**{**self._info.__dict__, "notice_seq": self.seq})
+            self._info = self._info.replaced(notice_seq=self.seq)
         return self._info
 
     @info.setter

@@ -383,8 +383,7 @@ class MemoryStore(Store):
             # A copy of a stored reservation with two fields of their types (the TTL checked
             # above): not revalidated, once per borrowed prompt.
             expires = now_ms + commit_ttl_ms
-            update = {"state": ReservationState.COMMITTED, "expires_at_ms": expires}
-            res = Reservation.trusted(**{**res.__dict__, **update})
+            res = res.replaced(state=ReservationState.COMMITTED, expires_at_ms=expires)
             node.put(res)
             node.notify(NoticeKind.COMMIT, now_ms, res)
             return res
@@ -397,8 +396,7 @@ class MemoryStore(Store):
             if res.state is ReservationState.RELEASED:
                 return res
             seq = node.seq + 1
-            update = {"state": ReservationState.RELEASED, "release_seq": seq}
-            res = Reservation.trusted(**{**res.__dict__, **update})  # as in commit
+            res = res.replaced(state=ReservationState.RELEASED, release_seq=seq)  # as in commit
             node.put(res)
             node.notify(NoticeKind.RELEASE, now_ms, res)
             return res

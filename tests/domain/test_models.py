@@ -132,6 +132,14 @@ def test_trusted_builds_what_model_construct_builds() -> None:
     assert list(partial.model_dump()) == list(full)
 
 
+def test_replaced_is_model_copy_with_the_update_and_leaves_the_original() -> None:
+    base = Credits(compute_tokens=5, kv_tokens=4, kv_transfer_bytes=3, output_tokens=2, slots=1)
+    copy = base.replaced(kv_tokens=9, slots=0)
+    assert copy == base.model_copy(update={"kv_tokens": 9, "slots": 0})
+    assert list(copy.model_dump()) == list(base.model_dump())  # fields in order
+    assert base.kv_tokens == 4 and copy.__dict__ is not base.__dict__
+
+
 def test_from_tuple_floors_at_zero_and_still_refuses_amounts_out_of_bounds() -> None:
     floored = Credits.from_tuple((5, -4, 3.9, 2, 1))  # type: ignore[arg-type]
     built = Credits(compute_tokens=5, kv_tokens=0, kv_transfer_bytes=3, output_tokens=2, slots=1)
