@@ -141,6 +141,8 @@ class SentToPools:
             targeted = (e for e in state.sent if e[2])
             state.by_server = sent_to_servers(targeted, state.server_seqs)
             state.split_for = key
+        # A fresh mapping each time, never the live one: callers keep what they were given (the
+        # Admitter's Demand memo compares it with the next call's answer).
         by_server = {k: v for k, v in state.by_server.items() if v > 0}
         return Unreported(state.untargeted // len(state.seqs), by_server)
 
