@@ -502,8 +502,10 @@ class Admitter:
         """The debits' outcomes, their store call timed. When admission stops waiting (its
         deadline, or its caller gone: ``fate.why``), the debits may still land: their outcomes
         then go to ``abandoned`` (granted ones are released, never left for nobody: phantom
-        holds), and the call is timed once they are known (``Store.try_debits_settled``). So
-        do the others of a round whose call on one node failed."""
+        holds), and the call is timed once they are known (``Store.try_debits_settled``; a
+        late read that lost replies counts as a failed call). So do the others of a round
+        whose call on one node failed, on a store that reads each node's reply (standalone
+        Redis's debit line; a Cluster pipeline raises its first error and those expire)."""
         metrics = self.metrics
         started = time.perf_counter()
         waiting = True
@@ -514,7 +516,7 @@ class Admitter:
             if waiting:  # a failed call's round (timed below)
                 self._abandoned(outcomes, "another debit of its round failed")
                 return
-            metrics.record_store_operation("debit", time.perf_counter() - started)
+            metrics.record_store_operation("debit", time.perf_counter() - started, ok=not lost)
             self._abandoned(outcomes, fate.why)
 
         try:

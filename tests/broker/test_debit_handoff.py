@@ -367,13 +367,13 @@ async def test_redis_a_batch_decided_at_shutdown_for_callers_gone_is_released(
     assert states.count(ReservationState.RELEASED) == 2, states
 
 
-def _lost_debits(reader: InMemoryMetricReader) -> float:
+def _lost_debits(reader: InMemoryMetricReader, name: str = "lost_debit_replies") -> float:
     data = reader.get_metrics_data()
     total = 0.0
     for resource in data.resource_metrics if data else []:
         for scope in resource.scope_metrics:
             for metric in scope.metrics:
-                if metric.name == "crossflow_broker_lost_debit_replies":
+                if metric.name == f"crossflow_broker_{name}":
                     assert isinstance(metric.data, Sum)
                     total += sum(point.value for point in metric.data.data_points)
     return total
@@ -403,6 +403,7 @@ async def test_redis_a_late_debit_whose_reply_is_lost_is_counted(
             break
         await asyncio.sleep(0.01)
     assert _lost_debits(reader) == 1
+    assert _lost_debits(reader, "store_errors") == 1  # the debit call failed, late
     fresh = RedisStore(redis_url, namespace=redis_namespace)  # not through the proxy
     try:
         listed = await fresh.list_reservations(None, 1_700_000_000_000)
