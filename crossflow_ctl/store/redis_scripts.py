@@ -317,10 +317,24 @@ class DedicatedLine:
 
     async def close(self) -> None:
         await self.settle(1.0)  # late replies still being read: let them land and be handed over
-        async with self._lock:
+        # One still waiting (a client without a socket timeout, a Redis gone silent) would hold
+        # the line for good: stop it; its replies are handed over as lost (:meth:`_finish`).
+        for task in self._finishing:
+            task.cancel()
+        if self._finishing:
+            await asyncio.wait(set(self._finishing), timeout=1.0)
+        try:
+            async with asyncio.timeout(1.0):
+                await self._lock.acquire()
+        except TimeoutError:  # still held: the pool's own close drops the connection
+            log.warning("debit_line.close_timed_out")
+            return
+        try:
             conn, self._conn = self._conn, None
             if conn is not None:
                 await self._hand_back(conn)
+        finally:
+            self._lock.release()
 
 
 def _evalsha(sha: str, call: tuple[Sequence[str], Sequence[Any]]) -> tuple[Any, ...]:

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, Sum
+from redis.asyncio import Redis
 
 from crossflow_ctl.broker.server import BrokerServer
 from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
@@ -273,8 +274,6 @@ async def test_redis_a_failed_call_hands_the_other_nodes_grants_over(
     """One debit round on two nodes: d2's script fails (its reservations key of the wrong
     type), d1's grants. The round raises StoreUnavailable, and d1's grant, which no caller
     gets, was dropped with it: HELD until its hold TTL. Now it goes to ``late`` (released)."""
-    from redis.asyncio import Redis
-
     _, store = held
     await lending_broker(store, TEST_POLICY, decode=("d1", "d2"), slots=5)
     raw = Redis.from_url(redis_url)
@@ -365,6 +364,35 @@ async def test_redis_a_batch_decided_at_shutdown_for_callers_gone_is_released(
     states = sorted(r.state for r in listed)
     assert states.count(ReservationState.HELD) == 1, states  # the warm one only
     assert states.count(ReservationState.RELEASED) == 2, states
+
+
+async def test_redis_closing_does_not_wait_for_good_on_a_late_read_that_never_ends(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """A client without a socket timeout and a Redis gone silent: the late read of an Admit past
+    its deadline would wait for good, holding the debit line, and the store's close with it (a
+    broker that never stops). The close stops it after its settle and hands its replies over
+    as lost (counted)."""
+    proxy = HeldReplies(redis_url)
+    client = Redis.from_url(await proxy.start(), socket_timeout=None)  # none (default: 5 s)
+    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
+    reader = InMemoryMetricReader()
+    metrics = BrokerMetrics(MeterProvider(metric_readers=[reader]))
+    try:
+        policy = TEST_POLICY.updated({"admit_timeout_ms": 100, "hold_ttl_ms": 600_000})
+        broker = await lending_broker(store, policy, metrics=metrics)
+        ask = AdmissionRequest(uncached_prompt_tokens=100)
+        assert (await broker.admit(ask)).decision is Decision.BORROW  # warm
+        proxy.delay_s = 3_600.0  # silent
+        answer = await broker.admit(ask)
+        assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
+        async with asyncio.timeout(30):  # a hang guard, not a latency assertion
+            await store.close()
+        assert _lost_debits(reader) == 1
+    finally:
+        proxy.delay_s = 0.0
+        await proxy.close()
+        await client.aclose()
 
 
 def _lost_debits(reader: InMemoryMetricReader, name: str = "lost_debit_replies") -> float:
