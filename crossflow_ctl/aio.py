@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Awaitable, Coroutine, Generator, Iterable
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -39,6 +39,18 @@ def detached_task(coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
     otherwise carry that caller's bound log fields (``node_id``) into every line it logs for
     everyone else, long after that caller left."""
     return asyncio.get_running_loop().create_task(coro, name=name, context=contextvars.Context())
+
+
+async def wait_settled(
+    running: Callable[[], Collection[asyncio.Future[Any]]], timeout_s: float
+) -> None:
+    """Wait up to ``timeout_s`` until ``running()`` is empty: the tasks it gives end, and any
+    started meanwhile (a hand-over that starts another, a flusher that follows another), at
+    shutdown. Their results and errors stay theirs (nothing is retrieved or raised here)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (tasks := running()) and (left_s := deadline - loop.time()) > 0:
+        await asyncio.wait(set(tasks), timeout=left_s)
 
 
 async def wait_any(*events: asyncio.Event, timeout_s: float) -> None:

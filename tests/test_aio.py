@@ -17,6 +17,7 @@ from crossflow_ctl.aio import (
     detached_task,
     shielded,
     wait_any,
+    wait_settled,
     within,
 )
 
@@ -214,3 +215,32 @@ async def test_begin_finishes_a_call_that_never_suspends_and_resumes_one_that_do
 
 async def _await(call: Awaitable[int]) -> int:
     return await call
+
+
+async def test_wait_settled_waits_for_tasks_started_meanwhile_and_stops_at_its_timeout() -> None:
+    running: set[asyncio.Task[None]] = set()
+
+    def start(coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+    done: list[str] = []
+
+    async def second() -> None:
+        await asyncio.sleep(0.02)
+        done.append("second")
+
+    async def first() -> None:
+        await asyncio.sleep(0.01)
+        start(second())  # a hand-over that starts another
+        done.append("first")
+
+    start(first())
+    await wait_settled(lambda: running, 30.0)  # a hang guard: it returns once both ended
+    assert done == ["first", "second"] and not running
+
+    never = asyncio.ensure_future(asyncio.Event().wait())
+    await wait_settled(lambda: (never,), 0.01)  # bounded: returns with it still running
+    assert not never.done()
+    never.cancel()

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import structlog
 
-from crossflow_ctl.aio import detached_task, within
+from crossflow_ctl.aio import detached_task, wait_settled, within
 from crossflow_ctl.domain.admission import (
     Admission,
     AdmissionRequest,
@@ -244,10 +244,7 @@ class Admitter:
         may be gone, RPCs cut at the server's grace, and only the flusher releases what such a
         batch granted, :meth:`_deliver`), so their grants reach a caller or a release before the
         store settles and closes."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while (flusher := self._flusher) is not None and (left := deadline - loop.time()) > 0:
-            await asyncio.wait({flusher}, timeout=left)
+        await wait_settled(lambda: () if self._flusher is None else (self._flusher,), timeout_s)
 
     def _start_flusher(self) -> None:
         """Start deciding the queue in a task of its own, unless it is empty or a flusher or a

@@ -35,7 +35,7 @@ from typing import TypeVar
 
 import structlog
 
-from crossflow_ctl.aio import within
+from crossflow_ctl.aio import wait_settled, within
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import CrossflowError, StoreUnavailable
 from crossflow_ctl.domain.policy import PolicySettings
@@ -187,7 +187,4 @@ class OrphanDebits:
     async def drain(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the releases running, and any they start meanwhile
         (a late hand-over landing during the wait)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self._tasks and (left := deadline - loop.time()) > 0:
-            await asyncio.wait(set(self._tasks), timeout=left)
+        await wait_settled(lambda: self._tasks, timeout_s)

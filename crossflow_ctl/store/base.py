@@ -37,6 +37,7 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple
 
+from crossflow_ctl.aio import wait_settled
 from crossflow_ctl.api.v1 import lease_pb2
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
 from crossflow_ctl.domain.models import (
@@ -460,9 +461,7 @@ class Store(abc.ABC):
         read, in the background (of callers that stopped waiting: ``try_debits_settled``), so
         their ``late`` hand-overs happen now, while the store can still release what they
         granted (at shutdown: before the broker waits for its releases and the store closes)."""
-        late = self._late
-        if late:
-            await asyncio.wait(set(late), timeout=timeout_s)
+        await wait_settled(lambda: self._late or (), timeout_s)
 
     @abc.abstractmethod
     async def close(self) -> None:

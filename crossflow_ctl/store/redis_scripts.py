@@ -20,7 +20,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from crossflow_ctl.aio import shielded
+from crossflow_ctl.aio import shielded, wait_settled
 from crossflow_ctl.store.redis_pipeline import send_all
 
 log = structlog.get_logger()
@@ -310,10 +310,7 @@ class DedicatedLine:
     async def settle(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the replies cancelled callers left to be read and
         handed to their ``late`` (those a cancel leaves meanwhile included)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self._finishing and (left_s := deadline - loop.time()) > 0:
-            await asyncio.wait(set(self._finishing), timeout=left_s)
+        await wait_settled(lambda: self._finishing, timeout_s)
 
     async def close(self) -> None:
         await self.settle(1.0)  # late replies still being read: let them land and be handed over
