@@ -49,6 +49,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from crossflow_ctl.domain.identity import ByIdentity
 from crossflow_ctl.domain.models import Frozen
 
 Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
@@ -296,29 +297,20 @@ class Roofline:
 GEMM_CACHE = 1 << 16
 """Token counts whose GEMM time a Roofline keeps (steps carry at most batch + one chunk)."""
 
-_BY_IDENTITY: dict[tuple[int, int], tuple[ModelSpec, NodeProfile, Roofline]] = {}
-
 
 def roofline(model: ModelSpec, node: NodeProfile) -> Roofline:
-    """The precomputed constants for ``(model, node)``.
-
-    Looked up by object identity first (hashing two pydantic models costs more than the step
-    time itself); the entry keeps both objects alive, so an id is never reused while cached.
-    Both are frozen, so equal objects give equal constants either way."""
-    key = (id(model), id(node))
-    hit = _BY_IDENTITY.get(key)
-    if hit is not None and hit[0] is model and hit[1] is node:
-        return hit[2]
-    if len(_BY_IDENTITY) >= 256:
-        _BY_IDENTITY.clear()
-    roof = _by_value(model, node)
-    _BY_IDENTITY[key] = (model, node, roof)
-    return roof
+    """The precomputed constants for ``(model, node)``, looked up by object identity first
+    (:class:`~crossflow_ctl.domain.identity.ByIdentity`), then by value (equal objects give
+    equal constants)."""
+    return _ROOFLINES.get(model, node)
 
 
 @lru_cache(maxsize=64)
 def _by_value(model: ModelSpec, node: NodeProfile) -> Roofline:
     return Roofline.of(model, node)
+
+
+_ROOFLINES: ByIdentity[Roofline] = ByIdentity(_by_value)
 
 
 def step_cost(model: ModelSpec, node: NodeProfile, shape: StepShape) -> StepCost:

@@ -67,6 +67,7 @@ from typing import Annotated, Any, NamedTuple
 from pydantic import Field, model_validator
 
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, Roofline, roofline
+from crossflow_ctl.domain.identity import ByIdentity
 from crossflow_ctl.domain.lending import (
     FAR_PREFIX_TOKENS,
     OpenDebits,
@@ -285,22 +286,13 @@ class LeaseTerms:
         )
 
 
-_TERMS: dict[tuple[int, int, int], tuple[ModelSpec, NodeProfile, LeaseSettings, LeaseTerms]] = {}
+_TERMS: ByIdentity[LeaseTerms] = ByIdentity(LeaseTerms.of)
 
 
 def lease_terms(model: ModelSpec, node: NodeProfile, settings: LeaseSettings) -> LeaseTerms:
     """The :class:`LeaseTerms` of the three, looked up by identity as
-    :func:`~crossflow_ctl.domain.capacity.roofline` does (each entry keeps its objects alive,
-    so an id is not reused while cached; all three are frozen)."""
-    key = (id(model), id(node), id(settings))
-    hit = _TERMS.get(key)
-    if hit is not None and hit[0] is model and hit[1] is node and hit[2] is settings:
-        return hit[3]
-    if len(_TERMS) >= 256:
-        _TERMS.clear()
-    terms = LeaseTerms.of(model, node, settings)
-    _TERMS[key] = (model, node, settings, terms)
-    return terms
+    :func:`~crossflow_ctl.domain.capacity.roofline` is (all three are frozen)."""
+    return _TERMS.get(model, node, settings)
 
 
 def compute_capacity(
