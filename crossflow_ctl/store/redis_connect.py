@@ -147,6 +147,9 @@ def connect(
     # twice. One failure is StoreUnavailable and admission fails closed (§5.6).
     retry = Retry(NoBackoff(), retries=0)
     timeouts = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s}
+    # RESP2 unless the URL asks otherwise (``?protocol=3``: its query wins): redis-py 8.2 made
+    # RESP3 its default, which changes reply shapes; the store reads RESP2's.
+    extra.setdefault("protocol", PROTOCOL)
     if cluster:
         if max_connections < 2:
             raise ConfigError(
@@ -161,9 +164,25 @@ def connect(
     # (A Cluster client builds its connections itself: it keeps redis-py's Python packer.)
     pool = BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=pool_timeout_s, retry=retry,
-        connection_class=PackedConnection, **timeouts, **extra,
+        **connection_class_for(url), **timeouts, **extra,
     )  # fmt: skip
-    # from_url lets a rediss:// URL's own class win over the one passed: swap in its packer
-    if pool.connection_class is SSLConnection:
-        pool.connection_class = PackedSSLConnection
     return Redis(connection_pool=pool, retry=retry)
+
+
+PROTOCOL = 2
+"""The RESP version the store speaks unless its URL names one."""
+
+_PACKED_CLASSES: dict[str, type[AbstractConnection]] = {
+    "redis": PackedConnection,
+    "rediss": PackedSSLConnection,
+}
+
+
+def connection_class_for(url: str) -> dict[str, type[AbstractConnection]]:
+    """``connection_class`` for the pool: the packing class of the URL's scheme (TLS for
+    ``rediss://``), none for a unix socket (redis-py's own class). Passed for the scheme, not
+    swapped after: redis-py 8.2's ``from_url`` lets a passed class win over the scheme's, so a
+    plain class passed for ``rediss://`` connected without TLS (before 8.2 the scheme won)."""
+    scheme = url.partition("://")[0].lower()
+    cls = _PACKED_CLASSES.get(scheme)
+    return {} if cls is None else {"connection_class": cls}

@@ -18,6 +18,7 @@ from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from crossflow_ctl.store.redis_connect import (
+    PROTOCOL,
     PackedConnection,
     PackedSSLConnection,
     RedisConnection,
@@ -37,9 +38,13 @@ HEAD = st.sampled_from([b"EVALSHA", "HSET", "CLIENT SETNAME", b"CONFIG GET", b"X
 _PYTHON_PACKER = SimpleNamespace(_buffer_cutoff=6000, encoder=Encoder("utf-8", "strict", False))
 
 
+_PYTHON_PACK = getattr(AbstractConnection, "_pack_command_python", AbstractConnection.pack_command)
+"""redis-py's Python packer (8.2 named it apart when it began packing with hiredis itself)."""
+
+
 def python_packed(*args: Any) -> bytes:
     """What redis-py's asyncio connection sends for ``args`` (its own Python packer)."""
-    return b"".join(AbstractConnection.pack_command(_PYTHON_PACKER, *args))  # type: ignore[arg-type]
+    return b"".join(_PYTHON_PACK(_PYTHON_PACKER, *args))
 
 
 @given(HEAD, st.lists(ARG, max_size=150))
@@ -96,6 +101,19 @@ async def test_each_url_scheme_gets_its_connection_class(url: str, expected: typ
         await client.aclose(close_connection_pool=True)
 
 
+@pytest.mark.parametrize(("query", "resp"), [("", "2"), ("?protocol=3", "3")])
+async def test_a_store_client_speaks_resp2_unless_its_url_names_a_protocol(
+    redis_url: str, query: str, resp: str
+) -> None:
+    """The store reads RESP2's reply shapes; redis-py 8.2 made RESP3 its default."""
+    client = connect(redis_url + query, RedisConnection(), 5.0)
+    try:
+        info = (await client.execute_command("CLIENT", "INFO")).decode()
+    finally:
+        await client.aclose(close_connection_pool=True)
+    assert f"resp={resp}" in info.split()
+
+
 async def test_a_write_goes_out_in_the_calling_task(redis_url: str) -> None:
     """redis-py bounds each write with asyncio.wait_for: on Python 3.11 a task of its own per
     command. The store's connections write in the caller's task."""
@@ -137,7 +155,9 @@ async def test_a_write_the_server_does_not_take_times_out_and_drops_the_connecti
 
     server = await asyncio.start_server(stops_reading, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    conn = PackedConnection(host="127.0.0.1", port=port, socket_timeout=0.3, driver_info=None)
+    conn = PackedConnection(
+        host="127.0.0.1", port=port, socket_timeout=0.3, driver_info=None, protocol=PROTOCOL
+    )
     try:
         await conn.connect()
         reading.clear()
