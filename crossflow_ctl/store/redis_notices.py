@@ -343,10 +343,10 @@ class NoticeReader:
                 ("XRANGE", k.notices, f"{read.after_seq + 1}-0", "+", "COUNT", read.limit)
             )
         if self._line is None:
-            got = await send_all(self._r, commands, raise_on_error=False)
+            replied = await send_all(self._r, commands, raise_on_error=False)
         else:
-            got = await self._line.send_all(commands, raise_on_error=False)
-        replies = iter(got)
+            replied = await self._line.send_all(commands, raise_on_error=False)
+        replies = iter(replied)
         out: list[Any] = []
         for read in reads:
             exists = 1 if read.known else next(replies)

@@ -259,7 +259,9 @@ async def test_notice_reads_keep_one_connection_and_outlive_its_loss(
         assert pool.checkouts == before
         kept = store._notices._line._conn  # type: ignore[union-attr]
         assert kept is not None
-        host, port = kept._writer.get_extra_info("sockname")[:2]  # type: ignore[attr-defined]
+        writer = kept._writer
+        assert writer is not None
+        host, port = writer.get_extra_info("sockname")[:2]
         assert await killer.execute_command("CLIENT", "KILL", "ADDR", f"{host}:{port}")
         await asyncio.sleep(0.05)  # the close reaches the client's socket
         after_loss = [n.seq for n in await store.read_notices("d1", 0, 10, block_ms=0)]
