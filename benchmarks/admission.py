@@ -1,6 +1,7 @@
 """Admission latency and throughput over gRPC with Redis, next to two floors from the same run.
 
     python benchmarks/admission.py [--redis-url redis://127.0.0.1:6379/0] [--seconds 2]
+                                   [--only-unary]
 
 Starts one ``crossflow-broker serve`` process on a loopback port over Redis (its own key
 namespace, deleted afterwards), streams one decode lease and one prefill pool load to it, then
