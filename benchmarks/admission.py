@@ -1,6 +1,7 @@
 """Admission latency and throughput over gRPC with Redis, next to two floors from the same run.
 
     python benchmarks/admission.py [--redis-url redis://127.0.0.1:6379/0] [--seconds 2]
+                                   [--only-unary]
 
 Starts one ``crossflow-broker serve`` process on a loopback port over Redis (its own key
 namespace, deleted afterwards), streams one decode lease and one prefill pool load to it, then
@@ -360,6 +361,42 @@ async def helper_rate(addr: str, seconds: float, callers: int) -> tuple[float, f
     return done / elapsed, borrowed / max(1, done)
 
 
+async def stream_phases(
+    args: argparse.Namespace,
+    channel: grpc.aio.Channel,
+    floor_channel: grpc.aio.Channel,
+    request: admission_pb2.AdmitRequest,
+    addr: str,
+    pid: int,
+    admit_ops: float,
+) -> None:
+    """AdmitStream on the broker (``pid``) next to the floor server's bare bidi echo, then
+    through the client's ``AdmissionStream`` (``admit_ops``: unary Admit's rate, to compare);
+    none with ``--only-unary``."""
+    if args.only_unary:
+        return
+    stream_stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+    echo_stub = admission_pb2_grpc.AdmissionServiceStub(floor_channel)
+    batch, window = args.stream_batch, args.stream_window
+    await stream_rate(stream_stub, request, 0.3, batch, window)  # warm up
+    cpu0, wall0 = cpu_seconds(pid), time.perf_counter()
+    rate, share = await stream_rate(stream_stub, request, args.seconds, batch, window)
+    stream_cpu_us = (cpu_seconds(pid) - cpu0) / (rate * (time.perf_counter() - wall0))
+    echo, _ = await stream_rate(echo_stub, request, args.seconds, batch, window)
+    helper, helper_share = await helper_rate(addr, args.seconds, args.stream_callers)
+    print(
+        f"AdmitStream ({batch} items/message, {window} messages in flight): "
+        f"{rate:,.0f} decisions/s ({share:.0%} borrowed) vs floor (bare bidi echo) "
+        f"{echo:,.0f}/s = {rate / echo:.0%} of it (target: >= 10,000/s); broker CPU "
+        f"{stream_cpu_us * 1e6:.0f} us per decision"
+    )
+    print(
+        f"AdmitStream via client AdmissionStream, {args.stream_callers} concurrent callers: "
+        f"{helper:,.0f} decisions/s ({helper_share:.0%} borrowed), "
+        f"{helper / admit_ops:.1f}x unary Admit at {args.concurrency} callers"
+    )
+
+
 async def main(args: argparse.Namespace) -> None:
     namespace = f"bench-{uuid.uuid4().hex[:10]}"
     proc, addr = await start_broker(args.redis_url, namespace, args.hold_ttl_ms)
@@ -497,26 +534,7 @@ async def main(args: argparse.Namespace) -> None:
             f"{admit_notices / calls(admitted):.2f} (grant + expiry), floor "
             f"{floor_counts['notices'] / calls(relay_floor):.2f}"
         )
-        stream_stub = admission_pb2_grpc.AdmissionServiceStub(channel)
-        echo_stub = admission_pb2_grpc.AdmissionServiceStub(floor_channel)
-        batch, window = args.stream_batch, args.stream_window
-        await stream_rate(stream_stub, request, 0.3, batch, window)  # warm up
-        cpu0, wall0 = cpu_seconds(proc.pid), time.perf_counter()
-        rate, share = await stream_rate(stream_stub, request, args.seconds, batch, window)
-        stream_cpu_us = (cpu_seconds(proc.pid) - cpu0) / (rate * (time.perf_counter() - wall0))
-        echo, _ = await stream_rate(echo_stub, request, args.seconds, batch, window)
-        helper, helper_share = await helper_rate(addr, args.seconds, args.stream_callers)
-        print(
-            f"AdmitStream ({batch} items/message, {window} messages in flight): "
-            f"{rate:,.0f} decisions/s ({share:.0%} borrowed) vs floor (bare bidi echo) "
-            f"{echo:,.0f}/s = {rate / echo:.0%} of it (target: >= 10,000/s); broker CPU "
-            f"{stream_cpu_us * 1e6:.0f} us per decision"
-        )
-        print(
-            f"AdmitStream via client AdmissionStream, {args.stream_callers} concurrent callers: "
-            f"{helper:,.0f} decisions/s ({helper_share:.0%} borrowed), "
-            f"{helper / admit_ops:.1f}x unary Admit at {args.concurrency} callers"
-        )
+        await stream_phases(args, channel, floor_channel, request, addr, proc.pid, admit_ops)
     finally:
         for call in feeds:
             call.cancel()
@@ -540,6 +558,11 @@ if __name__ == "__main__":
     parser.add_argument("--stream-batch", type=int, default=64)
     parser.add_argument("--stream-window", type=int, default=8)
     parser.add_argument("--stream-callers", type=int, default=256)
+    parser.add_argument(
+        "--only-unary",
+        action="store_true",
+        help="stop after the unary phases (Admit and its floors): no AdmitStream phases",
+    )
     parser.add_argument("--floor-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--floor-key", default="bench-floor", help=argparse.SUPPRESS)
     parser.add_argument(

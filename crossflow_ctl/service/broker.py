@@ -152,18 +152,21 @@ class Broker:
         return await self._admin_call(self._policy.update(updates, expected_version))
 
     # -- admission -------------------------------------------------------------------------------
-    async def admit(self, request: AdmissionRequest, owner: str = "") -> Admission:
+    async def admit(
+        self, request: AdmissionRequest, owner: str = "", join: bool = True
+    ) -> Admission:
         """Always answers; NORMAL with a reason on any doubt (§5.6). Counted, timed, logged.
 
         A granted reservation records ``owner`` (the router's identity, "" without
-        authentication): only it, or an admin, may commit or release it."""
+        authentication): only it, or an admin, may commit or release it. ``join=False``: a lone
+        one is decided without a turn for others to join it (``Admitter.admit_many``)."""
         if request.request_id and not request.dry_run:
 
             async def decide(one: AdmissionRequest) -> Admission:
-                return await self._admitter.admit(one, owner)
+                return await self._admitter.admit(one, owner, join)
 
             return await admit_once(self.store, request, self.policy, decide, self._orphans.release)
-        return await self._admitter.admit(request, owner)
+        return await self._admitter.admit(request, owner, join)
 
     async def settle_admissions(self, timeout_s: float) -> None:
         """Wait for the Admit batches being decided (at shutdown, before the store settles:

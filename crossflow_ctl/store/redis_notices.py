@@ -49,7 +49,7 @@ from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.coalescer import Coalescer
 from crossflow_ctl.store.keys import Keys
 from crossflow_ctl.store.redis_connect import error_text
-from crossflow_ctl.store.redis_pipeline import send_all
+from crossflow_ctl.store.redis_pipeline import KeptConnection, send_all
 
 log = structlog.get_logger()
 
@@ -310,6 +310,8 @@ class NoticeReader:
         self._known: set[str] = set()
         """Nodes this replica has seen registered."""
         self._ranges: Coalescer[_Range] = Coalescer(self._read_batch, timeout_s=timeout_s)
+        self._line = None if isinstance(client, RedisCluster) else KeptConnection(client)
+        """The reads' kept connection (standalone Redis): no pool checkout per read."""
 
     def remember(self, node_id: str) -> None:
         if len(self._known) >= KNOWN_NODES_CAP:
@@ -340,7 +342,11 @@ class NoticeReader:
             commands.append(
                 ("XRANGE", k.notices, f"{read.after_seq + 1}-0", "+", "COUNT", read.limit)
             )
-        replies = iter(await send_all(self._r, commands, raise_on_error=False))
+        if self._line is None:
+            replied = await send_all(self._r, commands, raise_on_error=False)
+        else:
+            replied = await self._line.send_all(commands, raise_on_error=False)
+        replies = iter(replied)
         out: list[Any] = []
         for read in reads:
             exists = 1 if read.known else next(replies)
@@ -354,6 +360,8 @@ class NoticeReader:
 
     async def close(self) -> None:
         await self._ranges.close()
+        if self._line is not None:
+            await self._line.close()
         await self.hub.close()
 
     async def read(self, node_id: str, after_seq: int, limit: int, block_ms: int) -> list[Notice]:

@@ -1,4 +1,5 @@
-"""An Admit on the in-process store, as the simulator makes them: one caller, one at a time.
+"""An Admit on the in-process store, as the simulator makes them: one caller, one at a time;
+and a gRPC unary Admit, which waits no turn for others either.
 
 A ``sequential`` broker decides a lone Admit at once, without the event-loop turn a lone Admit
 otherwise waits for concurrent ones to join its group commit, and the in-process store lands a
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from crossflow_ctl.api.v1 import admission_pb2
+from crossflow_ctl.broker.servicers.admission import AdmissionServicer
 from crossflow_ctl.domain.admission import AdmissionRequest, Decision
 from crossflow_ctl.domain.models import Credits
 from crossflow_ctl.store.base import DebitOutcome, DebitRequest
@@ -64,6 +67,20 @@ async def test_a_default_broker_still_waits_one_turn_for_others_to_join() -> Non
     decision, ran, _ = await _admit_watched(sequential=False)
     assert decision is Decision.BORROW
     assert ran == [1]
+
+
+async def test_a_lone_unary_grpc_admit_is_decided_without_a_loop_turn() -> None:
+    """The servicer's Admit (the gRPC unary call) waits no turn for others to join it: no other
+    RPC's handler starts in the same turn (grpc.aio starts each from its own completion event)."""
+    broker = await lending_broker(MemoryStore(seed=1), TEST_POLICY)
+    servicer = AdmissionServicer(broker)
+    request = admission_pb2.AdmitRequest(uncached_prompt_tokens=100)
+    await servicer.Admit(request, None)  # type: ignore[arg-type]  # warm; no error to abort
+    ran: list[int] = []
+    asyncio.get_running_loop().call_soon(ran.append, 1)
+    reply = await servicer.Admit(request, None)  # type: ignore[arg-type]
+    assert reply.decision == admission_pb2.DECISION_BORROW
+    assert ran == []  # nothing else ran while it was decided: no loop turn
 
 
 async def test_a_debit_waiting_for_the_memory_store_lock_still_hands_over_when_abandoned() -> None:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from redis.asyncio import Connection, Redis
+from redis.asyncio import Connection, ConnectionPool, Redis
 
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import NodeRole, PoolLoad
@@ -226,6 +226,51 @@ async def test_a_waiting_read_with_notices_there_is_one_round_trip(
         await client.aclose()
     assert [n.seq for n in found] == [1, 2]
     assert sent == 1
+
+
+class CountingPool(ConnectionPool):
+    """A real pool that counts its checkouts."""
+
+    checkouts = 0
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        self.checkouts += 1
+        return await super().get_connection(*args, **kwargs)
+
+
+async def test_notice_reads_keep_one_connection_and_outlive_its_loss(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """A relay's reads go out on one kept connection, not a pool checkout each (a lock, a
+    timer and a socket probe per wake of every agent stream); one Redis closed while it sat
+    idle is replaced by the next read, which still returns the notices."""
+    pool = CountingPool.from_url(redis_url)
+    client: Redis = Redis(connection_pool=pool)
+    killer: Redis = Redis.from_url(redis_url)
+    store = RedisStore(client, namespace=redis_namespace)
+    try:
+        await register(store, "d1")
+        await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
+        await store.try_debit("d1", credits(1), 1.0, NOW, 100)
+        assert [n.seq for n in await store.read_notices("d1", 0, 10, block_ms=0)] == [1]
+        before = pool.checkouts
+        for _ in range(5):
+            assert [n.seq for n in await store.read_notices("d1", 0, 10, block_ms=0)] == [1]
+        assert pool.checkouts == before
+        kept = store._notices._line._conn  # type: ignore[union-attr]
+        assert kept is not None
+        writer = kept._writer
+        assert writer is not None
+        host, port = writer.get_extra_info("sockname")[:2]
+        assert await killer.execute_command("CLIENT", "KILL", "ADDR", f"{host}:{port}")
+        await asyncio.sleep(0.05)  # the close reaches the client's socket
+        after_loss = [n.seq for n in await store.read_notices("d1", 0, 10, block_ms=0)]
+    finally:
+        await store.close()
+        await client.aclose()
+        await pool.aclose()
+        await killer.aclose()
+    assert after_loss == [1]
 
 
 async def test_a_replica_that_never_saw_the_node_checks_it_exists(

@@ -30,7 +30,9 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         self, request: admission_pb2.AdmitRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.AdmitResponse:
         owner = reservation_owner()
-        admission = await self._broker.admit(admit_request_from_proto(request), owner)
+        # No turn for others to join a lone one: no other RPC's handler starts in the same turn
+        # (Admitter.admit_many), so that turn was a loop iteration per Admit for nothing.
+        admission = await self._broker.admit(admit_request_from_proto(request), owner, join=False)
         return admission_to_proto(admission)
 
     @maps_stream_errors
