@@ -1,7 +1,7 @@
 """Admission latency and throughput over gRPC with Redis, next to two floors from the same run.
 
     python benchmarks/admission.py [--redis-url redis://127.0.0.1:6379/0] [--seconds 2]
-                                   [--only-unary]
+                                   [--only-unary | --only-stream]
 
 Starts one ``crossflow-broker serve`` process on a loopback port over Redis (its own key
 namespace, deleted afterwards), streams one decode lease and one prefill pool load to it, then
@@ -361,20 +361,145 @@ async def helper_rate(addr: str, seconds: float, callers: int) -> tuple[float, f
     return done / elapsed, borrowed / max(1, done)
 
 
+async def unary_phases(
+    args: argparse.Namespace,
+    procs: tuple[asyncio.subprocess.Process, asyncio.subprocess.Process],
+    r: aioredis.Redis,
+    namespace: str,
+    channels: tuple[grpc.aio.Channel, grpc.aio.Channel],
+    request: admission_pb2.AdmitRequest,
+    notices: tuple[dict[str, int], dict[str, int]],
+) -> float:
+    """Admit and its floors (the module docstring), printed; returns Admit's rate with
+    ``--concurrency`` callers. ``procs``, ``channels`` and ``notices``: the broker's, then the
+    floor server's."""
+    proc, floor_proc = procs
+    channel, floor_channel = channels
+    counts, floor_counts = notices
+    admission = admission_pb2_grpc.AdmissionServiceStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+
+    async def admit() -> None:
+        reply = await admission.Admit(request, timeout=5)
+        assert reply.decision == admission_pb2.DECISION_BORROW, reply.message
+
+    async def check() -> None:
+        await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+    floor_health = health_pb2_grpc.HealthStub(floor_channel)
+
+    async def check_one_evalsha() -> None:
+        await floor_health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+    floor_admission = admission_pb2_grpc.AdmissionServiceStub(floor_channel)
+
+    async def admit_floor() -> None:
+        await floor_admission.Admit(request, timeout=5)
+
+    script = r.register_script("return 1")
+
+    async def evalsha() -> None:
+        await script(keys=[f"{namespace}:bench"])
+
+    calls0, usec0 = await evalsha_stats(r)
+    notices0 = counts["notices"]  # the warm-up's notices count too (calls() counts them)
+    admitted = await measure(admit, args.seconds, args.concurrency, proc.pid)
+    calls1, usec1 = await evalsha_stats(r)
+    admit_notices = counts["notices"] - notices0
+    relay_floor = await measure(admit_floor, args.seconds, args.concurrency, floor_proc.pid)
+    await asyncio.sleep(0.2)  # the last grants' messages
+    rows = [
+        ("admit (gRPC + Redis)", admitted),
+        (
+            "floor: grpc.aio health Check",
+            await measure(check, args.seconds, args.concurrency, proc.pid),
+        ),
+        (
+            "floor: Redis EVALSHA 'return 1'",
+            await measure(evalsha, args.seconds, args.concurrency),
+        ),
+        (
+            "floor: grpc.aio + 1 EVALSHA inside",
+            await measure(check_one_evalsha, args.seconds, args.concurrency, floor_proc.pid),
+        ),
+        ("floor: grpc.aio Admit + grant relay", relay_floor),
+    ]
+    print(
+        f"loopback, broker pid {proc.pid}, {args.seconds:.1f} s per phase, "
+        f"throughput with {args.concurrency} concurrent callers, hold TTL {args.hold_ttl_ms} ms"
+    )
+    print(f"{'call':34} {'p50 ms':>8} {'p99 ms':>8} {'seq n':>7} {'ops/s':>9} {'srv CPU us':>10}")
+    for name, m in rows:
+        cpu = "-" if math.isnan(m["cpu_us"]) else f"{m['cpu_us']:.0f}"
+        print(
+            f"{name:34} {m['p50_ms']:8.3f} {m['p99_ms']:8.3f} {m['n']:7.0f} "
+            f"{m['ops_per_s']:9.0f} {cpu:>10}"
+        )
+    admit_p50, grpc_p50, redis_p50, trips_p50, relay_p50 = (m["p50_ms"] for _, m in rows)
+    admit_p99, grpc_p99, redis_p99, _, relay_p99 = (m["p99_ms"] for _, m in rows)
+    admit_ops, grpc_ops = rows[0][1]["ops_per_s"], rows[1][1]["ops_per_s"]
+    print(
+        f"admit p50 over floors: {admit_p50 / grpc_p50:.1f}x gRPC, "
+        f"{admit_p50 / redis_p50:.1f}x EVALSHA, "
+        f"{admit_p50 / (grpc_p50 + redis_p50):.2f}x their sum (target: <= 1.25x)"
+    )
+    print(
+        f"admit p99 over the floors' p99 sum: {admit_p99 / (grpc_p99 + redis_p99):.2f}x "
+        f"(target: <= 2x)"
+    )
+    print(
+        f"admit throughput with {args.concurrency} callers: {admit_ops:.0f}/s = "
+        f"{admit_ops / grpc_ops:.0%} of the bare grpc.aio call's {grpc_ops:.0f}/s "
+        f"(target: >= 70%)"
+    )
+    # Admit makes one Redis round trip (the atomic debit) inside a grpc.aio handler: with no
+    # work at all it could not beat that floor.
+    print(
+        f"admit p50 over grpc.aio + 1 EVALSHA inside (its round trip, no work): "
+        f"{admit_p50 / trips_p50:.2f}x; that floor is "
+        f"{trips_p50 / (grpc_p50 + redis_p50):.2f}x the floors' sum"
+    )
+    # CPU is what a busy broker runs out of: the serving process's CPU per sequential call
+    # (all its threads), the debit script's time inside Redis, and what Admit adds to a
+    # bare unary call on the same broker and to the floor of its design.
+    admit_cpu, check_cpu, trips_cpu = (rows[i][1]["cpu_us"] for i in (0, 1, 3))
+    script_us = (usec1 - usec0) / max(1, calls1 - calls0)
+    print(
+        f"CPU per sequential call: broker {admit_cpu:.0f} us per Admit, {check_cpu:.0f} us "
+        f"per health Check (Admit adds {admit_cpu - check_cpu:.0f} us); the grpc.aio + 1 "
+        f"EVALSHA server {trips_cpu:.0f} us; inside Redis {script_us:.1f} us per EVALSHA "
+        f"during the Admit phase"
+    )
+
+    # The grant relay is part of Admit's design (DESIGN.md §5.4, §6): every BORROW writes a
+    # grant that the replica holding the node's agent stream reads back from Redis and sends.
+    def calls(m: dict[str, float]) -> float:  # warm-up, sequential and concurrent calls
+        return WARM_UP + m["n"] + m["ops_per_s"] * args.seconds
+
+    print(
+        f"admit over its design floor with the grant relay (grpc.aio Admit, 1 EVALSHA that "
+        f"XADDs + PUBLISHes, relayed by XRANGE, 1 message per grant): p50 "
+        f"{admit_p50 / relay_p50:.2f}x, p99 {admit_p99 / relay_p99:.2f}x, CPU per call "
+        f"{admit_cpu:.0f} us vs {relay_floor['cpu_us']:.0f} us "
+        f"({admit_cpu / relay_floor['cpu_us']:.2f}x, Admit adds "
+        f"{admit_cpu - relay_floor['cpu_us']:.0f} us); notices relayed per call: broker "
+        f"{admit_notices / calls(admitted):.2f} (grant + expiry), floor "
+        f"{floor_counts['notices'] / calls(relay_floor):.2f}"
+    )
+    return float(admit_ops)
+
+
 async def stream_phases(
     args: argparse.Namespace,
+    pid: int,
     channel: grpc.aio.Channel,
     floor_channel: grpc.aio.Channel,
     request: admission_pb2.AdmitRequest,
     addr: str,
-    pid: int,
-    admit_ops: float,
+    admit_ops: float | None,
 ) -> None:
-    """AdmitStream on the broker (``pid``) next to the floor server's bare bidi echo, then
-    through the client's ``AdmissionStream`` (``admit_ops``: unary Admit's rate, to compare);
-    none with ``--only-unary``."""
-    if args.only_unary:
-        return
+    """AdmitStream raw, next to the bare bidi echo, then through the client's AdmissionStream;
+    ``admit_ops`` (unary Admit's rate) is compared with when the unary phases ran."""
     stream_stub = admission_pb2_grpc.AdmissionServiceStub(channel)
     echo_stub = admission_pb2_grpc.AdmissionServiceStub(floor_channel)
     batch, window = args.stream_batch, args.stream_window
@@ -390,10 +515,14 @@ async def stream_phases(
         f"{echo:,.0f}/s = {rate / echo:.0%} of it (target: >= 10,000/s); broker CPU "
         f"{stream_cpu_us * 1e6:.0f} us per decision"
     )
+    versus = (
+        ""
+        if admit_ops is None
+        else f", {helper / admit_ops:.1f}x unary Admit at {args.concurrency} callers"
+    )
     print(
         f"AdmitStream via client AdmissionStream, {args.stream_callers} concurrent callers: "
-        f"{helper:,.0f} decisions/s ({helper_share:.0%} borrowed), "
-        f"{helper / admit_ops:.1f}x unary Admit at {args.concurrency} callers"
+        f"{helper:,.0f} decisions/s ({helper_share:.0%} borrowed){versus}"
     )
 
 
@@ -419,122 +548,25 @@ async def main(args: argparse.Namespace) -> None:
             asyncio.create_task(relayed(floor_agent, floor_counts)),
         ]
         admission = admission_pb2_grpc.AdmissionServiceStub(channel)
-        health = health_pb2_grpc.HealthStub(channel)
         request = admission_pb2.AdmitRequest(uncached_prompt_tokens=512, expected_output_tokens=64)
         first = await admission.Admit(request, timeout=5)
         if first.decision != admission_pb2.DECISION_BORROW:
             raise SystemExit(f"admission did not borrow: {first.message}")
-
-        async def admit() -> None:
-            reply = await admission.Admit(request, timeout=5)
-            assert reply.decision == admission_pb2.DECISION_BORROW, reply.message
-
-        async def check() -> None:
-            await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
-
-        floor_health = health_pb2_grpc.HealthStub(floor_channel)
-
-        async def check_one_evalsha() -> None:
-            await floor_health.Check(health_pb2.HealthCheckRequest(), timeout=5)
-
-        floor_admission = admission_pb2_grpc.AdmissionServiceStub(floor_channel)
-
-        async def admit_floor() -> None:
-            await floor_admission.Admit(request, timeout=5)
-
-        script = r.register_script("return 1")
-
-        async def evalsha() -> None:
-            await script(keys=[f"{namespace}:bench"])
-
-        calls0, usec0 = await evalsha_stats(r)
-        notices0 = counts["notices"]  # the warm-up's notices count too (calls() counts them)
-        admitted = await measure(admit, args.seconds, args.concurrency, proc.pid)
-        calls1, usec1 = await evalsha_stats(r)
-        admit_notices = counts["notices"] - notices0
-        relay_floor = await measure(admit_floor, args.seconds, args.concurrency, floor_proc.pid)
-        await asyncio.sleep(0.2)  # the last grants' messages
-        rows = [
-            ("admit (gRPC + Redis)", admitted),
-            (
-                "floor: grpc.aio health Check",
-                await measure(check, args.seconds, args.concurrency, proc.pid),
-            ),
-            (
-                "floor: Redis EVALSHA 'return 1'",
-                await measure(evalsha, args.seconds, args.concurrency),
-            ),
-            (
-                "floor: grpc.aio + 1 EVALSHA inside",
-                await measure(check_one_evalsha, args.seconds, args.concurrency, floor_proc.pid),
-            ),
-            ("floor: grpc.aio Admit + grant relay", relay_floor),
-        ]
-        print(
-            f"loopback, broker pid {proc.pid}, {args.seconds:.1f} s per phase, "
-            f"throughput with {args.concurrency} concurrent callers, hold TTL {args.hold_ttl_ms} ms"
-        )
-        print(
-            f"{'call':34} {'p50 ms':>8} {'p99 ms':>8} {'seq n':>7} {'ops/s':>9} {'srv CPU us':>10}"
-        )
-        for name, m in rows:
-            cpu = "-" if math.isnan(m["cpu_us"]) else f"{m['cpu_us']:.0f}"
-            print(
-                f"{name:34} {m['p50_ms']:8.3f} {m['p99_ms']:8.3f} {m['n']:7.0f} "
-                f"{m['ops_per_s']:9.0f} {cpu:>10}"
+        admit_ops = None
+        if args.only_stream:
+            print(f"broker pid {proc.pid}", flush=True)  # for a profiler of the stream phase
+        else:
+            admit_ops = await unary_phases(
+                args,
+                (proc, floor_proc),
+                r,
+                namespace,
+                (channel, floor_channel),
+                request,
+                (counts, floor_counts),
             )
-        admit_p50, grpc_p50, redis_p50, trips_p50, relay_p50 = (m["p50_ms"] for _, m in rows)
-        admit_p99, grpc_p99, redis_p99, _, relay_p99 = (m["p99_ms"] for _, m in rows)
-        admit_ops, grpc_ops = rows[0][1]["ops_per_s"], rows[1][1]["ops_per_s"]
-        print(
-            f"admit p50 over floors: {admit_p50 / grpc_p50:.1f}x gRPC, "
-            f"{admit_p50 / redis_p50:.1f}x EVALSHA, "
-            f"{admit_p50 / (grpc_p50 + redis_p50):.2f}x their sum (target: <= 1.25x)"
-        )
-        print(
-            f"admit p99 over the floors' p99 sum: {admit_p99 / (grpc_p99 + redis_p99):.2f}x "
-            f"(target: <= 2x)"
-        )
-        print(
-            f"admit throughput with {args.concurrency} callers: {admit_ops:.0f}/s = "
-            f"{admit_ops / grpc_ops:.0%} of the bare grpc.aio call's {grpc_ops:.0f}/s "
-            f"(target: >= 70%)"
-        )
-        # Admit makes one Redis round trip (the atomic debit) inside a grpc.aio handler: with no
-        # work at all it could not beat that floor.
-        print(
-            f"admit p50 over grpc.aio + 1 EVALSHA inside (its round trip, no work): "
-            f"{admit_p50 / trips_p50:.2f}x; that floor is "
-            f"{trips_p50 / (grpc_p50 + redis_p50):.2f}x the floors' sum"
-        )
-        # CPU is what a busy broker runs out of: the serving process's CPU per sequential call
-        # (all its threads), the debit script's time inside Redis, and what Admit adds to a
-        # bare unary call on the same broker and to the floor of its design.
-        admit_cpu, check_cpu, trips_cpu = (rows[i][1]["cpu_us"] for i in (0, 1, 3))
-        script_us = (usec1 - usec0) / max(1, calls1 - calls0)
-        print(
-            f"CPU per sequential call: broker {admit_cpu:.0f} us per Admit, {check_cpu:.0f} us "
-            f"per health Check (Admit adds {admit_cpu - check_cpu:.0f} us); the grpc.aio + 1 "
-            f"EVALSHA server {trips_cpu:.0f} us; inside Redis {script_us:.1f} us per EVALSHA "
-            f"during the Admit phase"
-        )
-
-        # The grant relay is part of Admit's design (DESIGN.md §5.4, §6): every BORROW writes a
-        # grant that the replica holding the node's agent stream reads back from Redis and sends.
-        def calls(m: dict[str, float]) -> float:  # warm-up, sequential and concurrent calls
-            return WARM_UP + m["n"] + m["ops_per_s"] * args.seconds
-
-        print(
-            f"admit over its design floor with the grant relay (grpc.aio Admit, 1 EVALSHA that "
-            f"XADDs + PUBLISHes, relayed by XRANGE, 1 message per grant): p50 "
-            f"{admit_p50 / relay_p50:.2f}x, p99 {admit_p99 / relay_p99:.2f}x, CPU per call "
-            f"{admit_cpu:.0f} us vs {relay_floor['cpu_us']:.0f} us "
-            f"({admit_cpu / relay_floor['cpu_us']:.2f}x, Admit adds "
-            f"{admit_cpu - relay_floor['cpu_us']:.0f} us); notices relayed per call: broker "
-            f"{admit_notices / calls(admitted):.2f} (grant + expiry), floor "
-            f"{floor_counts['notices'] / calls(relay_floor):.2f}"
-        )
-        await stream_phases(args, channel, floor_channel, request, addr, proc.pid, admit_ops)
+        if not args.only_unary:
+            await stream_phases(args, proc.pid, channel, floor_channel, request, addr, admit_ops)
     finally:
         for call in feeds:
             call.cancel()
@@ -558,10 +590,16 @@ if __name__ == "__main__":
     parser.add_argument("--stream-batch", type=int, default=64)
     parser.add_argument("--stream-window", type=int, default=8)
     parser.add_argument("--stream-callers", type=int, default=256)
-    parser.add_argument(
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
         "--only-unary",
         action="store_true",
         help="stop after the unary phases (Admit and its floors): no AdmitStream phases",
+    )
+    only.add_argument(
+        "--only-stream",
+        action="store_true",
+        help="run only the AdmitStream phases (prints the broker's pid first, for a profiler)",
     )
     parser.add_argument("--floor-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--floor-key", default="bench-floor", help=argparse.SUPPRESS)
