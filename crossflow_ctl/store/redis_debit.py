@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from crossflow_ctl.domain.models import (
     CREDIT_NAMES,
@@ -33,10 +33,11 @@ from crossflow_ctl.store.redis_cache import NodeCache
 UNKNOWN_NODE = DebitOutcome(granted=False, refusal="unknown_node")
 
 
-@dataclass(frozen=True, slots=True)
-class DebitCall:
+class DebitCall(NamedTuple):
     """One debit of a ``try_debit`` script call, with what its reply needs to become a
-    DebitOutcome."""
+    DebitOutcome. A NamedTuple, not a frozen dataclass: as immutable, and built in less than
+    half the time (a frozen dataclass sets each field through ``object.__setattr__``), once
+    per debit of every Admit."""
 
     node_id: str
     debit: Credits
