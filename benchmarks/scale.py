@@ -1,7 +1,7 @@
 """Fleet scale: one broker process on Redis serving N real agent streams (issue #11).
 
     python benchmarks/scale.py [--nodes 8,512,4096] [--redis-url redis://127.0.0.1:6379/0]
-                               [--seconds 3] [--cluster]
+                               [--seconds 3] [--cluster] [--trace DIR]
 
 For each N, a fresh ``crossflow-broker serve`` process (its own key namespace, deleted after)
 and a fleet process that opens N real LeaseService.Connect streams to it (many streams per
@@ -25,6 +25,8 @@ fleet connected (every relay waiting for notices, N lenders in the index):
   acks per CPU second of that server: what grpc.aio alone costs per lease on this machine;
 * ``conns``: the broker's connections to Redis (CLIENT LIST, by client name), which must
   not grow with N.
+
+``--trace DIR`` also writes each measured Admit's start and latency to ``DIR/admit-N.txt``.
 
 Prints one row per N, then admit p99 at the largest N over p99 at the smallest (target <= 1.5)
 and ingest at the largest N (target >= 10,000 leases/s). Streams' leases carry a 60 s TTL and
@@ -292,15 +294,29 @@ async def start_broker(args: argparse.Namespace, namespace: str) -> tuple[Any, s
     return proc, (await expect(proc, "listening on", 60))[-1]
 
 
-async def latencies(call: Callable[[], Awaitable[Any]], seconds: float) -> dict[str, float]:
+def write_trace(path: str, starts: list[float], durations: list[float]) -> None:
+    """One line per call: its start (``time.perf_counter`` seconds: CLOCK_MONOTONIC on Linux,
+    the clock of a probe inside the broker too) and its latency in ms, to line slow calls up
+    with what the broker did meanwhile."""
+    with open(path, "w") as f:
+        f.writelines(f"{t:.6f} {d * 1e3:.3f}\n" for t, d in zip(starts, durations, strict=True))
+
+
+async def latencies(
+    call: Callable[[], Awaitable[Any]], seconds: float, trace: str | None = None
+) -> dict[str, float]:
     for _ in range(WARM_UP):
         await call()
     out: list[float] = []
+    starts: list[float] = []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
         await call()
         out.append(time.perf_counter() - t0)
+        starts.append(t0)
+    if trace is not None:
+        write_trace(trace, starts, out)
     q = statistics.quantiles(out, n=100)
     return {"p50": q[49] * 1e3, "p99": q[98] * 1e3, "n": len(out)}
 
@@ -375,7 +391,8 @@ async def one_size(args: argparse.Namespace, nodes: int, r: Any) -> dict[str, fl
             lambda: health.Check(health_pb2.HealthCheckRequest()), args.seconds
         )
         before = cpu_s(broker.pid), time.perf_counter()
-        admit_lat = await latencies(admit, args.seconds)
+        trace = f"{args.trace}/admit-{nodes}.txt" if args.trace else None
+        admit_lat = await latencies(admit, args.seconds, trace)
         admit_s = time.perf_counter() - before[1]
         admit_cpu = cpu_s(broker.pid) - before[0] - idle_cpu * admit_s
         listing = await r.client_list()
@@ -508,6 +525,9 @@ if __name__ == "__main__":
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--cluster", action="store_true", help="--redis-url is a Cluster node")
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument(
+        "--trace", help="a folder: write each Admit's start (perf_counter s) and ms per size"
+    )
     parser.add_argument("--fleet", help=argparse.SUPPRESS)
     parser.add_argument("--no-op-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", default="d", help=argparse.SUPPRESS)
