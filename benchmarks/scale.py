@@ -296,8 +296,9 @@ async def start_broker(args: argparse.Namespace, namespace: str) -> tuple[Any, s
 
 def write_trace(path: str, starts: list[float], durations: list[float]) -> None:
     """One line per call: its start (``time.perf_counter`` seconds: CLOCK_MONOTONIC on Linux,
-    the clock of a probe inside the broker too) and its latency in ms, to line slow calls up
-    with what the broker did meanwhile."""
+    the clock a probe added to the broker would read too) and its latency in ms, to line slow
+    calls up with what the broker did meanwhile."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.writelines(f"{t:.6f} {d * 1e3:.3f}\n" for t, d in zip(starts, durations, strict=True))
 

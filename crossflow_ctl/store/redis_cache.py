@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from crossflow_ctl.domain.models import (
@@ -114,6 +115,8 @@ class LenderSample:
         self._members: tuple[tuple[str, int], ...] = ()
         self._size = 0
         """The working-set size of the last draw (:meth:`working_set`)."""
+        self._journals: list[dict[str, int | None]] = []
+        """One per draw being read (:meth:`drawing`)."""
 
     def pick(self, sample: int, now_ms: int) -> list[str] | None:
         """Up to ``sample`` distinct lenders live at ``now_ms``; None: draw from Redis again."""
@@ -168,15 +171,43 @@ class LenderSample:
         lends): members that stopped lending leave the draw, renewed ones take their new
         expiry, and new lenders join while the draw is below its working-set size (so a small
         fleet sees them at once, a large one at the next draw)."""
+        for journal in self._journals:
+            journal.update(changes)
         if not self._members:
             return
         members = dict(self._members)
+        self._apply(members, changes)
+        self._members = tuple(members.items())
+
+    @contextmanager
+    def drawing(self) -> Iterator[dict[str, int | None]]:
+        """The changes :meth:`changed` is told of while a draw is read from Redis, for
+        :meth:`amended`: a background renewal reads its states over several round trips, and
+        the draw it puts must not bring back a lender this replica saw stop meanwhile."""
+        journal: dict[str, int | None] = {}
+        self._journals.append(journal)
+        try:
+            yield journal
+        finally:
+            self._journals.remove(journal)
+
+    def amended(
+        self, members: Sequence[tuple[str, int]], changes: Mapping[str, int | None]
+    ) -> list[tuple[str, int]]:
+        """``members`` (a draw read from Redis) with ``changes`` made since it was read applied
+        as :meth:`changed` applies them to the held draw."""
+        if not changes:
+            return list(members)
+        merged = dict(members)
+        self._apply(merged, changes)
+        return list(merged.items())
+
+    def _apply(self, members: dict[str, int], changes: Mapping[str, int | None]) -> None:
         for node_id, expires in changes.items():
             if expires is None:
                 members.pop(node_id, None)
             elif node_id in members or len(members) < self._size:
                 members[node_id] = expires
-        self._members = tuple(members.items())
 
     def drop(self) -> None:
         self._members = ()

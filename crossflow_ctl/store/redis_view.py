@@ -46,8 +46,10 @@ members are new to this replica: each state is built (validated) from its reply,
 one event loop step that took the reply (measured: 32 new states 3.6-5.4 ms on a slow 2-core
 host, 0.02 ms when all were built before). Read in one trip, that step held every Admit queued
 behind it (issue #11: up to 19 ms of CPU in one step at 4,096 streams, the largest stall in
-the Admit phase); in slices of a few, each step is shorter than an Admit's own. A cold read on an Admit's path
-still reads them all in one trip: it waits on the reply either way."""
+the Admit phase); in slices of a few, each step is shorter than an Admit's own. A cold read on
+an Admit's path still reads them all in one trip: it waits on the reply either way. Each trip
+checks a connection out of the pool; lender changes this replica makes meanwhile are applied
+to the draw before it is kept (``LenderSample.drawing``)."""
 
 Views = Callable[[Sequence[str], int, str | None], Awaitable[tuple[Any, list[NodeState]]]]
 """``(node ids, now_ms, pool or None)`` -> (the pool's reports or None, the nodes' states), in
@@ -139,19 +141,21 @@ class AdmissionView:
         ``per_trip`` of them). Returns the working set (lender, lease expiry), the states read
         and the pool's reports."""
         pool_key = self._k.pool(pool) if pool is not None else None
-        members, reports = await self._index.draw_lenders(sample, now_ms, pool_key)
-        working = self.lenders.working_set(members, WORKING_SET_PER_SAMPLE * sample, now_ms)
-        due = [node_id for node_id, _ in working if self.nodes.due(node_id)]
-        states: list[NodeState] = []
-        if due:
-            step = per_trip or len(due)
-            for start in range(0, len(due), step):
-                _, read = await self._views(due[start : start + step], now_ms, None)
-                for state in read:
-                    self.nodes.put(state, now_ms)
-                states.extend(read)
-            known = {s.info.node_id for s in states}
-            working = [m for m in working if m[0] in known or m[0] not in due]
+        with self.lenders.drawing() as since:
+            members, reports = await self._index.draw_lenders(sample, now_ms, pool_key)
+            working = self.lenders.working_set(members, WORKING_SET_PER_SAMPLE * sample, now_ms)
+            due = [node_id for node_id, _ in working if self.nodes.due(node_id)]
+            states: list[NodeState] = []
+            if due:
+                step = per_trip or len(due)
+                for start in range(0, len(due), step):
+                    _, read = await self._views(due[start : start + step], now_ms, None)
+                    for state in read:
+                        self.nodes.put(state, now_ms)
+                    states.extend(read)
+                known = {s.info.node_id for s in states}
+                working = [m for m in working if m[0] in known or m[0] not in due]
+            working = self.lenders.amended(working, since)
         self.lenders.put(working, now_ms)
         return working, states, reports
 

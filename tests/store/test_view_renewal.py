@@ -83,3 +83,30 @@ async def test_a_cold_read_on_the_request_path_reads_the_working_set_in_one_trip
     _, states = await _view(views).read("default", [], SAMPLE, NOW)
     assert [len(trip) for trip in views.trips] == [WORKING_SET_PER_SAMPLE * SAMPLE]
     assert len(states) == SAMPLE
+
+
+async def test_a_lender_seen_to_stop_during_a_renewal_stays_out_of_its_draw() -> None:
+    """The renewal reads over several round trips; this replica's own writes to the lender
+    index meanwhile (a node that stopped lending, a lender renewed) are applied to the draw it
+    keeps, not undone by it."""
+    views = Views()
+    view = _view(views)
+    changes: dict[str, int | None] = {}
+
+    async def views_that_see_writes(
+        node_ids: Sequence[str], now_ms: int, pool: str | None
+    ) -> tuple[Any, list[NodeState]]:
+        if len(views.trips) == 2:  # mid-renewal: this replica's ingest writes to the index
+            first = views.trips[0]  # members of the working set being read
+            changes.update({first[0]: None, first[1]: NOW + 2 * TTL})
+            view.lenders.changed(changes)
+        return await views(node_ids, now_ms, pool)
+
+    view._views = views_that_see_writes
+    working, _, _ = await view._draw(SAMPLE, NOW, "default", RENEWAL_STATES_PER_TRIP)
+    assert len(views.trips) > 2
+    stopped, renewed = changes
+    kept = dict(view.lenders._members)
+    assert stopped not in kept and stopped not in dict(working)
+    assert kept[renewed] == NOW + 2 * TTL
+    assert view.lenders._journals == []  # the journal goes with the draw
