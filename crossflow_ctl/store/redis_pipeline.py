@@ -88,7 +88,9 @@ class KeptConnection:
     a round trip that fails on it with a connection error is sent once more, on a new socket,
     which is why the commands must be reads (safe to send twice). Any other failure drops the
     socket as :func:`send_all` does; the connection object is kept and connects again when next
-    used. :meth:`close` hands it back to the pool."""
+    used. :meth:`close` hands it back to the pool. (The debit script's
+    :class:`~crossflow_ctl.store.redis_scripts.DedicatedLine` also keeps one connection, but
+    serialises its callers and never resends: debits are not safe to send twice.)"""
 
     def __init__(self, client: Redis) -> None:
         self._client = client
@@ -98,7 +100,7 @@ class KeptConnection:
     async def send_all(self, commands: Sequence[Command], raise_on_error: bool = True) -> list[Any]:
         """:func:`send_all`'s replies (``commands``: reads only, see the class)."""
         conn, self._conn = self._conn, None
-        kept = conn is not None
+        kept = conn is not None and conn.is_connected  # a dropped one connects anew anyway
         if conn is None:
             conn = await self._client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
         try:

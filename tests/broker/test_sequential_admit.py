@@ -70,15 +70,16 @@ async def test_a_default_broker_still_waits_one_turn_for_others_to_join() -> Non
 
 
 async def test_a_lone_unary_grpc_admit_is_decided_without_a_loop_turn() -> None:
-    """The servicer's Admit (the gRPC unary call) waits no turn for others to join it: no other
-    RPC's handler starts in the same turn (grpc.aio starts each from its own completion event)."""
+    """The servicer's Admit (the gRPC unary call) waits no turn for others to join it: another
+    RPC's handler rarely starts in the same turn (grpc.aio starts each from its own completion
+    event)."""
     broker = await lending_broker(MemoryStore(seed=1), TEST_POLICY)
     servicer = AdmissionServicer(broker)
     request = admission_pb2.AdmitRequest(uncached_prompt_tokens=100)
-    await servicer.Admit(request, None)  # type: ignore[arg-type]  # warm; no error to abort
+    await servicer.Admit(request, None)  # warm; no error to abort
     ran: list[int] = []
     asyncio.get_running_loop().call_soon(ran.append, 1)
-    reply = await servicer.Admit(request, None)  # type: ignore[arg-type]
+    reply = await servicer.Admit(request, None)
     assert reply.decision == admission_pb2.DECISION_BORROW
     assert ran == []  # nothing else ran while it was decided: no loop turn
 

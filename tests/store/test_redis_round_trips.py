@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -477,3 +478,47 @@ async def test_a_packed_debit_keeps_its_free_texts_and_record_whole(
         "decision": "borrow",
         "message": "ok: é,:|",
     }
+
+
+async def test_a_kept_connection_that_redis_refused_is_not_sent_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After Redis went away, a read goes out once: the first failed read dropped the kept
+    connection, which connects anew on its own, so a resend would only knock twice."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from crossflow_ctl.store import redis_pipeline
+    from crossflow_ctl.store.redis_connect import RedisConnection, connect
+
+    async def answers_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while b"GET" not in (data := await reader.read(65536)):  # the connection's set-up
+            writer.write(b"+OK\r\n" * len(re.findall(rb"(?:^|\r\n)\*\d+\r\n", data)))
+        writer.write(b"$-1\r\n")  # the GET's nil
+        await writer.drain()
+        server.close()  # then Redis is gone: the socket closes, new connections are refused
+        writer.close()
+
+    server = await asyncio.start_server(answers_once, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    trips: list[int] = []
+    round_trip = redis_pipeline._round_trip
+
+    async def counted(*args: Any) -> list[Any]:
+        trips.append(1)
+        return await round_trip(*args)
+
+    monkeypatch.setattr(redis_pipeline, "_round_trip", counted)
+    client: Any = connect(f"redis://127.0.0.1:{port}/0", RedisConnection(), 1.0)
+    line = redis_pipeline.KeptConnection(client)
+    try:
+        assert await line.send_all([("GET", "k")]) == [None]  # kept from here
+        await server.wait_closed()
+        with pytest.raises(RedisConnectionError):
+            await line.send_all([("GET", "k")])  # on the kept one, then resent: both fail
+        trips.clear()
+        with pytest.raises(RedisConnectionError):
+            await line.send_all([("GET", "k")])
+    finally:
+        await line.close()
+        await client.aclose(close_connection_pool=True)
+    assert trips == [1]

@@ -30,8 +30,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         self, request: admission_pb2.AdmitRequest, context: grpc.aio.ServicerContext
     ) -> admission_pb2.AdmitResponse:
         owner = reservation_owner()
-        # No turn for others to join a lone one: no other RPC's handler starts in the same turn
-        # (Admitter.admit_many), so that turn was a loop iteration per Admit for nothing.
+        # No turn for others to join a lone one: another RPC's handler rarely starts in the same
+        # turn (Admitter.admit_many), so that turn was nearly always a loop iteration for nothing.
         admission = await self._broker.admit(admit_request_from_proto(request), owner, join=False)
         return admission_to_proto(admission)
 
