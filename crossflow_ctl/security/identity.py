@@ -57,7 +57,7 @@ def parse_identity_uri(uri: str, trust_domain: str) -> Identity | None:
     role, sep, name = uri[len(prefix) :].partition("/")
     if not sep or role not in Role.__members__.values():
         return None
-    if len(name) > MAX_ID_LEN or not _NAME.match(name):
+    if len(name) > MAX_ID_LEN or not _NAME.fullmatch(name):
         return None
     return Identity(role=Role(role), name=name)
 
@@ -88,7 +88,7 @@ class TokenTable:
             if not line:
                 continue
             parts = line.split()
-            match = _HASH.match(parts[0]) if len(parts) == 2 else None
+            match = _HASH.fullmatch(parts[0]) if len(parts) == 2 else None
             who = parse_identity_uri(parts[1], trust_domain) if match else None
             if match is None or who is None:
                 raise ConfigError(

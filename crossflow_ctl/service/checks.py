@@ -17,7 +17,7 @@ def check_node_id(node_id: str, field: str = "node_id") -> str:
         raise InvalidArgument("must not be empty", field=field)
     if len(node_id) > MAX_ID_LEN:
         raise InvalidArgument(f"longer than {MAX_ID_LEN} characters", field=field)
-    if not _ID_RE.match(node_id):
+    if not _ID_RE.fullmatch(node_id):
         raise InvalidArgument(f"must match {ID_PATTERN}", field=field)
     return node_id
 

@@ -101,7 +101,7 @@ def check_pulled_tokens(pulled_tokens: int | None) -> None:
 
 def check_owner(owner: str) -> str:
     """An owner is ``<role>/<name>`` of an identity (no ``|`` or ``*``), or ""."""
-    if owner and (len(owner) > 256 or not _OWNER.match(owner)):
+    if owner and (len(owner) > 256 or not _OWNER.fullmatch(owner)):
         raise InvalidArgument(f"malformed owner {owner[:80]!r}", field="owner")
     return owner
 

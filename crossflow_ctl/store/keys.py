@@ -45,7 +45,7 @@ _RESERVATION_ID = re.compile(r"^([0-9a-f]{32})@([A-Za-z0-9][A-Za-z0-9._-]*)$")
 
 def is_node_id(node_id: str) -> bool:
     """Whether ``node_id`` is well formed (so it can name keys); says nothing of existence."""
-    return len(node_id) <= MAX_ID_LEN and _NODE_ID.match(node_id) is not None
+    return len(node_id) <= MAX_ID_LEN and _NODE_ID.fullmatch(node_id) is not None
 
 
 def new_reservation_id(node_id: str, bits: int) -> str:
@@ -55,7 +55,7 @@ def new_reservation_id(node_id: str, bits: int) -> str:
 
 def node_of_reservation(reservation_id: str) -> str:
     """The node a reservation id names; InvalidArgument when the id is malformed."""
-    match = _RESERVATION_ID.match(reservation_id) if len(reservation_id) <= 200 else None
+    match = _RESERVATION_ID.fullmatch(reservation_id) if len(reservation_id) <= 200 else None
     if match is None or len(match.group(2)) > MAX_ID_LEN:
         raise InvalidArgument(
             f"malformed reservation id {reservation_id[:80]!r} (want <32 hex>@<node_id>)",

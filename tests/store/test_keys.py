@@ -87,3 +87,28 @@ def test_scripts_touch_only_the_keys_they_are_given(name: str) -> None:
             continue  # a channel, not a key: classic pub/sub is not slot-bound
         key = args.split(",")[1].strip() if "," in args else ""
         assert ".." not in key and ":" not in key, f"{name}: key built in Lua: {args}"
+
+
+@pytest.mark.parametrize("trailing", ["\n", "\r\n", " "])
+def test_ids_with_a_trailing_newline_are_refused_where_the_models_refuse_them(
+    trailing: str,
+) -> None:
+    """Python's ``$`` matches before a final newline: each hand-written id check must refuse
+    what the models' pattern refuses (pydantic matches the whole string)."""
+    from crossflow_ctl.domain.models import NodeInfo
+    from crossflow_ctl.security.identity import parse_identity_uri
+    from crossflow_ctl.service.checks import check_node_id
+    from crossflow_ctl.store.base import check_owner
+
+    bad = "d1" + trailing
+    with pytest.raises(ValueError):
+        NodeInfo(node_id=bad)
+    assert not is_node_id(bad)
+    with pytest.raises(InvalidArgument):
+        check_node_id(bad)
+    with pytest.raises(InvalidArgument):
+        node_of_reservation(new_reservation_id("d1", 5) + trailing)
+    with pytest.raises(InvalidArgument):
+        check_owner("router/r1" + trailing)
+    assert parse_identity_uri("spiffe://crossflow/router/r1" + trailing, "crossflow") is None
+    assert parse_identity_uri("spiffe://crossflow/router/r1", "crossflow") is not None
