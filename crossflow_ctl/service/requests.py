@@ -143,11 +143,20 @@ async def admit_once(
     return replay_admission(stored)
 
 
+ORPHAN_RELEASES_AT_ONCE = 8
+"""Orphan releases in flight to the store at once; the rest wait their turn."""
+
+
 class OrphanDebits:
     """Debits no router was told of (the Admit answered NORMAL before the debit landed, its
     caller stopped waiting, or its answer lost the race to settle the request record),
     released in the background; a record written with such a debit is deleted first, so a
-    retry decides afresh rather than replaying a released reservation."""
+    retry decides afresh rather than replaying a released reservation.
+
+    At most ``ORPHAN_RELEASES_AT_ONCE`` releases talk to the store at once. Orphans come in
+    bursts exactly when the store is slow (a round of debits whose Admits all timed out: up to
+    a whole AdmitStream batch each), and one connection per release could take the Redis pool
+    from the Admits that followed, which then timed out too and left more orphans."""
 
     def __init__(
         self, release: Callable[[str], Awaitable[object]], store: Store | None = None
@@ -155,6 +164,7 @@ class OrphanDebits:
         self._release = release
         self._store = store
         self._tasks: set[asyncio.Task[None]] = set()
+        self._turns = asyncio.Semaphore(ORPHAN_RELEASES_AT_ONCE)
 
     def watch(self, outcomes: Sequence[DebitOutcome], why: str) -> None:
         """The outcomes of debits no caller hears of, once they landed (``why``: their Admit
@@ -171,9 +181,10 @@ class OrphanDebits:
 
         async def run() -> None:
             try:
-                if record_key and self._store is not None:
-                    await self._store.forget_request(record_key, reservation_id)
-                await self._release(reservation_id)
+                async with self._turns:
+                    if record_key and self._store is not None:
+                        await self._store.forget_request(record_key, reservation_id)
+                    await self._release(reservation_id)
                 log.warning("admit.orphan_released", reservation_id=reservation_id, why=why)
             except CrossflowError as exc:  # expired meanwhile, or the store is down: it expires
                 log.warning(
