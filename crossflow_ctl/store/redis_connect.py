@@ -109,6 +109,25 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+PROTOCOL = 2
+"""The RESP version the store speaks unless its URL names one."""
+
+_PACKED_CLASSES: dict[str, type[AbstractConnection]] = {
+    "redis": PackedConnection,
+    "rediss": PackedSSLConnection,
+}
+
+
+def connection_class_for(url: str) -> dict[str, type[AbstractConnection]]:
+    """``connection_class`` for the pool: the packing class of the URL's scheme (TLS for
+    ``rediss://``), none for a unix socket (redis-py's own class). Passed for the scheme, not
+    swapped after: redis-py 8.2's ``from_url`` lets a passed class win over the scheme's, so a
+    plain class passed for ``rediss://`` connected without TLS (before 8.2 the scheme won)."""
+    scheme = url.partition("://")[0].lower()
+    cls = _PACKED_CLASSES.get(scheme)
+    return {} if cls is None else {"connection_class": cls}
+
+
 @dataclass(frozen=True)
 class RedisConnection:
     username: str | None = None
@@ -167,22 +186,3 @@ def connect(
         **connection_class_for(url), **timeouts, **extra,
     )  # fmt: skip
     return Redis(connection_pool=pool, retry=retry)
-
-
-PROTOCOL = 2
-"""The RESP version the store speaks unless its URL names one."""
-
-_PACKED_CLASSES: dict[str, type[AbstractConnection]] = {
-    "redis": PackedConnection,
-    "rediss": PackedSSLConnection,
-}
-
-
-def connection_class_for(url: str) -> dict[str, type[AbstractConnection]]:
-    """``connection_class`` for the pool: the packing class of the URL's scheme (TLS for
-    ``rediss://``), none for a unix socket (redis-py's own class). Passed for the scheme, not
-    swapped after: redis-py 8.2's ``from_url`` lets a passed class win over the scheme's, so a
-    plain class passed for ``rediss://`` connected without TLS (before 8.2 the scheme won)."""
-    scheme = url.partition("://")[0].lower()
-    cls = _PACKED_CLASSES.get(scheme)
-    return {} if cls is None else {"connection_class": cls}
