@@ -173,11 +173,8 @@ class LenderSample:
         fleet sees them at once, a large one at the next draw)."""
         for journal in self._journals:
             journal.update(changes)
-        if not self._members:
-            return
-        members = dict(self._members)
-        self._apply(members, changes)
-        self._members = tuple(members.items())
+        if self._members:
+            self._members = tuple(self.amended(self._members, changes))
 
     @contextmanager
     def drawing(self) -> Iterator[dict[str, int | None]]:
@@ -194,20 +191,15 @@ class LenderSample:
     def amended(
         self, members: Sequence[tuple[str, int]], changes: Mapping[str, int | None]
     ) -> list[tuple[str, int]]:
-        """``members`` (a draw read from Redis) with ``changes`` made since it was read applied
-        as :meth:`changed` applies them to the held draw."""
-        if not changes:
-            return list(members)
+        """``members`` with ``changes`` applied as :meth:`changed` says (the held draw, or one
+        read from Redis and changed since)."""
         merged = dict(members)
-        self._apply(merged, changes)
-        return list(merged.items())
-
-    def _apply(self, members: dict[str, int], changes: Mapping[str, int | None]) -> None:
         for node_id, expires in changes.items():
             if expires is None:
-                members.pop(node_id, None)
-            elif node_id in members or len(members) < self._size:
-                members[node_id] = expires
+                merged.pop(node_id, None)
+            elif node_id in merged or len(merged) < self._size:
+                merged[node_id] = expires
+        return list(merged.items())
 
     def drop(self) -> None:
         self._members = ()

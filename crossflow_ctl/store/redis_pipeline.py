@@ -80,9 +80,8 @@ class KeptConnection:
     its own, probes the socket for unread data (a ``recv`` system call) and hands it back under
     the lock again: a sixth to a third of a one-XRANGE round trip's CPU (measured here, three
     runs of 3,000 calls: 272-281 us per call through :func:`send_all`, 184-228 us on a held
-    connection). A round trip that
-    finds it in use (two batches in flight) checks one out and hands it back, as
-    :func:`send_all` does.
+    connection). A round trip that finds it in use (two batches in flight) checks one out and
+    hands it back, as :func:`send_all` does.
 
     A kept connection may have been closed by Redis while idle (a restart, a client timeout):
     a round trip that fails on it with a connection error is sent once more, on a new socket,

@@ -8,6 +8,10 @@ import pytest
 from redis.crc import key_slot
 
 from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.models import NodeInfo
+from crossflow_ctl.security.identity import parse_identity_uri
+from crossflow_ctl.service.checks import check_node_id
+from crossflow_ctl.store.base import check_owner
 from crossflow_ctl.store.keys import (
     INDEX_BUCKETS,
     Keys,
@@ -95,11 +99,6 @@ def test_ids_with_a_trailing_newline_are_refused_where_the_models_refuse_them(
 ) -> None:
     """Python's ``$`` matches before a final newline: each hand-written id check must refuse
     what the models' pattern refuses (pydantic matches the whole string)."""
-    from crossflow_ctl.domain.models import NodeInfo
-    from crossflow_ctl.security.identity import parse_identity_uri
-    from crossflow_ctl.service.checks import check_node_id
-    from crossflow_ctl.store.base import check_owner
-
     bad = "d1" + trailing
     with pytest.raises(ValueError):
         NodeInfo(node_id=bad)

@@ -13,10 +13,13 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Connection, ConnectionPool, Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from crossflow_ctl.domain.errors import NotFound
 from crossflow_ctl.domain.models import NodeRole, PoolLoad
+from crossflow_ctl.store import redis_pipeline
 from crossflow_ctl.store.base import DebitRequest, RequestRecord
+from crossflow_ctl.store.redis_connect import RedisConnection, connect
 from crossflow_ctl.store.redis_scripts import load_script
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.store.helpers import NOW, credits, lease, register
@@ -485,10 +488,6 @@ async def test_a_kept_connection_that_redis_refused_is_not_sent_twice(
 ) -> None:
     """After Redis went away, a read goes out once: the first failed read dropped the kept
     connection, which connects anew on its own, so a resend would only knock twice."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    from crossflow_ctl.store import redis_pipeline
-    from crossflow_ctl.store.redis_connect import RedisConnection, connect
 
     async def answers_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while b"GET" not in (data := await reader.read(65536)):  # the connection's set-up
