@@ -444,6 +444,19 @@ def check_node(
 ) -> NodeCheck:
     """Benefit and Safety on one node; ``room``: the node's at ``settings.shares``
     (:func:`node_rooms`), computed here when not given."""
+    return _check_node(request, node, normal.total_ms, settings, now_ms, room)
+
+
+def _check_node(
+    request: AdmissionRequest,
+    node: NodeState,
+    normal_ms: float,
+    settings: PolicySettings,
+    now_ms: int,
+    room: Room | None,
+) -> NodeCheck:
+    """:func:`check_node` given the normal path's total (``normal_ms``), which a plan reads
+    once per request, not once per candidate node."""
     info = node.info
     node_id = info.node_id
     stored = node.lease
@@ -481,7 +494,7 @@ def check_node(
     predicted = wait_ms + service_ms
     # An empty prompt (nothing uncached) has no prefill to move: borrowing cannot help it.
     has_work = uncached > 0
-    benefit = has_work and predicted + settings.benefit_margin_ms < normal.total_ms
+    benefit = has_work and predicted + settings.benefit_margin_ms < normal_ms
     safe = not short
     if benefit and safe:  # the common answer first
         verdict, detail = Reason.BORROWED, f"predicted {predicted:.1f} ms"
@@ -490,7 +503,7 @@ def check_node(
     elif not benefit:
         verdict, detail = (
             Reason.NO_BENEFIT,
-            f"predicted {predicted:.1f} ms >= normal {normal.total_ms:.1f} ms",
+            f"predicted {predicted:.1f} ms >= normal {normal_ms:.1f} ms",
         )
     else:
         verdict, detail = Reason.NO_ROOM, "short on " + ", ".join(short)
@@ -544,9 +557,10 @@ def plan_admission(
     demand = prompt_demand(pool_demand, normal, settings)
     if rooms is None:
         rooms = node_rooms(nodes, settings.shares)
+    normal_ms = normal.total_ms
     checks = tuple(
         [
-            check_node(request, n, normal, settings, now_ms, r)
+            _check_node(request, n, normal_ms, settings, now_ms, r)
             for n, r in zip(nodes, rooms, strict=True)
         ]
     )

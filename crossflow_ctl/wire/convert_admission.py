@@ -104,7 +104,7 @@ def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionReques
         and (not cached_at or _is_node_id(cached_at))
         and (not prefill or _is_node_id(prefill))
         and len(candidates) <= MAX_CANDIDATES
-        and all(_is_node_id(n) for n in candidates)
+        and (not candidates or all(_is_node_id(n) for n in candidates))
     ):
         # Every field, in order, each checked above as the model would: without validation.
         return AdmissionRequest.trusted(
