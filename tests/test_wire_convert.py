@@ -230,7 +230,8 @@ def test_admission_round_trips() -> None:
             assert plan.reason is Reason.BORROWED
             answers.append(borrow)
         unbounded = borrow.model_copy(update={"predicted_ttft_ms": math.inf, "plan": None})
-        for adm in [*answers, unbounded]:
+        replayed = borrow.model_copy(update={"replayed": True, "plan": None})
+        for adm in [*answers, unbounded, replayed]:
             back = ca.admission_from_proto(ca.admission_to_proto(adm))
             assert back == adm or adm is unbounded, adm.reason
             for explain in (True, False):  # AdmitStream's in-place form: the same message

@@ -55,17 +55,24 @@ class Reason(StrEnum):
     """A fail-closed client could not reach the broker (never answered by a broker)."""
 
 
+MAX_REQUEST_ID_LEN = 256
+MAX_CANDIDATES = 1_024
+MAX_ATTEMPT = 1_000
+"""``AdmissionRequest``'s bounds, named for the wire's check of a request before it skips
+validation (:func:`crossflow_ctl.wire.convert_admission.admit_request_from_proto`)."""
+
+
 class AdmissionRequest(Frozen):
-    request_id: Annotated[str, Field(max_length=256)] = ""
+    request_id: Annotated[str, Field(max_length=MAX_REQUEST_ID_LEN)] = ""
     uncached_prompt_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)]
     cached_prefix_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
     cached_prefix_node_id: NodeId | None = None
     """Decode node holding the cached prefix; None when it lives in the prefill pool."""
     expected_output_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
-    candidate_node_ids: Annotated[tuple[NodeId, ...], Field(max_length=1024)] = ()
+    candidate_node_ids: Annotated[tuple[NodeId, ...], Field(max_length=MAX_CANDIDATES)] = ()
     dry_run: bool = False
     pool: PoolName = "default"
-    attempt: Annotated[int, Field(ge=0, le=1_000)] = 0
+    attempt: Annotated[int, Field(ge=0, le=MAX_ATTEMPT)] = 0
     """0 on the first call of ``request_id``, n on its n-th retry (see service.requests)."""
     held_ahead_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
     """Uncached prompt tokens the router holds back from the prefill pool ahead of this prompt
@@ -154,6 +161,15 @@ class Plan(Frozen):
             if d.prefill_node_id is not None:
                 return f"demand fails: no live load report from prefill server {d.prefill_node_id}"
             return "demand fails: no live load report from the prefill pool"
+        if d.holds:  # the wait's text only where it is shown (not in a borrowed answer's)
+            if not self.ranked:
+                return f"{self.reason.value}: no node passes both benefit and safety"
+            best = self.ranked[0]
+            normal = self.normal_path.total_ms if self.normal_path else 0.0
+            return (
+                f"borrow on {best.node_id}: predicted TTFT {best.predicted_ttft_ms:.1f} ms "
+                f"< normal path {normal:.1f} ms"
+            )
         wait = f"{d.pool_wait_ms:.1f}" if d.pool_wait_ms is not None else "?"
         if d.pending_uncached_tokens:
             wait += f" ms (with {d.pending_uncached_tokens} tokens sent since its reports)"
@@ -161,16 +177,7 @@ class Plan(Frozen):
             wait += " ms"
         if d.prefill_node_id is not None and d.timed:
             wait += f" on {d.prefill_node_id}"
-        if not d.holds:
-            return f"demand fails: prefill wait {wait} <= threshold {d.threshold_ms:.1f} ms"
-        if self.ranked:
-            best = self.ranked[0]
-            normal = self.normal_path.total_ms if self.normal_path else 0.0
-            return (
-                f"borrow on {best.node_id}: predicted TTFT {best.predicted_ttft_ms:.1f} ms "
-                f"< normal path {normal:.1f} ms"
-            )
-        return f"{self.reason.value}: no node passes both benefit and safety"
+        return f"demand fails: prefill wait {wait} <= threshold {d.threshold_ms:.1f} ms"
 
 
 class Admission(Frozen):
@@ -371,18 +378,28 @@ def prompt_demand(demand: DemandCheck, normal: NormalPath, settings: PolicySetti
     return demand.replaced(threshold_ms=own, holds=holds)
 
 
+def pool_prefill_rate(pool: PoolSnapshot | None) -> float:
+    """The pool's per-request prefill rate (0: unknown), which the normal path of every prompt
+    planned on ``pool`` uses: a caller planning many on one snapshot reads it once."""
+    return pool.prefill_rate_tps if pool else 0.0
+
+
 def estimate_normal_path(
     request: AdmissionRequest,
     demand: DemandCheck,
     pool: PoolSnapshot | None,
     settings: PolicySettings,
+    prefill_rate_tps: float | None = None,
 ) -> NormalPath:
     """Hold + prefill-pool wait + prefill time + KV transfer of the whole prompt to decode.
 
     The hold is what a held prompt's alternative to borrowing still costs: the prompts the
     router holds ahead of it (``held_ahead_tokens``) go to the pool first, at the pool's
-    processing rate (the per-request prefill rate when no server reports one)."""
-    rate = (pool.prefill_rate_tps if pool else 0.0) or settings.default_prefill_rate_tps
+    processing rate (the per-request prefill rate when no server reports one).
+    ``prefill_rate_tps``: :func:`pool_prefill_rate` of ``pool``, when the caller has it."""
+    if prefill_rate_tps is None:
+        prefill_rate_tps = pool_prefill_rate(pool)
+    rate = prefill_rate_tps or settings.default_prefill_rate_tps
     prompt = request.uncached_prompt_tokens + request.cached_prefix_tokens
     pool_rate = demand.processing_rate_tps or rate
     # Four floats computed here (its fields, in order: built without validation, per Admit).
@@ -427,54 +444,69 @@ def check_node(
 ) -> NodeCheck:
     """Benefit and Safety on one node; ``room``: the node's at ``settings.shares``
     (:func:`node_rooms`), computed here when not given."""
-    node_id = node.info.node_id
+    return _check_node(request, node, normal.total_ms, settings, now_ms, room)
+
+
+def _check_node(
+    request: AdmissionRequest,
+    node: NodeState,
+    normal_ms: float,
+    settings: PolicySettings,
+    now_ms: int,
+    room: Room | None,
+) -> NodeCheck:
+    """:func:`check_node` given the normal path's total (``normal_ms``), which a plan reads
+    once per request, not once per candidate node."""
+    info = node.info
+    node_id = info.node_id
     stored = node.lease
-    debit, debit_us = debit_for(
-        request, node_id, settings, stored.lease if stored is not None else None
-    )
-    if node.info.cordoned:
+    lease = stored.lease if stored is not None else None
+    debit, debit_us = debit_for(request, node_id, settings, lease)
+    if info.cordoned:
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="cordoned", debit=debit)
-    if stored is None:
+    if stored is None or lease is None:
         return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="no lease", debit=debit)
-    lease = stored.lease
-    base = {
-        "lease_epoch": lease.epoch,
-        "lease_version": lease.version,
-        "debit": debit,
-        "debit_us": debit_us,
-    }
     if stored.expired(now_ms):
-        return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail="lease expired", **base)
-    if lease.zero_reason is not None:
-        detail = f"zero lease: {lease.zero_reason.value}"
-        return NodeCheck(node_id=node_id, verdict=Reason.NO_LEASES, detail=detail, **base)
+        unusable = "lease expired"
+    elif lease.zero_reason is not None:
+        unusable = f"zero lease: {lease.zero_reason.value}"
+    else:
+        unusable = ""
+    if unusable:
+        return NodeCheck(
+            node_id=node_id,
+            verdict=Reason.NO_LEASES,
+            detail=unusable,
+            lease_epoch=lease.epoch,
+            lease_version=lease.version,
+            debit=debit,
+            debit_us=debit_us,
+        )
     left, available = room or _room(node, lease, settings.shares)
     opened, time, rate = node.open_debits, node.open_compute, lease.borrowed_prefill_rate_tps
     need = need_for(debit, debit_us, opened.compute_tokens, time, rate)
     short = short_of_room(left, need)  # ``available`` is floored at zero, for display only
-    service_ms = (
-        lease.prefill_service_s(request.uncached_prompt_tokens, request.cached_prefix_tokens)
-        * 1000.0
-    )
+    uncached = request.uncached_prompt_tokens
+    service_ms = lease.prefill_service_s(uncached, request.cached_prefix_tokens) * 1000.0
     if debit.kv_transfer_bytes:
         service_ms += debit.kv_transfer_bytes / settings.kv_transfer_bytes_per_s * 1000.0
-    wait_ms = queue_wait_ms(lease, node.open_debits.compute_tokens, node.open_compute)
+    wait_ms = queue_wait_ms(lease, opened.compute_tokens, time)
     predicted = wait_ms + service_ms
     # An empty prompt (nothing uncached) has no prefill to move: borrowing cannot help it.
-    has_work = request.uncached_prompt_tokens > 0
-    benefit = has_work and predicted + settings.benefit_margin_ms < normal.total_ms
+    has_work = uncached > 0
+    benefit = has_work and predicted + settings.benefit_margin_ms < normal_ms
     safe = not short
-    if not has_work:
+    if benefit and safe:  # the common answer first
+        verdict, detail = Reason.BORROWED, f"predicted {predicted:.1f} ms"
+    elif not has_work:
         verdict, detail = Reason.NO_BENEFIT, "no uncached prompt tokens: nothing to prefill"
     elif not benefit:
         verdict, detail = (
             Reason.NO_BENEFIT,
-            f"predicted {predicted:.1f} ms >= normal {normal.total_ms:.1f} ms",
+            f"predicted {predicted:.1f} ms >= normal {normal_ms:.1f} ms",
         )
-    elif not safe:
-        verdict, detail = Reason.NO_ROOM, "short on " + ", ".join(short)
     else:
-        verdict, detail = Reason.BORROWED, f"predicted {predicted:.1f} ms"
+        verdict, detail = Reason.NO_ROOM, "short on " + ", ".join(short)
     # Every field computed here, of its declared type: built without validation (``trusted``,
     # in field order), as Admit plans every candidate node of every request.
     return NodeCheck.trusted(
@@ -494,6 +526,11 @@ def check_node(
     )
 
 
+def _rank(check: NodeCheck) -> tuple[float, str]:
+    """Best first: the lowest predicted TTFT, then the node id."""
+    return (check.predicted_ttft_ms, check.node_id)
+
+
 def plan_admission(
     request: AdmissionRequest,
     pool: PoolSnapshot | None,
@@ -503,6 +540,7 @@ def plan_admission(
     demand: DemandCheck | None = None,
     rooms: Sequence[Room | None] | None = None,
     pending: Unreported = NONE_UNREPORTED,
+    prefill_rate_tps: float | None = None,
 ) -> Plan:
     """Demand, then Benefit and Safety on every candidate; rank the nodes that pass both.
 
@@ -511,23 +549,25 @@ def plan_admission(
     :func:`prompt_demand`), and ``rooms``: ``node_rooms(nodes,
     settings.shares)``, when the caller already has them (a batch of requests planned on
     one view shares them); ``pending``: the tokens sent since the pool's reports ``demand``
-    was computed with."""
+    was computed with; ``prefill_rate_tps``: ``pool.prefill_rate_tps`` (:func:`pool_prefill_rate`),
+    likewise."""
     pool_demand = demand if demand is not None else check_demand(pool, settings)
     pool_demand = target_demand(pool_demand, pool, request, settings, pending)
-    normal = estimate_normal_path(request, pool_demand, pool, settings)
+    normal = estimate_normal_path(request, pool_demand, pool, settings, prefill_rate_tps)
     demand = prompt_demand(pool_demand, normal, settings)
     if rooms is None:
         rooms = node_rooms(nodes, settings.shares)
+    normal_ms = normal.total_ms
     checks = tuple(
-        check_node(request, n, normal, settings, now_ms, r)
-        for n, r in zip(nodes, rooms, strict=True)
+        [
+            _check_node(request, n, normal_ms, settings, now_ms, r)
+            for n, r in zip(nodes, rooms, strict=True)
+        ]
     )
-    ranked = tuple(
-        sorted(
-            (c for c in checks if c.verdict is Reason.BORROWED),
-            key=lambda c: (c.predicted_ttft_ms, c.node_id),
-        )
-    )
+    passing = [c for c in checks if c.verdict is Reason.BORROWED]
+    if len(passing) > 1:
+        passing.sort(key=_rank)
+    ranked = tuple(passing)
     if not settings.enabled:
         reason = Reason.BORROWING_DISABLED
     elif pool is None or demand.pool_wait_ms is None:

@@ -36,6 +36,7 @@ from crossflow_ctl.domain.admission import (
     check_demand,
     node_rooms,
     plan_admission,
+    pool_prefill_rate,
     pulled_tokens,
     target_demand,
 )
@@ -58,7 +59,9 @@ from crossflow_ctl.store.base import (
 log = structlog.get_logger()
 T = TypeVar("T")
 
-_View = tuple[PoolSnapshot | None, list[NodeState], tuple[Room | None, ...]]
+_View = tuple[PoolSnapshot | None, list[NodeState], tuple[Room | None, ...], float]
+"""A batch's view of one pool and candidate list: the pool, the nodes, their rooms and the
+pool's per-request prefill rate (each computed once for every request planned on it)."""
 
 MAX_DEBIT_TRIES = 3
 """Ranked nodes tried when a concurrent Admit took the room between the plan and the debit."""
@@ -389,6 +392,10 @@ class Admitter:
         answers: list[Admission | None] = [None] * len(requests)
         pending: list[tuple[int, Plan]] = []
         views: dict[tuple[str, tuple[str, ...]], _View] = {}
+        # What the replica sent to the pool of the last request, unchanged until the next
+        # request sent to a pool or the next suspension (another Admit may send meanwhile):
+        # ``SentToPools.unreported`` gives the same answer again on the same snapshot.
+        sent_for: tuple[PoolSnapshot | None, Unreported] | None = None
         for i, request in enumerate(requests):
             key = (request.pool, request.candidate_node_ids)  # one view per kind in a batch
             if key not in views:
@@ -399,10 +406,16 @@ class Admitter:
                         request.pool, request.candidate_node_ids, policy.candidate_sample, now
                     ),
                 )
-                views[key] = (pool, nodes, self._rooms(nodes, policy.shares))
-            pool, nodes, rooms = views[key]
-            demand, unreported = self._demand(pool, policy, request)
-            plan = plan_admission(request, pool, nodes, policy, now, demand, rooms, unreported)
+                rate = pool_prefill_rate(pool)
+                views[key] = (pool, nodes, self._rooms(nodes, policy.shares), rate)
+                sent_for = None
+            pool, nodes, rooms, rate = views[key]
+            if sent_for is None or sent_for[0] is not pool:
+                sent_for = (pool, self._unreported(pool))
+            demand, unreported = self._demand(pool, policy, request, sent_for[1])
+            plan = plan_admission(
+                request, pool, nodes, policy, now, demand, rooms, unreported, rate
+            )
             answer = self._without_debit(request, plan, policy)
             if answer is None:
                 pending.append((i, plan))
@@ -412,6 +425,7 @@ class Admitter:
                     self.sent.record(
                         request.pool, request.uncached_prompt_tokens, request.prefill_node_id
                     )
+                    sent_for = None
         await self._debit_rounds(requests, owners, policy, now, pending, answers, fate)
         return [a for a in answers if a is not None]
 
@@ -429,8 +443,12 @@ class Admitter:
         requests still unanswered, and fill in their ``answers`` (NO_ROOM for those no round
         granted). Grants go to ``fate.granted`` too: should a later round fail or run past
         the deadline, the whole batch answers NORMAL and :meth:`_decide` releases them."""
-        refusals: dict[int, list[str]] = {i: [] for i, _ in pending}
-        records = {i: admit_record(self.store, requests[i], policy) for i, _ in pending}
+        refusals: dict[int, list[str]] = {}
+        records = (
+            {i: admit_record(self.store, requests[i], policy) for i, _ in pending}
+            if self.store.folds_request_records  # else none (``admit_record``)
+            else {}
+        )
         for attempt in range(MAX_DEBIT_TRIES):
             tries = [
                 (i, plan, plan.ranked[attempt]) for i, plan in pending if attempt < len(plan.ranked)
@@ -443,7 +461,7 @@ class Admitter:
                     c.debit,
                     requests[i].request_id,
                     owners[i],
-                    _record(records[i], plan, c),
+                    _record(records.get(i), plan, c),
                     c.debit_us,
                     pulled_tokens(requests[i], c.node_id),
                 )
@@ -457,24 +475,32 @@ class Admitter:
                 elif outcome.recorded is not None:  # an earlier call's: nothing debited
                     answers[i] = replay_admission(outcome.recorded)
                 else:
-                    refusals[i].append(f"{check.node_id}: {outcome.refusal}")
+                    refusals.setdefault(i, []).append(f"{check.node_id}: {outcome.refusal}")
             pending = [(i, plan) for i, plan in pending if answers[i] is None]
         for i, plan in pending:
             answers[i] = Admission.normal(
                 Reason.NO_ROOM,
-                "room taken by concurrent admissions (" + "; ".join(refusals[i]) + ")",
+                "room taken by concurrent admissions (" + "; ".join(refusals.get(i, ())) + ")",
                 plan,
             )
 
+    def _unreported(self, pool: PoolSnapshot | None) -> Unreported:
+        """The tokens this replica sent to ``pool`` that its reports do not show yet."""
+        return self.sent.unreported(pool) if pool is not None else Unreported()
+
     def _demand(
-        self, pool: PoolSnapshot | None, policy: PolicySettings, request: AdmissionRequest
+        self,
+        pool: PoolSnapshot | None,
+        policy: PolicySettings,
+        request: AdmissionRequest,
+        sent: Unreported,
     ) -> tuple[DemandCheck, Unreported]:
         """Demand for a prompt bound for the request's prefill server (``check_demand``, made
         the server's by ``target_demand``) with the tokens this replica sent to the pool since
-        its reports, computed once per pool snapshot, policy, count and server: the first two
-        are immutable, and the store hands out the same cached snapshot to every Admit until it
-        is renewed. Only servers that report are kept (the names come from routers)."""
-        sent = self.sent.unreported(pool) if pool is not None else Unreported()
+        its reports (``sent``: :meth:`_unreported`), computed once per pool snapshot, policy,
+        count and server: the first two are immutable, and the store hands out the same cached
+        snapshot to every Admit until it is renewed. Only servers that report are kept (the
+        names come from routers)."""
         memo = self._last_demand
         if memo is None or memo.pool is not pool or memo.policy is not policy or memo.sent != sent:
             demand = check_demand(pool, policy, sent.shared, None, sent.by_server)
@@ -617,15 +643,16 @@ def _borrow(
 
 
 def _borrowed(plan: Plan, check: NodeCheck, outcome: DebitOutcome) -> Admission:
+    """The BORROW answer of a granted debit (:func:`_borrow` with the grant's facts)."""
     res = outcome.reservation
     assert res is not None  # a granted outcome carries its reservation
     return _borrow(
         plan,
         check,
-        reservation_id=res.reservation_id,
-        lease_epoch=outcome.lease_epoch,
-        lease_version=outcome.lease_version,
-        expires_at_ms=res.expires_at_ms,
+        res.reservation_id,
+        outcome.lease_epoch,
+        outcome.lease_version,
+        res.expires_at_ms,
     )
 
 

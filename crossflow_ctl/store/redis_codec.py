@@ -426,7 +426,9 @@ def notice_from(node_id: str, entry_id: Raw, fields: Mapping[Raw, Raw]) -> Notic
 
 def entry_seq(entry_id: Raw) -> int:
     """The notice seq of a stream entry id (``<seq>-0``)."""
-    return int(text(entry_id).split("-", 1)[0])
+    if isinstance(entry_id, bytes):  # as replies carry it: no decoded copy (int() reads bytes)
+        return int(entry_id.split(b"-", 1)[0])
+    return int(entry_id.split("-", 1)[0])
 
 
 _NOTICE_KIND_NUMBERS: dict[Raw, int] = {
@@ -456,10 +458,12 @@ def notice_entries_to_proto(
     add = batch.notices.add
     kinds = _NOTICE_KIND_NUMBERS
     for entry_id, fields in entries:
-        if b"k" in fields:  # redis-py returns one key type per reply (bytes, or str decoded)
-            k, r, d, t, p = (fields.get(raw) for raw in (b"k", b"r", b"d", b"t", b"p"))
+        get = fields.get  # read field by field: a generator per entry cost more than its reads
+        k = get(b"k")
+        if k is not None:  # redis-py returns one key type per reply (bytes, or str decoded)
+            r, d, t, p = get(b"r"), get(b"d"), get(b"t"), get(b"p")
         else:
-            k, r, d, t, p = (fields.get(name) for name in ("k", "r", "d", "t", "p"))
+            k, r, d, t, p = get("k"), get("r"), get("d"), get("t"), get("p")
         kind = kinds.get(k) if k is not None else None
         pulled = int(p) if p is not None else None
         if kind is None or (pulled is not None and not 0 <= pulled <= MAX_TOKENS):
@@ -469,13 +473,14 @@ def notice_entries_to_proto(
         notice = add(
             seq=entry_seq(entry_id),
             kind=kind,
-            reservation_id=text(r) if r is not None else "",
+            reservation_id=(r.decode() if isinstance(r, bytes) else r) if r is not None else "",
             at_unix_ms=int(t) if t is not None else 0,
             pulled_tokens=pulled,
         )
-        notice.debit.SetInParent()  # present even when zero, as notice_to_proto sets it
         if debit is not None:
-            notice.debit.CopyFrom(debit)
+            notice.debit.CopyFrom(debit)  # present even when zero, as notice_to_proto sets it
+        else:
+            notice.debit.SetInParent()
 
 
 def event_from(raw: Raw) -> NodeEvent:

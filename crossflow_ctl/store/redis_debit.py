@@ -65,17 +65,17 @@ class DebitCall(NamedTuple):
     @classmethod
     def build(cls, request: DebitRequest, now_ms: int, hold_ttl_ms: int, bits: int) -> DebitCall:
         """The call for ``request``; its reservation id from ``bits`` (128 random bits)."""
-        return cls(
-            node_id=request.node_id,
-            debit=request.debit,
-            compute_us=request.compute_us,
-            pulled_tokens=request.pulled_tokens,
-            request_id=request.request_id,
-            owner=request.owner,
-            reservation_id=new_reservation_id(request.node_id, bits),
-            now_ms=now_ms,
-            expires_at_ms=now_ms + hold_ttl_ms,
-            record=request.record,
+        return cls(  # positionally, in field order (named arguments cost more per debit)
+            request.node_id,
+            request.debit,
+            request.compute_us,
+            request.pulled_tokens,
+            request.request_id,
+            request.owner,
+            new_reservation_id(request.node_id, bits),
+            now_ms,
+            now_ms + hold_ttl_ms,
+            request.record,
         )
 
     def packed(self, key_index: int) -> str:
@@ -102,6 +102,8 @@ class DebitCall(NamedTuple):
 
     def outcome(self, out: Any) -> DebitOutcome:
         """This debit's reply as a DebitOutcome."""
+        if out[0] in _GRANTED:  # the common reply, read as it came (int() reads bytes too)
+            return self._granted(int(out[1]), int(out[2]), int(out[3]))
         status = codec.text(out[0])
         if status == "unknown_node":
             return UNKNOWN_NODE
@@ -127,6 +129,11 @@ class DebitCall(NamedTuple):
                 lease_epoch=epoch,
                 lease_version=version,
             )
+        return self._granted(epoch, version, int(out[3]))
+
+    def _granted(self, epoch: int, version: int, grant_seq: int) -> DebitOutcome:
+        """The outcome of this debit granted under lease ``epoch``/``version`` as the node's
+        notice ``grant_seq``."""
         # Built without validation (``trusted``, every field in order: cheaper than the
         # validating constructors, which are cheaper than model_construct): the debit is this
         # call's own, the numbers the script's integers.
@@ -140,7 +147,7 @@ class DebitCall(NamedTuple):
             lease_version=version,
             created_at_ms=self.now_ms,
             expires_at_ms=self.expires_at_ms,
-            grant_seq=int(out[3]),
+            grant_seq=grant_seq,
             release_seq=0,
             request_id=self.request_id,
             owner=self.owner,
@@ -148,6 +155,10 @@ class DebitCall(NamedTuple):
         return DebitOutcome.grant(
             res, epoch, version, "" if self.record is None else self.record.key
         )
+
+
+_GRANTED = frozenset((b"granted", "granted"))
+"""A granted debit's status, as a reply may carry it (bytes, or str decoded)."""
 
 
 @dataclass(frozen=True, slots=True)

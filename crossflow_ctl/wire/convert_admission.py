@@ -8,11 +8,15 @@ their own. tests/broker/test_convert.py fails when a message is in neither.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
 from crossflow_ctl.api.v1 import admission_pb2
 from crossflow_ctl.domain.admission import (
+    MAX_ATTEMPT,
+    MAX_CANDIDATES,
+    MAX_REQUEST_ID_LEN,
     Admission,
     AdmissionRequest,
     Decision,
@@ -23,7 +27,7 @@ from crossflow_ctl.domain.admission import (
     Reason,
 )
 from crossflow_ctl.domain.errors import InvalidArgument
-from crossflow_ctl.domain.models import MAX_TOKENS
+from crossflow_ctl.domain.models import ID_PATTERN, MAX_ID_LEN, MAX_TOKENS
 from crossflow_ctl.wire import convert as c
 from crossflow_ctl.wire import convert_room as cr
 
@@ -80,6 +84,48 @@ def admit_request_to_proto(req: AdmissionRequest) -> admission_pb2.AdmitRequest:
 
 
 def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionRequest:
+    """The request, or InvalidArgument naming the first field at fault. A message whose every
+    field is plainly within the model's bounds (the checks below are the model's, each no
+    wider) is built without pydantic's validation (``trusted``): every Admit and streamed item
+    comes through here. Anything else, and every refusal, takes the validating path."""
+    request_id, pool = msg.request_id, msg.pool
+    cached_at, prefill = msg.cached_prefix_node_id, msg.prefill_node_id
+    uncached, cached = msg.uncached_prompt_tokens, msg.cached_prefix_tokens
+    output, held, attempt = msg.expected_output_tokens, msg.held_ahead_tokens, msg.attempt
+    candidates = tuple(msg.candidate_node_ids)
+    if (
+        0 <= uncached <= MAX_TOKENS
+        and 0 <= cached <= MAX_TOKENS
+        and 0 <= output <= MAX_TOKENS
+        and 0 <= held <= MAX_TOKENS
+        and attempt <= MAX_ATTEMPT  # uint32: never negative
+        and len(request_id) <= MAX_REQUEST_ID_LEN
+        and (not pool or (len(pool) <= MAX_POOL_LEN and _is_id(pool)))
+        and (not cached_at or _is_node_id(cached_at))
+        and (not prefill or _is_node_id(prefill))
+        and len(candidates) <= MAX_CANDIDATES
+        and (not candidates or all(_is_node_id(n) for n in candidates))
+    ):
+        # Every field, in order, each checked above as the model would: without validation.
+        return AdmissionRequest.trusted(
+            request_id=request_id,
+            uncached_prompt_tokens=uncached,
+            cached_prefix_tokens=cached,
+            cached_prefix_node_id=cached_at or None,
+            expected_output_tokens=output,
+            candidate_node_ids=candidates,
+            dry_run=msg.dry_run,
+            pool=pool or "default",
+            attempt=attempt,
+            held_ahead_tokens=held,
+            prefill_node_id=prefill or None,
+        )
+    return admit_request_validated(msg)
+
+
+def admit_request_validated(msg: admission_pb2.AdmitRequest) -> AdmissionRequest:
+    """:func:`admit_request_from_proto` through pydantic's validation, whatever the message
+    (the path of a refusal; the reference its fast path is tested against)."""
     result: AdmissionRequest = c._validated(
         AdmissionRequest,
         "",
@@ -96,6 +142,18 @@ def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionReques
         prefill_node_id=msg.prefill_node_id or None,
     )
     return result
+
+
+MAX_POOL_LEN = 64
+"""``PoolName``'s length bound (tests/test_admit_request_fast_path.py holds the fast path of
+:func:`admit_request_from_proto` to the model's validation)."""
+_is_id = re.compile(ID_PATTERN).fullmatch
+"""The id pattern over the WHOLE string, as the model matches it (``search`` or ``match`` would
+take 'd1\n': Python's ``$`` also matches before a final newline)."""
+
+
+def _is_node_id(node_id: str) -> bool:
+    return len(node_id) <= MAX_ID_LEN and _is_id(node_id) is not None
 
 
 def _demand_fields(d: DemandCheck) -> dict[str, Any]:
@@ -253,15 +311,24 @@ def admission_into_proto(
     msg.decision = _DECISION_NUMBERS[a.decision]  # type: ignore[assignment]
     msg.reason = _REASON_NUMBERS[a.reason]  # type: ignore[assignment]
     msg.message = a.message
-    msg.node_id = a.node_id
-    msg.reservation_id = a.reservation_id
-    msg.lease_epoch = a.lease_epoch
-    msg.lease_version = a.lease_version
-    msg.expires_unix_ms = a.expires_at_ms
-    msg.predicted_ttft_ms = _finite(a.predicted_ttft_ms)
+    # The empty message has every field at its default already: those that stay so are not
+    # set (a NORMAL answer has no node, reservation or lease; most have no shadow or replay).
+    if a.node_id:
+        msg.node_id = a.node_id
+    if a.reservation_id:
+        msg.reservation_id = a.reservation_id
+    if a.lease_epoch:
+        msg.lease_epoch = a.lease_epoch
+    if a.lease_version:
+        msg.lease_version = a.lease_version
+    if a.expires_at_ms:
+        msg.expires_unix_ms = a.expires_at_ms
+    msg.predicted_ttft_ms = _finite(a.predicted_ttft_ms)  # always: -0.0 is not the default
     msg.normal_ttft_ms = _finite(a.normal_ttft_ms)
-    msg.shadow_decision = _DECISION_NUMBERS[a.shadow_decision]  # type: ignore[assignment]
-    msg.replayed = a.replayed
+    if a.shadow_decision is not None:
+        msg.shadow_decision = _DECISION_NUMBERS[a.shadow_decision]  # type: ignore[assignment]
+    if a.replayed:
+        msg.replayed = True
     if a.plan is not None and explain:
         explanation: Any = _explanation_fields(a.plan)
         msg.MergeFrom(admission_pb2.AdmitResponse(explanation=explanation))
