@@ -38,6 +38,10 @@ IDS = [
     "x" * (MAX_ID_LEN + 1),
     "x" * 64,
     "x" * 65,
+    "d1,d2",  # candidate ids are checked joined by commas: an id holding one must not split
+    "d1,",
+    ",d1",
+    ",",
 ]
 TOKENS = [0, 1, 512, MAX_TOKENS, MAX_TOKENS + 1, -1, -(2**63), 2**63 - 1]
 
@@ -62,7 +66,8 @@ def _same(msg: admission_pb2.AdmitRequest) -> None:
 def test_every_id_field_answers_as_the_model_does(value: str) -> None:
     for field in ("cached_prefix_node_id", "prefill_node_id", "pool"):
         _same(admission_pb2.AdmitRequest(uncached_prompt_tokens=5, **{field: value}))
-    _same(admission_pb2.AdmitRequest(uncached_prompt_tokens=5, candidate_node_ids=["d1", value]))
+    for ids in (["d1", value], [value], [value, "d2"], [value, value]):
+        _same(admission_pb2.AdmitRequest(uncached_prompt_tokens=5, candidate_node_ids=ids))
 
 
 @pytest.mark.parametrize("value", TOKENS)
@@ -126,6 +131,27 @@ def test_a_plain_request_skips_validation(monkeypatch: pytest.MonkeyPatch) -> No
         held_ahead_tokens=7,
         prefill_node_id="p1",
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(st.sampled_from(IDS), st.text(alphabet="ab,.-_\n9", max_size=6)), min_size=1)
+)
+def test_candidate_ids_checked_together_as_one_by_one(ids: list[str]) -> None:
+    """The candidate list's one joined check answers as a check of each id would."""
+    assert ca._all_node_ids(tuple(ids)) == all(ca._is_node_id(i) for i in ids)
+
+
+def test_many_candidates_skip_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full candidate sample takes the fast path too."""
+
+    def refuse(_msg: Any) -> AdmissionRequest:
+        raise AssertionError("validated")
+
+    monkeypatch.setattr(ca, "admit_request_validated", refuse)
+    ids = [f"decode-{i}" for i in range(MAX_CANDIDATES)]
+    msg = admission_pb2.AdmitRequest(uncached_prompt_tokens=5, candidate_node_ids=ids)
+    assert ca.admit_request_from_proto(msg).candidate_node_ids == tuple(ids)
 
 
 _text = st.one_of(st.sampled_from(IDS), st.text(max_size=8))

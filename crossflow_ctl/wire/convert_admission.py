@@ -104,7 +104,7 @@ def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionReques
         and (not cached_at or _is_node_id(cached_at))
         and (not prefill or _is_node_id(prefill))
         and len(candidates) <= MAX_CANDIDATES
-        and (not candidates or all(_is_node_id(n) for n in candidates))
+        and (not candidates or _all_node_ids(candidates))
     ):
         # Every field, in order, each checked above as the model would: without validation.
         return AdmissionRequest.trusted(
@@ -154,6 +154,21 @@ take 'd1\n': Python's ``$`` also matches before a final newline)."""
 
 def _is_node_id(node_id: str) -> bool:
     return len(node_id) <= MAX_ID_LEN and _is_id(node_id) is not None
+
+
+_ID = ID_PATTERN.removeprefix("^").removesuffix("*$") + f"{{0,{MAX_ID_LEN - 1}}}"
+"""The id pattern bounded to the id length: ``[first char][more chars]{0,MAX_ID_LEN - 1}``."""
+_are_ids = re.compile(rf"{_ID}(?:,{_ID})*").fullmatch
+"""Comma-joined ids, each of the id pattern and length (no id holds a comma): one regex call
+for a whole candidate list, where one call per id cost more than pydantic's own check from
+about 8 ids."""
+
+
+def _all_node_ids(node_ids: tuple[str, ...]) -> bool:
+    """Whether every one of ``node_ids`` (at least one) is a node id. An id holding a comma
+    (never valid) would split in the joined string: the comma count tells."""
+    joined = ",".join(node_ids)
+    return joined.count(",") == len(node_ids) - 1 and _are_ids(joined) is not None
 
 
 def _demand_fields(d: DemandCheck) -> dict[str, Any]:
