@@ -67,7 +67,7 @@ from crossflow_ctl.service.requests import (
     record_ttl_ms,
     run_once,
 )
-from crossflow_ctl.service.room import RoomWatches
+from crossflow_ctl.service.room import NodeRooms, RoomWatches
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
@@ -120,6 +120,8 @@ class Broker:
         )
         self.rooms = RoomWatches(settings.room, clock, self.room_view)
         """This replica's WatchRoom subscriptions (late binding)."""
+        self._node_rooms = NodeRooms()
+        """Room views' node rooms, each computed once per node state (:class:`NodeRooms`)."""
 
     # -- policy, shared through the store and cached briefly -----------------------------------
     @property
@@ -219,7 +221,7 @@ class Broker:
             log.warning("room_view.failed", error=repr(exc))
             return unknown_room(request.pool, f"room unknown: {detail}")
         sent = self._admitter.sent.unreported(pool) if pool is not None else Unreported()
-        return summarize_room(request.pool, pool, nodes, policy, now, sent)
+        return summarize_room(request.pool, pool, nodes, policy, now, sent, self._node_rooms)
 
     def watch_room(self, request: RoomWatchRequest) -> AsyncIterator[RoomUpdate]:
         """Room updates for ``request`` (see :mod:`crossflow_ctl.service.room`)."""
