@@ -367,3 +367,22 @@ def timed_pool(reported: dict[int, int]) -> PoolSnapshot:
         ),
         report_seqs=tuple(reported[s] for s in sorted(reported)),
     )
+
+
+def test_an_unchanged_book_answers_once_per_snapshot() -> None:
+    """Admit and every room view read the count: on the same snapshot with nothing sent since,
+    the answer is the one already given (read-only, as callers keep it), until a prompt is
+    sent or a new snapshot comes."""
+    book, snap = SentToPools(), timed(5, 20)
+    assert book.unreported(snap) == Unreported(0, {})
+    book.record("default", 100, "p1")  # after seeing 5 and 20
+    first = book.unreported(snap)
+    assert first == Unreported(0, {"p1": 100})
+    assert book.unreported(snap) is first
+    with pytest.raises(TypeError):
+        first.by_server["p1"] = 0  # type: ignore[index]
+    book.record("default", 40)
+    assert book.unreported(snap) == Unreported(40, {"p1": 100}) != first
+    again = timed(5, 20)  # another snapshot object with the same reports: read afresh
+    assert book.unreported(again) == Unreported(40, {"p1": 100})
+    assert book.unreported(again) is book.unreported(again)
