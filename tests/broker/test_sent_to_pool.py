@@ -103,6 +103,27 @@ async def test_prompts_sent_since_the_report_count_into_demand(store: Store) -> 
     assert view.demand_holds and view.pool_wait_ms == pytest.approx(110.0)
 
 
+async def test_each_room_view_sees_the_prompts_sent_and_reports_stored_before_it(
+    store: Store,
+) -> None:
+    """Room views keep the pool's Demand while its snapshot, the policy and the count stay the
+    same: each send, each new report and a new policy still show in the next view."""
+    broker, clock = await pool_broker(store)
+    waits = []
+    for _ in range(3):
+        waits.append((await broker.room_view(RoomWatchRequest())).pool_wait_ms)
+        await broker.admit(ask())
+    waits.append((await broker.room_view(RoomWatchRequest())).pool_wait_ms)
+    assert waits == pytest.approx([50.0, 80.0, 110.0, 110.0])  # the third prompt may be held
+    assert (await broker.room_view(RoomWatchRequest())).demand_holds
+    await broker.set_policy({"demand_threshold_ms": 200.0})
+    assert not (await broker.room_view(RoomWatchRequest())).demand_holds
+    clock.advance(1)
+    await report(broker)  # received after both prompts: it shows them
+    await asyncio.sleep(VIEW_CACHE_S)  # past the Redis store's view cache
+    assert (await broker.room_view(RoomWatchRequest())).pool_wait_ms == pytest.approx(50.0)
+
+
 async def test_a_new_report_resets_the_count(store: Store) -> None:
     broker, clock = await pool_broker(store)
     for _ in range(2):
