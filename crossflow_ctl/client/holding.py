@@ -288,6 +288,9 @@ class HoldBook(Generic[K]):
 
     def due(self, now_ms: int) -> list[Held[K]]:
         """Remove and return the prompts whose hold deadline has passed, in order."""
+        heap = self._deadlines
+        if not heap or heap[0][0] > now_ms:
+            return []  # the heap's top, even one whose hold ended, is no later than any hold's
         out: list[Held[K]] = []
         while (first := self._first_deadline()) is not None and first.deadline_ms <= now_ms:
             heapq.heappop(self._deadlines)

@@ -558,6 +558,17 @@ def test_heads_yield_the_book_in_order_while_each_is_taken_and_stop_when_one_is_
     assert len(book) == 1
 
 
+def test_a_hold_is_due_at_its_deadline_not_before_even_behind_ended_holds() -> None:
+    book: HoldBook[str] = HoldBook(QueueConfig(max_hold_ms=100))
+    no_room = Admission.normal(Reason.NO_ROOM, "")
+    book.hold("gone", req("gone"), no_room, 0)
+    book.hold("k", req("k"), no_room, 10)
+    book.take("gone")  # its deadline (100) stays on the heap's top until popped
+    assert book.due(109) == []
+    assert [h.key for h in book.due(110)] == ["k"]
+    assert book.due(10**6) == []
+
+
 book_ops = st.lists(
     st.tuples(
         st.sampled_from(["hold", "take", "borrow", "due", "drain"]),
