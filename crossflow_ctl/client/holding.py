@@ -10,6 +10,7 @@ deterministic (same calls, same results), so tests drive it with plain integers 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -136,6 +137,11 @@ class Held(Generic[K]):
         self.kv_need = self.compute_need + remote
 
 
+def _remove(ordered: list[int], value: int) -> None:
+    """Remove one ``value`` from the sorted list ``ordered`` (it is there)."""
+    del ordered[bisect_left(ordered, value)]
+
+
 def _arrival(held: Held[K]) -> int:
     return held.seq
 
@@ -178,6 +184,11 @@ class HoldBook(Generic[K]):
         self._deadlines: list[tuple[int, int, K]] = []
         """Heap of (deadline, seq, key) per hold; an entry whose hold has ended (its key is
         gone or held again under a later seq) is dropped when it comes to the top."""
+        self._compute_needs: list[int] = []
+        self._kv_needs: list[int] = []
+        """Every held prompt's compute and KV need, each list sorted: when the room is short
+        of the least of either, no prompt fits and a room update scans nothing (a book that is
+        behind is long, and most updates then find nothing fits)."""
 
     def __len__(self) -> int:
         return len(self._held)
@@ -215,12 +226,17 @@ class HoldBook(Generic[K]):
         )
         self._tokens += request.uncached_prompt_tokens
         heapq.heappush(self._deadlines, (deadline, self._seq, key))
+        held = self._held[key]
+        insort(self._compute_needs, held.compute_need)
+        insort(self._kv_needs, held.kv_need)
         return None
 
     def take(self, key: K) -> Held[K] | None:
         held = self._held.pop(key, None)
         if held is not None:
             self._tokens -= held.request.uncached_prompt_tokens
+            _remove(self._compute_needs, held.compute_need)
+            _remove(self._kv_needs, held.kv_need)
         return held
 
     def ahead_of_new(self, request: AdmissionRequest) -> int:
@@ -266,10 +282,15 @@ class HoldBook(Generic[K]):
         self._held.clear()
         self._tokens = 0
         self._deadlines.clear()
+        self._compute_needs.clear()
+        self._kv_needs.clear()
         return out
 
     def due(self, now_ms: int) -> list[Held[K]]:
         """Remove and return the prompts whose hold deadline has passed, in order."""
+        heap = self._deadlines
+        if not heap or heap[0][0] > now_ms:
+            return []  # the heap's top, even one whose hold ended, is no later than any hold's
         out: list[Held[K]] = []
         while (first := self._first_deadline()) is not None and first.deadline_ms <= now_ms:
             heapq.heappop(self._deadlines)
@@ -334,6 +355,9 @@ class HoldBook(Generic[K]):
         each with the uncached tokens of every prompt before it. A room update scans the whole
         book when little fits, so the test is inlined (``_Room.fits``)."""
         compute, kv = room.compute_tokens, room.kv_tokens
+        needs, kv_needs = self._compute_needs, self._kv_needs
+        if not needs or needs[0] > compute or kv_needs[0] > kv:
+            return  # nothing held fits (or nothing is held)
         ahead = 0
         for held in self._in_order():
             need = held.compute_need
@@ -389,7 +413,7 @@ class HoldBook(Generic[K]):
         if base:
             suffix = f"#{held.offers + 1}"
             update["request_id"] = base[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
-        return held.request.model_copy(update=update)
+        return held.request.replaced(**update)  # fields of their types: a copy, unvalidated
 
     def answered(self, held: Held[K], admission: Admission) -> Step:
         """Record a re-offer's answer; a BORROWED prompt is removed from the book."""

@@ -10,13 +10,13 @@ the client's ``AdmissionQueue`` re-offers held prompts when one shows room.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Annotated
 
 from pydantic import Field, field_validator
 
-from crossflow_ctl.domain.admission import check_demand
+from crossflow_ctl.domain.admission import DemandCheck, check_demand
 from crossflow_ctl.domain.lending import queue_wait_ms
 from crossflow_ctl.domain.models import (
     MAX_SLOTS,
@@ -142,6 +142,10 @@ def node_room(node: NodeState, share: Share, now_ms: int) -> NodeRoom | None:
     )
 
 
+NodeRoomOf = Callable[[NodeState, Share, int], NodeRoom | None]
+""":func:`node_room`'s signature."""
+
+
 def summarize_room(
     pool_name: str,
     pool: PoolSnapshot | None,
@@ -149,11 +153,17 @@ def summarize_room(
     settings: PolicySettings,
     now_ms: int,
     pending: Unreported = NONE_UNREPORTED,
+    room_of: NodeRoomOf = node_room,
+    demand: DemandCheck | None = None,
 ) -> RoomView:
     """The room of ``nodes`` and the pool's Demand, under ``settings``, at ``now_ms``, with
-    the tokens sent to the pool since its reports (``pending``, as Admit counts them)."""
-    demand = check_demand(pool, settings, pending.shared, None, pending.by_server)
-    rooms = (node_room(n, settings.shares, now_ms) for n in nodes)
+    the tokens sent to the pool since its reports (``pending``, as Admit counts them).
+    ``room_of``: :func:`node_room`, or a memo of it that gives the same answers; ``demand``:
+    the pool's Demand for these (``check_demand``) when the caller kept it, else computed."""
+    if demand is None:
+        demand = check_demand(pool, settings, pending.shared, None, pending.by_server)
+    share = settings.shares
+    rooms = (room_of(n, share, now_ms) for n in nodes)
     found = sorted((r for r in rooms if r is not None), key=lambda r: r.node_id)
     return RoomView(
         pool=pool_name,

@@ -17,7 +17,13 @@ import structlog
 
 from crossflow_ctl.aio import within
 from crossflow_ctl.api.v1 import lease_pb2
-from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision
+from crossflow_ctl.domain.admission import (
+    Admission,
+    AdmissionRequest,
+    Decision,
+    DemandCheck,
+    check_demand,
+)
 from crossflow_ctl.domain.clock import Clock
 from crossflow_ctl.domain.errors import (
     CrossflowError,
@@ -67,7 +73,7 @@ from crossflow_ctl.service.requests import (
     record_ttl_ms,
     run_once,
 )
-from crossflow_ctl.service.room import RoomWatches
+from crossflow_ctl.service.room import NodeRooms, RoomWatches
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
@@ -120,6 +126,13 @@ class Broker:
         )
         self.rooms = RoomWatches(settings.room, clock, self.room_view)
         """This replica's WatchRoom subscriptions (late binding)."""
+        self._node_rooms = NodeRooms()
+        """Room views' node rooms, each computed once per node state (:class:`NodeRooms`)."""
+        self._room_demand: (
+            tuple[PoolSnapshot | None, PolicySettings, Unreported, DemandCheck] | None
+        ) = None
+        """The last room view's pool snapshot, policy, unreported count and the pool's Demand
+        for them: snapshots and policies are immutable and handed out again until renewed."""
 
     # -- policy, shared through the store and cached briefly -----------------------------------
     @property
@@ -219,7 +232,13 @@ class Broker:
             log.warning("room_view.failed", error=repr(exc))
             return unknown_room(request.pool, f"room unknown: {detail}")
         sent = self._admitter.sent.unreported(pool) if pool is not None else Unreported()
-        return summarize_room(request.pool, pool, nodes, policy, now, sent)
+        kept = self._room_demand
+        if kept is None or kept[0] is not pool or kept[1] is not policy or kept[2] != sent:
+            demand = check_demand(pool, policy, sent.shared, None, sent.by_server)
+            kept = self._room_demand = (pool, policy, sent, demand)
+        return summarize_room(
+            request.pool, pool, nodes, policy, now, sent, self._node_rooms, kept[3]
+        )
 
     def watch_room(self, request: RoomWatchRequest) -> AsyncIterator[RoomUpdate]:
         """Room updates for ``request`` (see :mod:`crossflow_ctl.service.room`)."""

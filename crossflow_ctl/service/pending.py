@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.models import PoolSnapshot
@@ -78,6 +79,9 @@ class _Pool:
     """Sum of ``sent_weight`` over the prompts of ``sent`` sent to no named server."""
     by_server: dict[str, int] = field(default_factory=dict)
     """Tokens sent to each named server that its report does not show."""
+    answered: tuple[PoolSnapshot, Unreported] | None = None
+    """The last :meth:`SentToPools.unreported` answer and the snapshot it was for, until the
+    book changes (anything sent, dropped or weighed anew drops it)."""
 
 
 class SentToPools:
@@ -100,6 +104,7 @@ class SentToPools:
         if tokens <= 0:
             return
         state = self._pool(pool)
+        state.answered = None
         if len(state.sent) >= MAX_SENT:
             entry = state.sent.popleft()
             state.weighted -= sent_weight(entry[0], entry[1], state.seqs)
@@ -128,10 +133,14 @@ class SentToPools:
         all of them spread over the pool (:meth:`tokens`), unless every server reports its
         wait in time; then those sent to a named server count on it until its own next report,
         the rest spread over the pool."""
-        shared = self.tokens(snapshot)
         state = self._pool(snapshot.pool)
+        answered = state.answered
+        if answered is not None and answered[0] is snapshot and state.snapshot is snapshot:
+            return answered[1]  # the same snapshot and book: the same answer (immutable)
+        shared = self.tokens(snapshot)
         if not state.seqs or snapshot.server_waits_ms() is None:
-            return Unreported(shared)
+            state.answered = (snapshot, Unreported(shared))
+            return state.answered[1]
         known = snapshot.report_seqs
         key = (tuple(r.node_id for r in snapshot.reports), known)
         if state.split_for != key:
@@ -141,16 +150,18 @@ class SentToPools:
             targeted = (e for e in state.sent if e[2])
             state.by_server = sent_to_servers(targeted, state.server_seqs)
             state.split_for = key
-        # A fresh mapping each time, never the live one: callers keep what they were given (the
+        # A fresh mapping, never the live one: callers keep what they were given (the
         # Admitter's Demand memo compares it with the next call's answer).
-        by_server = {k: v for k, v in state.by_server.items() if v > 0}
-        return Unreported(state.untargeted // len(state.seqs), by_server)
+        by_server = MappingProxyType({k: v for k, v in state.by_server.items() if v > 0})
+        state.answered = (snapshot, Unreported(state.untargeted // len(state.seqs), by_server))
+        return state.answered[1]
 
     def tokens(self, snapshot: PoolSnapshot) -> int:
         """Uncached tokens sent to the pool that ``snapshot``'s reports do not show yet."""
         state = self._pool(snapshot.pool)
         if snapshot is not state.snapshot:
             seqs = report_order(snapshot.report_seqs)
+            state.answered = None
             if sequence_restarted(seqs, state.held):
                 # Every prompt is stamped with a sequence the new reports will not pass for
                 # as long as the old ones lasted: forget them (the safe side) and start again.

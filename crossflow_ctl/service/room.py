@@ -26,11 +26,14 @@ import structlog
 
 from crossflow_ctl.aio import cancel_and_wait, detached_task, wait_any
 from crossflow_ctl.domain.clock import Clock
+from crossflow_ctl.domain.models import NodeState, Share
 from crossflow_ctl.domain.room import (
+    NodeRoom,
     RoomUpdate,
     RoomView,
     RoomWatchRequest,
     material_change,
+    node_room,
     unknown_room,
 )
 from crossflow_ctl.service.config import RoomWatchSettings
@@ -40,6 +43,34 @@ log = structlog.get_logger()
 ReadView = Callable[[RoomWatchRequest], Awaitable[RoomView]]
 """Reads the room for a request; expected not to raise (an UNKNOWN view on store trouble)."""
 FeedKey = tuple[str, tuple[str, ...]]
+MAX_KEPT_ROOMS = 4096
+"""Nodes whose room :class:`NodeRooms` keeps at once."""
+
+
+class NodeRooms:
+    """:func:`~crossflow_ctl.domain.room.node_room`, each node's computed once per state, share
+    and side of its lease's expiry: a node's room depends on the time only through whether its
+    lease has expired, states are immutable, and the store hands out the same state object
+    until its node changes (a room view reads every candidate, most of them unchanged since
+    the last view). Keeps the last state seen per node id (compared by identity: a state it
+    holds is alive, so no new one can share its id); stores that build states afresh per read
+    simply miss."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[NodeState, Share, bool, NodeRoom | None]] = {}
+
+    def __call__(self, node: NodeState, share: Share, now_ms: int) -> NodeRoom | None:
+        stored = node.lease
+        expired = stored is not None and stored.expired(now_ms)
+        node_id = node.info.node_id
+        kept = self._kept.get(node_id)
+        if kept is not None and kept[0] is node and kept[2] is expired and kept[1] == share:
+            return kept[3]
+        room = node_room(node, share, now_ms)
+        if kept is None and len(self._kept) >= MAX_KEPT_ROOMS:
+            self._kept.clear()  # nodes come and go (a sampled view): start afresh
+        self._kept[node_id] = (node, share, expired, room)
+        return room
 
 
 class _Feed:

@@ -147,6 +147,7 @@ class ControlPlane:
             clock=self.clock,
             prefill_room=self._prefill_room,
             on_outcome=self._decided,
+            prefill_target=self._prefill_target,
         )
         self._bound_tokens = 0
         """Uncached tokens of prompts the queue sent to prefill that are not dispatched yet: a
@@ -235,12 +236,11 @@ class ControlPlane:
     # -- the router ------------------------------------------------------------------------------
     async def admit(self, request: AdmissionRequest) -> Admission:
         """The queue's :class:`Admitter`: the broker in-process, on an up-to-date store. Each
-        offer (a re-offer too) names the prefill server the prompt would go to now."""
+        offer names the prefill server the prompt would go to now: a re-offer as the queue
+        made it (:meth:`_prefill_target`, asked just before), a first offer named here."""
         t = self.now
-        rid = int(request.request_id.partition("#")[0])  # a re-offer's id: ``<id>#<offer>``
-        target = self.prefill_agents[self.prefill_for(rid, t)].node_id
-        if request.prefill_node_id != target:  # a validated node id: no validation, per offer
-            request = request.replaced(prefill_node_id=target)
+        if request.prefill_node_id is None:  # a validated node id: no validation, per offer
+            request = request.replaced(prefill_node_id=self._prefill_target(request))
         await self._catch_up(t)
         self.sync(t)
         answer = await self.broker.admit(request)
@@ -299,6 +299,12 @@ class ControlPlane:
             self.now = t
             self.sync(t)
             await self._handle(await self.queue.tick(), t)
+
+    def _prefill_target(self, request: AdmissionRequest) -> str:
+        """The prefill server ``request``'s prompt would go to now (the queue names it on each
+        re-offer)."""
+        rid = int(request.request_id.partition("#")[0])  # a re-offer's id: ``<id>#<offer>``
+        return self.prefill_agents[self.prefill_for(rid, self.now)].node_id
 
     def _prefill_room(self, request: AdmissionRequest) -> bool:
         wait_s = self.pool_wait_s(self.now, self._bound_tokens)

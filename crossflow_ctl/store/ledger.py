@@ -26,6 +26,9 @@ from crossflow_ctl.domain.models import (
 from crossflow_ctl.store.base import NodeEvent
 from crossflow_ctl.store.keys import EVENTS_CAP, HISTORY_CAP, NOTICES_CAP
 
+_NEVER = 2**63
+"""Later than any time in ms (no reservation on the books to expire)."""
+
 
 class NodeLedger:
     """Mutated only under the store's lock, and never across an ``await``."""
@@ -49,6 +52,9 @@ class NodeLedger:
         self._state: NodeState | None = None
         """The node as :meth:`state` last built it, kept until the books change (admission reads
         every candidate node per Admit, most of them unchanged since the last one)."""
+        self._state_until = _NEVER
+        """When the first reservation on the books expired when ``_state`` was built: the books
+        cannot change before then without dropping ``_state``."""
 
     # -- info ---------------------------------------------------------------------------------
     @property
@@ -201,10 +207,10 @@ class NodeLedger:
     def state(self, now_ms: int) -> NodeState:
         """The node as admission and the admin API see it at ``now_ms``: the same object from
         one call to the next until the books change or a reservation on them expires."""
+        if self._state is not None and now_ms < self._state_until:
+            return self._state  # kept: nothing changed and nothing on the books expired since
         nxt = self.next_expiry()
         settled = nxt is None or nxt > now_ms  # the open debits are the running totals
-        if settled and self._state is not None:
-            return self._state
         debits, count, time = self.open_debits(now_ms)
         state = NodeState.trusted(
             info=self.info,
@@ -215,6 +221,7 @@ class NodeLedger:
         )
         if settled:
             self._state = state
+            self._state_until = _NEVER if nxt is None else nxt
         return state
 
     def open_totals(self) -> tuple[list[int], ComputeTime]:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 
 from crossflow_ctl.domain.admission import AdmissionRequest, Reason, node_rooms
-from crossflow_ctl.domain.models import Credits, NodeRole, PoolLoad
+from crossflow_ctl.domain.models import Credits, NodeRole, PoolLoad, Shares
+from crossflow_ctl.domain.room import node_room
 from crossflow_ctl.service.broker import Broker
+from crossflow_ctl.service.room import NodeRooms
 from crossflow_ctl.store.memory import MemoryStore
 from tests.broker.conftest import TEST_POLICY, lending_broker
-from tests.domain.test_admission import node
+from tests.domain.test_admission import NOW, node
 
 
 def _to(server: str) -> AdmissionRequest:
@@ -65,3 +67,19 @@ async def test_rooms_follow_node_states_even_in_a_list_handed_out_again() -> Non
     nodes[1] = node("d1", debits=Credits(compute_tokens=500, slots=1))  # same list, new state
     assert admitter._rooms(nodes, 1.0) == node_rooms(nodes, 1.0)
     assert admitter._rooms(nodes, 0.5) == node_rooms(nodes, 0.5)
+
+
+def test_room_views_node_rooms_follow_state_share_and_expiry() -> None:
+    """A room view's node rooms (kept per node state) are node_room's: a new state of a node,
+    another share, and the lease's expiry passing each give the room afresh."""
+    rooms = NodeRooms()
+    d0 = node("d0", expires_at=NOW + 500)
+    first = rooms(d0, 1.0, NOW)
+    assert first is not None and first == node_room(d0, 1.0, NOW)
+    assert rooms(d0, 1.0, NOW + 499) is first  # the same state, before expiry: kept
+    assert rooms(d0, 1.0, NOW + 500) is None  # expired: no room, as node_room says
+    assert rooms(d0, 1.0, NOW) == first
+    half = Shares(0.5, 1.0, 1.0, 0.5, 0.5)
+    assert rooms(d0, half, NOW) == node_room(d0, half, NOW) != first
+    busier = node("d0", debits=Credits(compute_tokens=500, slots=1))  # same node, new state
+    assert rooms(busier, 1.0, NOW) == node_room(busier, 1.0, NOW) != first

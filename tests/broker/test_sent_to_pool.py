@@ -103,6 +103,27 @@ async def test_prompts_sent_since_the_report_count_into_demand(store: Store) -> 
     assert view.demand_holds and view.pool_wait_ms == pytest.approx(110.0)
 
 
+async def test_each_room_view_sees_the_prompts_sent_and_reports_stored_before_it(
+    store: Store,
+) -> None:
+    """Room views keep the pool's Demand while its snapshot, the policy and the count stay the
+    same: each send, each new report and a new policy still show in the next view."""
+    broker, clock = await pool_broker(store)
+    waits = []
+    for _ in range(3):
+        waits.append((await broker.room_view(RoomWatchRequest())).pool_wait_ms)
+        await broker.admit(ask())
+    waits.append((await broker.room_view(RoomWatchRequest())).pool_wait_ms)
+    assert waits == pytest.approx([50.0, 80.0, 110.0, 110.0])  # the third prompt may be held
+    assert (await broker.room_view(RoomWatchRequest())).demand_holds
+    await broker.set_policy({"demand_threshold_ms": 200.0})
+    assert not (await broker.room_view(RoomWatchRequest())).demand_holds
+    clock.advance(1)
+    await report(broker)  # received after both prompts: it shows them
+    await asyncio.sleep(VIEW_CACHE_S)  # past the Redis store's view cache
+    assert (await broker.room_view(RoomWatchRequest())).pool_wait_ms == pytest.approx(50.0)
+
+
 async def test_a_new_report_resets_the_count(store: Store) -> None:
     broker, clock = await pool_broker(store)
     for _ in range(2):
@@ -367,3 +388,22 @@ def timed_pool(reported: dict[int, int]) -> PoolSnapshot:
         ),
         report_seqs=tuple(reported[s] for s in sorted(reported)),
     )
+
+
+def test_an_unchanged_book_answers_once_per_snapshot() -> None:
+    """Admit and every room view read the count: on the same snapshot with nothing sent since,
+    the answer is the one already given (read-only, as callers keep it), until a prompt is
+    sent or a new snapshot comes."""
+    book, snap = SentToPools(), timed(5, 20)
+    assert book.unreported(snap) == Unreported(0, {})
+    book.record("default", 100, "p1")  # after seeing 5 and 20
+    first = book.unreported(snap)
+    assert first == Unreported(0, {"p1": 100})
+    assert book.unreported(snap) is first
+    with pytest.raises(TypeError):
+        first.by_server["p1"] = 0  # type: ignore[index]
+    book.record("default", 40)
+    assert book.unreported(snap) == Unreported(40, {"p1": 100}) != first
+    again = timed(5, 20)  # another snapshot object with the same reports: read afresh
+    assert book.unreported(again) == Unreported(40, {"p1": 100})
+    assert book.unreported(again) is book.unreported(again)

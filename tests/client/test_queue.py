@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossflow_ctl.client.holding import Dispatch, HoldBook, QueueConfig
+from crossflow_ctl.client.holding import Dispatch, HoldBook, QueueConfig, _Room
 from crossflow_ctl.client.queue import AdmissionQueue, Outcome, Ticket
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.clock import ManualClock
@@ -558,6 +558,17 @@ def test_heads_yield_the_book_in_order_while_each_is_taken_and_stop_when_one_is_
     assert len(book) == 1
 
 
+def test_a_hold_is_due_at_its_deadline_not_before_even_behind_ended_holds() -> None:
+    book: HoldBook[str] = HoldBook(QueueConfig(max_hold_ms=100))
+    no_room = Admission.normal(Reason.NO_ROOM, "")
+    book.hold("gone", req("gone"), no_room, 0)
+    book.hold("k", req("k"), no_room, 10)
+    book.take("gone")  # its deadline (100) stays on the heap's top until popped
+    assert book.due(109) == []
+    assert [h.key for h in book.due(110)] == ["k"]
+    assert book.due(10**6) == []
+
+
 book_ops = st.lists(
     st.tuples(
         st.sampled_from(["hold", "take", "borrow", "due", "drain"]),
@@ -601,6 +612,49 @@ def test_hold_book_deadlines_match_a_scan_of_everything_held(
             book.drain()
         earliest = min((h.deadline_ms for h in book), default=None)
         assert book.next_deadline_ms() == earliest
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=book_ops,
+    shortest=st.booleans(),
+    rooms=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 9)), min_size=1, max_size=4),
+)
+def test_room_scans_match_a_scan_of_everything_held(
+    steps: list[tuple[str, int, int, int]], shortest: bool, rooms: list[tuple[int, int]]
+) -> None:
+    """A room update's scan of the book (which skips it when the room is short of every held
+    prompt's compute or KV need) finds, with the tokens ahead of each, what a scan of every
+    held prompt finds, under holds, takes, borrows, deadlines and drains."""
+    book: HoldBook[str] = HoldBook(
+        QueueConfig(max_hold_ms=300, order="shortest" if shortest else "fifo")
+    )
+    no_room = Admission.normal(Reason.NO_ROOM, "")
+    borrowed = Admission(decision=Decision.BORROW, reason=Reason.BORROWED, node_id="d1")
+    now = 0
+    for op, key_n, step, size in steps:
+        now += step
+        key = f"k{key_n}"
+        if op == "hold" and key not in book:
+            book.hold(key, req(key, size, cached=2 * (key_n % 3)), no_room, now)
+        elif op in ("take", "borrow"):
+            held = next((h for h in book if h.key == key), None)
+            if held is not None:
+                book.answered(held, borrowed) if op == "borrow" else book.take(key)
+        elif op == "due":
+            book.due(now)
+        elif op == "drain":
+            book.drain()
+        assert book._compute_needs == sorted(h.compute_need for h in book)  # nothing left over
+        assert book._kv_needs == sorted(h.kv_need for h in book)
+        for compute, kv in rooms:
+            expected, ahead = [], 0
+            for h in book.ordered():
+                if h.compute_need <= compute and h.kv_need <= kv:
+                    expected.append((h.key, ahead))
+                ahead += h.compute_need
+            found = [(h.key, a) for h, a in book._fits(_Room(compute, kv))]
+            assert found == expected
 
 
 ops = st.one_of(
