@@ -392,10 +392,6 @@ class Admitter:
         answers: list[Admission | None] = [None] * len(requests)
         pending: list[tuple[int, Plan]] = []
         views: dict[tuple[str, tuple[str, ...]], _View] = {}
-        # What the replica sent to the pool of the last request, unchanged until the next
-        # request sent to a pool or the next suspension (another Admit may send meanwhile):
-        # ``SentToPools.unreported`` gives the same answer again on the same snapshot.
-        sent_for: tuple[PoolSnapshot | None, Unreported] | None = None
         for i, request in enumerate(requests):
             key = (request.pool, request.candidate_node_ids)  # one view per kind in a batch
             if key not in views:
@@ -408,11 +404,8 @@ class Admitter:
                 )
                 rate = pool_prefill_rate(pool)
                 views[key] = (pool, nodes, self._rooms(nodes, policy.shares), rate)
-                sent_for = None
             pool, nodes, rooms, rate = views[key]
-            if sent_for is None or sent_for[0] is not pool:
-                sent_for = (pool, self._unreported(pool))
-            demand, unreported = self._demand(pool, policy, request, sent_for[1])
+            demand, unreported = self._demand(pool, policy, request, self._unreported(pool))
             plan = plan_admission(
                 request, pool, nodes, policy, now, demand, rooms, unreported, rate
             )
@@ -425,7 +418,6 @@ class Admitter:
                     self.sent.record(
                         request.pool, request.uncached_prompt_tokens, request.prefill_node_id
                     )
-                    sent_for = None
         await self._debit_rounds(requests, owners, policy, now, pending, answers, fate)
         return [a for a in answers if a is not None]
 
