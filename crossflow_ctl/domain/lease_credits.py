@@ -175,6 +175,9 @@ class CapacityBreakdown(NamedTuple):
     chunk_step_s: float
     borrowed_prefill_rate_tps: float
     coefficients: PrefillCoefficients
+    far_chunk_tokens: int
+    """Best borrowed prefill chunk per step over ``FAR_PREFIX_TOKENS`` of prefix, the second
+    point of the cost line (0: none fits, or no line)."""
     outstanding_tokens: int
     """Borrowed uncached tokens queued on the node (telemetry; raw tokens)."""
     covered_tokens: int
@@ -240,6 +243,17 @@ def _extra_batch(
 ) -> tuple[int, float]:
     """(largest b <= cap with ``t(batch + b, context + b * length) <= budget``, t at that b;
     ``guess``: a likely b, which changes nothing but the work: :func:`fit_along`)."""
+    if 1 < guess <= cap:
+        # The usual case, a period after the last answer: the guess still fits and one more
+        # does not (or the guess is the cap). The very evaluations and answer of the search
+        # that follows, without its bookkeeping.
+        t = roof.step_s(batch + guess, context + guess * length)
+        if t <= budget:
+            if guess == cap:
+                return guess, t
+            n = guess + 1
+            if roof.step_s(batch + n, context + n * length) > budget:
+                return guess, t
     n, seen = fit_along(roof, budget, batch, context, 0, 1, length, 0, cap, base, guess)
     return (n, seen[n]) if n else (0, 0.0)
 
@@ -291,8 +305,20 @@ _TERMS: ByIdentity[LeaseTerms] = ByIdentity(LeaseTerms.of)
 
 def lease_terms(model: ModelSpec, node: NodeProfile, settings: LeaseSettings) -> LeaseTerms:
     """The :class:`LeaseTerms` of the three, looked up by identity as
-    :func:`~crossflow_ctl.domain.capacity.roofline` is (all three are frozen)."""
-    return _TERMS.get(model, node, settings)
+    :func:`~crossflow_ctl.domain.capacity.roofline` is (all three are frozen); the last three
+    asked for are checked first (an agent asks with the same ones every period)."""
+    global _last_terms
+    last = _last_terms
+    if last is not None and last[0] is model and last[1] is node and last[2] is settings:
+        return last[3]
+    terms = _TERMS.get(model, node, settings)
+    _last_terms = (model, node, settings, terms)
+    return terms
+
+
+_last_terms: tuple[ModelSpec, NodeProfile, LeaseSettings, LeaseTerms] | None = None
+"""The last three :func:`lease_terms` was asked for and their terms (it keeps them alive, so
+their ids are not reused while they are here)."""
 
 
 def compute_capacity(
@@ -318,9 +344,10 @@ def compute_capacity(
     if base <= budget:
         guess = previous.chunk_tokens if previous is not None else 0
         chunk, chunk_t = best_chunk(roof, budget, batch, context, 0, step, max_chunk, base, guess)
-    coeff = prefill_coefficients(
-        roof, budget, batch, context, chunk, chunk_t, base, step, max_chunk
-    )
+    coeff, far = prefill_coefficients(
+        roof, budget, batch, context, chunk, chunk_t, base, step, max_chunk,
+        previous.far_chunk_tokens if previous is not None else 0,
+    )  # fmt: skip
     if coeff.a_s > MAX_S_PER_TOKEN or coeff.b_s > MAX_S_PER_TOKEN_CONTEXT:
         coeff = PrefillCoefficients(
             a_s=min(coeff.a_s, MAX_S_PER_TOKEN), b_s=min(coeff.b_s, MAX_S_PER_TOKEN_CONTEXT)
@@ -377,6 +404,7 @@ def compute_capacity(
         chunk_step_s=chunk_t,
         borrowed_prefill_rate_tps=rate,
         coefficients=coeff,
+        far_chunk_tokens=far,
         outstanding_tokens=outstanding,
         covered_tokens=covered,
         queue_wait_ms=queue_wait_ms,

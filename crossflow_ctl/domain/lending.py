@@ -147,8 +147,18 @@ def best_chunk(
     unimodal in P, so a check one grid step down says which, and a ternary search finds the
     peak in the rare second case. The best rate over a set that shrinks as the load grows (or
     the budget tightens) never rises, which keeps every credit monotonic."""
-    base = roof.step_s(batch, context) if base_s is None else base_s
     top, hint = max_chunk // step, guess // step
+    if 0 < hint < top:
+        # The usual case, a period after the last answer: the guess still fits, one grid step
+        # more does not, and the rate still grows at the guess (the convexity check below; one
+        # grid step is the answer when two do not fit). The very evaluations and answer of the
+        # search that follows, without its bookkeeping.
+        t_hint = roof.step_s(batch, context, hint * step, prefix)
+        if t_hint <= budget_s:
+            t_up = roof.step_s(batch, context, (hint + 1) * step, prefix)
+            if t_up > budget_s and (hint == 1 or (t_up - t_hint) * hint <= t_hint):
+                return hint * step, t_hint
+    base = roof.step_s(batch, context) if base_s is None else base_s
     n, seen = fit_along(roof, budget_s, batch, context, prefix, 0, 0, step, top, base, hint)
     if n == 0:
         return 0, 0.0
@@ -226,26 +236,30 @@ def prefill_coefficients(
     base_s: float,
     step: int,
     max_chunk: int,
-) -> PrefillCoefficients:
+    far_guess: int = 0,
+) -> tuple[PrefillCoefficients, int]:
     """``a`` and ``b`` at the current decode load: the line through the engine's per-token time
     with no prefix and with ``FAR_PREFIX_TOKENS`` of prefix, each run in its own best chunk (as
-    :class:`ChunkSizer` does; the smallest grid chunk when none fits the budget).
+    :class:`ChunkSizer` does; the smallest grid chunk when none fits the budget); and the best
+    chunk over the far prefix (0: none fits, or no line: ``chunk`` is 0).
 
-    ``chunk`` / ``chunk_s`` are the best chunk with no prefix and its step time. Per-token time
-    rises a little faster than linearly with the prefix at first, so the line over-prices
-    prompts between the two points by up to ~15% (safe: the debit is a little high) and is
-    close at both ends. Both points are non-decreasing in the load, with fixed weights, so the
-    price of every prompt is too."""
+    ``chunk`` / ``chunk_s`` are the best chunk with no prefix and its step time; ``far_guess``:
+    a likely best chunk over the far prefix (the last one), which changes nothing but the work
+    (:func:`best_chunk`). Per-token time rises a little faster than linearly with the prefix at
+    first, so the line over-prices prompts between the two points by up to ~15% (safe: the
+    debit is a little high) and is close at both ends. Both points are non-decreasing in the
+    load, with fixed weights, so the price of every prompt is too."""
     if chunk <= 0 or chunk_s <= 0.0:
-        return PrefillCoefficients()
+        return PrefillCoefficients(), 0
     s0 = chunk_s / chunk
-    far, t_far = best_chunk(
-        roof, budget_s, batch, context, FAR_PREFIX_TOKENS, step, max_chunk, base_s
+    best, t_far = best_chunk(
+        roof, budget_s, batch, context, FAR_PREFIX_TOKENS, step, max_chunk, base_s, far_guess
     )
+    far = best
     if far == 0:
         far, t_far = step, roof.step_s(batch, context, step, FAR_PREFIX_TOKENS)
     slope = max(0.0, (t_far / far - s0) / FAR_PREFIX_TOKENS)
-    return PrefillCoefficients(a_s=s0, b_s=slope)
+    return PrefillCoefficients(a_s=s0, b_s=slope), best
 
 
 class ComputeDebit(NamedTuple):

@@ -62,6 +62,11 @@ def test_a_quiet_node_offers_every_credit() -> None:
     assert a == pytest.approx(cap.chunk_step_s / cap.chunk_tokens) and b > 0
     assert cap.borrowed_prefill_rate_tps == pytest.approx(1 / (a + b * LS.borrowed_prefix_tokens))
     assert c.compute_tokens == int(cap.borrowed_prefill_rate_tps * LS.horizon_s)
+    # the line's far point: the chunk the breakdown reports, in the budget over the far prefix
+    far = cap.far_chunk_tokens
+    t_far = roofline(MODEL, NODE).step_s(16, 16 * 4000, far, FAR_PREFIX_TOKENS)
+    assert far > 0 and t_far <= LS.budget_s
+    assert b == max(0.0, (t_far / far - a) / FAR_PREFIX_TOKENS)
     # kv = free - (5% of total + 256 per running request)
     assert c.kv_tokens == (1_000_000 - 64_000) - (50_000 + 256 * 16)
     # transfer: 25 GB/s x the horizon, capped by the kv credit in bytes (binding at 8 s) ...

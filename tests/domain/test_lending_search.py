@@ -184,15 +184,17 @@ def test_a_guess_changes_no_answer_of_the_searches(
     guess: int,
 ) -> None:
     """A seeded search (the agent seeds each period's with the last answer) returns what an
-    unseeded one does, whatever the seed: the answer, its step time and the next one's."""
+    unseeded one does, whatever the seed: the answer, its step time and the next one's. Seeds
+    at and next to the answer take best_chunk's shortcut for a seed that still holds."""
     roof = roofline(MODEL_PRESETS[model], NODE_PRESETS[node])
     context = batch * per_request
     max_chunk = max(1, steps * step)
     base = roof.step_s(batch, context)
     top = max_chunk // step
-    for hint in (guess % (top + 2), guess):
-        args = (roof, budget, batch, context, prefix, 0, 0, step, top, base)
-        n, seen = fit_along(*args)
+    args = (roof, budget, batch, context, prefix, 0, 0, step, top, base)
+    n, seen = fit_along(*args)
+    best = best_chunk(roof, budget, batch, context, prefix, step, max_chunk, base)[0] // step
+    for hint in (guess % (top + 2), guess, n, n - 1, n + 1, best):
         m, seeded = fit_along(*args, hint)
         assert m == n
         assert [seeded.get(k) for k in (n, n + 1) if k in seen] == [
@@ -219,8 +221,9 @@ def test_a_guess_changes_no_answer_of_the_decode_batch_search(
     returns what the unseeded search does, whatever the seed."""
     roof = roofline(MODEL_PRESETS[model], NODE_PRESETS[node])
     base = roof.step_s(batch, context)
-    for hint in (guess % (cap + 2), guess):
-        args = (roof, budget, batch, context, length, cap, base)
+    args = (roof, budget, batch, context, length, cap, base)
+    n = _extra_batch(*args)[0]
+    for hint in (guess % (cap + 2), guess, n, n - 1, n + 1):
         assert _extra_batch(*args, hint) == _extra_batch(*args)
 
 
@@ -232,12 +235,19 @@ def test_a_guess_changes_no_answer_of_the_decode_batch_search(
     st.integers(0, 60_000),
     st.integers(0, 4_096),
     st.integers(0, 64),
+    st.integers(0, 4_096),
 )
 def test_a_previous_breakdown_changes_no_capacity(
-    model: str, node: str, batch: int, per_request: int, chunk_guess: int, extra_guess: int
+    model: str,
+    node: str,
+    batch: int,
+    per_request: int,
+    chunk_guess: int,
+    extra_guess: int,
+    far_guess: int,
 ) -> None:
     """compute_capacity seeds its searches from the last period's breakdown: any breakdown
-    gives the same capacity as none."""
+    gives the same capacity as none (its own included, the usual case a period later)."""
     spec, profile, lease = MODEL_PRESETS[model], NODE_PRESETS[node], LeaseSettings()
     snap = EngineSnapshot(
         taken_at_ms=0,
@@ -247,5 +257,8 @@ def test_a_previous_breakdown_changes_no_capacity(
         decode_context_tokens=batch * per_request,
     )
     fresh = compute_capacity(snap, spec, profile, lease)
-    seed = fresh._replace(chunk_tokens=chunk_guess, extra_batch=extra_guess)
+    seed = fresh._replace(
+        chunk_tokens=chunk_guess, extra_batch=extra_guess, far_chunk_tokens=far_guess
+    )
     assert compute_capacity(snap, spec, profile, lease, previous=seed) == fresh
+    assert compute_capacity(snap, spec, profile, lease, previous=fresh) == fresh
