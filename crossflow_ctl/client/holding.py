@@ -413,7 +413,7 @@ class HoldBook(Generic[K]):
         if base:
             suffix = f"#{held.offers + 1}"
             update["request_id"] = base[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
-        return held.request.replaced(**update)  # fields of their types: a copy, unvalidated
+        return held.request.model_copy(update=update)
 
     def answered(self, held: Held[K], admission: Admission) -> Step:
         """Record a re-offer's answer; a BORROWED prompt is removed from the book."""

@@ -328,7 +328,7 @@ class AdmissionQueue:
         ahead = 0 if self._closed else self._book.ahead_of_new(request)
         if ahead == request.held_ahead_tokens:
             return request
-        return request.replaced(held_ahead_tokens=ahead)  # a count of held tokens: unvalidated
+        return request.model_copy(update={"held_ahead_tokens": ahead})
 
     # -- helpers (called with the lock held) ----------------------------------------------------
     async def _reoffer(self, request: AdmissionRequest) -> Admission:
