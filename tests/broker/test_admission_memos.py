@@ -79,7 +79,8 @@ def test_room_views_node_rooms_follow_state_share_and_expiry() -> None:
     assert rooms(d0, 1.0, NOW + 499) is first  # the same state, before expiry: kept
     assert rooms(d0, 1.0, NOW + 500) is None  # expired: no room, as node_room says
     assert rooms(d0, 1.0, NOW) == first
+    # Same node, share and side of its expiry; a new state (a debit): the room afresh.
+    busier = node("d0", expires_at=NOW + 500, debits=Credits(compute_tokens=500, slots=1))
+    assert rooms(busier, 1.0, NOW) == node_room(busier, 1.0, NOW) != first
     half = Shares(0.5, 1.0, 1.0, 0.5, 0.5)
     assert rooms(d0, half, NOW) == node_room(d0, half, NOW) != first
-    busier = node("d0", debits=Credits(compute_tokens=500, slots=1))  # same node, new state
-    assert rooms(busier, 1.0, NOW) == node_room(busier, 1.0, NOW) != first

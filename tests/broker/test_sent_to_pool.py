@@ -124,6 +124,25 @@ async def test_each_room_view_sees_the_prompts_sent_and_reports_stored_before_it
     assert (await broker.room_view(RoomWatchRequest())).pool_wait_ms == pytest.approx(50.0)
 
 
+async def test_a_new_report_alone_shows_in_the_next_room_view(store: Store) -> None:
+    """Room views keep the pool's Demand per pool snapshot too: a new report with nothing sent
+    meanwhile (the same unreported count and policy) shows in the next view (review rM)."""
+    broker, clock = await pool_broker(store)
+    before = (await broker.room_view(RoomWatchRequest())).pool_wait_ms
+    clock.advance(1)
+    await broker.ingest_pool_load(
+        PoolLoad(
+            node_id="p1",
+            outstanding_uncached_tokens=2_000,
+            processing_rate_tps=10_000.0,
+            ttl_ms=60_000,
+        )
+    )
+    await asyncio.sleep(VIEW_CACHE_S)  # past the Redis store's view cache
+    after = (await broker.room_view(RoomWatchRequest())).pool_wait_ms
+    assert before == pytest.approx(50.0) and after == pytest.approx(200.0)
+
+
 async def test_a_new_report_resets_the_count(store: Store) -> None:
     broker, clock = await pool_broker(store)
     for _ in range(2):
