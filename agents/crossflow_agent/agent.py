@@ -30,7 +30,7 @@ from crossflow_ctl.aio import wait_any
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps, roofline
 from crossflow_ctl.domain.clock import Clock, SystemClock
-from crossflow_ctl.domain.lease_credits import LeaseSettings
+from crossflow_ctl.domain.lease_credits import CapacityBreakdown, LeaseSettings
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseDecision, decide, pool_load
 from crossflow_ctl.domain.models import MAX_HORIZON_MS, Credits, Lease, NodeRole, ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
@@ -95,6 +95,9 @@ class Agent:
         """New at every process start: the start time in ms (DESIGN.md §2)."""
         self.version = 0
         self.guard = ItlGuard()
+        self._capacity: CapacityBreakdown | None = None
+        """The last decision's capacity: it seeds the next period's searches (``decide``'s
+        ``previous``; the same answers, fewer step-time evaluations while the load holds)."""
         self.scrape_health = ScrapeHealth(_describe(source), time.monotonic)
         self._state_said = ""
         self._broker_lease: tuple[LeaseSettings, LeaseSettings] | None = None
@@ -234,8 +237,10 @@ class Agent:
             failure=failure,
             failure_reason=failure_reason,
             open_debits=open_debits,
+            previous=self._capacity,
         )
         self.guard = decision.guard
+        self._capacity = decision.capacity
         lease = self.lease_for(decision, seq)
         if self.stream.send(lease_request(lease)):
             self.metrics.record_lease_sent(lease.credits, lease.zero_reason)

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
+from crossflow_agent import agent as agent_module
 from crossflow_agent.agent import Agent
 from crossflow_agent.settings import AgentSettings
 from crossflow_agent.sources.http import PrometheusSource
@@ -22,6 +23,8 @@ from crossflow_ctl.broker.server import BrokerServer, make_store
 from crossflow_ctl.client.admin import AdminClient
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.errors import NotFound
+from crossflow_ctl.domain.lease_credits import CapacityBreakdown
+from crossflow_ctl.domain.leasing import LeaseDecision, decide
 from crossflow_ctl.domain.models import Lease, ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.service.config import BrokerSettings
@@ -329,6 +332,31 @@ async def test_a_lease_carries_the_notice_seq_seen_before_its_snapshot() -> None
     assert agent.stream.state.last_notice_seq == 12
     second = await agent.tick()
     assert second is not None and second.last_notice_seq == 12 and second.version == 2
+
+
+async def test_each_period_seeds_its_searches_with_the_last_capacity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent hands each decision the last one's capacity (``previous``), as the simulator
+    does: the searches start from last period's answers (review rT: the real agent searched
+    from scratch every period)."""
+    seeds: list[CapacityBreakdown | None] = []
+
+    def recording(*args: Any, **kwargs: Any) -> LeaseDecision:
+        seeds.append(kwargs.get("previous"))
+        return decide(*args, **kwargs)
+
+    monkeypatch.setattr(agent_module, "decide", recording)
+    settings = AgentSettings(node_id="n1", brokers=["127.0.0.1:1"])
+    snapshot = EngineSnapshot(taken_at_ms=0, running_requests=4, kv_used_tokens=1000,
+                              kv_total_tokens=100_000, decode_context_tokens=1000)  # fmt: skip
+    ref: list[Agent] = []
+    agent = Agent(settings, SeqBumpingSource(ref, snapshot), MODEL, NODE)
+    ref.append(agent)
+    first, second = await agent.tick(), await agent.tick()
+    assert first is not None and second is not None and second.credits == first.credits
+    assert seeds[0] is None and seeds[1] is not None
+    assert seeds[1].chunk_tokens > 0  # the first decision's capacity, now the seed
 
 
 async def test_the_lease_is_sized_over_the_brokers_borrow_horizon() -> None:
