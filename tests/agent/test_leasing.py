@@ -69,6 +69,7 @@ def test_a_quiet_node_offers_every_credit() -> None:
     assert b == max(0.0, (t_far / far - a) / FAR_PREFIX_TOKENS)
     # kv = free - (5% of total + 256 per running request)
     assert c.kv_tokens == (1_000_000 - 64_000) - (50_000 + 256 * 16)
+
     # transfer: 25 GB/s x the horizon, capped by the kv credit in bytes (binding at 8 s) ...
     assert c.kv_transfer_bytes == min(
         int(25e9 * LS.horizon_s), c.kv_tokens * MODEL.kv_bytes_per_token
@@ -76,6 +77,18 @@ def test_a_quiet_node_offers_every_credit() -> None:
     # ... and the network's share when that is the lower (2 s)
     short = compute_capacity(snap(), MODEL, NODE, LS.model_copy(update={"horizon_ms": 2_000}))
     assert short.credits.kv_transfer_bytes == int(25e9 * 2.0)
+
+
+def test_no_far_chunk_when_none_fits_over_the_far_prefix() -> None:
+    """A load where a chunk fits with no prefix but none over the far prefix: the line's far
+    point is the smallest grid chunk's time, and the breakdown says none fits (review rT)."""
+    tight = compute_capacity(snap(running=32, context=32 * 4000), MODEL, NODE, LS)
+    assert tight.chunk_tokens > 0 and tight.far_chunk_tokens == 0
+    step = LS.chunk_step_tokens
+    t_step = roofline(MODEL, NODE).step_s(32, 32 * 4000, step, FAR_PREFIX_TOKENS)
+    assert t_step > LS.budget_s
+    a, b = tight.coefficients
+    assert b == max(0.0, (t_step / step - a) / FAR_PREFIX_TOKENS)
 
 
 def test_lease_terms_follow_each_settings_object() -> None:
