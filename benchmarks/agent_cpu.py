@@ -27,7 +27,7 @@ from crossflow_agent.sources.http import PrometheusSource
 from crossflow_agent.sources.sglang import SGLangReader
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.clock import SystemClock
-from crossflow_ctl.domain.lease_credits import LeaseSettings
+from crossflow_ctl.domain.lease_credits import CapacityBreakdown, LeaseSettings
 from crossflow_ctl.domain.leasing import ItlGuard, decide
 
 
@@ -86,11 +86,12 @@ async def main(iterations: int, hz: float) -> None:
 
             source = PrometheusSource(url, SGLangReader(), client=http)
             guard = ItlGuard()
+            capacity: CapacityBreakdown | None = None  # seeds the next period, as the agent's
             sizes: list[int] = []
             zero = 0
 
             async def period() -> None:
-                nonlocal guard, zero
+                nonlocal guard, capacity, zero
                 snapshot = await source.scrape()
                 decision = decide(
                     snapshot,
@@ -99,8 +100,9 @@ async def main(iterations: int, hz: float) -> None:
                     node=node,
                     settings=settings,
                     guard=guard,
+                    previous=capacity,
                 )
-                guard = decision.guard
+                guard, capacity = decision.guard, decision.capacity
                 lease = decision.to_lease(
                     node_id="bench", epoch=1, version=len(sizes) + 1, ttl_ms=600, last_notice_seq=0
                 )
