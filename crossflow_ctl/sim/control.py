@@ -208,7 +208,8 @@ class ControlPlane:
         agent's report on its own, so the store may number reports out of the order they were
         taken; nothing compares them but to a prompt's stamp, taken after a full catch-up.)"""
         for decode_agent in self.decode_agents:
-            await decode_agent.flush(self.broker, t)
+            if decode_agent.pending:  # no coroutine per agent with nothing to store (most)
+                await decode_agent.flush(self.broker, t)
         waiting = [a for a in self.prefill_agents if a.pending_s is not None]
         if len(waiting) > 1:
             waiting.sort(key=lambda a: a.pending_s or 0.0)
