@@ -497,6 +497,12 @@ async def _put_load(broker: Broker, load: PoolLoad) -> None:
 
 _KEY_FIELDS = tuple(name for name in EngineSnapshot.model_fields if name != "taken_at_ms")
 
-snapshot_key: Callable[[EngineSnapshot], tuple[object, ...]] = operator.attrgetter(*_KEY_FIELDS)
-"""Every field of a snapshot but the time it was taken: what a lease or pool load depends on,
-so two periods with equal keys (and nothing else changed) publish the same."""
+_key_of_fields = operator.itemgetter(*_KEY_FIELDS)
+
+
+def snapshot_key(snapshot: EngineSnapshot) -> tuple[object, ...]:
+    """Every field of a snapshot but the time it was taken: what a lease or pool load depends
+    on, so two periods with equal keys (and nothing else changed) publish the same. Read from
+    the model's field dict (half the cost of one attribute read per field, once per tick)."""
+    key: tuple[object, ...] = _key_of_fields(snapshot.__dict__)
+    return key
