@@ -216,7 +216,8 @@ class ControlPlane:
         for pool_agent in waiting:
             await pool_agent.flush(self.broker, t)
         for agent in self._sleeping:
-            await agent.catch_up(self.broker, t, self.sync)
+            if agent.schedule.next_s <= t:  # else no period passed: nothing to publish again
+                await agent.catch_up(self.broker, t, self.sync)
 
     async def finish(self, t: float) -> None:
         """Count the periods sleeping agents slept through, up to the end of the run."""
