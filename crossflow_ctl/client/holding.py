@@ -10,7 +10,6 @@ deterministic (same calls, same results), so tests drive it with plain integers 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -137,9 +136,70 @@ class Held(Generic[K]):
         self.kv_need = self.compute_need + remote
 
 
-def _remove(ordered: list[int], value: int) -> None:
-    """Remove one ``value`` from the sorted list ``ordered`` (it is there)."""
-    del ordered[bisect_left(ordered, value)]
+class _MinBag:
+    """A multiset of ints with its least at hand, O(log n) to add or remove one: a min-heap
+    whose removals wait as counts until their value comes to the top (lazy deletion, as
+    :attr:`HoldBook._deadlines` drops ended holds), compacted once removals waiting outnumber
+    the values held, so the heap stays within about twice the bag."""
+
+    __slots__ = ("_gone", "_heap", "_stale")
+
+    def __init__(self) -> None:
+        self._heap: list[int] = []
+        self._gone: dict[int, int] = {}
+        """Value -> removals of it still in the heap."""
+        self._stale = 0
+        """Removals still in the heap (the sum of ``_gone``)."""
+
+    def __len__(self) -> int:
+        return len(self._heap) - self._stale
+
+    def add(self, value: int) -> None:
+        heapq.heappush(self._heap, value)
+
+    def remove(self, value: int) -> None:
+        """Remove one ``value`` (it is in the bag)."""
+        gone = self._gone
+        gone[value] = gone.get(value, 0) + 1
+        self._stale += 1
+        if self._stale > 32 and 2 * self._stale > len(self._heap):
+            self._heap = self.values()
+            heapq.heapify(self._heap)
+            gone.clear()
+            self._stale = 0
+
+    def least(self) -> int | None:
+        """The least value in the bag (None: it is empty)."""
+        heap, gone = self._heap, self._gone
+        while heap:
+            top = heap[0]
+            n = gone.get(top)
+            if not n:
+                return top
+            heapq.heappop(heap)
+            if n == 1:
+                del gone[top]
+            else:
+                gone[top] = n - 1
+            self._stale -= 1
+        return None
+
+    def values(self) -> list[int]:
+        """Every value in the bag, once per add not removed since (in no set order)."""
+        gone = dict(self._gone)
+        out: list[int] = []
+        for v in self._heap:
+            n = gone.get(v)
+            if n:
+                gone[v] = n - 1
+            else:
+                out.append(v)
+        return out
+
+    def clear(self) -> None:
+        self._heap.clear()
+        self._gone.clear()
+        self._stale = 0
 
 
 def _arrival(held: Held[K]) -> int:
@@ -184,11 +244,12 @@ class HoldBook(Generic[K]):
         self._deadlines: list[tuple[int, int, K]] = []
         """Heap of (deadline, seq, key) per hold; an entry whose hold has ended (its key is
         gone or held again under a later seq) is dropped when it comes to the top."""
-        self._compute_needs: list[int] = []
-        self._kv_needs: list[int] = []
-        """Every held prompt's compute and KV need, each list sorted: when the room is short
-        of the least of either, no prompt fits and a room update scans nothing (a book that is
-        behind is long, and most updates then find nothing fits)."""
+        self._compute_needs = _MinBag()
+        self._kv_needs = _MinBag()
+        """Every held prompt's compute and KV need, the least of each at hand: when the room
+        is short of the least of either, no prompt fits and a room update scans nothing (a
+        book that is behind is long, and most updates then find nothing fits). Min-heaps, not
+        sorted lists: a hold or take costs O(log n), not a shift of up to ``max_held``."""
 
     def __len__(self) -> int:
         return len(self._held)
@@ -227,16 +288,16 @@ class HoldBook(Generic[K]):
         self._tokens += request.uncached_prompt_tokens
         heapq.heappush(self._deadlines, (deadline, self._seq, key))
         held = self._held[key]
-        insort(self._compute_needs, held.compute_need)
-        insort(self._kv_needs, held.kv_need)
+        self._compute_needs.add(held.compute_need)
+        self._kv_needs.add(held.kv_need)
         return None
 
     def take(self, key: K) -> Held[K] | None:
         held = self._held.pop(key, None)
         if held is not None:
             self._tokens -= held.request.uncached_prompt_tokens
-            _remove(self._compute_needs, held.compute_need)
-            _remove(self._kv_needs, held.kv_need)
+            self._compute_needs.remove(held.compute_need)
+            self._kv_needs.remove(held.kv_need)
         return held
 
     def ahead_of_new(self, request: AdmissionRequest) -> int:
@@ -355,8 +416,8 @@ class HoldBook(Generic[K]):
         each with the uncached tokens of every prompt before it. A room update scans the whole
         book when little fits, so the test is inlined (``_Room.fits``)."""
         compute, kv = room.compute_tokens, room.kv_tokens
-        needs, kv_needs = self._compute_needs, self._kv_needs
-        if not needs or needs[0] > compute or kv_needs[0] > kv:
+        least, least_kv = self._compute_needs.least(), self._kv_needs.least()
+        if least is None or least_kv is None or least > compute or least_kv > kv:
             return  # nothing held fits (or nothing is held)
         ahead = 0
         for held in self._in_order():

@@ -12,7 +12,16 @@ window had no samples (an idle engine, or the first scrape).
 
 from __future__ import annotations
 
-from crossflow_ctl.domain.models import Frozen
+from typing import Any
+
+from crossflow_ctl.domain.models import (
+    Frozen,
+    _new,
+    _set,
+    _set_extra,
+    _set_fields_set,
+    _set_private,
+)
 
 
 class EngineSnapshot(Frozen):
@@ -72,6 +81,20 @@ class EngineSnapshot(Frozen):
     window_s: float = 0.0
     """Length of the window behind the rates and quantiles (0 on a first scrape)."""
 
+    @classmethod
+    def observed(cls, values: dict[str, Any]) -> EngineSnapshot:
+        """:meth:`~crossflow_ctl.domain.models.Frozen.trusted` for a dict the caller built with
+        every field, in order, of its type: the dict becomes the snapshot's own (the caller
+        keeps no reference), with neither keyword packing nor the order check (1.3 us, not
+        2.5). For the simulator's per-tick telemetry, tens of thousands of snapshots a run;
+        tests compare its snapshots with validated ones."""
+        model = _new(cls)
+        _set(model, "__dict__", values)
+        _set_fields_set(model, set(_FIELD_NAMES))
+        _set_extra(model, None)
+        _set_private(model, None)
+        return model
+
     @property
     def kv_free_tokens(self) -> int:
         return max(0, self.kv_total_tokens - self.kv_used_tokens)
@@ -81,3 +104,5 @@ NUMERIC_FIELDS: tuple[str, ...] = tuple(
     name for name, f in EngineSnapshot.model_fields.items() if f.annotation is not str
 )
 """The snapshot's numeric fields, in declaration order (counts, rates, quantiles, times)."""
+
+_FIELD_NAMES: frozenset[str] = frozenset(EngineSnapshot.model_fields)

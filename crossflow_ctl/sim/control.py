@@ -208,14 +208,16 @@ class ControlPlane:
         agent's report on its own, so the store may number reports out of the order they were
         taken; nothing compares them but to a prompt's stamp, taken after a full catch-up.)"""
         for decode_agent in self.decode_agents:
-            await decode_agent.flush(self.broker, t)
+            if decode_agent.pending:  # no coroutine per agent with nothing to store (most)
+                await decode_agent.flush(self.broker, t)
         waiting = [a for a in self.prefill_agents if a.pending_s is not None]
         if len(waiting) > 1:
             waiting.sort(key=lambda a: a.pending_s or 0.0)
         for pool_agent in waiting:
             await pool_agent.flush(self.broker, t)
         for agent in self._sleeping:
-            await agent.catch_up(self.broker, t, self.sync)
+            if agent.schedule.next_s <= t:  # else no period passed: nothing to publish again
+                await agent.catch_up(self.broker, t, self.sync)
 
     async def finish(self, t: float) -> None:
         """Count the periods sleeping agents slept through, up to the end of the run."""

@@ -80,9 +80,9 @@ class StepModel:
         self.model = model
         self.node = node
         self.roof = roofline(model, node)
-
-    def step_s(self, batch: int, context: int, prefill: int = 0, prefix: int = 0) -> float:
-        return self.roof.step_s(batch, context, prefill, prefix)
+        self.step_s = self.roof.step_s
+        """``step_s(batch, context, prefill=0, prefix=0)``: the roofline's own (no wrapper
+        call per planned step)."""
 
     def prefill_s(self, uncached: int, cached: int, chunk: int) -> float:
         return prefill_time_s(self.roof, uncached, cached, chunk)
@@ -225,8 +225,9 @@ class DecodeServer:
     gen: int = 0
     busy_s: float = 0.0
     tokens_out: int = 0
-    itl_log: deque[tuple[float, float, int]] = field(default_factory=deque)
-    """(step end, step time, token intervals) of recent steps, for the agent's ITL quantiles."""
+    itl_log: deque[tuple[float, int, float]] = field(default_factory=deque)
+    """(step time, token intervals, step end) of recent steps, for the agent's ITL quantiles
+    (in that order, so the log sorts by step time as it is)."""
     itl_hist: dict[float, int] = field(default_factory=dict)
     """Rounded step time (0.1 ms) -> token intervals, for the metrics (measured window only)."""
     measure_from_s: float = 0.0
@@ -282,7 +283,7 @@ class DecodeServer:
         self.busy_s += k * dt
         if b:
             self.tokens_out += b * k
-            self.itl_log.append((t, dt, b * k))
+            self.itl_log.append((dt, b * k, t))
             if t >= self.measure_from_s:
                 key = round(dt, 4)
                 self.itl_hist[key] = self.itl_hist.get(key, 0) + b * k
@@ -373,29 +374,32 @@ class DecodeServer:
 
     # -- telemetry --------------------------------------------------------------------------
     def recent_itl(self, t: float, window_s: float) -> tuple[float | None, float | None, int]:
-        """(p50 ms, p99 ms, output tokens) over steps that ended in the last ``window_s``."""
+        """(p50 ms, p99 ms, output tokens) over steps that ended in the last ``window_s``: the
+        least step time with at least half (99%) of the token intervals at or below it."""
         log = self.itl_log
-        while log and log[0][0] < t - window_s:
+        cutoff = t - window_s
+        while log and log[0][2] < cutoff:
             log.popleft()
         if not log:
             return None, None, 0
-        items = sorted((dt, w) for _, dt, w in log)
-        total = sum(w for _, w in items)
-        return (
-            _weighted_quantile(items, total, 0.5) * 1000.0,
-            _weighted_quantile(items, total, 0.99) * 1000.0,
-            total,
-        )
+        if len(log) == 1:  # one step in the window (common): both quantiles are its time
+            dt, total, _ = log[0]
+            return dt * 1000.0, dt * 1000.0, total
+        items = sorted(log)  # by step time (ties: by weight, then end; same quantiles)
+        total = 0
+        for _, w, _ in items:
+            total += w
+        half, most = 0.5 * total, 0.99 * total
+        p50 = -1.0  # not reached yet (step times are positive)
+        acc = 0
+        for dt, w, _ in items:
+            acc += w
+            if p50 < 0.0 and acc >= half:
+                p50 = dt
+            if acc >= most:
+                return p50 * 1000.0, dt * 1000.0, total
+        last = items[-1][0]  # not reached: the integer sum is at least 0.99 of itself
+        return (last if p50 < 0.0 else p50) * 1000.0, last * 1000.0, total
 
     def busy_until(self, t: float) -> float:
         return self.busy_s + (min(t - self.t0, self.k * self.dt) if self.busy else 0.0)
-
-
-def _weighted_quantile(items: list[tuple[float, int]], total: int, q: float) -> float:
-    target = q * total
-    acc = 0
-    for value, weight in items:
-        acc += weight
-        if acc >= target:
-            return value
-    return items[-1][0]

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossflow_ctl.client.holding import Dispatch, HoldBook, QueueConfig, _Room
+from crossflow_ctl.client.holding import Dispatch, HoldBook, QueueConfig, _MinBag, _Room
 from crossflow_ctl.client.queue import AdmissionQueue, Outcome, Ticket
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.clock import ManualClock
@@ -645,8 +645,12 @@ def test_room_scans_match_a_scan_of_everything_held(
             book.due(now)
         elif op == "drain":
             book.drain()
-        assert book._compute_needs == sorted(h.compute_need for h in book)  # nothing left over
-        assert book._kv_needs == sorted(h.kv_need for h in book)
+        needs = sorted(h.compute_need for h in book)  # the bags hold these, nothing left over
+        kv_needs = sorted(h.kv_need for h in book)
+        assert sorted(book._compute_needs.values()) == needs
+        assert sorted(book._kv_needs.values()) == kv_needs
+        assert book._compute_needs.least() == min(needs, default=None)
+        assert book._kv_needs.least() == min(kv_needs, default=None)
         for compute, kv in rooms:
             expected, ahead = [], 0
             for h in book.ordered():
@@ -768,3 +772,45 @@ def check_outcome(out: Outcome) -> None:
         assert not out.held and out.offers == 1 and out.held_ms == 0
     if out.dispatch is Dispatch.DEADLINE:
         assert out.held_ms >= 300
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["add", "add", "remove", "least", "clear"]), st.integers(0, 7)),
+        max_size=400,
+    )
+)
+def test_min_bag_is_the_multiset_of_what_was_added_and_not_removed(
+    ops: list[tuple[str, int]],
+) -> None:
+    """HoldBook's need bags (a heap with lazy removals, compacted past 32 stale entries) hold
+    exactly a plain list's multiset, its least at hand, and stay within about twice it."""
+    bag, plain = _MinBag(), []
+    for op, value in ops:
+        if op == "add":
+            bag.add(value)
+            plain.append(value)
+        elif op == "remove" and plain:
+            gone = plain[value % len(plain)]
+            bag.remove(gone)
+            plain.remove(gone)
+        elif op == "least":
+            assert bag.least() == min(plain, default=None)
+        elif op == "clear" and value == 0:
+            bag.clear()
+            plain.clear()
+        assert len(bag) == len(plain)
+        assert sorted(bag.values()) == sorted(plain)
+        assert len(bag._heap) <= 2 * len(plain) + 33
+
+
+def test_min_bag_compacts_removals_that_never_reach_the_top() -> None:
+    """Removals of values above a least that stays are not left in the heap for ever."""
+    bag = _MinBag()
+    bag.add(0)
+    for v in range(1, 10_001):
+        bag.add(v)
+        bag.remove(v)
+    assert bag.least() == 0 and len(bag) == 1
+    assert len(bag._heap) <= 2 + 33
