@@ -71,8 +71,12 @@ class Frozen(BaseModel):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        _FIELDS[cls] = _field_order(cls)
-        type.__setattr__(cls, "trusted", classmethod(_trusted_builder(cls)))
+        inherited = cls.trusted.__func__  # type: ignore[attr-defined]
+        if inherited is _GENERIC_TRUSTED or getattr(inherited, "_generated", False):
+            _FIELDS[cls] = _field_order(cls)
+            type.__setattr__(cls, "trusted", classmethod(_trusted_builder(cls)))
+        else:  # a model (or one it extends) defines its own ``trusted``: that stands, and
+            _FIELDS[cls] = ((), frozenset())  # ``replaced`` goes through it
 
     @classmethod
     def trusted(cls: type[F], **values: Any) -> F:
@@ -99,6 +103,7 @@ class Frozen(BaseModel):
         return cls.trusted(**{**values, **update})
 
 
+_GENERIC_TRUSTED = Frozen.__dict__["trusted"].__func__
 _FIELDS: dict[type[Frozen], tuple[tuple[str, ...], frozenset[str]]] = {}
 """Each model's field names in order (empty: the model takes pydantic's path always, see
 :func:`_field_order`), and as a set (copied, not rebuilt from the keys, for each model's
@@ -141,7 +146,7 @@ def _trusted_builder(cls: type[Frozen]) -> Any:
     ``model_construct`` itself, which fills defaults and drops unknown names as before."""
     order, names = _FIELDS[cls]
     if not order:
-        return Frozen.trusted.__func__  # type: ignore[attr-defined]
+        return _GENERIC_TRUSTED
     params = ", ".join(f"{name}=_UNSET" for name in order)
     given = " or ".join(f"{name} is _UNSET" for name in order)
     values = ", ".join(f"{name!r}: {name}" for name in order)
@@ -165,6 +170,7 @@ def _trusted_builder(cls: type[Frozen]) -> Any:
     built = scope["_make"](
         _UNSET, _partial, _new, _set_dict, _set_fields_set, _set_extra, _set_private, names
     )
+    built._generated = True
     built.__qualname__ = f"{cls.__qualname__}.trusted"
     built.__doc__ = Frozen.trusted.__doc__
     return built

@@ -159,13 +159,43 @@ def _every_frozen_model() -> list[type[Frozen]]:
 def test_each_model_has_its_own_trusted_over_its_own_fields() -> None:
     """Each model class's generated ``trusted`` builds from that class's fields (not an
     ancestor's), and classes whose ``model_construct`` does more than set fields take it."""
-    for model in _every_frozen_model():
+    models = [m for m in _every_frozen_model() if m.__module__.startswith("crossflow_")]
+    assert len(models) >= 20
+    for model in models:
         order, names = _FIELDS[model]
         if model.__pydantic_post_init__:
             assert order == ()
         else:
             assert order == tuple(model.model_fields) and names == set(order), model
-        assert "trusted" in vars(model), model
+            assert "trusted" in vars(model) and model.trusted._generated, model
+
+
+def test_a_models_own_trusted_stands_and_its_subclasses_inherit_it() -> None:
+    class Own(Frozen):
+        a: int = 0
+
+        @classmethod
+        def trusted(cls, **values: object) -> Own:  # type: ignore[override]
+            return cls(a=41 + len(values))
+
+    class Sub(Own):
+        b: int = 0
+
+    assert Own.trusted(a=5).a == 42
+    assert Sub.trusted(a=5, b=6).a == 43  # inherited, as any classmethod is
+    assert Own(a=1).replaced(a=2).a == 42 and Sub(a=1).replaced(b=2).a == 43  # through it
+
+
+def test_a_subclass_of_a_model_gets_a_trusted_of_its_own_fields() -> None:
+    class Base(Frozen):
+        a: int = 0
+
+    class Sub(Base):
+        b: int = 0
+
+    assert Base.trusted(a=1).__dict__ == {"a": 1}
+    assert Sub.trusted(b=2, a=1).__dict__ == {"a": 1, "b": 2}
+    assert Sub.trusted(b=2, a=1).model_fields_set == {"a", "b"}
 
 
 def test_trusted_with_every_field_in_any_order_is_model_construct() -> None:
