@@ -333,12 +333,20 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                 continue
             after_seq = notices[-1].seq
             if batches:
-                await out.send(lease_pb2.ConnectResponse(notices=batch))
+                await out.send(_batch_response(batch))
             else:
                 for notice in notices:
                     await out.send(lease_pb2.ConnectResponse(notice=notice))
             if linger_s > 0:
                 await asyncio.sleep(linger_s)
+
+
+def _batch_response(batch: lease_pb2.NoticeBatch) -> lease_pb2.ConnectResponse:
+    """``ConnectResponse(notices=batch)``, the batch copied in by ``CopyFrom`` (the same
+    message; the keyword's copy of a batch took about three times as long)."""
+    response = lease_pb2.ConnectResponse()
+    response.notices.CopyFrom(batch)
+    return response
 
 
 def _node_gone(exc: CrossflowError) -> bool:

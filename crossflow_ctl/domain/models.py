@@ -69,41 +69,118 @@ class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
 
     @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        inherited = cls.trusted.__func__  # type: ignore[attr-defined]
+        if inherited is _GENERIC_TRUSTED or getattr(inherited, "_generated", False):
+            _FIELDS[cls] = _field_order(cls)
+            type.__setattr__(cls, "trusted", classmethod(_trusted_builder(cls)))
+        else:  # a model (or one it extends) defines its own ``trusted``: that stands, and
+            _FIELDS[cls] = ((), frozenset())  # ``replaced`` goes through it
+
+    @classmethod
     def trusted(cls: type[F], **values: Any) -> F:
         """``model_construct(**values)`` (no validation: for values known valid), about twice
-        as fast when ``values`` names every field, in order: the same object without pydantic's
-        scan of each field for aliases and defaults. For hot loops (simulated telemetry, lease
-        credits, stored leases)."""
-        known = _FIELDS.get(cls)
-        if known is None:
-            order = () if cls.__pydantic_post_init__ else tuple(cls.__pydantic_fields__)
-            known = _FIELDS[cls] = (order, set(order))
-        order, names = known
-        if tuple(values) != order or not order:
-            return cast(F, cls.model_construct(**values))
-        model = _new(cls)
-        _set(model, "__dict__", values)
-        _set_fields_set(model, names.copy())  # every field was set; each model owns its set
-        _set_extra(model, None)
-        _set_private(model, None)
-        return model
+        as fast when ``values`` names every field: the same object without pydantic's scan of
+        each field for aliases and defaults. For hot loops (simulated telemetry, lease credits,
+        stored leases, admission's answers).
+
+        Each model class gets its own ``trusted`` (:func:`_trusted_builder`), generated from
+        its field list, with each field a keyword parameter: the call's keywords land in them
+        with no dict built and compared per call. This is the fallback for classes that take
+        pydantic's path always (a post-init hook, aliases)."""
+        return cast(F, cls.model_construct(**values))
 
     def replaced(self: F, **update: Any) -> F:
         """A copy with ``update``'s fields, built by :meth:`trusted` (no validation: for
         values known valid, of the fields' types; hot paths copy stored values this way)."""
-        return type(self).trusted(**{**self.__dict__, **update})
+        cls = type(self)
+        order, names = _FIELDS[cls]
+        values = self.__dict__.copy()  # in field order; the update's fields overwrite in place
+        if order and len(values) == len(order) and update.keys() <= names:
+            values.update(update)
+            return _built(cls, values, names)
+        return cls.trusted(**{**values, **update})
 
 
-_FIELDS: dict[type[Frozen], tuple[tuple[str, ...], set[str]]] = {}
-"""Each model's field names in order, as :meth:`Frozen.trusted` compares them (empty: the model
-has a post-init hook, so it always goes through ``model_construct``), and as a set (copied, not
-rebuilt from the keys, for each model's ``model_fields_set``)."""
+_GENERIC_TRUSTED = Frozen.__dict__["trusted"].__func__
+_FIELDS: dict[type[Frozen], tuple[tuple[str, ...], frozenset[str]]] = {}
+"""Each model's field names in order (empty: the model takes pydantic's path always, see
+:func:`_field_order`), and as a set (copied, not rebuilt from the keys, for each model's
+``model_fields_set``)."""
 _set = object.__setattr__
 _new = object.__new__
 _set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
 _set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
 _set_private = BaseModel.__dict__["__pydantic_private__"].__set__
+_set_dict = BaseModel.__dict__["__dict__"].__set__
 """Pydantic's slots, set through their descriptors (what ``object.__setattr__`` finds by name)."""
+_UNSET: Any = object()
+"""A generated ``trusted``'s default for each field: the call left the field out."""
+
+
+def _field_order(cls: type[Frozen]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """``cls``'s fields in order and as a set; no order where ``model_construct`` does more
+    than set the fields (a post-init hook, a field with an alias), so its path is taken."""
+    fields = cls.__pydantic_fields__
+    aliased = any(f.alias is not None or f.validation_alias is not None for f in fields.values())
+    if cls.__pydantic_post_init__ or aliased or cls.__pydantic_root_model__:
+        return (), frozenset()
+    return tuple(fields), frozenset(fields)
+
+
+def _built(cls: type[F], values: dict[str, Any], names: frozenset[str]) -> F:
+    """A ``cls`` of ``values`` (every field, in order: the caller's own dict, kept as the
+    model's ``__dict__``), as ``model_construct`` builds it, without validation."""
+    model = _new(cls)
+    _set(model, "__dict__", values)
+    _set_fields_set(model, set(names))  # every field was set; each model owns its set
+    _set_extra(model, None)
+    _set_private(model, None)
+    return model
+
+
+def _trusted_builder(cls: type[Frozen]) -> Any:
+    """``cls.trusted``: with every field given (any order), the model ``model_construct``
+    builds, built directly (:func:`_built`); else (a field left out, or an unknown name)
+    ``model_construct`` itself, which fills defaults and drops unknown names as before."""
+    order, names = _FIELDS[cls]
+    if not order:
+        return _GENERIC_TRUSTED
+    params = ", ".join(f"{name}=_UNSET" for name in order)
+    given = " or ".join(f"{name} is _UNSET" for name in order)
+    values = ", ".join(f"{name!r}: {name}" for name in order)
+    source = (  # its own names begin with "_", which no field's does (pydantic's rule)
+        "def _make(_UNSET, _partial, _new, _set_dict, _set_fields_set, _set_extra,"
+        " _set_private, _names):\n"  # closure cells: cheaper to read than globals, per call
+        f"  def trusted(_cls, *, {params}, **_others):\n"
+        f"    _values = {{{values}}}\n"
+        f"    if {given} or _others:\n"
+        "      return _partial(_cls, _values, _others)\n"
+        "    _model = _new(_cls)\n"
+        "    _set_dict(_model, _values)\n"
+        "    _set_fields_set(_model, set(_names))\n"
+        "    _set_extra(_model, None)\n"
+        "    _set_private(_model, None)\n"
+        "    return _model\n"
+        "  return trusted\n"
+    )
+    scope: dict[str, Any] = {}
+    exec(source, scope)  # field names are identifiers (pydantic checked them)
+    built = scope["_make"](
+        _UNSET, _partial, _new, _set_dict, _set_fields_set, _set_extra, _set_private, names
+    )
+    built._generated = True
+    built.__qualname__ = f"{cls.__qualname__}.trusted"
+    built.__doc__ = Frozen.trusted.__doc__
+    return built
+
+
+def _partial(cls: type[F], values: dict[str, Any], others: dict[str, Any]) -> F:
+    """``model_construct`` of the fields a generated ``trusted`` was given (and any other
+    names), as the call gave them."""
+    given = {name: value for name, value in values.items() if value is not _UNSET}
+    return cast(F, cls.model_construct(**given, **others))
 
 
 def validated(cls: type[M], /, **data: Any) -> M:

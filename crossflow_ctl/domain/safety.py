@@ -34,9 +34,17 @@ credit that is already over: unlike ``Credits.minus``, nothing here floors at ze
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
-from crossflow_ctl.domain.models import CREDIT_NAMES, ComputeTime, Credits, Share, Shares
+from crossflow_ctl.domain.models import (
+    CREDIT_NAMES,
+    MICROS_PER_S,
+    ComputeTime,
+    Credits,
+    Share,
+    Shares,
+)
 
 Amounts = Credits | Sequence[int]
 """Five credit amounts, as Credits or in CREDIT_NAMES order."""
@@ -74,10 +82,25 @@ def need_for(
     values = _amounts(debit)
     if rate_tps <= 0.0:
         return values
-    kept = open_time.behind(open_compute_tokens)
-    before = kept.tokens_at(open_compute_tokens, rate_tps)
-    after = kept.plus(ComputeTime.of_debit(values[0], debit_us))
-    return (after.tokens_at(open_compute_tokens + values[0], rate_tps) - before, *values[1:])
+    # ComputeTime's arithmetic (behind, of_debit, plus, tokens_at) written out on its numbers,
+    # in the same order (no time built per call: admission asks this per node per request):
+    # kept = open_time.behind(open); before = kept.tokens_at(open, rate);
+    # after = kept.plus(ComputeTime.of_debit(debit, debit_us)); after.tokens_at(open + debit).
+    open_us, open_timed = open_time
+    if not (open_us > 0 and 0 <= open_timed <= open_compute_tokens):
+        open_us = open_timed = 0
+    before = open_compute_tokens
+    if open_us > 0:
+        before += math.ceil(open_us * rate_tps / MICROS_PER_S) - open_timed
+    compute = values[0]
+    total = open_compute_tokens + compute
+    after_us, after_timed = open_us, open_timed
+    if debit_us > 0:
+        after_us, after_timed = open_us + debit_us, open_timed + compute
+    after = total
+    if after_us > 0 and 0 <= after_timed <= total:
+        after += math.ceil(after_us * rate_tps / MICROS_PER_S) - after_timed
+    return (after - before, *values[1:])
 
 
 def room_left(

@@ -53,6 +53,14 @@ def label(value: object, allowed: frozenset[str]) -> str:
     return text if text in allowed else OTHER
 
 
+_ADMISSION_ATTRIBUTES: dict[tuple[object, object], dict[str, str]] = {}
+"""The admissions counter's attributes for each (decision, reason) recorded (as :func:`label`
+makes them, made once: every answer is recorded), shared by every recording and never
+changed after."""
+_MAX_ADMISSION_ATTRIBUTES = 256
+"""Its bound (decisions x reasons, with room): odd values past it are labelled per call."""
+
+
 def _meter(meter_provider: MeterProvider | None) -> Meter:
     provider = meter_provider if meter_provider is not None else get_meter_provider()
     return provider.get_meter(METER_NAME)
@@ -157,9 +165,12 @@ class BrokerMetrics:
         *,
         shadow_decision: Decision | str | None = None,
     ) -> None:
-        self._admissions.add(
-            1, {"decision": label(decision, DECISIONS), "reason": label(reason, REASONS)}
-        )
+        attributes = _ADMISSION_ATTRIBUTES.get((decision, reason))
+        if attributes is None:
+            attributes = {"decision": label(decision, DECISIONS), "reason": label(reason, REASONS)}
+            if len(_ADMISSION_ATTRIBUTES) < _MAX_ADMISSION_ATTRIBUTES:
+                _ADMISSION_ATTRIBUTES[(decision, reason)] = attributes
+        self._admissions.add(1, attributes)
         self._admission_latency.record(max(0.0, seconds))
         if shadow_decision is not None:
             self._shadow.add(1, {"decision": label(shadow_decision, DECISIONS)})

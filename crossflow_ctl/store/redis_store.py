@@ -361,9 +361,9 @@ class RedisStore(Store):
         late: Callable[[list[DebitOutcome]], None] | None,
     ) -> list[DebitOutcome]:
         self.check_debits(debits, share, hold_ttl_ms)
-        calls = DebitCall.build_all(
-            [d for d in debits if is_node_id(d.node_id)], now_ms, hold_ttl_ms
-        )
+        wellformed = _wellformed_node_ids(debits)
+        known = [d for d in debits if wellformed[d.node_id]]
+        calls = DebitCall.build_all(known, now_ms, hold_ttl_ms)
         groups = script_calls(self._k, calls, share)
 
         def outcomes(replies: Sequence[Any]) -> list[DebitOutcome]:
@@ -378,8 +378,10 @@ class RedisStore(Store):
                     by_call[position] = calls[position].outcome(item)
                 node_id = calls[group.positions[0]].node_id
                 refresh_cache(self._node_cache, node_id, reply[-1], now_ms)
+            if len(known) == len(debits):
+                return by_call
             found = iter(by_call)
-            return [next(found) if is_node_id(d.node_id) else UNKNOWN_NODE for d in debits]
+            return [next(found) if wellformed[d.node_id] else UNKNOWN_NODE for d in debits]
 
         script_args = [(g.keys, g.args) for g in groups]
         # no timeout of its own: the admission deadline (or the socket timeouts) bound it
@@ -560,6 +562,16 @@ class RedisStore(Store):
                     await self._r.aclose(close_connection_pool=True)
                 else:
                     await self._r.aclose()
+
+
+def _wellformed_node_ids(debits: Sequence[DebitRequest]) -> dict[str, bool]:
+    """Whether each node id of a batch is well formed (``is_node_id``), checked once per node
+    (a batch's debits share few nodes)."""
+    out: dict[str, bool] = {}
+    for d in debits:
+        if d.node_id not in out:
+            out[d.node_id] = is_node_id(d.node_id)
+    return out
 
 
 def _mark_lost(by_call: list[DebitOutcome], positions: Sequence[int], reply: object) -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
-from crossflow_ctl.broker.streams import _End, _Out
+from crossflow_ctl.broker.streams import _batch_response, _End, _Out
 from crossflow_ctl.client import AdmissionClient
 from crossflow_ctl.domain.admission import Decision
 from tests.broker.conftest import target
@@ -99,3 +100,20 @@ async def test_acks_and_notices_share_the_call_one_write_at_a_time() -> None:
     out.end(_End(grpc.StatusCode.UNAVAILABLE, "store down"))
     out.end(_End())
     assert (await out.ended).code is grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("count", [0, 1, 5])
+def test_a_batch_response_is_the_batch_in_a_connect_response(count: int) -> None:
+    """The relay's message for a batch is ``ConnectResponse(notices=batch)``, a copy: the same
+    bytes, the same oneof, and what the batch becomes later is not what was sent."""
+    batch = lease_pb2.NoticeBatch()
+    for seq in range(count):
+        notice = batch.notices.add(seq=seq + 1, kind=lease_pb2.NOTICE_KIND_GRANT)
+        notice.reservation_id, notice.at_unix_ms = f"r{seq}@d1", 1_000 + seq
+        notice.debit.compute_tokens = 10 * seq
+    response = _batch_response(batch)
+    expected = lease_pb2.ConnectResponse(notices=batch)
+    assert response == expected and response.WhichOneof("body") == "notices"
+    assert response.SerializeToString() == expected.SerializeToString()
+    batch.notices.add(seq=99)
+    assert len(response.notices.notices) == count

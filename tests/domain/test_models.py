@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -10,18 +11,23 @@ from pydantic import ValidationError
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import (
+    _FIELDS,
     MAX_BYTES,
     MAX_SLOTS,
     MAX_TOKENS,
     Credits,
+    Frozen,
     Lease,
     PoolLoad,
     PoolSnapshot,
+    Reservation,
+    ReservationState,
     StoredLease,
     ZeroReason,
     validated,
 )
 from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.store.base import DebitOutcome
 
 
 def lease(**overrides: object) -> Lease:
@@ -138,6 +144,115 @@ def test_replaced_is_model_copy_with_the_update_and_leaves_the_original() -> Non
     assert copy == base.model_copy(update={"kv_tokens": 9, "slots": 0})
     assert list(copy.model_dump()) == list(base.model_dump())  # fields in order
     assert base.kv_tokens == 4 and copy.__dict__ is not base.__dict__
+
+
+def _every_frozen_model() -> list[type[Frozen]]:
+    found: list[type[Frozen]] = []
+    todo: list[type[Frozen]] = [Frozen]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return found
+
+
+def test_each_model_has_its_own_trusted_over_its_own_fields() -> None:
+    """Each model class's generated ``trusted`` builds from that class's fields (not an
+    ancestor's), and classes whose ``model_construct`` does more than set fields take it."""
+    models = [m for m in _every_frozen_model() if m.__module__.startswith("crossflow_")]
+    assert len(models) >= 20
+    for model in models:
+        order, names = _FIELDS[model]
+        if model.__pydantic_post_init__:
+            assert order == ()
+        else:
+            assert order == tuple(model.model_fields) and names == set(order), model
+            assert "trusted" in vars(model) and model.trusted._generated, model
+
+
+def test_a_models_own_trusted_stands_and_its_subclasses_inherit_it() -> None:
+    class Own(Frozen):
+        a: int = 0
+
+        @classmethod
+        def trusted(cls, **values: object) -> Own:  # type: ignore[override]
+            return cls(a=41 + len(values))
+
+    class Sub(Own):
+        b: int = 0
+
+    assert Own.trusted(a=5).a == 42
+    assert Sub.trusted(a=5, b=6).a == 43  # inherited, as any classmethod is
+    assert Own(a=1).replaced(a=2).a == 42 and Sub(a=1).replaced(b=2).a == 43  # through it
+
+
+def test_a_subclass_of_a_model_gets_a_trusted_of_its_own_fields() -> None:
+    class Base(Frozen):
+        a: int = 0
+
+    class Sub(Base):
+        b: int = 0
+
+    assert Base.trusted(a=1).__dict__ == {"a": 1}
+    assert Sub.trusted(b=2, a=1).__dict__ == {"a": 1, "b": 2}
+    assert Sub.trusted(b=2, a=1).model_fields_set == {"a", "b"}
+
+
+def test_trusted_with_every_field_in_any_order_is_model_construct() -> None:
+    values = {
+        "reservation_id": "r1",
+        "node_id": "d1",
+        "state": ReservationState.HELD,
+        "debit": Credits(compute_tokens=5),
+        "compute_us": 7,
+        "lease_epoch": 2,
+        "lease_version": 3,
+        "created_at_ms": 10,
+        "expires_at_ms": 20,
+        "grant_seq": 4,
+        "release_seq": 0,
+        "request_id": "q",
+        "owner": "",
+    }
+    assert list(values) == list(Reservation.model_fields)
+    reference = Reservation.model_construct(**values)
+    for given in (values, dict(reversed(values.items()))):
+        fast = Reservation.trusted(**given)
+        assert type(fast) is Reservation
+        assert fast.__dict__ == reference.__dict__
+        assert list(fast.__dict__) == list(Reservation.model_fields)  # fields in order
+        assert fast.model_fields_set == reference.model_fields_set == set(values)
+        assert fast.__pydantic_extra__ is None and fast.__pydantic_private__ is None
+        assert fast == reference and hash(fast) == hash(reference)
+        assert fast.model_dump() == reference.model_dump()
+        assert fast.model_dump_json() == Reservation(**values).model_dump_json()
+        assert fast.model_copy(update={"grant_seq": 9}) == reference.model_copy(
+            update={"grant_seq": 9}
+        )
+        assert copy.copy(fast) == fast and copy.deepcopy(fast) == fast
+    # each model owns its fields set: changing one's leaves the next one's alone
+    one, two = Reservation.trusted(**values), Reservation.trusted(**values)
+    assert one.model_fields_set is not two.model_fields_set
+
+
+def test_trusted_with_a_field_left_out_or_an_unknown_name_is_model_construct() -> None:
+    partial = DebitOutcome.trusted(granted=False, refusal="short", lease_epoch=3)
+    reference = DebitOutcome.model_construct(granted=False, refusal="short", lease_epoch=3)
+    assert partial.__dict__ == reference.__dict__  # defaults filled, in field order
+    assert list(partial.__dict__) == list(DebitOutcome.model_fields)
+    assert partial.model_fields_set == {"granted", "refusal", "lease_epoch"}
+    full = {**DebitOutcome(granted=True).__dict__, "no_such_field": 1}
+    unknown = DebitOutcome.trusted(**full)
+    assert unknown.__dict__ == DebitOutcome.model_construct(**full).__dict__
+    assert "no_such_field" not in unknown.__dict__
+
+
+def test_replaced_with_an_unknown_name_is_what_model_construct_builds() -> None:
+    base = Credits(compute_tokens=5, kv_tokens=4, kv_transfer_bytes=3, output_tokens=2, slots=1)
+    odd = base.replaced(slots=3, no_such_field=1)
+    assert odd.__dict__ == Credits.model_construct(**{**base.__dict__, "slots": 3}).__dict__
+    assert odd.model_fields_set == set(Credits.model_fields)
+    assert base.replaced().model_fields_set is not base.model_fields_set
 
 
 def test_from_tuple_floors_at_zero_and_still_refuses_amounts_out_of_bounds() -> None:

@@ -162,3 +162,39 @@ def test_a_debit_fits_exactly_when_the_open_compute_after_it_stays_within_the_le
     after = time.plus(ComputeTime.of_debit(debit[0], us)).tokens_at(open_[0] + debit[0], rate)
     short = short_credits(lease, open_, share, debit, rate, time, us)
     assert ("compute_tokens" in short) == (after > int(lease[0] * Shares.of(share).compute))
+
+
+def _need_by_compute_time(
+    debit: tuple[int, ...], debit_us: int, opened: int, time: ComputeTime, rate: float
+) -> tuple[int, ...]:
+    """need_for as ComputeTime's own methods say it (the definition need_for writes out)."""
+    if rate <= 0.0:
+        return debit
+    kept = time.behind(opened)
+    before = kept.tokens_at(opened, rate)
+    after = kept.plus(ComputeTime.of_debit(debit[0], debit_us))
+    return (after.tokens_at(opened + debit[0], rate) - before, *debit[1:])
+
+
+@given(
+    st.tuples(*(st.integers(0, 10**9) for _ in range(5))),
+    st.integers(-(2**41), 2**41),
+    st.integers(0, 10**9),
+    st.builds(ComputeTime, st.integers(-(2**41), 2**41), st.integers(-(10**9), 10**9)),
+    st.one_of(
+        st.just(0.0),
+        st.just(2329.3333333333335),
+        st.floats(min_value=-1.0, max_value=1e9, allow_nan=False),
+    ),
+)
+@example((12_229, 1, 1, 1, 1), 5_250_000, 3_494, ComputeTime(1_500_000, 3_494), 2329.3333333333335)
+@example((1_000, 0, 0, 0, 0), 2_000_000, 2_500, ComputeTime(3_000_000, 3_000), 500.0)
+@example((1_000, 0, 0, 0, 0), 2_000_000, 2_500, ComputeTime(-2_000_000, -2_000), 500.0)
+def test_need_for_is_compute_times_arithmetic(
+    debit: tuple[int, ...], debit_us: int, opened: int, time: ComputeTime, rate: float
+) -> None:
+    """need_for writes ComputeTime's arithmetic out on its numbers (no time built per call):
+    the same need, to the token, for any time (inconsistent ones included) and rate."""
+    assert need_for(debit, debit_us, opened, time, rate) == _need_by_compute_time(
+        debit, debit_us, opened, time, rate
+    )

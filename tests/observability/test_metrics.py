@@ -15,6 +15,7 @@ from crossflow_ctl.observability import (
     AgentMetrics,
     BrokerMetrics,
     MetricsEndpoint,
+    instruments,
     parse_listen,
     setup_metrics,
 )
@@ -123,6 +124,27 @@ async def test_label_values_are_bounded(endpoint: MetricsEndpoint) -> None:
         if name == "crossflow_broker_node_available_credits"
     }
     assert nodes == {"node-0", "node-1"}
+
+
+async def test_admission_labels_made_once_stay_bounded_for_odd_values(
+    endpoint: MetricsEndpoint,
+) -> None:
+    """The (decision, reason) labels are made once per pair and kept, up to a bound: a flood of
+    odd reasons neither grows the memo past it nor changes what is counted."""
+    m = BrokerMetrics(endpoint.meter_provider)
+    odd = 2 * instruments._MAX_ADMISSION_ATTRIBUTES
+    for i in range(odd):
+        m.record_admission("normal", f"odd-{i}", 0.001)
+    m.record_admission(Decision.BORROW, Reason.BORROWED, 0.001)
+    m.record_admission("borrow", "borrowed", 0.001)
+    assert len(instruments._ADMISSION_ATTRIBUTES) <= instruments._MAX_ADMISSION_ATTRIBUTES
+    s = await scrape(endpoint)
+    adm = "crossflow_broker_admissions_total"
+    assert (
+        value(s, adm, decision="normal", reason="other")
+        == 2 * instruments._MAX_ADMISSION_ATTRIBUTES
+    )
+    assert value(s, adm, decision="borrow", reason="borrowed") == 2
 
 
 async def test_forgotten_node_leaves_the_scrape(endpoint: MetricsEndpoint) -> None:
