@@ -14,14 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from crossflow_ctl.domain.models import (
-    Frozen,
-    _new,
-    _set,
-    _set_extra,
-    _set_fields_set,
-    _set_private,
-)
+from crossflow_ctl.domain.models import Frozen, _built
 
 
 class EngineSnapshot(Frozen):
@@ -88,12 +81,7 @@ class EngineSnapshot(Frozen):
         keeps no reference), with neither keyword packing nor the order check (1.3 us, not
         2.5). For the simulator's per-tick telemetry, tens of thousands of snapshots a run;
         tests compare its snapshots with validated ones."""
-        model = _new(cls)
-        _set(model, "__dict__", values)
-        _set_fields_set(model, set(_FIELD_NAMES))
-        _set_extra(model, None)
-        _set_private(model, None)
-        return model
+        return _built(cls, values, _FIELD_NAMES)
 
     @property
     def kv_free_tokens(self) -> int:
