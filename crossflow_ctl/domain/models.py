@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
+from keyword import iskeyword
 from typing import Annotated, Any, NamedTuple, TypeVar, cast
 
 from pydantic import (
@@ -71,12 +72,12 @@ class Frozen(BaseModel):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        inherited = cls.trusted.__func__  # type: ignore[attr-defined]
+        inherited = getattr(cls.trusted, "__func__", None)  # None: not a classmethod
         if inherited is _GENERIC_TRUSTED or getattr(inherited, "_generated", False):
             _FIELDS[cls] = _field_order(cls)
             type.__setattr__(cls, "trusted", classmethod(_trusted_builder(cls)))
         else:  # a model (or one it extends) defines its own ``trusted``: that stands, and
-            _FIELDS[cls] = ((), frozenset())  # ``replaced`` goes through it
+            _FIELDS[cls] = _GENERIC  # ``replaced`` goes through it
 
     @classmethod
     def trusted(cls: type[F], **values: Any) -> F:
@@ -95,15 +96,17 @@ class Frozen(BaseModel):
         """A copy with ``update``'s fields, built by :meth:`trusted` (no validation: for
         values known valid, of the fields' types; hot paths copy stored values this way)."""
         cls = type(self)
-        order, names = _FIELDS[cls]
+        order, names = _FIELDS.get(cls, _GENERIC)
         values = self.__dict__.copy()  # in field order; the update's fields overwrite in place
-        if order and len(values) == len(order) and update.keys() <= names:
+        if order and values.keys() == names and update.keys() <= names:
             values.update(update)
             return _built(cls, values, names)
         return cls.trusted(**{**values, **update})
 
 
 _GENERIC_TRUSTED = Frozen.__dict__["trusted"].__func__
+_GENERIC: tuple[tuple[str, ...], frozenset[str]] = ((), frozenset())
+"""A model's entry in ``_FIELDS`` when it takes pydantic's path always."""
 _FIELDS: dict[type[Frozen], tuple[tuple[str, ...], frozenset[str]]] = {}
 """Each model's field names in order (empty: the model takes pydantic's path always, see
 :func:`_field_order`), and as a set (copied, not rebuilt from the keys, for each model's
@@ -124,8 +127,9 @@ def _field_order(cls: type[Frozen]) -> tuple[tuple[str, ...], frozenset[str]]:
     than set the fields (a post-init hook, a field with an alias), so its path is taken."""
     fields = cls.__pydantic_fields__
     aliased = any(f.alias is not None or f.validation_alias is not None for f in fields.values())
-    if cls.__pydantic_post_init__ or aliased or cls.__pydantic_root_model__:
-        return (), frozenset()
+    plain = all(name.isidentifier() and not iskeyword(name) for name in fields)
+    if cls.__pydantic_post_init__ or aliased or cls.__pydantic_root_model__ or not plain:
+        return _GENERIC  # (a field name that is no Python identifier cannot be a parameter)
     return tuple(fields), frozenset(fields)
 
 
@@ -151,24 +155,26 @@ def _trusted_builder(cls: type[Frozen]) -> Any:
     given = " or ".join(f"{name} is _UNSET" for name in order)
     values = ", ".join(f"{name!r}: {name}" for name in order)
     source = (  # its own names begin with "_", which no field's does (pydantic's rule)
+        # closure cells, not globals (cheaper to read per call); ``set`` too (a field may be
+        # named so)
         "def _make(_UNSET, _partial, _new, _set_dict, _set_fields_set, _set_extra,"
-        " _set_private, _names):\n"  # closure cells: cheaper to read than globals, per call
+        " _set_private, _names, _set_of):\n"
         f"  def trusted(_cls, *, {params}, **_others):\n"
         f"    _values = {{{values}}}\n"
         f"    if {given} or _others:\n"
         "      return _partial(_cls, _values, _others)\n"
         "    _model = _new(_cls)\n"
         "    _set_dict(_model, _values)\n"
-        "    _set_fields_set(_model, set(_names))\n"
+        "    _set_fields_set(_model, _set_of(_names))\n"
         "    _set_extra(_model, None)\n"
         "    _set_private(_model, None)\n"
         "    return _model\n"
         "  return trusted\n"
     )
     scope: dict[str, Any] = {}
-    exec(source, scope)  # field names are identifiers (pydantic checked them)
+    exec(source, scope)  # every field name is an identifier, no keyword (_field_order)
     built = scope["_make"](
-        _UNSET, _partial, _new, _set_dict, _set_fields_set, _set_extra, _set_private, names
+        _UNSET, _partial, _new, _set_dict, _set_fields_set, _set_extra, _set_private, names, set
     )
     built._generated = True
     built.__qualname__ = f"{cls.__qualname__}.trusted"

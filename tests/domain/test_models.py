@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import math
+from functools import cached_property
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -253,6 +255,43 @@ def test_replaced_with_an_unknown_name_is_what_model_construct_builds() -> None:
     assert odd.__dict__ == Credits.model_construct(**{**base.__dict__, "slots": 3}).__dict__
     assert odd.model_fields_set == set(Credits.model_fields)
     assert base.replaced().model_fields_set is not base.model_fields_set
+
+
+def test_odd_models_keep_what_they_had_before_trusted_was_generated() -> None:
+    """Review rB: a field named ``set``, a static ``trusted`` of a model's own, a field name no
+    parameter can take, and ``replaced`` of a model whose dict holds other keys (a field left
+    out, a cached value) each behave as before generated ``trusted`` functions."""
+
+    class Named(Frozen):
+        set: int
+        b: int = 2
+
+    assert Named.trusted(set=1, b=3).__dict__ == {"set": 1, "b": 3}
+
+    class Static(Frozen):
+        a: int
+
+        @staticmethod
+        def trusted(**_values: Any) -> Any:
+            return "its own"
+
+    assert Static.trusted(a=1) == "its own"
+    dashed: Any = type("Dashed", (Frozen,), {"__annotations__": {"a-b": int}})
+    assert dashed.trusted(**{"a-b": 1}).__dict__ == {"a-b": 1}
+
+    class Cached(Frozen):
+        a: int
+        b: int = 0
+
+        @cached_property
+        def doubled(self) -> int:
+            return 2 * self.b
+
+    partial = Cached.model_construct(b=3)
+    assert partial.doubled == 6
+    again = partial.replaced(b=4)
+    assert again.doubled == 8 and again.model_fields_set == {"b"}
+    assert Frozen().replaced() == Frozen()
 
 
 def test_from_tuple_floors_at_zero_and_still_refuses_amounts_out_of_bounds() -> None:
