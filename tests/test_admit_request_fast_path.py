@@ -18,7 +18,7 @@ from crossflow_ctl.domain.admission import (
     AdmissionRequest,
 )
 from crossflow_ctl.domain.errors import InvalidArgument
-from crossflow_ctl.domain.models import MAX_ID_LEN, MAX_TOKENS
+from crossflow_ctl.domain.models import MAX_ID_LEN, MAX_TOKENS, is_node_id
 from crossflow_ctl.wire import convert_admission as ca
 
 IDS = [
@@ -139,7 +139,7 @@ def test_a_plain_request_skips_validation(monkeypatch: pytest.MonkeyPatch) -> No
 )
 def test_candidate_ids_checked_together_as_one_by_one(ids: list[str]) -> None:
     """The candidate list's one joined check answers as a check of each id would."""
-    assert ca._all_node_ids(tuple(ids)) == all(ca._is_node_id(i) for i in ids)
+    assert ca._all_node_ids(tuple(ids)) == all(is_node_id(i) for i in ids)
 
 
 def test_many_candidates_skip_validation(monkeypatch: pytest.MonkeyPatch) -> None:

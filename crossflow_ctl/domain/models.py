@@ -45,6 +45,7 @@ a debit at the cap never fits), which keeps a node's open sum of it an exact int
 (the Redis scripts' Lua numbers) for up to 8,192 open debits at the cap."""
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 MAX_ID_LEN = 128
+MAX_POOL_LEN = 64
 MAX_LABELS = 32
 MAX_LABEL_KEY_LEN = 128
 MAX_LABEL_VALUE_LEN = 256
@@ -56,7 +57,17 @@ is not a start time: refused, so that one bad lease cannot put a node's epoch ou
 every later agent start (an epoch of 2^63-1 would otherwise brick the node for good)."""
 
 NodeId = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, pattern=ID_PATTERN)]
-PoolName = Annotated[str, Field(min_length=1, max_length=64, pattern=ID_PATTERN)]
+_ID = re.compile(ID_PATTERN)
+
+
+def is_node_id(node_id: str) -> bool:
+    """Whether ``node_id`` is well formed, as ``NodeId`` validates it (the pattern over the WHOLE
+    string: ``match`` would take 'd1\n', since ``$`` also matches before a final newline);
+    says nothing of existence."""
+    return len(node_id) <= MAX_ID_LEN and _ID.fullmatch(node_id) is not None
+
+
+PoolName = Annotated[str, Field(min_length=1, max_length=MAX_POOL_LEN, pattern=ID_PATTERN)]
 Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 Ms = Annotated[float, Field(ge=0.0, le=MAX_MS, allow_inf_nan=False)]
 Tps = Annotated[float, Field(ge=0.0, le=MAX_RATE_TPS, allow_inf_nan=False)]

@@ -39,13 +39,7 @@ Cluster they spread over the masters instead of making one hot slot."""
 NODE_KEYS_CACHED = 4096
 """Nodes whose key names a process keeps built (least recently used beyond that)."""
 
-_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _RESERVATION_ID = re.compile(r"^([0-9a-f]{32})@([A-Za-z0-9][A-Za-z0-9._-]*)$")
-
-
-def is_node_id(node_id: str) -> bool:
-    """Whether ``node_id`` is well formed (so it can name keys); says nothing of existence."""
-    return len(node_id) <= MAX_ID_LEN and _NODE_ID.fullmatch(node_id) is not None
 
 
 def new_reservation_id(node_id: str, bits: int) -> str:

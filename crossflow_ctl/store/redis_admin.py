@@ -15,9 +15,9 @@ from typing import Any
 from redis.asyncio import Redis, RedisCluster
 
 from crossflow_ctl.domain.errors import FailedPrecondition, NotFound
-from crossflow_ctl.domain.models import PoolSnapshot, Reservation
+from crossflow_ctl.domain.models import PoolSnapshot, Reservation, is_node_id
 from crossflow_ctl.store import redis_codec as codec
-from crossflow_ctl.store.keys import Keys, is_node_id
+from crossflow_ctl.store.keys import Keys
 from crossflow_ctl.store.redis_index import NodeIndex
 from crossflow_ctl.store.redis_scripts import Scripts
 

@@ -61,6 +61,7 @@ from crossflow_ctl.domain.models import (
     Share,
     StoredLease,
     StoredPoolLoad,
+    is_node_id,
     validated,
 )
 from crossflow_ctl.domain.policy import VersionedPolicy
@@ -80,7 +81,6 @@ from crossflow_ctl.store.keys import (
     HISTORY_CAP,
     NOTICES_CAP,
     Keys,
-    is_node_id,
     node_of_reservation,
 )
 from crossflow_ctl.store.redis_admin import RedisAdmin

@@ -26,9 +26,9 @@ from typing import Any
 import structlog
 
 from crossflow_ctl.aio import cancel_and_wait, detached_task
-from crossflow_ctl.domain.models import NodeState, PoolSnapshot
+from crossflow_ctl.domain.models import NodeState, PoolSnapshot, is_node_id
 from crossflow_ctl.store import redis_codec as codec
-from crossflow_ctl.store.keys import Keys, is_node_id
+from crossflow_ctl.store.keys import Keys
 from crossflow_ctl.store.redis_cache import LenderSample, NodeCache, PoolCache
 from crossflow_ctl.store.redis_connect import error_text
 from crossflow_ctl.store.redis_index import NodeIndex

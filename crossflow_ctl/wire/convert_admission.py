@@ -27,7 +27,13 @@ from crossflow_ctl.domain.admission import (
     Reason,
 )
 from crossflow_ctl.domain.errors import InvalidArgument
-from crossflow_ctl.domain.models import ID_PATTERN, MAX_ID_LEN, MAX_TOKENS
+from crossflow_ctl.domain.models import (
+    ID_PATTERN,
+    MAX_ID_LEN,
+    MAX_POOL_LEN,
+    MAX_TOKENS,
+    is_node_id,
+)
 from crossflow_ctl.wire import convert as c
 from crossflow_ctl.wire import convert_room as cr
 
@@ -100,9 +106,9 @@ def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionReques
         and 0 <= held <= MAX_TOKENS
         and attempt <= MAX_ATTEMPT  # uint32: never negative
         and len(request_id) <= MAX_REQUEST_ID_LEN
-        and (not pool or (len(pool) <= MAX_POOL_LEN and _is_id(pool)))
-        and (not cached_at or _is_node_id(cached_at))
-        and (not prefill or _is_node_id(prefill))
+        and (not pool or (len(pool) <= MAX_POOL_LEN and is_node_id(pool)))
+        and (not cached_at or is_node_id(cached_at))
+        and (not prefill or is_node_id(prefill))
         and len(candidates) <= MAX_CANDIDATES
         and (not candidates or _all_node_ids(candidates))
     ):
@@ -142,18 +148,6 @@ def admit_request_validated(msg: admission_pb2.AdmitRequest) -> AdmissionRequest
         prefill_node_id=msg.prefill_node_id or None,
     )
     return result
-
-
-MAX_POOL_LEN = 64
-"""``PoolName``'s length bound (tests/test_admit_request_fast_path.py holds the fast path of
-:func:`admit_request_from_proto` to the model's validation)."""
-_is_id = re.compile(ID_PATTERN).fullmatch
-"""The id pattern over the WHOLE string, as the model matches it (``search`` or ``match`` would
-take 'd1\n': Python's ``$`` also matches before a final newline)."""
-
-
-def _is_node_id(node_id: str) -> bool:
-    return len(node_id) <= MAX_ID_LEN and _is_id(node_id) is not None
 
 
 _ID = ID_PATTERN.removeprefix("^").removesuffix("*$") + f"{{0,{MAX_ID_LEN - 1}}}"

@@ -8,14 +8,13 @@ import pytest
 from redis.crc import key_slot
 
 from crossflow_ctl.domain.errors import InvalidArgument
-from crossflow_ctl.domain.models import NodeInfo
+from crossflow_ctl.domain.models import NodeInfo, is_node_id
 from crossflow_ctl.security.identity import parse_identity_uri
 from crossflow_ctl.service.checks import check_node_id
 from crossflow_ctl.store.base import check_owner
 from crossflow_ctl.store.keys import (
     INDEX_BUCKETS,
     Keys,
-    is_node_id,
     new_reservation_id,
     node_of_reservation,
 )
