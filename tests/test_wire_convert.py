@@ -259,6 +259,9 @@ def test_room_round_trips() -> None:
         queue_wait_ms=1.5,
         lease_epoch=2,
         lease_version=9,
+        borrowed_prefill_rate_tps=12_000.0,
+        prefill_s_per_token=8e-5,
+        prefill_s_per_token_context=2e-9,
     )
     views = [
         RoomView(

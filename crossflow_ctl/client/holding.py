@@ -19,8 +19,8 @@ from typing import Annotated, Generic, Literal, TypeVar
 from pydantic import Field, field_validator
 
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
-from crossflow_ctl.domain.models import MAX_TOKENS, Frozen
-from crossflow_ctl.domain.room import RoomStatus, RoomView
+from crossflow_ctl.domain.models import MAX_TOKENS, Credits, Frozen
+from crossflow_ctl.domain.room import NodeRoom, RoomStatus, RoomView
 
 K = TypeVar("K")
 
@@ -217,6 +217,81 @@ class _Room:
     def fits(self, held: Held[K]) -> bool:
         """Whether some node might take ``held``: its compute and KV needs within the room."""
         return held.compute_need <= self.compute_tokens and held.kv_need <= self.kv_tokens
+
+
+class PassRoom:
+    """The room a room view showed, less what the grants of the pass re-offering on it took.
+
+    A re-offer pass walks held prompts chosen on the view's room (:meth:`HoldBook.to_reoffer`).
+    Each prompt it borrows takes its debit from its node, room that every later prompt of the
+    pass was chosen on: offered anyway, a prompt that no node can take any more is only refused
+    NO_ROOM (under overload most re-offers were such refusals, an Admit each). So a pass takes
+    each grant's debit off its node (:meth:`took`), and a prompt that no node's room left can
+    take (:meth:`fits`) counts as refused without its Admit: skipped when the queue is behind,
+    the end of the pass in queue order, as its refusal would be.
+
+    Only a sure refusal is skipped: a node takes the prompt unless it is out of slots, short of
+    the prompt's compute priced as Admit prices it (the view says the node's lease pricing;
+    where it does not, compute is not judged) or, when ``with_kv``, of the KV any node needs
+    for it. A grant whose answer does not say its debit (no explanation: an AdmitStream
+    decision) takes nothing off. The broker still decides every prompt offered."""
+
+    def __init__(self, view: RoomView, with_kv: bool) -> None:
+        self._with_kv = with_kv
+        self._nodes = {n.node_id: _NodeLeft(n) for n in view.nodes}
+
+    def fits(self, held: Held[K]) -> bool:
+        """Whether some node's room left might take ``held``."""
+        request = held.request
+        for node in self._nodes.values():
+            if node.slots <= 0 or (self._with_kv and held.kv_need > node.kv_tokens):
+                continue
+            need = node.room.compute_need(
+                request.uncached_prompt_tokens, request.cached_prefix_tokens
+            )
+            if need is None or need <= node.compute_tokens:
+                return True
+        return False
+
+    def took(self, admission: Admission) -> None:
+        """A prompt of this pass borrowed (``admission``): its debit leaves its node."""
+        debit = granted_debit(admission)
+        node = self._nodes.get(admission.node_id)
+        if debit is None or node is None:
+            return
+        node.compute_tokens -= debit.compute_tokens
+        node.kv_tokens -= debit.kv_tokens
+        node.slots -= debit.slots
+
+
+@dataclass(slots=True)
+class _NodeLeft:
+    """One node of a :class:`PassRoom`: its room as the view showed it, and what is left."""
+
+    room: NodeRoom
+    compute_tokens: int = field(init=False)
+    kv_tokens: int = field(init=False)
+    slots: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        room = self.room
+        self.compute_tokens, self.kv_tokens, self.slots = (
+            room.compute_tokens,
+            room.kv_tokens,
+            room.slots,
+        )
+
+
+def granted_debit(admission: Admission) -> Credits | None:
+    """What a BORROW answer debited on its node, as its explanation tells (None: no BORROW, or
+    no explanation to tell it)."""
+    plan = admission.plan
+    if admission.decision is not Decision.BORROW or plan is None:
+        return None
+    for check in plan.ranked:
+        if check.node_id == admission.node_id:
+            return check.debit
+    return None
 
 
 def _kv_tokens(request: AdmissionRequest) -> int:

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from crossflow_ctl.client.holding import Dispatch, Held, HoldBook, QueueConfig, Step
+from crossflow_ctl.client.holding import Dispatch, Held, HoldBook, PassRoom, QueueConfig, Step
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.clock import Clock, SystemClock
 from crossflow_ctl.domain.models import Frozen
@@ -215,8 +215,9 @@ class AdmissionQueue:
     async def on_room(self, update: RoomUpdate) -> list[Outcome]:
         """A room update: dispatch everything if Demand is gone or room is unknown; else
         re-offer held prompts in order until one is refused (a queue that is behind offers
-        fresh prompts first and skips refusals: ``QueueConfig.fresh_first_ms``). Then
-        deadlines and prefill room.
+        fresh prompts first and skips refusals: ``QueueConfig.fresh_first_ms``); a prompt the
+        pass's own grants left no room for counts as refused without its Admit
+        (:class:`PassRoom`). Then deadlines and prefill room.
         Returns the outcomes decided here, in order (also delivered to tickets and callback)."""
         async with self._lock:
             self._step = []
@@ -229,12 +230,17 @@ class AdmissionQueue:
             # prompt overtakes an older one that found no room.
             now_ms = self.clock.now_ms()
             skip_refused = self._book.behind(now_ms)
+            room = PassRoom(update.view, with_kv=skip_refused)
             borrowed: list[tuple[int, int]] = []
             """(tokens held ahead, own tokens) of each prompt this pass borrowed: those ahead
             of a later re-offered prompt (fewer tokens ahead) are no longer ahead of it."""
             for held, ahead in self._book.to_reoffer(update.view, now_ms):
                 if held.key not in self._book:
                     continue
+                if not room.fits(held):  # refused, as its Admit would be, without the Admit
+                    if skip_refused:
+                        continue
+                    break
                 for observer in self._observers:
                     observer.reoffered(held.request)
                 gone = sum(tokens for at, tokens in borrowed if at < ahead)
@@ -244,6 +250,7 @@ class AdmissionQueue:
                 admission = await self._reoffer(request)
                 step = self._book.answered(held, admission)
                 if step is Step.BORROWED:
+                    room.took(admission)
                     borrowed.append((ahead, held.request.uncached_prompt_tokens))
                     self._finish(held, admission, Dispatch.BORROWED_LATE)
                     continue

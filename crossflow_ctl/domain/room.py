@@ -17,8 +17,10 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from crossflow_ctl.domain.admission import DemandCheck, check_demand
-from crossflow_ctl.domain.lending import queue_wait_ms
+from crossflow_ctl.domain.lending import compute_debit, queue_wait_ms
 from crossflow_ctl.domain.models import (
+    MAX_S_PER_TOKEN,
+    MAX_S_PER_TOKEN_CONTEXT,
     MAX_SLOTS,
     Frozen,
     Ms,
@@ -28,6 +30,7 @@ from crossflow_ctl.domain.models import (
     PoolSnapshot,
     Share,
     Tokens,
+    Tps,
 )
 from crossflow_ctl.domain.pending import NONE_UNREPORTED, Unreported
 from crossflow_ctl.domain.policy import PolicySettings
@@ -54,6 +57,25 @@ class NodeRoom(Frozen):
     queue_wait_ms: Ms = 0.0
     lease_epoch: int = 0
     lease_version: int = 0
+    borrowed_prefill_rate_tps: Tps = 0.0
+    """The lease's prefill pricing (:class:`~crossflow_ctl.domain.models.Lease`), so a watcher
+    prices a prompt's compute as Admit's debit does (:meth:`compute_need`); 0: not said."""
+    prefill_s_per_token: Annotated[
+        float, Field(ge=0.0, le=MAX_S_PER_TOKEN, allow_inf_nan=False)
+    ] = 0.0
+    prefill_s_per_token_context: Annotated[
+        float, Field(ge=0.0, le=MAX_S_PER_TOKEN_CONTEXT, allow_inf_nan=False)
+    ] = 0.0
+
+    def compute_need(self, uncached: int, cached: int) -> int | None:
+        """The compute credit a prompt of ``uncached`` tokens over a ``cached`` prefix would
+        take here (:func:`~crossflow_ctl.domain.lending.compute_debit`, Admit's own pricing),
+        or None when the view does not say the lease's rate."""
+        rate = self.borrowed_prefill_rate_tps
+        if rate <= 0.0:
+            return None
+        a, b = self.prefill_s_per_token, self.prefill_s_per_token_context
+        return compute_debit(uncached, cached, a, b, rate).tokens
 
 
 class RoomView(Frozen):
@@ -139,6 +161,9 @@ def node_room(node: NodeState, share: Share, now_ms: int) -> NodeRoom | None:
         queue_wait_ms=queue_wait_ms(lease, node.open_debits.compute_tokens, node.open_compute),
         lease_epoch=lease.epoch,
         lease_version=lease.version,
+        borrowed_prefill_rate_tps=lease.borrowed_prefill_rate_tps,
+        prefill_s_per_token=lease.prefill_s_per_token,
+        prefill_s_per_token_context=lease.prefill_s_per_token_context,
     )
 
 

@@ -44,6 +44,9 @@ def node_room_to_proto(room: NodeRoom) -> admission_pb2.NodeRoom:
         queue_wait_ms=room.queue_wait_ms,
         lease_epoch=room.lease_epoch,
         lease_version=room.lease_version,
+        borrowed_prefill_rate_tps=room.borrowed_prefill_rate_tps,
+        prefill_s_per_token=room.prefill_s_per_token,
+        prefill_s_per_token_context=room.prefill_s_per_token_context,
     )
 
 
@@ -58,6 +61,9 @@ def node_room_from_proto(msg: admission_pb2.NodeRoom) -> NodeRoom:
         queue_wait_ms=msg.queue_wait_ms,
         lease_epoch=msg.lease_epoch,
         lease_version=msg.lease_version,
+        borrowed_prefill_rate_tps=msg.borrowed_prefill_rate_tps,
+        prefill_s_per_token=msg.prefill_s_per_token,
+        prefill_s_per_token_context=msg.prefill_s_per_token_context,
     )
     return result
 

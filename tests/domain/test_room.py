@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from crossflow_ctl.domain.admission import AdmissionRequest, debit_for
 from crossflow_ctl.domain.models import (
     Credits,
     Lease,
@@ -39,6 +40,8 @@ def node(node_id: str, credits: Credits = FULL, **kw: object) -> NodeState:
         zero_reason=zero,  # type: ignore[arg-type]
         queue_wait_ms=7.0,
         borrowed_prefill_rate_tps=2_000.0,
+        prefill_s_per_token=4e-4,
+        prefill_s_per_token_context=1e-8,
     )
     expires = kw.pop("expires", NOW + 1_000)
     return NodeState(
@@ -77,6 +80,15 @@ def test_summary_lists_only_nodes_with_room_after_share_and_debits() -> None:
     # the lease's 7 ms + the broker's 1,000 open tokens at 2,000/s
     assert d1.queue_wait_ms == 507.0 and d1.lease_version == 3
     assert view.nodes[1].queue_wait_ms == 7.0
+    # the lease's pricing: a watcher prices a prompt as Admit's debit does
+    assert (d1.borrowed_prefill_rate_tps, d1.prefill_s_per_token) == (2_000.0, 4e-4)
+    assert d1.prefill_s_per_token_context == 1e-8
+    assert d1.compute_need(1_000, 20_000) == debit_for(
+        AdmissionRequest(uncached_prompt_tokens=1_000, cached_prefix_tokens=20_000),
+        "d1",
+        PolicySettings(),
+        nodes[1].lease.lease if nodes[1].lease else None,
+    ).credits.compute_tokens
     assert view.pool_wait_ms == 5_000.0 and view.demand_holds and view.has_room
     assert view.total_compute_tokens == 7_000 and view.max_compute_tokens == 4_000
 

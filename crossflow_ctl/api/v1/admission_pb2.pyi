@@ -688,6 +688,9 @@ class NodeRoom(_message.Message):
     QUEUE_WAIT_MS_FIELD_NUMBER: _builtins.int
     LEASE_EPOCH_FIELD_NUMBER: _builtins.int
     LEASE_VERSION_FIELD_NUMBER: _builtins.int
+    BORROWED_PREFILL_RATE_TPS_FIELD_NUMBER: _builtins.int
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    PREFILL_S_PER_TOKEN_CONTEXT_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     compute_tokens: _builtins.int
     """Spare compute credit, in the lease's compute unit (uncached prompt tokens)."""
@@ -696,6 +699,14 @@ class NodeRoom(_message.Message):
     queue_wait_ms: _builtins.float
     lease_epoch: _builtins.int
     lease_version: _builtins.int
+    borrowed_prefill_rate_tps: _builtins.float
+    """The lease's prefill pricing, so a watcher can price a prompt as Admit's debit will: the
+    compute a prompt of U uncached tokens over a cached prefix X takes is
+    U * (a + b * (X + U/2)) node seconds at borrowed_prefill_rate_tps (a, b: the two below).
+    0 rate: not said (a broker before these fields, or a lease without a rate).
+    """
+    prefill_s_per_token: _builtins.float
+    prefill_s_per_token_context: _builtins.float
     def __init__(
         self,
         *,
@@ -706,10 +717,13 @@ class NodeRoom(_message.Message):
         queue_wait_ms: _builtins.float = ...,
         lease_epoch: _builtins.int = ...,
         lease_version: _builtins.int = ...,
+        borrowed_prefill_rate_tps: _builtins.float = ...,
+        prefill_s_per_token: _builtins.float = ...,
+        prefill_s_per_token_context: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_tokens", b"compute_tokens", "kv_tokens", b"kv_tokens", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "node_id", b"node_id", "queue_wait_ms", b"queue_wait_ms", "slots", b"slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrowed_prefill_rate_tps", b"borrowed_prefill_rate_tps", "compute_tokens", b"compute_tokens", "kv_tokens", b"kv_tokens", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "node_id", b"node_id", "prefill_s_per_token", b"prefill_s_per_token", "prefill_s_per_token_context", b"prefill_s_per_token_context", "queue_wait_ms", b"queue_wait_ms", "slots", b"slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
