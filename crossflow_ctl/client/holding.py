@@ -233,8 +233,12 @@ class PassRoom:
     Only a sure refusal is skipped: a node takes the prompt unless it is out of slots, short of
     the prompt's compute priced as Admit prices it (the view says the node's lease pricing;
     where it does not, compute is not judged) or, when ``with_kv``, of the KV any node needs
-    for it. A grant whose answer does not say its debit (no explanation: an AdmitStream
-    decision) takes nothing off. The broker still decides every prompt offered."""
+    for it. Safety counts a timed debit's tokens on the node's open node time (``need_for``),
+    which can come to one token less than the debit's own rounding: so a grant takes its
+    tokens less one off, and a prompt needs its priced tokens less one, keeping the room left
+    an upper bound and the need a lower bound. A grant whose answer does not say its debit (no
+    explanation: an AdmitStream decision) takes nothing off. The broker still decides every
+    prompt offered."""
 
     def __init__(self, view: RoomView, with_kv: bool) -> None:
         self._with_kv = with_kv
@@ -249,7 +253,7 @@ class PassRoom:
             need = node.room.compute_need(
                 request.uncached_prompt_tokens, request.cached_prefix_tokens
             )
-            if need is None or need <= node.compute_tokens:
+            if need is None or need - 1 <= node.compute_tokens:
                 return True
         return False
 
@@ -259,7 +263,7 @@ class PassRoom:
         node = self._nodes.get(admission.node_id)
         if debit is None or node is None:
             return
-        node.compute_tokens -= debit.compute_tokens
+        node.compute_tokens -= max(0, debit.compute_tokens - 1)
         node.kv_tokens -= debit.kv_tokens
         node.slots -= debit.slots
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from crossflow_ctl.client.holding import PassRoom, QueueConfig, granted_debit
+from crossflow_ctl.client.holding import Held, PassRoom, QueueConfig, granted_debit
 from crossflow_ctl.client.queue import AdmissionQueue
 from crossflow_ctl.domain.admission import (
     Admission,
@@ -18,15 +18,27 @@ from crossflow_ctl.domain.admission import (
     NodeCheck,
     Plan,
     Reason,
+    plan_admission,
 )
 from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.lending import compute_debit
-from crossflow_ctl.domain.models import Credits
-from crossflow_ctl.domain.room import NodeRoom, RoomUpdate, RoomView
+from crossflow_ctl.domain.models import (
+    ComputeTime,
+    Credits,
+    Lease,
+    NodeInfo,
+    NodeState,
+    PoolLoad,
+    PoolSnapshot,
+    StoredLease,
+)
+from crossflow_ctl.domain.policy import PolicySettings
+from crossflow_ctl.domain.room import NodeRoom, RoomUpdate, RoomView, summarize_room
 
 RATE = 1_000.0
 FULL = 1.0 / RATE
 """A token's time per uncached token: a prompt's compute debit is its uncached tokens."""
+NOW = 1_700_000_000_000
 HALF = 0.5 / RATE
 """Half that: a prompt's compute debit is half its uncached tokens."""
 
@@ -175,3 +187,56 @@ def test_node_room_prices_as_compute_debit() -> None:
     assert update(1_000, rate=0.0).view.nodes[0].compute_need(3_000, 0) is None
     room = PassRoom(update(1_000).view, with_kv=False)
     assert room._nodes["d1"].compute_tokens == 1_000
+
+
+def test_a_prompt_at_the_rounding_edge_is_offered() -> None:
+    """Safety counts a timed debit on the node's open node time, which can need one token less
+    than the debit's own rounding: a view showing 1 token of compute left, for a prompt priced
+    at 2, is a grant, so the pass must not skip it (review of this change)."""
+    lease = Lease(
+        node_id="d1",
+        epoch=1,
+        version=1,
+        ttl_ms=10_000,
+        credits=Credits(compute_tokens=2, kv_tokens=10**6, output_tokens=10**6, slots=8),
+        borrowed_prefill_rate_tps=1_000.0,
+        prefill_s_per_token=1.5e-3,  # a token: 1.5 ms, 1.5 compute tokens at 1,000/s
+    )
+    node = NodeState(
+        info=NodeInfo(node_id="d1"),
+        lease=StoredLease(lease=lease, received_at_ms=NOW, expires_at_ms=NOW + 10_000),
+        open_debits=Credits(compute_tokens=1, slots=1),
+        open_compute=ComputeTime(500, 1),  # half a millisecond open: 1 token, rounded up
+    )
+    policy = PolicySettings(borrow_share=1.0)
+    load = PoolLoad(
+        node_id="p1", outstanding_uncached_tokens=10**6, processing_rate_tps=1_000, ttl_ms=10**6
+    )
+    pool = PoolSnapshot(pool="default", reports=(load,))
+    request = AdmissionRequest(request_id="x", uncached_prompt_tokens=1)
+    plan = plan_admission(request, pool, [node], policy, NOW)
+    assert plan.reason is Reason.BORROWED  # the broker grants it
+    view = summarize_room("default", pool, [node], policy, NOW)
+    assert view.nodes[0].compute_tokens == 1 and view.nodes[0].compute_need(1, 0) == 2
+    held = Held(
+        key="x",
+        request=request,
+        seq=0,
+        since_ms=0,
+        deadline_ms=1,
+        last=Admission.normal(Reason.NO_ROOM, ""),
+    )
+    assert PassRoom(view, with_kv=False).fits(held)
+
+
+async def test_kv_is_judged_only_when_the_queue_is_behind() -> None:
+    """Behind, a prompt needing more KV than any node has left is refused without its Admit;
+    in queue order KV is not judged (its refusal ends the pass, so later prompts do not
+    overtake it for ever)."""
+    for behind, calls in ((True, 1), (False, 2)):
+        broker = PricingBroker(compute=100_000)
+        queue, _ = await held_queue(broker, [1_000, 1_000], behind)
+        kv_for_one = update(100_000).view.nodes[0].model_copy(update={"kv_tokens": 1_500})
+        view = RoomView(nodes=(kv_for_one,), demand_holds=True, pool_wait_ms=500.0)
+        await queue.on_room(RoomUpdate(seq=1, at_ms=0, view=view))
+        assert len(broker.calls) == calls, behind
