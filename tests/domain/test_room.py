@@ -83,12 +83,15 @@ def test_summary_lists_only_nodes_with_room_after_share_and_debits() -> None:
     # the lease's pricing: a watcher prices a prompt as Admit's debit does
     assert (d1.borrowed_prefill_rate_tps, d1.prefill_s_per_token) == (2_000.0, 4e-4)
     assert d1.prefill_s_per_token_context == 1e-8
-    assert d1.compute_need(1_000, 20_000) == debit_for(
-        AdmissionRequest(uncached_prompt_tokens=1_000, cached_prefix_tokens=20_000),
-        "d1",
-        PolicySettings(),
-        nodes[1].lease.lease if nodes[1].lease else None,
-    ).credits.compute_tokens
+    assert (
+        d1.compute_need(1_000, 20_000)
+        == debit_for(
+            AdmissionRequest(uncached_prompt_tokens=1_000, cached_prefix_tokens=20_000),
+            "d1",
+            PolicySettings(),
+            nodes[1].lease.lease if nodes[1].lease else None,
+        ).credits.compute_tokens
+    )
     assert view.pool_wait_ms == 5_000.0 and view.demand_holds and view.has_room
     assert view.total_compute_tokens == 7_000 and view.max_compute_tokens == 4_000
 
