@@ -71,6 +71,10 @@ PoolName = Annotated[str, Field(min_length=1, max_length=MAX_POOL_LEN, pattern=I
 Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 Ms = Annotated[float, Field(ge=0.0, le=MAX_MS, allow_inf_nan=False)]
 Tps = Annotated[float, Field(ge=0.0, le=MAX_RATE_TPS, allow_inf_nan=False)]
+SPerToken = Annotated[float, Field(ge=0.0, le=MAX_S_PER_TOKEN, allow_inf_nan=False)]
+"""Node seconds per borrowed uncached token (a lease's ``a``)."""
+SPerTokenContext = Annotated[float, Field(ge=0.0, le=MAX_S_PER_TOKEN_CONTEXT, allow_inf_nan=False)]
+"""Extra node seconds per uncached token per token of attended context (a lease's ``b``)."""
 
 M = TypeVar("M", bound=BaseModel)
 F = TypeVar("F", bound="Frozen")
@@ -373,14 +377,10 @@ class Lease(Frozen):
     its open debits' (``lending.queue_wait_ms``)."""
     borrowed_prefill_rate_tps: Tps = 0.0
     """Borrowed-prefill rate for a prompt over the agent's reference prefix (tokens/s)."""
-    prefill_s_per_token: Annotated[
-        float, Field(ge=0.0, le=MAX_S_PER_TOKEN, allow_inf_nan=False)
-    ] = 0.0
+    prefill_s_per_token: SPerToken = 0.0
     """``a``: node seconds per borrowed uncached token, at no attended context (0: unknown, every
     token costs ``1 / borrowed_prefill_rate_tps``)."""
-    prefill_s_per_token_context: Annotated[
-        float, Field(ge=0.0, le=MAX_S_PER_TOKEN_CONTEXT, allow_inf_nan=False)
-    ] = 0.0
+    prefill_s_per_token_context: SPerTokenContext = 0.0
     """``b``: extra node seconds per borrowed uncached token per token of attended context. A
     prompt of U uncached tokens over a cached prefix X costs ``U * (a + b * (X + U/2))`` s."""
     itl_ms: Ms = 0.0

@@ -19,8 +19,6 @@ from pydantic import Field, field_validator
 from crossflow_ctl.domain.admission import DemandCheck, check_demand
 from crossflow_ctl.domain.lending import compute_debit, queue_wait_ms
 from crossflow_ctl.domain.models import (
-    MAX_S_PER_TOKEN,
-    MAX_S_PER_TOKEN_CONTEXT,
     MAX_SLOTS,
     Frozen,
     Ms,
@@ -29,6 +27,8 @@ from crossflow_ctl.domain.models import (
     PoolName,
     PoolSnapshot,
     Share,
+    SPerToken,
+    SPerTokenContext,
     Tokens,
     Tps,
 )
@@ -60,12 +60,8 @@ class NodeRoom(Frozen):
     borrowed_prefill_rate_tps: Tps = 0.0
     """The lease's prefill pricing (:class:`~crossflow_ctl.domain.models.Lease`), so a watcher
     prices a prompt's compute as Admit's debit does (:meth:`compute_need`); 0: not said."""
-    prefill_s_per_token: Annotated[
-        float, Field(ge=0.0, le=MAX_S_PER_TOKEN, allow_inf_nan=False)
-    ] = 0.0
-    prefill_s_per_token_context: Annotated[
-        float, Field(ge=0.0, le=MAX_S_PER_TOKEN_CONTEXT, allow_inf_nan=False)
-    ] = 0.0
+    prefill_s_per_token: SPerToken = 0.0
+    prefill_s_per_token_context: SPerTokenContext = 0.0
 
     def compute_need(self, uncached: int, cached: int) -> int | None:
         """The compute credit a prompt of ``uncached`` tokens over a ``cached`` prefix would
