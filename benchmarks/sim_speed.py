@@ -61,7 +61,7 @@ def main() -> None:
     )
     floor = None
     for policy in (PolicyKind.STATIC, PolicyKind.THRESHOLD, PolicyKind.LEASES):
-        cfg = SimConfig(prefill_nodes=2, decode_nodes=4, policy=policy)
+        cfg = cluster(policy)
         started, cpu0 = time.perf_counter(), time.process_time()
         rec = asyncio.run(simulate(trace, cfg))
         wall = time.perf_counter() - started
@@ -75,6 +75,11 @@ def main() -> None:
         )
     if not args.no_rules and floor is not None:
         rules_floor(trace, floor)
+
+
+def cluster(policy: PolicyKind) -> SimConfig:
+    """The cluster every row runs: 2P4D under ``policy``."""
+    return SimConfig(prefill_nodes=2, decode_nodes=4, policy=policy)
 
 
 Call = tuple[tuple[Any, ...], dict[str, Any], object]
@@ -126,9 +131,7 @@ def rules_floor(trace: Trace, floor: float) -> None:
             recording(plan_admission, plans, ()),
         ),
     ):
-        asyncio.run(
-            simulate(trace, SimConfig(prefill_nodes=2, decode_nodes=4, policy=PolicyKind.LEASES))
-        )
+        asyncio.run(simulate(trace, cluster(PolicyKind.LEASES)))
     decide_cpu = min(replay(decide, decisions) for _ in range(3))
     plan_cpu = min(replay(plan_admission, plans) for _ in range(3))
     rules = decide_cpu + plan_cpu
