@@ -219,6 +219,9 @@ def test_admission_round_trips() -> None:
             predicted_ttft_ms=5.0,
             normal_ttft_ms=9.0,
             plan=plan,
+            debit=Credits(
+                compute_tokens=7, kv_tokens=8, kv_transfer_bytes=9, output_tokens=10, slots=1
+            ),
         )
         normal = Admission.normal(plan.reason, plan.summary(), plan)
         shadow = Admission.normal(Reason.SHADOW_MODE, "s", plan).model_copy(

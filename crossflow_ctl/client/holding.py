@@ -236,9 +236,9 @@ class PassRoom:
     for it. Safety counts a timed debit's tokens on the node's open node time (``need_for``),
     which can come to one token less than the debit's own rounding: so a grant takes its
     tokens less one off, and a prompt needs its priced tokens less one, keeping the room left
-    an upper bound and the need a lower bound. A grant whose answer does not say its debit (no
-    explanation: an AdmitStream decision) takes nothing off. The broker still decides every
-    prompt offered."""
+    an upper bound and the need a lower bound. A grant whose answer does not say its debit (a
+    broker before ``Admission.debit``, on AdmitStream, which sends no explanation) takes
+    nothing off. The broker still decides every prompt offered."""
 
     def __init__(self, view: RoomView, with_kv: bool) -> None:
         self._with_kv = with_kv
@@ -287,10 +287,14 @@ class _NodeLeft:
 
 
 def granted_debit(admission: Admission) -> Credits | None:
-    """What a BORROW answer debited on its node, as its explanation tells (None: no BORROW, or
-    no explanation to tell it)."""
+    """What a BORROW answer debited on its node: its ``debit``, else (a broker before that
+    field) as its explanation tells; None for a NORMAL answer, or when neither says."""
+    if admission.decision is not Decision.BORROW:
+        return None
+    if admission.debit is not None:
+        return admission.debit
     plan = admission.plan
-    if admission.decision is not Decision.BORROW or plan is None:
+    if plan is None:
         return None
     for check in plan.ranked:
         if check.node_id == admission.node_id:

@@ -197,6 +197,9 @@ class Admission(Frozen):
     shadow_decision: Decision | None = None
     replayed: bool = False
     """The recorded outcome of an earlier call with the same request_id, not a new decision."""
+    debit: Credits | None = None
+    """BORROW: the credits the reservation took from ``node_id``; None on a NORMAL answer (and
+    from a broker that does not say)."""
 
     @classmethod
     def normal(cls, reason: Reason, message: str, plan: Plan | None = None) -> Admission:
@@ -217,6 +220,7 @@ class Admission(Frozen):
             plan=plan,
             shadow_decision=None,
             replayed=False,
+            debit=None,
         )
 
 

@@ -631,6 +631,7 @@ def _borrow(
         plan=plan,
         shadow_decision=None,
         replayed=False,
+        debit=check.debit,
     )
 
 

@@ -307,6 +307,7 @@ def admission_to_proto(a: Admission, explain: bool = True) -> admission_pb2.Admi
         shadow_decision=_DECISION_NUMBERS[a.shadow_decision],  # type: ignore[arg-type]
         replayed=a.replayed,
         explanation=explanation,
+        debit=c.credits_to_proto(a.debit) if a.debit is not None else None,
     )
 
 
@@ -338,6 +339,15 @@ def admission_into_proto(
         msg.shadow_decision = _DECISION_NUMBERS[a.shadow_decision]  # type: ignore[assignment]
     if a.replayed:
         msg.replayed = True
+    debit = a.debit
+    if debit is not None:  # field by field, as the rest (a BORROW per decision on a stream)
+        d = msg.debit
+        d.SetInParent()
+        d.compute_tokens = debit.compute_tokens
+        d.kv_tokens = debit.kv_tokens
+        d.kv_transfer_bytes = debit.kv_transfer_bytes
+        d.output_tokens = debit.output_tokens
+        d.slots = debit.slots
     if a.plan is not None and explain:
         explanation: Any = _explanation_fields(a.plan)
         msg.MergeFrom(admission_pb2.AdmitResponse(explanation=explanation))
@@ -383,6 +393,7 @@ def admission_from_proto(msg: admission_pb2.AdmitResponse) -> Admission:
         plan=plan,
         shadow_decision=decision_from_proto(msg.shadow_decision),
         replayed=msg.replayed,
+        debit=c.credits_from_proto(msg.debit, "debit") if msg.HasField("debit") else None,
     )
 
 

@@ -111,7 +111,11 @@ async def test_a_bad_item_gets_its_own_error_and_the_stream_stays_up(cluster, ag
         with pytest.raises(InvalidArgument) as err:
             await stream.admit(forged)
         assert err.value.field == "pool"
-        assert (await stream.admit(uncached_prompt_tokens=500)).decision is Decision.BORROW
+        granted = await stream.admit(uncached_prompt_tokens=500)
+        # a stream answer has no explanation, but says what the grant took from its node
+        assert granted.decision is Decision.BORROW and granted.plan is None
+        assert granted.debit is not None and granted.debit.slots == 1
+        assert granted.debit.kv_tokens >= 500 and granted.debit.compute_tokens > 0
 
 
 async def test_stream_fails_closed_per_request(blackhole: int) -> None:

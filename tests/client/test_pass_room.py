@@ -53,9 +53,16 @@ class PricingBroker:
     Admit's is); NO_ROOM otherwise."""
 
     def __init__(
-        self, compute: int, slots: int = 16, explain: bool = True, a_s: float = FULL
+        self,
+        compute: int,
+        slots: int = 16,
+        explain: bool = True,
+        a_s: float = FULL,
+        say_debit: bool = False,
     ) -> None:
         self.compute, self.slots, self.explain, self.a_s = compute, slots, explain, a_s
+        self.say_debit = say_debit
+        """Whether the answer carries ``debit`` (brokers since that field do)."""
         self.calls: list[str] = []
 
     async def admit(self, request: AdmissionRequest) -> Admission:
@@ -75,6 +82,7 @@ class PricingBroker:
             node_id="d1",
             reservation_id=f"r{len(self.calls)}@d1",
             plan=plan if self.explain else None,
+            debit=debit if self.say_debit else None,
         )
 
 
@@ -160,9 +168,18 @@ async def test_compute_is_not_judged_where_the_view_does_not_price_it() -> None:
     assert len(broker.calls) == 3 and queue.held == 2
 
 
+async def test_a_grant_without_explanation_takes_its_debit_off() -> None:
+    """An AdmitStream decision carries no explanation but says its debit: the pass takes it
+    off as from a unary answer (one Admit, not three)."""
+    broker = PricingBroker(compute=priced(1_000) + 100, explain=False, say_debit=True)
+    queue, _ = await held_queue(broker, [1_000, 1_000, 1_000], behind=True)
+    await queue.on_room(update(broker.compute))
+    assert len(broker.calls) == 1 and queue.held == 2
+
+
 async def test_a_grant_that_does_not_say_its_debit_takes_nothing_off() -> None:
-    """An AdmitStream decision carries no explanation: the pass goes on as if it had not
-    borrowed, and the broker refuses what does not fit."""
+    """A broker before ``Admission.debit``, on AdmitStream (no explanation): the pass goes on
+    as if it had not borrowed, and the broker refuses what does not fit."""
     broker = PricingBroker(compute=priced(1_000) + 100, explain=False)
     queue, _ = await held_queue(broker, [1_000, 1_000, 1_000], behind=True)
     await queue.on_room(update(broker.compute))
@@ -177,6 +194,9 @@ def test_granted_debit_reads_the_granting_nodes_check() -> None:
     borrow = Admission(decision=Decision.BORROW, reason=Reason.BORROWED, node_id="d2", plan=plan)
     assert granted_debit(borrow) == Credits(compute_tokens=7)
     assert granted_debit(borrow.model_copy(update={"plan": None})) is None
+    said = Credits(compute_tokens=9)  # the answer's own debit wins over its explanation
+    assert granted_debit(borrow.model_copy(update={"debit": said})) == said
+    assert granted_debit(borrow.model_copy(update={"debit": said, "plan": None})) == said
     assert granted_debit(Admission.normal(Reason.NO_ROOM, "", plan)) is None
 
 

@@ -381,6 +381,7 @@ class AdmitResponse(_message.Message):
     EXPLANATION_FIELD_NUMBER: _builtins.int
     SHADOW_DECISION_FIELD_NUMBER: _builtins.int
     REPLAYED_FIELD_NUMBER: _builtins.int
+    DEBIT_FIELD_NUMBER: _builtins.int
     decision: Global___Decision.ValueType
     reason: Global___Reason.ValueType
     message: _builtins.str
@@ -399,6 +400,13 @@ class AdmitResponse(_message.Message):
     """
     @_builtins.property
     def explanation(self) -> Global___Explanation: ...
+    @_builtins.property
+    def debit(self) -> _common_pb2.Credits:
+        """BORROW: the credits the reservation took from node_id (what the store debited), so a router
+        knows what its grant holds without the explanation (AdmitStream answers carry none).
+        Absent on NORMAL answers and from brokers before this field.
+        """
+
     def __init__(
         self,
         *,
@@ -415,10 +423,11 @@ class AdmitResponse(_message.Message):
         explanation: Global___Explanation | None = ...,
         shadow_decision: Global___Decision.ValueType = ...,
         replayed: _builtins.bool = ...,
+        debit: _common_pb2.Credits | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["explanation", b"explanation"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["debit", b"debit", "explanation", b"explanation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "expires_unix_ms", b"expires_unix_ms", "explanation", b"explanation", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "message", b"message", "node_id", b"node_id", "normal_ttft_ms", b"normal_ttft_ms", "predicted_ttft_ms", b"predicted_ttft_ms", "reason", b"reason", "replayed", b"replayed", "reservation_id", b"reservation_id", "shadow_decision", b"shadow_decision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["debit", b"debit", "decision", b"decision", "expires_unix_ms", b"expires_unix_ms", "explanation", b"explanation", "lease_epoch", b"lease_epoch", "lease_version", b"lease_version", "message", b"message", "node_id", b"node_id", "normal_ttft_ms", b"normal_ttft_ms", "predicted_ttft_ms", b"predicted_ttft_ms", "reason", b"reason", "replayed", b"replayed", "reservation_id", b"reservation_id", "shadow_decision", b"shadow_decision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
