@@ -95,7 +95,10 @@ async def _lifetime(app: web.Application, settings: GatewaySettings) -> AsyncIte
         )
         if settings.broker is not None and settings.borrows:
             client = AdmissionClient(
-                settings.broker, timeout_s=settings.admit_timeout_ms / 1000.0, fail_closed=True
+                settings.broker,
+                timeout_s=settings.admit_timeout_ms / 1000.0,
+                fail_closed=True,
+                credentials=settings.broker_auth,
             )
             reservations = Reservations(client, metrics)
 

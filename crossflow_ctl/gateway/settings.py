@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_settings import SettingsConfigDict
 
 from crossflow_ctl.domain.models import PoolName, is_node_id
+from crossflow_ctl.security import ClientCredentials
 from crossflow_ctl.settings_sources import LayeredSettings, host_port, load_layered
 
 Protocol = Literal["vllm", "sglang"]
@@ -71,6 +72,9 @@ class GatewaySettings(LayeredSettings):
     """Where the OpenAI-compatible HTTP server listens (port 0 picks a free one)."""
     broker: str | None = "127.0.0.1:50051"
     """The lease broker (host:port). None: no admission at all, plain static P/D."""
+    broker_auth: ClientCredentials = ClientCredentials()
+    """How the gateway proves itself to the broker (TLS, mutual TLS, a bearer token), as the
+    agents do; its identity needs the router role (Admit, Commit, Release, WatchRoom)."""
     pool: PoolName = "default"
     protocol: Protocol = "vllm"
     """The engines' own P/D protocol for the normal path: vLLM's ``kv_transfer_params``
