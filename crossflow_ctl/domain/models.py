@@ -701,7 +701,7 @@ class ComputeTime(NamedTuple):
         """This time as the node time behind ``compute_tokens`` open compute tokens: itself
         when it can be (``us > 0`` and ``0 <= tokens <= compute_tokens``), else none (all
         untimed, the rule from before debits had node time). Totals an older broker rewrote
-        without the time can leave it inconsistent (README.md, Rolling upgrades); the Redis
+        without the time can leave it inconsistent (docs/upgrading.md); the Redis
         scripts apply the same rule (``cf_compute_at``)."""
         if self.us > 0 and 0 <= self.tokens <= compute_tokens:
             return self

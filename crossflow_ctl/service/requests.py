@@ -1,6 +1,6 @@
 """Exact outcomes for retried Admit, Commit and Release: request records keyed by request_id.
 
-For router authors (also in README.md):
+For router authors (also in docs/late-binding.md):
 
 * Send a ``request_id`` (unique per request) with Admit, ``attempt`` 0 on the first call and
   n on the n-th retry. A BORROW is recorded under the id; a retry first looks for the record

@@ -295,7 +295,7 @@ class RedisStore(Store):
         expires = now_ms + min(load.ttl_ms, max_ttl_ms)
         stored = StoredPoolLoad(load=load, received_at_ms=now_ms, expires_at_ms=expires)
         # The script adds the sequence. A report without a wait in time is written as before it
-        # existed, so older replicas still read it (README.md, Rolling upgrades).
+        # existed, so older replicas still read it (docs/upgrading.md).
         report = stored.model_dump_json(exclude={"seq"}, exclude_none=True)
         pool = load.pool
         keys = [self._k.pool(pool), self._k.pool_expiries(pool), self._k.pool_seq(pool)]

@@ -266,7 +266,7 @@ async def test_totals_an_older_broker_rewrote_count_untimed_and_heal_when_the_no
     redis_url: str, redis_namespace: str
 ) -> None:
     """An earlier broker's debit rewrites the node's totals without their node time while timed
-    reservations are open (README.md, Rolling upgrades). When those drain, the time they take
+    reservations are open (docs/upgrading.md). When those drain, the time they take
     away from the totals was never in them: a time that cannot be right counts the node's open
     compute untimed (as before debits had node time), and the totals are exact again once
     nothing is open. (They used to go negative for good, and later grants were under-counted.)"""
