@@ -26,12 +26,13 @@ from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.client import AdmissionClient, AdmissionQueue, QueueConfig
 from crossflow_ctl.domain.admission import AdmissionRequest
 from crossflow_ctl.domain.errors import ConfigError
+from crossflow_ctl.gateway.discovery import DiscoveryError, KubernetesEngines, discover
 from crossflow_ctl.gateway.engines import Engine, EnginePool, health_loop
 from crossflow_ctl.gateway.metrics import GatewayMetrics
 from crossflow_ctl.gateway.pipeline import Gateway
 from crossflow_ctl.gateway.protocols import protocol_for
 from crossflow_ctl.gateway.reservations import Reservations
-from crossflow_ctl.gateway.settings import GatewaySettings
+from crossflow_ctl.gateway.settings import EngineEndpoint, GatewaySettings
 
 log = structlog.get_logger()
 
@@ -127,6 +128,10 @@ async def _lifetime(app: web.Application, settings: GatewaySettings) -> AsyncIte
         tasks.append(
             asyncio.create_task(health_loop(pool, session, settings.health_period_s, checked))
         )
+        if settings.kubernetes is not None:
+            tasks.append(
+                asyncio.create_task(_discovery_loop(settings.kubernetes, session, gateway))
+            )
         app[GATEWAY] = gateway
         log.info(
             "gateway.started",
@@ -148,6 +153,37 @@ async def _lifetime(app: web.Application, settings: GatewaySettings) -> AsyncIte
         if hasattr(protocol, "aclose"):
             await protocol.aclose()
         await session.close()
+
+
+async def _discovery_loop(
+    source: KubernetesEngines, session: aiohttp.ClientSession, gateway: Gateway
+) -> None:
+    """Keep the pools to the cluster's ready engine pods until cancelled."""
+    failing = False
+    while True:
+        try:
+            prefill, decode = await discover(session, source)
+        except DiscoveryError as exc:
+            if not failing:
+                log.warning("gateway.discovery_failed", error=str(exc))
+            failing = True
+        else:
+            if failing:
+                log.info("gateway.discovery_recovered")
+            failing = False
+            joined, left = gateway.pool.replace(
+                [EngineEndpoint.model_validate(e) for e in prefill],
+                [EngineEndpoint.model_validate(e) for e in decode],
+            )
+            for engine in left:
+                gateway.prefix.forget(engine.node_id)
+                gateway.metrics.forget_engine(engine)
+                log.info("gateway.engine_left", node_id=engine.node_id, role=engine.role)
+            for engine in joined:
+                gateway.metrics.engine_state(engine)
+                log.info("gateway.engine_joined", node_id=engine.node_id, role=engine.role,
+                         url=engine.url)  # fmt: skip
+        await asyncio.sleep(source.period_s)
 
 
 def _least_loaded_prefill(pool: EnginePool) -> str | None:

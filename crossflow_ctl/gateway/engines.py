@@ -53,6 +53,30 @@ class EnginePool:
         self.booked_tokens = 0
         """Uncached tokens the admission queue has sent to prefill, not yet dispatched."""
 
+    def replace(
+        self, prefill: list[EngineEndpoint], decode: list[EngineEndpoint]
+    ) -> tuple[list[Engine], list[Engine]]:
+        """The engines are now these (discovery): new ones join (up until a check says not),
+        gone ones leave, the rest keep their state. Returns (joined, left)."""
+        joined: list[Engine] = []
+        left: list[Engine] = []
+        for role, wanted, current in (("prefill", prefill, self.prefill),
+                                      ("decode", decode, self.decode)):  # fmt: skip
+            keep = {e.node_id: e for e in current}
+            kept: list[Engine] = []
+            for endpoint in wanted:
+                engine = keep.pop(endpoint.node_id, None)
+                if engine is None or engine.endpoint != endpoint:
+                    if engine is not None:
+                        left.append(engine)
+                    engine = Engine(endpoint, role)  # type: ignore[arg-type]
+                    joined.append(engine)
+                kept.append(engine)
+            left.extend(keep.values())
+            current[:] = kept
+        self._by_id = {e.node_id: e for e in self.all()}
+        return joined, left
+
     def all(self) -> Iterator[Engine]:
         yield from self.prefill
         yield from self.decode

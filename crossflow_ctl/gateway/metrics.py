@@ -15,6 +15,8 @@ not be asked (timeout, unreachable, store down). ``crossflow_gateway_engine_up{n
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from crossflow_ctl.gateway.engines import Engine
@@ -77,6 +79,12 @@ class GatewayMetrics:
 
     def engine_state(self, engine: Engine) -> None:
         self.engine_up.labels(engine.node_id, engine.role).set(1 if engine.healthy else 0)
+
+    def forget_engine(self, engine: Engine) -> None:
+        """An engine left the pool (discovery): its series go."""
+        for metric in (self.engine_up, self.engine_errors):
+            with contextlib.suppress(KeyError):
+                metric.remove(engine.node_id, engine.role)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_settings import SettingsConfigDict
 
 from crossflow_ctl.domain.models import PoolName, is_node_id
+from crossflow_ctl.gateway.discovery import KubernetesEngines
 from crossflow_ctl.security import ClientCredentials
 from crossflow_ctl.settings_sources import LayeredSettings, host_port, load_layered
 
@@ -88,8 +89,11 @@ class GatewaySettings(LayeredSettings):
     With borrowing off the gateway asks no broker: it is a static P/D router."""
     model: str | None = None
     """The served model's name; None: the first model a prefill engine's /v1/models lists."""
-    prefill: Annotated[list[EngineEndpoint], Field(min_length=1)]
-    decode: Annotated[list[EngineEndpoint], Field(min_length=1)]
+    prefill: list[EngineEndpoint] = []
+    decode: list[EngineEndpoint] = []
+    """The engines, listed here, or found in a cluster by ``kubernetes`` (then these lists are
+    ignored)."""
+    kubernetes: KubernetesEngines | None = None
 
     admit_timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 50
     """Deadline of one Admit (retry included); past it the request takes the normal path."""
@@ -128,6 +132,17 @@ class GatewaySettings(LayeredSettings):
     @classmethod
     def _broker(cls, value: str | None) -> str | None:
         return None if value is None else host_port(value)
+
+    @model_validator(mode="after")
+    def _engines(self) -> GatewaySettings:
+        if self.kubernetes is not None:
+            if self.model is None:
+                raise ValueError("kubernetes discovery needs model set (engines come and go)")
+            return self
+        for role, engines in (("prefill", self.prefill), ("decode", self.decode)):
+            if not engines:
+                raise ValueError(f"{role}: at least 1 engine, or kubernetes discovery")
+        return self
 
     @model_validator(mode="after")
     def _distinct_ids(self) -> GatewaySettings:

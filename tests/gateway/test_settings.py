@@ -32,7 +32,12 @@ def test_a_file_with_engines_loads(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "field", "words"),
     [
-        ({"prefill": []}, "prefill", "at least 1"),
+        ({"prefill": []}, "settings", "prefill: at least 1 engine, or kubernetes"),
+        (
+            {"kubernetes": {"namespace": "n", "prefill_selector": "a", "decode_selector": "b"}},
+            "settings",
+            "needs model",
+        ),
         ({"decode": [{"node_id": "d1", "url": "ftp://x:1"}]}, "decode.0.url", "http(s)://"),
         ({"decode": [{"node_id": "d1", "url": "http://x"}]}, "decode.0.url", "host:port"),
         ({"decode": [{"node_id": "bad id", "url": "http://x:1"}]}, "decode.0.node_id", "node id"),
