@@ -126,7 +126,11 @@ async def _lifetime(app: web.Application, settings: GatewaySettings) -> AsyncIte
                 metrics.engine_state(engine)
 
         tasks.append(
-            asyncio.create_task(health_loop(pool, session, settings.health_period_s, checked))
+            asyncio.create_task(
+                health_loop(
+                    pool, session, settings.health_period_s, settings.connect_timeout_s, checked
+                )
+            )
         )
         if settings.kubernetes is not None:
             tasks.append(
@@ -226,7 +230,9 @@ class GatewayServer:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.app = build_app(settings)
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+        )
         self.port = 0
 
     @property
@@ -241,7 +247,7 @@ class GatewayServer:
     async def start(self) -> int:
         await self._runner.setup()
         host, _, port = self.settings.listen.rpartition(":")
-        site = web.TCPSite(self._runner, host, int(port), shutdown_timeout=5.0)
+        site = web.TCPSite(self._runner, host, int(port))
         await site.start()
         addresses = self._runner.addresses
         self.port = int(addresses[0][1])

@@ -45,6 +45,14 @@ class Engine:
         return self.endpoint.url
 
 
+def candidates(engines: list[Engine], exclude: frozenset[str]) -> list[Engine]:
+    """The engines to choose from: those up and not yet tried; when none is up, the ones out
+    of rotation not yet tried (a health check is advice: a request is tried on a suspect engine
+    before it is refused)."""
+    untried = [e for e in engines if e.node_id not in exclude]
+    return [e for e in untried if e.healthy] or untried
+
+
 class EnginePool:
     def __init__(self, prefill: list[EngineEndpoint], decode: list[EngineEndpoint]) -> None:
         self.prefill = [Engine(e, "prefill") for e in prefill]
@@ -86,14 +94,14 @@ class EnginePool:
 
     def pick_prefill(self, exclude: frozenset[str] = frozenset()) -> Engine | None:
         """The up prefill engine with the fewest prompt tokens in flight."""
-        up = [e for e in self.prefill if e.healthy and e.node_id not in exclude]
+        up = candidates(self.prefill, exclude)
         return min(up, key=lambda e: (e.prefill_tokens, e.inflight), default=None)
 
     def pick_decode(
         self, cached: Mapping[str, int], exclude: frozenset[str] = frozenset()
     ) -> Engine | None:
         """The up decode engine holding the longest cached prefix, the least busy among equals."""
-        up = [e for e in self.decode if e.healthy and e.node_id not in exclude]
+        up = candidates(self.decode, exclude)
         return min(up, key=lambda e: (-cached.get(e.node_id, 0), e.inflight), default=None)
 
     def prefill_has_room(self, tokens: int, room_tokens: int) -> bool:
@@ -155,11 +163,12 @@ async def health_loop(
     pool: EnginePool,
     session: aiohttp.ClientSession,
     period_s: float,
+    timeout_s: float,
     on_round: Callable[[list[Engine]], None],
 ) -> None:
     """Check every engine every ``period_s`` until cancelled; ``on_round`` after each round
     with the engines that came back (their caches start empty: what the gateway remembers of
     them is stale)."""
     while True:
-        on_round(await pool.check_health(session, timeout_s=min(period_s, 5.0)))
+        on_round(await pool.check_health(session, timeout_s=timeout_s))
         await asyncio.sleep(period_s)

@@ -11,13 +11,16 @@
    before answering sends the request on the normal path instead.
 4. NORMAL: the engines' own P/D protocol (:mod:`.protocols`) on the prefill engine with the
    least work in flight and the decode engine with the longest cached prefix; an engine that
-   fails before answering is taken out and the request goes to another.
+   fails before answering is taken out and the request goes to another. When no prefill engine
+   answers at all and decode engines can prefill (vLLM), a decode engine prefills it
+   (``fallback``): slower for it, but the request is served.
 
 No request is lost to the control plane: without a broker every request takes step 4.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
@@ -31,11 +34,11 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from crossflow_ctl.client import AdmissionQueue, Dispatch, Outcome
+from crossflow_ctl.client import AdmissionQueue, Dispatch, Outcome, Ticket
 from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.models import MAX_TOKENS
-from crossflow_ctl.gateway.engines import Engine, EnginePool
+from crossflow_ctl.gateway.engines import Engine, EnginePool, candidates
 from crossflow_ctl.gateway.metrics import GatewayMetrics
 from crossflow_ctl.gateway.prefix import PrefixIndex, block_hashes
 from crossflow_ctl.gateway.protocols import ClientError, PDProtocol
@@ -185,10 +188,15 @@ class Gateway:
             return None
         with tracer.start_as_current_span("gateway.admit") as span:
             try:
-                outcome = await (await self.queue.submit(req))
+                ticket = await self.queue.submit(req)
             except CrossflowError as exc:  # refused as invalid: nothing was held
                 log.warning("gateway.admit_refused", request_id=job.request_id, error=str(exc))
                 return None
+            try:
+                outcome = await ticket
+            except asyncio.CancelledError:  # the client went away while its prompt was held
+                await asyncio.shield(self._withdraw(ticket))
+                raise
             admission = outcome.admission
             span.set_attribute("crossflow.decision", admission.decision.value)
             span.set_attribute("crossflow.reason", admission.reason.value)
@@ -203,6 +211,16 @@ class Gateway:
             job.held_s = outcome.held_ms / 1000.0
             self.metrics.held.observe(job.held_s)
         return outcome
+
+    async def _withdraw(self, ticket: Ticket) -> None:
+        """Stop holding a prompt whose client left; a grant that beat the withdrawal is
+        released at once."""
+        assert self.queue is not None
+        await self.queue.withdraw(ticket)
+        outcome = ticket.outcome
+        if outcome is not None and outcome.borrowed and self.reservations is not None:
+            self.reservations.granted(outcome.admission.reservation_id)
+            self.reservations.release(outcome.admission.reservation_id, "cancelled")
 
     # -- the two paths -------------------------------------------------------------------
 
@@ -233,14 +251,14 @@ class Gateway:
         engine = self.pool.get(admission.node_id)
         if engine is None or engine.role != "decode" or not engine.healthy:
             log.warning("gateway.borrow_unroutable", node_id=admission.node_id)
-            if await reservations.commit(rid):
-                reservations.release(rid, "cancelled")
+            reservations.granted(rid)
+            reservations.release(rid, "cancelled")
             return None
-        if not await reservations.commit(rid):
-            return None
-        job.path_taken = "borrowed"
         engine.inflight += 1
         try:
+            if not await reservations.commit(rid):
+                return None
+            job.path_taken = "borrowed"
             with tracer.start_as_current_span("gateway.borrowed", kind=SpanKind.CLIENT) as span:
                 span.set_attribute("crossflow.node_id", engine.node_id)
                 self._sent(job)
@@ -268,10 +286,12 @@ class Gateway:
         while True:
             prefill = self._pick_prefill(job, frozenset(tried))
             decode = self.pool.pick_decode(job.cached, frozenset(tried))
-            if prefill is None or decode is None:
+            if decode is None or (prefill is None and not self.settings.borrows):
                 job.path_taken = "error"
                 return openai_error(503, "no prefill or decode engine is up to take the request")
             try:
+                if prefill is None:  # every prefill engine failed: the decode engine prefills
+                    return await self._local(request, job, decode)
                 return await self._two_hops(request, job, prefill, decode, uncached)
             except EngineFailed as exc:
                 self._engine_failed(exc)
@@ -280,10 +300,28 @@ class Gateway:
             except ClientError as exc:
                 return web.json_response(exc.body, status=exc.status)
 
+    async def _local(self, request: web.Request, job: Job, decode: Engine) -> web.StreamResponse:
+        """The last resort when no prefill engine answers: the decode engine prefills the
+        prompt itself, as a borrowed one, but with no lease behind it (``fallback``)."""
+        job.path_taken = "fallback"
+        log.warning("gateway.prefill_pool_unavailable", request_id=job.request_id,
+                    node_id=decode.node_id)  # fmt: skip
+        decode.inflight += 1
+        try:
+            self._sent(job)
+            upstream = await open_call(
+                self.session, decode, PATHS[job.route], job.body, self._headers(job)
+            )
+            async with upstream:
+                self.prefix.record(decode.node_id, job.hashes)
+                return await relay(request, decode, upstream, self._first_byte(job))
+        finally:
+            decode.inflight -= 1
+
     def _pick_prefill(self, job: Job, exclude: frozenset[str]) -> Engine | None:
         """Least prompt work in flight, counting what this prompt would not have to prefill
         there (its cached prefix)."""
-        up = [e for e in self.pool.prefill if e.healthy and e.node_id not in exclude]
+        up = candidates(self.pool.prefill, exclude)
         return min(
             up, key=lambda e: (e.prefill_tokens - job.cached.get(e.node_id, 0), e.inflight),
             default=None,

@@ -29,16 +29,22 @@ class Reservations:
         self.open: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
 
+    def granted(self, reservation_id: str) -> None:
+        """A BORROW named this reservation: from now on it is this gateway's to release, even
+        if the request goes away before its Commit answers."""
+        self.open.add(reservation_id)
+        self._metrics.reservations_open.set(len(self.open))
+
     async def commit(self, reservation_id: str) -> bool:
-        """Commit at dispatch; False (the prompt takes the normal path) when the broker
-        refuses or cannot be reached: the HELD reservation then expires by its TTL."""
+        """Commit at dispatch; False (the prompt takes the normal path, the reservation is
+        released) when the broker refuses or cannot be reached."""
+        self.granted(reservation_id)
         try:
             await self._client.commit(reservation_id)
         except CrossflowError as exc:
             log.warning("gateway.commit_failed", reservation_id=reservation_id, error=str(exc))
+            self.release(reservation_id, "cancelled")
             return False
-        self.open.add(reservation_id)
-        self._metrics.reservations_open.set(len(self.open))
         return True
 
     def release(self, reservation_id: str, outcome: str) -> None:
