@@ -297,6 +297,10 @@ class SyntheticEngine:
         self._arrivals(now)
         self._notify()
 
+    def now_s(self) -> float:
+        """The engine's clock (monotonic seconds), the one its job times are in."""
+        return self._monotonic()
+
     def _kick(self) -> None:
         """An idle engine starts a step at once on new work (advance has brought it to now)."""
         if self._step_now is None:
