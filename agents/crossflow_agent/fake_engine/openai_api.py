@@ -138,7 +138,9 @@ class OpenAIApi:
                 f"the prompt has {prompt}",
                 field,
             )
-        out_field = "max_tokens" if params.max_tokens is not None else "max_completion_tokens"
+        out_field = "max_tokens"
+        if params.max_tokens is None and params.max_completion_tokens is not None:
+            out_field = "max_completion_tokens"
         if prompt + out > limit:
             raise ApiError(
                 400,
@@ -219,32 +221,48 @@ class OpenAIApi:
         placement: Placement,
     ) -> EventSourceResponse:
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
-            if reply.chat:
-                await _send(sse, reply.chunk("", None, role=True))
-            sent = 0
-            while True:
-                job = run.job
-                assert job is not None
-                while sent < min(job.generated, plan.engine_tokens):
-                    last = sent == plan.engine_tokens - 1
-                    text = output_piece(sent) if sent < plan.visible_tokens else ""
-                    await _send(sse, reply.chunk(text, plan.finish if last else None))
-                    sent += 1
-                if run.settled:
-                    break
-                await run.changed()
-            if job.state in (JobState.FINISHED, JobState.HELD):
-                if placement.on_held is not None:
-                    placement.on_held(run)
-                if params.include_usage:
-                    await _send(sse, reply.usage_chunk(plan.use()))
-            else:
+            try:
+                await self._send_tokens(sse, params, plan, reply, run, placement)
+            except (ConnectionResetError, TimeoutError):  # the client went away, or stalled
+                self.driver.abort(run)
                 if placement.on_failed is not None:
                     placement.on_failed()
-                error = ApiError(503, f"request {job.state.value}: the engine is closing")
-                await _send(sse, error.body())
-            await sse.send("[DONE]")
         return sse
+
+    async def _send_tokens(
+        self,
+        sse: EventSourceResponse,
+        params: GenerateParams,
+        plan: _Plan,
+        reply: Reply,
+        run: Run,
+        placement: Placement,
+    ) -> None:
+        if reply.chat:
+            await _send(sse, reply.chunk("", None, role=True))
+        sent = 0
+        while True:
+            job = run.job
+            assert job is not None
+            while sent < min(job.generated, plan.engine_tokens):
+                last = sent == plan.engine_tokens - 1
+                text = output_piece(sent) if sent < plan.visible_tokens else ""
+                await _send(sse, reply.chunk(text, plan.finish if last else None))
+                sent += 1
+            if run.settled:
+                break
+            await run.changed()
+        ok = job.state in (JobState.FINISHED, JobState.HELD)
+        if ok and params.include_usage:
+            await _send(sse, reply.usage_chunk(plan.use()))
+        if not ok:
+            error = ApiError(503, f"request {job.state.value}: the engine is closing")
+            await _send(sse, error.body())
+        await sse.send("[DONE]")
+        if ok and placement.on_held is not None:  # handed over once the answer is out
+            placement.on_held(run)
+        elif not ok and placement.on_failed is not None:
+            placement.on_failed()
 
 
 async def _send(sse: EventSourceResponse, data: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ class Reply:
     model: str
     request_id: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    id: str = field(init=False)
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.chat else "cmpl"

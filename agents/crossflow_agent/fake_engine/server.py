@@ -109,7 +109,8 @@ class FakeEngineServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self._advertise}:{self.port}"
+        host = f"[{self._advertise}]" if ":" in self._advertise else self._advertise
+        return f"http://{host}:{self.port}"
 
     @property
     def bootstrap_port(self) -> int | None:

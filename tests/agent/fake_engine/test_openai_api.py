@@ -133,6 +133,12 @@ async def test_streamed_completion_and_chat_completion() -> None:
         assert got[-1]["choices"][0]["finish_reason"] == "length"
         assert all("usage" not in c for c in got)
 
+        stopped = {"prompt": "x", "max_tokens": 9, "stop": "w2", "stream": True}
+        async with http.stream("POST", "/v1/completions", json=stopped) as r:
+            got = chunks(await sse_events(r))
+        assert [c["choices"][0]["text"] for c in got] == ["w0", " w1", ""]
+        assert [c["choices"][0]["finish_reason"] for c in got] == [None, None, "stop"]
+
 
 async def test_openai_sdk_streamed_and_unstreamed() -> None:
     async with serving(protocol="vllm") as server:
