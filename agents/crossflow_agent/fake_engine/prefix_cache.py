@@ -36,8 +36,6 @@ class PrefixCache:
             raise ValueError("capacity_blocks must be >= 0")
         self.capacity_blocks = capacity_blocks
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
-        self.queries = 0
-        self.hits = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -50,8 +48,6 @@ class PrefixCache:
         while hit < usable and hashes[hit] in self._blocks:
             self._blocks.move_to_end(hashes[hit])
             hit += 1
-        self.queries += prompt_tokens
-        self.hits += hit * BLOCK_TOKENS
         return hit * BLOCK_TOKENS
 
     def insert(self, hashes: Sequence[bytes]) -> None:

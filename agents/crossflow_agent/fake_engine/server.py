@@ -169,7 +169,9 @@ class FakeEngineServer:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(trust_env=False)
+            # no connection cap: every SGLang decode may be long-polling its room at once
+            connector = aiohttp.TCPConnector(limit=0)
+            self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
         return self._session
 
     def _extra_state(self) -> dict[str, Any]:

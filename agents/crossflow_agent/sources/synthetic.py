@@ -52,16 +52,6 @@ from crossflow_ctl.domain.clock import Clock, SystemClock
 from crossflow_ctl.domain.models import Frozen
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
-__all__ = [
-    "ITL_BUCKETS_S",
-    "EngineRequest",
-    "EngineScript",
-    "Job",
-    "JobState",
-    "SyntheticEngine",
-    "SyntheticSource",
-]
-
 MAX_STEPS_PER_ADVANCE = 20_000
 MAX_QUEUE = 100_000
 
