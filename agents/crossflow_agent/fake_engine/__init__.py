@@ -35,12 +35,15 @@ Unstreamed: ``{"id": "cmpl-..."|"chatcmpl-...", "object": "text_completion"|"cha
 ``finish_reason``; ``stream_options.include_usage`` adds a chunk with ``"choices": []`` and
 ``usage`` before ``[DONE]``. A request is a job of the synthetic engine (prompt tokens = the
 tokenizer's count): its queueing, chunked prefill, KV room and step times decide when each
-token comes, so TTFT and ITL are real wall-clock times of the model. A client that disconnects
-aborts its job (KV freed). Errors: ``{"error": {"message", "type", "param", "code"}}``; 400
-``BadRequestError`` names the field in ``param`` and in the message (``"max_tokens: ..."``) and
-changes nothing; prompt + max_tokens over ``max_model_len`` (or the KV cache) is 400; an
-unknown ``model`` is 404 ``NotFoundError``; a full queue or a closing engine 503; a failed KV
-transfer 500 ``InternalServerError`` (param ``kv_transfer_params`` or ``bootstrap_room``).
+token comes, so TTFT and ITL are real wall-clock times of the model (a token is answered once
+the step that makes it has ended; as in the step model, the first token comes from the decode
+step after the prompt's last prefill chunk, not from that chunk's step). A client that
+disconnects aborts its job (KV freed).
+Errors: ``{"error": {"message", "type", "param", "code"}}``; 400 ``BadRequestError`` names
+the field in ``param`` and in the message (``"max_tokens: ..."``) and changes nothing;
+prompt + max_tokens over ``max_model_len`` (or the KV cache) is 400; an unknown ``model`` is
+404 ``NotFoundError``; a full queue or a closing engine 503; a failed KV transfer 500
+``InternalServerError`` (param ``kv_transfer_params`` or ``bootstrap_room``).
 
 **Prefix cache.** An LRU of chained hashes of 16-token blocks (:mod:`.prefix_cache`); a locally
 prefilled prompt's cached tokens (``usage.prompt_tokens_details.cached_tokens``) are its longest
