@@ -234,7 +234,7 @@ def inspect(config_file: Path | None, window_ms: int, as_json: bool, **flags: An
     help="The model id the OpenAI API serves (GET /v1/models).",
 )
 @click.option(
-    "--max-model-len", type=click.IntRange(2, 10_000_000), default=32_768, show_default=True
+    "--max-model-len", type=click.IntRange(2, 1_000_000), default=32_768, show_default=True
 )
 @click.option(
     "--model", type=click.Choice(sorted(MODEL_PRESETS)), default="gpt-oss-120b", show_default=True

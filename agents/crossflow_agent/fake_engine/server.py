@@ -27,6 +27,8 @@ from crossflow_agent.sources.synthetic import SyntheticEngine
 log = structlog.get_logger()
 
 MAX_BODY_BYTES = 1024 * 1024
+MAX_MODEL_LEN = 1_000_000
+"""The engine's bound on a prompt's tokens."""
 SHUTDOWN_GRACE_S = 2.0
 API_PREFIXES = ("/v1/", "/tokenize", "/fake/")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -68,6 +70,8 @@ class FakeEngineServer:
         prefix_cache_blocks: int | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
+        if not 2 <= max_model_len <= MAX_MODEL_LEN:
+            raise ValueError(f"max_model_len must be in 2..{MAX_MODEL_LEN}")
         self.engine = engine
         self.protocol, self.pd_role = EngineProtocol(protocol), PdRole(pd_role)
         self.model = model
