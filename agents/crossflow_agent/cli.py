@@ -203,6 +203,40 @@ def inspect(config_file: Path | None, window_ms: int, as_json: bool, **flags: An
     help="Write the bound port here once serving.",
 )
 @click.option(
+    "--protocol",
+    type=click.Choice(["sglang", "vllm"]),
+    default="sglang",
+    show_default=True,
+    help="Which engine to be: its metrics format and its P/D protocol.",
+)
+@click.option(
+    "--pd-role",
+    type=click.Choice(["prefill", "decode", "both"]),
+    default="both",
+    show_default=True,
+    help="P/D role: prefill exports KV, decode imports it, both does either.",
+)
+@click.option(
+    "--bootstrap-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="SGLang prefill: the bootstrap server's port (0: a free one, printed).",
+)
+@click.option(
+    "--advertise-host",
+    help="Host decode engines reach this one at (vLLM remote_host). [--host, or 127.0.0.1]",
+)
+@click.option(
+    "--served-model-name",
+    default="fake-model",
+    show_default=True,
+    help="The model id the OpenAI API serves (GET /v1/models).",
+)
+@click.option(
+    "--max-model-len", type=click.IntRange(2, 1_000_000), default=32_768, show_default=True
+)
+@click.option(
     "--model", type=click.Choice(sorted(MODEL_PRESETS)), default="gpt-oss-120b", show_default=True
 )
 @click.option(
@@ -219,6 +253,13 @@ def inspect(config_file: Path | None, window_ms: int, as_json: bool, **flags: An
 @click.option("--max-running", type=int, default=256, show_default=True)
 @click.option("--chunk-tokens", type=int, default=2048, show_default=True)
 @click.option(
+    "--kv-transfer-gb-s",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="KV transfer speed into this engine (0: transfers take no time).",
+)
+@click.option(
     "--background-rps",
     type=float,
     default=0.0,
@@ -232,18 +273,28 @@ def fake_engine(
     host: str,
     port: int,
     port_file: Path | None,
+    protocol: str,
+    pd_role: str,
+    bootstrap_port: int,
+    advertise_host: str | None,
+    served_model_name: str,
+    max_model_len: int,
     model: str,
     node_preset: str,
     model_name: str,
     kv_total_tokens: int,
     max_running: int,
     chunk_tokens: int,
+    kv_transfer_gb_s: float,
     background_rps: float,
     background_prompt_tokens: int,
     background_cached_tokens: int,
     background_output_tokens: int,
 ) -> None:
-    """Serve a synthetic engine: SGLang-format GET /metrics, POST /requests, POST /control."""
+    """Serve a synthetic engine as vLLM or SGLang would: the OpenAI API, P/D, /metrics.
+
+    Also POST /requests (load with no client) and POST /control (slowdown, down, fail_next).
+    The contract is in crossflow_agent.fake_engine's docstring."""
     from pydantic import ValidationError
 
     from crossflow_agent.fake_engine import FakeEngineServer
@@ -255,6 +306,7 @@ def fake_engine(
             kv_total_tokens=kv_total_tokens,
             max_running=max_running,
             chunk_tokens=chunk_tokens,
+            kv_transfer_gb_s=kv_transfer_gb_s,
             background_rps=background_rps,
             background=EngineRequest(
                 prompt_tokens=background_prompt_tokens,
@@ -269,7 +321,18 @@ def fake_engine(
     engine = SyntheticEngine(
         MODEL_PRESETS[model], NODE_PRESETS[node_preset], script, model_name=model_name
     )
-    asyncio.run(_serve_fake_engine(FakeEngineServer(engine, host, port), port_file))
+    server = FakeEngineServer(
+        engine,
+        host,
+        port,
+        protocol=protocol,
+        pd_role=pd_role,
+        model=served_model_name,
+        max_model_len=max_model_len,
+        bootstrap_port=bootstrap_port,
+        advertise_host=advertise_host,
+    )
+    asyncio.run(_serve_fake_engine(server, port_file))
 
 
 async def _serve_fake_engine(server: Any, port_file: Path | None) -> None:
@@ -289,6 +352,8 @@ async def _serve_fake_engine(server: Any, port_file: Path | None) -> None:
             tmp.write_text(f"{server.port}\n")
             tmp.replace(port_file)
         click.echo(f"fake engine serving {server.url}/metrics", file=sys.stdout)
+        if server.bootstrap_port is not None:
+            click.echo(f"fake engine bootstrap port {server.bootstrap_port}", file=sys.stdout)
         sys.stdout.flush()
         await stop.wait()
     finally:
