@@ -152,8 +152,8 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> int:
         )
     for gw, floor in (("gateway static", "direct 2-hop"), ("gateway + broker", "direct 2-hop")):
         (g, gw_wall), (f, f_wall) = results[gw], results[floor]
-        print(f"{gw} over {floor}: p50 +{(pct(g, 50)-pct(f, 50))*1e3:.2f} ms, "
-              f"p99 +{(pct(g, 99)-pct(f, 99))*1e3:.2f} ms, "
+        print(f"{gw} over {floor}: p50 {(pct(g, 50)-pct(f, 50))*1e3:+.2f} ms, "
+              f"p99 {(pct(g, 99)-pct(f, 99))*1e3:+.2f} ms, "
               f"req/s {len(g)/gw_wall:.0f} vs {len(f)/f_wall:.0f}")  # fmt: skip
     return 0
 
