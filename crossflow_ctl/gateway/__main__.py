@@ -18,7 +18,7 @@ import click
 from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.gateway.app import serve as serve_app
 from crossflow_ctl.gateway.settings import GatewaySettings, load_settings
-from crossflow_ctl.observability import setup_logging
+from crossflow_ctl.observability import setup_logging, setup_tracing
 
 DEFAULTS = GatewaySettings.model_construct()
 
@@ -97,6 +97,7 @@ def serve(config_file: Path | None, **flags: Any) -> None:
         raise click.UsageError(f"invalid configuration: {exc}") from None
     setup_logging(json=settings.log_json, level=settings.log_level)
     try:
+        setup_tracing(settings.otlp_endpoint, service_name="crossflow-gateway")
         asyncio.run(_main(settings))
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None

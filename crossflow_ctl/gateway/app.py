@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import structlog
 from aiohttp import web
+from opentelemetry.trace import TracerProvider
 
 from crossflow_ctl.aio import cancel_and_wait
 from crossflow_ctl.client import AdmissionClient, AdmissionQueue, QueueConfig
@@ -67,9 +68,13 @@ async def discover_model(
     )
 
 
-def build_app(settings: GatewaySettings) -> web.Application:
+def build_app(
+    settings: GatewaySettings, tracer_provider: TracerProvider | None = None
+) -> web.Application:
+    """``tracer_provider``: where the request spans go (None: the global one, which the entry
+    point sets up from ``otlp_endpoint``)."""
     app = web.Application(client_max_size=16 * 1024 * 1024)
-    app.cleanup_ctx.append(lambda a: _lifetime(a, settings))
+    app.cleanup_ctx.append(lambda a: _lifetime(a, settings, tracer_provider))
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
@@ -78,7 +83,9 @@ def build_app(settings: GatewaySettings) -> web.Application:
     return app
 
 
-async def _lifetime(app: web.Application, settings: GatewaySettings) -> AsyncIterator[None]:
+async def _lifetime(
+    app: web.Application, settings: GatewaySettings, tracer_provider: TracerProvider | None
+) -> AsyncIterator[None]:
     timeout = aiohttp.ClientTimeout(
         total=settings.request_timeout_s, sock_connect=settings.connect_timeout_s
     )
@@ -115,7 +122,9 @@ async def _lifetime(app: web.Application, settings: GatewaySettings) -> AsyncIte
                 prefill_target=lambda _: _least_loaded_prefill(pool),
             )
             tasks.append(asyncio.create_task(queue.run(client.room_updates(pool=settings.pool))))
-        gateway = Gateway(settings, session, pool, protocol, metrics, queue, reservations, model)
+        gateway = Gateway(
+            settings, session, pool, protocol, metrics, queue, reservations, model, tracer_provider
+        )
         for engine in pool.all():
             metrics.engine_state(engine)
 
@@ -227,9 +236,11 @@ async def _metrics(request: web.Request) -> web.Response:
 class GatewayServer:
     """The app on a TCP site: ``await start()`` (returns the bound port), ``await close()``."""
 
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(
+        self, settings: GatewaySettings, tracer_provider: TracerProvider | None = None
+    ) -> None:
         self.settings = settings
-        self.app = build_app(settings)
+        self.app = build_app(settings, tracer_provider)
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
         )

@@ -48,7 +48,7 @@ from crossflow_ctl.gateway.tokens import tokenize, tokenize_body
 from crossflow_ctl.gateway.upstream import EngineFailed, open_call, relay
 
 log = structlog.get_logger()
-tracer = trace.get_tracer("crossflow.gateway")
+TRACER_NAME = "crossflow.gateway"
 _propagator = TraceContextTextMapPropagator()
 
 Route = Literal["completions", "chat"]
@@ -96,7 +96,9 @@ class Gateway:
         queue: AdmissionQueue | None,
         reservations: Reservations | None,
         model: str,
+        tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
+        self.tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
         self.settings = settings
         self.session = session
         self.pool = pool
@@ -124,7 +126,7 @@ class Gateway:
             )
         job = Job(route, body, uuid.uuid4().hex, arrived)
         ctx = _propagator.extract(dict(request.headers))
-        with tracer.start_as_current_span(
+        with self.tracer.start_as_current_span(
             "gateway.request", context=ctx, kind=SpanKind.SERVER
         ) as span:
             span.set_attribute("crossflow.request_id", job.request_id)
@@ -153,7 +155,7 @@ class Gateway:
         engine = self.pool.pick_prefill() or self.pool.pick_decode({})
         if body is None or engine is None:
             return
-        with tracer.start_as_current_span("gateway.tokenize"):
+        with self.tracer.start_as_current_span("gateway.tokenize"):
             job.tokens = await tokenize(
                 self.session, engine, body, timeout_s=self.settings.connect_timeout_s
             )
@@ -186,7 +188,7 @@ class Gateway:
         req = self._admission_request(job)
         if req is None:
             return None
-        with tracer.start_as_current_span("gateway.admit") as span:
+        with self.tracer.start_as_current_span("gateway.admit") as span:
             try:
                 ticket = await self.queue.submit(req)
             except CrossflowError as exc:  # refused as invalid: nothing was held
@@ -259,7 +261,9 @@ class Gateway:
             if not await reservations.commit(rid):
                 return None
             job.path_taken = "borrowed"
-            with tracer.start_as_current_span("gateway.borrowed", kind=SpanKind.CLIENT) as span:
+            with self.tracer.start_as_current_span(
+                "gateway.borrowed", kind=SpanKind.CLIENT
+            ) as span:
                 span.set_attribute("crossflow.node_id", engine.node_id)
                 self._sent(job)
                 upstream = await open_call(
@@ -343,7 +347,7 @@ class Gateway:
                 prefill.inflight -= 1
 
         try:
-            with tracer.start_as_current_span("gateway.normal", kind=SpanKind.CLIENT) as span:
+            with self.tracer.start_as_current_span("gateway.normal", kind=SpanKind.CLIENT) as span:
                 span.set_attribute("crossflow.prefill_node_id", prefill.node_id)
                 span.set_attribute("crossflow.node_id", decode.node_id)
                 self._sent(job)

@@ -114,6 +114,8 @@ class GatewaySettings(LayeredSettings):
     connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
     request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
     """Longest one engine request may take, end to end."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC endpoint for the request spans (e.g. http://otel-collector:4317); None: none."""
     log_json: bool = False
     log_level: str = "info"
 

@@ -133,6 +133,7 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
         broker: str = "demand",
         slots: int = 4,
         max_hold_ms: int = 0,
+        tracer_provider: Any = None,
         **gateway: Any,
     ) -> Cluster:
         engines: dict[str, list[Engine]] = {"prefill": [], "decode": []}
@@ -178,7 +179,7 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
             health_period_s=0.2,
             **gateway,
         )
-        gw = GatewayServer(settings)
+        gw = GatewayServer(settings, tracer_provider)
         await gw.start()
         cluster = Cluster(server_b, engines["prefill"], engines["decode"], gw)
         opened.append(cluster)
