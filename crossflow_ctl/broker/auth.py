@@ -205,20 +205,46 @@ def is_loopback(listen: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def check_startup(settings: AuthSettings, listen: str) -> None:
-    """Refuse to start unauthenticated when ``required``; warn when exposed without auth."""
-    if settings.authenticates:
-        return
-    if settings.required:
+def check_startup(settings: AuthSettings, listen: str) -> tuple[str, ...]:
+    """Refuse to start (ConfigError naming the setting) a broker that would serve callers it
+    cannot trust: unauthenticated when ``required``; beyond loopback, unauthenticated or with
+    bearer tokens over plaintext, unless ``insecure``. Returns what an operator must be told
+    (empty when secure): the caller logs it, and ``crossflowctl get nodes`` shows it."""
+    if settings.required and not settings.authenticates:
         raise ConfigError(
             "auth.required is set but no caller can be authenticated: set "
             "auth.tls.client_ca_file (mutual TLS) or auth.token_file",
             field="auth.required",
         )
-    if not is_loopback(listen):
-        log.warning(
-            "auth.disabled",
-            listen=listen,
-            message="listening beyond loopback without authentication: anyone who can reach "
-            "this port can publish leases, admit, release and change policy",
+    if is_loopback(listen):
+        return ()
+    warnings: list[str] = []
+    if not settings.authenticates:
+        if not settings.insecure:
+            raise ConfigError(
+                f"listening on {listen}, beyond loopback, with no way to authenticate "
+                "callers: anyone who reaches the port could publish leases for any node, admit, "
+                "list reservations and change the policy. Set auth.tls.client_ca_file (mutual "
+                "TLS) or auth.token_file with auth.tls, listen on 127.0.0.1, or pass --insecure "
+                "(auth.insecure: true) when something else guards the port",
+                field="auth.insecure",
+            )
+        warnings.append(
+            f"INSECURE: the broker serves {listen} beyond loopback without authenticating "
+            "callers (auth.insecure): anyone who reaches the port can publish leases for any "
+            "node, admit, list reservations and change the policy"
         )
+    if settings.token_file is not None and not settings.tls.enabled:
+        if not settings.insecure:
+            raise ConfigError(
+                f"bearer tokens over plaintext on {listen}: anyone on the path could read and "
+                "replay them. Serve TLS (auth.tls.cert_file and key_file), listen on 127.0.0.1 "
+                "(a sidecar in the pod), or pass --insecure (auth.insecure: true) when a mesh "
+                "encrypts the traffic",
+                field="auth.token_file",
+            )
+        warnings.append(
+            f"INSECURE: bearer tokens cross plaintext on {listen} (auth.insecure): anyone on "
+            "the path can read and replay them"
+        )
+    return tuple(warnings)

@@ -113,6 +113,9 @@ class Broker:
         self._zero_reasons: dict[str, str] = {}
         """Last zero-lease reason per node ("" once it lends again), for state-change logs."""
         self.broker_id = broker_id or settings.broker_id or "broker"
+        self.warnings: tuple[str, ...] = ()
+        """What operators must be told about this replica (it serves unauthenticated callers
+        beyond loopback, say), set by its server at start; answered with ListNodes."""
         self._policy = PolicyKeeper(store, settings.policy, clock, settings.policy_refresh_ms)
         self._orphans = OrphanDebits(lambda rid: self.release(rid, "cancelled"), store)
         """Releases debits that landed after their Admit had answered (see Admitter)."""

@@ -73,8 +73,9 @@ class BrokerSettings(LayeredSettings):
         frozen=True,
     )
 
-    listen: str = "0.0.0.0:50051"
-    """gRPC listen address, host:port (port 0 picks a free one)."""
+    listen: str = "127.0.0.1:50051"
+    """gRPC listen address, host:port (port 0 picks a free one). Loopback by default: beyond
+    it the broker must authenticate callers (``auth``), or be told ``auth.insecure``."""
     redis_url: str | None = None
     """Redis URL of the shared store; None runs the embedded in-process store (one replica)."""
     redis_username: Annotated[str, Field(min_length=1, max_length=256)] | None = None
