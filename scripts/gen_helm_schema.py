@@ -228,11 +228,11 @@ class Redis(Values):
 
 
 class ServerTLSValues(Values):
-    enabled: bool = False
+    enabled: bool = True
     """Serve TLS on the broker's gRPC port."""
     secretName: str = ""
-    """Secret with tls.crt, tls.key and ca.crt; empty uses the cert-manager Certificate's."""
-    mutual: bool = False
+    """Secret with tls.crt, tls.key and ca.crt; empty: cert-manager's, else Helm-made ones."""
+    mutual: bool = True
     """Require client certificates (mutual TLS)."""
     serverName: str = ""
     """Name callers check the broker's certificate against."""
@@ -251,9 +251,27 @@ class IssuerRef(Values):
     group: str = "cert-manager.io"
 
 
+NodeName = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+]
+
+
+class Generated(Values):
+    tokens: bool = True
+    """Make bearer tokens (admin, routers, agents) when tokenHashesSecret is empty."""
+    agentNodes: list[NodeName] = []
+    """Nodes to make agent tokens for, besides the discovered ones."""
+    discoverAgentNodes: bool = True
+    """Also make tokens for the nodes labelled with agent.roleLabel (lookup)."""
+    routers: list[NodeName] = []
+    """Router names to make tokens for."""
+    validityDays: Annotated[int, Field(ge=1, le=36500)] = 3650
+    """Lifetime of the certificates Helm makes."""
+
+
 class CertManager(Values):
-    enabled: bool = False
-    """Create cert-manager Certificates."""
+    enabled: bool | Literal["auto"] = "auto"
+    """Create cert-manager Certificates: auto when the cluster serves cert-manager.io/v1."""
     issuerRef: IssuerRef = IssuerRef()
     duration: Duration = "2160h"
     renewBefore: Duration = "360h"
@@ -264,9 +282,12 @@ class CertManager(Values):
 class Security(Values):
     required: bool = False
     """Refuse to start the broker unless callers are authenticated."""
+    insecure: bool = False
+    """Serve unauthenticated callers, or tokens over plaintext (auth.insecure)."""
     tls: ServerTLSValues = ServerTLSValues()
     tokenHashesSecret: str = ""
     """Secret whose key `tokens` holds the token hashes."""
+    generated: Generated = Generated()
     agentCredentials: AgentCredentials = AgentCredentials()
     certManager: CertManager = CertManager()
 

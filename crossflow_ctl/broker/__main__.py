@@ -49,6 +49,7 @@ def overrides_from(
     embedded_store: bool,
     redis_namespace: str | None,
     redis_cluster: bool = False,
+    insecure: bool = False,
 ) -> dict[str, Any]:
     """The settings the flags given override (flags beat env, file and defaults)."""
     if redis_url and embedded_store:
@@ -65,6 +66,8 @@ def overrides_from(
         out["redis_namespace"] = redis_namespace
     if redis_cluster:
         out["redis_cluster"] = True
+    if insecure:
+        out["auth"] = {"insecure": True}
     return out
 
 
@@ -78,7 +81,8 @@ def overrides_from(
 @click.option(
     "--listen",
     metavar="HOST:PORT",
-    help=f"Where to serve gRPC (port 0 picks a free one); default {DEFAULTS.listen}.",
+    help=f"Where to serve gRPC (port 0 picks a free one); default {DEFAULTS.listen}. Beyond "
+    "loopback callers must be authenticated (auth in --config), or --insecure given.",
 )
 @click.option(
     "--redis-url",
@@ -93,6 +97,12 @@ def overrides_from(
     "--redis-namespace", help=f"Key prefix in Redis; default {DEFAULTS.redis_namespace!r}."
 )
 @click.option("--redis-cluster", is_flag=True, help="--redis-url names a Redis Cluster node.")
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="Serve beyond loopback without authenticating callers (or with bearer tokens over "
+    "plaintext): only when something else guards the port (auth.insecure).",
+)
 def serve(config_file: Path | None, **flags: Any) -> None:
     """Run one broker replica until SIGINT/SIGTERM."""
     try:

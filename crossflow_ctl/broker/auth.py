@@ -1,9 +1,11 @@
 """Authentication and authorization of every broker RPC: one rule table, checked by the broker's
 server interceptor (:mod:`crossflow_ctl.broker.interceptor`) before each call.
 
-Who: the SPIFFE URI in the peer's verified client certificate (mutual TLS), else the identity of
-an ``authorization: Bearer <token>`` header found in the token file (crossflow_ctl.security).
-Neither -> UNAUTHENTICATED. What: :data:`RULES` names the roles allowed per service and method:
+Who: the one SPIFFE URI SAN of the peer's verified client certificate (mutual TLS; never its
+common name, and a certificate with several SPIFFE URIs, or one naming no identity of this
+trust domain, is refused), else the identity of an ``authorization: Bearer <token>`` header
+found in the token file (crossflow_ctl.security). Neither -> UNAUTHENTICATED. What:
+:data:`RULES` names the roles allowed per service and method:
 
     LeaseService/*                  node (and only for its own node: checked on the stream)
     AdmissionService/*              router, admin (Commit/Release: own reservations, admin any)
@@ -28,7 +30,7 @@ import structlog
 from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.security import AuthSettings, Identity, Role, TokenTable
 from crossflow_ctl.security.channel import read_ca_bundle, read_key_pair
-from crossflow_ctl.security.identity import parse_identity_uri
+from crossflow_ctl.security.identity import CertificateRefused, certificate_identity
 
 log = structlog.get_logger()
 
@@ -75,13 +77,17 @@ def owner_filter() -> str | None:
     return who.uri_path
 
 
+PEER_URI = "peer_uri"
+"""The auth context property holding the verified peer certificate's URI SANs, and only those
+(``peer_identities()`` falls back to the common name when a certificate has no SAN)."""
+
+
 def peer_identity(context: grpc.aio.ServicerContext, trust_domain: str) -> Identity | None:
-    """The identity among the verified client certificate's SAN entries, if any."""
-    for raw in context.peer_identities() or ():
-        who = parse_identity_uri(raw.decode(errors="replace"), trust_domain)
-        if who is not None:
-            return who
-    return None
+    """The identity the verified client certificate names by its one SPIFFE URI SAN; None
+    without a certificate or without a SPIFFE URI; CertificateRefused otherwise
+    (:func:`~crossflow_ctl.security.identity.certificate_identity`)."""
+    uris = (context.auth_context() or {}).get(PEER_URI) or ()
+    return certificate_identity([raw.decode(errors="replace") for raw in uris], trust_domain)
 
 
 def _bearer(metadata: Any) -> str | None:
@@ -126,7 +132,10 @@ class Authorizer:
     def authenticate(
         self, context: grpc.aio.ServicerContext, metadata: Any
     ) -> tuple[Identity | None, str]:
-        who = peer_identity(context, self._settings.trust_domain)
+        try:
+            who = peer_identity(context, self._settings.trust_domain)
+        except CertificateRefused as exc:  # ambiguous or foreign: no token makes up for it
+            return None, str(exc)
         if who is not None:
             return who, ""
         token = _bearer(metadata)
@@ -135,6 +144,11 @@ class Authorizer:
             return who, "" if who else "unknown bearer token"
         if token is not None:
             return None, "bearer tokens are not accepted by this broker"
+        if context.auth_context().get("x509_subject"):
+            return None, (
+                "the client certificate has no SPIFFE URI SAN (its common name is not read) "
+                "and no bearer token was sent"
+            )
         return None, "no client certificate identity and no bearer token"
 
     def check_for(self, method: str) -> Check | None:
@@ -191,20 +205,46 @@ def is_loopback(listen: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def check_startup(settings: AuthSettings, listen: str) -> None:
-    """Refuse to start unauthenticated when ``required``; warn when exposed without auth."""
-    if settings.authenticates:
-        return
-    if settings.required:
+def check_startup(settings: AuthSettings, listen: str) -> tuple[str, ...]:
+    """Refuse to start (ConfigError naming the setting) a broker that would serve callers it
+    cannot trust: unauthenticated when ``required``; beyond loopback, unauthenticated or with
+    bearer tokens over plaintext, unless ``insecure``. Returns what an operator must be told
+    (empty when secure): the caller logs it, and ``crossflowctl get nodes`` shows it."""
+    if settings.required and not settings.authenticates:
         raise ConfigError(
             "auth.required is set but no caller can be authenticated: set "
             "auth.tls.client_ca_file (mutual TLS) or auth.token_file",
             field="auth.required",
         )
-    if not is_loopback(listen):
-        log.warning(
-            "auth.disabled",
-            listen=listen,
-            message="listening beyond loopback without authentication: anyone who can reach "
-            "this port can publish leases, admit, release and change policy",
+    if is_loopback(listen):
+        return ()
+    warnings: list[str] = []
+    if not settings.authenticates:
+        if not settings.insecure:
+            raise ConfigError(
+                f"listening on {listen}, beyond loopback, with no way to authenticate "
+                "callers: anyone who reaches the port could publish leases for any node, admit, "
+                "list reservations and change the policy. Set auth.tls.client_ca_file (mutual "
+                "TLS) or auth.token_file with auth.tls, listen on 127.0.0.1, or pass --insecure "
+                "(auth.insecure: true) when something else guards the port",
+                field="auth.insecure",
+            )
+        warnings.append(
+            f"INSECURE: the broker serves {listen} beyond loopback without authenticating "
+            "callers (auth.insecure): anyone who reaches the port can publish leases for any "
+            "node, admit, list reservations and change the policy"
         )
+    if settings.token_file is not None and not settings.tls.enabled:
+        if not settings.insecure:
+            raise ConfigError(
+                f"bearer tokens over plaintext on {listen}: anyone on the path could read and "
+                "replay them. Serve TLS (auth.tls.cert_file and key_file), listen on 127.0.0.1 "
+                "(a sidecar in the pod), or pass --insecure (auth.insecure: true) when a mesh "
+                "encrypts the traffic",
+                field="auth.token_file",
+            )
+        warnings.append(
+            f"INSECURE: bearer tokens cross plaintext on {listen} (auth.insecure): anyone on "
+            "the path can read and replay them"
+        )
+    return tuple(warnings)

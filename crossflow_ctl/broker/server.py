@@ -193,7 +193,10 @@ class BrokerServer:
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        check_startup(self.settings.auth, self.settings.listen)
+        warnings = check_startup(self.settings.auth, self.settings.listen)
+        for warning in warnings:
+            log.warning("auth.insecure", listen=self.settings.listen, message=warning)
+        self.broker.warnings = warnings
         try:
             if self._credentials is None:
                 self.port = server.add_insecure_port(self.settings.listen)
@@ -232,6 +235,7 @@ class BrokerServer:
             port=self.port,
             tls=self._credentials is not None,
             authenticates=self.settings.auth.authenticates,
+            insecure=bool(warnings),
             store=describe_store(self.settings),
         )
         return self.port

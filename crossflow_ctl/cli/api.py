@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+import click
 import grpc
 
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
@@ -100,6 +101,7 @@ class BrokerSession:
         self._channel: grpc.aio.Channel | None = None
         self._admin: AdminClient | None = None
         self._admission: AdmissionClient | None = None
+        self._warned: set[str] = set()
 
     async def __aenter__(self) -> BrokerSession:
         self._channel = _channel(self.target)
@@ -152,7 +154,13 @@ class BrokerSession:
             ) from None
 
     async def list_nodes(self, role: NodeRole | None, selector: str) -> list[NodeView]:
+        """The nodes; what the broker says about itself (``--insecure``, say) goes to stderr,
+        each sentence once per session (a watch repeats no line)."""
         result: list[NodeView] = await self._call(self.admin.list_nodes(role, selector))
+        for warning in self.admin.broker_warnings:
+            if warning not in self._warned:
+                self._warned.add(warning)
+                click.echo(f"warning: {warning}", err=True)
         return result
 
     async def get_node(self, name: str) -> NodeView:

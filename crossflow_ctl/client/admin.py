@@ -36,12 +36,16 @@ class AdminClient(BrokerClient):
     ) -> None:
         super().__init__(target, timeout_s=timeout_s, channel=channel, credentials=credentials)
         self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
+        self.broker_warnings: tuple[str, ...] = ()
+        """What the broker said about itself with its last ListNodes answer (for example that
+        it serves unauthenticated callers beyond loopback); empty when nothing."""
 
     async def list_nodes(self, role: NodeRole | None = None, selector: str = "") -> list[NodeView]:
         req = admin_pb2.ListNodesRequest(selector=selector)
         if role is not None:
             req.role = c.role_to_proto(role)  # type: ignore[assignment]
         msg = await self._call(self._stub.ListNodes, req)
+        self.broker_warnings = tuple(msg.broker_warnings)
         return [_node_view(n) for n in msg.nodes]
 
     async def get_node(self, node_id: str) -> NodeDetailView:

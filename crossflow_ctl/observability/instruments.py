@@ -145,6 +145,17 @@ class BrokerMetrics:
         self._streams = m.create_up_down_counter(
             "crossflow_broker_stream_connections", "1", "Agent lease streams open on this replica"
         )
+        self._breaker_state = m.create_gauge(
+            "crossflow_broker_store_breaker_state",
+            "1",
+            "Admission's circuit breaker over the store: 0 closed (Admit calls the store), "
+            "1 open (Admit answers NORMAL store_unavailable at once), 2 half-open (probing)",
+        )
+        self._breaker_opens = m.create_counter(
+            "crossflow_broker_store_breaker_opens",
+            "1",
+            "Times admission's circuit breaker opened after consecutive store failures",
+        )
         self._node_credits = _NodeCredits(max_nodes)
         m.create_observable_gauge(
             "crossflow_broker_node_available_credits",
@@ -209,6 +220,13 @@ class BrokerMetrics:
 
     def forget_node(self, node_id: str) -> None:
         self._node_credits.forget(node_id)
+
+    def set_store_breaker(self, state: int) -> None:
+        """The breaker's state as its number (``domain.breaker.BREAKER_STATE_VALUES``)."""
+        self._breaker_state.set(state)
+
+    def record_store_breaker_open(self) -> None:
+        self._breaker_opens.add(1)
 
     def stream_opened(self) -> None:
         self._streams.add(1)

@@ -6,10 +6,14 @@ Certificates carry the identity as a SPIFFE URI in their subjectAltName::
     spiffe://crossflow/router/router-a   a router (Admit/Commit/Release of its own reservations)
     spiffe://crossflow/admin/alice       an operator (every RPC)
 
-The trust domain (``crossflow``) is a setting. The common name is not read: one rule, no
-ambiguity. Bearer tokens map to the same URIs through a token file whose lines are
-``sha256:<64 hex> <identity URI>`` (``#`` starts a comment); only hashes are kept at rest and a
-presented token is compared, in constant time, with every entry.
+The trust domain (``crossflow``) is a setting. A certificate names its caller by exactly one
+SPIFFE URI among its subjectAltName URIs (:func:`certificate_identity`): one with several is
+refused (which would it be?), as is one whose only SPIFFE URI names no identity here; one with
+none proves no identity (a bearer token still may). The common name is never read, even without
+a SAN (gRPC reports the CN as the peer's identity then). Bearer tokens map to the same URIs
+through a token file whose lines are ``sha256:<64 hex> <identity URI>`` (``#`` starts a
+comment); only hashes are kept at rest and a presented token is compared, in constant time, with
+every entry.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
 
@@ -60,6 +65,34 @@ def parse_identity_uri(uri: str, trust_domain: str) -> Identity | None:
     if len(name) > MAX_ID_LEN or not _NAME.fullmatch(name):
         return None
     return Identity(role=Role(role), name=name)
+
+
+class CertificateRefused(ValueError):
+    """A verified client certificate that names no single acceptable identity (the message
+    says why, for the caller)."""
+
+
+def certificate_identity(uri_sans: Sequence[str], trust_domain: str) -> Identity | None:
+    """The identity of a verified client certificate from its URI SANs (``uri_sans``; never its
+    common name): the one SPIFFE URI among them, when it names an identity in
+    ``trust_domain``. None when there is no SPIFFE URI at all; :class:`CertificateRefused` when
+    there are several (the scheme compared without case, as URIs do) or the one there is names
+    no identity here."""
+    spiffe = [uri for uri in uri_sans if uri[: len(SPIFFE)].lower() == SPIFFE]
+    if not spiffe:
+        return None
+    if len(spiffe) > 1:
+        raise CertificateRefused(
+            f"the client certificate has {len(spiffe)} SPIFFE URI SANs "
+            f"({', '.join(spiffe)}); exactly one must name the caller"
+        )
+    who = parse_identity_uri(spiffe[0], trust_domain)
+    if who is None:
+        raise CertificateRefused(
+            f"the client certificate's SPIFFE URI SAN {spiffe[0]!r} is not "
+            f"{SPIFFE}{trust_domain}/<node|router|admin>/<name>"
+        )
+    return who
 
 
 def hash_token(token: str) -> str:

@@ -9,7 +9,10 @@ checked against the broker's certificate; ``token_file`` holds a bearer token se
 mutual TLS, required of every caller, and identities from certificates), a token file of hashes
 (:mod:`.identity`), the SPIFFE trust domain, the services left open, and whether routers may use
 the read-only admin RPCs. With neither a client CA nor a token file, callers are not
-authenticated (the loopback demo); ``required: true`` refuses to start that way.
+authenticated: the broker then serves on loopback only (the demo), unless ``insecure: true``
+(``crossflow-broker serve --insecure``) says that something else guards the port; bearer tokens
+beyond loopback need TLS, or ``insecure``. ``required: true`` refuses to start unauthenticated
+even on loopback.
 """
 
 from __future__ import annotations
@@ -82,7 +85,12 @@ class AuthSettings(_Model):
     """Who may call the broker, and what each caller may do."""
 
     required: bool = False
-    """Refuse to start unless callers are authenticated (a client CA or a token file)."""
+    """Refuse to start unless callers are authenticated (a client CA or a token file), even
+    when listening on loopback only."""
+    insecure: bool = False
+    """Serve beyond loopback without authenticating callers, or with bearer tokens over
+    plaintext (a mesh that encrypts and authenticates the traffic): refused otherwise. Logged
+    as a warning at start and shown by ``crossflowctl get nodes``."""
     tls: ServerTLS = ServerTLS()
     token_file: Path | None = None
     """Token hashes to identities, one ``sha256:<hex> spiffe://<domain>/<role>/<name>`` a line."""

@@ -9,7 +9,9 @@ changed) moves on to the next ranked node, at most ``MAX_DEBIT_TRIES`` times. A 
 on its own node), so N requests cost about one round trip, not N.
 
 Any store error or a store slower than ``policy.admit_timeout_ms`` answers NORMAL with reason
-STORE_UNAVAILABLE or TIMEOUT for every request of the batch, never an error.
+STORE_UNAVAILABLE or TIMEOUT for every request of the batch, never an error. After several such
+batches in a row, the replica's circuit breaker (:mod:`.store_breaker`) answers NORMAL
+(STORE_UNAVAILABLE) at once, without calling the store, until a probe finds it answering.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ from crossflow_ctl.domain.models import NodeState, PoolSnapshot, Share
 from crossflow_ctl.domain.pending import Unreported
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, annotate_decision
+from crossflow_ctl.service.config import StoreBreakerSettings
 from crossflow_ctl.service.pending import SentToPools, sent_to_pool
 from crossflow_ctl.service.requests import admit_record, borrow_record, replay_admission
+from crossflow_ctl.service.store_breaker import StoreBreaker
 from crossflow_ctl.store.base import (
     REPLY_LOST,
     DebitOutcome,
@@ -133,6 +137,7 @@ class Admitter:
         abandoned: Callable[[list[DebitOutcome], str], None] = lambda _outcomes, _why: None,
         release_late: Callable[[str, str, str], None] = lambda _rid, _why, _key: None,
         sequential: bool = False,
+        breaker: StoreBreaker | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -158,6 +163,8 @@ class Admitter:
         self._last_rooms: tuple[Share, dict[int, tuple[NodeState, Room | None]]] | None = None
         self.shadow_decisions: dict[Decision, int] = {Decision.BORROW: 0, Decision.NORMAL: 0}
         """Count of decisions made in shadow mode, by what they would have been."""
+        self.breaker = breaker or StoreBreaker(store, clock, StoreBreakerSettings(), metrics)
+        """Answers at once, without the store, after consecutive store failures."""
 
     async def admit(
         self, request: AdmissionRequest, owner: str = "", join: bool = True
@@ -184,7 +191,10 @@ class Admitter:
             return []
         loop = asyncio.get_running_loop()
         alone = self._flusher is None and not self._leading and len(requests) == 1
-        if alone and (self._sequential or not join):
+        if not self.breaker.allows:  # the store is failing: answered at once, not queued
+            answers = self.breaker.refused(len(requests))
+            self._count(answers, 0.0)
+        elif alone and (self._sequential or not join):
             answers = await self._decide_now(requests, owner, loop.time())
         else:
             queued = _Queued(requests, owner, loop.create_future(), loop.time())
@@ -351,6 +361,8 @@ class Admitter:
         count = len(requests)
         if not policy.enabled:
             return [Admission.normal(Reason.BORROWING_DISABLED, "borrowing is disabled")] * count
+        if not self.breaker.allows:  # opened while this batch was queued
+            return self.breaker.refused(count)
         fate = _Fate()
         try:
             left_s = deadline - asyncio.get_running_loop().time()
@@ -361,10 +373,12 @@ class Admitter:
             answer = Admission.normal(
                 Reason.TIMEOUT, f"store slower than {policy.admit_timeout_ms} ms"
             )
+            self.breaker.failed(answer.message)
         except StoreUnavailable as exc:
             fate.why = f"a later debit round failed: {exc}"
             log.warning("admit.store_unavailable", error=str(exc), requests=count)
             answer = Admission.normal(Reason.STORE_UNAVAILABLE, f"store unavailable: {exc}")
+            self.breaker.failed(answer.message)
         except Exception as exc:  # fail closed on anything unforeseen, never raise
             fate.why = f"admission failed: {exc!r}"
             log.exception("admit.failed", requests=count)
@@ -557,6 +571,7 @@ class Admitter:
             metrics.record_store_operation("debit", time.perf_counter() - started, ok=False)
             raise
         metrics.record_store_operation("debit", time.perf_counter() - started)
+        self.breaker.succeeded()  # a round trip that answered (a cached view may make none)
         return outcomes
 
     def _without_debit(

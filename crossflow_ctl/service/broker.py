@@ -74,6 +74,7 @@ from crossflow_ctl.service.requests import (
     run_once,
 )
 from crossflow_ctl.service.room import NodeRooms, RoomWatches
+from crossflow_ctl.service.store_breaker import StoreBreaker
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
 log = structlog.get_logger()
@@ -112,9 +113,14 @@ class Broker:
         self._zero_reasons: dict[str, str] = {}
         """Last zero-lease reason per node ("" once it lends again), for state-change logs."""
         self.broker_id = broker_id or settings.broker_id or "broker"
+        self.warnings: tuple[str, ...] = ()
+        """What operators must be told about this replica (it serves unauthenticated callers
+        beyond loopback, say), set by its server at start; answered with ListNodes."""
         self._policy = PolicyKeeper(store, settings.policy, clock, settings.policy_refresh_ms)
         self._orphans = OrphanDebits(lambda rid: self.release(rid, "cancelled"), store)
         """Releases debits that landed after their Admit had answered (see Admitter)."""
+        self.breaker = StoreBreaker(store, clock, settings.store_breaker, self.metrics)
+        """Admission's fail-fast while the store does not answer."""
         self._admitter = Admitter(
             store,
             clock,
@@ -123,6 +129,7 @@ class Broker:
             self._orphans.watch,
             self._orphans.release,
             sequential,
+            self.breaker,
         )
         self.rooms = RoomWatches(settings.room, clock, self.room_view)
         """This replica's WatchRoom subscriptions (late binding)."""
@@ -173,7 +180,8 @@ class Broker:
         A granted reservation records ``owner`` (the router's identity, "" without
         authentication): only it, or an admin, may commit or release it. ``join=False``: a lone
         one is decided without a turn for others to join it (``Admitter.admit_many``)."""
-        if request.request_id and not request.dry_run:
+        # With the breaker open the admitter answers at once; a retry's record is not read either.
+        if request.request_id and not request.dry_run and self.breaker.allows:
 
             async def decide(one: AdmissionRequest) -> Admission:
                 return await self._admitter.admit(one, owner, join)
@@ -187,7 +195,9 @@ class Broker:
         await self._admitter.settle(timeout_s)
 
     async def drain(self, timeout_s: float = 5.0) -> None:
-        """Wait for background releases of late debits (at shutdown)."""
+        """Wait for background releases of late debits, and stop the store probe (at
+        shutdown)."""
+        await self.breaker.close()
         await self._orphans.drain(timeout_s)
 
     async def admit_many(

@@ -44,6 +44,25 @@ class RoomWatchSettings(BaseModel):
     """A node's spare compute or KV must move by more than this fraction to be news."""
 
 
+class StoreBreakerSettings(BaseModel):
+    """Admission's circuit breaker over the store (:mod:`crossflow_ctl.domain.breaker`): after
+    consecutive store failures or timeouts, Admit answers NORMAL (reason store_unavailable) at
+    once, without calling the store, while one probe checks it, until a store call answers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    """Off: every Admit waits for the store up to the policy's ``admit_timeout_ms``."""
+    failures_to_open: Annotated[int, Field(ge=1, le=1_000)] = 3
+    """Consecutive admission store calls that fail or time out before the breaker opens (each
+    waits at most ``admit_timeout_ms``; admission decides one batch at a time)."""
+    probe_interval_ms: Annotated[int, Field(ge=10, le=60_000)] = 100
+    """While open, the store is pinged this long after it opened or after the last failed
+    ping; the first ping (or store call) that answers closes the breaker."""
+    probe_timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 100
+    """Longest wait for one probe's answer."""
+
+
 class BrokerSettings(LayeredSettings):
     """Everything one broker replica needs; the policy here is only the initial one."""
 
@@ -54,8 +73,9 @@ class BrokerSettings(LayeredSettings):
         frozen=True,
     )
 
-    listen: str = "0.0.0.0:50051"
-    """gRPC listen address, host:port (port 0 picks a free one)."""
+    listen: str = "127.0.0.1:50051"
+    """gRPC listen address, host:port (port 0 picks a free one). Loopback by default: beyond
+    it the broker must authenticate callers (``auth``), or be told ``auth.insecure``."""
     redis_url: str | None = None
     """Redis URL of the shared store; None runs the embedded in-process store (one replica)."""
     redis_username: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -116,6 +136,8 @@ class BrokerSettings(LayeredSettings):
     """How often the state gauges (open reservations, node credit) are re-read from the store."""
     room: RoomWatchSettings = RoomWatchSettings()
     """WatchRoom streams: store polling, rate limits and heartbeats."""
+    store_breaker: StoreBreakerSettings = StoreBreakerSettings()
+    """Admission's fail-fast while the store does not answer (a hung Redis)."""
 
     @field_validator("listen")
     @classmethod

@@ -50,12 +50,15 @@ async def test_store_down_admit_answers_normal_admin_unavailable(kind, blackhole
     server = await _broker_on(f"redis://127.0.0.1:{port}/0")
     try:
         async with AdmissionClient(target(server), timeout_s=5) as client:
-            for _ in range(5):
-                adm = await client.admit(uncached_prompt_tokens=1_000)
+            answers = [await client.admit(uncached_prompt_tokens=1_000) for _ in range(5)]
+            for adm in answers:
                 assert adm.decision is Decision.NORMAL
                 assert adm.reason in (Reason.STORE_UNAVAILABLE, Reason.TIMEOUT), adm
             if kind == "hung":
-                assert adm.reason is Reason.TIMEOUT
+                assert answers[0].reason is Reason.TIMEOUT
+            # after 3 failures in a row the breaker answers without the store (test_store_breaker)
+            assert answers[-1].reason is Reason.STORE_UNAVAILABLE
+            assert "circuit breaker is open" in answers[-1].message
         async with AdminClient(target(server), timeout_s=5) as admin:
             with pytest.raises(StoreUnavailable) as err:
                 await admin.list_nodes()  # the broker answered: its STORE is down

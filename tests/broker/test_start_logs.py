@@ -53,4 +53,4 @@ def test_serve_help_says_the_defaults_and_the_store_without_flags() -> None:
     """--help named no default, nor which store a broker with neither --redis-url nor
     --embedded-store uses."""
     out = " ".join(CliRunner().invoke(cli, ["serve", "--help"]).output.split())
-    assert "default 0.0.0.0:50051" in out and "uses the embedded store" in out
+    assert "default 127.0.0.1:50051" in out and "uses the embedded store" in out

@@ -84,7 +84,16 @@ def check_certificate(doc: dict[str, Any]) -> None:
     assert doc["apiVersion"] == "cert-manager.io/v1"
     spec = doc["spec"]
     assert spec["secretName"] and spec["issuerRef"]["name"]
-    assert spec.get("dnsNames") or spec.get("uris")
+    assert spec.get("dnsNames") or spec.get("uris") or spec.get("commonName")
+
+
+def check_issuer(doc: dict[str, Any]) -> None:
+    """cert-manager's Issuer: exactly one kind of issuer (the chart's: selfSigned or ca)."""
+    assert doc["apiVersion"] == "cert-manager.io/v1"
+    kinds_ = set(doc["spec"]) & {"selfSigned", "ca", "acme", "vault", "venafi"}
+    assert len(kinds_) == 1, doc["spec"]
+    if "ca" in kinds_:
+        assert doc["spec"]["ca"]["secretName"]
 
 
 # -- lint and validate ----------------------------------------------------------------------
@@ -109,6 +118,9 @@ def test_every_rendered_manifest_is_valid_kubernetes(values: str | None) -> None
         if doc["kind"] == "Certificate":
             check_certificate(doc)
             continue
+        if doc["kind"] == "Issuer":
+            check_issuer(doc)
+            continue
         for version in K8S_VERSIONS:
             try:
                 kubernetes_validate.validate(doc, version, strict=True)
@@ -124,8 +136,15 @@ def test_defaults_render_the_whole_control_plane() -> None:
     docs = render()
     assert kinds(docs) == [
         "ConfigMap", "ConfigMap", "DaemonSet", "DaemonSet", "Deployment", "NetworkPolicy",
-        "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "Service", "Service", "Service",
-        "ServiceAccount", "StatefulSet",
+        "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", *["Secret"] * 8, "Service",
+        "Service", "Service", "ServiceAccount", "StatefulSet",
+    ]  # fmt: skip
+    # secure by default (tests/deploy/test_chart_security.py): the CA, the broker's and a client
+    # certificate, bearer tokens (their hashes, the admin's, routers', agents'), Redis' password
+    assert sorted(d["metadata"]["name"] for d in docs if d["kind"] == "Secret") == [
+        "cf-crossflow-admin-token", "cf-crossflow-agent-tokens", "cf-crossflow-broker-tls",
+        "cf-crossflow-ca", "cf-crossflow-client-tls", "cf-crossflow-redis-auth",
+        "cf-crossflow-router-tokens", "cf-crossflow-tokens",
     ]  # fmt: skip
     deploy = find(docs, "Deployment", "cf-crossflow-broker")
     spec = deploy["spec"]["template"]["spec"]
@@ -136,9 +155,11 @@ def test_defaults_render_the_whole_control_plane() -> None:
     assert broker["securityContext"]["runAsUser"] != 0
     assert broker["securityContext"]["capabilities"]["drop"] == ["ALL"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert broker[probe]["grpc"]["port"] == 50051
+        assert broker[probe]["tcpSocket"]["port"] == 50051  # TLS: kubelet gRPC probes are plaintext
     assert "preferredDuringSchedulingIgnoredDuringExecution" in spec["affinity"]["podAntiAffinity"]
-    assert env_of(broker)["CROSSFLOW_REDIS_URL"]["value"] == "redis://cf-crossflow-redis:6379/0"
+    assert env_of(broker)["CROSSFLOW_REDIS_URL"]["value"] == (
+        "redis://:$(REDIS_PASSWORD)@cf-crossflow-redis:6379/0"
+    )
     assert find(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
     service = find(docs, "Service", "cf-crossflow-broker")
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
@@ -196,7 +217,8 @@ def test_agents_one_daemonset_per_role_on_labelled_gpu_nodes() -> None:
 def test_external_redis_takes_the_password_from_a_secret() -> None:
     docs = render(*values_args("external-redis.yaml"))
     assert "StatefulSet" not in kinds(docs)
-    assert "Secret" not in kinds(docs)  # existingSecret: the chart creates none
+    secrets = [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"]
+    assert "cf-crossflow-redis-auth" not in secrets  # existingSecret: the chart creates none
     deploy = find(docs, "Deployment")
     [broker] = deploy["spec"]["template"]["spec"]["containers"]
     env = env_of(broker)
@@ -214,13 +236,13 @@ def test_external_redis_takes_the_password_from_a_secret() -> None:
     affinity = deploy["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     assert "requiredDuringSchedulingIgnoredDuringExecution" in affinity
     policy = find(docs, "NetworkPolicy", "cf-crossflow-broker")
-    assert policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"]
+    assert policy["spec"]["ingress"][0]["from"][2]["namespaceSelector"]  # after agents, gateways
 
 
 @needs_helm
 def test_bundled_redis_with_password_and_volume() -> None:
     docs = render(*values_args("bundled-redis.yaml"))
-    secret = find(docs, "Secret")
+    secret = find(docs, "Secret", "cf-crossflow-redis-auth")
     assert secret["data"]["password"] == "dHJpYWwtcGFzc3dvcmQ="  # base64 of trial-password
     sts = find(docs, "StatefulSet")
     [redis] = sts["spec"]["template"]["spec"]["containers"]
@@ -271,8 +293,10 @@ def test_host_network_agents_and_service_monitors() -> None:
 def test_minimal_values_render_the_broker_only() -> None:
     docs = render(*values_args("minimal.yaml"))
     assert kinds(docs) == [
-        "ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service", "StatefulSet",
+        "ConfigMap", "Deployment", "PodDisruptionBudget", *["Secret"] * 7, "Service", "Service",
+        "StatefulSet",
     ]  # fmt: skip
+    assert "cf-crossflow-agent-tokens" not in [d["metadata"]["name"] for d in docs]
     spec = find(docs, "Deployment")["spec"]["template"]["spec"]
     assert spec["serviceAccountName"] == "llm-serving"
     assert "affinity" not in spec
@@ -361,6 +385,7 @@ def test_mtls_mounts_secrets_and_issues_certificates() -> None:
     certs = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Certificate"}
     assert sorted(certs) == [
         "cf-crossflow-agent-gpu-1", "cf-crossflow-agent-gpu-2", "cf-crossflow-broker-tls",
+        "cf-crossflow-client-tls",  # for callers without a certificate (it names no one)
     ]  # fmt: skip
     assert certs["cf-crossflow-broker-tls"]["dnsNames"][0] == "cf-crossflow-broker.serving.svc"
     assert certs["cf-crossflow-agent-gpu-1"]["uris"] == ["spiffe://serving.example/node/gpu-1"]
@@ -412,11 +437,7 @@ def test_mtls_mounts_secrets_and_issues_certificates() -> None:
     assert sources[0]["secret"]["items"][0] == {"key": "tls.crt", "path": "gpu-1.crt"}
 
 
-@needs_helm
-def test_tls_needs_a_secret_or_cert_manager() -> None:
-    result = helm("template", "cf", str(CHART), "--set", "security.tls.enabled=true")
-    assert result.returncode != 0
-    assert "security.tls.secretName or security.certManager.enabled" in result.stderr
+NO_TOKENS = "security.generated.tokens=false"
 
 
 @needs_helm
@@ -425,13 +446,21 @@ def test_tls_needs_a_secret_or_cert_manager() -> None:
     [
         # The broker refuses to start so (auth.required with nobody able to authenticate): the
         # chart rendered it, and the pods crash-looped.
-        (("security.required=true",), "security.tokenHashesSecret"),
         (
-            ("security.required=true", "security.tls.enabled=true", "security.tls.secretName=s"),
+            ("security.required=true", "security.tls.mutual=false", "no-tokens"),
+            "security.tokenHashesSecret",
+        ),
+        (
+            (
+                "security.required=true",
+                "security.tls.secretName=s",
+                "security.tls.mutual=false",
+                "no-tokens",
+            ),
             "security.tls.mutual",
         ),
         # Mutual TLS without TLS was dropped without a word: an open broker.
-        (("security.tls.mutual=true",), "security.tls.enabled"),
+        (("security.tls.enabled=false",), "security.tls.enabled"),
         # A broker that authenticates callers, and agents given no identity: every agent
         # stream was refused (UNAUTHENTICATED) and no node ever leased.
         (("security.tokenHashesSecret=h",), "security.agentCredentials.tokenSecret"),
@@ -440,11 +469,14 @@ def test_tls_needs_a_secret_or_cert_manager() -> None:
             ("security.tls.enabled=true", "security.tls.secretName=s", "security.tls.mutual=true"),
             "security.certManager.agentNodes",
         ),
+        # Mutual TLS with the chart's client certificate, which names no one, and no tokens.
+        (("security.generated.tokens=false",), "security.agentCredentials.tokenSecret"),
     ],
 )
 def test_security_values_that_cannot_work_are_refused(
     settings: tuple[str, ...], named: str
 ) -> None:
+    settings = tuple(NO_TOKENS if s == "no-tokens" else s for s in settings)
     result = helm("template", "cf", str(CHART), *(a for s in settings for a in ("--set", s)))
     assert result.returncode != 0, f"{settings} rendered"
     assert named in result.stderr, result.stderr
@@ -504,15 +536,28 @@ def test_required_auth_renders_with_tokens_or_client_certificates() -> None:
 
 
 @needs_helm
-def test_without_security_values_nothing_changes() -> None:
+def test_without_security_values_the_broker_is_secure() -> None:
+    """The defaults rendered a broker with auth off on 0.0.0.0 (issue 29)."""
     spec = find(render(), "Deployment")["spec"]["template"]["spec"]
-    assert [v["name"] for v in spec["volumes"]] == ["config", "tmp"]
+    assert [v["name"] for v in spec["volumes"]] == ["config", "tls", "tokens", "tmp"]
     ds = find(render(), "DaemonSet", "cf-crossflow-agent-decode")["spec"]["template"]["spec"]
-    assert not [e for e in env_of(ds["containers"][0]) if "BROKER_AUTH" in e]
+    assert sorted(e for e in env_of(ds["containers"][0]) if "BROKER_AUTH" in e) == [
+        "CROSSFLOW_AGENT_BROKER_AUTH__CA_FILE", "CROSSFLOW_AGENT_BROKER_AUTH__CERT_FILE",
+        "CROSSFLOW_AGENT_BROKER_AUTH__KEY_FILE", "CROSSFLOW_AGENT_BROKER_AUTH__SERVER_NAME",
+        "CROSSFLOW_AGENT_BROKER_AUTH__TOKEN_FILE",
+    ]  # fmt: skip
     config = yaml.safe_load(
         find(render(), "ConfigMap", "cf-crossflow-broker")["data"]["broker.yaml"]
     )
-    assert config["auth"] == {"required": False}
+    assert config["auth"] == {
+        "required": False,
+        "tls": {
+            "cert_file": "/var/run/crossflow/tls/tls.crt",
+            "key_file": "/var/run/crossflow/tls/tls.key",
+            "client_ca_file": "/var/run/crossflow/tls/ca.crt",
+        },
+        "token_file": "/var/run/crossflow/tokens/tokens",
+    }
 
 
 @needs_helm
@@ -580,9 +625,18 @@ def notes(*settings: str) -> str:
 def test_notes_check_command_works_with_the_security_values() -> None:
     """The notes told every install to run `crossflowctl --server 127.0.0.1:50051 get nodes`,
     which a TLS broker refuses (no CA, and its certificate names the Service, not 127.0.0.1)."""
-    plain = notes()
+    plain = notes("security.insecure=true", "security.tls.enabled=false",
+                  "security.tls.mutual=false", "security.generated.tokens=false")  # fmt: skip
     assert "crossflowctl --server 127.0.0.1:50051 get nodes" in plain
-    assert "--ca-file" not in plain
+    assert "--ca-file" not in plain and "WARNING: INSECURE" in plain
+    default = notes()
+    assert (
+        "crossflowctl --server 127.0.0.1:50051 --ca-file ca.crt --server-name "
+        "cf-crossflow-broker.serving.svc --cert-file client.crt --key-file client.key "
+        "--token-file admin.token get nodes"
+    ) in default
+    assert "get secret cf-crossflow-admin-token -o jsonpath='{.data.token}'" in default
+    assert "INSECURE" not in default
     mtls = notes(
         "security.tls.enabled=true", "security.tls.secretName=s", "security.tls.mutual=true",
         "security.agentCredentials.tlsSecret=a",
@@ -594,7 +648,8 @@ def test_notes_check_command_works_with_the_security_values() -> None:
     assert "get secret s -o jsonpath" in mtls and "spiffe://crossflow/admin/<name>" in mtls
     tokens = notes(
         "security.tokenHashesSecret=t", "broker.config.auth.trust_domain=acme",
-        "security.agentCredentials.tokenSecret=a",
+        "security.agentCredentials.tokenSecret=a", "security.tls.enabled=false",
+        "security.tls.mutual=false", "security.insecure=true",
     )  # fmt: skip
     assert "crossflowctl --server 127.0.0.1:50051 --token-file admin.token get nodes" in tokens
     assert "spiffe://acme/admin/<name>" in tokens

@@ -78,6 +78,8 @@ async def test_broker_metrics_are_exposed_with_prometheus_names(
     m.stream_opened()
     m.stream_opened()
     m.stream_closed()
+    m.record_store_breaker_open()
+    m.set_store_breaker(1)
 
     s = await scrape(endpoint)
     adm = "crossflow_broker_admissions_total"
@@ -107,6 +109,8 @@ async def test_broker_metrics_are_exposed_with_prometheus_names(
     assert value(s, credits, node="decode-0", credit="slots") == 4
     assert value(s, credits, node="decode-0", credit="kv_transfer_bytes") == 0
     assert value(s, "crossflow_broker_stream_connections") == 1
+    assert value(s, "crossflow_broker_store_breaker_state") == 1  # open
+    assert value(s, "crossflow_broker_store_breaker_opens_total") == 1
 
 
 async def test_label_values_are_bounded(endpoint: MetricsEndpoint) -> None:

@@ -53,7 +53,16 @@ class TestCA:
         self.cert = self.dir / f"{name}.crt"
         self.cert.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, name: str, *, uris: tuple[str, ...] = (), dns: tuple[str, ...] = ()) -> Pair:
+    def issue(
+        self,
+        name: str,
+        *,
+        uris: tuple[str, ...] = (),
+        dns: tuple[str, ...] = (),
+        common_name: str | None = None,
+    ) -> Pair:
+        """A certificate and key in ``<name>.crt``/``.key``, its subject's CN ``common_name``
+        (``name`` by default), its SAN the ``uris`` and ``dns`` names (none: no SAN at all)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.UTC)
         sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in uris]
@@ -62,7 +71,7 @@ class TestCA:
             sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
         builder = (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name or name)]))
             .issuer_name(self._name)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())

@@ -13,7 +13,6 @@ from typing import Any
 
 import grpc
 import pytest
-import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
@@ -287,14 +286,6 @@ async def test_auth_required_refuses_to_start_without_it(brokers: Brokers) -> No
         await brokers.start(AuthSettings(required=True))
     assert refused.value.field == "auth.required"
     brokers.servers.clear()
-
-
-async def test_exposed_without_auth_warns_and_loopback_does_not(brokers: Brokers) -> None:
-    with structlog.testing.capture_logs() as logs:
-        await brokers.start(AuthSettings(), listen="0.0.0.0:0")
-        await brokers.start(AuthSettings())
-    warned = [e for e in logs if e["event"] == "auth.disabled"]
-    assert len(warned) == 1 and warned[0]["listen"] == "0.0.0.0:0"
 
 
 async def test_bad_token_file_is_refused_naming_the_field(brokers: Brokers) -> None:

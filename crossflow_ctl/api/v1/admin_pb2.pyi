@@ -228,16 +228,25 @@ class ListNodesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODES_FIELD_NUMBER: _builtins.int
+    BROKER_WARNINGS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeStatus]: ...
+    @_builtins.property
+    def broker_warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What an operator must know about the answering broker replica, one sentence each: for
+        example that it serves unauthenticated callers beyond loopback (--insecure). Empty when
+        there is nothing to say (or an older broker answered).
+        """
+
     def __init__(
         self,
         *,
         nodes: _abc.Iterable[Global___NodeStatus] | None = ...,
+        broker_warnings: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broker_warnings", b"broker_warnings", "nodes", b"nodes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

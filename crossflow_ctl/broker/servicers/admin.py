@@ -31,7 +31,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     ) -> admin_pb2.ListNodesResponse:
         role = c.role_from_proto(request.role)
         nodes = await self._broker.list_nodes(role, request.selector)
-        return admin_pb2.ListNodesResponse(nodes=[self._status(n) for n in nodes])
+        return admin_pb2.ListNodesResponse(
+            nodes=[self._status(n) for n in nodes], broker_warnings=self._broker.warnings
+        )
 
     @maps_errors
     async def GetNode(

@@ -55,12 +55,13 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* The Secret holding the Redis password, or "" when Redis has none. */}}
+{{/* The Secret holding the Redis password, or "" when Redis has none: the existing one, else
+the chart's (redis.password, or for bundled Redis one generated and kept across upgrades). */}}
 {{- define "crossflow.redisSecretName" -}}
 {{- $r := .Values.redis -}}
 {{- if $r.existingSecret }}
 {{- $r.existingSecret }}
-{{- else if $r.password }}
+{{- else if or $r.password (eq $r.mode "bundled") }}
 {{- include "crossflow.componentName" (dict "root" . "component" "redis-auth") }}
 {{- end }}
 {{- end }}
@@ -118,17 +119,77 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
+{{/*
+Where the broker's certificates come from: "secret" (security.tls.secretName), "cert-manager"
+(security.certManager.enabled, or "auto" on a cluster that serves cert-manager.io/v1), "generated"
+(by Helm, kept across upgrades), or "" without TLS.
+*/}}
+{{- define "crossflow.tlsSource" -}}
+{{- $s := .Values.security -}}
+{{- $cm := $s.certManager.enabled -}}
+{{- if not $s.tls.enabled }}
+{{- else if $s.tls.secretName }}secret
+{{- else if and (kindIs "bool" $cm) $cm }}cert-manager
+{{- else if and (eq (toString $cm) "auto") (.Capabilities.APIVersions.Has "cert-manager.io/v1") }}cert-manager
+{{- else }}generated
+{{- end }}
+{{- end }}
+
 {{/* The Secret with the broker's tls.crt, tls.key and ca.crt, or "" without TLS. */}}
 {{- define "crossflow.brokerTlsSecret" -}}
-{{- $s := .Values.security -}}
-{{- if $s.tls.enabled }}
-{{- if $s.tls.secretName }}
-{{- $s.tls.secretName }}
-{{- else if $s.certManager.enabled }}
+{{- $source := include "crossflow.tlsSource" . -}}
+{{- if eq $source "secret" }}
+{{- .Values.security.tls.secretName }}
+{{- else if $source }}
 {{- include "crossflow.componentName" (dict "root" . "component" "broker-tls") }}
-{{- else }}
-{{- fail "security.tls.enabled needs security.tls.secretName or security.certManager.enabled" }}
 {{- end }}
+{{- end }}
+
+{{/* The Secret with a client certificate (no identity: no SPIFFE URI) that in-cluster callers
+without one of their own present for mutual TLS (agents, the admin check in NOTES), or "" when the
+chart makes none (no mutual TLS, or certificates from security.tls.secretName). */}}
+{{- define "crossflow.clientTlsSecret" -}}
+{{- $source := include "crossflow.tlsSource" . -}}
+{{- if and .Values.security.tls.mutual (or (eq $source "cert-manager") (eq $source "generated")) }}
+{{- include "crossflow.componentName" (dict "root" . "component" "client-tls") }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the chart makes the bearer tokens (admin, routers, agents):
+security.generated.tokens, and no token file of the user's (security.tokenHashesSecret, or
+broker.config.auth.token_file). */}}
+{{- define "crossflow.generatedTokens" -}}
+{{- $s := .Values.security -}}
+{{- $own := dig "auth" "token_file" "" (default (dict) .Values.broker.config) -}}
+{{- if and (not $s.tokenHashesSecret) (not $own) $s.generated.tokens }}true{{ end }}
+{{- end }}
+
+{{/* The nodes the chart makes agent tokens for, comma-separated and sorted: those listed in
+security.generated.agentNodes and, with discoverAgentNodes, the nodes the cluster has labelled
+with agent.roleLabel=<a role in agent.roles> at install or upgrade (none under helm template). */}}
+{{- define "crossflow.agentTokenNodes" -}}
+{{- $nodes := list -}}
+{{- range .Values.security.generated.agentNodes }}{{ $nodes = append $nodes . }}{{ end -}}
+{{- if and .Values.agent.enabled .Values.security.generated.discoverAgentNodes -}}
+{{- $found := lookup "v1" "Node" "" "" -}}
+{{- range (dig "items" (list) $found) -}}
+{{- $role := dig "metadata" "labels" $.Values.agent.roleLabel "" . -}}
+{{- if has $role $.Values.agent.roles }}{{ $nodes = append $nodes .metadata.name }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- $nodes | uniq | sortAlpha | join "," -}}
+{{- end }}
+
+{{/* The issuerRef of the chart's cert-manager Certificates: security.certManager.issuerRef, or
+the chart's own CA Issuer when it names none. */}}
+{{- define "crossflow.issuerRef" -}}
+{{- $ref := .Values.security.certManager.issuerRef -}}
+{{- if $ref.name }}
+{{- toYaml $ref }}
+{{- else }}
+name: {{ include "crossflow.componentName" (dict "root" . "component" "ca") }}
+kind: Issuer
+group: cert-manager.io
 {{- end }}
 {{- end }}
 
@@ -136,4 +197,11 @@ seccompProfile:
 {{- define "crossflow.brokerServerName" -}}
 {{- $broker := include "crossflow.componentName" (dict "root" . "component" "broker") -}}
 {{- default (printf "%s.%s.svc" $broker .Release.Namespace) .Values.security.tls.serverName }}
+{{- end }}
+
+{{/* "true" when each agent has a certificate of its own (a SPIFFE URI naming its node):
+security.agentCredentials.tlsSecret, or cert-manager's per-node Certificates. */}}
+{{- define "crossflow.agentPerNodeCerts" -}}
+{{- $s := .Values.security -}}
+{{- if or $s.agentCredentials.tlsSecret (and (eq (include "crossflow.tlsSource" .) "cert-manager") $s.certManager.agentNodes) }}true{{ end }}
 {{- end }}
