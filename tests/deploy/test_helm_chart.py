@@ -20,6 +20,7 @@ CHART = ROOT / "deploy" / "helm" / "crossflow"
 VALUES_DIR = Path(__file__).resolve().parent / "values"
 VALUE_FILES = sorted(p.name for p in VALUES_DIR.glob("*.yaml"))
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
+PROMETHEUS_RULE_API = "monitoring.coreos.com/v1/PrometheusRule"
 # The chart's kubeVersion floor, and the version the bundled helm's client speaks.
 K8S_VERSIONS = ("1.27.0", "1.35.0")
 
@@ -79,6 +80,16 @@ def check_service_monitor(doc: dict[str, Any]) -> None:
         assert endpoint["path"] == "/metrics"
 
 
+def check_prometheus_rule(doc: dict[str, Any]) -> None:
+    """No offline schema for the operator's CRD either (promtool checks the rules themselves:
+    tests/deploy/test_alert_rules.py)."""
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+    for group in doc["spec"]["groups"]:
+        assert group["name"] and group["rules"]
+        for rule in group["rules"]:
+            assert rule["alert"] and rule["expr"]
+
+
 def check_certificate(doc: dict[str, Any]) -> None:
     """No offline schema for cert-manager's CRD: check the fields cert-manager requires."""
     assert doc["apiVersion"] == "cert-manager.io/v1"
@@ -100,11 +111,18 @@ def test_helm_lint(values: str | None) -> None:
 @needs_helm
 @pytest.mark.parametrize("values", [None, *VALUE_FILES])
 def test_every_rendered_manifest_is_valid_kubernetes(values: str | None) -> None:
-    docs = render(*values_args(values), "--api-versions", SERVICE_MONITOR_API)
+    docs = render(
+        *values_args(values),
+        "--api-versions", SERVICE_MONITOR_API,
+        "--api-versions", PROMETHEUS_RULE_API,
+    )  # fmt: skip
     assert docs
     for doc in docs:
         if doc["kind"] == "ServiceMonitor":
             check_service_monitor(doc)
+            continue
+        if doc["kind"] == "PrometheusRule":
+            check_prometheus_rule(doc)
             continue
         if doc["kind"] == "Certificate":
             check_certificate(doc)
