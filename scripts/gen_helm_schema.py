@@ -111,6 +111,17 @@ class PrometheusRule(Values):
     """Where each alert's runbook_url points."""
 
 
+class GrafanaDashboard(Values):
+    enabled: bool = True
+    """Create the dashboard ConfigMap."""
+    labels: dict[str, str] = {"grafana_dashboard": "1"}
+    """Labels Grafana's dashboard sidecar selects by."""
+    annotations: dict[str, str] = {}
+    """Annotations on the ConfigMap (e.g. grafana_folder)."""
+    namespace: str = ""
+    """Namespace of the ConfigMap; empty: the release's."""
+
+
 class Observability(Values):
     otlpEndpoint: Annotated[str, Field(pattern=r"^$|^https?://")] = ""
     """OTLP/gRPC endpoint for traces; empty exports none."""
@@ -122,6 +133,7 @@ class Observability(Values):
     """prometheus.io/scrape annotations on the pods."""
     serviceMonitor: ServiceMonitor = ServiceMonitor()
     prometheusRule: PrometheusRule = PrometheusRule()
+    grafanaDashboard: GrafanaDashboard = GrafanaDashboard()
 
 
 class PodDisruptionBudget(Values):

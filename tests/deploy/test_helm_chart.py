@@ -141,9 +141,9 @@ def test_every_rendered_manifest_is_valid_kubernetes(values: str | None) -> None
 def test_defaults_render_the_whole_control_plane() -> None:
     docs = render()
     assert kinds(docs) == [
-        "ConfigMap", "ConfigMap", "DaemonSet", "DaemonSet", "Deployment", "NetworkPolicy",
-        "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "Service", "Service", "Service",
-        "ServiceAccount", "StatefulSet",
+        "ConfigMap", "ConfigMap", "ConfigMap", "DaemonSet", "DaemonSet", "Deployment",
+        "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "Service",
+        "Service", "Service", "ServiceAccount", "StatefulSet",
     ]  # fmt: skip
     deploy = find(docs, "Deployment", "cf-crossflow-broker")
     spec = deploy["spec"]["template"]["spec"]
@@ -289,7 +289,8 @@ def test_host_network_agents_and_service_monitors() -> None:
 def test_minimal_values_render_the_broker_only() -> None:
     docs = render(*values_args("minimal.yaml"))
     assert kinds(docs) == [
-        "ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service", "StatefulSet",
+        "ConfigMap", "ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service",
+        "StatefulSet",
     ]  # fmt: skip
     spec = find(docs, "Deployment")["spec"]["template"]["spec"]
     assert spec["serviceAccountName"] == "llm-serving"
