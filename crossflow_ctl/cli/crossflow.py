@@ -133,7 +133,8 @@ def cli() -> None:
     "--prometheus",
     is_flag=True,
     help="Also run a real Prometheus (the prometheus binary) scraping the broker and agents, "
-    "with the chart's alert rules; prints its URL.",
+    "with the chart's alert rules; prints its URL. It stops with the cluster: --duration-s "
+    "keeps both up.",
 )
 def demo(
     prefill: int,
