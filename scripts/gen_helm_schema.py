@@ -98,6 +98,30 @@ class ServiceMonitor(Values):
     """Extra labels on the ServiceMonitors."""
 
 
+class PrometheusRule(Values):
+    enabled: bool = True
+    """Create the PrometheusRule (when the CRD is served, or force)."""
+    force: bool = False
+    """Render it even when the cluster does not serve the CRD."""
+    labels: dict[str, str] = {}
+    """Extra labels on the PrometheusRule."""
+    runbookUrl: Annotated[str, Field(pattern=r"^https?://")] = (
+        "https://github.com/crossflow/crossflow/blob/main/docs/runbooks.md"
+    )
+    """Where each alert's runbook_url points."""
+
+
+class GrafanaDashboard(Values):
+    enabled: bool = True
+    """Create the dashboard ConfigMap."""
+    labels: dict[str, str] = {"grafana_dashboard": "1"}
+    """Labels Grafana's dashboard sidecar selects by."""
+    annotations: dict[str, str] = {}
+    """Annotations on the ConfigMap (e.g. grafana_folder)."""
+    namespace: str = ""
+    """Namespace of the ConfigMap; empty: the release's."""
+
+
 class Observability(Values):
     otlpEndpoint: Annotated[str, Field(pattern=r"^$|^https?://")] = ""
     """OTLP/gRPC endpoint for traces; empty exports none."""
@@ -108,6 +132,8 @@ class Observability(Values):
     podAnnotations: bool = True
     """prometheus.io/scrape annotations on the pods."""
     serviceMonitor: ServiceMonitor = ServiceMonitor()
+    prometheusRule: PrometheusRule = PrometheusRule()
+    grafanaDashboard: GrafanaDashboard = GrafanaDashboard()
 
 
 class PodDisruptionBudget(Values):

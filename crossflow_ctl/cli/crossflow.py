@@ -129,6 +129,13 @@ def cli() -> None:
     show_default=True,
     help="Also replay the trace in the simulator, static and with leases, for the summary.",
 )
+@click.option(
+    "--prometheus",
+    is_flag=True,
+    help="Also run a real Prometheus (the prometheus binary) scraping the broker and agents, "
+    "with the chart's alert rules; prints its URL. It stops with the cluster: --duration-s "
+    "keeps both up.",
+)
 def demo(
     prefill: int,
     decode: int,
@@ -147,6 +154,7 @@ def demo(
     summary_json: Path | None,
     max_hold_ms: int,
     simulate: bool,
+    prometheus: bool,
 ) -> None:
     """Run a whole cluster on loopback and replay a trace through it.
 
@@ -184,6 +192,7 @@ def demo(
         redis_namespace=redis_namespace,
         simulate=simulate,
         max_hold_ms=max_hold_ms,
+        prometheus=prometheus,
     )
     code = asyncio.run(Demo(opts).run())
     if code:

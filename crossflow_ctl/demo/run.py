@@ -25,6 +25,7 @@ from typing import TextIO
 from crossflow_ctl.client import AdminClient, AdmissionClient
 from crossflow_ctl.demo.model import ModelParams, replay_static
 from crossflow_ctl.demo.processes import Children, DemoError, executable
+from crossflow_ctl.demo.prometheus import INSTALL_HINT, DemoPrometheus, prometheus_binary
 from crossflow_ctl.demo.router import Engine, Router
 from crossflow_ctl.demo.trace import Trace
 from crossflow_ctl.demo.view import CLEAR, Observations, frame, summary, summary_data
@@ -59,6 +60,9 @@ class DemoOptions:
     redis_namespace: str | None = None
     max_hold_ms: int = 300
     """Late binding: how long the router holds a prompt refused for lack of room (0: never)."""
+    prometheus: bool = False
+    """Also run a real Prometheus scraping the broker and the agents (crossflow_ctl.demo.
+    prometheus)."""
 
 
 def prefill_rate_tps(opts: DemoOptions, chunk_tokens: int = 8192) -> float:
@@ -123,6 +127,7 @@ class Demo:
         self.interrupted = False
         self.share: Share = 1.0
         self.namespace = opts.redis_namespace or f"crossflow-demo-{uuid.uuid4().hex[:8]}"
+        self.prometheus: DemoPrometheus | None = None
 
     def _interrupt(self) -> None:
         """Signal handler: only sets the stop event (the run shuts down in order)."""
@@ -133,12 +138,16 @@ class Demo:
         print(text, file=self.out, flush=True)
 
     async def run(self) -> int:
+        if self.opts.prometheus and prometheus_binary() is None:
+            raise DemoError(f"--prometheus: {INSTALL_HINT}")
         if self.opts.redis_url:
             await check_redis(self.opts.redis_url)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._interrupt)
         log_dir = demo_log_dir(self.opts.log_dir)
+        if self.opts.prometheus:
+            self.prometheus = DemoPrometheus(log_dir)
         self.children = Children(log_dir)
         try:
             return await self._run()
@@ -164,6 +173,12 @@ class Demo:
         self.say(f"broker on {broker}: try `crossflowctl --server {broker} get nodes -w`{hint}")
         prefill, decode = await self._start_engines()
         await self._start_agents(broker, prefill, decode)
+        if self.prometheus is not None:
+            url = await self.prometheus.start(self.children)
+            self.say(
+                f"prometheus on {url}: try {url}/graph?g0.expr="
+                "max%20by%20(state)%20(crossflow_broker_decode_nodes) and its /alerts"
+            )
         async with AdminClient(broker, timeout_s=2.0) as admin:
             await self._wait_ready(admin, len(prefill), len(decode))
             self.share = (await admin.get_policy()).policy.shares
@@ -217,6 +232,8 @@ class Demo:
             argv += ["--redis-url", self.opts.redis_url, "--redis-namespace", self.namespace]
         else:
             argv += ["--embedded-store"]
+        if self.prometheus is not None:
+            argv += self.prometheus.broker_args()
         child = await self.children.spawn("broker", argv, "listening on ", START_TIMEOUT_S)
         return child.address
 
@@ -293,6 +310,8 @@ class Demo:
                     "--metrics-url",
                     f"{e.url}/metrics",
                 ]
+                if self.prometheus is not None:
+                    argv += self.prometheus.agent_args(e.node_id)
                 jobs.append(self.children.spawn(f"agent-{e.node_id}", argv, "", START_TIMEOUT_S))
         await asyncio.gather(*jobs)
 

@@ -37,7 +37,11 @@ seconds{operation}``, ``crossflow_broker_store_errors_total``,
 is unknown, held until the hold TTL; alert on it), ``crossflow_broker_leases_received_
 total{result}``, ``crossflow_broker_zero_leases_total{reason}``, ``crossflow_broker_open_
 reservations``, ``crossflow_broker_borrowed_tokens``, ``crossflow_broker_node_available_credits
-{node,credit}``, ``crossflow_broker_stream_connections``; ``crossflow_agent_scrape_duration_
+{node,credit}``, ``crossflow_broker_stream_connections``, ``crossflow_broker_decode_nodes{state}``
+(lending, expired, no_lease or the zero reason), ``crossflow_broker_node_itl_seconds{node}``,
+``crossflow_broker_node_itl_slo_seconds{node}``, ``crossflow_broker_node_open_reservations
+{node}``, ``crossflow_broker_reservation_events_total{event}`` (commit, release, expire,
+commit_late, release_late); ``crossflow_agent_scrape_duration_
 seconds``, ``crossflow_agent_scrape_failures_total{reason}``, ``crossflow_agent_leases_sent_total
 {kind}``, ``crossflow_agent_zero_leases_total{reason}``, ``crossflow_agent_stream_connected``,
 ``crossflow_agent_stream_reconnects_total``, ``crossflow_agent_lease_credits{credit}``.

@@ -1,7 +1,8 @@
 """The broker's state gauges, refreshed from the store on a period.
 
-Open reservations, borrowed tokens and per-node available credit are shared state (every replica
-sees the same store), so each replica polls the store rather than counting its own grants:
+Open reservations, borrowed tokens, decode nodes by lease state and per-node available credit,
+ITL, ITL SLO and open reservations are shared state (every replica sees the same store), so each
+replica polls the store rather than counting its own grants:
 :func:`refresh_node_gauges` once, :func:`poll_node_gauges` until a stop event. The caller passes
 a function listing the nodes (``Broker.list_nodes``), so this module needs no broker import.
 """
@@ -15,8 +16,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import structlog
 
 from crossflow_ctl.domain.errors import CrossflowError
-from crossflow_ctl.domain.models import NodeRole, NodeState, Share
-from crossflow_ctl.observability.instruments import BrokerMetrics
+from crossflow_ctl.domain.models import NodeRole, NodeState, Share, ZeroReason
+from crossflow_ctl.observability.instruments import LENDING, BrokerMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -44,18 +45,46 @@ class NodeGauges:
         open_reservations = 0
         borrowed_tokens = 0
         seen: set[str] = set()
+        states: dict[str, int] = {}
         for node in nodes:
             open_reservations += node.open_reservations
             borrowed_tokens += node.open_debits.compute_tokens
             if node.info.role is not NodeRole.DECODE:
                 continue
-            seen.add(node.info.node_id)
-            self.metrics.set_node_credits(node.info.node_id, node.available(now, share))
+            node_id = node.info.node_id
+            seen.add(node_id)
+            state = lease_state(node, now)
+            states[state] = states.get(state, 0) + 1
+            self.metrics.set_node_credits(node_id, node.available(now, share))
+            live = node.lease is not None and not node.lease.expired(now)
+            lease = node.lease.lease if node.lease is not None and live else None
+            self.metrics.set_node_load(
+                node_id,
+                itl_ms=lease.itl_ms if lease is not None else 0.0,
+                itl_slo_ms=lease.itl_slo_ms if lease is not None else 0.0,
+                open_reservations=node.open_reservations,
+            )
         for gone in self._known - seen:
             self.metrics.forget_node(gone)
         self._known = seen
         self.metrics.set_open_reservations(open_reservations)
         self.metrics.set_borrowed_tokens(borrowed_tokens)
+        self.metrics.set_decode_nodes(states)
+
+
+def lease_state(node: NodeState, now_ms: int) -> str:
+    """What a decode node lends now: ``lending``, ``no_lease``, ``expired``, ``cordoned`` or its
+    zero lease's reason (``no_capacity`` for a lease with no reason and no credit)."""
+    if node.info.cordoned:
+        return ZeroReason.CORDONED.value
+    if node.lease is None:
+        return "no_lease"
+    if node.lease.expired(now_ms):
+        return "expired"
+    lease = node.lease.lease
+    if lease.zero_reason is not None:
+        return lease.zero_reason.value
+    return ZeroReason.NO_CAPACITY.value if lease.credits.is_zero() else LENDING
 
 
 async def refresh_node_gauges(gauges: NodeGauges, list_nodes: ListNodes) -> bool:

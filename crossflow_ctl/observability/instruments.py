@@ -37,7 +37,15 @@ DECISIONS = frozenset(d.value for d in Decision)
 REASONS = frozenset(r.value for r in Reason)
 ZERO_REASONS = frozenset(z.value for z in ZeroReason)
 LEASE_RESULTS = frozenset({"accepted", "stale", "invalid"})
-RESERVATION_EVENTS = frozenset({"commit", "release", "expire"})
+RESERVATION_EVENTS = frozenset({"commit", "release", "expire", "commit_late", "release_late"})
+"""``expire``: a reservation dropped at its TTL (neither released in time nor, held, committed);
+``commit_late`` / ``release_late``: a Commit or Release that found its reservation gone (it
+expired, and its node's next lease may have purged it already; or its node was deleted): the
+router came after the TTL, and the room it meant to hold or free was already back in the lease."""
+LENDING = "lending"
+DECODE_NODE_STATES = frozenset({LENDING, "expired", "no_lease"} | ZERO_REASONS)
+"""What a decode node's latest lease says: ``lending`` (live, with credit), ``expired``,
+``no_lease`` (none received yet), or the zero lease's reason (``cordoned`` for a cordoned node)."""
 STORE_OPERATIONS = frozenset(
     {
         "admit", "admission_view", "debit", "commit", "release", "lease", "pool_load",
@@ -87,6 +95,36 @@ class _NodeCredits:
         for node_id, values in list(self.values.items()):
             for name, value in zip(CREDIT_NAMES, values, strict=True):
                 yield Observation(value, {"node": node_id, "credit": name})
+
+
+class _NodeLoad:
+    """Per-node ITL, ITL SLO and open reservations for observable gauges, capped like
+    :class:`_NodeCredits`."""
+
+    def __init__(self, max_nodes: int) -> None:
+        self.max_nodes = max_nodes
+        self.values: dict[str, tuple[float, float, int]] = {}
+
+    def set(self, node_id: str, itl_s: float, itl_slo_s: float, open_reservations: int) -> None:
+        if node_id not in self.values and len(self.values) >= self.max_nodes:
+            return
+        self.values[node_id] = (itl_s, itl_slo_s, open_reservations)
+
+    def forget(self, node_id: str) -> None:
+        self.values.pop(node_id, None)
+
+    def _observe(self, index: int) -> Iterable[Observation]:
+        for node_id, values in list(self.values.items()):
+            yield Observation(values[index], {"node": node_id})
+
+    def itl(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return self._observe(0)
+
+    def itl_slo(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return self._observe(1)
+
+    def open_reservations(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return self._observe(2)
 
 
 class BrokerMetrics:
@@ -163,6 +201,49 @@ class BrokerMetrics:
             "1",
             "Available credit per node (lease x share - open debits), each credit in its unit",
         )
+        self._decode_nodes = m.create_gauge(
+            "crossflow_broker_decode_nodes",
+            "1",
+            "Registered decode nodes by what their latest lease says: lending, expired, no_lease"
+            " or the zero lease's reason",
+        )
+        self._node_load = _NodeLoad(max_nodes)
+        m.create_observable_gauge(
+            "crossflow_broker_node_itl",
+            [self._node_load.itl],
+            "s",
+            "Inter-token latency the node's latest live lease reports",
+        )
+        m.create_observable_gauge(
+            "crossflow_broker_node_itl_slo",
+            [self._node_load.itl_slo],
+            "s",
+            "ITL SLO the node's latest live lease reports",
+        )
+        m.create_observable_gauge(
+            "crossflow_broker_node_open_reservations",
+            [self._node_load.open_reservations],
+            "1",
+            "Reservations that still count on the node (borrowed work it holds)",
+        )
+        self._zero_series()
+
+    def _zero_series(self) -> None:
+        """Every bounded series at zero from the start, so a rate or a ratio over it exists
+        (an alert on an error counter cannot wait for the first error to make its series)."""
+        for reason in REASONS - {Reason.BORROWED.value, Reason.BROKER_UNAVAILABLE.value}:
+            self._admissions.add(0, {"decision": Decision.NORMAL.value, "reason": reason})
+        self._admissions.add(
+            0, {"decision": Decision.BORROW.value, "reason": Reason.BORROWED.value}
+        )
+        for operation in STORE_OPERATIONS:
+            self._store_errors.add(0, {"operation": operation})
+        for event in RESERVATION_EVENTS:
+            self._reservations.add(0, {"event": event})
+        for reason in ZERO_REASONS:
+            self._zero_leases.add(0, {"reason": reason})
+        self._lost_debits.add(0)
+        self.set_decode_nodes({})
 
     @classmethod
     def noop(cls) -> BrokerMetrics:
@@ -218,8 +299,25 @@ class BrokerMetrics:
         """Latest available credit of a node (series capped at ``max_nodes`` nodes)."""
         self._node_credits.set(node_id, available)
 
+    def set_node_load(
+        self, node_id: str, *, itl_ms: float, itl_slo_ms: float, open_reservations: int
+    ) -> None:
+        """A decode node's latest ITL and SLO (from its live lease) and the reservations that
+        still count on it (series capped at ``max_nodes`` nodes)."""
+        self._node_load.set(node_id, itl_ms / 1000.0, itl_slo_ms / 1000.0, open_reservations)
+
     def forget_node(self, node_id: str) -> None:
         self._node_credits.forget(node_id)
+        self._node_load.forget(node_id)
+
+    def set_decode_nodes(self, counts: Mapping[str, int]) -> None:
+        """Decode nodes per lease state; every state is set (0 when absent), so the share of
+        each is a plain ratio; states outside :data:`DECODE_NODE_STATES` count as ``other``."""
+        totals = dict.fromkeys(DECODE_NODE_STATES | {OTHER}, 0)
+        for state, count in counts.items():
+            totals[state if state in DECODE_NODE_STATES else OTHER] += count
+        for state, count in totals.items():
+            self._decode_nodes.set(count, {"state": state})
 
     def set_store_breaker(self, state: int) -> None:
         """The breaker's state as its number (``domain.breaker.BREAKER_STATE_VALUES``)."""
@@ -267,6 +365,15 @@ class AgentMetrics:
         self._credits = m.create_gauge(
             "crossflow_agent_lease_credits", "1", "Credits of the latest lease sent, per credit"
         )
+        # Series at zero from the start: an agent that never reaches a broker shows 0, not
+        # nothing (an alert cannot see a series that was never made).
+        self._stream_connected.set(0)
+        self._connections.add(0)
+        self._reconnects.add(0)
+        for reason in SCRAPE_FAILURES:
+            self._scrape_failures.add(0, {"reason": reason})
+        for reason in ZERO_REASONS:
+            self._zero_leases.add(0, {"reason": reason})
 
     @classmethod
     def noop(cls) -> AgentMetrics:

@@ -29,6 +29,7 @@ from crossflow_ctl.domain.errors import (
     CrossflowError,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     StaleLease,
     StoreUnavailable,
 )
@@ -77,6 +78,7 @@ from crossflow_ctl.service.room import NodeRooms, RoomWatches
 from crossflow_ctl.service.store_breaker import StoreBreaker
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
+_EXPIRE = lease_pb2.NOTICE_KIND_EXPIRE
 log = structlog.get_logger()
 T = TypeVar("T")
 
@@ -299,7 +301,11 @@ class Broker:
 
     async def _commit(self, reservation_id: str, owner: str | None) -> Reservation:
         now, ttl = self.clock.now_ms(), self.policy.commit_ttl_ms
-        res = await self.store.commit(reservation_id, now, ttl, owner)
+        try:
+            res = await self.store.commit(reservation_id, now, ttl, owner)
+        except NotFound:  # expired (and maybe purged since): the router came too late
+            self.metrics.record_reservation_event("commit_late")
+            raise
         self.metrics.record_reservation_event("commit")
         annotate_node(res.node_id)
         return res
@@ -324,7 +330,11 @@ class Broker:
 
     async def _release(self, reservation_id: str, outcome: str, owner: str | None) -> Reservation:
         now = self.clock.now_ms()
-        res = await self.store.release(reservation_id, now, owner)
+        try:
+            res = await self.store.release(reservation_id, now, owner)
+        except NotFound:  # expired (and maybe purged since): released too late
+            self.metrics.record_reservation_event("release_late")
+            raise
         log.debug("release", reservation_id=reservation_id, node_id=res.node_id, outcome=outcome)
         self.metrics.record_reservation_event("release")
         annotate_node(res.node_id)
@@ -428,10 +438,16 @@ class Broker:
         self, node_id: str, after_seq: int, block_ms: int
     ) -> lease_pb2.NoticeBatch:
         """:meth:`read_notices` as the message the node's agent stream relays (built by the
-        store without the Notice models in between: the relay runs for every grant)."""
-        return await self.store.read_notice_batch(
+        store without the Notice models in between: the relay runs for every grant). Counts
+        the EXPIRE notices in it: each node's notices are relayed by the one replica holding
+        its agent's stream, so the replicas' counts add up to the fleet's expiries."""
+        batch = await self.store.read_notice_batch(
             node_id, after_seq, self.settings.notice_batch, block_ms
         )
+        expired = sum(1 for n in batch.notices if n.kind == _EXPIRE)
+        if expired:
+            self.metrics.record_reservation_event("expire", expired)
+        return batch
 
     # -- operators -------------------------------------------------------------------------------
     async def list_nodes(self, role: NodeRole | None = None, selector: str = "") -> list[NodeState]:

@@ -20,6 +20,7 @@ CHART = ROOT / "deploy" / "helm" / "crossflow"
 VALUES_DIR = Path(__file__).resolve().parent / "values"
 VALUE_FILES = sorted(p.name for p in VALUES_DIR.glob("*.yaml"))
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
+PROMETHEUS_RULE_API = "monitoring.coreos.com/v1/PrometheusRule"
 # The chart's kubeVersion floor, and the version the bundled helm's client speaks.
 K8S_VERSIONS = ("1.27.0", "1.35.0")
 
@@ -79,6 +80,16 @@ def check_service_monitor(doc: dict[str, Any]) -> None:
         assert endpoint["path"] == "/metrics"
 
 
+def check_prometheus_rule(doc: dict[str, Any]) -> None:
+    """No offline schema for the operator's CRD either (promtool checks the rules themselves:
+    tests/deploy/test_alert_rules.py)."""
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+    for group in doc["spec"]["groups"]:
+        assert group["name"] and group["rules"]
+        for rule in group["rules"]:
+            assert rule["alert"] and rule["expr"]
+
+
 def check_certificate(doc: dict[str, Any]) -> None:
     """No offline schema for cert-manager's CRD: check the fields cert-manager requires."""
     assert doc["apiVersion"] == "cert-manager.io/v1"
@@ -109,11 +120,18 @@ def test_helm_lint(values: str | None) -> None:
 @needs_helm
 @pytest.mark.parametrize("values", [None, *VALUE_FILES])
 def test_every_rendered_manifest_is_valid_kubernetes(values: str | None) -> None:
-    docs = render(*values_args(values), "--api-versions", SERVICE_MONITOR_API)
+    docs = render(
+        *values_args(values),
+        "--api-versions", SERVICE_MONITOR_API,
+        "--api-versions", PROMETHEUS_RULE_API,
+    )  # fmt: skip
     assert docs
     for doc in docs:
         if doc["kind"] == "ServiceMonitor":
             check_service_monitor(doc)
+            continue
+        if doc["kind"] == "PrometheusRule":
+            check_prometheus_rule(doc)
             continue
         if doc["kind"] == "Certificate":
             check_certificate(doc)
@@ -135,9 +153,9 @@ def test_every_rendered_manifest_is_valid_kubernetes(values: str | None) -> None
 def test_defaults_render_the_whole_control_plane() -> None:
     docs = render()
     assert kinds(docs) == [
-        "ConfigMap", "ConfigMap", "DaemonSet", "DaemonSet", "Deployment", "NetworkPolicy",
-        "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", *["Secret"] * 8, "Service",
-        "Service", "Service", "ServiceAccount", "StatefulSet",
+        "ConfigMap", "ConfigMap", "ConfigMap", "DaemonSet", "DaemonSet", "Deployment",
+        "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget",
+        *["Secret"] * 8, "Service", "Service", "Service", "ServiceAccount", "StatefulSet",
     ]  # fmt: skip
     # secure by default (tests/deploy/test_chart_security.py): the CA, the broker's and a client
     # certificate, bearer tokens (their hashes, the admin's, routers', agents'), Redis' password
@@ -293,7 +311,8 @@ def test_host_network_agents_and_service_monitors() -> None:
 def test_minimal_values_render_the_broker_only() -> None:
     docs = render(*values_args("minimal.yaml"))
     assert kinds(docs) == [
-        "ConfigMap", "Deployment", "PodDisruptionBudget", *["Secret"] * 7, "Service", "Service",
+        "ConfigMap", "ConfigMap", "Deployment", "PodDisruptionBudget", *["Secret"] * 7,
+        "Service", "Service",
         "StatefulSet",
     ]  # fmt: skip
     assert "cf-crossflow-agent-tokens" not in [d["metadata"]["name"] for d in docs]
