@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1.7
-# One image for the Crossflow broker (crossflow-broker) and node agent (crossflow-agent).
-# The Helm chart picks the process with `command:`; both run as UID 10001 on a read-only root.
+# One image for the Crossflow broker (crossflow-broker), node agent (crossflow-agent) and HTTP
+# gateway (crossflow-gateway): the package's console scripts, all installed by the one wheel. The
+# Helm chart picks the process with `command:`; each runs as UID 10001 on a read-only root.
 #   docker build -t ghcr.io/crossflow/crossflow:0.1.0 .
 
 ARG PYTHON_VERSION=3.11
@@ -25,6 +26,6 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin crossflow
 USER 10001:10001
 WORKDIR /tmp
-# gRPC (broker), Prometheus /metrics (broker, agent).
-EXPOSE 50051 9464 9465
+# gRPC (broker), Prometheus /metrics (broker, agent), HTTP (gateway: OpenAI API and /metrics).
+EXPOSE 50051 9464 9465 8000
 CMD ["crossflow-broker", "--help"]

@@ -2,9 +2,9 @@
 
 The chart's own values are modelled here (:class:`ChartValues`, whose defaults are exactly
 ``values.yaml``); ``broker.config`` and ``agent.config`` take the JSON schema of the settings
-models the processes themselves load (``BrokerSettings``, ``AgentSettings``), minus the keys the
-chart sets. So a typo or an out-of-range setting fails at ``helm install``/``helm template``,
-not at pod start.
+models the processes themselves load (``BrokerSettings``, ``AgentSettings``), and
+``gateway.config`` that of ``GatewaySettings``, minus the keys the chart sets. So a typo or an
+out-of-range setting fails at ``helm install``/``helm template``, not at pod start.
 
     python scripts/gen_helm_schema.py           # write the schema
     python scripts/gen_helm_schema.py --check   # exit 1 when the committed file is stale
@@ -30,9 +30,13 @@ BROKER_MANAGED: tuple[str, ...] = ("listen", "redis_url", "metrics_listen", "otl
 BROKER_MANAGED += ("log_level", "log_json", "redis_namespace", "broker_id", "redis_ca_file")
 AGENT_MANAGED: tuple[str, ...] = ("brokers", "node_id", "role", "source", "metrics_url")
 AGENT_MANAGED += ("metrics_listen", "otlp_endpoint", "log_level", "log_json")
+# kubernetes: rendered from gateway.discovery, which also makes the Role the gateway lists pods by.
+GATEWAY_MANAGED: tuple[str, ...] = ("listen", "broker", "broker_auth", "otlp_endpoint")
+GATEWAY_MANAGED += ("log_level", "log_json", "kubernetes")
 SETTINGS_MODELS = {
     "broker": ("crossflow_ctl.service.config", "BrokerSettings", BROKER_MANAGED),
     "agent": ("crossflow_agent.settings", "AgentSettings", AGENT_MANAGED),
+    "gateway": ("crossflow_ctl.gateway.settings", "GatewaySettings", GATEWAY_MANAGED),
 }
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -41,6 +45,9 @@ LabelKey = Annotated[
     str, Field(min_length=1, max_length=253, pattern=r"^([a-z0-9.-]+/)?[A-Za-z0-9_.-]{1,63}$")
 ]
 Duration = Annotated[str, Field(pattern=r"^[0-9]+(ms|s|m|h)$")]
+NodeName = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+]
 
 
 class Values(BaseModel):
@@ -208,6 +215,67 @@ class Agent(Values):
     extraEnv: list[EnvVar] = []
 
 
+class GatewayService(Values):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    """Service type."""
+    port: Port = 8000
+    """The port clients call."""
+    annotations: dict[str, str] = {}
+    """Service annotations."""
+
+
+class GatewayDiscovery(Values):
+    enabled: bool = False
+    """Find the engines as the Ready pods matching the selectors (a Role lets it list pods)."""
+    namespace: Annotated[
+        str, Field(max_length=63, pattern=r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    ] = ""
+    """The engines' namespace; empty: the release's."""
+    prefillSelector: str = ""
+    """Label selector of the prefill engines' pods."""
+    decodeSelector: str = ""
+    """Label selector of the decode engines' pods."""
+    port: Port = 8000
+    """The engines' HTTP port in the pod."""
+    bootstrapPort: Port | None = None
+    """SGLang prefill pods' KV bootstrap port."""
+    periodSeconds: Annotated[float, Field(gt=0, le=3600)] = 5
+    """How often the pods are listed."""
+
+
+class GatewayCredentials(Values):
+    tlsSecret: str = ""
+    """Secret with tls.crt and tls.key: a client certificate naming the router (mutual TLS)."""
+    tokenSecret: str = ""
+    """Secret whose key <routerName> holds the gateway's bearer token."""
+
+
+class Gateway(Values):
+    enabled: bool = False
+    """Run crossflow-gateway."""
+    routerName: NodeName = "gateway"
+    """Its router identity's name (router/<routerName>) and the key of its token."""
+    replicas: Annotated[int, Field(ge=1, le=100)] = 2
+    """Number of replicas."""
+    port: Port = 8000
+    """HTTP port in the pod (OpenAI API, /health, /metrics)."""
+    config: dict[str, Any] = {}
+    """GatewaySettings, less the keys the chart sets."""
+    discovery: GatewayDiscovery = GatewayDiscovery()
+    credentials: GatewayCredentials = GatewayCredentials()
+    resources: Resources = Resources(
+        requests={"cpu": "500m", "memory": "256Mi"}, limits={"memory": "1Gi"}
+    )
+    nodeSelector: dict[str, str] = {}
+    tolerations: list[dict[str, Any]] = []
+    podAnnotations: dict[str, str] = {}
+    terminationGracePeriodSeconds: Annotated[int, Field(ge=0, le=3600)] = 30
+    extraEnv: list[EnvVar] = []
+    service: GatewayService = GatewayService()
+    clientsFrom: list[dict[str, Any]] = []
+    """NetworkPolicy peers allowed to call its port; empty allows all."""
+
+
 class Persistence(Values):
     enabled: bool = False
     size: Quantity = "1Gi"
@@ -277,11 +345,6 @@ class IssuerRef(Values):
     group: str = "cert-manager.io"
 
 
-NodeName = Annotated[
-    str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-]
-
-
 class Generated(Values):
     tokens: bool = True
     """Make bearer tokens (admin, routers, agents) when tokenHashesSecret is empty."""
@@ -336,6 +399,7 @@ class ChartValues(Values):
     observability: Observability = Observability()
     broker: Broker = Broker()
     agent: Agent = Agent()
+    gateway: Gateway = Gateway()
     redis: Redis = Redis()
     security: Security = Security()
     networkPolicy: NetworkPolicy = NetworkPolicy()

@@ -180,6 +180,15 @@ with agent.roleLabel=<a role in agent.roles> at install or upgrade (none under h
 {{- $nodes | uniq | sortAlpha | join "," -}}
 {{- end }}
 
+{{/* The routers the chart makes tokens for, comma-separated: security.generated.routers, and
+gateway.routerName when the gateway is enabled without a token of its own. */}}
+{{- define "crossflow.routerTokenNames" -}}
+{{- $names := .Values.security.generated.routers -}}
+{{- $gw := .Values.gateway -}}
+{{- if and $gw.enabled (not $gw.credentials.tokenSecret) }}{{ $names = append $names $gw.routerName }}{{ end -}}
+{{- $names | uniq | join "," -}}
+{{- end }}
+
 {{/* The issuerRef of the chart's cert-manager Certificates: security.certManager.issuerRef, or
 the chart's own CA Issuer when it names none. */}}
 {{- define "crossflow.issuerRef" -}}
