@@ -30,6 +30,7 @@ from crossflow_ctl.demo.trace import Trace
 from crossflow_ctl.demo.view import CLEAR, Observations, frame, summary, summary_data
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, StepShape, step_time_s
 from crossflow_ctl.domain.errors import Unavailable
+from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import NodeRole, Share
 
 START_TIMEOUT_S = 30.0
@@ -102,6 +103,20 @@ async def check_redis(redis_url: str, timeout_s: float = 3.0) -> None:
         ) from None
     finally:
         await client.aclose()
+
+
+DEMO_ITL_BUCKETS_MS = (
+    *(2, 4, 6, 8, 10, 15, 20, 25, 30, 35, 40),
+    *(45, 50),  # the agents' step budget (slo 50 x margin 0.9) and their ITL SLO
+    *(60, 80, 100, 200, 400, 600, 800, 1000, 2000, 5000),
+)
+"""The decode engines' ITL histogram bounds: SGLang's default ``--bucket-inter-token-latency``
+with bounds at the agents' step budget and SLO added.
+
+The decode engines size borrowed chunks to the agents' budget (45 ms), as the lease prices
+them. The agent reads the window's p99 by interpolating inside a bucket, so on SGLang's bounds
+(40, 60 ms) each such step read as up to 60 ms, over the SLO: the ITL guard zeroed the lease,
+cleared it after three quiet periods, and zeroed it again, about once a second."""
 
 
 def demo_log_dir(chosen: Path | None) -> Path:
@@ -235,15 +250,24 @@ class Demo:
             "--node",
             o.node,
         ]
+        # Decode engines size borrowed chunks within the agents' ITL budget, as their leases
+        # price them.
+        by_role = {
+            NodeRole.DECODE: [
+                *("--itl-budget-ms", f"{LeaseSettings().budget_s * 1000.0:g}"),
+                *("--itl-buckets-ms", ",".join(map(str, DEMO_ITL_BUCKETS_MS))),
+            ],
+            NodeRole.PREFILL: [],
+        }
         spawned = await asyncio.gather(
             *(
                 self.children.spawn(
                     f"engine-{name}",
-                    [*argv, "--model-name", name],
+                    [*argv, "--model-name", name, *by_role[role]],
                     "fake engine serving ",
                     START_TIMEOUT_S,
                 )
-                for name, _ in names
+                for name, role in names
             )
         )
         engines = [
