@@ -28,7 +28,13 @@ from crossflow_ctl.demo.processes import Children, DemoError, executable
 from crossflow_ctl.demo.router import Engine, Router
 from crossflow_ctl.demo.trace import Trace
 from crossflow_ctl.demo.view import CLEAR, Observations, frame, summary, summary_data
-from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, StepShape, step_time_s
+from crossflow_ctl.domain.capacity import (
+    MODEL_PRESETS,
+    NODE_PRESETS,
+    StepShape,
+    roofline,
+    step_time_s,
+)
 from crossflow_ctl.domain.errors import Unavailable
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import NodeRole, Share
@@ -62,12 +68,30 @@ class DemoOptions:
     """Late binding: how long the router holds a prompt refused for lack of room (0: never)."""
 
 
-def prefill_rate_tps(opts: DemoOptions, chunk_tokens: int = 8192) -> float:
-    """What one fake prefill engine processes per second (same roofline as the engine)."""
+PREFILL_CHUNK_TOKENS = LeaseSettings().prefill_chunk_tokens
+"""The fake prefill engines' chunk: what the prefill agents model their servers' rate with, and
+the router's model prices the normal path at."""
+
+
+def prefill_rate_tps(opts: DemoOptions, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> float:
+    """What one fake prefill engine processes per second with no cached prefix (same roofline
+    as the engine)."""
     dt = step_time_s(
         MODEL_PRESETS[opts.model], NODE_PRESETS[opts.node], StepShape(prefill_tokens=chunk_tokens)
     )
     return chunk_tokens / (dt * opts.prefill_slowdown)
+
+
+def model_params(opts: DemoOptions) -> ModelParams:
+    """The router's model of the cluster: the same split, engines and roofline."""
+    return ModelParams(
+        prefill_servers=opts.prefill,
+        decode_servers=opts.decode,
+        prefill_rate_tps=prefill_rate_tps(opts),
+        roof=roofline(MODEL_PRESETS[opts.model], NODE_PRESETS[opts.node]),
+        prefill_chunk_tokens=PREFILL_CHUNK_TOKENS,
+        prefill_slowdown=opts.prefill_slowdown,
+    )
 
 
 async def forget_namespace(redis_url: str, namespace: str) -> None:
@@ -184,11 +208,7 @@ class Demo:
             self.share = (await admin.get_policy()).policy.shares
             if self.stop.is_set():
                 return 0
-            params = ModelParams(
-                prefill_servers=o.prefill,
-                decode_servers=o.decode,
-                prefill_rate_tps=prefill_rate_tps(o),
-            )
+            params = model_params(o)
             async with AdmissionClient(broker, timeout_s=1.0, fail_closed=True) as admission:
                 router = Router(
                     o.trace,
@@ -251,13 +271,13 @@ class Demo:
             o.node,
         ]
         # Decode engines size borrowed chunks within the agents' ITL budget, as their leases
-        # price them.
+        # price them; prefill engines run the chunk their agents and the router's model assume.
         by_role = {
             NodeRole.DECODE: [
                 *("--itl-budget-ms", f"{LeaseSettings().budget_s * 1000.0:g}"),
                 *("--itl-buckets-ms", ",".join(map(str, DEMO_ITL_BUCKETS_MS))),
             ],
-            NodeRole.PREFILL: [],
+            NodeRole.PREFILL: ["--chunk-tokens", str(PREFILL_CHUNK_TOKENS)],
         }
         spawned = await asyncio.gather(
             *(

@@ -158,6 +158,32 @@ def frame(
     return "\n".join(lines)
 
 
+PATHS = ("borrowed", "normal", "held")
+PATH_NAMES = {"borrowed": "borrowed", "normal": "normal path", "held": "held, then prefill"}
+
+
+def ttft_by_path(stats: RouterStats, static: StaticResult) -> dict[str, dict[str, float]]:
+    """TTFT of the requests each path took (``RouterStats.path_by_request``), this run's and
+    the static replay's for the same requests: where the change in the totals comes from."""
+    out: dict[str, dict[str, float]] = {}
+    for path in PATHS:
+        keys = [
+            k
+            for k, p in stats.path_by_request.items()
+            if p == path and k in stats.ttft_by_request and k in static.ttft_by_request
+        ]
+        run = [stats.ttft_by_request[k] for k in keys]
+        base = [static.ttft_by_request[k] for k in keys]
+        out[path] = {
+            "requests": len(keys),
+            "mean": mean(run),
+            "p50": percentile(run, 50),
+            "static_mean": mean(base),
+            "static_p50": percentile(base, 50),
+        }
+    return out
+
+
 def summary_data(stats: RouterStats, static: StaticResult, obs: Observations) -> dict[str, Any]:
     """The summary's figures, for ``--summary-json`` (tests and scripts)."""
     common = [key for key in stats.ttft_by_request if key in static.ttft_by_request]
@@ -190,6 +216,7 @@ def summary_data(stats: RouterStats, static: StaticResult, obs: Observations) ->
             "p99": percentile(base, 99),
         },
         "itl_ms_from_leases": {"mean": mean(obs.itl_ms), "max": max(obs.itl_ms, default=0.0)},
+        "ttft_by_path": ttft_by_path(stats, static),
     }
 
 
@@ -221,6 +248,16 @@ def summary(
         ("TTFT p50 (ms)", f"{p50:.0f}", f"{bp50:.0f}", change(p50, bp50)),
         ("TTFT p99 (ms)", f"{p99:.0f}", f"{bp99:.0f}", change(p99, bp99)),
     ]
+    for path, figures in ttft_by_path(stats, static).items():
+        if figures["requests"]:
+            rows.append(
+                (
+                    f"  p50, {PATH_NAMES[path]} ({figures['requests']:.0f})",
+                    f"{figures['p50']:.0f}",
+                    f"{figures['static_p50']:.0f}",
+                    change(figures["p50"], figures["static_p50"]),
+                )
+            )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join(
         "  " + "   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
@@ -244,7 +281,10 @@ def summary(
             f"  late binding: {len(stats.held_ms)} prompts held (mean "
             f"{mean(stats.held_ms):.0f} ms); outcomes: "
             + ", ".join(f"{k} {v}" for k, v in sorted(stats.dispatch.items())),
-            "  (TTFT on both sides comes from the demo router's queueing model of this cluster;"
-            " the static column replays the same requests with nothing borrowed.)",
+            "  (TTFT on both sides comes from the demo router's queueing model of this cluster,"
+            " priced on the fake engines' roofline as the agents report them to the broker;"
+            " the static column replays the same requests with nothing borrowed. The p50 rows"
+            " split the requests by the path they took here; a held prompt's TTFT counts its"
+            " hold.)",
         ]
     )
