@@ -418,16 +418,21 @@ class Demo:
     async def _tick(self, router: Router, admin: AdminClient, elapsed: float, frames: int) -> None:
         try:
             reservations = await admin.list_reservations()  # before the leases: see check_grants
+            nodes = await admin.list_nodes()
+            # Every decode node's recent leases (32 kept: 6 s at the agents' 200 ms), so the
+            # summary counts each lease and its ITL once, not one lease a poll.
+            decode = {n.state.info.node_id for n in nodes if n.state.info.role is NodeRole.DECODE}
             history = {
                 node_id: list((await admin.get_node(node_id)).recent_leases)
-                for node_id in sorted({r.node_id for r in reservations})
+                for node_id in sorted(decode | {r.node_id for r in reservations})
             }
-            nodes = await admin.list_nodes()
             pools = await admin.list_pools()
         except Exception as exc:  # the view must not end the demo
             self.say(f"(live view: admin call failed: {exc})")
             return
         self.obs.check_grants(reservations, history, self.share)
+        for node_id in decode:
+            self.obs.record(node_id, history[node_id])
         at_ms = int(time.time() * 1000)
         self.obs.observe(nodes, at_ms)
         if self.opts.quiet:

@@ -103,7 +103,9 @@ def test_demo_runs_and_exits_0_on_its_own(tmp_path: Path) -> None:
     assert "Summary: synthetic-agentic(seed=7) on 1P2D" in proc.stdout
     assert "over-commits seen: none" in proc.stdout
     assert "late binding: " in proc.stdout
+    assert "(each lease's p99 over its agent's period): SLO 50 ms, over it in " in proc.stdout
     data = _check_summary(summary)
+    assert data["itl_slo_ms"] == 50.0 and set(data["itl_over_slo"]) == {"decode-1", "decode-2"}
     assert not data["interrupted"]
     logs = tmp_path / "logs"
     assert f"logs kept in {logs}" in proc.stdout
