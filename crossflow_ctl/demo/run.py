@@ -40,6 +40,9 @@ from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import NodeRole, Share
 
 START_TIMEOUT_S = 30.0
+BROKER, ENGINES, AGENTS = 0, 1, 2
+"""Stages of the children: they stop the other way round, agents first (so each sends its last
+zero lease to the broker, not into a refused connection), the broker last."""
 
 
 @dataclass(frozen=True)
@@ -252,7 +255,9 @@ class Demo:
             argv += ["--redis-url", self.opts.redis_url, "--redis-namespace", self.namespace]
         else:
             argv += ["--embedded-store"]
-        child = await self.children.spawn("broker", argv, "listening on ", START_TIMEOUT_S)
+        child = await self.children.spawn(
+            "broker", argv, "listening on ", START_TIMEOUT_S, stage=BROKER
+        )
         return child.address
 
     async def _start_engines(self) -> tuple[list[Engine], list[Engine]]:
@@ -286,6 +291,7 @@ class Demo:
                     [*argv, "--model-name", name, *by_role[role]],
                     "fake engine serving ",
                     START_TIMEOUT_S,
+                    stage=ENGINES,
                 )
                 for name, role in names
             )
@@ -337,7 +343,11 @@ class Demo:
                     "--metrics-url",
                     f"{e.url}/metrics",
                 ]
-                jobs.append(self.children.spawn(f"agent-{e.node_id}", argv, "", START_TIMEOUT_S))
+                jobs.append(
+                    self.children.spawn(
+                        f"agent-{e.node_id}", argv, "", START_TIMEOUT_S, stage=AGENTS
+                    )
+                )
         await asyncio.gather(*jobs)
 
     async def _wait_ready(self, admin: AdminClient, prefill: int, decode: int) -> None:

@@ -110,6 +110,12 @@ def test_demo_runs_and_exits_0_on_its_own(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     assert f"logs kept in {logs}" in proc.stdout
     assert (logs / "broker.log").is_file(), sorted(p.name for p in logs.iterdir())
+    # Agents stop before the broker: each decode agent's last zero lease reaches it, and no
+    # agent warns of a broker gone ("Connection refused") at shutdown.
+    broker_log = (logs / "broker.log").read_text()
+    assert broker_log.count('"reason": "shutting_down"') == 2, broker_log[-2000:]
+    for agent_log in logs.glob("agent-*.log"):
+        assert "Connection refused" not in agent_log.read_text(), agent_log.read_text()
 
 
 def test_demo_on_redis_stops_everything_on_sigint(
