@@ -169,7 +169,8 @@ def run(coro: Awaitable[T]) -> T:
 def run_cli(group: click.Group, prog_name: str) -> int:
     """Run a click group; turn every failure into one stderr line and a documented exit code."""
     try:
-        group.main(prog_name=prog_name, standalone_mode=False)
+        # Outside standalone mode click returns an Exit's code (and a command's return value)
+        result = group.main(prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("error: aborted", err=True)
         return 130
@@ -192,4 +193,6 @@ def run_cli(group: click.Group, prog_name: str) -> int:
     except Exception as exc:
         click.echo(one_line(exc), err=True)
         return int(exit_code_for(exc))
+    if isinstance(result, int) and not isinstance(result, bool):
+        return result  # click.exceptions.Exit(code) raised by a command
     return ExitCode.OK

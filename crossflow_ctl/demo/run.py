@@ -18,9 +18,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from crossflow_ctl.client import AdminClient, AdmissionClient
 from crossflow_ctl.demo.model import ModelParams, replay_static
@@ -38,6 +39,9 @@ from crossflow_ctl.domain.capacity import (
 from crossflow_ctl.domain.errors import Unavailable
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import NodeRole, Share
+
+if TYPE_CHECKING:  # the simulator is imported when it runs
+    from crossflow_ctl.sim.metrics import Summary
 
 START_TIMEOUT_S = 30.0
 BROKER, ENGINES, AGENTS = 0, 1, 2
@@ -69,6 +73,12 @@ class DemoOptions:
     redis_namespace: str | None = None
     max_hold_ms: int = 300
     """Late binding: how long the router holds a prompt refused for lack of room (0: never)."""
+    port: int = 0
+    """The broker's port on 127.0.0.1 (0: a free one)."""
+    connect: Callable[[str], tuple[str, str]] | None = None
+    """Called with the broker's address once it serves: (the crossflowctl command to try, a
+    note on how it reaches the broker). The CLI writes a crossflowctl context there; without
+    it the command names ``--server``."""
 
 
 PREFILL_CHUNK_TOKENS = LeaseSettings().prefill_chunk_tokens
@@ -163,23 +173,37 @@ class Demo:
         self.children: Children | None = None
         self.obs = Observations()
         self.interrupted = False
+        self.exit_code = 0
+        """128 + the signal that stopped the run (130 for Ctrl-C), else 0."""
         self.share: Share = 1.0
+        self.hint = ""
         self.namespace = opts.redis_namespace or f"crossflow-demo-{uuid.uuid4().hex[:8]}"
 
-    def _interrupt(self) -> None:
+    def _interrupt(self, sig: signal.Signals) -> None:
         """Signal handler: only sets the stop event (the run shuts down in order)."""
         self.interrupted = True
+        self.exit_code = self.exit_code or 128 + sig.value
         self.stop.set()
+
+    def _handle_signals(self, on: bool) -> None:
+        """SIGINT and SIGTERM set the stop event (on), or are the default again (off: Ctrl-C
+        raises KeyboardInterrupt, which a CPU-bound phase such as the simulator needs)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if on:
+                loop.add_signal_handler(sig, self._interrupt, sig)
+            else:
+                loop.remove_signal_handler(sig)
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
 
     async def run(self) -> int:
+        """0 when the run ended on its own (or at --duration-s), 128 + the signal (130 for
+        Ctrl-C) when one stopped it, after the summary of what ran so far."""
         if self.opts.redis_url:
             await check_redis(self.opts.redis_url)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._interrupt)
+        self._handle_signals(True)
         log_dir = demo_log_dir(self.opts.log_dir)
         self.children = Children(log_dir)
         try:
@@ -189,8 +213,7 @@ class Demo:
             # kept: the logs are what an operator reads when the demo misbehaved
             if self.opts.redis_url:
                 await forget_namespace(self.opts.redis_url, self.namespace)
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+            self._handle_signals(False)
             self.say(f"logs kept in {log_dir}")
 
     async def _run(self) -> int:
@@ -202,15 +225,23 @@ class Demo:
             f"({o.trace.requests} requests), logs in {self.children.log_dir}"
         )
         broker = await self._start_broker()
-        hint = "" if o.duration_s is not None else " (--duration-s S keeps the cluster up S s)"
-        self.say(f"broker on {broker}: try `crossflowctl --server {broker} get nodes -w`{hint}")
+        command, note = (
+            o.connect(broker)
+            if o.connect is not None
+            else (f"crossflowctl --server {broker} get nodes -w", "")
+        )
+        self.hint = command
+        linger = "" if o.duration_s is not None else "--duration-s S keeps the cluster up S s"
+        extra = "; ".join(x for x in (note, linger) if x)
+        self.say(f"broker on {broker}: try `{command}`" + (f" ({extra})" if extra else ""))
         prefill, decode = await self._start_engines()
         await self._start_agents(broker, prefill, decode)
         async with AdminClient(broker, timeout_s=2.0) as admin:
             await self._wait_ready(admin, len(prefill), len(decode))
             self.share = (await admin.get_policy()).policy.shares
             if self.stop.is_set():
-                return 0
+                self.say("interrupted before the cluster was ready: nothing was replayed")
+                return self.exit_code
             params = model_params(o)
             async with AdmissionClient(broker, timeout_s=1.0, fail_closed=True) as admission:
                 router = Router(
@@ -227,16 +258,10 @@ class Demo:
                 elapsed = time.monotonic() - started
             static = replay_static(o.trace, params, speed=o.speed)
         await self.children.stop()  # the simulator below should not compete with them
+        if self.interrupted:
+            self.say(f"interrupted after {elapsed:.1f} s: the summary covers what ran so far")
         self.say(summary(o.trace.name, split, elapsed, router.stats, static, self.obs))
-        sim = None
-        if o.simulate:
-            from crossflow_ctl.demo.simcompare import sim_lines, simulate_both
-
-            sim = await simulate_both(o.trace, params, o.model, o.node, o.speed)
-            self.say(
-                "Simulator (crossflow_ctl.sim: real policy, store and lease rules on a modelled "
-                "cluster), same trace:\n" + "\n".join(sim_lines(sim, split))
-            )
+        sim = await self._simulate(params, split) if o.simulate and not self.interrupted else None
         if o.summary_json is not None:
             data = summary_data(router.stats, static, self.obs) | {
                 "elapsed_s": elapsed,
@@ -246,11 +271,33 @@ class Demo:
                 "simulator": {k: v.model_dump(mode="json") for k, v in (sim or {}).items()},
             }
             o.summary_json.write_text(json.dumps(data, indent=2))
-        return 0
+        return self.exit_code
+
+    async def _simulate(self, params: ModelParams, split: str) -> dict[str, Summary] | None:
+        """The simulator's static and leases runs of the trace, printed; None when Ctrl-C
+        stopped it. It computes without awaiting, so the signal handlers that only set the
+        stop event would wait for it to finish: Ctrl-C raises KeyboardInterrupt meanwhile."""
+        from crossflow_ctl.demo.simcompare import sim_lines, simulate_both
+
+        o = self.opts
+        self._handle_signals(False)
+        try:
+            sim = await simulate_both(o.trace, params, o.model, o.node, o.speed)
+        except KeyboardInterrupt:
+            self.interrupted, self.exit_code = True, 128 + signal.SIGINT.value
+            self.say("interrupted: simulator comparison skipped")
+            return None
+        finally:
+            self._handle_signals(True)
+        self.say(
+            "Simulator (crossflow_ctl.sim: real policy, store and lease rules on a modelled "
+            "cluster), same trace:\n" + "\n".join(sim_lines(sim, split))
+        )
+        return sim
 
     async def _start_broker(self) -> str:
         assert self.children is not None
-        argv = [executable("crossflow-broker"), "serve", "--listen", "127.0.0.1:0"]
+        argv = [executable("crossflow-broker"), "serve", "--listen", f"127.0.0.1:{self.opts.port}"]
         if self.opts.redis_url:
             argv += ["--redis-url", self.opts.redis_url, "--redis-namespace", self.namespace]
         else:
@@ -456,6 +503,7 @@ class Demo:
             self.obs,
             self.opts.trace.requests,
             at_ms,
+            hint=self.hint,
         )
         if self.opts.live:
             self.out.write(CLEAR + text + "\n")

@@ -167,11 +167,14 @@ def frame(
     obs: Observations,
     total_requests: int,
     at_ms: int,
+    hint: str = "",
 ) -> str:
+    """One refresh of the live view; ``hint``: how to point crossflowctl at the cluster (said
+    in every frame: the line printed at start scrolls away under the view)."""
     reporting = reporting_nodes(pools)
     lines = [
         f"{title}   t={elapsed_s:5.1f}s   requests {stats.released}/{total_requests} released, "
-        f"{stats.finished} done",
+        f"{stats.finished} done" + (f"   try: {hint}" if hint else ""),
         f"borrowed {stats.borrowed} ({_pct(stats.borrowed_share)} of prompts, "
         f"{_pct(stats.borrowed_uncached_tokens / max(1, stats.uncached_tokens))} of uncached "
         f"tokens)   TTFT mean {mean(stats.ttft_ms):.0f} ms p99 {percentile(stats.ttft_ms, 99):.0f} "
