@@ -108,10 +108,11 @@ class CtlState:
         return BrokerSession(self.target())
 
 
-def output_option(*names: str) -> Callable[[F], F]:
-    """``-o/--output table|wide|json|yaml`` (other names where --output means something else)."""
+def output_option() -> Callable[[F], F]:
+    """``-o/--output table|wide|json|yaml``: the same flag on every command."""
     return click.option(
-        *(names or ("-o", "--output")),
+        "-o",
+        "--output",
         type=click.Choice(FORMATS),
         default=None,
         help="Output format: table, wide, json or yaml (default: the context's, else table).",

@@ -70,8 +70,12 @@ async def test_admit_explains_each_condition(ctl: Ctl, fleet: Fleet) -> None:
         "--explain",
     )  # fmt: skip
     assert res.rc == 0, res.err
-    old_spelling = await ctl("admit", "--uncached", "2000", "--output", "100", "--dry-run")
-    assert old_spelling.rc == 0, old_spelling.err
+    # --output is the output format here too (it was the output tokens on admit alone, and
+    # `admit --uncached 4000 --output json` failed)
+    as_json = await ctl("admit", "--uncached", "4000", "--output", "json", "--dry-run")
+    assert as_json.rc == 0 and json.loads(as_json.out)["decision"] == "normal", as_json.err
+    tokens = await ctl("admit", "--uncached", "2000", "--output", "100", "--dry-run")
+    assert tokens.rc == 2 and "'100' is not one of 'table', 'wide', 'json'" in tokens.err, tokens
     assert "would BORROW on decode-" in res.out
     # the prompt's own threshold: 1 x its 100 ms prefill (2,000 tokens at 20,000 tokens/s)
     assert "1. Demand   holds  prefill wait 10000.0 ms > threshold 100.0 ms" in res.out
