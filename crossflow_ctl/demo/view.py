@@ -189,8 +189,9 @@ def frame(
             + ("no rate" if pool.no_rate else f"{wait:.0f} ms" if wait is not None else "?")
         )
     lines.append("")
-    header = f"{'NODE':<10} {'ROLE':<8} {'STATUS':<22} {'LEASE':>8} {'COMPUTE':>8} {'KV':>8} "
-    header += f"{'SLOTS':>5} {'OPEN':>4} {'BORROWED':>8} {'ITL-MS':>7}"
+    # AVAIL-*: left to lend (lease x share - open debits), as in `crossflowctl get nodes`
+    header = f"{'NODE':<10} {'ROLE':<8} {'STATUS':<22} {'LEASE':>8} {'AVAIL-COMPUTE':>13} "
+    header += f"{'AVAIL-KV':>9} {'AVAIL-SLOTS':>11} {'OPEN':>4} {'BORROWED':>8} {'ITL-MS':>7}"
     lines.append(header)
     for view in nodes:
         node = view.state
@@ -202,7 +203,7 @@ def frame(
         itl = f"{stored.lease.itl_ms:.1f}" if stored and stored.lease.itl_ms > 0 else "-"
         lines.append(
             f"{node.info.node_id:<10} {node.info.role.value:<8} {status:<22} {lease:>8} "
-            f"{a.compute_tokens:>8} {a.kv_tokens:>8} {a.slots:>5} {node.open_reservations:>4} "
+            f"{a.compute_tokens:>13} {a.kv_tokens:>9} {a.slots:>11} {node.open_reservations:>4} "
             f"{stats.borrowed_by_node.get(node.info.node_id, 0):>8} {itl:>7}"
         )
     return "\n".join(lines)

@@ -64,6 +64,45 @@ async def test_get_nodes_table_json_yaml(ctl: Ctl, fleet: Fleet) -> None:
     assert pool["estimated_wait_ms"] == 10_000.0
 
 
+async def test_get_takes_names_as_kubectl_does(ctl: Ctl, fleet: Fleet) -> None:
+    """`crossflowctl get nodes decode-2` was a usage error: get took no name."""
+    one = await ctl("get", "nodes", "decode-2")
+    assert one.rc == 0, one.err
+    assert [line.split()[0] for line in one.out.splitlines()] == ["NAME", "decode-2"]
+    two = await ctl("get", "leases", "decode-2", "decode-1", "-o", "json")
+    assert [i["name"] for i in json.loads(two.out)["items"]] == ["decode-2", "decode-1"]
+    # found rows first, then one line naming what was not found, exit 3
+    partly = await ctl("get", "nodes", "decode-1", "nope", "gone")
+    assert partly.rc == 3, partly
+    assert [line.split()[0] for line in partly.out.splitlines()] == ["NAME", "decode-1"]
+    assert partly.err == (
+        "error: nodes not found: 'nope', 'gone' (`crossflowctl get nodes` lists them)\n"
+    )
+    none = await ctl("get", "nodes", "nope", "-o", "json")
+    assert (none.rc, none.out) == (3, ""), none
+    no_lease = await ctl("get", "leases", "prefill-1")  # a prefill node sends no leases
+    assert no_lease.rc == 3 and no_lease.err.startswith("error: leases not found: 'prefill-1'")
+    both = await ctl("get", "nodes", "decode-1", "-l", "zone=a")
+    assert both.rc == 2 and "not both" in both.err
+    pool = await ctl("get", "pools", "default", "-o", "json")
+    assert [p["name"] for p in json.loads(pool.out)["items"]] == ["default"]
+    assert (await ctl("get", "pools", "other")).rc == 3
+    assert (await ctl("get", "reservations", "r-nope")).rc == 3
+
+
+async def test_node_and_lease_columns_say_which_credit_they_show(ctl: Ctl, fleet: Fleet) -> None:
+    """`get nodes` showed COMPUTE/SLOTS as lease x share - debits and `get leases` the raw
+    credits under the same headers."""
+    nodes = (await ctl("get", "nodes", "-o", "wide", "decode-1")).out.splitlines()
+    cells = dict(zip(nodes[0].split(), nodes[1].split(), strict=False))
+    assert cells["AVAIL-COMPUTE"] == "4000" and "AVAIL-OUTPUT" in cells  # share 0.5 of 8000
+    leases = (await ctl("get", "leases", "decode-1")).out.splitlines()
+    cells = dict(zip(leases[0].split(), leases[1].split(), strict=False))
+    assert cells["COMPUTE"] == "8000"
+    said = (await ctl("get", "nodes", "--help")).out
+    assert "AVAIL-COMPUTE" in said and "borrow share" in said
+
+
 async def test_admit_explains_each_condition(ctl: Ctl, fleet: Fleet) -> None:
     res = await ctl(
         "admit", "--uncached", "2000", "--cached", "0", "--output-tokens", "100", "--dry-run",
