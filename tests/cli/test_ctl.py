@@ -325,6 +325,41 @@ async def test_describe_node_shows_credits_debits_history(ctl: Ctl, fleet: Fleet
     assert data["recent_leases"], "lease history is shown"
 
 
+async def test_describe_pool_shows_servers_load_and_borrowing(ctl: Ctl, fleet: Fleet) -> None:
+    """There was no describe pool."""
+    async with AdmissionClient(ctl.server, timeout_s=5) as client:
+        granted = await client.admit(uncached_prompt_tokens=1500, candidate_node_ids=("decode-1",))
+        assert granted.decision is Decision.BORROW
+        await client.commit(granted.reservation_id)
+        text = await ctl("describe", "pool")
+        data = json.loads((await ctl("describe", "pool", "default", "-o", "json")).out)
+        await client.release(granted.reservation_id)
+    assert text.rc == 0, text.err
+    lines = [" ".join(line.split()) for line in text.out.splitlines()]
+    for said in (
+        "Name: default",
+        "Prefill servers: 1, 1 reporting",
+        "Outstanding: 200000 uncached tokens",
+        "Processing rate: 20000 tokens/s",
+        "Estimated wait: 10000 ms",
+        "Borrow share: 0.5 of compute, output, slots; 1 of kv, kv_transfer (policy v1)",
+        "Lent now: 1500 of 16000 leased compute tokens (9.4%), 1 open reservations on 2 decode"
+        " nodes",
+        "prefill-1 Reporting 200000 0 20000.0 20000.0 <none>",
+        "decode-1 Ready 8000 1500 2500 1",
+    ):
+        assert said in lines, text.out
+    (server,) = data["servers"]
+    assert (server["name"], server["status"]) == ("prefill-1", "Reporting")
+    assert server["outstanding_uncached_tokens"] == 200_000
+    lenders = {n["name"]: n for n in data["lenders"]}
+    assert lenders["decode-1"]["debited_compute_tokens"] == 1500
+    assert lenders["decode-1"]["compute_tokens"] == 2500  # 8000 x 0.5 - 1500
+    assert data["borrowing"]["shares"]["kv_tokens"] == 1.0
+    missing = await ctl("describe", "pool", "nope")
+    assert missing.rc == 3 and missing.err.startswith("error: pool 'nope' not found"), missing
+
+
 async def test_describe_node_does_not_show_an_unmeasured_itl_as_0_ms(ctl: Ctl) -> None:
     """An idle decode node's lease says ITL 0 (no step measured, ``ItlGuard``); describe
     printed "ITL / SLO: 0.0 / 50.0 ms", a node faster than any engine."""
