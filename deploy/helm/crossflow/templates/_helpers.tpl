@@ -137,3 +137,13 @@ seccompProfile:
 {{- $broker := include "crossflow.componentName" (dict "root" . "component" "broker") -}}
 {{- default (printf "%s.%s.svc" $broker .Release.Namespace) .Values.security.tls.serverName }}
 {{- end }}
+
+{{/* The engine's Prometheus URL: agent.engineMetricsUrl, else the engine's default port on the
+     node: vLLM serves on 8000, SGLang on 30000 (the synthetic source reads no URL). */}}
+{{- define "crossflow.engineMetricsUrl" -}}
+{{- if .Values.agent.engineMetricsUrl }}
+{{- .Values.agent.engineMetricsUrl }}
+{{- else }}
+{{- printf "http://$(NODE_IP):%d/metrics" (ternary 8000 30000 (eq .Values.agent.engine "vllm")) }}
+{{- end }}
+{{- end }}
