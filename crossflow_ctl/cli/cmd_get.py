@@ -211,8 +211,10 @@ _node_listing(
     AVAIL-KV-XFER-BYTES): what the broker would lend now, the latest lease's
     credit x the policy's borrow share, minus the open reservations' debits
     (0 when the lease is zero, expired or cordoned). `get leases` shows the
-    credits as the agent sent them. An unknown NAME is an error (exit 3),
-    after the rows of the names found.""",
+    credits as the agent sent them. AGE: time since the node registered (its
+    first agent Hello; kept across agent restarts until the node is deleted;
+    <none> when an older broker registered it). An unknown NAME is an error
+    (exit 3), after the rows of the names found.""",
     leases=False,
 )
 _node_listing(

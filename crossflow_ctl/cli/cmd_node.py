@@ -105,6 +105,7 @@ def describe_text(detail: NodeDetailView, at: int, pools: Sequence[PoolSnapshot]
         ("Role", data["role"]),
         ("Pool", data["pool"]),
         ("Labels", data["labels"]),
+        ("Registered", f"{duration(data['age_s'])} ago" if data["age_s"] is not None else "<none>"),
         ("Status", data["status"]),
         ("Cordoned", _cordon_text(detail)),
         ("Notice seq", node.info.notice_seq),

@@ -93,6 +93,8 @@ def node_row(
         "cordoned": node.info.cordoned,
         "cordon_reason": node.info.cordon_reason,
         "labels": dict(node.info.labels),
+        "registered_at_ms": node.info.registered_at_ms or None,
+        "age_s": age_s(node.info.registered_at_ms, at_ms),
         "lease_version": stored.lease.version if stored else None,
         "lease_epoch": stored.lease.epoch if stored else None,
         "lease_age_s": age_s(stored.received_at_ms, at_ms) if stored else None,
@@ -120,7 +122,7 @@ NODE_COLUMNS = [  # AVAIL-*: what is left to lend (lease x share - debits), not 
     Column("AVAIL-KV", "kv_tokens"),
     Column("AVAIL-SLOTS", "slots"),
     Column("OPEN", "open_reservations"),
-    Column("AGE", "lease_age_s", text=_age_text("lease_age_s")),
+    Column("AGE", "age_s", text=_age_text("age_s")),  # since the node registered
     Column("POOL", "pool", wide=True),
     Column("EPOCH", "lease_epoch", wide=True),
     Column("AVAIL-OUTPUT", "output_tokens", wide=True),

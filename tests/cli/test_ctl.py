@@ -103,6 +103,32 @@ async def test_node_and_lease_columns_say_which_credit_they_show(ctl: Ctl, fleet
     assert "AVAIL-COMPUTE" in said and "borrow share" in said
 
 
+async def test_age_is_the_nodes_own_not_its_latest_leases(ctl: Ctl) -> None:
+    """AGE was the age of the latest lease, refreshed every period: always 0s. It is the time
+    since the node registered, which its agent reconnecting does not reset."""
+    agent = FakeAgent(ctl.server, "decode-7")
+    await agent.connect()
+    try:
+        await agent.send_lease()
+        first = json.loads((await ctl("get", "nodes", "decode-7", "-o", "json")).out)["items"][0]
+        await agent.close()
+        agent = FakeAgent(ctl.server, "decode-7")
+        await agent.connect()  # a new session, a new Hello
+        await agent.send_lease()
+        again = json.loads((await ctl("get", "nodes", "decode-7", "-o", "json")).out)["items"][0]
+        table = (await ctl("get", "nodes", "decode-7")).out.splitlines()
+        described = (await ctl("describe", "node", "decode-7")).out
+    finally:
+        await agent.close()
+    registered = first["registered_at_ms"]
+    assert registered and again["registered_at_ms"] == registered
+    assert registered <= first["latest_lease"]["received_at_ms"]
+    assert again["age_s"] is not None and again["age_s"] >= first["age_s"]
+    age = dict(zip(table[0].split(), table[1].split(), strict=False))["AGE"]
+    assert age[:-1].isdigit() and age[-1] in "smhd", table
+    assert "Registered:" in described and " ago" in described
+
+
 async def test_admit_explains_each_condition(ctl: Ctl, fleet: Fleet) -> None:
     res = await ctl(
         "admit", "--uncached", "2000", "--cached", "0", "--output-tokens", "100", "--dry-run",
