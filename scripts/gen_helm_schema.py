@@ -197,10 +197,9 @@ class Agent(Values):
     ]
     hostNetwork: bool = False
     """Use the node's network namespace."""
-    engineMetricsUrl: Annotated[str, Field(pattern=r"^https?://")] = (
-        "http://$(NODE_IP):8000/metrics"
-    )
-    """Engine Prometheus endpoint; $(NODE_IP), $(NODE_NAME), $(POD_IP) expand."""
+    engineMetricsUrl: Annotated[str, Field(pattern=r"^(https?://.*)?$")] = ""
+    """Engine Prometheus endpoint; $(NODE_IP), $(NODE_NAME), $(POD_IP) expand. Empty: the
+    engine's default port on the node (30000 for sglang, 8000 for vllm)."""
     engine: Literal["sglang", "vllm", "synthetic"] = "sglang"
     """Engine kind behind that URL."""
     metricsPort: Port = 9465

@@ -151,6 +151,7 @@ def test_common_and_admin_round_trips() -> None:
             cordon_reason="disk swap",  # was dropped on the wire: -o json said ""
             labels={"zone": "a"},
             notice_seq=6,
+            registered_at_ms=NOW - 60_000,
         ),
         lease=StoredLease(lease=LEASE, received_at_ms=NOW, expires_at_ms=NOW + 1500),
         open_debits=CREDITS,

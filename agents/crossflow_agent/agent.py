@@ -25,7 +25,7 @@ import structlog
 from crossflow_agent.scrape_log import ScrapeHealth
 from crossflow_agent.settings import AgentSettings
 from crossflow_agent.sources.base import ScrapeError, TelemetrySource
-from crossflow_agent.stream import LeaseStream
+from crossflow_agent.stream import OUTBOX_SIZE, LeaseStream
 from crossflow_ctl.aio import wait_any
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps, roofline
@@ -100,10 +100,13 @@ class Agent:
         ``previous``; the same answers, fewer step-time evaluations while the load holds)."""
         self.scrape_health = ScrapeHealth(_describe(source), time.monotonic)
         self._state_said = ""
+        """The lease state last logged ("lending", a zero reason, "unsent"; "" before the
+        first), so only changes are said at info."""
+        self._unacked: dict[tuple[int, int], tuple[ZeroReason | None, str]] = {}
+        """(zero reason, detail) of each lease sent and not acked yet, by (epoch, version): its
+        state is said once the broker accepts it (a lease on no stream lends nothing)."""
         self._broker_lease: tuple[LeaseSettings, LeaseSettings] | None = None
         """The local lease settings and their copy with the broker's horizon (lease_settings)."""
-        """The lease state last logged ("lending" or a zero reason; "" before the first), so
-        only changes are said at info."""
         self._wake = asyncio.Event()
         self.stream = LeaseStream(
             endpoints=settings.brokers,
@@ -115,6 +118,7 @@ class Agent:
             stall_timeout_s=max(1.0, 10 * settings.period_ms / 1000),
             max_message_bytes=settings.max_message_bytes,
             on_change=self._wake.set,
+            on_ack=self._acked,
             credentials=settings.broker_auth,
         )
 
@@ -244,16 +248,42 @@ class Agent:
         lease = self.lease_for(decision, seq)
         if self.stream.send(lease_request(lease)):
             self.metrics.record_lease_sent(lease.credits, lease.zero_reason)
-        self._say_lease_state(lease)
+            self._unacked[(lease.epoch, lease.version)] = (lease.zero_reason, lease.zero_detail)
+            if len(self._unacked) > OUTBOX_SIZE * 2:  # acks lost with a session
+                del self._unacked[next(iter(self._unacked))]
+        else:
+            self._say_unsent(lease)
         return lease
 
-    def _say_lease_state(self, lease: Lease) -> None:
-        """Log when the lease turns zero (with why) or lends again, once per change: without
-        it an agent at info said nothing while its node lent nothing (ITL over the SLO, say).
-        NO_CAPACITY (a full node) is lending's normal ebb, said at debug only."""
-        reason = lease.zero_reason
+    def _acked(self, epoch: int, version: int, accepted: bool) -> None:
+        """A lease ack: the state of an accepted lease is the node's state at the broker."""
+        sent = self._unacked.pop((epoch, version), None)
+        for key in [k for k in self._unacked if k < (epoch, version)]:
+            del self._unacked[key]  # older, never acked: replaced in the outbox, or lost
+        if accepted and sent is not None:
+            self._say_lease_state(*sent)
+
+    def _say_unsent(self, lease: Lease) -> None:
+        """A lease computed with no broker session to send it on: said once until a broker
+        accepts one again (the stream's session_failed says why there is none); not while the
+        first session is still being set up."""
+        stream = self.stream.state
+        if self._state_said == "unsent" or (stream.attempts == 0 and stream.sessions == 0):
+            return
+        log.info(
+            "lease.unsent",
+            would_be="lending" if lease.zero_reason is None else lease.zero_reason.value,
+            effect="no broker connection: the node lends nothing until a broker accepts a lease",
+        )
+        self._state_said = "unsent"
+
+    def _say_lease_state(self, reason: ZeroReason | None, detail: str) -> None:
+        """Log when the broker accepted a lease that turns the node zero (with why) or lending
+        again, once per change: without it an agent at info said nothing while its node lent
+        nothing (ITL over the SLO, say). NO_CAPACITY (a full node) is lending's normal ebb,
+        said at debug only."""
         if reason is ZeroReason.NO_CAPACITY:
-            log.debug("lease.zero", reason=reason.value, detail=lease.zero_detail)
+            log.debug("lease.zero", reason=reason.value, detail=detail)
             return
         state = "lending" if reason is None else reason.value
         if state == self._state_said:
@@ -261,7 +291,7 @@ class Agent:
         if reason is None:
             log.info("lease.lending", was=self._state_said or None)
         else:
-            log.info("lease.zeroed", reason=reason.value, detail=lease.zero_detail)
+            log.info("lease.zeroed", reason=reason.value, detail=detail)
         self._state_said = state
 
     # -- the loop ------------------------------------------------------------------------------

@@ -269,6 +269,20 @@ def inspect(config_file: Path | None, window_ms: int, as_json: bool, **flags: An
 @click.option("--background-prompt-tokens", type=int, default=2000, show_default=True)
 @click.option("--background-cached-tokens", type=int, default=0, show_default=True)
 @click.option("--background-output-tokens", type=int, default=300, show_default=True)
+@click.option(
+    "--itl-budget-ms",
+    type=float,
+    default=None,
+    help="A decode engine that lends: size each prefill chunk so the step stays within this "
+    "(the agent's itl_slo_ms x slo_margin). Default: --chunk-tokens a step (a prefill server).",
+)
+@click.option(
+    "--itl-buckets-ms",
+    default=None,
+    metavar="MS,MS,...",
+    help="Upper bounds of the ITL histogram in ms (SGLang's --bucket-inter-token-latency); "
+    "default SGLang's. Give one at the agent's SLO: p99 is read inside a bucket.",
+)
 def fake_engine(
     host: str,
     port: int,
@@ -290,6 +304,8 @@ def fake_engine(
     background_prompt_tokens: int,
     background_cached_tokens: int,
     background_output_tokens: int,
+    itl_budget_ms: float | None,
+    itl_buckets_ms: str | None,
 ) -> None:
     """Serve a synthetic engine as vLLM or SGLang would: the OpenAI API, P/D, /metrics.
 
@@ -301,6 +317,12 @@ def fake_engine(
     from crossflow_agent.sources.synthetic import EngineRequest, EngineScript, SyntheticEngine
     from crossflow_ctl.observability import setup_logging
 
+    extra: dict[str, Any] = {}
+    if itl_buckets_ms is not None:
+        try:
+            extra["itl_buckets_s"] = tuple(float(x) / 1000.0 for x in itl_buckets_ms.split(","))
+        except ValueError:
+            raise click.UsageError(f"--itl-buckets-ms: not numbers: {itl_buckets_ms!r}") from None
     try:
         script = EngineScript(
             kv_total_tokens=kv_total_tokens,
@@ -313,6 +335,8 @@ def fake_engine(
                 cached_tokens=background_cached_tokens,
                 output_tokens=background_output_tokens,
             ),
+            itl_budget_ms=itl_budget_ms,
+            **extra,
         )
     except ValidationError as exc:
         err = exc.errors()[0]

@@ -112,6 +112,7 @@ class LeaseStream:
         stall_timeout_s: float = 3.0,
         max_message_bytes: int = 4 * 1024 * 1024,
         on_change: Callable[[], None] | None = None,
+        on_ack: Callable[[int, int, bool], None] | None = None,
         rng: random.Random | None = None,
         credentials: ClientCredentials | None = None,
     ) -> None:
@@ -133,6 +134,8 @@ class LeaseStream:
             ("grpc.enable_retries", 0),
         ]
         self._on_change = on_change or (lambda: None)
+        self._on_ack = on_ack or (lambda epoch, version, accepted: None)
+        """Told of every lease ack: (epoch, version, accepted by the broker)."""
         self._rng = rng or random.Random()
         self._outbox: asyncio.Queue[lease_pb2.ConnectRequest] | None = None
         self._closing = asyncio.Event()
@@ -387,6 +390,7 @@ class LeaseStream:
                 stored_version=ack.stored_version,
                 message=ack.message,
             )
+        self._on_ack(ack.epoch, ack.version, ack.result == lease_pb2.LEASE_RESULT_ACCEPTED)
         if self._await_ack == (ack.epoch, ack.version):
             self._acked.set()
 

@@ -7,6 +7,7 @@ secured as the context (or the global flags) say: TLS, mutual TLS, a bearer toke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -131,27 +132,32 @@ class BrokerSession:
     async def _call(self, coro: Any) -> Any:
         try:
             return await coro
-        except StoreUnavailable as exc:
-            raise CliError(
+        except Exception as exc:
+            error = self._cli_error(exc)
+            if error is None:
+                raise
+            raise error from None
+
+    def _cli_error(self, exc: Exception) -> CliError | None:
+        """The one-line error and exit code for a failed call (None: the error as it is)."""
+        if isinstance(exc, StoreUnavailable):
+            return CliError(
                 f"broker at {self.target.server} answered, but its store is unavailable: {exc} "
                 "(check the Redis its redis_url names: the broker's log says which)",
                 ExitCode.UNAVAILABLE,
-            ) from None
-        except BrokerUnavailable as exc:
-            raise CliError(
+            )
+        if isinstance(exc, BrokerUnavailable):
+            return CliError(
                 f"cannot reach the broker at {self.target.server}: {exc} ("
                 + (_tls_hint(str(exc), self.target.credentials) or "is a broker serving there? ")
                 + "pass --server HOST:PORT, or see `crossflowctl config view`)",
                 ExitCode.UNAVAILABLE,
-            ) from None
-        except Unauthenticated as exc:
-            raise CliError(f"{exc} ({_identity_hint(self.target)})", ExitCode.DENIED) from None
-        except NotFound as exc:
-            if exc.field != "node_id":
-                raise
-            raise CliError(
-                f"{exc} (`crossflowctl get nodes` lists them)", ExitCode.NOT_FOUND
-            ) from None
+            )
+        if isinstance(exc, Unauthenticated):
+            return CliError(f"{exc} ({_identity_hint(self.target)})", ExitCode.DENIED)
+        if isinstance(exc, NotFound) and exc.field == "node_id":
+            return CliError(f"{exc} (`crossflowctl get nodes` lists them)", ExitCode.NOT_FOUND)
+        return None
 
     async def list_nodes(self, role: NodeRole | None, selector: str) -> list[NodeView]:
         """The nodes; what the broker says about itself (``--insecure``, say) goes to stderr,
@@ -162,6 +168,26 @@ class BrokerSession:
                 self._warned.add(warning)
                 click.echo(f"warning: {warning}", err=True)
         return result
+
+    async def find_nodes(self, names: Sequence[str]) -> tuple[list[NodeView], list[str]]:
+        """(the nodes named, in order, each once; the names the broker does not know)."""
+        found: list[NodeView] = []
+        missing: list[str] = []
+        for name in dict.fromkeys(names):
+            try:
+                detail: NodeDetailView = await self.admin.get_node(name)
+            except NotFound as exc:
+                if exc.field != "node_id":
+                    raise
+                missing.append(name)
+                continue
+            except Exception as exc:
+                error = self._cli_error(exc)
+                if error is None:
+                    raise
+                raise error from None
+            found.append(detail.node)
+        return found, missing
 
     async def get_node(self, name: str) -> NodeView:
         detail: NodeDetailView = await self._call(self.admin.get_node(name))

@@ -236,11 +236,9 @@ def _flag_of(field: str | None) -> str:
 @click.option("--cached", type=click.IntRange(min=0), default=0, help="Cached prefix tokens.")
 @click.option(
     "--output-tokens",
-    "--output",
-    "output_tokens",
     type=click.IntRange(min=0),
     default=0,
-    help="Expected output tokens (--output is the older spelling).",
+    help="Expected output tokens (-o/--output is the output format, as on every command).",
 )
 @click.option(
     "--prefix-node",
@@ -270,7 +268,7 @@ def _flag_of(field: str | None) -> str:
 @click.option("--pool", default=None, help="Prefill pool (default: the context's).")
 @click.option("--dry-run", is_flag=True, help="Decide and explain, debit nothing.")
 @click.option("--explain", is_flag=True, help="Show each condition with its numbers.")
-@output_option("-o", "--output-format")
+@output_option()
 @click.pass_context
 def admit(
     ctx: click.Context,
@@ -284,13 +282,13 @@ def admit(
     pool: str | None,
     dry_run: bool,
     explain: bool,
-    output_format: str | None,
+    output: str | None,
 ) -> None:
     """Ask the broker whether a request would borrow, and why.
 
     Without --dry-run a BORROW holds a real reservation until it expires (the hold TTL)."""
     st = state(ctx)
-    fmt = st.output(output_format)
+    fmt = st.output(output)
     try:
         request = validated(
             AdmissionRequest,

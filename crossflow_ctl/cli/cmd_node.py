@@ -1,4 +1,5 @@
-"""``describe node``, ``delete node``, ``cordon``, ``uncordon`` and ``drain``."""
+"""``describe node`` (and ``describe pool``, from cmd_pool), ``delete node``, ``cordon``,
+``uncordon`` and ``drain``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import click
 
+from crossflow_ctl.cli.cmd_pool import describe_pool
 from crossflow_ctl.cli.common import complete_node, output_option, run, state
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode
 from crossflow_ctl.cli.output import Column, cell, key_values, render_object, table
@@ -103,6 +105,7 @@ def describe_text(detail: NodeDetailView, at: int, pools: Sequence[PoolSnapshot]
         ("Role", data["role"]),
         ("Pool", data["pool"]),
         ("Labels", data["labels"]),
+        ("Registered", f"{duration(data['age_s'])} ago" if data["age_s"] is not None else "<none>"),
         ("Status", data["status"]),
         ("Cordoned", _cordon_text(detail)),
         ("Notice seq", node.info.notice_seq),
@@ -228,6 +231,9 @@ def describe_node(ctx: click.Context, name: str, output: str | None) -> None:
     at = now_ms()
     text = describe_text(detail, at, pools)
     click.echo(render_object(detail_data(detail, at, pools), fmt, text))
+
+
+describe.add_command(describe_pool)
 
 
 @click.group()

@@ -108,10 +108,11 @@ class CtlState:
         return BrokerSession(self.target())
 
 
-def output_option(*names: str) -> Callable[[F], F]:
-    """``-o/--output table|wide|json|yaml`` (other names where --output means something else)."""
+def output_option() -> Callable[[F], F]:
+    """``-o/--output table|wide|json|yaml``: the same flag on every command."""
     return click.option(
-        *(names or ("-o", "--output")),
+        "-o",
+        "--output",
         type=click.Choice(FORMATS),
         default=None,
         help="Output format: table, wide, json or yaml (default: the context's, else table).",
@@ -169,7 +170,8 @@ def run(coro: Awaitable[T]) -> T:
 def run_cli(group: click.Group, prog_name: str) -> int:
     """Run a click group; turn every failure into one stderr line and a documented exit code."""
     try:
-        group.main(prog_name=prog_name, standalone_mode=False)
+        # Outside standalone mode click returns an Exit's code (and a command's return value)
+        result = group.main(prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("error: aborted", err=True)
         return 130
@@ -192,4 +194,6 @@ def run_cli(group: click.Group, prog_name: str) -> int:
     except Exception as exc:
         click.echo(one_line(exc), err=True)
         return int(exit_code_for(exc))
+    if isinstance(result, int) and not isinstance(result, bool):
+        return result  # click.exceptions.Exit(code) raised by a command
     return ExitCode.OK

@@ -19,7 +19,8 @@ shaped::
 
 ``--server``, ``--context`` and the TLS flags (``--ca-file``, ``--cert-file``, ``--key-file``,
 ``--server-name``, ``--token-file``) on the command line win over the file; the file wins over
-defaults.
+defaults. ``crossflow demo`` adds a ``demo`` context for its broker while it runs
+(:class:`DemoContext`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from crossflow_ctl.security import ClientCredentials
 from crossflow_ctl.settings_sources import host_port, read_error_text, refusal_text
 
 DEFAULT_SERVER = "127.0.0.1:50051"
+DEFAULT_CONTEXT = "default"
 DEFAULT_CONFIG_PATH = Path("~/.config/crossflow/config.yaml")
 CREDENTIAL_FIELDS = ("ca_file", "cert_file", "key_file", "server_name", "token_file")
 
@@ -101,8 +103,8 @@ class Context(_Kebab):
 
 
 class CtlConfig(_Kebab):
-    current_context: str = "default"
-    contexts: dict[str, Context] = Field(default_factory=lambda: {"default": Context()})
+    current_context: str = DEFAULT_CONTEXT
+    contexts: dict[str, Context] = Field(default_factory=lambda: {DEFAULT_CONTEXT: Context()})
 
     def context(self, name: str | None = None) -> tuple[str, Context]:
         chosen = name or self.current_context
@@ -136,3 +138,48 @@ def save_config(path: Path, config: CtlConfig) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(yaml.safe_dump(config.dump(), sort_keys=False))
     tmp.replace(path)
+
+
+class DemoContext:
+    """The context ``crossflow demo`` writes while it runs: its broker's address under ``name``
+    (made the current context when the demo created the file: a first try needs no flag).
+
+    :meth:`remove` takes it out again at exit, unless the context now says another server (a
+    second demo's, or the user's), and deletes a file the demo created that holds nothing
+    else. A demo killed outright leaves it behind: the next demo overwrites it."""
+
+    def __init__(self, path: Path, name: str = "demo") -> None:
+        self.path = path
+        self.name = name
+        self.server: str | None = None
+        self.created = False
+        self.previous_current: str | None = None
+
+    def write(self, server: str) -> str:
+        """Write the context for ``server``; the crossflowctl command that uses it."""
+        self.created = not self.path.exists()
+        config = load_config(self.path)
+        config.contexts[self.name] = Context(server=server)
+        if self.created:
+            self.previous_current = config.current_context
+            config.current_context = self.name
+        save_config(self.path, config)
+        self.server = server
+        flag = "" if config.current_context == self.name else f" --context {self.name}"
+        return f"crossflowctl{flag} get nodes -w"
+
+    def remove(self) -> None:
+        if self.server is None or not self.path.exists():
+            return
+        config = load_config(self.path)
+        ours = config.contexts.get(self.name)
+        if ours is None or ours.server != self.server:
+            return  # another demo's by now, or the user's
+        del config.contexts[self.name]
+        if config.current_context == self.name:
+            config.current_context = self.previous_current or DEFAULT_CONTEXT
+        if self.created and config == CtlConfig():
+            self.path.unlink()
+        else:
+            save_config(self.path, config)
+        self.server = None

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import click
 
 from crossflow_ctl.cli.common import run_cli
-from crossflow_ctl.cli.exit_codes import CliError, ExitCode
-from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.cli.config import CtlSettings, DemoContext
+from crossflow_ctl.domain.errors import ConfigError, InvalidArgument
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -123,6 +125,23 @@ def cli() -> None:
     "(0: never hold).",
 )
 @click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="The broker's port on 127.0.0.1 (0: a free one).",
+)
+@click.option(
+    "--context",
+    "ctl_context",
+    default="demo",
+    show_default=True,
+    metavar="NAME",
+    help="crossflowctl context the demo writes with its broker's address (the current "
+    "context when it creates crossflowctl's config file) and removes at exit.",
+)
+@click.option("--no-context", is_flag=True, help="Write no crossflowctl context.")
+@click.option(
     "--sim/--no-sim",
     "simulate",
     default=True,
@@ -153,6 +172,9 @@ def demo(
     log_dir: Path | None,
     summary_json: Path | None,
     max_hold_ms: int,
+    port: int,
+    ctl_context: str,
+    no_context: bool,
     simulate: bool,
     prometheus: bool,
 ) -> None:
@@ -160,7 +182,9 @@ def demo(
 
     Broker, fake engines and real agents start as child processes; a router replays the trace
     through the Admission API and a live view shows nodes, credits and borrowing. Ctrl-C stops
-    everything cleanly; the summary compares the run with the same trace on static P/D."""
+    everything cleanly and prints the summary of what ran so far (exit 130); the summary
+    compares the run with the same trace on static P/D. While it runs, `crossflowctl --context
+    demo ...` talks to its broker."""
     from crossflow_ctl.demo.run import Demo, DemoOptions
     from crossflow_ctl.observability import setup_logging
 
@@ -193,10 +217,32 @@ def demo(
         simulate=simulate,
         max_hold_ms=max_hold_ms,
         prometheus=prometheus,
+        port=port,
     )
-    code = asyncio.run(Demo(opts).run())
+    context = None if no_context else DemoContext(CtlSettings().config_path(), ctl_context)
+    if context is not None:
+        opts = replace(opts, connect=partial(_write_context, context))
+    try:
+        code = asyncio.run(Demo(opts).run())
+    finally:
+        if context is not None:
+            try:
+                context.remove()
+            except (ConfigError, OSError) as exc:
+                click.echo(
+                    f"crossflow demo: could not remove context {ctl_context!r}: {exc}", err=True
+                )
     if code:
-        raise CliError("demo failed", ExitCode.ERROR)
+        raise click.exceptions.Exit(code)  # 130: Ctrl-C, after the summary
+
+
+def _write_context(context: DemoContext, server: str) -> tuple[str, str]:
+    """The crossflowctl command to try and where it finds the broker (the context written)."""
+    try:
+        command = context.write(server)
+    except (ConfigError, OSError) as exc:
+        return f"crossflowctl --server {server} get nodes -w", f"no context written: {exc}"
+    return command, f"context {context.name!r} in {context.path}, removed at exit"
 
 
 def main() -> None:

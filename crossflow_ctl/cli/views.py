@@ -93,6 +93,8 @@ def node_row(
         "cordoned": node.info.cordoned,
         "cordon_reason": node.info.cordon_reason,
         "labels": dict(node.info.labels),
+        "registered_at_ms": node.info.registered_at_ms or None,
+        "age_s": age_s(node.info.registered_at_ms, at_ms),
         "lease_version": stored.lease.version if stored else None,
         "lease_epoch": stored.lease.epoch if stored else None,
         "lease_age_s": age_s(stored.received_at_ms, at_ms) if stored else None,
@@ -111,20 +113,20 @@ def node_row(
     }
 
 
-NODE_COLUMNS = [
+NODE_COLUMNS = [  # AVAIL-*: what is left to lend (lease x share - debits), not the lease
     Column("NAME", "name"),
     Column("ROLE", "role"),
     Column("STATUS", "status"),
     Column("LEASE", "lease_version", text=_version_text),
-    Column("COMPUTE", "compute_tokens"),
-    Column("KV", "kv_tokens"),
-    Column("SLOTS", "slots"),
+    Column("AVAIL-COMPUTE", "compute_tokens"),
+    Column("AVAIL-KV", "kv_tokens"),
+    Column("AVAIL-SLOTS", "slots"),
     Column("OPEN", "open_reservations"),
-    Column("AGE", "lease_age_s", text=_age_text("lease_age_s")),
+    Column("AGE", "age_s", text=_age_text("age_s")),  # since the node registered
     Column("POOL", "pool", wide=True),
     Column("EPOCH", "lease_epoch", wide=True),
-    Column("OUTPUT", "output_tokens", wide=True),
-    Column("KV-XFER-BYTES", "kv_transfer_bytes", wide=True),
+    Column("AVAIL-OUTPUT", "output_tokens", wide=True),
+    Column("AVAIL-KV-XFER-BYTES", "kv_transfer_bytes", wide=True),
     Column("ITL-MS", "itl_ms", wide=True, unset=0.0),  # 0: no step measured (idle)
     Column("SLO-MS", "itl_slo_ms", wide=True),
     Column("WAIT-MS", "queue_wait_ms", wide=True),

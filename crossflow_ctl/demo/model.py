@@ -5,8 +5,11 @@ times it reports (TTFT so far, request completion for closed-loop replay) and re
 trace on static P/D (nothing borrowed) for the final comparison. It is deliberately simple and
 stated here in full:
 
-* a prefill server runs one prompt at a time, FIFO, at ``prefill_rate_tps`` uncached tokens/s;
-  the normal path then moves the whole prompt's KV to decode at ``kv_transfer_bytes_per_s``;
+* a prefill server runs one prompt at a time, FIFO: with ``roof`` (the fake engines' roofline)
+  for the time the engines take, in chunks of ``prefill_chunk_tokens`` that attend to the
+  prompt's cached prefix (:func:`~crossflow_ctl.domain.capacity.prefill_time_s`), times
+  ``prefill_slowdown``; without it at ``prefill_rate_tps`` uncached tokens/s. The normal path
+  then moves the whole prompt's KV to decode at ``kv_transfer_bytes_per_s``;
 * a decode node runs borrowed prompts one at a time, FIFO, each for the service time the broker
   predicted (the plan's ``service_ms``: uncached tokens at the lease's borrowed-prefill rate);
 * a request decodes ``output_tokens`` at ``itl_ms`` per token after its first token.
@@ -18,6 +21,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from crossflow_ctl.demo.trace import Session, Trace, Turn
+from crossflow_ctl.domain.capacity import Roofline, prefill_time_s
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,20 @@ class ModelParams:
     itl_ms: float = 12.0
     session_rate_per_s: float = 2.0
     """Start rate of top-level sessions that carry no start time (session traces)."""
+    roof: Roofline | None = None
+    """The prefill engines' roofline: a prompt's prefill time counts its cached prefix, as the
+    engines (and the agents' reports the broker judges Demand and Benefit by) do. None: at
+    ``prefill_rate_tps``, the prefix free."""
+    prefill_chunk_tokens: int = 8192
+    prefill_slowdown: float = 1.0
+
+    def prefill_s(self, turn: Turn) -> float:
+        """Seconds one prefill server takes for ``turn`` alone."""
+        if self.roof is None:
+            return turn.uncached_tokens / self.prefill_rate_tps
+        return self.prefill_slowdown * prefill_time_s(
+            self.roof, turn.uncached_tokens, turn.cached_tokens, self.prefill_chunk_tokens
+        )
 
 
 @dataclass
@@ -47,7 +65,7 @@ class ClusterModel:
         p = self.params
         idx = min(range(len(self.prefill_free_s)), key=lambda i: self.prefill_free_s[i])
         start = max(now_s, self.prefill_free_s[idx])
-        done = start + turn.uncached_tokens / p.prefill_rate_tps
+        done = start + p.prefill_s(turn)
         self.prefill_free_s[idx] = done
         transfer = (
             (turn.uncached_tokens + turn.cached_tokens)

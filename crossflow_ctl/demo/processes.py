@@ -2,8 +2,10 @@
 
 Each child runs in its own session (so a terminal's Ctrl-C reaches only the demo, which then
 stops them in order), logs to a file in the demo's log folder, and is stopped with SIGTERM, then
-SIGKILL after a grace period. Ports are chosen by the children themselves (port 0) and read back
-from the line each prints once serving.
+SIGKILL after a grace period, a stage at a time: the children of the last stage started (the
+agents) are stopped, and waited for, before the next (the engines, then the broker), so an
+agent sends its last zero lease to a broker still there rather than finding it gone. Ports are
+chosen by the children themselves (port 0) and read back from the line each prints once serving.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Child:
     proc: asyncio.subprocess.Process
     log_path: Path
     address: str = ""
+    stage: int = 0
+    """Children stop by stage, the highest first (the order they depend on each other)."""
 
     def log_tail(self, lines: int = 5) -> str:
         try:
@@ -60,7 +64,9 @@ class Children:
     started: list[Child] = field(default_factory=list)
     _drains: set[asyncio.Task[None]] = field(default_factory=set)
 
-    async def spawn(self, name: str, argv: list[str], ready_prefix: str, timeout_s: float) -> Child:
+    async def spawn(
+        self, name: str, argv: list[str], ready_prefix: str, timeout_s: float, stage: int = 0
+    ) -> Child:
         log_path = self.log_dir / f"{name}.log"
         with log_path.open("wb") as log:
             proc = await asyncio.create_subprocess_exec(
@@ -70,7 +76,7 @@ class Children:
                 stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True,
             )
-        child = Child(name, proc, log_path)
+        child = Child(name, proc, log_path, stage=stage)
         self.started.append(child)
         if not ready_prefix:
             return child
@@ -92,23 +98,29 @@ class Children:
         return [c for c in self.started if c.proc.returncode is not None]
 
     async def stop(self, names: list[str] | None = None) -> None:
-        """SIGTERM, wait, SIGKILL what is left; newest first."""
-        targets = [c for c in reversed(self.started) if names is None or c.name in names]
-        for child in targets:
-            if child.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.send_signal(signal.SIGTERM)
-        for child in targets:
-            try:
-                async with asyncio.timeout(STOP_GRACE_S):
-                    await child.proc.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.kill()
-                await child.proc.wait()
+        """Stage by stage, the highest first: SIGTERM the stage's children, wait for them,
+        SIGKILL what is left after the grace period."""
+        targets = [c for c in self.started if names is None or c.name in names]
+        for stage in sorted({c.stage for c in targets}, reverse=True):
+            await _stop_all([c for c in targets if c.stage == stage])
         if names is None:
             await cancel_and_wait(self._drains)
             self._drains.clear()
+
+
+async def _stop_all(children: list[Child]) -> None:
+    for child in children:
+        if child.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(signal.SIGTERM)
+    for child in children:
+        try:
+            async with asyncio.timeout(STOP_GRACE_S):
+                await child.proc.wait()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.kill()
+            await child.proc.wait()
 
 
 async def _drain(stream: asyncio.StreamReader, log_path: Path) -> None:

@@ -65,6 +65,9 @@ class RouterStats:
     """Time each held prompt waited in the admission queue."""
     uncached_tokens: int = 0
     borrowed_uncached_tokens: int = 0
+    path_by_request: dict[tuple[str, int], str] = field(default_factory=dict)
+    """How each request went: ``borrowed``, ``normal`` (sent to prefill with the first
+    answer) or ``held`` (held for room by late binding, then sent to prefill)."""
 
     @property
     def borrowed_share(self) -> float:
@@ -196,9 +199,11 @@ class Router:
             expected_output_tokens=turn.output_tokens,
         )
         booked = 0
+        outcome_held = False
         try:
             outcome = await (await self.queue.submit(request))
             admission = outcome.admission
+            outcome_held = outcome.held
             if outcome.dispatch is Dispatch.PREFILL_ROOM:
                 booked = turn.uncached_tokens
         except CrossflowError as exc:
@@ -209,12 +214,16 @@ class Router:
             self.stats.reasons.get(admission.reason.value, 0) + 1
         )
         self._booked_tokens = max(0, self._booked_tokens - booked)
+        key = (rel.session.session_id, rel.index)
         if admission.decision is Decision.BORROW and admission.node_id in self.decode:
-            ttft_s = await self._borrow(turn, admission, arrival)
+            ttft_s, borrowed = await self._borrow(turn, admission, arrival)
         else:
-            ttft_s = await self._normal(turn, arrival)
+            ttft_s, borrowed = await self._normal(turn, arrival), False
+        self.stats.path_by_request[key] = (
+            "borrowed" if borrowed else "held" if outcome_held else "normal"
+        )
         self.stats.ttft_ms.append(ttft_s * 1000.0)
-        self.stats.ttft_by_request[(rel.session.session_id, rel.index)] = ttft_s * 1000.0
+        self.stats.ttft_by_request[key] = ttft_s * 1000.0
         finish = arrival + ttft_s + self.model.decode_s(turn)
         await self._sleep_until(finish)
         self.stats.finished += 1
@@ -222,7 +231,8 @@ class Router:
             nxt = rel.session.turns[rel.index + 1]
             self._push(finish + nxt.think_s / self.speed, Release(0.0, rel.session, rel.index + 1))
 
-    async def _borrow(self, turn: Turn, a: Admission, arrival: float) -> float:
+    async def _borrow(self, turn: Turn, a: Admission, arrival: float) -> tuple[float, bool]:
+        """(TTFT seconds, whether it was borrowed: False when the commit failed)."""
         rid = a.reservation_id
         self.open_reservations.add(rid)
         try:
@@ -230,7 +240,7 @@ class Router:
         except CrossflowError:
             # Expired or refused between Admit and Commit: take the normal path instead.
             self.open_reservations.discard(rid)
-            return await self._normal(turn, arrival)
+            return await self._normal(turn, arrival), False
         self.stats.borrowed += 1
         self.stats.borrowed_uncached_tokens += turn.uncached_tokens
         self.stats.borrowed_by_node[a.node_id] = self.stats.borrowed_by_node.get(a.node_id, 0) + 1
@@ -245,7 +255,7 @@ class Router:
         self.stats.borrowed_ttft_ms.append(ttft_s * 1000.0)
         await self._post(self.decode[a.node_id], turn, borrowed=True)
         self._spawn(self._release_at(rid, arrival + ttft_s))
-        return ttft_s
+        return ttft_s, True
 
     async def _release_at(self, rid: str, at_s: float) -> None:
         await self._sleep_until(at_s)

@@ -40,7 +40,15 @@ class Observations:
 
     polls: int = 0
     leases_seen: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
+    """(epoch, version) of each distinct lease the view saw, by node (from each node's recent
+    history, so every lease while the view keeps up, not one a poll)."""
+    versions: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    """(lowest, highest) version seen of each (node, epoch): an agent numbers its leases one by
+    one, so the range says how many it published, seen or not."""
     itl_ms: list[float] = field(default_factory=list)
+    itl_samples: dict[str, dict[tuple[int, int], tuple[float, float]]] = field(default_factory=dict)
+    """(ITL, SLO) of each distinct lease seen that measured one, by node and (epoch, version)."""
+
     over_commits: list[str] = field(default_factory=list)
     max_open_reservations: int = 0
     zero_leases: int = 0
@@ -89,7 +97,7 @@ class Observations:
             if node.info.role is not NodeRole.DECODE or stored is None:
                 continue
             lease = stored.lease
-            self.leases_seen.setdefault(node.info.node_id, set()).add((lease.epoch, lease.version))
+            self.record(node.info.node_id, [lease])
             open_total += node.open_reservations
             if stored.expired(now_ms):
                 self.zero_leases += 1
@@ -102,9 +110,48 @@ class Observations:
                 self.itl_ms.append(lease.itl_ms)
         self.max_open_reservations = max(self.max_open_reservations, open_total)
 
+    def record(self, node_id: str, leases: list[Lease]) -> None:
+        """Leases of a decode node: its latest, or its recent history (``describe node``'s),
+        each counted once by (epoch, version), with the ITL it measured against its SLO."""
+        seen = self.leases_seen.setdefault(node_id, set())
+        samples = self.itl_samples.setdefault(node_id, {})
+        for lease in leases:
+            key = (lease.epoch, lease.version)
+            seen.add(key)
+            low, high = self.versions.get((node_id, lease.epoch), (lease.version, lease.version))
+            self.versions[(node_id, lease.epoch)] = (
+                min(low, lease.version),
+                max(high, lease.version),
+            )
+            if lease.itl_ms > 0 and lease.zero_reason not in _NO_TELEMETRY:
+                samples[key] = (lease.itl_ms, lease.itl_slo_ms)
+
     @property
     def lease_updates(self) -> int:
+        """Distinct (node, epoch, version) the view saw."""
         return sum(len(v) for v in self.leases_seen.values())
+
+    @property
+    def leases_published(self) -> int:
+        """Leases the decode agents published while the view watched, by their version numbers
+        (each (node, epoch) from the lowest version seen to the highest)."""
+        return sum(high - low + 1 for low, high in self.versions.values())
+
+    def itl_over_slo(self) -> dict[str, tuple[int, int]]:
+        """(leases over their SLO, leases that measured an ITL) by node, over the distinct
+        leases seen: each reports its agent's ITL p99 over one period."""
+        return {
+            node: (sum(1 for itl, slo in seen.values() if itl >= slo), len(seen))
+            for node, seen in sorted(self.itl_samples.items())
+        }
+
+    def itl_values(self) -> list[float]:
+        """The ITL of every distinct lease seen that measured one."""
+        return [itl for s in self.itl_samples.values() for itl, _ in s.values()]
+
+    def itl_slo_ms(self) -> float | None:
+        """The agents' ITL SLO (the highest, should they differ), None before any sample."""
+        return max((slo for s in self.itl_samples.values() for _, slo in s.values()), default=None)
 
 
 def _pct(x: float) -> str:
@@ -120,11 +167,14 @@ def frame(
     obs: Observations,
     total_requests: int,
     at_ms: int,
+    hint: str = "",
 ) -> str:
+    """One refresh of the live view; ``hint``: how to point crossflowctl at the cluster (said
+    in every frame: the line printed at start scrolls away under the view)."""
     reporting = reporting_nodes(pools)
     lines = [
         f"{title}   t={elapsed_s:5.1f}s   requests {stats.released}/{total_requests} released, "
-        f"{stats.finished} done",
+        f"{stats.finished} done" + (f"   try: {hint}" if hint else ""),
         f"borrowed {stats.borrowed} ({_pct(stats.borrowed_share)} of prompts, "
         f"{_pct(stats.borrowed_uncached_tokens / max(1, stats.uncached_tokens))} of uncached "
         f"tokens)   TTFT mean {mean(stats.ttft_ms):.0f} ms p99 {percentile(stats.ttft_ms, 99):.0f} "
@@ -139,8 +189,9 @@ def frame(
             + ("no rate" if pool.no_rate else f"{wait:.0f} ms" if wait is not None else "?")
         )
     lines.append("")
-    header = f"{'NODE':<10} {'ROLE':<8} {'STATUS':<22} {'LEASE':>8} {'COMPUTE':>8} {'KV':>8} "
-    header += f"{'SLOTS':>5} {'OPEN':>4} {'BORROWED':>8} {'ITL-MS':>7}"
+    # AVAIL-*: left to lend (lease x share - open debits), as in `crossflowctl get nodes`
+    header = f"{'NODE':<10} {'ROLE':<8} {'STATUS':<22} {'LEASE':>8} {'AVAIL-COMPUTE':>13} "
+    header += f"{'AVAIL-KV':>9} {'AVAIL-SLOTS':>11} {'OPEN':>4} {'BORROWED':>8} {'ITL-MS':>7}"
     lines.append(header)
     for view in nodes:
         node = view.state
@@ -152,10 +203,36 @@ def frame(
         itl = f"{stored.lease.itl_ms:.1f}" if stored and stored.lease.itl_ms > 0 else "-"
         lines.append(
             f"{node.info.node_id:<10} {node.info.role.value:<8} {status:<22} {lease:>8} "
-            f"{a.compute_tokens:>8} {a.kv_tokens:>8} {a.slots:>5} {node.open_reservations:>4} "
+            f"{a.compute_tokens:>13} {a.kv_tokens:>9} {a.slots:>11} {node.open_reservations:>4} "
             f"{stats.borrowed_by_node.get(node.info.node_id, 0):>8} {itl:>7}"
         )
     return "\n".join(lines)
+
+
+PATHS = ("borrowed", "normal", "held")
+PATH_NAMES = {"borrowed": "borrowed", "normal": "normal path", "held": "held, then prefill"}
+
+
+def ttft_by_path(stats: RouterStats, static: StaticResult) -> dict[str, dict[str, float]]:
+    """TTFT of the requests each path took (``RouterStats.path_by_request``), this run's and
+    the static replay's for the same requests: where the change in the totals comes from."""
+    out: dict[str, dict[str, float]] = {}
+    for path in PATHS:
+        keys = [
+            k
+            for k, p in stats.path_by_request.items()
+            if p == path and k in stats.ttft_by_request and k in static.ttft_by_request
+        ]
+        run = [stats.ttft_by_request[k] for k in keys]
+        base = [static.ttft_by_request[k] for k in keys]
+        out[path] = {
+            "requests": len(keys),
+            "mean": mean(run),
+            "p50": percentile(run, 50),
+            "static_mean": mean(base),
+            "static_p50": percentile(base, 50),
+        }
+    return out
 
 
 def summary_data(stats: RouterStats, static: StaticResult, obs: Observations) -> dict[str, Any]:
@@ -178,6 +255,7 @@ def summary_data(stats: RouterStats, static: StaticResult, obs: Observations) ->
         "admit_errors": stats.admit_errors,
         "engine_errors": stats.engine_errors,
         "lease_versions_seen": obs.lease_updates,
+        "lease_versions_published": obs.leases_published,
         "decode_nodes_leasing": len(obs.leases_seen),
         "polls": obs.polls,
         "over_commits": obs.over_commits,
@@ -189,7 +267,15 @@ def summary_data(stats: RouterStats, static: StaticResult, obs: Observations) ->
             "p50": percentile(base, 50),
             "p99": percentile(base, 99),
         },
-        "itl_ms_from_leases": {"mean": mean(obs.itl_ms), "max": max(obs.itl_ms, default=0.0)},
+        "itl_ms_from_leases": {
+            "mean": mean(obs.itl_values()),
+            "max": max(obs.itl_values(), default=0.0),
+        },
+        "itl_slo_ms": obs.itl_slo_ms(),
+        "itl_over_slo": {
+            node: {"over": over, "samples": n} for node, (over, n) in obs.itl_over_slo().items()
+        },
+        "ttft_by_path": ttft_by_path(stats, static),
     }
 
 
@@ -221,6 +307,16 @@ def summary(
         ("TTFT p50 (ms)", f"{p50:.0f}", f"{bp50:.0f}", change(p50, bp50)),
         ("TTFT p99 (ms)", f"{p99:.0f}", f"{bp99:.0f}", change(p99, bp99)),
     ]
+    for path, figures in ttft_by_path(stats, static).items():
+        if figures["requests"]:
+            rows.append(
+                (
+                    f"  p50, {PATH_NAMES[path]} ({figures['requests']:.0f})",
+                    f"{figures['p50']:.0f}",
+                    f"{figures['static_p50']:.0f}",
+                    change(figures["p50"], figures["static_p50"]),
+                )
+            )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join(
         "  " + "   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
@@ -230,21 +326,37 @@ def summary(
         if not obs.over_commits
         else f"{len(obs.over_commits)} (" + "; ".join(obs.over_commits[:3]) + ")"
     )
-    itl = f"{mean(obs.itl_ms):.1f} ms mean, {max(obs.itl_ms, default=0.0):.1f} ms max"
+    unseen = obs.leases_published - obs.lease_updates
+    missed = f" ({unseen} more published, not seen)" if unseen > 0 else ""
+    by_node = obs.itl_over_slo()
+    over, samples = sum(o for o, _ in by_node.values()), sum(n for _, n in by_node.values())
+    slo = obs.itl_slo_ms()
+    itl_line = "  decode ITL (each lease's p99 over its agent's period): "
+    if slo is None or not samples:
+        itl_line += "none measured"
+    else:
+        itl_line += (
+            f"SLO {slo:g} ms, over it in {over} of {samples} leases seen ({_pct(over / samples)}; "
+            + ", ".join(f"{node} {o}/{n}" for node, (o, n) in by_node.items())
+            + f"); {mean(obs.itl_values()):.1f} ms mean, {max(obs.itl_values()):.1f} ms max"
+        )
     return "\n".join(
         [
             f"Summary: {trace_name} on {split}, {elapsed_s:.1f} s",
             table,
             f"  leases: {obs.lease_updates} distinct lease versions seen from "
-            f"{len(obs.leases_seen)} decode nodes; over-commits seen: {verdict} "
+            f"{len(obs.leases_seen)} decode nodes{missed}; over-commits seen: {verdict} "
             f"(in {obs.checked} checks of open debits against the lease they were granted on)",
-            f"  decode ITL reported in leases: {itl}",
+            itl_line,
             "  admission reasons: "
             + ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items())),
             f"  late binding: {len(stats.held_ms)} prompts held (mean "
             f"{mean(stats.held_ms):.0f} ms); outcomes: "
             + ", ".join(f"{k} {v}" for k, v in sorted(stats.dispatch.items())),
-            "  (TTFT on both sides comes from the demo router's queueing model of this cluster;"
-            " the static column replays the same requests with nothing borrowed.)",
+            "  (TTFT on both sides comes from the demo router's queueing model of this cluster,"
+            " priced on the fake engines' roofline as the agents report them to the broker;"
+            " the static column replays the same requests with nothing borrowed. The p50 rows"
+            " split the requests by the path they took here; a held prompt's TTFT counts its"
+            " hold.)",
         ]
     )

@@ -659,6 +659,10 @@ class NodeInfo(Frozen):
     """At most MAX_LABELS; keys match LABEL_KEY_PATTERN (at most MAX_LABEL_KEY_LEN characters),
     values at most MAX_LABEL_VALUE_LEN characters."""
     notice_seq: int = 0
+    registered_at_ms: Annotated[int, Field(ge=0)] = 0
+    """When the store first registered the node (its first agent Hello, kept across the agent's
+    reconnects and restarts, reset only by deleting the node), on the store's clock; 0: not
+    known (registered by a broker older than the field)."""
 
     @field_validator("labels")
     @classmethod

@@ -2,17 +2,18 @@
 
 :func:`setup_metrics` builds a :class:`~opentelemetry.sdk.metrics.MeterProvider` whose only
 reader is ``opentelemetry-exporter-prometheus``'s :class:`PrometheusMetricReader` on a registry
-of its own, and serves that registry on ``http://host:port/metrics`` from a small asyncio HTTP
-server (no thread, closed with the rest of the process's tasks). Port 0 binds a free port;
+of its own, and serves that registry on ``http://host:port/metrics`` with aiohttp's web server
+on the process's event loop (no thread; ``/`` and ``/healthz`` answer ``ok``, other paths 404,
+other methods 405), closed with the rest of the process's tasks. Port 0 binds a free port;
 :attr:`MetricsEndpoint.port` reports the one bound.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import structlog
+from aiohttp import web
 from opentelemetry import metrics as otel_metrics
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
@@ -24,8 +25,6 @@ from crossflow_ctl.domain.errors import ConfigError
 
 log = structlog.get_logger(__name__)
 
-_MAX_REQUEST_HEAD_BYTES = 16 * 1024
-_READ_TIMEOUT_S = 5.0
 _global_provider_installed = False
 
 
@@ -45,14 +44,14 @@ class MetricsEndpoint:
         self,
         meter_provider: MeterProvider,
         registry: CollectorRegistry,
-        server: asyncio.Server,
+        runner: web.AppRunner,
     ) -> None:
         self.meter_provider = meter_provider
         self.registry = registry
-        self._server = server
-        sockname = server.sockets[0].getsockname()
-        self.host: str = str(sockname[0])
-        self.port: int = int(sockname[1])
+        self._runner = runner
+        address = runner.addresses[0]
+        self.host: str = str(address[0])
+        self.port: int = int(address[1])
 
     @property
     def url(self) -> str:
@@ -65,10 +64,27 @@ class MetricsEndpoint:
 
     async def close(self) -> None:
         """Stop serving and shut the provider down (idempotent)."""
-        if self._server.is_serving():
-            self._server.close()
-        await self._server.wait_closed()
-        self.meter_provider.shutdown()
+        if self._runner.server is not None:
+            await self._runner.cleanup()
+            self.meter_provider.shutdown()
+
+
+def metrics_app(registry: CollectorRegistry) -> web.Application:
+    """GET (and HEAD) /metrics: the registry's exposition; / and /healthz: ``ok``."""
+
+    async def exposition(request: web.Request) -> web.Response:
+        # Collection runs off the event loop: with hundreds of nodes it takes a while.
+        body = await asyncio.to_thread(generate_latest, registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", exposition)
+    app.router.add_get("/", ok)
+    app.router.add_get("/healthz", ok)
+    return app
 
 
 async def setup_metrics(
@@ -90,11 +106,12 @@ async def setup_metrics(
     provider = MeterProvider(
         metric_readers=[reader], resource=Resource.create({SERVICE_NAME: service_name})
     )
+    runner = web.AppRunner(metrics_app(registry), access_log=None, handle_signals=False)
+    await runner.setup()
     try:
-        server = await asyncio.start_server(
-            lambda r, w: _serve(registry, r, w), host=host, port=port
-        )
+        await web.TCPSite(runner, host, port).start()
     except OSError as exc:
+        await runner.cleanup()
         provider.shutdown()
         raise ConfigError(
             f"cannot serve metrics on {host}:{port}: {exc}", field="metrics_listen"
@@ -102,44 +119,6 @@ async def setup_metrics(
     if set_global and not _global_provider_installed:
         otel_metrics.set_meter_provider(provider)
         _global_provider_installed = True
-    endpoint = MetricsEndpoint(provider, registry, server)
+    endpoint = MetricsEndpoint(provider, registry, runner)
     log.info("metrics endpoint serving", url=endpoint.url)
     return endpoint
-
-
-async def _serve(
-    registry: CollectorRegistry, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> None:
-    """One HTTP/1.x exchange: GET /metrics gets the exposition, anything else 404/405."""
-    try:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-            return
-        if len(head) > _MAX_REQUEST_HEAD_BYTES:
-            return
-        parts = head.split(b"\r\n", 1)[0].split()
-        method, path = (parts[0], parts[1]) if len(parts) >= 2 else (b"", b"")
-        path = path.split(b"?", 1)[0]
-        if method not in (b"GET", b"HEAD"):
-            status, ctype, body = "405 Method Not Allowed", "text/plain", b"method not allowed\n"
-        elif path == b"/metrics":
-            # Collection runs off the event loop: with hundreds of nodes it takes a while.
-            body = await asyncio.to_thread(generate_latest, registry)
-            status, ctype = "200 OK", CONTENT_TYPE_LATEST
-        elif path in (b"/", b"/healthz"):
-            status, ctype, body = "200 OK", "text/plain", b"ok\n"
-        else:
-            status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
-        header = (
-            f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-        ).encode("ascii")
-        writer.write(header if method == b"HEAD" else header + body)
-        await writer.drain()
-    except ConnectionError:
-        pass
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()

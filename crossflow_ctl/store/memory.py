@@ -169,7 +169,12 @@ class MemoryStore(Store):
             node = self._nodes.get(node_id)
             if node is None:
                 info = validated(
-                    NodeInfo, node_id=node_id, role=role, pool=pool, labels=dict(labels)
+                    NodeInfo,
+                    node_id=node_id,
+                    role=role,
+                    pool=pool,
+                    labels=dict(labels),
+                    registered_at_ms=now_ms,
                 )
                 node = self._nodes[node_id] = NodeLedger(info=info)
             else:

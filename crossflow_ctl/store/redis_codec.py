@@ -40,7 +40,7 @@ from crossflow_ctl.wire.convert import credits_to_proto, enum_to_proto, notice_t
 Raw = bytes | str
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
-VIEW_INFO_FIELDS = ("role", "pool", "labels", "cordoned", "cordon_reason", "seq")
+VIEW_INFO_FIELDS = ("role", "pool", "labels", "cordoned", "cordon_reason", "registered", "seq")
 """The info fields ``node_view.lua`` returns, in order (``seq`` last)."""
 
 
@@ -63,6 +63,7 @@ def info_from(node_id: str, fields: Mapping[str, str]) -> NodeInfo:
         cordon_reason=fields.get("cordon_reason") or "",
         labels=json.loads(fields.get("labels") or "{}"),
         notice_seq=int(fields.get("seq") or "0"),
+        registered_at_ms=int(fields.get("registered") or "0"),
     )
 
 

@@ -290,6 +290,7 @@ def node_status_to_proto(node: NodeState, now_ms: int, share: Share) -> admin_pb
         pool=node.info.pool,
         open_compute_us=node.open_compute.us,
         open_timed_compute_tokens=node.open_compute.tokens,
+        registered_unix_ms=node.info.registered_at_ms,
     )
     if node.lease is not None:
         msg.lease.CopyFrom(lease_to_proto(node.lease.lease))
@@ -315,6 +316,7 @@ def node_state_from_proto(msg: admin_pb2.NodeStatus) -> NodeState:
         cordon_reason=msg.cordon_reason,
         labels=dict(msg.labels),
         notice_seq=msg.notice_seq,
+        registered_at_ms=max(0, msg.registered_unix_ms),
     )
     return NodeState(
         info=info,

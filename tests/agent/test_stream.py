@@ -51,9 +51,9 @@ class Brokers:
         self.redis_url, self.namespace = redis_url, namespace
         self.servers: list[BrokerServer] = []
 
-    async def start(self) -> str:
+    async def start(self, port: int = 0) -> str:
         settings = BrokerSettings(
-            listen="127.0.0.1:0",
+            listen=f"127.0.0.1:{port}",
             redis_url=self.redis_url,
             redis_namespace=self.namespace,
             notice_block_ms=100,
@@ -229,6 +229,40 @@ async def test_the_agent_logs_when_its_lease_turns_zero_and_lends_again(
         ("lease.lending", "cordoned"),
     ], said
     assert all(e["log_level"] == "info" for e in logs if e["event"] != "lease.zero")
+
+
+async def test_an_agent_with_no_broker_does_not_say_it_lends(brokers, metrics_server) -> None:
+    """An agent whose broker was not there logged lease.lending: its leases went nowhere, and
+    its node lent nothing. It says lease.unsent (once), and lease.lending once a broker has
+    accepted a lease that lends."""
+    metrics_server.text = fixture_text("sglang_t0.prom")
+    with socket.socket() as s:  # a port nothing listens on, yet
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with capture_logs() as logs:
+        async with running_agent(metrics_server, [f"127.0.0.1:{port}"]) as run:
+            state = run.agent.stream.state
+
+            async def several() -> bool:
+                return state.attempts >= 3
+
+            await eventually(several, "several failed sessions")
+            said = [e["event"] for e in logs if e["event"].startswith("lease.")]
+            assert said == ["lease.unsent"], said
+            target = await brokers.start(port)
+            async with AdminClient(target) as admin:
+                await eventually(lambda: _has_credit(admin), "a lease with credit")
+                await eventually(
+                    lambda: _said(logs, "lease.lending"), "lease.lending once accepted"
+                )
+    unsent = next(e for e in logs if e["event"] == "lease.unsent")
+    assert unsent["would_be"] == "lending" and "no broker connection" in unsent["effect"]
+    lending = [e for e in logs if e["event"] == "lease.lending" and "node_id" not in e]
+    assert [e["was"] for e in lending] == ["unsent"], lending
+
+
+async def _said(logs: list[dict[str, Any]], event: str) -> bool:
+    return any(e["event"] == event and "node_id" not in e for e in logs)
 
 
 async def _has_credit(admin: AdminClient) -> bool:

@@ -64,14 +64,83 @@ async def test_get_nodes_table_json_yaml(ctl: Ctl, fleet: Fleet) -> None:
     assert pool["estimated_wait_ms"] == 10_000.0
 
 
+async def test_get_takes_names_as_kubectl_does(ctl: Ctl, fleet: Fleet) -> None:
+    """`crossflowctl get nodes decode-2` was a usage error: get took no name."""
+    one = await ctl("get", "nodes", "decode-2")
+    assert one.rc == 0, one.err
+    assert [line.split()[0] for line in one.out.splitlines()] == ["NAME", "decode-2"]
+    two = await ctl("get", "leases", "decode-2", "decode-1", "-o", "json")
+    assert [i["name"] for i in json.loads(two.out)["items"]] == ["decode-2", "decode-1"]
+    # found rows first, then one line naming what was not found, exit 3
+    partly = await ctl("get", "nodes", "decode-1", "nope", "gone")
+    assert partly.rc == 3, partly
+    assert [line.split()[0] for line in partly.out.splitlines()] == ["NAME", "decode-1"]
+    assert partly.err == (
+        "error: nodes not found: 'nope', 'gone' (`crossflowctl get nodes` lists them)\n"
+    )
+    none = await ctl("get", "nodes", "nope", "-o", "json")
+    assert (none.rc, none.out) == (3, ""), none
+    no_lease = await ctl("get", "leases", "prefill-1")  # a prefill node sends no leases
+    assert no_lease.rc == 3 and no_lease.err.startswith("error: leases not found: 'prefill-1'")
+    both = await ctl("get", "nodes", "decode-1", "-l", "zone=a")
+    assert both.rc == 2 and "not both" in both.err
+    pool = await ctl("get", "pools", "default", "-o", "json")
+    assert [p["name"] for p in json.loads(pool.out)["items"]] == ["default"]
+    assert (await ctl("get", "pools", "other")).rc == 3
+    assert (await ctl("get", "reservations", "r-nope")).rc == 3
+
+
+async def test_node_and_lease_columns_say_which_credit_they_show(ctl: Ctl, fleet: Fleet) -> None:
+    """`get nodes` showed COMPUTE/SLOTS as lease x share - debits and `get leases` the raw
+    credits under the same headers."""
+    nodes = (await ctl("get", "nodes", "-o", "wide", "decode-1")).out.splitlines()
+    cells = dict(zip(nodes[0].split(), nodes[1].split(), strict=False))
+    assert cells["AVAIL-COMPUTE"] == "4000" and "AVAIL-OUTPUT" in cells  # share 0.5 of 8000
+    leases = (await ctl("get", "leases", "decode-1")).out.splitlines()
+    cells = dict(zip(leases[0].split(), leases[1].split(), strict=False))
+    assert cells["COMPUTE"] == "8000"
+    said = (await ctl("get", "nodes", "--help")).out
+    assert "AVAIL-COMPUTE" in said and "borrow share" in said
+
+
+async def test_age_is_the_nodes_own_not_its_latest_leases(ctl: Ctl) -> None:
+    """AGE was the age of the latest lease, refreshed every period: always 0s. It is the time
+    since the node registered, which its agent reconnecting does not reset."""
+    agent = FakeAgent(ctl.server, "decode-7")
+    await agent.connect()
+    try:
+        await agent.send_lease()
+        first = json.loads((await ctl("get", "nodes", "decode-7", "-o", "json")).out)["items"][0]
+        await agent.close()
+        agent = FakeAgent(ctl.server, "decode-7")
+        await agent.connect()  # a new session, a new Hello
+        await agent.send_lease()
+        again = json.loads((await ctl("get", "nodes", "decode-7", "-o", "json")).out)["items"][0]
+        table = (await ctl("get", "nodes", "decode-7")).out.splitlines()
+        described = (await ctl("describe", "node", "decode-7")).out
+    finally:
+        await agent.close()
+    registered = first["registered_at_ms"]
+    assert registered and again["registered_at_ms"] == registered
+    assert registered <= first["latest_lease"]["received_at_ms"]
+    assert again["age_s"] is not None and again["age_s"] >= first["age_s"]
+    age = dict(zip(table[0].split(), table[1].split(), strict=False))["AGE"]
+    assert age[:-1].isdigit() and age[-1] in "smhd", table
+    assert "Registered:" in described and " ago" in described
+
+
 async def test_admit_explains_each_condition(ctl: Ctl, fleet: Fleet) -> None:
     res = await ctl(
         "admit", "--uncached", "2000", "--cached", "0", "--output-tokens", "100", "--dry-run",
         "--explain",
     )  # fmt: skip
     assert res.rc == 0, res.err
-    old_spelling = await ctl("admit", "--uncached", "2000", "--output", "100", "--dry-run")
-    assert old_spelling.rc == 0, old_spelling.err
+    # --output is the output format here too (it was the output tokens on admit alone, and
+    # `admit --uncached 4000 --output json` failed)
+    as_json = await ctl("admit", "--uncached", "4000", "--output", "json", "--dry-run")
+    assert as_json.rc == 0 and json.loads(as_json.out)["decision"] == "normal", as_json.err
+    tokens = await ctl("admit", "--uncached", "2000", "--output", "100", "--dry-run")
+    assert tokens.rc == 2 and "'100' is not one of 'table', 'wide', 'json'" in tokens.err, tokens
     assert "would BORROW on decode-" in res.out
     # the prompt's own threshold: 1 x its 100 ms prefill (2,000 tokens at 20,000 tokens/s)
     assert "1. Demand   holds  prefill wait 10000.0 ms > threshold 100.0 ms" in res.out
@@ -280,6 +349,41 @@ async def test_describe_node_shows_credits_debits_history(ctl: Ctl, fleet: Fleet
     }
     assert [r["id"] for r in data["reservations"]] == [granted.reservation_id]
     assert data["recent_leases"], "lease history is shown"
+
+
+async def test_describe_pool_shows_servers_load_and_borrowing(ctl: Ctl, fleet: Fleet) -> None:
+    """There was no describe pool."""
+    async with AdmissionClient(ctl.server, timeout_s=5) as client:
+        granted = await client.admit(uncached_prompt_tokens=1500, candidate_node_ids=("decode-1",))
+        assert granted.decision is Decision.BORROW
+        await client.commit(granted.reservation_id)
+        text = await ctl("describe", "pool")
+        data = json.loads((await ctl("describe", "pool", "default", "-o", "json")).out)
+        await client.release(granted.reservation_id)
+    assert text.rc == 0, text.err
+    lines = [" ".join(line.split()) for line in text.out.splitlines()]
+    for said in (
+        "Name: default",
+        "Prefill servers: 1, 1 reporting",
+        "Outstanding: 200000 uncached tokens",
+        "Processing rate: 20000 tokens/s",
+        "Estimated wait: 10000 ms",
+        "Borrow share: 0.5 of compute, output, slots; 1 of kv, kv_transfer (policy v1)",
+        "Lent now: 1500 of 16000 leased compute tokens (9.4%), 1 open reservations on 2 decode"
+        " nodes",
+        "prefill-1 Reporting 200000 0 20000.0 20000.0 <none>",
+        "decode-1 Ready 8000 1500 2500 1",
+    ):
+        assert said in lines, text.out
+    (server,) = data["servers"]
+    assert (server["name"], server["status"]) == ("prefill-1", "Reporting")
+    assert server["outstanding_uncached_tokens"] == 200_000
+    lenders = {n["name"]: n for n in data["lenders"]}
+    assert lenders["decode-1"]["debited_compute_tokens"] == 1500
+    assert lenders["decode-1"]["compute_tokens"] == 2500  # 8000 x 0.5 - 1500
+    assert data["borrowing"]["shares"]["kv_tokens"] == 1.0
+    missing = await ctl("describe", "pool", "nope")
+    assert missing.rc == 3 and missing.err.startswith("error: pool 'nope' not found"), missing
 
 
 async def test_describe_node_does_not_show_an_unmeasured_itl_as_0_ms(ctl: Ctl) -> None:

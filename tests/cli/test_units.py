@@ -351,9 +351,12 @@ def test_wide_byte_columns_say_their_unit() -> None:
     with no unit (bytes)."""
     from crossflow_ctl.cli.views import LEASE_COLUMNS, NODE_COLUMNS
 
-    for columns in (NODE_COLUMNS, LEASE_COLUMNS):
+    for columns, header in (
+        (NODE_COLUMNS, "AVAIL-KV-XFER-BYTES"),
+        (LEASE_COLUMNS, "KV-XFER-BYTES"),
+    ):
         headers = {c.key: c.header for c in columns}
-        assert headers["kv_transfer_bytes"] == "KV-XFER-BYTES"
+        assert headers["kv_transfer_bytes"] == header
 
 
 def test_an_answer_without_a_plan_has_no_normal_path_ttft() -> None:
@@ -412,7 +415,8 @@ def test_json_and_yaml_carry_numbers_where_the_table_shows_text(tmp_path: Path) 
     at = 200_000
     lease = Lease(node_id="d1", epoch=5, version=7, ttl_ms=1_000)
     stored = StoredLease(lease=lease, received_at_ms=at - 180_000, expires_at_ms=at + 250)
-    view = NodeView(state=NodeState(info=NodeInfo(node_id="d1"), lease=stored))
+    info = NodeInfo(node_id="d1", registered_at_ms=at - 185_000)
+    view = NodeView(state=NodeState(info=info, lease=stored))
     res = Reservation(
         reservation_id="r@d1", node_id="d1", state=ReservationState.HELD, debit=Credits(),
         lease_epoch=1, lease_version=2, created_at_ms=at - 5_000, expires_at_ms=at - 1,
@@ -424,7 +428,12 @@ def test_json_and_yaml_carry_numbers_where_the_table_shows_text(tmp_path: Path) 
                           processing_rate_tps=10_000.0, ttl_ms=1_000),),
     )  # fmt: skip
     cases = [
-        (node_row(view, at), NODE_COLUMNS, {"lease_version": 7, "lease_age_s": 180}, "v7"),
+        (
+            node_row(view, at),
+            NODE_COLUMNS,
+            {"lease_version": 7, "lease_age_s": 180, "age_s": 185},
+            "v7",
+        ),
         (lease_row(view, at), LEASE_COLUMNS, {"version": 7, "expires_in_ms": 250}, "250ms"),
         (
             reservation_row(res, at),

@@ -34,6 +34,21 @@ ARGS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def ctl_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """crossflowctl's config file for the demo's context: never the user's."""
+    path = tmp_path / "crossflowctl.yaml"
+    monkeypatch.setenv("CROSSFLOWCTL_CONFIG", str(path))
+    monkeypatch.delenv("CROSSFLOWCTL_SERVER", raising=False)
+    monkeypatch.delenv("CROSSFLOWCTL_CONTEXT", raising=False)
+    return path
+
+
+def _ctl(*args: str) -> subprocess.CompletedProcess[str]:
+    ctl = Path(_binary()).with_name("crossflowctl")
+    return subprocess.run([str(ctl), *args], capture_output=True, text=True, timeout=60)
+
+
 def _binary() -> str:
     found = shutil.which("crossflow") or str(Path(sys.executable).with_name("crossflow"))
     if not Path(found).exists():
@@ -62,7 +77,9 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _check_summary(path: Path, *, require_checks: bool = True) -> dict[str, Any]:
+def _check_summary(
+    path: Path, *, require_checks: bool = True, simulated: bool = True
+) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(path.read_text())
     assert data["decode_nodes_leasing"] == 2
     assert data["lease_versions_seen"] >= 4, "leases flowed from the agents through the broker"
@@ -77,6 +94,9 @@ def _check_summary(path: Path, *, require_checks: bool = True) -> dict[str, Any]
     assert data["finished"] <= sum(outcomes.values()) <= data["requests"], outcomes
     assert data["late_binding"]["held"] <= sum(outcomes.values())
     sim = data["simulator"]
+    if not simulated:  # interrupted: the summary of what ran, no simulator runs after it
+        assert sim == {}
+        return data
     assert sim["leases"]["overcommits"] == 0 and sim["static"]["borrowed_share"] == 0.0
     return data
 
@@ -103,17 +123,31 @@ def test_demo_runs_and_exits_0_on_its_own(tmp_path: Path) -> None:
     assert "Summary: synthetic-agentic(seed=7) on 1P2D" in proc.stdout
     assert "over-commits seen: none" in proc.stdout
     assert "late binding: " in proc.stdout
+    assert "(each lease's p99 over its agent's period): SLO 50 ms, over it in " in proc.stdout
     data = _check_summary(summary)
+    assert data["itl_slo_ms"] == 50.0 and set(data["itl_over_slo"]) == {"decode-1", "decode-2"}
     assert not data["interrupted"]
     logs = tmp_path / "logs"
     assert f"logs kept in {logs}" in proc.stdout
     assert (logs / "broker.log").is_file(), sorted(p.name for p in logs.iterdir())
+    # Agents stop before the broker: each decode agent's last zero lease reaches it, and no
+    # agent warns of a broker gone ("Connection refused") at shutdown.
+    broker_log = (logs / "broker.log").read_text()
+    assert broker_log.count('"reason": "shutting_down"') == 2, broker_log[-2000:]
+    for agent_log in logs.glob("agent-*.log"):
+        assert "Connection refused" not in agent_log.read_text(), agent_log.read_text()
 
 
 def test_demo_on_redis_stops_everything_on_sigint(
-    tmp_path: Path, redis_url: str, redis_namespace: str
+    tmp_path: Path, redis_url: str, redis_namespace: str, ctl_config: Path
 ) -> None:
+    """Ctrl-C prints the summary of what ran so far and exits 130. While it runs, crossflowctl
+    reaches its broker through the context it wrote (made current: it created the file), on
+    the port --port asked for; the context is gone after."""
     summary = tmp_path / "summary.json"
+    with socket.socket() as s:  # a free port, for --port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     proc = subprocess.Popen(
         [
             _binary(),
@@ -126,6 +160,8 @@ def test_demo_on_redis_stops_everything_on_sigint(
             redis_url,
             "--redis-namespace",
             redis_namespace,
+            "--port",
+            str(port),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -144,17 +180,24 @@ def test_demo_on_redis_stops_everything_on_sigint(
                 break
         children = _children(proc.pid)
         assert len(children) == 1 + 3 + 3  # broker, 3 engines, 3 agents
+        said = "".join(lines)
+        assert f"broker on 127.0.0.1:{port}: try `crossflowctl get nodes -w` (context " in said
+        got = _ctl("get", "nodes", "-o", "json")
+        assert got.returncode == 0, got.stderr
+        assert {n["name"] for n in json.loads(got.stdout)["items"]} >= {"decode-1", "decode-2"}
+        assert _ctl("--context", "demo", "get", "leases").returncode == 0
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, err[-2000:]
-    assert "Summary:" in out
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted after " in out and "Summary:" in out
+    assert not ctl_config.exists(), "the context (and the file the demo made for it) is gone"
     # Interrupted right after the first borrowing frame, the run may end before any frame found
     # a grant still open, so only the full run above must have checked over-commit.
-    data = _check_summary(summary, require_checks=False)
+    data = _check_summary(summary, require_checks=False, simulated=False)
     assert data["interrupted"]
     assert not [pid for pid in children if _alive(pid)], "every child process was stopped"
     keys = redis.Redis.from_url(redis_url)

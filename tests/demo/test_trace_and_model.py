@@ -98,6 +98,24 @@ def test_model_normal_and_borrowed_paths_by_hand() -> None:
     assert model.borrowed(0.0, "d1", 0.2) == pytest.approx(0.45)
 
 
+def test_model_prices_the_normal_path_on_the_engines_roofline() -> None:
+    """The router's model priced a prompt's prefill at a flat rate, its cached prefix free,
+    while the fake prefill engines (and so the agents' reports the broker judged Demand and
+    Benefit by) paid for the prefix: the broker borrowed prompts it expected to wait ~1.2 s on
+    the normal path that the model put at ~0.1 s, and the demo's TTFT p50 came out worse with
+    leases than static. The model now takes the engines' own time."""
+    from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, prefill_time_s, roofline
+
+    roof = roofline(MODEL_PRESETS["gpt-oss-120b"], NODE_PRESETS["h200"])
+    p = ModelParams(prefill_servers=1, roof=roof, prefill_chunk_tokens=8192, prefill_slowdown=2.0)
+    short, long = Turn(2000, 0, 10), Turn(2000, 30_000, 10)
+    assert p.prefill_s(long) == pytest.approx(2.0 * prefill_time_s(roof, 2000, 30_000, 8192))
+    assert p.prefill_s(long) > 1.5 * p.prefill_s(short)
+    done = ClusterModel(p).normal(0.0, long)[1]
+    transfer = 32_000 * p.kv_bytes_per_token / p.kv_transfer_bytes_per_s
+    assert done == pytest.approx(p.prefill_s(long) + transfer)
+
+
 def test_static_replay_is_closed_loop() -> None:
     s = Session("s", (Turn(10_000, 0, 100), Turn(10_000, 0, 100, think_s=1.0)), start_s=0.0)
     p = ModelParams(

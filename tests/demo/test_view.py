@@ -110,3 +110,66 @@ def test_frame_and_wide_tables_show_an_unmeasured_itl_as_missing() -> None:
         assert [line.split()[at] for line in wide[1:]] == ["<none>", "14.9"], wide
         data = json.loads(render_list(rows, columns, OutputFormat.JSON, kind="L"))
         assert [i["itl_ms"] for i in data["items"]] == [0.0, 14.9]
+
+
+def test_summary_splits_ttft_by_the_path_each_request_took() -> None:
+    """The TTFT p50 with leases was worse than static in four runs, with nothing to say why:
+    the summary now gives each path's p50 next to the same requests' static p50."""
+    from crossflow_ctl.demo.model import StaticResult
+    from crossflow_ctl.demo.router import RouterStats
+    from crossflow_ctl.demo.view import summary, summary_data
+
+    stats = RouterStats(released=4, finished=4, borrowed=1)
+    static = StaticResult(requests=4, ttft_ms=[], makespan_s=1.0)
+    for i, (path, ttft, base) in enumerate(
+        [("borrowed", 300.0, 900.0), ("normal", 100.0, 100.0), ("normal", 120.0, 110.0),
+         ("held", 500.0, 400.0)]
+    ):  # fmt: skip
+        stats.path_by_request[("s", i)] = path
+        stats.ttft_by_request[("s", i)] = ttft
+        static.ttft_by_request[("s", i)] = base
+    by_path = summary_data(stats, static, Observations())["ttft_by_path"]
+    assert by_path["borrowed"] == {
+        "requests": 1, "mean": 300.0, "p50": 300.0, "static_mean": 900.0, "static_p50": 900.0
+    }  # fmt: skip
+    assert by_path["normal"]["requests"] == 2 and by_path["held"]["static_p50"] == 400.0
+    text = summary("t", "1P1D", 1.0, stats, static, Observations())
+    assert "  p50, borrowed (1)" in text and "-66.7%" in text, text
+    assert "p50, held, then prefill (1)" in text and "+25.0%" in text, text
+
+
+def test_leases_are_counted_once_each_from_the_nodes_history() -> None:
+    """The summary's "N distinct lease versions" was one lease a poll per node (polls x nodes,
+    whatever the agents published); it now counts each (node, epoch, version) the view read in
+    the nodes' recent histories, once, and says the SLO and how many leases were over it."""
+    from crossflow_ctl.demo.model import StaticResult
+    from crossflow_ctl.demo.router import RouterStats
+    from crossflow_ctl.demo.view import summary, summary_data
+
+    def lease(node: str, version: int, itl: float, epoch: int = 1) -> Lease:
+        return Lease(
+            node_id=node, epoch=epoch, version=version, ttl_ms=1000, itl_ms=itl, itl_slo_ms=50.0
+        )
+
+    obs = Observations()
+    # two overlapping history reads of d1 (v1-v4, then v3-v6), d2 restarted (new epoch)
+    obs.record("d1", [lease("d1", v, 20.0) for v in (4, 3, 2, 1)])
+    obs.record("d1", [lease("d1", v, 60.0 if v == 6 else 20.0) for v in (6, 5, 4, 3)])
+    obs.record("d2", [lease("d2", 9, 0.0), lease("d2", 8, 55.0), lease("d2", 1, 10.0, epoch=2)])
+    assert obs.lease_updates == 6 + 3
+    assert obs.itl_over_slo() == {"d1": (1, 6), "d2": (1, 2)}  # an idle lease (0) measured none
+    data = summary_data(RouterStats(), StaticResult(0, [], 0.0), obs)
+    assert data["lease_versions_seen"] == 9 and data["itl_slo_ms"] == 50.0
+    assert data["itl_over_slo"] == {
+        "d1": {"over": 1, "samples": 6},
+        "d2": {"over": 1, "samples": 2},
+    }
+    text = summary("t", "1P2D", 1.0, RouterStats(), StaticResult(0, [], 0.0), obs)
+    assert "9 distinct lease versions seen from 2 decode nodes;" in text, text
+    assert "SLO 50 ms, over it in 2 of 8 leases seen (25.0%; d1 1/6, d2 1/2)" in text, text
+    # versions the view never read (v5-v9 of d3) are said, not counted
+    obs.record("d3", [lease("d3", 10, 5.0), lease("d3", 4, 5.0)])
+    text = summary("t", "1P3D", 1.0, RouterStats(), StaticResult(0, [], 0.0), obs)
+    assert "11 distinct lease versions seen from 3 decode nodes (5 more published, not seen)" in (
+        text
+    )

@@ -223,12 +223,26 @@ def test_agents_one_daemonset_per_role_on_labelled_gpu_nodes() -> None:
         env = env_of(agent)
         assert env["CROSSFLOW_AGENT_ROLE"]["value"] == role
         assert env["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
-        assert env["CROSSFLOW_AGENT_METRICS_URL"]["value"] == ("http://$(NODE_IP):8000/metrics")
+        # SGLang's default port (the chart paired engine sglang with vLLM's 8000)
+        assert env["CROSSFLOW_AGENT_METRICS_URL"]["value"] == "http://$(NODE_IP):30000/metrics"
         assert agent["readinessProbe"]["httpGet"]["path"] == "/healthz"
         assert agent["securityContext"]["readOnlyRootFilesystem"] is True
     config = yaml.safe_load(find(docs, "ConfigMap", "cf-crossflow-agent")["data"]["agent.yaml"])
     assert config["brokers"] == ["cf-crossflow-broker.serving.svc:50051"]
     assert config["source"] == "sglang"
+
+
+@needs_helm
+def test_the_engine_metrics_url_defaults_by_engine() -> None:
+    def url(*args: str) -> str:
+        ds = find(render(*args), "DaemonSet", "cf-crossflow-agent-decode")
+        [agent] = ds["spec"]["template"]["spec"]["containers"]
+        return str(env_of(agent)["CROSSFLOW_AGENT_METRICS_URL"]["value"])
+
+    assert url("--set", "agent.engine=vllm") == "http://$(NODE_IP):8000/metrics"
+    assert url("--set", "agent.engine=sglang") == "http://$(NODE_IP):30000/metrics"
+    given = "http://$(NODE_IP):31000/metrics"
+    assert url("--set", "agent.engine=vllm", "--set", f"agent.engineMetricsUrl={given}") == given
 
 
 @needs_helm

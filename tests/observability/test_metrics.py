@@ -54,6 +54,13 @@ async def test_port_zero_binds_a_real_port(endpoint: MetricsEndpoint) -> None:
     async with httpx.AsyncClient(timeout=5.0) as client:
         assert (await client.get(f"http://127.0.0.1:{endpoint.port}/nope")).status_code == 404
         assert (await client.post(endpoint.url)).status_code == 405
+        head = await client.head(f"{endpoint.url}?x=1")
+        assert head.status_code == 200 and head.headers["content-type"].startswith("text/plain")
+        for path in ("/", "/healthz"):
+            ok = await client.get(f"http://127.0.0.1:{endpoint.port}{path}")
+            assert (ok.status_code, ok.text) == (200, "ok\n")
+    await endpoint.close()
+    await endpoint.close()  # idempotent
 
 
 async def test_broker_metrics_are_exposed_with_prometheus_names(

@@ -675,6 +675,20 @@ async def test_a_batch_with_a_bad_item_debits_nothing(store: Store) -> None:
     assert await snapshot(store) == before
 
 
+async def test_a_node_keeps_the_time_it_first_registered(store: Store) -> None:
+    """``get nodes`` AGE was the age of the latest lease (always 0s): it is the node's own age,
+    from its first registration, which reconnects and agent restarts keep and a delete ends."""
+    first = await store.register_node("n1", NodeRole.DECODE, "default", {}, NOW)
+    assert first.registered_at_ms == NOW
+    again = await store.register_node("n1", NodeRole.DECODE, "default", {"a": "b"}, NOW + 5_000)
+    assert again.registered_at_ms == NOW
+    assert (await store.get_node("n1", NOW + 5_000)).info.registered_at_ms == NOW
+    assert [n.info.registered_at_ms for n in await store.list_nodes(NOW + 5_000)] == [NOW]
+    await store.delete_node("n1", False, NOW + 6_000)
+    anew = await store.register_node("n1", NodeRole.DECODE, "default", {}, NOW + 7_000)
+    assert anew.registered_at_ms == NOW + 7_000
+
+
 async def test_identity_is_fixed_unless_cordoned(store: Store) -> None:
     await store.register_node("n1", NodeRole.DECODE, "default", {"zone": "a"}, NOW)
     for role, pool, named in (

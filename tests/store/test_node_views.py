@@ -37,6 +37,7 @@ def reply(
         b'{"zone": "a"}',
         b"1" if cordoned else b"0",
         b"",
+        b"1700000000000",
         str(seq).encode(),
     ]
     totals = [

@@ -3,7 +3,11 @@
 Its state evolves with (monotonic) time and with the requests added to it. Each engine step
 decodes one token for every running request and prefills up to ``chunk_tokens`` uncached prompt
 tokens of the admitted requests, FIFO; the step lasts ``step_time_s`` of the capacity model
-times ``slowdown`` (a knob to push ITL past an SLO on purpose). A step's batch is fixed when it
+times ``slowdown`` (a knob to push ITL past an SLO on purpose). A decode engine that lends
+(``itl_budget_ms`` set) sizes its prefill chunks as the lease model assumes: one prompt a step,
+the chunk that keeps the step within the ITL budget at the current batch and the prompt's prefix
+(:class:`~crossflow_ctl.domain.lending.ChunkSizer`, as the simulator's decode servers). A step's
+batch is fixed when it
 starts and its effects (tokens, prefilled chunks) land when it ends: :meth:`advance` applies
 the steps that have ended by now, so a token is never seen before the step that makes it is
 over. Admission reserves a request's prompt + output tokens of KV, so used never exceeds
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -47,8 +52,10 @@ from crossflow_agent.sources.synthetic_metrics import (
     render_sglang,
     render_vllm,
 )
-from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, StepShape, step_time_s
+from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, StepShape, roofline, step_time_s
 from crossflow_ctl.domain.clock import Clock, SystemClock
+from crossflow_ctl.domain.lease_credits import LeaseSettings
+from crossflow_ctl.domain.lending import ChunkSizer
 from crossflow_ctl.domain.models import Frozen
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
@@ -82,6 +89,28 @@ class EngineScript(Frozen):
     background_rps: Annotated[float, Field(ge=0.0, le=10_000.0)] = 0.0
     background: EngineRequest = EngineRequest(prompt_tokens=2000, output_tokens=300)
     kv_transfer_gb_s: Annotated[float, Field(ge=0.0, le=10_000.0)] = 0.0
+    itl_buckets_s: tuple[float, ...] = ITL_BUCKETS_S
+    """Upper bounds of the ITL histogram (SGLang's ``--bucket-inter-token-latency``; its
+    default). An agent reads the window's p99 by interpolating inside a bucket, so a step that
+    falls in a bucket holding the SLO reads as up to that bucket's upper bound: with SGLang's
+    bounds a 45 ms step reads as up to 60 ms against a 50 ms SLO. Give a bound at the SLO."""
+    itl_budget_ms: Annotated[float, Field(gt=0.0, le=10_000.0)] | None = None
+    """A decode engine that lends: each step prefills one prompt, in the best chunk (grid of
+    ``LeaseSettings.chunk_step_tokens`` up to ``max_chunk_tokens``) whose step stays within this
+    budget at the current batch and the prompt's prefix, what the agent's lease prices borrowed
+    prefill at (its ``itl_slo_ms x slo_margin``, 45 ms by default). None: ``chunk_tokens`` a
+    step, FIFO across prompts (a prefill server). With a fixed 2048-token chunk every step that
+    carried borrowed prefill took 51-104 ms on gpt-oss-120b/h200, over a 50 ms SLO, and the
+    demo's decode leases flapped: zeroed for ITL, cleared, zeroed again, about once a second."""
+
+    @model_validator(mode="after")
+    def _buckets_increase(self) -> EngineScript:
+        b = self.itl_buckets_s
+        if not 0 < len(b) <= 64 or b[0] <= 0 or any(x >= y for x, y in itertools.pairwise(b)):
+            raise ValueError("itl_buckets_s: 1 to 64 increasing bounds above 0 seconds")
+        if not all(math.isfinite(x) for x in b):
+            raise ValueError("itl_buckets_s: bounds must be finite (+Inf is implied)")
+        return self
 
 
 class JobState(enum.Enum):
@@ -188,12 +217,23 @@ class SyntheticEngine:
             "aborted": 0,
             "steps": 0,
         }
-        self.itl = Histogram(ITL_BUCKETS_S)
+        self.itl = Histogram(self.script.itl_buckets_s)
         self.ttft = Histogram(TTFT_BUCKETS_S)
         self.prefill_time = Histogram(REQUEST_TIME_BUCKETS_S)
         self.step_tokens = Histogram(STEP_TOKEN_BUCKETS)
         self.request_prompt = Histogram(PROMPT_TOKEN_BUCKETS)
         self._last_gen_tps = 0.0
+        self._sizer: ChunkSizer | None = None
+        self._sized = 0
+        """The sizer's last chunk (seeds its next search; changes no answer)."""
+        if self.script.itl_budget_ms is not None:
+            grid = LeaseSettings()
+            self._sizer = ChunkSizer(
+                roofline(model, node),
+                self.script.itl_budget_ms / 1000.0,
+                grid.chunk_step_tokens,
+                grid.max_chunk_tokens,
+            )
 
     # -- input ---------------------------------------------------------------------------------
 
@@ -360,6 +400,13 @@ class SyntheticEngine:
         context = sum(r.kv_now for r in batch)
         budget, chunk, prefix = self.script.chunk_tokens, 0, 0
         plan: list[tuple[Job, int]] = []
+        if self._sizer is not None and self.prefilling:
+            head = self.prefilling[0]
+            prefix = head.spec.cached_tokens + head.transferred + head.prefilled
+            self._sized = self._sizer.chunk(len(batch), context, prefix, self._sized)
+            budget = 0  # one prompt a step, in its sized chunk
+            chunk = min(self._sized, head.uncached_left)
+            plan.append((head, chunk))
         for req in self.prefilling:
             if budget <= 0:
                 break

@@ -142,6 +142,7 @@ class NodeStatus(_message.Message):
     OPEN_COMPUTE_US_FIELD_NUMBER: _builtins.int
     OPEN_TIMED_COMPUTE_TOKENS_FIELD_NUMBER: _builtins.int
     CORDON_REASON_FIELD_NUMBER: _builtins.int
+    REGISTERED_UNIX_MS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     role: _common_pb2.NodeRole.ValueType
     cordoned: _builtins.bool
@@ -159,6 +160,10 @@ class NodeStatus(_message.Message):
     cordon_reason: _builtins.str
     """Why the node is cordoned, as CordonRequest.reason said; empty when it is not (or an older
     broker answered).
+    """
+    registered_unix_ms: _builtins.int
+    """When the store first registered the node (its first agent Hello; kept across reconnects and
+    agent restarts until the node is deleted), in unix ms; 0 when unknown (an older broker).
     """
     @_builtins.property
     def lease(self) -> _common_pb2.Lease:
@@ -191,10 +196,11 @@ class NodeStatus(_message.Message):
         open_compute_us: _builtins.int = ...,
         open_timed_compute_tokens: _builtins.int = ...,
         cordon_reason: _builtins.str = ...,
+        registered_unix_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "lease", b"lease", "open_debits", b"open_debits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "cordon_reason", b"cordon_reason", "cordoned", b"cordoned", "labels", b"labels", "lease", b"lease", "lease_expired", b"lease_expired", "lease_expires_unix_ms", b"lease_expires_unix_ms", "lease_received_unix_ms", b"lease_received_unix_ms", "node_id", b"node_id", "notice_seq", b"notice_seq", "open_compute_us", b"open_compute_us", "open_debits", b"open_debits", "open_reservations", b"open_reservations", "open_timed_compute_tokens", b"open_timed_compute_tokens", "pool", b"pool", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "cordon_reason", b"cordon_reason", "cordoned", b"cordoned", "labels", b"labels", "lease", b"lease", "lease_expired", b"lease_expired", "lease_expires_unix_ms", b"lease_expires_unix_ms", "lease_received_unix_ms", b"lease_received_unix_ms", "node_id", b"node_id", "notice_seq", b"notice_seq", "open_compute_us", b"open_compute_us", "open_debits", b"open_debits", "open_reservations", b"open_reservations", "open_timed_compute_tokens", b"open_timed_compute_tokens", "pool", b"pool", "registered_unix_ms", b"registered_unix_ms", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,7 +2,8 @@
 -- KEYS[1] info HASH, KEYS[2] lease HASH, KEYS[3] reservations HASH,
 -- KEYS[4] reservation expiries ZSET.
 -- ARGV[1] now_ms.
--- Returns {} for an unknown node, else {{role, pool, labels, cordoned, cordon_reason, seq} (info
+-- Returns {} for an unknown node, else {{role, pool, labels, cordoned, cordon_reason, registered,
+-- seq} (info
 -- fields in this order, HMGET), the lease HASH as a flat HGETALL list ({} when none), c1, c2,
 -- c3, c4, c5, count, us, timed}: the debits and number of reservations counting at now, and the
 -- node time behind their compute with the timed debits' compute tokens (running totals less the
@@ -16,8 +17,10 @@ local expired = cf_expired(res, exp, ARGV[1])
 for i = 1, #expired do
   cf_add(t, expired[i], -1)
 end
-local fields = redis.call('HMGET', info, 'role', 'pool', 'labels', 'cordoned', 'cordon_reason', 'seq')
-for i = 1, 6 do
+local fields = redis.call(
+  'HMGET', info, 'role', 'pool', 'labels', 'cordoned', 'cordon_reason', 'registered', 'seq'
+)
+for i = 1, 7 do
   fields[i] = fields[i] or ''
 end
 local out = {fields, redis.call('HGETALL', lease)}

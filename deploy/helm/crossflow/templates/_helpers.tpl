@@ -214,3 +214,13 @@ security.agentCredentials.tlsSecret, or cert-manager's per-node Certificates. */
 {{- $s := .Values.security -}}
 {{- if or $s.agentCredentials.tlsSecret (and (eq (include "crossflow.tlsSource" .) "cert-manager") $s.certManager.agentNodes) }}true{{ end }}
 {{- end }}
+
+{{/* The engine's Prometheus URL: agent.engineMetricsUrl, else the engine's default port on the
+     node: vLLM serves on 8000, SGLang on 30000 (the synthetic source reads no URL). */}}
+{{- define "crossflow.engineMetricsUrl" -}}
+{{- if .Values.agent.engineMetricsUrl }}
+{{- .Values.agent.engineMetricsUrl }}
+{{- else }}
+{{- printf "http://$(NODE_IP):%d/metrics" (ternary 8000 30000 (eq .Values.agent.engine "vllm")) }}
+{{- end }}
+{{- end }}
