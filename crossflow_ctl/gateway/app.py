@@ -157,15 +157,28 @@ async def _lifetime(
         yield
     finally:
         await cancel_and_wait(tasks)
-        if queue is not None:
-            await queue.close()
-        if reservations is not None:
-            await reservations.close()
-        if client is not None:
-            await client.close()
+        await _close(app.get(GATEWAY), queue, reservations, client)
         if hasattr(protocol, "aclose"):
             await protocol.aclose()
         await session.close()
+
+
+async def _close(
+    gateway: Gateway | None,
+    queue: AdmissionQueue | None,
+    reservations: Reservations | None,
+    client: AdmissionClient | None,
+) -> None:
+    """Staged: clean-ups of departed clients, held prompts to prefill, open reservations
+    released, then the broker connection."""
+    if gateway is not None:
+        await gateway.aclose()
+    if queue is not None:
+        await queue.close()
+    if reservations is not None:
+        await reservations.close()
+    if client is not None:
+        await client.close()
 
 
 async def _discovery_loop(

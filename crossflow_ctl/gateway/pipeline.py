@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -108,6 +108,12 @@ class Gateway:
         self.reservations = reservations
         self.model = model
         self.prefix = PrefixIndex(settings.prefix_block_tokens, settings.prefix_blocks_per_node)
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    async def aclose(self) -> None:
+        """Wait for the clean-ups of requests whose clients left (they release grants)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     # -- the request ---------------------------------------------------------------------
 
@@ -189,15 +195,15 @@ class Gateway:
         if req is None:
             return None
         with self.tracer.start_as_current_span("gateway.admit") as span:
+            asking = asyncio.ensure_future(self.queue.submit(req))
             try:
-                ticket = await self.queue.submit(req)
+                ticket = await asyncio.shield(asking)
+                outcome = await ticket
             except CrossflowError as exc:  # refused as invalid: nothing was held
                 log.warning("gateway.admit_refused", request_id=job.request_id, error=str(exc))
                 return None
-            try:
-                outcome = await ticket
-            except asyncio.CancelledError:  # the client went away while its prompt was held
-                await asyncio.shield(self._withdraw(ticket))
+            except asyncio.CancelledError:  # the client went away while its prompt was asked
+                self._background(self._abandon(asking))  # for or held: no grant is left open
                 raise
             admission = outcome.admission
             span.set_attribute("crossflow.decision", admission.decision.value)
@@ -214,10 +220,19 @@ class Gateway:
             self.metrics.held.observe(job.held_s)
         return outcome
 
-    async def _withdraw(self, ticket: Ticket) -> None:
-        """Stop holding a prompt whose client left; a grant that beat the withdrawal is
-        released at once."""
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _abandon(self, asking: asyncio.Future[Ticket]) -> None:
+        """The client left while its Admit was in flight or its prompt held: let the ask end,
+        stop holding the prompt, and release a grant that came anyway."""
         assert self.queue is not None
+        try:
+            ticket = await asking
+        except CrossflowError:
+            return
         await self.queue.withdraw(ticket)
         outcome = ticket.outcome
         if outcome is not None and outcome.borrowed and self.reservations is not None:

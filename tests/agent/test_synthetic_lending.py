@@ -50,7 +50,7 @@ def _busy_engine(script: EngineScript) -> tuple[SyntheticEngine, Mono]:
 def _over(e: SyntheticEngine, bound_s: float) -> int:
     """ITL observations above ``bound_s`` (one of the histogram's bounds)."""
     bounds = e.script.itl_buckets_s
-    return sum(e.itl_counts[bounds.index(bound_s) + 1 :])
+    return sum(e.itl.counts[bounds.index(bound_s) + 1 :])
 
 
 def test_lending_engine_keeps_borrowed_prefill_steps_within_the_budget() -> None:
@@ -60,7 +60,7 @@ def test_lending_engine_keeps_borrowed_prefill_steps_within_the_budget() -> None
     mono.now = 10.0
     e.advance()
     assert e.counters["prefill_compute"] - before == 12_000, "the borrowed prompt was prefilled"
-    assert _over(e, 0.045) == 0, e.itl_counts
+    assert _over(e, 0.045) == 0, e.itl.counts
 
 
 def test_a_fixed_chunk_runs_borrowed_prefill_steps_over_the_slo() -> None:
