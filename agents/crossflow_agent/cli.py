@@ -80,6 +80,14 @@ def _settings_options(f: Any) -> Any:
             help=f"Borrow horizon until a broker's Welcome sends its own. [{_D.lease.horizon_ms}]",
         ),
         click.option("--period-ms", type=int, help=f"Lease period. [{_D.period_ms}]"),
+        click.option(
+            "--calibrate/--no-calibrate",
+            "calibrate",
+            default=None,
+            help="Fit the step-time constants to the engine's own telemetry, starting from"
+            " --node/--profile (the prior); --no-calibrate prices every lease with the prior."
+            f" [{'calibrate' if _D.calibration.enabled else 'no-calibrate'}]",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -88,10 +96,13 @@ def _settings_options(f: Any) -> Any:
 
 def _load(config_file: Path | None, flags: dict[str, Any]) -> AgentSettings:
     lease = {k: flags.pop(k) for k in ("itl_slo_ms", "horizon_ms") if k in flags}
+    calibrate = flags.pop("calibrate", None)
     overrides = {k: v for k, v in flags.items() if v is not None and v != ()}
     lease = {k: v for k, v in lease.items() if v is not None}
     if lease:
         overrides["lease"] = lease
+    if calibrate is not None:
+        overrides["calibration"] = {"enabled": calibrate}
     try:
         return load_settings(config_file, overrides)
     except ConfigError as exc:
