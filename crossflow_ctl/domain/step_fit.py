@@ -37,7 +37,7 @@ regime of each max), so each Gauss-Newton step is exact within its regime. Resid
 ``prior_weight * 47``, not a million, so a wrong preset can be left behind, while directions
 the windows do not see stay at the prior. Several starts (the prior, the prior scaled to the
 windows' median, each with the host work out of the way, and the warm start) because the max()
-kinks make local minima. ``w_i`` grows with the window's ITL samples up to 1.
+kinks make local minima. ``w_i`` grows with the window's engine steps up to 1.
 
 **Guards** (this module's; the online loop adds bounded change per period, idle windows and the
 fall-back, :mod:`crossflow_ctl.domain.online_calibration`):
@@ -105,12 +105,14 @@ class FitSettings(Frozen):
     window (0.005: one window 7% off costs as much as a constant moved e-fold, and a preset
     1000x off, ln(1000)^2 x 0.005 = 0.24 a constant, yields to a few windows that say so)."""
     min_windows: Annotated[int, Field(ge=1, le=10_000)] = 3
-    min_evidence: Annotated[float, Field(ge=0.0, le=10_000.0, allow_inf_nan=False)] = 1.5
-    """Windows' worth of step time a constant must explain before it moves."""
+    min_evidence: Annotated[float, Field(ge=0.0, le=10_000.0, allow_inf_nan=False)] = 1.0
+    """Windows' worth of step time a constant must explain before it moves (a window counts
+    its weight: see ``full_weight_steps``)."""
     max_error: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 0.25
     """Largest relative RMS error of an accepted fit over its windows."""
-    full_weight_tokens: Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)] = 256.0
-    """A window's weight is its ITL samples over this, at most 1."""
+    full_weight_steps: Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)] = 32.0
+    """A window's weight is its engine steps over this, at most 1: its mean step time is a mean
+    over steps (a step's tokens share its time), so fewer steps, a noisier mean."""
 
 
 class FitStatus(StrEnum):
@@ -194,7 +196,7 @@ def _rows(
             for share, chunk in win.steps_mix()
             if share > 0
         )
-        weight = min(1.0, win.itl_count / full_weight)
+        weight = min(1.0, win.steps / full_weight)
         rows.append(_Row(parts, win.itl_s, weight))
     return rows
 
@@ -377,7 +379,7 @@ def fit_step_constants(
     ``start``: a warm start (the calibrator's current constants), tried beside the prior.
     ``name``: the fitted profile's name (default ``"<prior>+telemetry"``)."""
     settings = settings or FitSettings()
-    rows = _rows(model, prior, windows, settings.full_weight_tokens)
+    rows = _rows(model, prior, windows, settings.full_weight_steps)
     penalty = prior.overlap_penalty
     prior_theta = _theta(prior)
     prior_error = _error(rows, prior_theta, penalty)
