@@ -100,10 +100,12 @@ _MAX_STEP = 2.0
 class FitSettings(Frozen):
     """The fit's guards and its pull toward the prior."""
 
-    prior_weight: Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)] = 0.005
+    prior_weight: Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)] = 0.002
     """The ridge: cost of moving one constant by a factor e, in squared relative errors of one
-    window (0.005: one window 7% off costs as much as a constant moved e-fold, and a preset
-    1000x off, ln(1000)^2 x 0.005 = 0.24 a constant, yields to a few windows that say so)."""
+    window (0.002: one window 4.5% off costs as much as a constant moved e-fold, and a preset
+    1000x off, ln(1000)^2 x 0.002 = 0.1 a constant, yields to a dozen windows that say so: at
+    0.005 the 13 windows of a CPU engine fitted from the h200 preset settled for a GPU-bound
+    answer 8% off with the HBM rate left at the preset's)."""
     min_windows: Annotated[int, Field(ge=1, le=10_000)] = 3
     min_evidence: Annotated[float, Field(ge=0.0, le=10_000.0, allow_inf_nan=False)] = 1.0
     """Windows' worth of step time a constant must explain before it moves (a window counts
@@ -339,29 +341,30 @@ class _Problem:
         return s
 
 
+GRID = tuple(math.log(10.0) * k for k in range(-3, 4))
+"""Log-shifts of the two rates the coarse search tries (0.001x to 1000x the prior)."""
+
+
 def _starts(
-    rows: Sequence[_Row],
-    prior_theta: Sequence[float],
-    base: Sequence[float],
-    penalty: float,
-    start: NodeProfile | None,
+    problem: _Problem, rows: Sequence[_Row], prior_theta: Sequence[float], start: NodeProfile | None
 ) -> list[list[float]]:
-    """Where Levenberg-Marquardt starts (the max() kinks make local minima, and the regime a
-    start puts each window in decides which one it finds): the prior; the prior scaled as a
-    whole to the windows' median ratio of measured to predicted step time; each of those with
-    the host work out of the way (GPU-bound everywhere); and the warm start."""
-    n = len(CONSTANTS)
-    ratios = sorted(row.y / p for row in rows if (p := _predict(row, prior_theta, penalty)[0]) > 0)
+    """Where Levenberg-Marquardt starts: the max() kinks make local minima, and the regime a
+    start puts each window in decides which one it finds. The prior; the prior scaled as a whole
+    to the windows' median ratio of measured to predicted step time; the warm start; and the two
+    best points of a coarse grid over the two rates (factors of 10 either way, the times scaled
+    as a whole, the host work at the scale or out of the way)."""
+    n, base = len(CONSTANTS), problem.base
+    ratios = sorted(
+        row.y / p for row in rows if (p := _predict(row, prior_theta, problem.penalty)[0]) > 0
+    )
     scale = math.log(ratios[len(ratios) // 2]) if ratios else 0.0
     host_off = math.log(_FLOOR[3] / base[3])
-    out = []
-    for shift in (0.0, scale):
-        out.append([shift] * n)
-        out.append([shift, shift, shift, host_off, shift])
+    out = [[0.0] * n, [scale] * n]
     if start is not None:
-        out.append(
-            [math.log(max(t, f) / b) for t, f, b in zip(_theta(start), _FLOOR, base, strict=True)]
-        )
+        warm = zip(_theta(start), _FLOOR, base, strict=True)
+        out.append([math.log(max(t, f) / b) for t, f, b in warm])
+    grid = [[u, v, scale, h, scale] for u in GRID for v in GRID for h in (scale, host_off)]
+    out += sorted(grid, key=problem.cost)[:2]
     return out
 
 
@@ -404,7 +407,7 @@ def fit_step_constants(
     base = [max(t, floor) for t, floor in zip(prior_theta, _FLOOR, strict=True)]
     everything = list(range(len(CONSTANTS)))
     problem = _Problem(rows, base, everything, penalty, settings.prior_weight)
-    starts = _starts(rows, prior_theta, base, penalty, start)
+    starts = _starts(problem, rows, prior_theta, start)
     s = min((problem.solve(x) for x in starts), key=problem.cost)
     at_prior = _shares(rows, prior_theta, penalty)
     at_fit = _shares(rows, problem.theta(s), penalty)

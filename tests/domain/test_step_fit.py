@@ -106,10 +106,12 @@ def test_fit_recovers_known_constants_from_noisy_windows(seed: int) -> None:
     # the fit's error is the noise's (3%), the prior's is tens of percent
     assert fit.error < 0.06
     assert fit.prior_error > 0.4
-    # and it predicts steps no window had, a decode step and a 1536-token chunk among them
+    # and it predicts steps no window had, a decode step and a 1536-token chunk among them (a
+    # lone request's host-bound step, h + c, only as well as the windows' host-bound steps pin
+    # the two: within 15%)
     fitted, truth = roofline(MODEL, fit.profile), roofline(MODEL, TRUTH)
     for b, c, p in HELD_OUT:
-        assert fitted.step_s(b, c, p) == pytest.approx(truth.step_s(b, c, p), rel=0.12)
+        assert fitted.step_s(b, c, p) == pytest.approx(truth.step_s(b, c, p), rel=0.15)
 
 
 def test_constants_the_windows_do_not_show_keep_the_prior_exactly() -> None:
