@@ -106,6 +106,12 @@ def _delta(now: float | None, before: float | None) -> float | None:
     return now - before
 
 
+STEP_TOKEN_BUCKETS: tuple[float, ...] = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, math.inf,
+)  # fmt: skip
+"""Upper bounds of a tokens-per-step histogram as vLLM buckets ``iteration_tokens_total``, for
+engines that count their own (the simulator's servers)."""
+
 DEFAULT_CHUNK_TOKENS = 2048
 """The prefill a step is taken to carry when the engine exports no tokens-per-step histogram."""
 
