@@ -134,3 +134,24 @@ def test_calibrate_from_an_idle_engine_writes_nothing(tmp_path: Path) -> None:
         loop.close()
     assert result.exit_code == 1
     assert "too_few_windows" in result.output and not out.exists()
+
+
+def test_no_calibrate_keeps_the_prior_for_every_lease() -> None:
+    """Calibration is on by default; --no-calibrate (or calibration.enabled: false) turns it
+    off, and the agent then prices every lease with the preset or profile file."""
+    from crossflow_agent.agent import Agent
+    from crossflow_agent.settings import load_settings
+    from crossflow_agent.sources.synthetic import SyntheticSource
+
+    on = load_settings(None, {"node_id": "n1"})
+    off = load_settings(None, {"node_id": "n1", "calibration": {"enabled": False}})
+    assert on.calibration.enabled and not off.calibration.enabled
+    source = SyntheticSource(SyntheticEngine(MODEL, PRIOR))
+    assert Agent(on, source, MODEL, PRIOR).calibration is not None
+    agent = Agent(off, source, MODEL, PRIOR)
+    assert agent.calibration is None and agent.profile is PRIOR
+    result = CliRunner().invoke(
+        cli, ["inspect", "--source", "synthetic", "--window-ms", "0", "--no-calibrate", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["settings"]["source"] == "synthetic"
