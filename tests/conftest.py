@@ -24,7 +24,8 @@ pytest_plugins = ["tests.skip_guard"]
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"
+TRACE_SAMPLES = Path(__file__).resolve().parent / "data" / "traces"
+"""Heads of public traces cut by scripts/cut_trace_samples.py (see the README there)."""
 
 
 def free_port() -> int:
@@ -216,8 +217,31 @@ def delete_cluster_namespace(url: str, namespace: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def traces_dir() -> Path:
-    """../shared/traces next to the checkout; tests that need it skip when it is missing."""
-    if not TRACES_DIR.is_dir():
-        pytest.skip(f"trace folder {TRACES_DIR} is missing (see ../shared/traces/README.md)")
-    return TRACES_DIR
+def mooncake_sample() -> Path:
+    """The first 600 requests of the Mooncake conversation trace (jsonl with ``hash_ids``)."""
+    return TRACE_SAMPLES / "mooncake_conversation_trace_head600.jsonl"
+
+
+@pytest.fixture(scope="session")
+def azure_conv_sample() -> Path:
+    """The first 100 rows of the Azure 2023 chat trace (CSV, no prefix data)."""
+    return TRACE_SAMPLES / "AzureLLMInferenceTrace_conv_head100.csv"
+
+
+@pytest.fixture(scope="session")
+def sessions_sample() -> Path:
+    """The first 483 requests of the agentic session trace: 3 sessions and 2 sub-agents."""
+    return TRACE_SAMPLES / "agent_sessions_sample_head483.jsonl"
+
+
+@pytest.fixture(scope="session")
+def full_traces_dir() -> Path:
+    """$CROSSFLOW_TRACES_DIR, the folder of the full traces; tests that need it skip without it
+    (mark them ``may_skip``: CI has no full traces). tests/data/traces/README.md says where to
+    get them."""
+    folder = os.environ.get("CROSSFLOW_TRACES_DIR", "")
+    if not folder:
+        pytest.skip("CROSSFLOW_TRACES_DIR is not set (see tests/data/traces/README.md)")
+    if not Path(folder).is_dir():
+        pytest.fail(f"CROSSFLOW_TRACES_DIR={folder} is not a folder")
+    return Path(folder)

@@ -118,8 +118,8 @@ async def test_same_seed_same_report(tmp_path: Path) -> None:
     assert "2P4D" not in reports[0] and "1P2D/leases" in reports[0]
 
 
-async def test_mooncake_slice_leases_borrow_without_over_commit(traces_dir: Path) -> None:
-    trace = load_mooncake(traces_dir / "mooncake_conversation_trace.jsonl", limit=600).scaled(4)
+async def test_mooncake_slice_leases_borrow_without_over_commit(mooncake_sample: Path) -> None:
+    trace = load_mooncake(mooncake_sample, limit=600).scaled(4)
     cfg = SimConfig(prefill_nodes=2, decode_nodes=4, policy=PolicyKind.LEASES)
     rec = await simulate(trace, cfg)
     s = summarize(rec)
