@@ -15,10 +15,16 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis as AsyncRedis
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+    from crossflow_ctl.store.redis_store import RedisStore
 
 pytest_plugins = ["tests.skip_guard"]
 
@@ -34,9 +40,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+PATIENT_SOCKET_TIMEOUT_S = 30.0
+PATIENT_OP_TIMEOUT_S = 60.0
+"""Redis deadlines for tests that are not about them: a loaded machine (or a Redis busy with
+another suite's work) can hold one reply past the store's production 1 s socket timeout, and a
+test then failed with StoreUnavailable (Timeout reading from ...) for no fault of the code."""
+
+
+def patient_redis_store(
+    client: str | AsyncRedis | AsyncRedisCluster, namespace: str, **settings: Any
+) -> RedisStore:
+    """A RedisStore with generous socket and per-operation deadlines (overridable in
+    ``settings``), for every test that is not about those deadlines. A client given as an
+    object keeps its own socket timeout."""
+    from crossflow_ctl.store.redis_store import RedisStore
+
+    settings.setdefault("socket_timeout_s", PATIENT_SOCKET_TIMEOUT_S)
+    settings.setdefault("op_timeout_s", PATIENT_OP_TIMEOUT_S)
+    return RedisStore(client, namespace, **settings)
+
+
 def _answers(url: str) -> bool:
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:  # generous: a Redis slow to answer on a loaded machine is still there
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
         try:
             return bool(client.ping())
         finally:

@@ -23,6 +23,7 @@ from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import Store
 from crossflow_ctl.store.memory import MemoryStore
 from tests.broker.agents import FakeAgent
+from tests.conftest import patient_redis_store
 
 HAVE_REDIS_STORE = importlib.util.find_spec("crossflow_ctl.store.redis_store") is not None
 
@@ -49,8 +50,7 @@ def store_factory(store_kind: str, request: pytest.FixtureRequest) -> Callable[[
         return lambda: shared
     redis_url = request.getfixturevalue("redis_url")
     namespace = request.getfixturevalue("redis_namespace")
-    module = importlib.import_module("crossflow_ctl.store.redis_store")
-    return lambda: module.RedisStore(redis_url, namespace=namespace)
+    return lambda: patient_redis_store(redis_url, namespace)
 
 
 class Cluster:

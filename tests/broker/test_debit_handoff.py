@@ -30,6 +30,7 @@ from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import DebitOutcome, DebitRequest, Store
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.conftest import TEST_POLICY, lending_broker
+from tests.conftest import patient_redis_store
 
 
 class _Gated:
@@ -162,7 +163,7 @@ async def held(
     redis_url: str, redis_namespace: str
 ) -> AsyncIterator[tuple[HeldReplies, RedisStore]]:
     proxy = HeldReplies(redis_url)
-    store = RedisStore(await proxy.start(), namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(await proxy.start(), redis_namespace, cache_max_age_ms=60_000)
     try:
         yield proxy, store
     finally:
@@ -321,7 +322,7 @@ async def test_redis_a_late_debit_read_at_shutdown_is_released_before_the_store_
     answer = await server.broker.admit(late)
     assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
     await server.stop()
-    fresh = RedisStore(redis_url, namespace=redis_namespace)  # not through the proxy
+    fresh = patient_redis_store(redis_url, redis_namespace)  # not through the proxy
     try:
         listed = await fresh.list_reservations(None, 1_700_000_000_000)
         record = await fresh.read_request("admit:late")
@@ -356,7 +357,7 @@ async def test_redis_a_batch_decided_at_shutdown_for_callers_gone_is_released(
     with pytest.raises(asyncio.CancelledError):
         await caller
     await server.stop()
-    fresh = RedisStore(redis_url, namespace=redis_namespace)  # not through the proxy
+    fresh = patient_redis_store(redis_url, redis_namespace)  # not through the proxy
     try:
         listed = await fresh.list_reservations(None, 1_700_000_000_000)
     finally:
@@ -375,7 +376,7 @@ async def test_redis_closing_does_not_wait_for_good_on_a_late_read_that_never_en
     as lost (counted)."""
     proxy = HeldReplies(redis_url)
     client = Redis.from_url(await proxy.start(), socket_timeout=None)  # none (default: 5 s)
-    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(client, redis_namespace, cache_max_age_ms=60_000)
     reader = InMemoryMetricReader()
     metrics = BrokerMetrics(MeterProvider(metric_readers=[reader]))
     try:
@@ -432,7 +433,7 @@ async def test_redis_a_late_debit_whose_reply_is_lost_is_counted(
         await asyncio.sleep(0.01)
     assert _lost_debits(reader) == 1
     assert _lost_debits(reader, "store_errors") == 1  # the debit call failed, late
-    fresh = RedisStore(redis_url, namespace=redis_namespace)  # not through the proxy
+    fresh = patient_redis_store(redis_url, redis_namespace)  # not through the proxy
     try:
         listed = await fresh.list_reservations(None, 1_700_000_000_000)
     finally:

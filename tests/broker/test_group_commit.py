@@ -19,6 +19,7 @@ from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.conftest import TEST_POLICY, lending_broker
 from tests.broker.test_exact_outcomes import SlowDebits
+from tests.conftest import patient_redis_store
 from tests.store.test_redis_round_trips import CountingConnection
 
 PATIENT = TEST_POLICY.model_copy(update={"admit_timeout_ms": 10_000})
@@ -28,7 +29,7 @@ PATIENT = TEST_POLICY.model_copy(update={"admit_timeout_ms": 10_000})
 async def counted(redis_url: str, redis_namespace: str) -> AsyncIterator[RedisStore]:
     """A Redis store whose connections count the round trips they make."""
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
-    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(client, redis_namespace, cache_max_age_ms=60_000)
     try:
         yield store
     finally:
@@ -134,7 +135,7 @@ async def test_a_warm_lone_admit_starts_no_task_on_standalone_redis(
 ) -> None:
     """Its debit is waited for in its own task on the dedicated connection (no task per debit
     round; the store's own connections write in the caller's task too)."""
-    store = RedisStore(redis_url, namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(redis_url, redis_namespace, cache_max_age_ms=60_000)
     try:
         await _no_task_for_a_warm_admit(store)
     finally:

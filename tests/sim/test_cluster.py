@@ -14,7 +14,7 @@ from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.metrics import summarize
 from crossflow_ctl.sim.report import write_report
 from crossflow_ctl.sim.traces import Trace, TraceRequest, load_mooncake
-from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import patient_redis_store
 
 CFG = SimConfig(prefill_nodes=1, decode_nodes=1)
 
@@ -131,7 +131,7 @@ async def test_mooncake_slice_leases_borrow_without_over_commit(mooncake_sample:
 
 @pytest.mark.redis
 async def test_leases_on_the_redis_store(redis_url: str, redis_namespace: str) -> None:
-    store = RedisStore(redis_url, redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     try:
         rec = await simulate(_burst(40, 0.02), LEASES, store)
     finally:

@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 from crossflow_ctl.domain.models import NoticeKind
 from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import patient_redis_store
 from tests.store.helpers import NOW, credits, lease, register
 
 NODES = 300
@@ -44,7 +45,7 @@ async def test_many_waiting_relays_share_a_bounded_set_of_connections(
 ) -> None:
     """300 relays wait at once on a store allowed 8 connections (one blocking XREAD each
     needed 300 and failed past the pool's size); every one wakes on its own node's notice."""
-    store = RedisStore(redis_url, namespace=redis_namespace, max_connections=8)
+    store = patient_redis_store(redis_url, redis_namespace, max_connections=8)
     nodes = [f"d{i:03d}" for i in range(NODES)]
     try:
         await register(store, *nodes)
@@ -76,7 +77,7 @@ async def test_many_waiting_relays_share_a_bounded_set_of_connections(
 async def test_a_wait_with_no_notice_costs_no_round_trip_once_subscribed(
     redis_url: str, redis_namespace: str
 ) -> None:
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     try:
         await register(store, "d1")
         await store.read_notices("d1", 0, 10, block_ms=300)  # subscribes, reads once
@@ -100,7 +101,7 @@ async def test_the_read_after_the_notices_it_found_waits_for_a_wake_not_a_round_
 ) -> None:
     """A relay's read that found notices (fewer than asked) and the next read after them: one
     XRANGE, not a second one that finds nothing; a later notice still wakes it."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     try:
         await register(store, "d1")
         await store.upsert_lease(lease("d1"), NOW, 60_000)
@@ -129,7 +130,7 @@ async def test_the_read_after_the_notices_it_found_waits_for_a_wake_not_a_round_
 async def test_leases_arriving_together_go_in_few_pipelines_and_stay_monotonic(
     redis_url: str, redis_namespace: str
 ) -> None:
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     nodes = [f"d{i:03d}" for i in range(200)]
     try:
         await register(store, *nodes)
@@ -154,8 +155,8 @@ async def test_a_broken_wake_subscription_loses_no_notice(
 ) -> None:
     """Kill the store's own pub/sub connection while a relay waits: the waiter reads its
     stream again (and polls until the subscription is back), so the notice still arrives."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
-    writer = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
+    writer = patient_redis_store(redis_url, redis_namespace)
     admin = aioredis.Redis.from_url(redis_url)
     try:
         await register(store, "d1")
@@ -192,7 +193,7 @@ async def test_one_lease_batch_that_expires_holds_on_two_nodes_wakes_both(
     """upsert_leases purges expired holds of every lease in its call: each node whose stream got
     an EXPIRE notice is woken, not only the first (a relay that found its stream drained waits
     for a wake before it reads again)."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     listener = aioredis.Redis.from_url(redis_url)
     pubsub = listener.pubsub()
     try:
@@ -229,7 +230,7 @@ async def test_relays_woken_together_read_in_few_pipelines_on_few_connections(
     once again (so does its return): their reads go out as a few pipelines of XRANGEs on a few
     connections, not one round trip and one connection each (the pool opened all 64 it may),
     and every relay still gets its own node's notice."""
-    store = RedisStore(redis_url, namespace=redis_namespace, max_connections=64)
+    store = patient_redis_store(redis_url, redis_namespace, max_connections=64)
     admin = aioredis.Redis.from_url(redis_url)
     nodes = [f"d{i:03d}" for i in range(NODES)]
     name = f"crossflow:{redis_namespace}"
