@@ -6,6 +6,8 @@ Tests never flush a database: each test gets its own key prefix, so suites can s
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import shutil
 import socket
@@ -13,9 +15,9 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import pytest
 import redis
@@ -38,6 +40,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+T = TypeVar("T")
+
+PATIENCE_S = 30.0
+"""How long a test waits for background work to show: a hang guard, never a latency bound (a
+loaded 2-core machine took over 2 s where a quiet one takes 20 ms)."""
+
+
+async def eventually(
+    check: Callable[[], Awaitable[T] | T],
+    what: str,
+    limit_s: float = PATIENCE_S,
+    every_s: float = 0.01,
+) -> T:
+    """``check()`` (awaited if it gives an awaitable) until it gives something truthy, and return
+    that; fail saying ``what`` (and the last value) after ``limit_s``. For work a test waits on
+    in the background, in place of a fixed number of short sleeps, whose sum was a real-time
+    deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return cast(T, value)
+        if loop.time() > deadline:
+            pytest.fail(f"{what}: not within {limit_s:g} s (last: {value!r})")
+        await asyncio.sleep(every_s)
 
 
 PATIENT_SOCKET_TIMEOUT_S = 30.0

@@ -24,7 +24,7 @@ from crossflow_ctl.store.memory import MemoryStore
 from crossflow_ctl.wire.convert_admission import admission_to_proto, admit_request_from_proto
 from tests.broker.conftest import TEST_POLICY, lending_broker, target
 from tests.broker.test_fail_closed import _broker_on, _closed_port
-from tests.conftest import patient_redis_store
+from tests.conftest import eventually, patient_redis_store
 from tests.store.test_redis_round_trips import CountingConnection
 
 # Decisions here must not hinge on a loaded test machine answering within the default 50 ms.
@@ -151,13 +151,11 @@ async def test_a_grant_that_arrives_after_its_request_gave_up_is_released(cluste
     ):
         late = await stream.admit(uncached_prompt_tokens=500)
         assert (late.decision, late.reason) == (Decision.NORMAL, Reason.TIMEOUT)
-        states: list[ReservationState] = []
-        for _ in range(250):
-            states = [r.state for r in await admin.list_reservations()]
-            if states == [ReservationState.RELEASED]:
-                break
-            await asyncio.sleep(0.02)
-        assert states == [ReservationState.RELEASED]
+
+        async def released() -> bool:
+            return [r.state for r in await admin.list_reservations()] == [ReservationState.RELEASED]
+
+        await eventually(released, "the grant released in the background")
 
 
 async def test_a_batch_is_decided_with_one_redis_round_trip(

@@ -174,24 +174,30 @@ async def test_a_warm_view_takes_local_leases_in_place(
 
 
 async def test_the_lender_draw_is_renewed_off_the_request_path(
-    redis_url: str, redis_namespace: str
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past half its age bound, a warm Admit starts a renewal in the background and answers
-    from the cache; after it, Admits past the first draw's bound still read nothing."""
+    from the cache; after it, Admits past the first draw's bound still read nothing.
+
+    The caches' ages run on a clock of the test's own: with real sleeps (0.25 s, then 0.2 s
+    against a 0.4 s bound) a loaded machine slept past the bound and the warm Admit read."""
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
     store = patient_redis_store(client, redis_namespace, cache_max_age_ms=400)
+    clock = [0.0]
+    for cache in store._view.caches:
+        monkeypatch.setattr(cache, "_monotonic", lambda: clock[0])
     try:
         await register(store, "d1")
         await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
         await store.put_pool_load(load(ttl_ms=TTL), NOW, TTL)
         await store.admission_view("default", [], 8, NOW)  # cold
-        await asyncio.sleep(0.25)  # past half the bound
+        clock[0] += 0.25  # past half the bound
         before = CountingConnection.sent
         _, warm = await store.admission_view("default", [], 8, NOW)
         on_request = CountingConnection.sent - before
         assert store._view.renewal is not None
         await store._view.renewal  # the renewal, in the background
-        await asyncio.sleep(0.2)  # the first draw is past its bound now, the renewed one not
+        clock[0] += 0.2  # the first draw is past its bound now, the renewed one not
         before = CountingConnection.sent
         _, later = await store.admission_view("default", [], 8, NOW)
         after_bound = CountingConnection.sent - before

@@ -22,7 +22,7 @@ from crossflow_ctl.store.base import DebitRequest, RequestRecord
 from crossflow_ctl.store.redis_connect import RedisConnection, connect
 from crossflow_ctl.store.redis_scripts import load_script
 from crossflow_ctl.store.redis_store import RedisStore
-from tests.conftest import patient_redis_store
+from tests.conftest import eventually, patient_redis_store
 from tests.store.helpers import NOW, credits, lease, register
 
 TTL = 1_000
@@ -215,10 +215,7 @@ async def test_a_waiting_read_with_notices_there_is_one_round_trip(
         await store.try_debit("d1", credits(1), 1.0, NOW, 100)
         # The first wait subscribes the store to notice wakes (its own connection, once).
         assert await store.read_notices("d1", 2, 10, block_ms=100) == []
-        for _ in range(100):
-            if store._notices.hub.live:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: store._notices.hub.live, "the wake subscription up")
         before = CountingConnection.sent
         found = await store.read_notices("d1", 0, 10, block_ms=10_000)
         sent = CountingConnection.sent - before

@@ -5,12 +5,13 @@ monotonic check."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from crossflow_ctl.domain.models import NoticeKind
 from crossflow_ctl.store.redis_store import RedisStore
-from tests.conftest import patient_redis_store
+from tests.conftest import PATIENCE_S, eventually, patient_redis_store
 from tests.store.helpers import NOW, credits, lease, register
 
 NODES = 300
@@ -38,6 +39,16 @@ def _count_ranges(store: RedisStore) -> list[int]:
 
     store._notices._range = counting  # type: ignore[method-assign,assignment]
     return count
+
+
+async def _subscriptions(admin: aioredis.Redis, name: str) -> list[dict[str, Any]]:
+    """The store's pub/sub connections that Redis lists, once there is one."""
+
+    async def listed() -> list[dict[str, Any]]:
+        clients = await admin.client_list()
+        return [c for c in clients if c.get("name") == name and "subscribe" in c.get("cmd", "")]
+
+    return await eventually(listed, f"a subscription named {name}")
 
 
 async def test_many_waiting_relays_share_a_bounded_set_of_connections(
@@ -82,7 +93,7 @@ async def test_a_wait_with_no_notice_costs_no_round_trip_once_subscribed(
         await register(store, "d1")
         await store.read_notices("d1", 0, 10, block_ms=300)  # subscribes, reads once
         hub = store._notices.hub
-        assert hub.live
+        await eventually(lambda: hub.live, "the wake subscription up")
         ranges = _count_ranges(store)
         for _ in range(3):
             assert await store.read_notices("d1", 0, 10, block_ms=30) == []
@@ -107,14 +118,12 @@ async def test_the_read_after_the_notices_it_found_waits_for_a_wake_not_a_round_
         await store.upsert_lease(lease("d1"), NOW, 60_000)
         await store.read_notices("d1", 0, 10, block_ms=300)  # subscribes, reads once
         hub = store._notices.hub
-        assert hub.live
+        await eventually(lambda: hub.live, "the wake subscription up")
         ranges = _count_ranges(store)
         wakes = hub.wakes
         await store.try_debit("d1", credits(1), 1.0, NOW, 60_000)
-        for _ in range(500):  # its wake is in before the read (a later one would read again)
-            if hub.wakes > wakes:
-                break
-            await asyncio.sleep(0.01)
+        # its wake is in before the read (a later one would read again)
+        await eventually(lambda: hub.wakes > wakes, "the debit's wake")
         found = await store.read_notices("d1", 0, 10, block_ms=5_000)
         after = await store.read_notices("d1", found[-1].seq, 10, block_ms=30)
         reads_for_one = ranges[0]
@@ -161,23 +170,20 @@ async def test_a_broken_wake_subscription_loses_no_notice(
     try:
         await register(store, "d1")
         await writer.upsert_lease(lease("d1"), NOW, 60_000)
-        await store.read_notices("d1", 0, 10, block_ms=200)  # subscribed now
+        await store.read_notices("d1", 0, 10, block_ms=200)  # subscribes
+        await eventually(lambda: store._notices.hub.live, "the wake subscription up")
         generation = store._notices.hub.generation
         reader = asyncio.create_task(store.read_notices("d1", 0, 10, block_ms=20_000))
-        await asyncio.sleep(0.2)
-        ours = [
-            c
-            for c in await admin.client_list()
-            if c.get("name") == f"crossflow:{redis_namespace}" and "subscribe" in c.get("cmd", "")
-        ]
+        await asyncio.sleep(0.2)  # the reader waits (were it later, it reads all the same)
+        ours = await _subscriptions(admin, f"crossflow:{redis_namespace}")
         assert len(ours) == 1
         await admin.client_kill_filter(_id=ours[0]["id"])
         granted = await writer.try_debit("d1", credits(1), 1.0, NOW, 60_000)
-        notices = await asyncio.wait_for(reader, timeout=15)
-        for _ in range(100):  # and the subscription comes back on its own
-            if store._notices.hub.live and store._notices.hub.generation > generation + 1:
-                break
-            await asyncio.sleep(0.05)
+        notices = await asyncio.wait_for(reader, timeout=PATIENCE_S)
+        hub = store._notices.hub
+        await eventually(  # and the subscription comes back on its own
+            lambda: hub.live and hub.generation > generation + 1, "the subscription back"
+        )
     finally:
         await store.close()
         await writer.close()
@@ -209,7 +215,8 @@ async def test_one_lease_batch_that_expires_holds_on_two_nodes_wakes_both(
         )
         batches = store._ingest.batches - before
         woken: set[bytes] = set()
-        for _ in range(20):
+        deadline = asyncio.get_running_loop().time() + PATIENCE_S  # a hang guard
+        while woken != {b"d1", b"d2"} and asyncio.get_running_loop().time() < deadline:
             message = await pubsub.get_message(timeout=0.2)
             if message is not None and message["type"] == "message":
                 woken.add(message["data"])
@@ -237,17 +244,14 @@ async def test_relays_woken_together_read_in_few_pipelines_on_few_connections(
     try:
         await register(store, *nodes)
         await asyncio.gather(*(store.upsert_lease(lease(n), NOW, 60_000) for n in nodes))
-        await store.read_notices(nodes[0], 0, 10, block_ms=200)  # subscribed now
+        await store.read_notices(nodes[0], 0, 10, block_ms=200)  # subscribes
+        await eventually(lambda: store._notices.hub.live, "the wake subscription up")
         readers = [
             asyncio.create_task(store.read_notices(n, 0, 10, block_ms=20_000)) for n in nodes
         ]
         await asyncio.sleep(0.3)
         before = await _connections(redis_url, name)
-        ours = [
-            c
-            for c in await admin.client_list()
-            if c.get("name") == name and "subscribe" in c.get("cmd", "")
-        ]
+        ours = await _subscriptions(admin, name)
         await admin.client_kill_filter(_id=ours[0]["id"])  # every relay reads again, at once
         await asyncio.sleep(1.0)  # and again when the subscription is back
         assert not any(r.done() for r in readers)
