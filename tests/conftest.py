@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import pytest
 import redis
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis as AsyncRedis
@@ -29,6 +31,15 @@ if TYPE_CHECKING:
     from crossflow_ctl.store.redis_store import RedisStore
 
 pytest_plugins = ["tests.skip_guard"]
+
+# No per-example deadline and no too-slow health check: on a loaded machine an example (a Redis
+# round trip, a gRPC call) overran hypothesis' 200 ms default, or generation looked slow, and a
+# sound property failed as DeadlineExceeded, Flaky or FailedHealthCheck. Tests never assert
+# wall-clock times; pytest-timeout still bounds every test.
+hypothesis_settings.register_profile(
+    "crossflow", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+hypothesis_settings.load_profile("crossflow")
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REPO_ROOT = Path(__file__).resolve().parent.parent
