@@ -3,13 +3,16 @@
     .venv/bin/python -m tests.realengine.probe_connectors [CASE ...] [--logs DIR]
 
 For each case (all when none is named) it starts a prefill and a decode engine with the case's
-``--kv-transfer-config``, sends one prompt of about 300 tokens through vLLM's P/D protocol
+``--kv-transfer-config``, sends one prompt of about 350 tokens through vLLM's P/D protocol
 (prefill: ``kv_transfer_params={"do_remote_decode": true}``, ``max_tokens=1``; decode: the
 prefill answer's ``kv_transfer_params``), and prints one JSON line: whether both engines
-started (else the first error line of the log), the prefill's ``kv_transfer_params``, whether the
-decode's greedy answer equals the prefill engine's own greedy answer to the same prompt, the
+started (else the exceptions in their logs), the prefill's ``kv_transfer_params``, whether the
+decode's greedy answer equals a plain third engine's greedy answer to the same prompt, the
 decode engine's ``vllm:prompt_tokens_by_source_total`` delta for the hop, and the log lines
-that name the connector's doing. docs/real-engines.md records what it printed.
+that name the connector's doing. A case named ``...+twin`` runs the prefill engine on the twin
+model (other weights): a decode answer that then still equals the plain engine's shows the decode
+engine recomputed the prompt instead of using the KV it got. docs/real-engines.md records what
+it printed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ from tests.realengine.harness import (
     counter_delta,
     distinct_free_ports,
     engine_factory,
+    ensure_twin_llama,
     kv_transfer_config,
     nixl_spec,
     prefill_request,
@@ -39,7 +44,7 @@ from tests.realengine.harness import (
     words_prompt,
 )
 
-PROMPT_WORDS = 240
+PROMPT_WORDS = 350
 MAX_TOKENS = 16
 EVIDENCE = re.compile(
     r"External Cache Hit|attn_metadata is None|Inject KV|NIXL|nixl|Nixl|handshake|"
@@ -107,7 +112,9 @@ def _offloading(scratch: Path) -> tuple[EngineSpec, EngineSpec]:
 
 CASES: dict[str, Pair] = {
     "ExampleConnector": _example,
+    "ExampleConnector+twin": _example,
     "NixlConnector": _nixl,
+    "NixlConnector+twin": _nixl,
     "MultiConnector(Nixl+Example)": _multi,
     "OffloadingConnector": _offloading,
     "SimpleCPUOffloadConnector": _pair("SimpleCPUOffloadConnector", "kv_both", "kv_both"),
@@ -150,16 +157,34 @@ def _root_causes(scratch: Path) -> list[str]:
     return causes[:6]
 
 
+def _on_twin(prefill: EngineSpec, decode: EngineSpec, twin: Path) -> tuple[EngineSpec, EngineSpec]:
+    """The prefill engine on the twin model; the decode engine told not to refuse NIXL's
+    handshake over the model path that differs."""
+    config = dict(decode.kv_transfer or {})
+    if "Nixl" in str(config):
+        config["kv_connector_extra_config"] = {
+            **config.get("kv_connector_extra_config", {}),
+            "enforce_handshake_compat": False,
+        }
+    return replace(prefill, model_dir=twin), replace(decode, kv_transfer=config)
+
+
 def probe(name: str, make: Pair, log_root: Path, python: Path) -> dict[str, Any]:
+    """One case; ``name`` ending in ``+twin`` runs the prefill engine on the twin model."""
     result: dict[str, Any] = {"case": name}
     scratch = log_root / re.sub(r"\W+", "_", name)
     scratch.mkdir(parents=True, exist_ok=True)
     with engine_factory(python, scratch) as factory:
         prefill_spec, decode_spec = make(scratch)
+        if name.endswith("+twin"):
+            twin = ensure_twin_llama(python, factory.model_dir)
+            prefill_spec, decode_spec = _on_twin(prefill_spec, decode_spec, twin)
         result["prefill_config"] = prefill_spec.kv_transfer
         result["decode_config"] = decode_spec.kv_transfer
         try:
-            prefill, decode = factory.start_many([prefill_spec, decode_spec])
+            prefill, decode, reference = factory.start_many(
+                [prefill_spec, decode_spec, EngineSpec("reference")]
+            )
         except EngineStartError as exc:
             result["started"] = False
             result["start_error"] = _root_causes(scratch) or str(exc)[-800:]
@@ -185,9 +210,8 @@ def probe(name: str, make: Pair, log_root: Path, python: Path) -> dict[str, Any]
             decode.prompt_tokens_by_source(), before
         )
         try:
-            # The reference: the prefill engine's own greedy answer (after the hop, so the decode
-            # engine's caches are not warmed by it).
-            result["reference_text"] = _complete(prefill, body)["choices"][0]["text"]
+            # The reference: a plain engine's greedy answer with the decode engine's weights.
+            result["reference_text"] = _complete(reference, body)["choices"][0]["text"]
             result["same_answer"] = result.get("decode_text") == result["reference_text"]
         except (RuntimeError, httpx.HTTPError) as exc:
             result["reference_error"] = str(exc)[:600]
