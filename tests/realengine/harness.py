@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -82,10 +83,30 @@ def vllm_python(venv: Path = VLLM_VENV) -> Path | None:
     return python
 
 
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, below the kernel's ephemeral range.
+
+    The engines' ports (HTTP, NIXL side channel) are chosen here and bound later by the engine;
+    vLLM picks its own internal ports with ``bind(0)``, from the ephemeral range, so a port taken
+    from below that range cannot be grabbed by another engine in between (a port from ``bind(0)``
+    here was: ``ZMQError: Address already in use`` on a NIXL side channel)."""
+    top = _ephemeral_start()
+    for _ in range(500):
+        port = random.randint(max(1024, top - 12000), top - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {top}")
 
 
 def distinct_free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:

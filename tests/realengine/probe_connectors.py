@@ -11,8 +11,8 @@ decode's greedy answer equals a plain third engine's greedy answer to the same p
 decode engine's ``vllm:prompt_tokens_by_source_total`` delta for the hop, and the log lines
 that name the connector's doing. A case named ``...+twin`` runs the prefill engine on the twin
 model (other weights): a decode answer that then still equals the plain engine's shows the decode
-engine recomputed the prompt instead of using the KV it got. docs/real-engines.md records what
-it printed.
+engine recomputed the prompt instead of using the KV it got; a ``...+short`` case sends a prompt
+shorter than one KV block. docs/real-engines.md records what it printed.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ from tests.realengine.harness import (
 )
 
 PROMPT_WORDS = 350
+SHORT_PROMPT_WORDS = 60
+"""A ``+short`` case's prompt: about 90 tokens, less than one of the CPU backend's 128-token KV
+blocks."""
 MAX_TOKENS = 16
 EVIDENCE = re.compile(
     r"External Cache Hit|attn_metadata is None|Inject KV|NIXL|nixl|Nixl|handshake|"
@@ -115,6 +118,8 @@ CASES: dict[str, Pair] = {
     "ExampleConnector+twin": _example,
     "NixlConnector": _nixl,
     "NixlConnector+twin": _nixl,
+    "ExampleConnector+short": _example,
+    "NixlConnector+short": _nixl,
     "MultiConnector(Nixl+Example)": _multi,
     "OffloadingConnector": _offloading,
     "SimpleCPUOffloadConnector": _pair("SimpleCPUOffloadConnector", "kv_both", "kv_both"),
@@ -150,6 +155,8 @@ def _root_causes(scratch: Path) -> list[str]:
         for line in log.read_text(errors="replace").splitlines():
             found = re.search(r"\b(\w+(?:Error|Exception)): (.*)", line)
             if found is None or "initialization failed" in line or "See root cause" in found[2]:
+                continue
+            if "ulimit" in line:  # the fd-limit warning quotes an OSError; it is no cause
                 continue
             cause = f"{found[1]}: {found[2]}"[:300]
             if cause not in causes:
@@ -193,7 +200,8 @@ def probe(name: str, make: Pair, log_root: Path, python: Path) -> dict[str, Any]
         result["ready_after_s"] = [round(prefill.ready_after_s or 0, 1),
                                    round(decode.ready_after_s or 0, 1)]  # fmt: skip
         marks = (len(prefill.log_text()), len(decode.log_text()))
-        body = {"model": prefill.model, "prompt": words_prompt(PROMPT_WORDS),
+        words = SHORT_PROMPT_WORDS if name.endswith("+short") else PROMPT_WORDS
+        body = {"model": prefill.model, "prompt": words_prompt(words),
                 "max_tokens": MAX_TOKENS, "temperature": 0.0}  # fmt: skip
         before = decode.prompt_tokens_by_source()
         try:
