@@ -33,6 +33,7 @@ from tests.realengine.harness import (
     ensure_twin_llama,
     nixl_spec,
     vllm_python,
+    warm_up_pd,
 )
 
 
@@ -77,7 +78,12 @@ def shared_engines(vllm_engine_factory: EngineFactory) -> dict[str, VLLMEngine]:
             nixl_spec("twin-prefill", ports[2], model_dir=twin),
         ]
     )
-    return {engine.name: engine for engine in engines}
+    named = {engine.name: engine for engine in engines}
+    # The first hop between two NIXL engines makes their handshake; do it here, retried, so a
+    # handshake starved past vLLM's 5 s on 2 cores fails no test (harness.warm_up_pd).
+    warm_up_pd(named["prefill"], named["decode"])
+    warm_up_pd(named["twin-prefill"], named["decode"])
+    return named
 
 
 @pytest.fixture(scope="session")

@@ -450,6 +450,34 @@ def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
     return prefill
 
 
+def warm_up_pd(prefill: VLLMEngine, decode: VLLMEngine, tries: int = 3) -> int:
+    """One short prefill -> decode hop, so the NIXL handshake between the two engines is done.
+
+    vLLM makes that handshake on the first hop between two engines and waits 5 s for the answer
+    (``RCVTIMEO`` in ``_nixl_handshake``); on this 2-core machine, with every NIXL worker pinned
+    to the last core next to spinning UCX progress threads, it once timed out (``NIXL transfer
+    failure: handshake_failed``, the decode answer an error). Returns the tries it took; raises
+    :class:`EngineStartError` with the decode engine's log tail after ``tries`` failures."""
+    body = {"model": decode.model, "prompt": "warm up the kv transfer", "max_tokens": 2}
+    failures: list[str] = []
+    for attempt in range(1, tries + 1):
+        first = httpx.post(f"{prefill.url}/v1/completions", json=prefill_request(body), timeout=60)
+        second = httpx.post(
+            f"{decode.url}/v1/completions",
+            json={**body, "kv_transfer_params": first.json().get("kv_transfer_params")},
+            timeout=120,
+        )
+        if first.status_code == 200 and second.status_code == 200:
+            return attempt
+        failures.append(f"{first.status_code} {first.text[:200]} / {second.status_code} "
+                        f"{second.text[:300]}")  # fmt: skip
+    raise EngineStartError(
+        f"no P/D hop from {prefill.describe()} to {decode.describe()} in {tries} tries: "
+        + "; ".join(failures)
+        + f"\n{decode.log_tail()}"
+    )
+
+
 def prompt_tokens_by_source(metrics_text: str) -> dict[str, float]:
     """``vllm:prompt_tokens_by_source_total{source=...}`` summed over engines, by source."""
     totals: dict[str, float] = {}
