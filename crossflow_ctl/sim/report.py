@@ -7,8 +7,10 @@ report, byte for byte (wall times are shown only when ``show_wall`` is set).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,31 @@ def key_table(summaries: Sequence[Summary]) -> list[str]:
                 f"| {s.slo_attainment * 100:.1f} % ({best.slo_attainment * 100:.1f} %) |"
             )
     return lines
+
+
+def verdict(summaries: Sequence[Summary]) -> list[str]:
+    """One line a reader can act on: where 2P4D with leases beat the best static split in
+    drain-inclusive input tokens/s, by how much, and where it lost."""
+    cmp = Comparison(summaries)
+    cells: list[tuple[float, str]] = []
+    for trace, load in cmp.groups():
+        best, leases = cmp.best_static(trace, load), cmp.find(trace, load, "2P4D/leases")
+        if best is None or leases is None or best.label == leases.label:
+            continue
+        cells.append((rel(leases.input_tps, best.input_tps), f"{trace} {load:g}x"))
+    if not cells:
+        return []
+    won = sorted((c for c in cells if c[0] > 0), reverse=True)
+    lost = sorted(c for c in cells if c[0] < 0)
+    text = (
+        f"**Verdict**: 2P4D with leases beat the best static split in input tokens/s on "
+        f"{len(won)} of {len(cells)} trace/load cells"
+    )
+    if won:
+        text += f" (best {_pct(won[0][0])} at {won[0][1]})"
+    if lost:
+        text += f"; it lost on {len(lost)} (worst {_pct(lost[0][0])} at {lost[0][1]})"
+    return [text + ".", ""]
 
 
 def targets_table(summaries: Sequence[Summary]) -> list[str]:
@@ -207,6 +234,7 @@ def write_report(
         f"prefix cache {config.cache_scope.value} ({config.cache_capacity_tokens:,} tokens); "
         f"router queue {queue_words(config)}; seed {config.seed}.",
         "",
+        *verdict(summaries),
         "## Leases and the heuristic against the best static split",
         "",
         *key_table(summaries),
@@ -247,13 +275,15 @@ def write_report(
         "",
     ]
     if plots:
-        lines += _plots(out_dir, records, summaries)
+        lines += _plots(out_dir, records, summaries, config.lease.itl_slo_ms)
     path = out_dir / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
 
 
-def _plots(out_dir: Path, records: Sequence[RunRecord], summaries: Sequence[Summary]) -> list[str]:
+def _plots(
+    out_dir: Path, records: Sequence[RunRecord], summaries: Sequence[Summary], slo_ms: float
+) -> list[str]:
     try:
         import matplotlib
 
@@ -265,7 +295,7 @@ def _plots(out_dir: Path, records: Sequence[RunRecord], summaries: Sequence[Summ
     for name, drawer in (
         ("timeseries.png", _timeseries),
         ("ttft_cdf.png", _ttft_cdf),
-        ("itl_cdf.png", _itl_cdf),
+        ("itl_cdf.png", partial(_itl_cdf, slo_ms=slo_ms)),
         ("sweep.png", _sweep),
     ):
         fig = drawer(plt, records, summaries)
@@ -286,10 +316,13 @@ def _timeseries(plt: Any, records: Sequence[RunRecord], _s: Sequence[Summary]) -
     if not chosen or not chosen[0].windows:
         return None
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=False)
+    drawn: set[str] = set()
     for r in chosen:
-        xs = [w[0] * r.scale / 60.0 for w in r.windows]
-        ax1.plot(xs, [w[1] for w in r.windows], label=f"{r.trace} {r.scale:g}x")
-        ax2.plot(xs, [w[2] * 100 for w in r.windows], label=f"{r.trace} {r.scale:g}x {r.label}")
+        xs, rs, shares = _broken_at_gaps(r.windows, r.scale)
+        if r.trace not in drawn:  # R per trace minute is the trace's, whatever the load or policy
+            drawn.add(r.trace)
+            ax1.plot(xs, rs, label=r.trace)
+        ax2.plot(xs, shares, label=f"{r.trace} {r.scale:g}x {r.label}")
     ax1.set_ylabel("R = uncached in / out")
     ax2.set_ylabel("borrowed share (%)")
     ax2.set_xlabel("trace minute")
@@ -297,6 +330,28 @@ def _timeseries(plt: Any, records: Sequence[RunRecord], _s: Sequence[Summary]) -
     ax2.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def _broken_at_gaps(
+    windows: Sequence[Sequence[float]], scale: float
+) -> tuple[list[float], list[float], list[float]]:
+    """(trace minute, R, borrowed %) per window, with a NaN point where the trace has no
+    window for a while (an idle stretch), so a line is not drawn across it."""
+    xs: list[float] = []
+    rs: list[float] = []
+    shares: list[float] = []
+    starts = [w[0] for w in windows]
+    steps = sorted(b - a for a, b in itertools.pairwise(starts) if b > a)
+    usual = steps[len(steps) // 2] if steps else 0.0
+    for i, w in enumerate(windows):
+        if i and usual and w[0] - windows[i - 1][0] > 1.5 * usual:
+            xs.append(float("nan"))
+            rs.append(float("nan"))
+            shares.append(float("nan"))
+        xs.append(w[0] * scale / 60.0)
+        rs.append(w[1])
+        shares.append(w[2] * 100)
+    return xs, rs, shares
 
 
 def _cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
@@ -313,15 +368,26 @@ def _ttft_cdf(plt: Any, records: Sequence[RunRecord], _s: Sequence[Summary]) -> 
             if r.scale == load and r.ttft_s and r.trace == records[0].trace:
                 xs, ys = _cdf([t * 1000 for t in r.ttft_s])
                 ax.plot(xs, ys, label=r.label)
-        ax.set_xscale("log")
-        ax.set_title(f"TTFT CDF, {records[0].trace} {load:g}x")
-        ax.set_xlabel("ms")
+        _log_ms_axis(ax, subs=(1.0,))  # TTFT spans decades: a label per decade
+        ax.set_title(f"TTFT CDF\n{records[0].trace} {load:g}x", fontsize=8)
         ax.legend(fontsize=6)
     fig.tight_layout()
     return fig
 
 
-def _itl_cdf(plt: Any, records: Sequence[RunRecord], _s: Sequence[Summary]) -> Any:
+def _log_ms_axis(ax: Any, subs: tuple[float, ...] = (1.0, 2.0, 5.0)) -> None:
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("ms (log scale)")
+
+
+def _itl_cdf(
+    plt: Any, records: Sequence[RunRecord], _s: Sequence[Summary], slo_ms: float = 0.0
+) -> Any:
     loads = sorted({r.scale for r in records})
     fig, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 4), squeeze=False)
     for ax, load in zip(axes[0], loads, strict=True):
@@ -334,8 +400,10 @@ def _itl_cdf(plt: Any, records: Sequence[RunRecord], _s: Sequence[Summary]) -> A
                     acc += r.itl_hist[k]
                     ys.append(acc / total)
                 ax.plot([k * 1000 for k in keys], ys, label=r.label)
-        ax.set_title(f"ITL CDF (per token), {records[0].trace} {load:g}x")
-        ax.set_xlabel("ms")
+        _log_ms_axis(ax)  # the tail past the SLO is what matters; a linear axis squashed it
+        if slo_ms:
+            ax.axvline(slo_ms, color="black", linestyle="--", linewidth=0.8, label="ITL SLO")
+        ax.set_title(f"ITL CDF (per token)\n{records[0].trace} {load:g}x", fontsize=8)
         ax.legend(fontsize=6)
     fig.tight_layout()
     return fig
@@ -350,15 +418,18 @@ def _sweep(plt: Any, _r: Sequence[RunRecord], summaries: Sequence[Summary]) -> A
         rows = [s for s in summaries if s.trace == trace and s.scale == load]
         for policy in ("static", "threshold", "leases"):
             pts = sorted(
-                (int(s.label.split("P")[0]), s.output_tps)
+                (int(s.label.split("P")[0]), s.input_tps)
                 for s in rows
                 if s.label.endswith("/" + policy)
             )
             if pts:
                 ax.plot([p for p, _ in pts], [v for _, v in pts], "o-", label=policy)
-        ax.set_title(f"{trace[:18]} {load:g}x", fontsize=8)
-        ax.set_xlabel("prefill servers")
-        ax.set_ylabel("output tok/s")
+        # From zero and with no offset: a 0.01% spread must look like one, not like a loss.
+        ax.set_ylim(bottom=0)
+        ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+        ax.set_title(f"{trace}\n{load:g}x load", fontsize=8, wrap=True)
+        ax.set_xlabel("prefill servers (the rest decode)")
+        ax.set_ylabel("input tok/s (drain-inclusive)")
         ax.legend(fontsize=6)
     fig.tight_layout()
     return fig
