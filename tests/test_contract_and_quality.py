@@ -35,11 +35,13 @@ def test_buf_lint() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.timeout(600)
 def test_ruff_clean() -> None:
     result = _run(sys.executable, "-m", "ruff", "check", "--output-format", "concise", ".")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.timeout(900)  # a whole-package mypy run: minutes on a loaded 2-core machine
 def test_mypy_strict_on_the_packages() -> None:
     result = _run(
         sys.executable,
@@ -56,6 +58,7 @@ def test_mypy_strict_on_the_packages() -> None:
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
 
 
+@pytest.mark.timeout(600)
 def test_import_layers_kept() -> None:
     lint = _tool("lint-imports")
     assert lint is not None, "import-linter is a dev dependency"
