@@ -5,7 +5,9 @@ per second and simulated seconds per CPU second for the static policy (the floor
 routing only), the threshold heuristic and leases (plus agents, broker, store and the router's
 late-binding queue), measured in the same run, and each one's ratio to the static floor (issue
 10's target: leases within 3x). Usage:
-``python benchmarks/sim_speed.py [--trace FILE] [--limit N] [--load X] [--no-rules]``.
+``python benchmarks/sim_speed.py [--trace FILE] [--limit N] [--load X] [--no-rules]``. Without
+``--trace`` it reads ``mooncake_conversation_trace.jsonl`` (the whole hour) in the folder
+``$CROSSFLOW_TRACES_DIR``; tests/data/traces/README.md says where to get it.
 
 Then, unless ``--no-rules``, a floor under the leases row: the domain rules a leases run must
 apply, alone. A further leases run records the arguments of every lease decision
@@ -24,6 +26,7 @@ import asyncio
 import copy
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,20 +41,29 @@ from crossflow_ctl.sim.cluster import simulate
 from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.traces import Trace, load_trace
 
-TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-)
+TRACE = "mooncake_conversation_trace.jsonl"
+"""The default trace's file name, in $CROSSFLOW_TRACES_DIR."""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument(
+        "--trace", type=Path, help=f"trace file (default: $CROSSFLOW_TRACES_DIR/{TRACE})"
+    )
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--load", type=float, default=1.0)
     parser.add_argument(
         "--no-rules", action="store_true", help="skip the domain-rules floor (a further run)"
     )
     args = parser.parse_args()
+    if args.trace is None:
+        folder = os.environ.get("CROSSFLOW_TRACES_DIR")
+        if not folder:
+            parser.error(
+                f"give --trace FILE or set CROSSFLOW_TRACES_DIR to a folder holding {TRACE} "
+                "(where to get it: tests/data/traces/README.md)"
+            )
+        args.trace = Path(folder) / TRACE
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     trace = load_trace(args.trace, limit=args.limit).scaled(args.load)
     span = trace.open_span_s

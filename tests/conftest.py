@@ -6,6 +6,8 @@ Tests never flush a database: each test gets its own key prefix, so suites can s
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import shutil
 import socket
@@ -13,18 +15,36 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import pytest
 import redis
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis as AsyncRedis
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+    from crossflow_ctl.store.redis_store import RedisStore
 
 pytest_plugins = ["tests.skip_guard"]
 
+# No per-example deadline and no too-slow health check: on a loaded machine an example (a Redis
+# round trip, a gRPC call) overran hypothesis' 200 ms default, or generation looked slow, and a
+# sound property failed as DeadlineExceeded, Flaky or FailedHealthCheck. Tests never assert
+# wall-clock times; pytest-timeout still bounds every test.
+hypothesis_settings.register_profile(
+    "crossflow", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+hypothesis_settings.load_profile("crossflow")
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"
+TRACE_SAMPLES = Path(__file__).resolve().parent / "data" / "traces"
+"""Heads of public traces cut by scripts/cut_trace_samples.py (see the README there)."""
 
 
 def free_port() -> int:
@@ -33,9 +53,59 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+T = TypeVar("T")
+
+PATIENCE_S = 30.0
+"""How long a test waits for background work to show: a hang guard, never a latency bound (a
+loaded 2-core machine took over 2 s where a quiet one takes 20 ms)."""
+
+
+async def eventually(
+    check: Callable[[], Awaitable[T] | T],
+    what: str,
+    limit_s: float = PATIENCE_S,
+    every_s: float = 0.01,
+) -> T:
+    """``check()`` (awaited if it gives an awaitable) until it gives something truthy, and return
+    that; fail saying ``what`` (and the last value) after ``limit_s``. For work a test waits on
+    in the background, in place of a fixed number of short sleeps, whose sum was a real-time
+    deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return cast(T, value)
+        if loop.time() > deadline:
+            pytest.fail(f"{what}: not within {limit_s:g} s (last: {value!r})")
+        await asyncio.sleep(every_s)
+
+
+PATIENT_SOCKET_TIMEOUT_S = 30.0
+PATIENT_OP_TIMEOUT_S = 60.0
+"""Redis deadlines for tests that are not about them: a loaded machine (or a Redis busy with
+another suite's work) can hold one reply past the store's production 1 s socket timeout, and a
+test then failed with StoreUnavailable (Timeout reading from ...) for no fault of the code."""
+
+
+def patient_redis_store(
+    client: str | AsyncRedis | AsyncRedisCluster, namespace: str, **settings: Any
+) -> RedisStore:
+    """A RedisStore with generous socket and per-operation deadlines (overridable in
+    ``settings``), for every test that is not about those deadlines. A client given as an
+    object keeps its own socket timeout."""
+    from crossflow_ctl.store.redis_store import RedisStore
+
+    settings.setdefault("socket_timeout_s", PATIENT_SOCKET_TIMEOUT_S)
+    settings.setdefault("op_timeout_s", PATIENT_OP_TIMEOUT_S)
+    return RedisStore(client, namespace, **settings)
+
+
 def _answers(url: str) -> bool:
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:  # generous: a Redis slow to answer on a loaded machine is still there
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
         try:
             return bool(client.ping())
         finally:
@@ -216,8 +286,31 @@ def delete_cluster_namespace(url: str, namespace: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def traces_dir() -> Path:
-    """../shared/traces next to the checkout; tests that need it skip when it is missing."""
-    if not TRACES_DIR.is_dir():
-        pytest.skip(f"trace folder {TRACES_DIR} is missing (see ../shared/traces/README.md)")
-    return TRACES_DIR
+def mooncake_sample() -> Path:
+    """The first 600 requests of the Mooncake conversation trace (jsonl with ``hash_ids``)."""
+    return TRACE_SAMPLES / "mooncake_conversation_trace_head600.jsonl"
+
+
+@pytest.fixture(scope="session")
+def azure_conv_sample() -> Path:
+    """The first 100 rows of the Azure 2023 chat trace (CSV, no prefix data)."""
+    return TRACE_SAMPLES / "AzureLLMInferenceTrace_conv_head100.csv"
+
+
+@pytest.fixture(scope="session")
+def sessions_sample() -> Path:
+    """The first 483 requests of the agentic session trace: 3 sessions and 2 sub-agents."""
+    return TRACE_SAMPLES / "agent_sessions_sample_head483.jsonl"
+
+
+@pytest.fixture(scope="session")
+def full_traces_dir() -> Path:
+    """$CROSSFLOW_TRACES_DIR, the folder of the full traces; tests that need it skip without it
+    (mark them ``may_skip``: CI has no full traces). tests/data/traces/README.md says where to
+    get them."""
+    folder = os.environ.get("CROSSFLOW_TRACES_DIR", "")
+    if not folder:
+        pytest.skip("CROSSFLOW_TRACES_DIR is not set (see tests/data/traces/README.md)")
+    if not Path(folder).is_dir():
+        pytest.fail(f"CROSSFLOW_TRACES_DIR={folder} is not a folder")
+    return Path(folder)

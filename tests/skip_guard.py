@@ -1,10 +1,10 @@
 """``CROSSFLOW_FAIL_ON_SKIP=1`` turns every skip into a failure (``.ci/run`` sets it).
 
-Tests skip, saying why, when Redis, helm, buf, torch/triton or ../shared/traces are missing, so
-a developer's partial machine still runs the rest. In CI everything is installed on purpose, so a
-skip there means something silently did not run: it fails instead. Tests marked
-``@pytest.mark.may_skip`` (e.g. one that only applies when an optional package is absent) keep
-their skip.
+Tests skip, saying why, when Redis, helm, buf or torch/triton are missing, so a developer's
+partial machine still runs the rest. In CI everything is installed on purpose, so a skip there
+means something silently did not run: it fails instead. Tests marked ``@pytest.mark.may_skip``
+(e.g. one that only applies when an optional package is absent, or one that needs the full traces
+of $CROSSFLOW_TRACES_DIR) keep their skip.
 """
 
 from __future__ import annotations

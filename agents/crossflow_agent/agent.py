@@ -5,7 +5,10 @@ Per period (fixed schedule on the monotonic clock; a late tick skips missed ones
 1. read the highest notice sequence seen so far and the open reservations those notices leave
    (before the scrape: the snapshot is then known to be taken after every notice up to it,
    DESIGN.md §5.4, and borrowed work the broker still counts is not subtracted again);
-2. scrape the engine (bounded by the scrape timeout);
+2. scrape the engine (bounded by the scrape timeout), and feed its step counters to the online
+   calibration (every ``calibration.window_s`` a window closes and the step-time constants move
+   toward a fit of the engine's own telemetry, under the guards of
+   :mod:`crossflow_ctl.domain.online_calibration`; the fit runs off the event loop);
 3. decode role: apply the zero-lease rules and the capacity model
    (:func:`crossflow_ctl.domain.leasing.decide`), stamp node, epoch, next version, TTL and the
    notice sequence, and send it; prefill role: send the pool load and a heartbeat.
@@ -24,7 +27,7 @@ import structlog
 
 from crossflow_agent.scrape_log import ScrapeHealth
 from crossflow_agent.settings import AgentSettings
-from crossflow_agent.sources.base import ScrapeError, TelemetrySource
+from crossflow_agent.sources.base import ScrapeError, StepCounting, TelemetrySource
 from crossflow_agent.stream import OUTBOX_SIZE, LeaseStream
 from crossflow_ctl.aio import wait_any
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
@@ -33,6 +36,7 @@ from crossflow_ctl.domain.clock import Clock, SystemClock
 from crossflow_ctl.domain.lease_credits import CapacityBreakdown, LeaseSettings
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseDecision, decide, pool_load
 from crossflow_ctl.domain.models import MAX_HORIZON_MS, Credits, Lease, NodeRole, ZeroReason
+from crossflow_ctl.domain.online_calibration import CalibrationState, OnlineCalibrator
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.observability import AgentMetrics
 from crossflow_ctl.wire.convert import lease_to_proto, pool_load_to_proto, role_to_proto
@@ -89,6 +93,13 @@ class Agent:
         self.settings = settings
         self.source = source
         self.model, self.node = model, node
+        """The served model and the node's prior profile (preset or profile file)."""
+        self.calibration = (
+            OnlineCalibrator(model, node, settings.calibration)
+            if settings.calibration.enabled
+            else None
+        )
+        self._calibration_said = ""
         self.metrics = metrics or AgentMetrics.noop()
         self.clock = clock or SystemClock()
         self.epoch = epoch if epoch is not None else self.clock.now_ms()
@@ -159,6 +170,46 @@ class Agent:
         self.scrape_health.ok()
         return snapshot, "", ZeroReason.TELEMETRY_MISSING
 
+    @property
+    def profile(self) -> NodeProfile:
+        """The profile leases are priced with: the calibrated one, else the prior."""
+        return self.calibration.profile if self.calibration is not None else self.node
+
+    async def calibrate(self, snapshot: EngineSnapshot | None) -> None:
+        """Feed the scrape's step counters to the online calibration (a scrape that gave a
+        snapshot only); a period that closes a window fits off the event loop."""
+        cal, source = self.calibration, self.source
+        if cal is None or snapshot is None or not isinstance(source, StepCounting):
+            return
+        totals = source.step_totals()
+        if not cal.closes(totals):
+            cal.observe(totals)
+            return
+        await asyncio.to_thread(cal.observe, totals)
+        state = cal.state()
+        self.metrics.set_calibration(state)
+        self._say_calibration(state)
+
+    def _say_calibration(self, state: CalibrationState) -> None:
+        """Log the calibration's state at info when it changes (prior, moving, fitted, and why
+        a fit was refused), every period at debug."""
+        fit = state.fit
+        status = fit.status.value if fit is not None else ""
+        said = f"{state.using.value}/{status}"
+        fields = {
+            "using": state.using.value,
+            "fit": status,
+            "fit_error": None if fit is None else round(fit.error, 4),
+            "prior_error": None if fit is None else round(fit.prior_error, 4),
+            "windows": state.windows,
+            "detail": None if fit is None else fit.detail or None,
+        }
+        if said == self._calibration_said:
+            log.debug("calibration.period", **fields)
+            return
+        self._calibration_said = said
+        log.info("calibration.changed", **fields)
+
     def _next_version(self) -> int:
         s = self.stream.state
         if s.stale_epoch > self.epoch:
@@ -210,8 +261,10 @@ class Agent:
         seq = state.last_notice_seq  # read BEFORE the snapshot is taken
         open_debits = state.open_debits.totals()  # as of that sequence
         snapshot, failure, failure_reason = await self.observe()
+        await self.calibrate(snapshot)
         now_ms = self.clock.now_ms()
         s = self.settings
+        node = self.profile
         if s.role is NodeRole.PREFILL:
             load = pool_load(
                 snapshot,
@@ -220,10 +273,8 @@ class Agent:
                 pool=s.pool,
                 ttl_ms=s.ttl_ms,
                 settings=s.lease,
-                modelled_rate_tps=prefill_rate_tps(
-                    self.model, self.node, s.lease.prefill_chunk_tokens
-                ),
-                roof=roofline(self.model, self.node),
+                modelled_rate_tps=prefill_rate_tps(self.model, node, s.lease.prefill_chunk_tokens),
+                roof=roofline(self.model, node),
             )
             if load is not None:
                 self.stream.send(lease_pb2.ConnectRequest(pool_load=pool_load_to_proto(load)))
@@ -234,7 +285,7 @@ class Agent:
             snapshot,
             now_ms=now_ms,
             model=self.model,
-            node=self.node,
+            node=node,
             settings=self.lease_settings(),
             guard=self.guard,
             cordoned=self.stream.state.cordoned,

@@ -19,6 +19,14 @@ by ``kernels/gpu_check.sh`` on a GPU box that lacks pydantic.
 The fitted overhead is that of one kernel launch; an engine step launches many kernels and
 samples, so ``--step-overhead-s`` writes the engine's own per-step overhead into the profile
 instead (the fitted value stays in the file as ``calibration.kernel_overhead_s``).
+
+``--from-telemetry`` needs no GPU, no kernel and no torch: it watches a running engine's
+``/metrics`` (``--metrics-url``, ``--source vllm|sglang``) for ``--windows`` windows of
+``--window-s`` seconds, fits the step-time constants to them from a prior (``--prior`` preset or
+``--prior-profile`` file; :mod:`crossflow_ctl.domain.step_fit`) and writes the fitted profile,
+with the fit's error, the prior's and each window, when the fit is accepted (exit 1 when it is
+refused: an idle engine, too few busy windows, or an error over the limit). The constants are
+fitted for ``--model``: run the agent with the same one.
 """
 
 from __future__ import annotations
@@ -33,10 +41,10 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from crossflow_agent.profile import profile_document, save_profile
+from crossflow_agent.profile import load_profile, profile_document, save_profile
 from crossflow_ctl.domain.calibration import CalibrationFit, TimingSample, fit_node_profile
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, ModelSpec
-from crossflow_ctl.domain.errors import InvalidArgument
+from crossflow_ctl.domain.errors import ConfigError, InvalidArgument
 
 TIMINGS_FORMAT_VERSION = 1
 """The version of ``crossflow_kernels.sweep``'s timings document this module reads and writes."""
@@ -156,9 +164,8 @@ def profile_extras(fit: CalibrationFit, dev_name: str, meta: dict[str, Any]) -> 
 @click.option(
     "--model",
     type=click.Choice(sorted(MODEL_PRESETS)),
-    default="llama-3.1-8b",
-    show_default=True,
-    help="Attention heads and hidden size of the kernels.",
+    help="Kernels: their attention heads and hidden size [llama-3.1-8b]. --from-telemetry: the"
+    " model the agent prices with [gpt-oss-120b, the agent's default].",
 )
 @click.option("--name", help="Profile name (default: the device's name).")
 @click.option(
@@ -192,23 +199,95 @@ def profile_extras(fit: CalibrationFit, dev_name: str, meta: dict[str, Any]) -> 
     type=click.Path(path_type=Path, dir_okay=False, exists=True),
     help="Fit timings saved earlier instead of measuring (no torch needed).",
 )
+@click.option(
+    "--from-telemetry",
+    is_flag=True,
+    help="Fit the step-time constants to a running engine's /metrics instead of timing kernels.",
+)
+@click.option(
+    "--metrics-url",
+    default="http://127.0.0.1:8000/metrics",
+    show_default=True,
+    help="--from-telemetry: the engine's Prometheus endpoint.",
+)
+@click.option(
+    "--source",
+    type=click.Choice(["vllm", "sglang"]),
+    default="vllm",
+    show_default=True,
+    help="--from-telemetry: the engine's kind.",
+)
+@click.option(
+    "--window-s",
+    type=click.FloatRange(0.05, 3600.0),
+    default=5.0,
+    show_default=True,
+    help="--from-telemetry: seconds per window.",
+)
+@click.option(
+    "--windows",
+    type=click.IntRange(1, 10_000),
+    default=12,
+    show_default=True,
+    help="--from-telemetry: windows to watch (the engine should be busy, with varied load).",
+)
+@click.option(
+    "--prior",
+    type=click.Choice(sorted(NODE_PRESETS)),
+    default="h200",
+    show_default=True,
+    help="--from-telemetry: the preset the fit starts from and pulls toward.",
+)
+@click.option(
+    "--prior-profile",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="--from-telemetry: a profile file to start from instead of --prior.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the written document as JSON.")
 def calibrate(
     out_file: Path,
     device: str,
     sweep: str,
     dtype: str,
-    model: str,
+    model: str | None,
     name: str | None,
     network_bytes_per_s: float,
     step_overhead_s: float | None,
     engine_like: str,
     save_timings: Path | None,
     from_timings: Path | None,
+    from_telemetry: bool,
+    metrics_url: str,
+    source: str,
+    window_s: float,
+    windows: int,
+    prior: str,
+    prior_profile: Path | None,
     as_json: bool,
 ) -> None:
-    """Measure this node's roofline with the kernels and write a versioned profile file."""
+    """Measure this node's roofline (kernels, or --from-telemetry) and write a profile file."""
     echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
+    if from_telemetry:
+        from crossflow_agent.telemetry_calibrate import calibrate_from_telemetry
+
+        try:
+            base = load_profile(prior_profile) if prior_profile else NODE_PRESETS[prior]
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--prior-profile") from None
+        calibrate_from_telemetry(
+            out_file=out_file,
+            metrics_url=metrics_url,
+            source=source,
+            window_s=window_s,
+            windows=windows,
+            model=MODEL_PRESETS[model or "gpt-oss-120b"],
+            prior=base,
+            name=name,
+            as_json=as_json,
+            echo=echo,
+        )
+        return
+    model = model or "llama-3.1-8b"
     if from_timings is not None:
         measured, dev_name, meta = load_timings(from_timings)
         meta = {**meta, "refit_from": str(from_timings)}

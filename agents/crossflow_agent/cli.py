@@ -80,6 +80,14 @@ def _settings_options(f: Any) -> Any:
             help=f"Borrow horizon until a broker's Welcome sends its own. [{_D.lease.horizon_ms}]",
         ),
         click.option("--period-ms", type=int, help=f"Lease period. [{_D.period_ms}]"),
+        click.option(
+            "--calibrate/--no-calibrate",
+            "calibrate",
+            default=None,
+            help="Fit the step-time constants to the engine's own telemetry, starting from"
+            " --node/--profile (the prior); --no-calibrate prices every lease with the prior."
+            f" [{'calibrate' if _D.calibration.enabled else 'no-calibrate'}]",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -88,10 +96,13 @@ def _settings_options(f: Any) -> Any:
 
 def _load(config_file: Path | None, flags: dict[str, Any]) -> AgentSettings:
     lease = {k: flags.pop(k) for k in ("itl_slo_ms", "horizon_ms") if k in flags}
+    calibrate = flags.pop("calibrate", None)
     overrides = {k: v for k, v in flags.items() if v is not None and v != ()}
     lease = {k: v for k, v in lease.items() if v is not None}
     if lease:
         overrides["lease"] = lease
+    if calibrate is not None:
+        overrides["calibration"] = {"enabled": calibrate}
     try:
         return load_settings(config_file, overrides)
     except ConfigError as exc:
@@ -166,8 +177,22 @@ def run(config_file: Path | None, **flags: Any) -> None:
     show_default=True,
     help="Scrape twice this far apart, so rates and ITL quantiles have a window.",
 )
+@click.option(
+    "--calibration-windows",
+    type=click.IntRange(0, 1000),
+    default=0,
+    show_default=True,
+    help="First watch this many --window-ms windows, fit the step-time constants to them, show"
+    " them beside the prior's and price the lease with the fit (when accepted).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-def inspect(config_file: Path | None, window_ms: int, as_json: bool, **flags: Any) -> None:
+def inspect(
+    config_file: Path | None,
+    window_ms: int,
+    calibration_windows: int,
+    as_json: bool,
+    **flags: Any,
+) -> None:
     """Scrape once; print the snapshot, step-time predictions and the lease, arithmetic shown.
 
     Exits 1 when the scrape failed (the zero lease the agent would publish is still shown)."""
@@ -177,7 +202,11 @@ def inspect(config_file: Path | None, window_ms: int, as_json: bool, **flags: An
         flags["node_id"] = "inspect"
     settings = _load(config_file, flags)
     try:
-        report = asyncio.run(inspect_once(settings, window_s=window_ms / 1000))
+        report = asyncio.run(
+            inspect_once(
+                settings, window_s=window_ms / 1000, calibration_windows=calibration_windows
+            )
+        )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     if as_json:

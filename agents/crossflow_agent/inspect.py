@@ -1,4 +1,9 @@
-"""``crossflow-agent inspect``: one look at what the agent sees and would publish."""
+"""``crossflow-agent inspect``: one look at what the agent sees and would publish.
+
+With ``calibration_windows`` > 0 it watches that many windows of the engine's telemetry first,
+fits the step-time constants to them (:mod:`crossflow_agent.telemetry_fit`), shows them beside
+the prior's with both errors, and prices the lease with the fit when the fit is accepted (what
+the running agent converges to)."""
 
 from __future__ import annotations
 
@@ -8,27 +13,49 @@ from typing import Any
 from crossflow_agent.runner import build_source, resolve_model
 from crossflow_agent.settings import AgentSettings
 from crossflow_agent.sources.base import ScrapeError
+from crossflow_agent.telemetry_fit import fit_report, render_fit, watch
 from crossflow_ctl.domain.capacity import StepShape, prefill_rate_tps, roofline, step_time_s
 from crossflow_ctl.domain.clock import SystemClock
 from crossflow_ctl.domain.leasing import ItlGuard, decide, pool_load
 from crossflow_ctl.domain.models import NodeRole
+from crossflow_ctl.domain.step_fit import FitStatus, fit_step_constants
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 PREDICTION_CHUNKS = (0, 512, 2048, 8192)
 
 
-async def inspect_once(settings: AgentSettings, *, window_s: float) -> dict[str, Any]:
-    """Scrape (twice, ``window_s`` apart, when > 0), then apply the lease rules once."""
-    model, node = resolve_model(settings)
+async def inspect_once(
+    settings: AgentSettings, *, window_s: float, calibration_windows: int = 0
+) -> dict[str, Any]:
+    """Scrape (twice, ``window_s`` apart, when > 0; ``calibration_windows + 1`` times with
+    calibration), then apply the lease rules once."""
+    model, prior = resolve_model(settings)
+    node = prior
     source = build_source(settings, model, node)
     clock = SystemClock()
     snapshot: EngineSnapshot | None = None
     failure = ""
+    calibration: dict[str, Any] | None = None
     try:
-        if window_s > 0:
-            await source.scrape()
-            await asyncio.sleep(window_s)
-        snapshot = await source.scrape()
+        if calibration_windows > 0 and window_s > 0:
+            seen = await watch(
+                source,
+                windows=calibration_windows,
+                window_s=window_s,
+                settings=settings.calibration,
+            )
+            snapshot, failure = seen.snapshot, seen.failure
+            fit = fit_step_constants(model, prior, seen.windows, settings.calibration.fit)
+            calibration = fit_report(model, prior, fit, seen.windows)
+            if not seen.counted:
+                calibration["detail"] = f"the {source.name} source reads no step counters"
+            if fit.status is FitStatus.FITTED:
+                node = fit.profile
+        else:
+            if window_s > 0:
+                await source.scrape()
+                await asyncio.sleep(window_s)
+            snapshot = await source.scrape()
     except ScrapeError as exc:
         failure = f"{exc.kind}: {exc}"
     finally:
@@ -44,6 +71,8 @@ async def inspect_once(settings: AgentSettings, *, window_s: float) -> dict[str,
         },
         "model": model.model_dump(),
         "node": node.model_dump(),
+        "prior": prior.model_dump(),
+        "calibration": calibration,
         "snapshot": None if snapshot is None else snapshot.model_dump(),
         "failure": failure,
     }
@@ -109,6 +138,19 @@ def render_text(report: dict[str, Any]) -> str:
     else:
         lines.append("snapshot:")
         lines += [f"  {k} = {v}" for k, v in snap.items()]
+    cal = report.get("calibration")
+    if cal is None:
+        lines.append(
+            "step-time constants: the prior's (--calibration-windows N fits them to the engine's"
+            " telemetry first)"
+        )
+    else:
+        lines += render_fit(cal)
+        lines.append(
+            "  leases below are priced with the "
+            + ("fitted constants" if cal["status"] == "fitted" else "prior (fit refused)")
+        )
+    if snap is not None:
         lines.append(
             f"step-time predictions ({report['model']['name']} on {report['node']['name']}):"
         )

@@ -21,6 +21,7 @@ from crossflow_agent.sources.synthetic import EngineScript
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import ID_PATTERN, MAX_ID_LEN, NodeRole
+from crossflow_ctl.domain.online_calibration import CalibrationSettings
 from crossflow_ctl.security import ClientCredentials
 from crossflow_ctl.settings_sources import LayeredSettings, host_port, load_layered
 
@@ -62,6 +63,10 @@ class AgentSettings(LayeredSettings):
     """Node profile preset, used when no profile file is given."""
     profile_file: Path | None = None
     """A calibrated NodeProfile file (``{"version": 1, "profile": {...}}``)."""
+    calibration: CalibrationSettings = CalibrationSettings()
+    """Online calibration: the step-time constants are fitted to the engine's own telemetry,
+    starting from the preset or profile file (the prior); see
+    crossflow_ctl.domain.online_calibration."""
 
     brokers: Annotated[list[str], Field(min_length=1, max_length=64)] = ["127.0.0.1:50051"]
     """Broker endpoints (host:port), tried in turn with jittered backoff."""

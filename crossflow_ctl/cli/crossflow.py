@@ -52,7 +52,7 @@ def cli() -> None:
     "trace_path",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="A trace file (../shared/traces); default: bundled synthetic.",
+    help="A Mooncake, Azure or session trace file; default: bundled synthetic.",
 )
 @click.option(
     "--max-requests",

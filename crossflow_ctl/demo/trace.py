@@ -1,4 +1,4 @@
-"""Traces the demo replays: a bundled synthetic agentic trace, and readers for ../shared/traces.
+"""Traces the demo replays: a bundled synthetic agentic trace, and readers for trace files.
 
 Everything is turned into sessions of turns. A session starts at ``start_s`` (open-loop traces),
 at its parent's start + ``offset_s`` (sub-agents), or at a time drawn here (top-level sessions
@@ -163,7 +163,7 @@ def first_releases(
 
 
 def load_trace(path: Path, max_requests: int = 2000) -> Trace:
-    """Read a trace file of ../shared/traces by its format, keeping the first ``max_requests``."""
+    """Read a trace file (Mooncake, Azure or sessions) by its format: its first ``max_requests``."""
     if not path.is_file():
         raise InvalidArgument(f"no trace file at {path}", field="trace")
     if path.suffix == ".csv":

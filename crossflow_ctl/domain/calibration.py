@@ -66,7 +66,7 @@ def roofline_time_s(node: NodeProfile, flops: float, bytes_moved: float) -> floa
     return kernel_time_s(node, flops, bytes_moved) + node.step_overhead_s
 
 
-def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+def solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
     """Gaussian elimination with partial pivoting; None when (near) singular."""
     n = len(rhs)
     a = [[*row, rhs[i]] for i, row in enumerate(matrix)]
@@ -95,7 +95,7 @@ def _least_squares(rows: list[list[float]], target: list[float]) -> list[float] 
     scaled = [[r[j] / scales[j] for j in range(cols)] for r in rows]
     normal = [[sum(r[i] * r[j] for r in scaled) for j in range(cols)] for i in range(cols)]
     rhs = [sum(r[i] * t for r, t in zip(scaled, target, strict=True)) for i in range(cols)]
-    x = _solve(normal, rhs)
+    x = solve_linear(normal, rhs)
     return None if x is None else [x[j] / scales[j] for j in range(cols)]
 
 

@@ -217,9 +217,11 @@ class Roofline:
         )
 
     def groups(
-        self, batch: int, context: int, chunk: int, prefix: int
+        self, batch: float, context: float, chunk: float, prefix: float
     ) -> tuple[tuple[float, float], tuple[float, float], tuple[float, float]]:
-        """(flops, bytes) of the dense, expert and attention groups."""
+        """(flops, bytes) of the dense, expert and attention groups. Plain arithmetic, so a
+        window's mean step (fractional batch and chunk) is priced too
+        (:mod:`crossflow_ctl.domain.step_fit`)."""
         tokens = batch + chunk
         tile = self.tile
         dense = (self.dense_flops_per_row * max(tokens, tile), self.dense_bytes)

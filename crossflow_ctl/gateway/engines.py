@@ -3,7 +3,9 @@
 Load is what this gateway itself has in flight on each engine: requests, and for prefill the
 uncached prompt tokens not yet through their prefill. A failed request takes its engine out at
 once; the health loop (``GET /health`` every ``health_period_s``) puts it back when it answers
-200 again, and takes out one that stops answering.
+200 again, and takes out one that fails ``HEALTH_MISSES`` checks in a row (one slow answer from
+a busy engine is not a dead engine: on real vLLM engines sharing 2 cores one check in a burst
+timed out while every request was served).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from crossflow_ctl.gateway.settings import EngineEndpoint
 log = structlog.get_logger()
 
 Role = Literal["prefill", "decode"]
+HEALTH_MISSES = 2
 
 
 @dataclass
@@ -33,6 +36,8 @@ class Engine:
     prefill_tokens: int = 0
     """Uncached prompt tokens sent here whose prefill is not done yet."""
     failures: int = 0
+    health_misses: int = 0
+    """Health checks failed in a row (HEALTH_MISSES of them take the engine out)."""
     generation: int = field(default=0)
     """Bumped each time the engine comes back: its cache starts empty (PrefixIndex.forget)."""
 
@@ -152,9 +157,12 @@ class EnginePool:
         back: list[Engine] = []
         for engine, error in zip(engines, errors, strict=True):
             if error is None:
+                engine.health_misses = 0
                 if self.mark_up(engine):
                     back.append(engine)
-            else:
+                continue
+            engine.health_misses += 1
+            if engine.health_misses >= HEALTH_MISSES:
                 self.mark_failed(engine, error)
         return back
 

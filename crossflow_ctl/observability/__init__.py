@@ -24,6 +24,7 @@ given (``BrokerMetrics.noop()`` in tests that do not care) and calls one method 
     metrics.set_node_credits(node_id, available); metrics.stream_opened() / stream_closed()
     agent_metrics.record_scrape(seconds, failure=None | "timeout" | ...)
     agent_metrics.record_lease_sent(lease.credits, lease.zero_reason)
+    agent_metrics.set_calibration(calibrator.state())   # each calibration period
 
 Inside an RPC (the broker's interceptor made the span current)::
 
@@ -44,7 +45,11 @@ reservations``, ``crossflow_broker_borrowed_tokens``, ``crossflow_broker_node_av
 commit_late, release_late); ``crossflow_agent_scrape_duration_
 seconds``, ``crossflow_agent_scrape_failures_total{reason}``, ``crossflow_agent_leases_sent_total
 {kind}``, ``crossflow_agent_zero_leases_total{reason}``, ``crossflow_agent_stream_connected``,
-``crossflow_agent_stream_reconnects_total``, ``crossflow_agent_lease_credits{credit}``.
+``crossflow_agent_stream_reconnects_total``, ``crossflow_agent_lease_credits{credit}``;
+online calibration: ``crossflow_agent_step_constant{constant,profile}`` (profile prior, fitted,
+active), ``crossflow_agent_calibration_error{profile}``, ``crossflow_agent_calibration_windows``,
+``crossflow_agent_calibration_periods_total{status}``, ``crossflow_agent_calibration_using
+{state}``.
 """
 
 from crossflow_ctl.observability.instruments import AgentMetrics, BrokerMetrics

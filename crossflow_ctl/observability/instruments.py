@@ -23,6 +23,8 @@ from opentelemetry.metrics import (
 
 from crossflow_ctl.domain.admission import Decision, Reason
 from crossflow_ctl.domain.models import CREDIT_NAMES, Credits, ZeroReason
+from crossflow_ctl.domain.online_calibration import CalibrationState, Using
+from crossflow_ctl.domain.step_fit import CONSTANTS, FitStatus, constants_of
 
 METER_NAME = "crossflow"
 OTHER = "other"
@@ -53,6 +55,7 @@ STORE_OPERATIONS = frozenset(
     }
 )  # fmt: skip
 SCRAPE_FAILURES = frozenset({"unreachable", "timeout", "http_error", "parse", "implausible"})
+FIT_STATUSES = frozenset(f.value for f in FitStatus)
 
 
 def label(value: object, allowed: frozenset[str]) -> str:
@@ -365,6 +368,33 @@ class AgentMetrics:
         self._credits = m.create_gauge(
             "crossflow_agent_lease_credits", "1", "Credits of the latest lease sent, per credit"
         )
+        self._step_constants = m.create_gauge(
+            "crossflow_agent_step_constant",
+            "1",
+            "Step-time constants of the capacity model (NodeProfile fields), per constant:"
+            " profile=prior (preset or file), fitted (the last fit of the engine's telemetry),"
+            " active (what leases are priced with)",
+        )
+        self._calibration_error = m.create_gauge(
+            "crossflow_agent_calibration_error",
+            "1",
+            "Relative RMS error of the step-time model over the calibration windows,"
+            " profile=prior or fitted",
+        )
+        self._calibration_windows = m.create_gauge(
+            "crossflow_agent_calibration_windows", "1", "Busy telemetry windows the fit uses"
+        )
+        self._calibration_periods = m.create_counter(
+            "crossflow_agent_calibration_periods",
+            "1",
+            "Calibration periods run, by the fit's status (fitted, too_few_windows,"
+            " no_evidence, poor_fit)",
+        )
+        self._calibration_using = m.create_gauge(
+            "crossflow_agent_calibration_using",
+            "1",
+            "1 for what leases are priced with now: state=prior, moving (toward the fit) or fitted",
+        )
         # Series at zero from the start: an agent that never reaches a broker shows 0, not
         # nothing (an alert cannot see a series that was never made).
         self._stream_connected.set(0)
@@ -399,6 +429,23 @@ class AgentMetrics:
         values = credits if isinstance(credits, Mapping) else credits.model_dump()
         for name in CREDIT_NAMES:
             self._credits.set(int(values.get(name, 0)), {"credit": name})
+
+    def set_calibration(self, state: CalibrationState) -> None:
+        """One calibration period's outcome (the agent calls it when a window closes)."""
+        fit = state.fit
+        profiles = {"prior": state.prior, "active": state.active}
+        if fit is not None:
+            profiles["fitted"] = fit.profile
+            self._calibration_error.set(fit.error, {"profile": "fitted"})
+            self._calibration_error.set(fit.prior_error, {"profile": "prior"})
+            self._calibration_periods.add(1, {"status": label(fit.status, FIT_STATUSES)})
+        for which, profile in profiles.items():
+            values = constants_of(profile)
+            for name in CONSTANTS:
+                self._step_constants.set(values[name], {"constant": name, "profile": which})
+        self._calibration_windows.set(state.windows)
+        for using in Using:
+            self._calibration_using.set(1 if state.using is using else 0, {"state": using.value})
 
     def stream_connected(self) -> None:
         self._connections.add(1)

@@ -31,6 +31,14 @@ order they were taken (except that a sleeping agent its server wakes stores its 
 report nothing read is superseded by its server's next one. The store
 numbers the reports it stores in order, so fewer are numbered, but every comparison of those
 numbers (which reports were stored before a prompt was sent) comes out as before.
+
+**Online calibration** (``SimConfig.agent_calibration``): a decode agent feeds its server's step
+counters (:meth:`~crossflow_ctl.sim.servers.DecodeServer.step_totals`, what an engine's
+``/metrics`` would tell) to the same :class:`~crossflow_ctl.domain.online_calibration.
+OnlineCalibrator` the agent daemon runs, and prices its leases (and its server's borrowed
+chunks) with the calibrated profile, starting from ``SimConfig.agent_hardware`` (a wrong prior,
+to measure what calibration buys). A calibrating agent never sleeps: its windows close on its
+own ticks, and a sleeping one would close different ones.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from crossflow_ctl.domain.models import (
     PoolLoad,
     ZeroReason,
 )
+from crossflow_ctl.domain.online_calibration import CalibrationSettings, OnlineCalibrator
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.service import Broker
 from crossflow_ctl.sim.servers import DecodeServer, PrefillServer
@@ -171,12 +180,20 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         ttl_ms: int,
         follow_chunk: bool = True,
         fast_forward: bool = True,
+        calibration: CalibrationSettings | None = None,
     ) -> None:
         super().__init__(period_s, fast_forward)
         self.server = server
         self.node_id = node_id
         self.model = model
         self.node = node
+        """The profile it prices leases with: its prior, or what calibration made of it."""
+        self.calibrator = (
+            OnlineCalibrator(model, node, calibration)
+            if calibration is not None and calibration.enabled
+            else None
+        )
+        """Online calibration from the server's step counters (None: the prior throughout)."""
         self.settings = settings
         self.ttl_ms = ttl_ms
         self.guard = ItlGuard()
@@ -281,6 +298,7 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
             self.last_notice_seq = notices[-1].seq
             self.open_debits.apply(notices)
         snapshot = self.snapshot(t, now_ms)
+        self._calibrate(t)
         guard = self.guard
         decision = decide(
             snapshot,
@@ -307,10 +325,32 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         else:
             self._pending = pending
         steady = not notices and self.open_borrows == 0 and decision.guard == guard
+        steady = steady and self.calibrator is None  # a calibrating agent never sleeps
         if not self._settle(snapshot, steady, None):
             return True
         self._fixed = (lease if lease is not None else _lease_of(self, *pending[:3]), chunk)
         return False
+
+    def _calibrate(self, t: float) -> None:
+        """Feed the server's step counters to the calibration; a changed profile prices the
+        leases from now on and sizes the server's borrowed chunks (the engine's rule follows
+        the agent's model)."""
+        cal = self.calibrator
+        if cal is None:
+            return
+        cal.observe(self.server.step_totals(t))
+        if cal.profile is not self.node:
+            self.node = cal.profile
+            self._capacity = None
+            if self.sizer is not None:
+                s = self.settings
+                self.sizer = ChunkSizer(
+                    roofline(self.model, self.node),
+                    s.budget_s,
+                    s.chunk_step_tokens,
+                    s.max_chunk_tokens,
+                )
+                self.server.sizer = self.sizer
 
     async def flush(self, broker: Broker, t: float) -> None:
         """Store the lease the last tick deferred, as received then (the clock is at ``t``

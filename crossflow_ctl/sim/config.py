@@ -13,6 +13,7 @@ from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, ModelSpec
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import Frozen
+from crossflow_ctl.domain.online_calibration import CalibrationSettings
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.sim.prefix_cache import CacheScope
 
@@ -32,6 +33,13 @@ class SimConfig(Frozen):
 
     model: str = "gpt-oss-120b"
     hardware: str = "h200"
+    """The servers' hardware: the step model the simulated engines run on (the truth)."""
+    agent_hardware: str | None = None
+    """The hardware preset the agents price leases with, when not the servers' own: a wrong
+    prior (their online calibration, when on, starts from it). None: the servers' own."""
+    agent_calibration: CalibrationSettings = CalibrationSettings(enabled=False)
+    """The agents' online calibration from their servers' step counters (off by default: the
+    agents price with ``agent_hardware``'s profile, or the truth)."""
     prefill_nodes: Annotated[int, Field(ge=1, le=512)] = 2
     decode_nodes: Annotated[int, Field(ge=1, le=512)] = 4
     policy: PolicyKind = PolicyKind.STATIC
@@ -119,6 +127,19 @@ class SimConfig(Frozen):
             raise InvalidArgument(
                 f"unknown hardware {self.hardware!r}; one of {sorted(NODE_PRESETS)}",
                 field="hardware",
+            ) from None
+
+    @property
+    def agent_profile(self) -> NodeProfile:
+        """The profile the agents start from (the servers' own unless ``agent_hardware``)."""
+        if self.agent_hardware is None:
+            return self.node_profile
+        try:
+            return NODE_PRESETS[self.agent_hardware]
+        except KeyError:
+            raise InvalidArgument(
+                f"unknown hardware {self.agent_hardware!r}; one of {sorted(NODE_PRESETS)}",
+                field="agent_hardware",
             ) from None
 
     @property

@@ -110,12 +110,13 @@ class ControlPlane:
                 s,
                 self.decode_ids[s.idx],
                 config.model_spec,
-                config.node_profile,
+                config.agent_profile,
                 config.lease,
                 period,
                 config.lease_ttl_ms,
                 follow_chunk=config.lease_sized_chunks,
                 fast_forward=ff,
+                calibration=config.agent_calibration,
             )
             for s in decode
         ]

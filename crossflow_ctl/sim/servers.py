@@ -28,11 +28,13 @@ Approximations (stated, not hidden):
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_time_s, roofline
 from crossflow_ctl.domain.lending import ChunkSizer
+from crossflow_ctl.domain.step_windows import STEP_TOKEN_BUCKETS, StepTotals
 
 
 @dataclass(slots=True)
@@ -234,6 +236,13 @@ class DecodeServer:
     borrow_kv_waits: int = 0
     finished: list[Req] = field(default_factory=list)
     borrow_done: list[Req] = field(default_factory=list)
+    itl_sum_s: float = 0.0
+    prefill_tokens: int = 0
+    """Borrowed prefill tokens computed so far (the engine's uncached prompt counter)."""
+    step_tokens_sum: int = 0
+    step_tokens: list[int] = field(default_factory=lambda: [0] * len(STEP_TOKEN_BUCKETS))
+    """Steps by tokens in the step, non-cumulative, per bucket of ``STEP_TOKEN_BUCKETS`` (the
+    counters an engine exports, for the agents' online calibration)."""
 
     @property
     def batch(self) -> int:
@@ -281,8 +290,13 @@ class DecodeServer:
         b, k, dt = self.batch, self.k, self.dt
         self.steps_done += k
         self.busy_s += k * dt
+        tokens = b + self.chunk_now
+        self.step_tokens_sum += k * tokens
+        self.step_tokens[bisect_left(STEP_TOKEN_BUCKETS, tokens)] += k
+        self.prefill_tokens += self.chunk_now
         if b:
             self.tokens_out += b * k
+            self.itl_sum_s += dt * b * k
             self.itl_log.append((dt, b * k, t))
             if t >= self.measure_from_s:
                 key = round(dt, 4)
@@ -403,3 +417,29 @@ class DecodeServer:
 
     def busy_until(self, t: float) -> float:
         return self.busy_s + (min(t - self.t0, self.k * self.dt) if self.busy else 0.0)
+
+    def step_totals(self, t: float) -> StepTotals:
+        """The engine's step counters at ``t`` as its ``/metrics`` would tell them (steps that
+        ended; the running batch and its context now). Borrowed prompts are the only prefill a
+        simulated decode server runs; their prefixes are not counted (no prompt counter)."""
+        cumulative, acc = [], 0
+        for bound, n in zip(STEP_TOKEN_BUCKETS, self.step_tokens, strict=True):
+            acc += n
+            cumulative.append((bound, float(acc)))
+        return StepTotals.trusted(
+            at_s=t,
+            steps=float(self.steps_done),
+            step_tokens_sum=float(self.step_tokens_sum),
+            step_token_buckets=tuple(cumulative),
+            decode_tokens=float(self.tokens_out),
+            itl_sum_s=self.itl_sum_s,
+            itl_count=float(self.tokens_out),
+            prefill_tokens=float(self.prefill_tokens),
+            cached_tokens=0.0,
+            prompts=0.0,
+            running_requests=float(self.batch),
+            context_tokens=float(self.context_tokens(t)),
+            kv_total_tokens=float(self.kv_capacity),
+            engine_flops=None,
+            engine_bytes=None,
+        )

@@ -15,7 +15,8 @@ from crossflow_ctl.domain.models import Lease
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.service.config import BrokerSettings
 from tests.agent.conftest import MetricsServer, fixture_text
-from tests.agent.test_stream import eventually, running_agent, stored
+from tests.agent.test_stream import running_agent, stored
+from tests.conftest import eventually
 
 pytestmark = pytest.mark.redis
 

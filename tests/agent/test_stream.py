@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from itertools import pairwise
 from typing import Any
 
@@ -29,21 +29,11 @@ from crossflow_ctl.domain.models import Lease, ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.service.config import BrokerSettings
 from tests.agent.conftest import MetricsServer, fixture_text
+from tests.conftest import eventually
 
 pytestmark = pytest.mark.redis
 
 MODEL, NODE = MODEL_PRESETS["gpt-oss-120b"], NODE_PRESETS["h200"]
-
-
-async def eventually(check: Callable[[], Awaitable[Any]], what: str, limit_s: float = 10.0) -> Any:
-    """Poll ``check`` until it returns something truthy (the limit only stops a hang)."""
-    async with asyncio.timeout(limit_s):
-        while True:
-            value = await check()
-            if value:
-                return value
-            await asyncio.sleep(0.02)
-    raise AssertionError(what)  # pragma: no cover
 
 
 class Brokers:
@@ -214,7 +204,11 @@ async def test_the_agent_logs_when_its_lease_turns_zero_and_lends_again(
         async with AdminClient(target) as admin, running_agent(metrics_server, [target]) as run:
             await eventually(lambda: _has_credit(admin), "a lease with credit")
             run.agent.stream.state.cordoned = True  # as a cordon notice sets it
-            await asyncio.sleep(0.3)  # several periods
+            # a period must pass cordoned (a fixed 0.3 s was none on a loaded machine)
+            await eventually(
+                lambda: any(e["event"] == "lease.zeroed" and "node_id" not in e for e in logs),
+                "the agent saying its lease turned zero",
+            )
             run.agent.stream.state.cordoned = False
             await eventually(lambda: _has_credit(admin), "credit again")
     said = [

@@ -23,6 +23,7 @@ from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import Store
 from crossflow_ctl.store.memory import MemoryStore
 from tests.broker.agents import FakeAgent
+from tests.conftest import patient_redis_store
 
 HAVE_REDIS_STORE = importlib.util.find_spec("crossflow_ctl.store.redis_store") is not None
 
@@ -32,6 +33,10 @@ TEST_POLICY = PolicySettings(
 """Admission's store deadline is 2 s here, not the production 50 ms: on a loaded CI machine a
 50 ms deadline turns BORROW into NORMAL(timeout) in tests that are not about timeouts. Tests of
 the deadline set their own (test_fail_closed, test_exact_outcomes)."""
+PATIENT_ADMIN_MS = 60_000
+"""The brokers' store deadline for releases, commits and admin calls here (production: 2 s):
+an orphan release that ran into a 2 s Redis stall on a loaded machine failed, and its grant
+stayed HELD. Tests of that deadline set their own (test_fail_closed)."""
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -49,8 +54,7 @@ def store_factory(store_kind: str, request: pytest.FixtureRequest) -> Callable[[
         return lambda: shared
     redis_url = request.getfixturevalue("redis_url")
     namespace = request.getfixturevalue("redis_namespace")
-    module = importlib.import_module("crossflow_ctl.store.redis_store")
-    return lambda: module.RedisStore(redis_url, namespace=namespace)
+    return lambda: patient_redis_store(redis_url, namespace)
 
 
 class Cluster:
@@ -60,6 +64,7 @@ class Cluster:
         self.servers: list[BrokerServer] = []
 
     async def start(self, policy: PolicySettings = TEST_POLICY, **settings: Any) -> BrokerServer:
+        settings.setdefault("admin_timeout_ms", PATIENT_ADMIN_MS)
         cfg = BrokerSettings(
             listen="127.0.0.1:0", policy=policy, stream_grace_s=1.0, notice_block_ms=200, **settings
         )
@@ -139,7 +144,7 @@ async def lending_broker(
     """A Broker (no gRPC) on ``store`` with ``decode`` nodes leasing ``slots`` borrowed-prompt
     slots each and a prefill pool with a long queue, so an Admit borrows while room lasts."""
     clock = ManualClock(1_700_000_000_000)
-    settings = BrokerSettings(policy=policy)
+    settings = BrokerSettings(policy=policy, admin_timeout_ms=PATIENT_ADMIN_MS)
     broker = Broker(store, clock, settings, metrics=metrics, sequential=sequential)
     for node_id in decode:
         await broker.register(node_id, NodeRole.DECODE, "default", {})

@@ -21,10 +21,10 @@ from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.memory import MemoryStore
-from crossflow_ctl.store.redis_store import RedisStore
 from crossflow_ctl.wire.convert_admission import admission_to_proto, admit_request_from_proto
 from tests.broker.conftest import TEST_POLICY, lending_broker, target
 from tests.broker.test_fail_closed import _broker_on, _closed_port
+from tests.conftest import eventually, patient_redis_store
 from tests.store.test_redis_round_trips import CountingConnection
 
 # Decisions here must not hinge on a loaded test machine answering within the default 50 ms.
@@ -151,20 +151,18 @@ async def test_a_grant_that_arrives_after_its_request_gave_up_is_released(cluste
     ):
         late = await stream.admit(uncached_prompt_tokens=500)
         assert (late.decision, late.reason) == (Decision.NORMAL, Reason.TIMEOUT)
-        states: list[ReservationState] = []
-        for _ in range(250):
-            states = [r.state for r in await admin.list_reservations()]
-            if states == [ReservationState.RELEASED]:
-                break
-            await asyncio.sleep(0.02)
-        assert states == [ReservationState.RELEASED]
+
+        async def released() -> bool:
+            return [r.state for r in await admin.list_reservations()] == [ReservationState.RELEASED]
+
+        await eventually(released, "the grant released in the background")
 
 
 async def test_a_batch_is_decided_with_one_redis_round_trip(
     redis_url: str, redis_namespace: str
 ) -> None:
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
-    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(client, redis_namespace, cache_max_age_ms=60_000)
     broker = await lending_broker(store, PATIENT, ("d1", "d2"), slots=3)
     try:
         requests = [AdmissionRequest(uncached_prompt_tokens=100) for _ in range(5)]

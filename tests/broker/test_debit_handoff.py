@@ -26,10 +26,12 @@ from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import Credits, ReservationState
 from crossflow_ctl.observability import BrokerMetrics
+from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import DebitOutcome, DebitRequest, Store
 from crossflow_ctl.store.redis_store import RedisStore
-from tests.broker.conftest import TEST_POLICY, lending_broker
+from tests.broker.conftest import PATIENT_ADMIN_MS, TEST_POLICY, lending_broker
+from tests.conftest import PATIENCE_S, eventually, patient_redis_store
 
 
 class _Gated:
@@ -114,15 +116,25 @@ async def test_settle_waits_for_a_debit_its_caller_stopped_waiting_for_and_its_h
 
 
 class HeldReplies:
-    """A TCP proxy to Redis that holds each reply back ``delay_s`` (0: passes at once)."""
+    """A TCP proxy to Redis that holds the replies back: each ``delay_s`` (0: passes at once),
+    and all of them from :meth:`hold` until :meth:`let_go` (so an Admit past a short deadline
+    times out by construction, however slow the machine)."""
 
     def __init__(self, redis_url: str) -> None:
         url = urlsplit(redis_url)
         self._host, self._port = url.hostname or "127.0.0.1", url.port or 6379
         self._db = url.path
         self.delay_s = 0.0
+        self._open = asyncio.Event()
+        self._open.set()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def let_go(self) -> None:
+        self._open.set()
 
     async def start(self) -> str:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -144,6 +156,8 @@ class HeldReplies:
 
     async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, held: bool) -> None:
         while data := await r.read(65536):
+            if held:
+                await self._open.wait()
             if held and self.delay_s:
                 await asyncio.sleep(self.delay_s)
             w.write(data)
@@ -162,13 +176,40 @@ async def held(
     redis_url: str, redis_namespace: str
 ) -> AsyncIterator[tuple[HeldReplies, RedisStore]]:
     proxy = HeldReplies(redis_url)
-    store = RedisStore(await proxy.start(), namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(await proxy.start(), redis_namespace, cache_max_age_ms=60_000)
     try:
         yield proxy, store
     finally:
         proxy.delay_s = 0.0
+        proxy.let_go()
         await store.close()
         await proxy.close()
+
+
+PATIENT = TEST_POLICY.updated({"admit_timeout_ms": 10_000, "hold_ttl_ms": 600_000})
+"""Admits that must BORROW (warming the line) get a deadline no loaded machine misses; a test
+shortens it (:func:`_deadline`) only for the Admit that must run past it, its replies held."""
+
+
+async def _deadline(broker: Broker, admit_timeout_ms: int) -> None:
+    await broker.set_policy({"admit_timeout_ms": admit_timeout_ms})
+    assert broker.policy.admit_timeout_ms == admit_timeout_ms
+
+
+async def _in_redis(redis_url: str, namespace: str, count: int) -> None:
+    """Wait until ``count`` reservations are in Redis (read past the proxy): the debits sent
+    have run, whatever their replies are doing."""
+    fresh = patient_redis_store(redis_url, namespace)
+    try:
+
+        async def landed() -> list[Any]:
+            listed = await fresh.list_reservations(None, 1_700_000_000_000)
+            return listed if len(listed) >= count else []
+
+        listed = await eventually(landed, f"{count} reservations in Redis")
+    finally:
+        await fresh.close()
+    assert len(listed) == count
 
 
 def _debit(node_id: str = "d1") -> DebitRequest:
@@ -176,7 +217,7 @@ def _debit(node_id: str = "d1") -> DebitRequest:
 
 
 async def test_redis_a_cancelled_debit_lands_is_handed_over_and_the_line_stays_in_step(
-    held: tuple[HeldReplies, RedisStore],
+    held: tuple[HeldReplies, RedisStore], redis_url: str, redis_namespace: str
 ) -> None:
     proxy, store = held
     broker = await lending_broker(store, TEST_POLICY, slots=2)
@@ -184,26 +225,23 @@ async def test_redis_a_cancelled_debit_lands_is_handed_over_and_the_line_stays_i
     first = await store.try_debits_settled([_debit()], share, now, 10_000, lambda _: None)
     assert first[0].granted  # warm: the dedicated connection is open
     late: list[Sequence[DebitOutcome]] = []
-    proxy.delay_s = 0.3
+    proxy.hold()
     waiting = asyncio.create_task(
         store.try_debits_settled([_debit(), _debit()], share, now, 10_000, late.append)
     )
-    await asyncio.sleep(0.1)  # the debits are in Redis; their replies are held back
+    await _in_redis(redis_url, redis_namespace, 2)  # the debits ran; their replies are held
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert late == []
-    for _ in range(100):  # the replies come, are read in the background and handed over
-        if late:
-            break
-        await asyncio.sleep(0.02)
+    proxy.let_go()  # the replies come, are read in the background and handed over
+    await eventually(lambda: late, "the late outcomes handed over")
     assert [[o.granted for o in outcomes] for outcomes in late] == [[True, False]]
     granted = late[0][0].reservation
     assert granted is not None
     assert late[0][1].short_credits == ("slots",)  # the second saw the first: one slot left
     held_ids = {r.reservation_id for r in await broker.list_reservations()}
     assert granted.reservation_id in held_ids
-    proxy.delay_s = 0.0
     # The same connection answers the next call with ITS replies, not the late ones.
     again = await store.try_debits_settled([_debit("nope")], share, now, 10_000, late.append)
     assert [o.refusal for o in again] == ["unknown_node"]
@@ -215,20 +253,21 @@ async def test_redis_an_admit_past_its_deadline_answers_timeout_and_its_grant_is
     held: tuple[HeldReplies, RedisStore],
 ) -> None:
     proxy, store = held
-    broker = await lending_broker(store, TEST_POLICY.updated({"admit_timeout_ms": 100}))
+    broker = await lending_broker(store, PATIENT)
     ask = AdmissionRequest(uncached_prompt_tokens=100)
     assert (await broker.admit(ask)).decision is Decision.BORROW  # warm
-    proxy.delay_s = 0.4
+    await _deadline(broker, 100)
+    proxy.hold()
     answer = await broker.admit(ask)
     assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
-    proxy.delay_s = 0.0
-    states: list[ReservationState] = []
-    for _ in range(200):  # the debit lands after the answer, then is released in the background
+    proxy.let_go()
+
+    async def released() -> bool:  # the debit lands after the answer, then is released
         states = sorted(r.state for r in await broker.list_reservations())
-        if states == [ReservationState.HELD, ReservationState.RELEASED]:
-            break
-        await asyncio.sleep(0.02)
-    assert states == [ReservationState.HELD, ReservationState.RELEASED]
+        return states == [ReservationState.HELD, ReservationState.RELEASED]
+
+    await eventually(released, "the late grant released in the background")
+    await _deadline(broker, PATIENT.admit_timeout_ms)
     assert (await broker.admit(ask)).decision is Decision.BORROW  # the line is in step
 
 
@@ -239,7 +278,9 @@ async def test_a_batch_whose_later_round_misses_the_deadline_releases_its_earlie
     from crossflow_ctl.store.memory import MemoryStore
 
     store = MemoryStore(seed=1)
-    policy = TEST_POLICY.updated({"admit_timeout_ms": 100, "hold_ttl_ms": 600_000})
+    # Round 2 never ends, so the batch times out whatever the deadline; 1 s (not 100 ms) lets
+    # round 1 land first even on a machine that stalls the test for a while.
+    policy = TEST_POLICY.updated({"admit_timeout_ms": 1_000, "hold_ttl_ms": 600_000})
     broker = await lending_broker(store, policy, decode=("d1", "d2"), slots=1)
     rounds = 0
     stuck = asyncio.Event()  # never set
@@ -258,14 +299,9 @@ async def test_a_batch_whose_later_round_misses_the_deadline_releases_its_earlie
     answers = await broker.admit_many([first, second])
     assert rounds == 2
     assert [(a.decision, a.reason) for a in answers] == [(Decision.NORMAL, Reason.TIMEOUT)] * 2
-    held: list[str] = []
-    for _ in range(100):  # the release runs in the background
-        await asyncio.sleep(0.01)
-        listed = await broker.list_reservations()
-        held = [r.node_id for r in listed if r.state is ReservationState.HELD]
-        if not held:
-            break
-    assert held == []
+    await broker.drain(PATIENCE_S)  # the release runs in the background
+    listed = await broker.list_reservations()
+    assert [r.state for r in listed] == [ReservationState.RELEASED]
 
 
 async def test_redis_a_failed_call_hands_the_other_nodes_grants_over(
@@ -309,19 +345,27 @@ async def test_redis_a_late_debit_read_at_shutdown_is_released_before_the_store_
     proxy, store = held
     if path == "debit task":
         store._debit_line = None  # what a RedisCluster client gets
-    policy = TEST_POLICY.updated({"admit_timeout_ms": 100, "hold_ttl_ms": 600_000})
-    await lending_broker(store, policy)
-    settings = BrokerSettings(listen="127.0.0.1:0", policy=policy, stream_grace_s=3.0)
+    await lending_broker(store, PATIENT)
+    # the grace bounds the stop's waits; the test is that it waits, not how fast it is
+    settings = BrokerSettings(
+        listen="127.0.0.1:0",
+        policy=PATIENT,
+        stream_grace_s=PATIENCE_S,
+        admin_timeout_ms=PATIENT_ADMIN_MS,
+    )
     server = BrokerServer(settings, store, ManualClock(1_700_000_000_000))
     await server.start()
     warm = AdmissionRequest(uncached_prompt_tokens=100, request_id="warm")
     assert (await server.broker.admit(warm)).decision is Decision.BORROW  # kept HELD
-    proxy.delay_s = 0.4  # every reply held back, the release's too
+    await _deadline(server.broker, 100)
+    proxy.hold()
     late = AdmissionRequest(uncached_prompt_tokens=100, request_id="late")
     answer = await server.broker.admit(late)
     assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
+    proxy.delay_s = 0.4  # every reply from now on held back, the release's too
+    proxy.let_go()
     await server.stop()
-    fresh = RedisStore(redis_url, namespace=redis_namespace)  # not through the proxy
+    fresh = patient_redis_store(redis_url, redis_namespace)  # not through the proxy
     try:
         listed = await fresh.list_reservations(None, 1_700_000_000_000)
         record = await fresh.read_request("admit:late")
@@ -341,22 +385,28 @@ async def test_redis_a_batch_decided_at_shutdown_for_callers_gone_is_released(
     a late read). Shutdown used to close the store under it: its grants stayed HELD for nobody.
     Now the broker waits for the batch first (review of 74e85e3)."""
     proxy, store = held
-    policy = TEST_POLICY.updated({"admit_timeout_ms": 2000, "hold_ttl_ms": 600_000})
-    await lending_broker(store, policy, slots=10)
-    settings = BrokerSettings(listen="127.0.0.1:0", policy=policy, stream_grace_s=3.0)
+    await lending_broker(store, PATIENT, slots=10)
+    settings = BrokerSettings(
+        listen="127.0.0.1:0",
+        policy=PATIENT,
+        stream_grace_s=PATIENCE_S,
+        admin_timeout_ms=PATIENT_ADMIN_MS,
+    )
     server = BrokerServer(settings, store, ManualClock(1_700_000_000_000))
     await server.start()
     warm = AdmissionRequest(uncached_prompt_tokens=100)
     assert (await server.broker.admit(warm)).decision is Decision.BORROW  # kept HELD
-    proxy.delay_s = 0.4  # every reply held back
+    proxy.hold()
     batch = [AdmissionRequest(uncached_prompt_tokens=100) for _ in range(2)]
     caller = asyncio.ensure_future(server.broker.admit_many(batch))
-    await asyncio.sleep(0.1)  # the round is written, its replies held back
+    await _in_redis(redis_url, redis_namespace, 3)  # the round is written, its replies held
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
         await caller
+    proxy.delay_s = 0.4  # every reply from now on held back
+    proxy.let_go()
     await server.stop()
-    fresh = RedisStore(redis_url, namespace=redis_namespace)  # not through the proxy
+    fresh = patient_redis_store(redis_url, redis_namespace)  # not through the proxy
     try:
         listed = await fresh.list_reservations(None, 1_700_000_000_000)
     finally:
@@ -375,22 +425,22 @@ async def test_redis_closing_does_not_wait_for_good_on_a_late_read_that_never_en
     as lost (counted)."""
     proxy = HeldReplies(redis_url)
     client = Redis.from_url(await proxy.start(), socket_timeout=None)  # none (default: 5 s)
-    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(client, redis_namespace, cache_max_age_ms=60_000)
     reader = InMemoryMetricReader()
     metrics = BrokerMetrics(MeterProvider(metric_readers=[reader]))
     try:
-        policy = TEST_POLICY.updated({"admit_timeout_ms": 100, "hold_ttl_ms": 600_000})
-        broker = await lending_broker(store, policy, metrics=metrics)
+        broker = await lending_broker(store, PATIENT, metrics=metrics)
         ask = AdmissionRequest(uncached_prompt_tokens=100)
         assert (await broker.admit(ask)).decision is Decision.BORROW  # warm
-        proxy.delay_s = 3_600.0  # silent
+        await _deadline(broker, 100)
+        proxy.hold()  # silent
         answer = await broker.admit(ask)
         assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
         async with asyncio.timeout(30):  # a hang guard, not a latency assertion
             await store.close()
         assert _lost_debits(reader) == 1
     finally:
-        proxy.delay_s = 0.0
+        proxy.let_go()
         await proxy.close()
         await client.aclose()
 
@@ -417,22 +467,19 @@ async def test_redis_a_late_debit_whose_reply_is_lost_is_counted(
     proxy, store = held
     reader = InMemoryMetricReader()
     metrics = BrokerMetrics(MeterProvider(metric_readers=[reader]))
-    policy = TEST_POLICY.updated({"admit_timeout_ms": 100, "hold_ttl_ms": 600_000})
-    broker = await lending_broker(store, policy, metrics=metrics)
+    broker = await lending_broker(store, PATIENT, metrics=metrics)
     ask = AdmissionRequest(uncached_prompt_tokens=100)
     assert (await broker.admit(ask)).decision is Decision.BORROW  # warm
-    proxy.delay_s = 0.4
+    await _deadline(broker, 100)
+    proxy.hold()
     answer = await broker.admit(ask)
     assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
     assert _lost_debits(reader) == 0
     await proxy.close()  # the connection breaks while the late reply is held back
-    for _ in range(200):
-        if _lost_debits(reader):
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: _lost_debits(reader), "the lost reply counted")
     assert _lost_debits(reader) == 1
     assert _lost_debits(reader, "store_errors") == 1  # the debit call failed, late
-    fresh = RedisStore(redis_url, namespace=redis_namespace)  # not through the proxy
+    fresh = patient_redis_store(redis_url, redis_namespace)  # not through the proxy
     try:
         listed = await fresh.list_reservations(None, 1_700_000_000_000)
     finally:

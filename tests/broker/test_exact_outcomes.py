@@ -22,16 +22,35 @@ from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.store.base import Store
 from tests.broker.conftest import TEST_POLICY, target
+from tests.conftest import eventually
 
 
 class SlowDebits:
-    """The broker's store, with every debit landing ``delay_s`` late, as a Redis script does
-    whose reply is slow: once sent it runs, whether or not the caller still waits."""
+    """The broker's store, with every debit landing ``delay_s`` late, and not before
+    :meth:`let_go` while held (:meth:`hold`), as a Redis script does whose reply is slow: once
+    sent it runs, whether or not the caller still waits. Holding makes "the debit is still on
+    its way" true by construction; a delay alone was a race a loaded machine lost."""
 
     def __init__(self, inner: Any, delay_s: float) -> None:
         self._inner = inner
         self.delay_s = delay_s
         self.debits = 0
+        """Debit calls that have landed (gone on to the store)."""
+        self.sent = 0
+        """Debit calls made, landed or not."""
+        self._open = asyncio.Event()
+        self._open.set()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def let_go(self) -> None:
+        self._open.set()
+
+    def pass_waiting(self) -> None:
+        """The debits held now go on; later ones are held."""
+        self._open.set()
+        self._open.clear()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -40,9 +59,11 @@ class SlowDebits:
     try_debits_settled = Store.try_debits_settled
 
     async def try_debits(self, *args: Any, **kwargs: Any) -> Any:
+        self.sent += 1
         return await asyncio.shield(asyncio.ensure_future(self._land(*args, **kwargs)))
 
     async def _land(self, *args: Any, **kwargs: Any) -> Any:
+        await self._open.wait()
         await asyncio.sleep(self.delay_s)
         self.debits += 1
         return await self._inner.try_debits(*args, **kwargs)
@@ -70,22 +91,25 @@ async def _lending_cluster(cluster, agents, policy: PolicySettings = PATIENT):
 async def _settled_reservations(server, want: int) -> list[Any]:
     """Open reservations once ``want`` exist and none is HELD or COMMITTED any more."""
     async with AdminClient(target(server)) as admin:
-        async with asyncio.timeout(10):
-            while True:
-                found = await admin.list_reservations()
-                if len(found) >= want and all(r.state is ReservationState.RELEASED for r in found):
-                    return found
-                await asyncio.sleep(0.05)
+
+        async def settled() -> list[Any]:
+            found = await admin.list_reservations()
+            done = len(found) >= want and all(r.state is ReservationState.RELEASED for r in found)
+            return found if done else []
+
+        return await eventually(settled, f"{want} reservations, all released", every_s=0.05)
 
 
 async def test_a_debit_landing_after_a_timeout_is_released(cluster, agents) -> None:
-    server, decode, slow = await _lending_cluster(
-        cluster, agents, TEST_POLICY.updated({"admit_timeout_ms": 50})
-    )
-    slow.delay_s = 0.3
+    # The debit is held until its Admit has timed out: the deadline (PATIENT's, not 50 ms)
+    # can only pass in the debit, never in the reads before it.
+    server, decode, slow = await _lending_cluster(cluster, agents)
+    slow.hold()
     async with AdmissionClient(target(server), timeout_s=5) as client:
         answer = await client.admit(request_id="late-1", uncached_prompt_tokens=100)
         assert (answer.decision, answer.reason) == (Decision.NORMAL, Reason.TIMEOUT)
+        assert slow.sent == 1  # timed out in its debit
+        slow.let_go()
         found = await _settled_reservations(server, 1)
         assert slow.debits == 1 and [r.request_id for r in found] == ["late-1"]
         # The agent heard of both the grant and its release (its next lease frees the credit).
@@ -94,10 +118,12 @@ async def test_a_debit_landing_after_a_timeout_is_released(cluster, agents) -> N
             lambda n: n.reservation_id == rid and n.kind == lease_pb2.NOTICE_KIND_RELEASE
         )
         # A retry times out the same way, and its late debit is released too.
+        slow.hold()
         again = await client.admit(
             AdmissionRequest(request_id="late-1", uncached_prompt_tokens=100, attempt=1)
         )
         assert again.reason is Reason.TIMEOUT
+        slow.let_go()
         assert len(await _settled_reservations(server, 2)) == 2 and slow.debits == 2
 
 
@@ -154,27 +180,30 @@ async def test_a_retry_racing_the_first_call_gets_one_outcome_and_no_orphan(
     server, _, slow = await _lending_cluster(
         cluster, agents, TEST_POLICY.updated({"admit_timeout_ms": 5_000})
     )
-    slow.delay_s = 0.5
+    slow.hold()  # the first call's debit cannot land before the retry has come
     async with AdmissionClient(target(server), timeout_s=5, retries=0) as client:
         first = asyncio.create_task(client.admit(request_id="r-3", uncached_prompt_tokens=100))
-        await asyncio.sleep(0.2)  # the first call is debiting
-        retry = await client.admit(
-            AdmissionRequest(request_id="r-3", uncached_prompt_tokens=100, attempt=1)
+        await eventually(lambda: slow.sent == 1, "the first call debiting")
+        retried = asyncio.create_task(
+            client.admit(AdmissionRequest(request_id="r-3", uncached_prompt_tokens=100, attempt=1))
         )
-        late = await first
+        await asyncio.sleep(0.2)  # for the retry to come (were it later, the outcome is the same)
+        slow.let_go()
+        retry, late = await retried, await first
     # Both calls answer the one recorded outcome ...
     assert retry.decision is late.decision is Decision.BORROW
     assert retry.reservation_id == late.reservation_id and (retry.replayed or late.replayed)
     # ... and the other debit is released, not left for nobody; where the record rides in the
     # debit's script (standalone Redis) the later call finds it there and debits nothing.
     debits = 1 if server.store.folds_request_records else 2
-    async with AdminClient(target(server)) as admin, asyncio.timeout(10):
-        while True:
+    async with AdminClient(target(server)) as admin:
+
+        async def one_left() -> bool:
             found = await admin.list_reservations()
             held = [r.reservation_id for r in found if r.state is ReservationState.HELD]
-            if len(found) == debits and held == [late.reservation_id]:
-                break
-            await asyncio.sleep(0.05)
+            return len(found) == debits and held == [late.reservation_id]
+
+        await eventually(one_left, "the other debit released", every_s=0.05)
 
 
 async def test_commit_and_release_replay_their_recorded_outcome(cluster, agents) -> None:

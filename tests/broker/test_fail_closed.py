@@ -22,6 +22,7 @@ from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.agents import FakeAgent
 from tests.broker.conftest import TEST_POLICY, target
+from tests.conftest import eventually
 
 
 def _closed_port() -> int:
@@ -225,11 +226,11 @@ async def test_policy_is_shared_through_the_store(cluster, agents) -> None:
     async with AdminClient(target(a)) as admin:
         await admin.set_policy({"enabled": False})
     async with AdmissionClient(target(b), timeout_s=5) as client:
-        for _ in range(200):
+
+        async def disabled() -> bool:  # once b has re-read the policy (every 50 ms)
             adm = await client.admit(uncached_prompt_tokens=1_000)
-            if adm.reason is Reason.BORROWING_DISABLED:
-                break
-            await asyncio.sleep(0.02)
-        assert adm.reason is Reason.BORROWING_DISABLED
+            return adm.reason is Reason.BORROWING_DISABLED
+
+        await eventually(disabled, "b answers BORROWING_DISABLED")
     async with AdminClient(target(b)) as admin:
         assert not (await admin.get_policy()).policy.enabled

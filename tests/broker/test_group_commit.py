@@ -19,6 +19,7 @@ from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.conftest import TEST_POLICY, lending_broker
 from tests.broker.test_exact_outcomes import SlowDebits
+from tests.conftest import eventually, patient_redis_store
 from tests.store.test_redis_round_trips import CountingConnection
 
 PATIENT = TEST_POLICY.model_copy(update={"admit_timeout_ms": 10_000})
@@ -28,7 +29,7 @@ PATIENT = TEST_POLICY.model_copy(update={"admit_timeout_ms": 10_000})
 async def counted(redis_url: str, redis_namespace: str) -> AsyncIterator[RedisStore]:
     """A Redis store whose connections count the round trips they make."""
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
-    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(client, redis_namespace, cache_max_age_ms=60_000)
     try:
         yield store
     finally:
@@ -84,21 +85,20 @@ async def test_a_grant_for_a_caller_that_stopped_waiting_is_released_with_its_re
     slow = SlowDebits(counted, delay_s=0.0)
     broker = await lending_broker(slow, PATIENT)  # type: ignore[arg-type]  # a wrapped store
     await broker.admit(ask())  # warm
-    slow.delay_s = 0.3
+    slow.hold()
     gone = asyncio.create_task(broker.admit(ask("q-2")))
-    await asyncio.sleep(0.1)  # its debit is on its way
+    await eventually(lambda: slow.sent == 2, "its debit on its way")
     gone.cancel()
     with pytest.raises(asyncio.CancelledError):
         await gone
-    mine = []
-    for _ in range(500):  # the debit lands, then its release runs in the background
+    slow.let_go()
+
+    async def released() -> list[Any]:  # the debit lands, then its release runs
         mine = [r for r in await broker.list_reservations() if r.request_id == "q-2"]
-        if [r.state for r in mine] == [ReservationState.RELEASED]:
-            break
-        await asyncio.sleep(0.02)
-    assert [r.state for r in mine] == [ReservationState.RELEASED]
+        return mine if [r.state for r in mine] == [ReservationState.RELEASED] else []
+
+    mine = await eventually(released, "the grant released in the background")
     assert await counted.read_request("admit:q-2") is None
-    slow.delay_s = 0.0
     again = await broker.admit(ask("q-2"))  # decides afresh: nothing replays the released one
     assert again.decision is Decision.BORROW and not again.replayed
     assert again.reservation_id != mine[0].reservation_id
@@ -114,15 +114,19 @@ async def test_a_lone_admit_is_decided_in_its_own_task_and_later_arrivals_wait_f
     slow = SlowDebits(counted, delay_s=0.0)
     broker = await lending_broker(slow, PATIENT, slots=3)  # type: ignore[arg-type]  # wrapped
     await broker.admit(ask())  # warm; 2 slots left
-    slow.delay_s, warm = 0.2, slow.debits
+    warm, sent = slow.debits, slow.sent
+    slow.hold()
     lone = asyncio.create_task(broker.admit(ask()))
-    await asyncio.sleep(0.05)  # its debit is on its way
+    await eventually(lambda: slow.sent == sent + 1, "its debit on its way")
     assert slow.debits == warm and not group_commit_tasks()  # no hand-off to a flusher task
     later = [asyncio.create_task(broker.admit(ask())) for _ in range(2)]
-    await asyncio.sleep(0.05)
-    assert slow.debits == warm  # they queue behind the lone one rather than debit beside it
+    await asyncio.sleep(0.05)  # time to debit beside it, were they to (held, it cannot land)
+    assert slow.sent == sent + 1  # they queue behind the lone one rather than debit beside it
+    slow.pass_waiting()
     first = await lone
     assert first.decision is Decision.BORROW and slow.debits == warm + 1
+    await eventually(lambda: slow.sent == sent + 2, "the two that waited debiting")
+    slow.let_go()
     answers = await asyncio.gather(*later)
     assert slow.debits == warm + 2  # the two that waited went together, in one batch
     assert [a.decision for a in answers] == [Decision.BORROW, Decision.NORMAL]
@@ -134,7 +138,7 @@ async def test_a_warm_lone_admit_starts_no_task_on_standalone_redis(
 ) -> None:
     """Its debit is waited for in its own task on the dedicated connection (no task per debit
     round; the store's own connections write in the caller's task too)."""
-    store = RedisStore(redis_url, namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(redis_url, redis_namespace, cache_max_age_ms=60_000)
     try:
         await _no_task_for_a_warm_admit(store)
     finally:

@@ -18,22 +18,35 @@ from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.store.base import DebitOutcome
 from crossflow_ctl.store.memory import MemoryStore
-from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.conftest import TEST_POLICY, lending_broker
+from tests.conftest import patient_redis_store
 
-POLICY = TEST_POLICY.updated({"admit_timeout_ms": 100, "hold_ttl_ms": 600_000})
+POLICY = TEST_POLICY.updated({"admit_timeout_ms": 10_000, "hold_ttl_ms": 600_000})
+"""A deadline no test here meets by accident on a loaded machine (100 ms once turned a failed
+round into a TIMEOUT, with its other reason); the timeout test sets its own."""
+PATIENCE_S = 30.0
+"""How long a release may take to show: a hang guard, never a latency bound."""
 
 
 async def _released(
     broker: Broker, logs: Sequence[MutableMapping[str, Any]], node_id: str = ""
 ) -> list[str]:
     """The reasons logged for orphan releases, once the one reservation (on ``node_id``, when
-    given) is no longer HELD."""
-    for _ in range(200):  # the release runs in the background
+    given) is no longer HELD and the background release that changed it has finished.
+
+    The release logs its reason after the store answers it, so a reservation already RELEASED
+    in Redis does not mean the log is written: on a loaded machine the test read the logs in
+    between (``[] == [...]``). ``Broker.drain`` waits for the releases in flight."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PATIENCE_S
+    while True:  # the release starts in the background, after the answers
         listed = await broker.list_reservations(node_id)
         if listed and all(r.state is not ReservationState.HELD for r in listed):
             break
+        if loop.time() > deadline:
+            break
         await asyncio.sleep(0.01)
+    await broker.drain(PATIENCE_S)
     assert [r.state for r in listed] == [ReservationState.RELEASED]
     return [e["why"] for e in logs if e["event"] == "admit.orphan_released"]
 
@@ -54,7 +67,7 @@ async def test_a_grant_whose_caller_left_is_released_as_such() -> None:
 
 async def test_a_grant_whose_admit_timed_out_is_released_as_such() -> None:
     store = MemoryStore(seed=1)
-    broker = await lending_broker(store, POLICY)
+    broker = await lending_broker(store, POLICY.updated({"admit_timeout_ms": 100}))
     with capture_logs() as logs:
         async with store._lock:
             answer = await broker.admit(AdmissionRequest(uncached_prompt_tokens=9))
@@ -91,10 +104,10 @@ async def test_redis_a_grant_whose_round_failed_on_another_node_is_released_as_s
 ) -> None:
     """One debit round on two nodes: d2's script fails (its reservations key of the wrong
     type), d1's grants, and no caller gets it."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     raw = Redis.from_url(redis_url)
     try:
-        broker = await lending_broker(store, TEST_POLICY, decode=("d1", "d2"), slots=5)
+        broker = await lending_broker(store, POLICY, decode=("d1", "d2"), slots=5)
         key = store._k.node("d2").reservations
         await raw.delete(key)
         await raw.set(key, "not a hash")

@@ -18,6 +18,7 @@ from crossflow_ctl.domain.admission import AdmissionRequest, Reason
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.room import RoomStatus, RoomUpdate
 from tests.broker.conftest import target
+from tests.conftest import PATIENCE_S
 
 ROOM = {"poll_ms": 50, "min_read_ms": 5, "max_updates_per_s": 50.0, "heartbeat_ms": 60_000}
 
@@ -75,7 +76,9 @@ async def test_room_from_a_lease_on_another_replica_reaches_the_watcher(
 async def test_bursts_are_coalesced_to_the_rate_limit_and_the_newest_view_arrives(
     cluster: Any, agents: Any
 ) -> None:
-    server = await cluster.start(room={**ROOM, "max_updates_per_s": 4.0})
+    # 1 update/s: coalescing shows unless 20 lease sends take 20 s (at 4/s, sends slower than
+    # 250 ms each on a loaded machine each got an update of their own: 20, not < 20)
+    server = await cluster.start(room={**ROOM, "max_updates_per_s": 1.0})
     decode = await agents(server, "d1")
     async with AdmissionClient(target(server), timeout_s=5) as client:
         updates = client.watch_room()
@@ -93,11 +96,11 @@ async def test_bursts_are_coalesced_to_the_rate_limit_and_the_newest_view_arrive
         started = time.monotonic()
         for i in range(1, 21):  # 20 material changes, each 1,000 tokens apart
             await decode.send_lease(credits={"compute_tokens": 1_000 * i})
-        await asyncio.wait_for(newest.wait(), 10)
+        await asyncio.wait_for(newest.wait(), PATIENCE_S)
         elapsed = time.monotonic() - started
         collector.cancel()
-        # At 4 updates/s, the stream may carry at most one update per 250 ms (+1 at the edge).
-        assert len(received) <= int(elapsed * 4.0) + 2, (len(received), elapsed)
+        # At 1 update/s, the stream may carry at most one update per second (+1 at the edge).
+        assert len(received) <= int(elapsed * 1.0) + 2, (len(received), elapsed)
         assert len(received) < 20
         assert [u.seq for u in received] == list(range(2, 2 + len(received)))
 

@@ -171,7 +171,7 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
         settings = GatewaySettings(
             listen="127.0.0.1:0",
             broker=broker_addr,
-            protocol=protocol,  # type: ignore[arg-type]
+            protocol=protocol,
             prefill=[_endpoint(e) for e in engines["prefill"]],
             decode=[_endpoint(e) for e in engines["decode"]],
             max_hold_ms=max_hold_ms,

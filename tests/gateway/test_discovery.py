@@ -127,3 +127,15 @@ def test_the_pool_takes_joins_and_leaves_and_keeps_the_rest() -> None:
     assert [e.node_id for e in left] == ["gpu-1", "gpu-2"]
     assert [e.url for e in joined] == ["http://10.0.0.9:8000"]
     assert [e.node_id for e in pool.decode] == ["gpu-1"]
+
+
+async def test_one_missed_health_check_is_not_enough_to_take_an_engine_out() -> None:
+    """A busy engine that is slow to answer once stays in; a second miss in a row takes it
+    out, and one answer brings it back (a failed request would take it out at once)."""
+    engine = EngineEndpoint(node_id="gpu-1", url="http://127.0.0.1:9")  # nothing listens
+    pool = EnginePool([EngineEndpoint(node_id="cpu-1", url="http://127.0.0.1:9")], [engine])
+    async with aiohttp.ClientSession() as session:
+        await pool.check_health(session, timeout_s=5.0)
+        assert all(e.healthy for e in pool.all())
+        await pool.check_health(session, timeout_s=5.0)
+        assert not any(e.healthy for e in pool.all())

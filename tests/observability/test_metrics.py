@@ -196,6 +196,40 @@ async def test_agent_metrics_are_exposed(endpoint: MetricsEndpoint) -> None:
     assert value(s, "crossflow_agent_lease_credits", credit="compute_tokens") == 0
 
 
+async def test_agent_calibration_is_exposed(endpoint: MetricsEndpoint) -> None:
+    """The step-time constants (prior, fitted, active), both errors, the windows and the state."""
+    from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
+    from crossflow_ctl.domain.online_calibration import OnlineCalibrator
+    from tests.domain.test_step_fit import TRUTH, varied_windows
+
+    cal = OnlineCalibrator(MODEL_PRESETS["gpt-oss-120b"], NODE_PRESETS["h200"])
+    m = AgentMetrics(endpoint.meter_provider)
+    for period, win in enumerate(varied_windows(TRUTH, 0, n=4), start=1):
+        cal.add(win, at_s=float(period))
+        cal.update(float(period))
+        m.set_calibration(cal.state())
+    s = await scrape(endpoint)
+    fit = cal.state().fit
+    assert fit is not None
+    for profile, node in (("prior", NODE_PRESETS["h200"]), ("fitted", fit.profile)):
+        assert value(
+            s, "crossflow_agent_step_constant", constant="flops_per_s", profile=profile
+        ) == pytest.approx(node.flops_per_s)
+    assert value(
+        s, "crossflow_agent_step_constant", constant="hbm_bytes_per_s", profile="active"
+    ) == pytest.approx(cal.profile.hbm_bytes_per_s)
+    assert value(s, "crossflow_agent_calibration_error", profile="fitted") == pytest.approx(
+        fit.error
+    )
+    assert value(s, "crossflow_agent_calibration_error", profile="prior") > fit.error
+    assert value(s, "crossflow_agent_calibration_windows") == 4
+    assert value(s, "crossflow_agent_calibration_periods_total", status="too_few_windows") == 2
+    assert value(s, "crossflow_agent_calibration_periods_total", status="fitted") == 2
+    using = {u: value(s, "crossflow_agent_calibration_using", state=u) for u in
+             ("prior", "moving", "fitted")}  # fmt: skip
+    assert sum(using.values()) == 1 and using["prior"] == 0
+
+
 async def test_noop_holders_accept_every_event() -> None:
     b = BrokerMetrics.noop()
     b.record_admission(Decision.BORROW, Reason.BORROWED, 0.001, shadow_decision=Decision.BORROW)

@@ -21,8 +21,8 @@ from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.observability import BrokerMetrics, MetricsEndpoint, setup_metrics
 from crossflow_ctl.observability.gauges import NodeGauges, refresh_node_gauges
 from crossflow_ctl.service.config import BrokerSettings
-from crossflow_ctl.store.redis_store import RedisStore
 from tests.broker.agents import FakeAgent
+from tests.conftest import patient_redis_store
 
 pytestmark = pytest.mark.redis
 
@@ -62,7 +62,7 @@ async def test_shadow_mode_records_decisions_answers_normal_and_debits_nothing(
         notice_block_ms=100,
     )
     metrics = BrokerMetrics(endpoint.meter_provider)
-    server = BrokerServer(settings, RedisStore(redis_url, namespace=redis_namespace), None, metrics)
+    server = BrokerServer(settings, patient_redis_store(redis_url, redis_namespace), None, metrics)
     await server.start()
     address = f"127.0.0.1:{server.port}"
     decode = FakeAgent(address, "shadow-d1")

@@ -15,11 +15,11 @@ def _ctl(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_sim_writes_a_report_with_plots(traces_dir: Path, tmp_path: Path) -> None:
+def test_sim_writes_a_report_with_plots(mooncake_sample: Path, tmp_path: Path) -> None:
     out = tmp_path / "report"
     result = _ctl(
         "sim",
-        "--trace", str(traces_dir / "mooncake_conversation_trace.jsonl"),
+        "--trace", str(mooncake_sample),
         "--limit", "80",
         "--load", "4",
         "--splits", "2P4D",
@@ -32,8 +32,8 @@ def test_sim_writes_a_report_with_plots(traces_dir: Path, tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
     assert "simulating" in result.stderr  # the progress bar
     text = (out / "report.md").read_text()
-    assert "| mooncake_conversation_trace | 4x | 2P4D/leases |" in text
-    assert "| mooncake_conversation_trace | 4x | 2P4D/static | 2P4D/threshold |" in text
+    assert "| mooncake_conversation_trace_head600 | 4x | 2P4D/leases |" in text
+    assert "| mooncake_conversation_trace_head600 | 4x | 2P4D/static | 2P4D/threshold |" in text
     assert "Over-commit count over all runs: **0**" in text
     assert "borrow share 0.5 (KV 0.75);" in text
     assert (
@@ -120,14 +120,14 @@ def test_the_sim_runs_agents_and_broker_on_one_horizon() -> None:
 
 
 def test_sim_with_every_request_in_the_warmup_says_what_to_change(
-    traces_dir: Path, tmp_path: Path
+    mooncake_sample: Path, tmp_path: Path
 ) -> None:
     """``--limit 300`` keeps the first 300 requests of a trace (its first minute), all inside the
     default 300 s warm-up: the sweep measured nothing, and the report used to die on
     ``min() arg is an empty sequence`` (exit 1)."""
     result = _ctl(
         "sim",
-        "--trace", str(traces_dir / "mooncake_conversation_trace.jsonl"),
+        "--trace", str(mooncake_sample),
         "--limit", "40",
         "--load", "1",
         "--splits", "2P4D",
@@ -152,11 +152,11 @@ def test_sim_refuses_a_limit_or_jobs_below_one(tmp_path: Path) -> None:
 
 
 def test_plan_refuses_a_zero_window_and_a_one_node_fleet_naming_the_flag(
-    traces_dir: Path,
+    mooncake_sample: Path,
 ) -> None:
     """--window-s 0 died on "float floor division by zero" (exit 1); --fleet 0 was named
     fleet_nodes, not the flag."""
-    trace = str(traces_dir / "mooncake_conversation_trace.jsonl")
+    trace = str(mooncake_sample)
     zero = _ctl("plan", "--trace", trace, "--window-s", "0")
     assert zero.returncode == 2 and "--window-s" in zero.stderr, zero.stderr
     one = _ctl("plan", "--r-p5", "1", "--r-p50", "2", "--r-p95", "3", "--fleet", "1")
@@ -166,7 +166,7 @@ def test_plan_refuses_a_zero_window_and_a_one_node_fleet_naming_the_flag(
 
 
 def test_plan_refusals_name_the_flag_and_trace_excludes_the_percentiles(
-    traces_dir: Path,
+    sessions_sample: Path,
 ) -> None:
     """Refusals named sizing's fields ("rho: rho must be ...", "r: R must be ...",
     "r_p50: need ..."); --r-p5/--r-p50/--r-p95 beside --trace were silently ignored."""
@@ -178,7 +178,7 @@ def test_plan_refusals_name_the_flag_and_trace_excludes_the_percentiles(
     ):
         res = _ctl("plan", *args)
         assert res.returncode == 2 and f"error: {flag}" in res.stderr, (args, res.stderr)
-    trace = str(traces_dir / "agent_sessions_sample.jsonl")
+    trace = str(sessions_sample)
     both = _ctl("plan", "--rho", "0.1", "--trace", trace, "--r-p50", "10")
     assert both.returncode == 2 and "drop --r-p50" in both.stderr, both.stderr
 

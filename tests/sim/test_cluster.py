@@ -14,7 +14,7 @@ from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.metrics import summarize
 from crossflow_ctl.sim.report import write_report
 from crossflow_ctl.sim.traces import Trace, TraceRequest, load_mooncake
-from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import patient_redis_store
 
 CFG = SimConfig(prefill_nodes=1, decode_nodes=1)
 
@@ -118,8 +118,8 @@ async def test_same_seed_same_report(tmp_path: Path) -> None:
     assert "2P4D" not in reports[0] and "1P2D/leases" in reports[0]
 
 
-async def test_mooncake_slice_leases_borrow_without_over_commit(traces_dir: Path) -> None:
-    trace = load_mooncake(traces_dir / "mooncake_conversation_trace.jsonl", limit=600).scaled(4)
+async def test_mooncake_slice_leases_borrow_without_over_commit(mooncake_sample: Path) -> None:
+    trace = load_mooncake(mooncake_sample, limit=600).scaled(4)
     cfg = SimConfig(prefill_nodes=2, decode_nodes=4, policy=PolicyKind.LEASES)
     rec = await simulate(trace, cfg)
     s = summarize(rec)
@@ -131,7 +131,7 @@ async def test_mooncake_slice_leases_borrow_without_over_commit(traces_dir: Path
 
 @pytest.mark.redis
 async def test_leases_on_the_redis_store(redis_url: str, redis_namespace: str) -> None:
-    store = RedisStore(redis_url, redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     try:
         rec = await simulate(_burst(40, 0.02), LEASES, store)
     finally:

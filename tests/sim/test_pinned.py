@@ -34,9 +34,9 @@ PINNED: dict[str, Any] = {
 }
 
 
-async def test_a_mooncake_slice_at_8x_gives_the_pinned_run(traces_dir: Path) -> None:
+async def test_a_mooncake_slice_at_8x_gives_the_pinned_run(mooncake_sample: Path) -> None:
     """400 Mooncake prompts at 8x on 2P4D: borrows, holds, late borrows and re-offers."""
-    trace = load_mooncake(traces_dir / "mooncake_conversation_trace.jsonl", limit=400).scaled(8)
+    trace = load_mooncake(mooncake_sample, limit=400).scaled(8)
     rec = await simulate(
         trace, SimConfig(prefill_nodes=2, decode_nodes=4, policy=PolicyKind.LEASES)
     )

@@ -53,11 +53,11 @@ def test_the_agent_reports_the_time_to_clear_the_running_and_queued_prompts() ->
 
 
 async def test_each_offer_names_the_prefill_server_the_prompt_would_go_to_now(
-    traces_dir: Path,
+    mooncake_sample: Path,
 ) -> None:
     """The simulated router names, on every Admit (a re-offer too), the server a NORMAL answer
     would send the prompt to at that moment: the least-loaded one with a cluster-wide cache."""
-    trace = load_mooncake(traces_dir / "mooncake_conversation_trace.jsonl", limit=5)
+    trace = load_mooncake(mooncake_sample, limit=5)
     sim = Simulation(trace, CFG.model_copy(update={"policy": PolicyKind.LEASES}))
     control = sim.control
     assert control is not None

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
@@ -99,10 +101,38 @@ def test_plan_cli_refuses_missing_percentiles() -> None:
     assert "--r-p50" in out.stderr
 
 
-def test_plan_from_the_mooncake_trace_matches_its_readme(traces_dir: Path) -> None:
-    out = _ctl(
-        "plan", "--rho", "0.1", "--trace", str(traces_dir / "mooncake_conversation_trace.jsonl")
+def _mooncake_ratios(path: Path, window_s: float) -> list[float]:
+    """R per window of a Mooncake file, reckoned here without the simulator's code: an unbounded
+    prefix cache over ``hash_ids`` (prefix-chained, so a prompt's hit is its leading run of ids
+    seen before, in 512-token blocks, leaving its last token uncached), in arrival order."""
+    rows = sorted(
+        (json.loads(line) for line in path.read_text().splitlines()), key=lambda r: r["timestamp"]
     )
+    seen: set[int] = set()
+    bins: dict[int, list[int]] = {}
+    for row in rows:
+        hit = 0
+        for block in row["hash_ids"]:
+            if block not in seen:
+                break
+            hit += 1
+        seen.update(row["hash_ids"])
+        cached = max(0, min(hit * 512, row["input_length"] - 1))
+        acc = bins.setdefault(int(row["timestamp"] / 1000 // window_s), [0, 0])
+        acc[0] += row["input_length"] - cached
+        acc[1] += row["output_length"]
+    return [u / o for u, o in bins.values() if o]
+
+
+def test_plan_from_a_mooncake_trace_takes_r_per_window_through_the_prefix_cache(
+    mooncake_sample: Path,
+) -> None:
+    """The sample's 201 s in 10-s windows: 21 values of R, their percentiles by numpy. (The full
+    trace against its README's figures: tests/sim/test_full_traces.py.)"""
+    ratios = _mooncake_ratios(mooncake_sample, 10.0)
+    assert len(ratios) == 21
+    p5, p50, p95 = np.percentile(ratios, [5, 50, 95])
+    out = _ctl("plan", "--rho", "0.1", "--window-s", "10", "--trace", str(mooncake_sample))
     assert out.returncode == 0, out.stderr
-    # ../shared/traces/README.md: R p5 / p50 / p95 = 16.5 / 21.9 / 31.0 (1-minute bins).
-    assert "R p5 / p50 / p95            = 16.5 / 21.9 / 31.0" in out.stdout
+    assert f"R from {mooncake_sample.name}: 21 windows" in out.stdout
+    assert f"R p5 / p50 / p95            = {p5:.1f} / {p50:.1f} / {p95:.1f}" in out.stdout

@@ -114,8 +114,8 @@ def test_per_node_cache_depends_on_routing() -> None:
     assert shared.admit([1, 2, 7], 1536, 1) == 2 * BLOCK_TOKENS
 
 
-def test_mooncake_slice(traces_dir: Path) -> None:
-    trace = load_mooncake(traces_dir / "mooncake_conversation_trace.jsonl", limit=200)
+def test_mooncake_slice(mooncake_sample: Path) -> None:
+    trace = load_mooncake(mooncake_sample, limit=200)
     assert len(trace.requests) == 200
     assert all(r.cached_tokens is None and r.hash_ids for r in trace.requests)
     assert [r.arrival_s for r in trace.requests] == sorted(r.arrival_s for r in trace.requests)
@@ -124,19 +124,22 @@ def test_mooncake_slice(traces_dir: Path) -> None:
     )
 
 
-def test_azure_slice(traces_dir: Path) -> None:
-    trace = load_azure(traces_dir / "AzureLLMInferenceTrace_conv.csv", limit=100)
+def test_azure_slice(azure_conv_sample: Path) -> None:
+    trace = load_azure(azure_conv_sample, limit=100)
     assert len(trace.requests) == 100
     assert trace.requests[0].arrival_s == 0.0
     assert trace.requests[1].arrival_s == pytest.approx(4.3145788, abs=1e-3)
     assert all(r.cached_tokens == 0 for r in trace.requests)
 
 
-def test_agent_sessions_file_loads(traces_dir: Path) -> None:
-    trace = load_trace(traces_dir / "agent_sessions_sample.jsonl")
-    assert len(trace.requests) == 5571
+def test_agent_sessions_file_loads(sessions_sample: Path) -> None:
+    trace = load_trace(sessions_sample)
+    assert len(trace.requests) == 483
     assert trace.closed_loop
-    assert sum(r.after_release is not None for r in trace.requests) > 0  # sub-agents
+    # trace_0003 spawns two sub-agents: the first request of each is released after one of it
+    subs = {r.session: r.after_release for r in trace.requests if r.after_release is not None}
+    assert sorted(subs) == ["trace_0003/agent_001", "trace_0003/agent_002"]
+    assert {trace.requests[i].session for i in subs.values()} == {"trace_0003"}
 
 
 def test_synthetic_generator_is_seeded_and_agentic() -> None:

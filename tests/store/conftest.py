@@ -10,8 +10,7 @@ import pytest
 
 from crossflow_ctl.store.base import Store
 from crossflow_ctl.store.memory import MemoryStore
-from crossflow_ctl.store.redis_store import RedisStore
-from tests.conftest import delete_cluster_namespace
+from tests.conftest import delete_cluster_namespace, patient_redis_store
 
 
 @pytest.fixture(params=["memory", "redis", "redis-cluster"])
@@ -23,11 +22,11 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
         s: Store = MemoryStore(seed=1)
     elif request.param == "redis":
         url = request.getfixturevalue("redis_url")
-        s = RedisStore(url, namespace=request.getfixturevalue("redis_namespace"))
+        s = patient_redis_store(url, request.getfixturevalue("redis_namespace"))
     else:
         url = request.getfixturevalue("redis_cluster_url")
         namespace = f"cft-{uuid.uuid4().hex[:12]}"
-        s = RedisStore(url, namespace=namespace, cluster=True)
+        s = patient_redis_store(url, namespace, cluster=True)
         cleanup = (url, namespace)
     try:
         yield s

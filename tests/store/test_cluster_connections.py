@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from crossflow_ctl.domain.models import PoolLoad
 from crossflow_ctl.store.redis_cluster import BoundedCluster
 from crossflow_ctl.store.redis_store import DEFAULT_MAX_CONNECTIONS, RedisStore
-from tests.conftest import delete_cluster_namespace
+from tests.conftest import delete_cluster_namespace, patient_redis_store
 from tests.store.helpers import NOW, credits, lease, register
 
 BURST = 240
@@ -53,7 +53,7 @@ async def test_a_burst_past_the_bound_waits_and_every_call_succeeds(
     on the wake subscription: every call succeeds, and no master sees more of the store's
     connections than the bound (redis-py keeps the ones it opened, so the count after the burst
     is the most it held)."""
-    store = RedisStore(redis_cluster_url, namespace=cluster_namespace, cluster=True)
+    store = patient_redis_store(redis_cluster_url, cluster_namespace, cluster=True)
     try:
         outcomes, grants, got, per_master = await _burst(
             store, redis_cluster_url, f"crossflow:{cluster_namespace}"

@@ -21,7 +21,7 @@ from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.safety import over_committed
 from crossflow_ctl.store.base import DebitOutcome, Store
 from crossflow_ctl.store.memory import MemoryStore
-from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import patient_redis_store
 from tests.store.helpers import NOW, lease, register
 
 # Hypothesis's failure report touches mypy_extensions.TypedDict; with warnings as errors that
@@ -188,7 +188,7 @@ class Lockstep:
 async def test_random_interleavings_keep_the_invariants(
     redis_url: str, redis_namespace: str, steps: list[tuple[Any, ...]]
 ) -> None:
-    redis_store = RedisStore(redis_url, namespace=f"{redis_namespace}-{uuid.uuid4().hex[:8]}")
+    redis_store = patient_redis_store(redis_url, f"{redis_namespace}-{uuid.uuid4().hex[:8]}")
     stores: list[Store] = [MemoryStore(seed=3), redis_store]
     try:
         for store in stores:

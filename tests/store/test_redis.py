@@ -15,7 +15,7 @@ from crossflow_ctl.domain.models import CREDIT_NAMES, ComputeTime, Credits, Leas
 from crossflow_ctl.store.base import Store
 from crossflow_ctl.store.redis_scripts import load_script
 from crossflow_ctl.store.redis_store import RedisStore
-from tests.conftest import free_port
+from tests.conftest import free_port, patient_redis_store
 from tests.store.helpers import NOW, credits, lease, register
 
 SHARE = 0.5
@@ -97,7 +97,7 @@ async def test_a_caller_supplied_client_with_decoded_responses(
     redis_url: str, redis_namespace: str
 ) -> None:
     client = Redis.from_url(redis_url, decode_responses=True)
-    store = RedisStore(client, namespace=redis_namespace)
+    store = patient_redis_store(client, redis_namespace)
     try:
         await register(store, "d1")
         await store.upsert_lease(lease(), NOW, 2_000)
@@ -203,7 +203,7 @@ async def test_node_view_loads_its_script_when_redis_does_not_know_it(
     redis_url: str, redis_namespace: str
 ) -> None:
     """Pipelined EVALSHA falls back to SCRIPT LOAD on NOSCRIPT (e.g. after a Redis restart)."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     try:
         await register(store, "d1")
         await store.upsert_lease(lease(), NOW, 2_000)
@@ -222,7 +222,7 @@ async def test_a_reservation_recorded_before_debits_were_timed_reads_as_untimed(
     """A record and running totals an earlier broker wrote (compute as plain tokens, totals
     without node time) count their tokens, as before, under a lease with a rate; a timed record
     keeps its node time through commit and release."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     try:
         await register(store, "d1")
         offer = lease(credits=credits(10_000, compute_tokens=1_000), borrowed_prefill_rate_tps=2e3)
@@ -270,7 +270,7 @@ async def test_totals_an_older_broker_rewrote_count_untimed_and_heal_when_the_no
     away from the totals was never in them: a time that cannot be right counts the node's open
     compute untimed (as before debits had node time), and the totals are exact again once
     nothing is open. (They used to go negative for good, and later grants were under-counted.)"""
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
 
     def at(version: int, rate: float) -> Lease:
         room = credits(10_000, compute_tokens=10_000)

@@ -17,7 +17,7 @@ from crossflow_ctl.domain.models import NodeInfo, NodeState, StoredLease, ZeroRe
 from crossflow_ctl.store.coalescer import Coalescer
 from crossflow_ctl.store.keys import Keys
 from crossflow_ctl.store.redis_cache import LenderSample, NodeCache
-from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import patient_redis_store
 from tests.store.helpers import NOW, lease, register
 from tests.store.test_redis_round_trips import CountingConnection, load
 
@@ -27,7 +27,7 @@ TTL = 60_000
 async def test_a_failing_lease_fails_only_itself_within_its_batch(
     redis_url: str, redis_namespace: str
 ) -> None:
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     raw = Redis.from_url(redis_url)
     try:
         await register(store, "d1", "d2", "d3")
@@ -55,7 +55,7 @@ async def test_a_batch_writes_the_lender_index_in_its_own_round_trip(
     by its expiry) and removes a zero or cordoned one: the batch is ONE round trip, with no
     pipeline of index writes after it."""
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
-    store = RedisStore(client, namespace=redis_namespace)
+    store = patient_redis_store(client, redis_namespace)
     keys, zero = Keys(redis_namespace), ZeroReason.ITL_OVER_SLO
     try:
         await register(store, "d1", "d2", "d3")
@@ -82,7 +82,7 @@ async def test_a_failing_lender_index_write_still_stores_the_lease(
 ) -> None:
     """The index only steers sampling: a write to it that fails (here a bucket of the wrong
     type) must not turn a stored lease into an error."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     raw = Redis.from_url(redis_url)
     keys = Keys(redis_namespace)
     try:
@@ -149,7 +149,7 @@ async def test_a_warm_view_takes_local_leases_in_place(
     """A lease every agent period must not empty the cache: the entry takes the new lease (no
     read), and is dropped when the write purged reservations."""
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
-    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(client, redis_namespace, cache_max_age_ms=60_000)
     try:
         await register(store, "d1", "d2")
         for n in ("d1", "d2"):
@@ -174,24 +174,30 @@ async def test_a_warm_view_takes_local_leases_in_place(
 
 
 async def test_the_lender_draw_is_renewed_off_the_request_path(
-    redis_url: str, redis_namespace: str
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past half its age bound, a warm Admit starts a renewal in the background and answers
-    from the cache; after it, Admits past the first draw's bound still read nothing."""
+    from the cache; after it, Admits past the first draw's bound still read nothing.
+
+    The caches' ages run on a clock of the test's own: with real sleeps (0.25 s, then 0.2 s
+    against a 0.4 s bound) a loaded machine slept past the bound and the warm Admit read."""
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
-    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=400)
+    store = patient_redis_store(client, redis_namespace, cache_max_age_ms=400)
+    clock = [0.0]
+    for cache in store._view.caches:
+        monkeypatch.setattr(cache, "_monotonic", lambda: clock[0])
     try:
         await register(store, "d1")
         await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
         await store.put_pool_load(load(ttl_ms=TTL), NOW, TTL)
         await store.admission_view("default", [], 8, NOW)  # cold
-        await asyncio.sleep(0.25)  # past half the bound
+        clock[0] += 0.25  # past half the bound
         before = CountingConnection.sent
         _, warm = await store.admission_view("default", [], 8, NOW)
         on_request = CountingConnection.sent - before
         assert store._view.renewal is not None
         await store._view.renewal  # the renewal, in the background
-        await asyncio.sleep(0.2)  # the first draw is past its bound now, the renewed one not
+        clock[0] += 0.2  # the first draw is past its bound now, the renewed one not
         before = CountingConnection.sent
         _, later = await store.admission_view("default", [], 8, NOW)
         after_bound = CountingConnection.sent - before

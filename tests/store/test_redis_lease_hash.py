@@ -15,7 +15,7 @@ from crossflow_ctl.domain.models import Credits, Lease, StoredLease, ZeroReason
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.keys import HISTORY_CAP, Keys
 from crossflow_ctl.store.redis_store import RedisStore
-from tests.conftest import delete_cluster_namespace
+from tests.conftest import delete_cluster_namespace, patient_redis_store
 from tests.store.helpers import NOW, credits, register
 
 MAX_TTL = 60_000
@@ -58,7 +58,7 @@ LEASES = {
 
 @pytest.fixture
 async def store(redis_url: str, redis_namespace: str) -> AsyncIterator[tuple[RedisStore, Redis]]:
-    s = RedisStore(redis_url, namespace=redis_namespace)
+    s = patient_redis_store(redis_url, redis_namespace)
     raw = Redis.from_url(redis_url)
     await register(s, "d1")
     try:
@@ -233,12 +233,12 @@ async def replicas(
     if request.param == "redis":
         url = request.getfixturevalue("redis_url")
         namespace = request.getfixturevalue("redis_namespace")
-        stores = [RedisStore(url, namespace=namespace) for _ in range(2)]
+        stores = [patient_redis_store(url, namespace) for _ in range(2)]
         raw: Redis | RedisCluster = Redis.from_url(url)
     else:
         url = request.getfixturevalue("redis_cluster_url")
         namespace = f"cft-{uuid.uuid4().hex[:12]}"
-        stores = [RedisStore(url, namespace=namespace, cluster=True) for _ in range(2)]
+        stores = [patient_redis_store(url, namespace, cluster=True) for _ in range(2)]
         raw = RedisCluster.from_url(url)
         cleanup = (url, namespace)
     await register(stores[0], "d1")

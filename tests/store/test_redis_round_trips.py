@@ -22,6 +22,7 @@ from crossflow_ctl.store.base import DebitRequest, RequestRecord
 from crossflow_ctl.store.redis_connect import RedisConnection, connect
 from crossflow_ctl.store.redis_scripts import load_script
 from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import eventually, patient_redis_store
 from tests.store.helpers import NOW, credits, lease, register
 
 TTL = 1_000
@@ -49,8 +50,8 @@ def load(outstanding: int = 100_000, node_id: str = "p1", ttl_ms: int = TTL) -> 
 @pytest.fixture
 async def pair(redis_url: str, redis_namespace: str) -> AsyncIterator[tuple[RedisStore, ...]]:
     """Two replicas on one namespace; the first caches for a long time."""
-    a = RedisStore(redis_url, namespace=redis_namespace, cache_max_age_ms=60_000)
-    b = RedisStore(redis_url, namespace=redis_namespace)
+    a = patient_redis_store(redis_url, redis_namespace, cache_max_age_ms=60_000)
+    b = patient_redis_store(redis_url, redis_namespace)
     try:
         yield a, b
     finally:
@@ -62,7 +63,7 @@ async def test_warm_admission_view_needs_no_round_trip(
     redis_url: str, redis_namespace: str
 ) -> None:
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
-    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(client, redis_namespace, cache_max_age_ms=60_000)
     try:
         await register(store, "d1", "d2")
         await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
@@ -130,8 +131,8 @@ async def test_local_write_is_seen_at_once_and_absence_is_never_cached(
 async def test_other_replicas_writes_are_seen_after_the_age_bound(
     redis_url: str, redis_namespace: str
 ) -> None:
-    reader = RedisStore(redis_url, namespace=redis_namespace, cache_max_age_ms=20)
-    writer = RedisStore(redis_url, namespace=redis_namespace)
+    reader = patient_redis_store(redis_url, redis_namespace, cache_max_age_ms=20)
+    writer = patient_redis_store(redis_url, redis_namespace)
     try:
         await writer.put_pool_load(load(outstanding=1), NOW, TTL)
         assert (await reader.admission_view("default", [], 0, NOW))[0] is not None
@@ -186,8 +187,8 @@ async def test_a_lender_draw_drops_expired_lenders_from_the_index(
 
 
 async def test_caches_off_reads_every_time(redis_url: str, redis_namespace: str) -> None:
-    a = RedisStore(redis_url, namespace=redis_namespace, cache_max_age_ms=0)
-    b = RedisStore(redis_url, namespace=redis_namespace)
+    a = patient_redis_store(redis_url, redis_namespace, cache_max_age_ms=0)
+    b = patient_redis_store(redis_url, redis_namespace)
     try:
         await register(a, "d1")
         await a.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
@@ -206,7 +207,7 @@ async def test_a_waiting_read_with_notices_there_is_one_round_trip(
     redis_url: str, redis_namespace: str
 ) -> None:
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
-    store = RedisStore(client, namespace=redis_namespace)
+    store = patient_redis_store(client, redis_namespace)
     try:
         await register(store, "d1")
         await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
@@ -214,10 +215,7 @@ async def test_a_waiting_read_with_notices_there_is_one_round_trip(
         await store.try_debit("d1", credits(1), 1.0, NOW, 100)
         # The first wait subscribes the store to notice wakes (its own connection, once).
         assert await store.read_notices("d1", 2, 10, block_ms=100) == []
-        for _ in range(100):
-            if store._notices.hub.live:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: store._notices.hub.live, "the wake subscription up")
         before = CountingConnection.sent
         found = await store.read_notices("d1", 0, 10, block_ms=10_000)
         sent = CountingConnection.sent - before
@@ -251,7 +249,7 @@ async def test_notice_reads_keep_one_connection_and_outlive_its_loss(
     pool = CountingPool.from_url(redis_url)
     client: Redis = Redis(connection_pool=pool)
     killer: Redis = Redis.from_url(redis_url)
-    store = RedisStore(client, namespace=redis_namespace)
+    store = patient_redis_store(client, redis_namespace)
     try:
         await register(store, "d1")
         await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
@@ -319,7 +317,7 @@ async def test_warm_admission_is_one_round_trip_and_debits_refresh_the_view(
 ) -> None:
     """Plan on the cached view (no trip), debit (one trip); the debit's reply is the new view."""
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
-    store = RedisStore(client, namespace=redis_namespace, cache_max_age_ms=60_000)
+    store = patient_redis_store(client, redis_namespace, cache_max_age_ms=60_000)
     try:
         await register(store, "d1")
         await store.upsert_lease(lease("d1", ttl_ms=TTL), NOW, TTL)
@@ -374,8 +372,8 @@ async def test_a_cached_view_never_over_commits_and_is_dropped_when_the_debit_di
 async def test_cached_node_views_are_bounded_in_age_and_by_the_clock(
     redis_url: str, redis_namespace: str
 ) -> None:
-    reader = RedisStore(redis_url, namespace=redis_namespace, cache_max_age_ms=20)
-    writer = RedisStore(redis_url, namespace=redis_namespace)
+    reader = patient_redis_store(redis_url, redis_namespace, cache_max_age_ms=20)
+    writer = patient_redis_store(redis_url, redis_namespace)
     try:
         await register(writer, "d1")
         await writer.upsert_lease(lease("d1", ttl_ms=60_000), NOW, 60_000)
@@ -401,7 +399,7 @@ async def test_a_batch_of_debits_is_one_round_trip_each_atomic_in_order(
     redis_url: str, redis_namespace: str
 ) -> None:
     client: Redis = Redis.from_url(redis_url, connection_class=CountingConnection)
-    store = RedisStore(client, namespace=redis_namespace)
+    store = patient_redis_store(client, redis_namespace)
     try:
         await register(store, "d1", "d2")
         await store.upsert_lease(lease("d1", value=10, ttl_ms=TTL), NOW, TTL)
@@ -449,7 +447,7 @@ async def test_a_packed_debit_keeps_its_free_texts_and_record_whole(
 ) -> None:
     """One argument per debit: the request id, owner and record text come back exactly as
     sent, whatever bytes they hold, and the debit after it in the same call is unaffected."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     payload = '{"decision":"borrow","message":"ok: é,:|"}'
     record = RequestRecord(f"key:{request_id}", 60_000, payload)
     try:

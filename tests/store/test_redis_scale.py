@@ -5,11 +5,13 @@ monotonic check."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from crossflow_ctl.domain.models import NoticeKind
 from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import PATIENCE_S, eventually, patient_redis_store
 from tests.store.helpers import NOW, credits, lease, register
 
 NODES = 300
@@ -39,12 +41,22 @@ def _count_ranges(store: RedisStore) -> list[int]:
     return count
 
 
+async def _subscriptions(admin: aioredis.Redis, name: str) -> list[dict[str, Any]]:
+    """The store's pub/sub connections that Redis lists, once there is one."""
+
+    async def listed() -> list[dict[str, Any]]:
+        clients = await admin.client_list()
+        return [c for c in clients if c.get("name") == name and "subscribe" in c.get("cmd", "")]
+
+    return await eventually(listed, f"a subscription named {name}")
+
+
 async def test_many_waiting_relays_share_a_bounded_set_of_connections(
     redis_url: str, redis_namespace: str
 ) -> None:
     """300 relays wait at once on a store allowed 8 connections (one blocking XREAD each
     needed 300 and failed past the pool's size); every one wakes on its own node's notice."""
-    store = RedisStore(redis_url, namespace=redis_namespace, max_connections=8)
+    store = patient_redis_store(redis_url, redis_namespace, max_connections=8)
     nodes = [f"d{i:03d}" for i in range(NODES)]
     try:
         await register(store, *nodes)
@@ -76,12 +88,12 @@ async def test_many_waiting_relays_share_a_bounded_set_of_connections(
 async def test_a_wait_with_no_notice_costs_no_round_trip_once_subscribed(
     redis_url: str, redis_namespace: str
 ) -> None:
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     try:
         await register(store, "d1")
         await store.read_notices("d1", 0, 10, block_ms=300)  # subscribes, reads once
         hub = store._notices.hub
-        assert hub.live
+        await eventually(lambda: hub.live, "the wake subscription up")
         ranges = _count_ranges(store)
         for _ in range(3):
             assert await store.read_notices("d1", 0, 10, block_ms=30) == []
@@ -100,20 +112,18 @@ async def test_the_read_after_the_notices_it_found_waits_for_a_wake_not_a_round_
 ) -> None:
     """A relay's read that found notices (fewer than asked) and the next read after them: one
     XRANGE, not a second one that finds nothing; a later notice still wakes it."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     try:
         await register(store, "d1")
         await store.upsert_lease(lease("d1"), NOW, 60_000)
         await store.read_notices("d1", 0, 10, block_ms=300)  # subscribes, reads once
         hub = store._notices.hub
-        assert hub.live
+        await eventually(lambda: hub.live, "the wake subscription up")
         ranges = _count_ranges(store)
         wakes = hub.wakes
         await store.try_debit("d1", credits(1), 1.0, NOW, 60_000)
-        for _ in range(500):  # its wake is in before the read (a later one would read again)
-            if hub.wakes > wakes:
-                break
-            await asyncio.sleep(0.01)
+        # its wake is in before the read (a later one would read again)
+        await eventually(lambda: hub.wakes > wakes, "the debit's wake")
         found = await store.read_notices("d1", 0, 10, block_ms=5_000)
         after = await store.read_notices("d1", found[-1].seq, 10, block_ms=30)
         reads_for_one = ranges[0]
@@ -129,7 +139,7 @@ async def test_the_read_after_the_notices_it_found_waits_for_a_wake_not_a_round_
 async def test_leases_arriving_together_go_in_few_pipelines_and_stay_monotonic(
     redis_url: str, redis_namespace: str
 ) -> None:
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     nodes = [f"d{i:03d}" for i in range(200)]
     try:
         await register(store, *nodes)
@@ -154,29 +164,26 @@ async def test_a_broken_wake_subscription_loses_no_notice(
 ) -> None:
     """Kill the store's own pub/sub connection while a relay waits: the waiter reads its
     stream again (and polls until the subscription is back), so the notice still arrives."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
-    writer = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
+    writer = patient_redis_store(redis_url, redis_namespace)
     admin = aioredis.Redis.from_url(redis_url)
     try:
         await register(store, "d1")
         await writer.upsert_lease(lease("d1"), NOW, 60_000)
-        await store.read_notices("d1", 0, 10, block_ms=200)  # subscribed now
+        await store.read_notices("d1", 0, 10, block_ms=200)  # subscribes
+        await eventually(lambda: store._notices.hub.live, "the wake subscription up")
         generation = store._notices.hub.generation
         reader = asyncio.create_task(store.read_notices("d1", 0, 10, block_ms=20_000))
-        await asyncio.sleep(0.2)
-        ours = [
-            c
-            for c in await admin.client_list()
-            if c.get("name") == f"crossflow:{redis_namespace}" and "subscribe" in c.get("cmd", "")
-        ]
+        await asyncio.sleep(0.2)  # the reader waits (were it later, it reads all the same)
+        ours = await _subscriptions(admin, f"crossflow:{redis_namespace}")
         assert len(ours) == 1
         await admin.client_kill_filter(_id=ours[0]["id"])
         granted = await writer.try_debit("d1", credits(1), 1.0, NOW, 60_000)
-        notices = await asyncio.wait_for(reader, timeout=15)
-        for _ in range(100):  # and the subscription comes back on its own
-            if store._notices.hub.live and store._notices.hub.generation > generation + 1:
-                break
-            await asyncio.sleep(0.05)
+        notices = await asyncio.wait_for(reader, timeout=PATIENCE_S)
+        hub = store._notices.hub
+        await eventually(  # and the subscription comes back on its own
+            lambda: hub.live and hub.generation > generation + 1, "the subscription back"
+        )
     finally:
         await store.close()
         await writer.close()
@@ -192,7 +199,7 @@ async def test_one_lease_batch_that_expires_holds_on_two_nodes_wakes_both(
     """upsert_leases purges expired holds of every lease in its call: each node whose stream got
     an EXPIRE notice is woken, not only the first (a relay that found its stream drained waits
     for a wake before it reads again)."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     listener = aioredis.Redis.from_url(redis_url)
     pubsub = listener.pubsub()
     try:
@@ -208,7 +215,8 @@ async def test_one_lease_batch_that_expires_holds_on_two_nodes_wakes_both(
         )
         batches = store._ingest.batches - before
         woken: set[bytes] = set()
-        for _ in range(20):
+        deadline = asyncio.get_running_loop().time() + PATIENCE_S  # a hang guard
+        while woken != {b"d1", b"d2"} and asyncio.get_running_loop().time() < deadline:
             message = await pubsub.get_message(timeout=0.2)
             if message is not None and message["type"] == "message":
                 woken.add(message["data"])
@@ -229,24 +237,21 @@ async def test_relays_woken_together_read_in_few_pipelines_on_few_connections(
     once again (so does its return): their reads go out as a few pipelines of XRANGEs on a few
     connections, not one round trip and one connection each (the pool opened all 64 it may),
     and every relay still gets its own node's notice."""
-    store = RedisStore(redis_url, namespace=redis_namespace, max_connections=64)
+    store = patient_redis_store(redis_url, redis_namespace, max_connections=64)
     admin = aioredis.Redis.from_url(redis_url)
     nodes = [f"d{i:03d}" for i in range(NODES)]
     name = f"crossflow:{redis_namespace}"
     try:
         await register(store, *nodes)
         await asyncio.gather(*(store.upsert_lease(lease(n), NOW, 60_000) for n in nodes))
-        await store.read_notices(nodes[0], 0, 10, block_ms=200)  # subscribed now
+        await store.read_notices(nodes[0], 0, 10, block_ms=200)  # subscribes
+        await eventually(lambda: store._notices.hub.live, "the wake subscription up")
         readers = [
             asyncio.create_task(store.read_notices(n, 0, 10, block_ms=20_000)) for n in nodes
         ]
         await asyncio.sleep(0.3)
         before = await _connections(redis_url, name)
-        ours = [
-            c
-            for c in await admin.client_list()
-            if c.get("name") == name and "subscribe" in c.get("cmd", "")
-        ]
+        ours = await _subscriptions(admin, name)
         await admin.client_kill_filter(_id=ours[0]["id"])  # every relay reads again, at once
         await asyncio.sleep(1.0)  # and again when the subscription is back
         assert not any(r.done() for r in readers)

@@ -29,7 +29,7 @@ from crossflow_ctl.domain.models import (
 )
 from crossflow_ctl.domain.safety import fits, over_committed, short_credits
 from crossflow_ctl.store.base import DebitRequest
-from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import patient_redis_store
 from tests.domain.test_safety import UNEVEN_RATES
 from tests.store.helpers import NOW, lease, register
 
@@ -139,7 +139,7 @@ async def test_lua_debit_agrees_with_the_domain_safety_check(
     batch: list[tuple[Credits, int]],
     share: float | Shares,
 ) -> None:
-    store = RedisStore(redis_url, namespace=f"{redis_namespace}-{uuid.uuid4().hex[:8]}")
+    store = patient_redis_store(redis_url, f"{redis_namespace}-{uuid.uuid4().hex[:8]}")
     try:
         await register(store, "d1")
         one = lease("d1", version=1, credits=first, borrowed_prefill_rate_tps=first_rate)

@@ -19,7 +19,7 @@ from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.service.policy_keeper import PolicyKeeper, refresh_forever
 from crossflow_ctl.store.keys import Keys
 from crossflow_ctl.store.redis_codec import live_pool_loads
-from crossflow_ctl.store.redis_store import RedisStore
+from tests.conftest import patient_redis_store
 
 pytestmark = pytest.mark.redis
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.redis
 async def test_a_newer_replicas_setting_is_set_aside_and_writes_are_refused(
     redis_url: str, redis_namespace: str
 ) -> None:
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     try:
         keeper = PolicyKeeper(store, PolicySettings(), ManualClock(1_000), refresh_ms=1_000)
         await keeper.load()
@@ -89,7 +89,7 @@ async def test_a_policy_stored_before_the_kv_share_keeps_its_one_share_on_kv(
 ) -> None:
     """An upgrade must not loosen an operator's limit: a policy stored with one borrow_share
     (0.3, for every credit then) keeps 0.3 on the KV credits until someone sets them apart."""
-    store = RedisStore(redis_url, namespace=redis_namespace)
+    store = patient_redis_store(redis_url, redis_namespace)
     try:
         old = PolicySettings(borrow_share=0.3).model_dump(mode="json")
         del old["borrow_kv_share"]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from crossflow_ctl.domain.errors import CrossflowError
+from crossflow_ctl.domain.step_windows import StepTotals
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 
@@ -27,3 +28,12 @@ class TelemetrySource(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class StepCounting(Protocol):
+    """A source that also reads the engine's step counters (online calibration)."""
+
+    def step_totals(self) -> StepTotals | None:
+        """The counters of the last scrape that gave a snapshot (None: none told)."""
+        ...

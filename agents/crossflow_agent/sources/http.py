@@ -1,4 +1,5 @@
-"""Scrape an engine's Prometheus ``/metrics`` over HTTP and read it into a snapshot."""
+"""Scrape an engine's Prometheus ``/metrics`` over HTTP and read it into a snapshot (and, for
+online calibration, the engine's step counters: :meth:`PrometheusSource.step_totals`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import httpx
 from crossflow_agent.sources.base import ScrapeError
 from crossflow_agent.sources.prom import Exposition, Window, parse
 from crossflow_ctl.domain.clock import Clock, SystemClock
+from crossflow_ctl.domain.step_windows import StepTotals
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -29,6 +31,10 @@ class Reader(Protocol):
         window_s: float,
         taken_at_ms: int,
     ) -> EngineSnapshot: ...
+
+    def totals(self, now: Exposition, at_s: float) -> StepTotals | None:
+        """The engine's step counters in ``now`` (None: it exports none)."""
+        ...
 
 
 class PrometheusSource:
@@ -52,6 +58,7 @@ class PrometheusSource:
         self._client = client or httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._window = Window()
         self._monotonic = monotonic
+        self._totals: StepTotals | None = None
 
     async def fetch(self) -> str:
         try:
@@ -67,9 +74,18 @@ class PrometheusSource:
         return resp.text
 
     async def scrape(self) -> EngineSnapshot:
+        self._totals = None
         text = await self.fetch()
         taken_at_ms = self._clock.now_ms()
-        return read_text(self._reader, self._window, text, taken_at_ms, self._monotonic())
+        snapshot, self._totals = read_with_totals(
+            self._reader, self._window, text, taken_at_ms, self._monotonic()
+        )
+        return snapshot
+
+    def step_totals(self) -> StepTotals | None:
+        """The step counters of the last scrape that gave a snapshot (None: it failed, or the
+        engine exports none)."""
+        return self._totals
 
     async def aclose(self) -> None:
         if self._own_client:
@@ -80,6 +96,14 @@ def read_text(
     reader: Reader, window: Window, text: str, taken_at_ms: int, now_s: float
 ) -> EngineSnapshot:
     """Parse one exposition and read it against the previous one held in ``window``."""
+    return read_with_totals(reader, window, text, taken_at_ms, now_s)[0]
+
+
+def read_with_totals(
+    reader: Reader, window: Window, text: str, taken_at_ms: int, now_s: float
+) -> tuple[EngineSnapshot, StepTotals | None]:
+    """:func:`read_text`, and the step counters of the same exposition (taken at ``now_s``)."""
     expo = parse(text)
     before, window_s = window.advance(expo, now_s)
-    return reader.read(expo, before, window, window_s, taken_at_ms)
+    snapshot = reader.read(expo, before, window, window_s, taken_at_ms)
+    return snapshot, reader.totals(expo, now_s)

@@ -23,9 +23,19 @@ the transfer queue hold their KV already): ``kv_waiting_requests``. Their KV is
 ``sglang:pending_prealloc_token_usage`` (a fraction of each rank's ``max_total_num_tokens``)
 where a release fills it in; releases that export it but leave it at 0 give no figure (None:
 the lease estimates per request).
+
+For online calibration (:meth:`SGLangReader.totals`): output tokens, the ITL histogram's sum and
+count, ``realtime_tokens_total{mode="prefill_compute"|"prefill_cache"}`` and
+``num_requests_total``, with the running batch and ``decode_sum_seq_lens``. SGLang counts no
+engine steps, so a window's steps are estimated as its output tokens over its mean running batch
+(:func:`crossflow_ctl.domain.step_fit.step_window`).
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
 
 from crossflow_agent.sources.base import ScrapeError
 from crossflow_agent.sources.prom import (
@@ -36,6 +46,7 @@ from crossflow_agent.sources.prom import (
     rate,
     window_quantiles,
 )
+from crossflow_ctl.domain.step_windows import StepTotals
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 ITL = "sglang:inter_token_latency_seconds"
@@ -110,6 +121,28 @@ class SGLangReader:
             window_s=window_s,
         )
 
+    def totals(self, now: Exposition, at_s: float) -> StepTotals | None:
+        """The step counters for online calibration (None: not an SGLang exposition with an
+        ITL histogram)."""
+        if any(not now.has(n) for n in REQUIRED) or not now.has(f"{ITL}_count"):
+            return None
+        decode = now.first("sglang:generation_tokens_total")
+        if decode is None:
+            decode = now.total("sglang:realtime_tokens_total", mode="decode")
+        return _totals(
+            at_s=at_s,
+            steps=None,
+            decode_tokens=decode or 0.0,
+            itl_sum_s=now.total(f"{ITL}_sum") or 0.0,
+            itl_count=now.total(f"{ITL}_count") or 0.0,
+            prefill_tokens=now.total("sglang:realtime_tokens_total", mode="prefill_compute") or 0.0,
+            cached_tokens=now.total("sglang:realtime_tokens_total", mode="prefill_cache") or 0.0,
+            prompts=now.total("sglang:num_requests_total") or 0.0,
+            running_requests=now.total("sglang:num_running_reqs") or 0.0,
+            context_tokens=now.total("sglang:decode_sum_seq_lens") or 0.0,
+            kv_total_tokens=now.total("sglang:max_total_num_tokens") or 0.0,
+        )
+
 
 def _pending_prealloc_tokens(now: Exposition) -> int | None:
     """KV tokens the decode prealloc queue waits for: each rank's usage x its KV total (None
@@ -153,3 +186,12 @@ def _mean_per_request(
     if new_requests and new_requests > 0 and window_s > 0:
         window.memo[key] = tokens_tps * window_s / new_requests
     return window.memo.get(key)
+
+
+def _totals(**values: Any) -> StepTotals | None:
+    """The totals, or None when a counter or gauge is out of bounds (NaN, negative): the lease
+    rules judge the snapshot; calibration just skips the scrape."""
+    try:
+        return StepTotals.model_validate(values)
+    except ValidationError:
+        return None

@@ -39,7 +39,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from crossflow_agent.sources.http import read_text
+from crossflow_agent.sources.http import read_with_totals
 from crossflow_agent.sources.prom import Window
 from crossflow_agent.sources.sglang import SGLangReader
 from crossflow_agent.sources.synthetic_metrics import (
@@ -57,6 +57,7 @@ from crossflow_ctl.domain.clock import Clock, SystemClock
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.lending import ChunkSizer
 from crossflow_ctl.domain.models import Frozen
+from crossflow_ctl.domain.step_windows import StepTotals
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 MAX_STEPS_PER_ADVANCE = 20_000
@@ -541,13 +542,18 @@ class SyntheticSource:
         self._clock = clock or SystemClock()
         self._window = Window()
         self._reader = SGLangReader()
+        self._totals: StepTotals | None = None
 
     async def scrape(self) -> EngineSnapshot:
         text = self.engine.render()
-        snap = read_text(
+        snap, self._totals = read_with_totals(
             self._reader, self._window, text, self._clock.now_ms(), self.engine._monotonic()
         )
         return snap.model_copy(update={"source": self.name})
+
+    def step_totals(self) -> StepTotals | None:
+        """The step counters of the last scrape (online calibration)."""
+        return self._totals
 
     async def aclose(self) -> None:
         return None

@@ -23,9 +23,23 @@ side).
 
 vLLM exports no sum of decode context lengths; the KV tokens in use stand for it (the running
 requests' contexts are what occupies the cache; shared prefixes make it an underestimate).
+
+For online calibration (:meth:`VLLMReader.totals`, :mod:`crossflow_ctl.domain.step_fit`) the
+counters as they stand: engine steps and their sizes (the ``vllm:iteration_tokens_total``
+histogram: its count, sum and buckets), output tokens,
+the ITL histogram's sum and count, uncached and cached prompt tokens
+(``vllm:prompt_tokens_by_source_total{source="local_compute"|"local_cache_hit"}``; older
+releases: ``prompt_tokens_total`` less ``prefix_cache_hits_total``, and those hits), prompts
+prefilled (``time_to_first_token_seconds`` count) and, with ``--enable-mfu-metrics``, vLLM's own
+FLOP and byte estimates (``estimated_flops_per_gpu_total``, ``estimated_{read,write}_bytes_per_
+gpu_total``).
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
 
 from crossflow_agent.sources.base import ScrapeError
 from crossflow_agent.sources.prom import (
@@ -36,12 +50,15 @@ from crossflow_agent.sources.prom import (
     rate,
     window_quantiles,
 )
+from crossflow_ctl.domain.step_windows import StepTotals
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
 ITL_NAMES = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 CACHE_INFO = "vllm:cache_config_info"
 WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+ITERATION = "vllm:iteration_tokens_total"
 
 
 def _kv_total_tokens(now: Exposition) -> int:
@@ -104,6 +121,47 @@ class VLLMReader:
             window_s=window_s,
         )
 
+    def totals(self, now: Exposition, at_s: float) -> StepTotals | None:
+        """The step counters for online calibration (None: not a vLLM exposition with an ITL
+        histogram)."""
+        itl = next((n for n in ITL_NAMES if now.has(f"{n}_count")), None)
+        usage = now.first(*USAGE_NAMES)
+        running = now.total("vllm:num_requests_running")
+        if itl is None or usage is None or running is None:
+            return None
+        try:
+            kv_total = _kv_total_tokens(now)
+        except ScrapeError:
+            return None
+        computed = now.total(BY_SOURCE, source="local_compute")
+        cached = now.total(BY_SOURCE, source="local_cache_hit")
+        if computed is None:
+            hits = now.total("vllm:prefix_cache_hits_total") or 0.0
+            computed = max(0.0, (now.total("vllm:prompt_tokens_total") or 0.0) - hits)
+            cached = hits
+        read = now.total("vllm:estimated_read_bytes_per_gpu_total")
+        write = now.total("vllm:estimated_write_bytes_per_gpu_total")
+        return _totals(
+            at_s=at_s,
+            steps=now.total(f"{ITERATION}_count"),
+            step_tokens_sum=now.total(f"{ITERATION}_sum"),
+            step_token_buckets=tuple(sorted(now.buckets(ITERATION).items())),
+            decode_tokens=now.total("vllm:generation_tokens_total") or 0.0,
+            itl_sum_s=now.total(f"{itl}_sum") or 0.0,
+            itl_count=now.total(f"{itl}_count") or 0.0,
+            prefill_tokens=computed,
+            cached_tokens=cached or 0.0,
+            prompts=now.first(
+                "vllm:time_to_first_token_seconds_count", "vllm:request_prompt_tokens_count"
+            )
+            or 0.0,
+            running_requests=running,
+            context_tokens=usage * kv_total if running > 0 else 0.0,
+            kv_total_tokens=kv_total,
+            engine_flops=now.total("vllm:estimated_flops_per_gpu_total"),
+            engine_bytes=None if read is None else read + (write or 0.0),
+        )
+
     @staticmethod
     def _uncached_share(now: Exposition, before: Exposition | None, window: Window) -> float:
         if before is not None:
@@ -133,3 +191,12 @@ class VLLMReader:
             if total is not None and count:
                 window.memo["mean_prompt"] = total / count
         return window.memo.get("mean_prompt", 0.0)
+
+
+def _totals(**values: Any) -> StepTotals | None:
+    """The totals, or None when a counter or gauge is out of bounds (NaN, negative): the lease
+    rules judge the snapshot; calibration just skips the scrape."""
+    try:
+        return StepTotals.model_validate(values)
+    except ValidationError:
+        return None
