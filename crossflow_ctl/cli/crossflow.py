@@ -121,8 +121,8 @@ def cli() -> None:
     type=click.IntRange(0, 600_000),
     default=300,
     show_default=True,
-    help="Late binding: hold a prompt refused for lack of room this long for room to appear "
-    "(0: never hold).",
+    help="Late binding: the gateway holds a prompt refused for lack of room this long for room "
+    "to appear (0: never hold).",
 )
 @click.option(
     "--port",
@@ -149,11 +149,26 @@ def cli() -> None:
     help="Also replay the trace in the simulator, static and with leases, for the summary.",
 )
 @click.option(
+    "--static-run/--no-static-run",
+    default=True,
+    show_default=True,
+    help="Replay the trace a second time through a gateway with no broker (static P/D) on the "
+    "same engines, for the summary's measured comparison.",
+)
+@click.option(
+    "--max-output-tokens",
+    type=click.IntRange(0, 1_000_000),
+    default=128,
+    show_default=True,
+    help="Cap each request's max_tokens at this (0: the trace's output tokens, uncapped; "
+    "every token is an SSE event through the gateway).",
+)
+@click.option(
     "--prometheus",
     is_flag=True,
-    help="Also run a real Prometheus (the prometheus binary) scraping the broker and agents, "
-    "with the chart's alert rules; prints its URL. It stops with the cluster: --duration-s "
-    "keeps both up.",
+    help="Also run a real Prometheus (the prometheus binary) scraping the broker, agents and "
+    "gateway, with the chart's alert rules; prints its URL. It stops with the cluster: "
+    "--duration-s keeps both up.",
 )
 def demo(
     prefill: int,
@@ -176,15 +191,18 @@ def demo(
     ctl_context: str,
     no_context: bool,
     simulate: bool,
+    static_run: bool,
+    max_output_tokens: int,
     prometheus: bool,
 ) -> None:
     """Run a whole cluster on loopback and replay a trace through it.
 
-    Broker, fake engines and real agents start as child processes; a router replays the trace
-    through the Admission API and a live view shows nodes, credits and borrowing. Ctrl-C stops
-    everything cleanly and prints the summary of what ran so far (exit 130); the summary
-    compares the run with the same trace on static P/D. While it runs, `crossflowctl --context
-    demo ...` talks to its broker."""
+    Broker, fake vLLM engines, real agents and crossflow-gateway start as child processes; the
+    trace's turns go through the gateway as real streamed completions while a live view shows
+    nodes, credits and borrowing. Then the same trace goes through a gateway with no broker
+    (static P/D), and the summary compares the two runs' measured TTFT. Ctrl-C stops
+    everything cleanly and prints the summary of what ran so far (exit 130). While it runs,
+    `crossflowctl --context demo ...` talks to its broker."""
     from crossflow_ctl.demo.run import Demo, DemoOptions
     from crossflow_ctl.observability import setup_logging
 
@@ -215,6 +233,8 @@ def demo(
         summary_json=summary_json,
         redis_namespace=redis_namespace,
         simulate=simulate,
+        static_run=static_run,
+        max_output_tokens=max_output_tokens or None,
         max_hold_ms=max_hold_ms,
         prometheus=prometheus,
         port=port,

@@ -47,6 +47,8 @@ class Child:
     address: str = ""
     stage: int = 0
     """Children stop by stage, the highest first (the order they depend on each other)."""
+    stopped: bool = False
+    """Stopped on purpose (its exit is no failure)."""
 
     def log_tail(self, lines: int = 5) -> str:
         try:
@@ -95,12 +97,15 @@ class Children:
             raise DemoError(f"{name} did not start within {timeout_s:.0f} s") from None
 
     def dead(self) -> list[Child]:
-        return [c for c in self.started if c.proc.returncode is not None]
+        """Children that exited without being stopped."""
+        return [c for c in self.started if c.proc.returncode is not None and not c.stopped]
 
     async def stop(self, names: list[str] | None = None) -> None:
         """Stage by stage, the highest first: SIGTERM the stage's children, wait for them,
         SIGKILL what is left after the grace period."""
         targets = [c for c in self.started if names is None or c.name in names]
+        for child in targets:
+            child.stopped = True
         for stage in sorted({c.stage for c in targets}, reverse=True):
             await _stop_all([c for c in targets if c.stage == stage])
         if names is None:

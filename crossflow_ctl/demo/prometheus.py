@@ -1,11 +1,11 @@
 """A real Prometheus beside a local cluster (``crossflow demo --prometheus``, and the tests).
 
 It runs Debian's (or any) ``prometheus`` binary as one more child: a config written to the
-demo's log folder, its data there too, listening on loopback only, scraping the broker's and
-each agent's ``/metrics`` every second with the ``crossflow_component`` label the chart's
-ServiceMonitors set, and loading the chart's alert rules when this is a source checkout (so its
-``/alerts`` page shows them). Ports are picked free beforehand: Prometheus cannot report a port
-0 it bound.
+demo's log folder, its data there too, listening on loopback only, scraping the broker's, each
+agent's and the gateway's ``/metrics`` every second with the ``crossflow_component`` label the
+chart's ServiceMonitors set, and loading the chart's alert rules when this is a source checkout
+(so its ``/alerts`` page shows them). Ports are picked free beforehand: Prometheus cannot report
+a port 0 it bound.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class LocalPrometheus:
 
 class DemoPrometheus:
     """What ``crossflow demo --prometheus`` adds: metrics flags for the broker and the agents,
-    and a Prometheus scraping them, started once they run."""
+    and a Prometheus scraping them and the gateway, started once they run."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -152,6 +152,10 @@ class DemoPrometheus:
 
     def agent_args(self, node_id: str) -> list[str]:
         return ["--metrics-listen", self._listen("agent", node=node_id)]
+
+    def add_gateway(self, address: str) -> None:
+        """The gateway serves /metrics on its own HTTP port (``host:port``)."""
+        self.targets.append(Target(address, "gateway"))
 
     async def start(self, children: Children) -> str:
         rules = (RULES_FILE,) if RULES_FILE.exists() else ()

@@ -1,14 +1,18 @@
-"""The demo's router: replays a trace through the Admission API and drives the fake engines.
+"""The demo's client: replays a trace as real streamed completions through the gateway.
 
-Each released turn goes through the client's :class:`AdmissionQueue` (late binding): offered
-once; when the broker says no room while the prefill pool is behind, it is held and re-offered
-as the broker's WatchRoom stream shows room, until the router's model says prefill has room or
-``max_hold_ms`` passes. BORROW: Commit, send the whole request to the chosen decode node's
-engine (its prompt marked borrowed), Release when the router's model says the borrowed prefill
-is done. NORMAL: send the prompt to the least-busy prefill engine, then the decode to a decode
-engine. TTFT comes from :mod:`crossflow_ctl.demo.model` (time held counts in it); a session's
-next turn is released when this one finished plus its think time (closed loop). ``speed``
-compresses arrivals and think times (more load on the same servers), never service times.
+Each released turn is one ``POST /v1/completions`` (``stream: true``) to ``crossflow-gateway``
+whose prompt has as many words as the turn has prompt tokens (:mod:`.prompts`: a session's turns
+share their prefix) and whose ``max_tokens`` is the turn's output tokens (capped by
+``max_output_tokens``). TTFT is measured here, from sending the request to the first streamed
+chunk that carries text, and so is the request's whole time. Which path a request took, and on
+which decode engine, is the gateway's word (its ``X-Crossflow-Path`` and ``X-Crossflow-Node``
+headers), never a guess. A session's next turn is released when this one has finished plus its
+think time (closed loop); ``speed`` compresses arrivals and think times (more load on the same
+servers), never service times.
+
+A request that does not end in a complete answer (an error status, an error event, a stream cut
+before ``[DONE]``) is *lost*; requests still in flight when the replay is stopped are neither
+finished nor lost (they are cancelled, which the gateway sees as a client that went away).
 """
 
 from __future__ import annotations
@@ -17,108 +21,113 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import json
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import structlog
 
 from crossflow_ctl.aio import wait_any
-from crossflow_ctl.client import (
-    AdmissionClient,
-    AdmissionQueue,
-    Dispatch,
-    Outcome,
-    QueueConfig,
-)
-from crossflow_ctl.demo.model import ClusterModel, ModelParams, Release, first_releases
-from crossflow_ctl.demo.trace import Trace, Turn
-from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
-from crossflow_ctl.domain.errors import CrossflowError
+from crossflow_ctl.demo.prompts import Prompts
+from crossflow_ctl.demo.trace import Release, Trace, first_releases
 
 log = structlog.get_logger()
 
-
-@dataclass(frozen=True)
-class Engine:
-    node_id: str
-    url: str
+PATH_HEADER = "X-Crossflow-Path"
+NODE_HEADER = "X-Crossflow-Node"
+REQUEST_TIMEOUT_S = 300.0
+Key = tuple[str, int]
 
 
 @dataclass
-class RouterStats:
+class RunStats:
+    """What one replay measured, request by request (keyed by session and turn)."""
+
     released: int = 0
     finished: int = 0
-    borrowed: int = 0
-    admit_errors: int = 0
-    engine_errors: int = 0
-    ttft_ms: list[float] = field(default_factory=list)
-    ttft_by_request: dict[tuple[str, int], float] = field(default_factory=dict)
-    borrowed_ttft_ms: list[float] = field(default_factory=list)
-    borrowed_by_node: dict[str, int] = field(default_factory=dict)
-    reasons: dict[str, int] = field(default_factory=dict)
-    dispatch: dict[str, int] = field(default_factory=dict)
-    """Outcomes of the admission queue by cause (borrowed, borrowed_late, deadline, ...)."""
-    held_ms: list[float] = field(default_factory=list)
-    """Time each held prompt waited in the admission queue."""
+    lost: int = 0
+    errors: list[str] = field(default_factory=list)
+    """The first few lost requests' reasons."""
+    ttft_by_request: dict[Key, float] = field(default_factory=dict)
+    """Milliseconds from sending the request to its first streamed text."""
+    total_by_request: dict[Key, float] = field(default_factory=dict)
+    """Milliseconds from sending the request to its last byte."""
+    path_by_request: dict[Key, str] = field(default_factory=dict)
+    node_by_request: dict[Key, str] = field(default_factory=dict)
     uncached_tokens: int = 0
+    """The trace's uncached prompt tokens of the requests finished."""
+    cached_tokens: int = 0
+    """The trace's cached prompt tokens of the requests finished."""
     borrowed_uncached_tokens: int = 0
-    path_by_request: dict[tuple[str, int], str] = field(default_factory=dict)
-    """How each request went: ``borrowed``, ``normal`` (sent to prefill with the first
-    answer) or ``held`` (held for room by late binding, then sent to prefill)."""
+    output_tokens: int = 0
+    """Streamed chunks with text, over the requests finished."""
+
+    @property
+    def ttft_ms(self) -> list[float]:
+        return list(self.ttft_by_request.values())
+
+    @property
+    def borrowed(self) -> int:
+        return sum(1 for p in self.path_by_request.values() if p == "borrowed")
 
     @property
     def borrowed_share(self) -> float:
-        return self.borrowed / self.released if self.released else 0.0
+        return self.borrowed / self.finished if self.finished else 0.0
+
+    def borrowed_by_node(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key, path in self.path_by_request.items():
+            if path == "borrowed":
+                node = self.node_by_request.get(key, "?")
+                out[node] = out.get(node, 0) + 1
+        return out
+
+
+class RequestLost(Exception):
+    """The request did not end in a complete answer."""
 
 
 class Router:
+    """Replays ``trace`` through the gateway at ``gateway_url``; :meth:`run` until done."""
+
     def __init__(
         self,
         trace: Trace,
-        admission: AdmissionClient,
-        prefill: list[Engine],
-        decode: list[Engine],
-        params: ModelParams,
+        gateway_url: str,
         *,
+        salt: str,
         speed: float = 1.0,
-        max_hold_ms: int = 300,
-        prefill_room_ms: float = 100.0,
+        max_output_tokens: int | None = None,
+        until_s: float | None = None,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         self.trace = trace
-        self.admission = admission
-        self.prefill_room_ms = prefill_room_ms
-        self._booked_tokens = 0
-        """Uncached tokens the queue sent to prefill that the model has not queued yet."""
-        self.queue = AdmissionQueue(
-            admission,
-            QueueConfig(max_hold_ms=max_hold_ms),
-            prefill_room=self._prefill_has_room,
-            on_outcome=self._dispatched,
-        )
-        self.prefill = prefill
-        self.decode = {e.node_id: e for e in decode}
-        self.params = params
+        self.url = f"{gateway_url.rstrip('/')}/v1/completions"
+        self.prompts = Prompts(salt)
         self.speed = speed
-        self.model = ClusterModel(params)
-        self.stats = RouterStats()
-        self.open_reservations: set[str] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.max_output_tokens = max_output_tokens
+        self.until_s = until_s
+        """Release no turn after this many seconds (a replay cut as another was)."""
+        self.request_timeout_s = request_timeout_s
+        self.stats = RunStats()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._heap: list[tuple[float, int, Release]] = []
         self._seq = itertools.count()
-        self._decode_rr = itertools.cycle(sorted(self.decode))
         self._wake = asyncio.Event()
         self._t0 = 0.0
-        self._http = httpx.AsyncClient(timeout=2.0)
+        self._stopping = False
 
     def now_s(self) -> float:
-        """Seconds since the replay began (the model and the engines share this clock)."""
+        """Seconds since the replay began."""
         return time.monotonic() - self._t0
 
-    def _push(self, at_s: float, release: Release) -> None:
-        heapq.heappush(self._heap, (at_s, next(self._seq), release))
+    def _push(self, release: Release) -> None:
+        if self.until_s is not None and release.at_s > self.until_s:
+            return
+        heapq.heappush(self._heap, (release.at_s, next(self._seq), release))
         self._wake.set()
 
     @property
@@ -126,182 +135,114 @@ class Router:
         return not self._heap and not self._tasks
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Replay until the trace is done or ``stop`` is set."""
+        """Replay until the trace is done or ``stop`` is set (requests in flight are then
+        cancelled: the gateway sees their clients go away)."""
         self._t0 = time.monotonic()
-        for r in first_releases(self.trace, self.params, self.speed):
-            self._push(r.at_s, r)
-        queue = asyncio.create_task(self.queue.run(self.admission.room_updates()))
-        try:
-            while not stop.is_set() and not self.done:
-                if not self._heap:
-                    self._wake.clear()
-                    await wait_any(stop, self._wake, timeout_s=0.5)
-                    continue
-                at_s, _, rel = self._heap[0]
-                delay = at_s - self.now_s()
-                if delay > 0:
-                    self._wake.clear()
-                    await wait_any(stop, self._wake, timeout_s=min(delay, 0.5))
-                    continue
-                heapq.heappop(self._heap)
-                self._spawn(self._handle(rel))
-        finally:
-            queue.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await queue
-            await self.close()
-
-    def _prefill_has_room(self, request: AdmissionRequest) -> bool:
-        """The model's prefill wait (with what was just sent there) is under prefill_room_ms;
-        taking the prompt books it, so one pass does not send a burst."""
-        p = self.params
-        rate = p.prefill_rate_tps * max(1, len(self.model.prefill_free_s))
-        free = min(self.model.prefill_free_s, default=0.0)
-        wait_s = max(0.0, free - self.now_s()) + self._booked_tokens / rate
-        if wait_s * 1000.0 > self.prefill_room_ms:
-            return False
-        self._booked_tokens += request.uncached_prompt_tokens
-        return True
-
-    def _dispatched(self, outcome: Outcome) -> None:
-        cause = outcome.dispatch.value
-        self.stats.dispatch[cause] = self.stats.dispatch.get(cause, 0) + 1
-        if outcome.held:
-            self.stats.held_ms.append(float(outcome.held_ms))
+        for release in first_releases(self.trace, self.speed):
+            self._push(release)
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+            try:
+                while not stop.is_set() and not self.done:
+                    if not self._heap:
+                        self._wake.clear()
+                        await wait_any(stop, self._wake, timeout_s=0.5)
+                        continue
+                    at_s, _, release = self._heap[0]
+                    delay = at_s - self.now_s()
+                    if delay > 0:
+                        self._wake.clear()
+                        await wait_any(stop, self._wake, timeout_s=min(delay, 0.5))
+                        continue
+                    heapq.heappop(self._heap)
+                    self._spawn(self._turn(http, release))
+            finally:
+                self._stopping = True
+                for task in list(self._tasks):
+                    task.cancel()
+                for task in list(self._tasks):
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def close(self) -> None:
-        """Cancel what is in flight, release every reservation still open, close HTTP."""
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        for rid in list(self.open_reservations):
-            with contextlib.suppress(CrossflowError):
-                await self.admission.release(rid, "cancelled")
-            self.open_reservations.discard(rid)
-        await self._http.aclose()
-
-    async def _handle(self, rel: Release) -> None:
-        turn = rel.session.turns[rel.index]
-        arrival = self.now_s()
-        self.stats.released += 1
-        self.stats.uncached_tokens += turn.uncached_tokens
-        request = AdmissionRequest(
-            request_id=f"{rel.session.session_id}/{rel.index}",
-            uncached_prompt_tokens=turn.uncached_tokens,
-            cached_prefix_tokens=turn.cached_tokens,
-            expected_output_tokens=turn.output_tokens,
-        )
-        booked = 0
-        outcome_held = False
-        try:
-            outcome = await (await self.queue.submit(request))
-            admission = outcome.admission
-            outcome_held = outcome.held
-            if outcome.dispatch is Dispatch.PREFILL_ROOM:
-                booked = turn.uncached_tokens
-        except CrossflowError as exc:
-            self.stats.admit_errors += 1
-            log.warning("demo.admit_failed", error=str(exc))
-            admission = Admission.normal(Reason.STORE_UNAVAILABLE, str(exc))
-        self.stats.reasons[admission.reason.value] = (
-            self.stats.reasons.get(admission.reason.value, 0) + 1
-        )
-        self._booked_tokens = max(0, self._booked_tokens - booked)
-        key = (rel.session.session_id, rel.index)
-        if admission.decision is Decision.BORROW and admission.node_id in self.decode:
-            ttft_s, borrowed = await self._borrow(turn, admission, arrival)
-        else:
-            ttft_s, borrowed = await self._normal(turn, arrival), False
-        self.stats.path_by_request[key] = (
-            "borrowed" if borrowed else "held" if outcome_held else "normal"
-        )
-        self.stats.ttft_ms.append(ttft_s * 1000.0)
-        self.stats.ttft_by_request[key] = ttft_s * 1000.0
-        finish = arrival + ttft_s + self.model.decode_s(turn)
-        await self._sleep_until(finish)
-        self.stats.finished += 1
-        if rel.index + 1 < len(rel.session.turns):
-            nxt = rel.session.turns[rel.index + 1]
-            self._push(finish + nxt.think_s / self.speed, Release(0.0, rel.session, rel.index + 1))
-
-    async def _borrow(self, turn: Turn, a: Admission, arrival: float) -> tuple[float, bool]:
-        """(TTFT seconds, whether it was borrowed: False when the commit failed)."""
-        rid = a.reservation_id
-        self.open_reservations.add(rid)
-        try:
-            await self.admission.commit(rid)
-        except CrossflowError:
-            # Expired or refused between Admit and Commit: take the normal path instead.
-            self.open_reservations.discard(rid)
-            return await self._normal(turn, arrival), False
-        self.stats.borrowed += 1
-        self.stats.borrowed_uncached_tokens += turn.uncached_tokens
-        self.stats.borrowed_by_node[a.node_id] = self.stats.borrowed_by_node.get(a.node_id, 0) + 1
-        service_ms, wait_ms = a.predicted_ttft_ms, 0.0
-        if a.plan is not None:
-            for check in a.plan.nodes:
-                if check.node_id == a.node_id:
-                    service_ms, wait_ms = check.service_ms, check.queue_wait_ms
-        now = self.now_s()
-        ttft_s = now - arrival
-        ttft_s += self.model.borrowed(now, a.node_id, service_ms / 1000.0, wait_ms / 1000.0)
-        self.stats.borrowed_ttft_ms.append(ttft_s * 1000.0)
-        await self._post(self.decode[a.node_id], turn, borrowed=True)
-        self._spawn(self._release_at(rid, arrival + ttft_s))
-        return ttft_s, True
-
-    async def _release_at(self, rid: str, at_s: float) -> None:
-        await self._sleep_until(at_s)
-        try:
-            await self.admission.release(rid, "finished")
-        except CrossflowError as exc:
-            log.warning("demo.release_failed", reservation_id=rid, error=str(exc))
-        self.open_reservations.discard(rid)
-
-    async def _normal(self, turn: Turn, arrival: float) -> float:
-        now = self.now_s()
-        idx, ttft_s = self.model.normal(now, turn)
-        ttft_s += now - arrival
-        await self._post(self.prefill[idx % len(self.prefill)], turn, prefill_only=True)
-        self._spawn(self._decode_after(turn, arrival + ttft_s))
-        return ttft_s
-
-    async def _decode_after(self, turn: Turn, at_s: float) -> None:
-        await self._sleep_until(at_s)
-        await self._post(self.decode[next(self._decode_rr)], turn, kv_arrived=True)
-
-    async def _post(
-        self,
-        engine: Engine,
-        turn: Turn,
-        *,
-        borrowed: bool = False,
-        prefill_only: bool = False,
-        kv_arrived: bool = False,
-    ) -> None:
-        prompt = max(1, turn.uncached_tokens + turn.cached_tokens)
-        body = {
-            "prompt_tokens": prompt,
-            # The normal path's decode arrives with its KV: no prompt work left on the node.
-            "cached_tokens": prompt if kv_arrived else min(turn.cached_tokens, prompt),
-            "output_tokens": 1 if prefill_only else max(1, turn.output_tokens),
-            "borrowed": borrowed,
+    def body(self, release: Release) -> dict[str, Any]:
+        turn = release.turn
+        out = max(1, turn.output_tokens)
+        if self.max_output_tokens is not None:
+            out = min(out, self.max_output_tokens)
+        return {
+            "prompt": self.prompts.text(release.session, release.index),
+            "max_tokens": out,
+            "stream": True,
         }
-        try:
-            resp = await self._http.post(f"{engine.url}/requests", json=body)
-            resp.raise_for_status()
-        except httpx.HTTPError as exc:
-            self.stats.engine_errors += 1
-            log.warning("demo.engine_post_failed", engine=engine.node_id, error=str(exc))
 
-    async def _sleep_until(self, at_s: float) -> None:
-        delay = at_s - self.now_s()
-        if delay > 0:
-            await asyncio.sleep(delay)
+    async def _turn(self, http: aiohttp.ClientSession, release: Release) -> None:
+        stats = self.stats
+        stats.released += 1
+        body = self.body(release)
+        key = release.key
+        try:
+            await self._complete(http, key, body)
+        except (RequestLost, aiohttp.ClientError, TimeoutError) as exc:
+            if self._stopping:
+                return
+            stats.lost += 1
+            if len(stats.errors) < 5:
+                stats.errors.append(f"{key[0]}/{key[1]}: {type(exc).__name__}: {exc}")
+            log.warning("demo.request_lost", request=f"{key[0]}/{key[1]}", error=str(exc))
+        else:
+            stats.finished += 1
+            turn = release.turn
+            stats.uncached_tokens += turn.uncached_tokens
+            stats.cached_tokens += turn.cached_tokens
+            if stats.path_by_request.get(key) == "borrowed":
+                stats.borrowed_uncached_tokens += turn.uncached_tokens
+        if release.index + 1 == len(release.session.turns):
+            self.prompts.forget(release.session)
+        following = release.next(self.now_s(), self.speed)
+        if following is not None:
+            self._push(following)
+
+    async def _complete(self, http: aiohttp.ClientSession, key: Key, body: dict[str, Any]) -> None:
+        sent = time.perf_counter()
+        first: float | None = None
+        chunks = 0
+        async with http.post(self.url, json=body) as resp:
+            if resp.status != 200:
+                raise RequestLost(f"gateway answered {resp.status}: {(await resp.text())[:200]}")
+            path = resp.headers.get(PATH_HEADER, "?")
+            node = resp.headers.get(NODE_HEADER, "?")
+            complete = False
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    # read on to the end: a client that hangs up before the last byte is one
+                    # that went away, for the gateway (its handler is cancelled, uncounted)
+                    complete = True
+                    continue
+                if first is None or b'"error"' in data:
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise RequestLost(f"error event: {event['error']}")
+                    if first is None and any(c.get("text") for c in event.get("choices", [])):
+                        first = time.perf_counter()
+                chunks += 1
+            if not complete:
+                raise RequestLost("stream ended before [DONE]")
+        done = time.perf_counter()
+        if first is None:
+            raise RequestLost("no text streamed")
+        stats = self.stats
+        stats.ttft_by_request[key] = (first - sent) * 1000.0
+        stats.total_by_request[key] = (done - sent) * 1000.0
+        stats.path_by_request[key] = path
+        stats.node_by_request[key] = node
+        stats.output_tokens += chunks

@@ -1,11 +1,16 @@
-"""``crossflow demo``: a whole Crossflow cluster on loopback, one command.
+"""``crossflow demo``: a whole Crossflow cluster on loopback, one command, real requests.
 
-Starts the broker (embedded store, or ``--redis``), fake engines (SGLang-format /metrics), one
-real ``crossflow-agent run`` per engine streaming to the broker over gRPC, then replays a trace
-through the Admission API while a live view polls the Admin API. Ends on its own when the trace
-is done, or when ``--duration-s`` has passed (cutting the trace there, or keeping the cluster
-up after it), or on Ctrl-C/SIGTERM; stops every child and prints a
-summary comparing the run with the same trace on static P/D.
+Starts the broker (embedded store, or ``--redis``), fake engines that speak vLLM (its OpenAI API,
+P/D protocol and /metrics), one real ``crossflow-agent run`` per engine streaming to the broker
+over gRPC, and ``crossflow-gateway serve`` in front of the engines (:mod:`.cluster`). The
+demo's client then replays a trace through the gateway as real streamed completions
+(:mod:`.router`) while a live view polls the Admin API and the gateway's /metrics. Then it
+replays the same trace through a gateway with no broker (static P/D) on the same engines, and
+prints both runs' measured TTFT side by side (:mod:`.view`).
+
+Ends on its own when both runs are done; ``--duration-s`` cuts the first run there (and the
+second at the same point), or keeps the cluster up after a first run that ends sooner. Ctrl-C
+or SIGTERM stops every child and prints the summary of what ran so far (exit 130).
 """
 
 from __future__ import annotations
@@ -23,20 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from crossflow_ctl.client import AdminClient, AdmissionClient
-from crossflow_ctl.demo.model import ModelParams, replay_static
-from crossflow_ctl.demo.processes import Children, DemoError, executable
+import aiohttp
+
+from crossflow_ctl.client import AdminClient
+from crossflow_ctl.demo.cluster import START_TIMEOUT_S, Cluster, ClusterSpec
+from crossflow_ctl.demo.observe import Observations
+from crossflow_ctl.demo.processes import Children, DemoError
 from crossflow_ctl.demo.prometheus import INSTALL_HINT, DemoPrometheus, prometheus_binary
-from crossflow_ctl.demo.router import Engine, Router
+from crossflow_ctl.demo.router import Router
+from crossflow_ctl.demo.scrape import EngineCounts, EngineTotals, GatewayFigures, fetch
 from crossflow_ctl.demo.trace import Trace
-from crossflow_ctl.demo.view import CLEAR, Observations, frame, summary, summary_data
-from crossflow_ctl.domain.capacity import (
-    MODEL_PRESETS,
-    NODE_PRESETS,
-    StepShape,
-    roofline,
-    step_time_s,
-)
+from crossflow_ctl.demo.view import CLEAR, RunResult, frame, summary, summary_data
 from crossflow_ctl.domain.errors import Unavailable
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import NodeRole, Share
@@ -44,10 +46,13 @@ from crossflow_ctl.domain.models import NodeRole, Share
 if TYPE_CHECKING:  # the simulator is imported when it runs
     from crossflow_ctl.sim.metrics import Summary
 
-START_TIMEOUT_S = 30.0
-BROKER, ENGINES, AGENTS = 0, 1, 2
-"""Stages of the children: they stop the other way round, agents first (so each sends its last
-zero lease to the broker, not into a refused connection), the broker last."""
+DEFAULT_MAX_OUTPUT_TOKENS = 128
+"""The default cap on a request's ``max_tokens``: the bundled trace's turns ask 40-299 output
+tokens, each one an SSE event through engine, gateway and client; capped, the default run
+(both replays) stays near 75 s on a shared 2-core machine instead of ~90 s, and the sessions'
+closed loops are shorter. TTFT, what the runs compare, does not depend on it."""
+DRAIN_S = 5.0
+"""How long to wait after a run for the reservations it opened to be released."""
 
 
 @dataclass(frozen=True)
@@ -71,44 +76,22 @@ class DemoOptions:
     summary_json: Path | None = None
     simulate: bool = True
     """Also run the project's simulator on the same trace, static and with leases."""
+    static_run: bool = True
+    """Replay the trace a second time through a gateway with no broker (static P/D)."""
+    max_output_tokens: int | None = DEFAULT_MAX_OUTPUT_TOKENS
+    """Cap on each request's ``max_tokens`` (None: the trace's output tokens)."""
     redis_namespace: str | None = None
     max_hold_ms: int = 300
-    """Late binding: how long the router holds a prompt refused for lack of room (0: never)."""
+    """Late binding: how long the gateway holds a prompt refused for lack of room (0: never)."""
     prometheus: bool = False
-    """Also run a real Prometheus scraping the broker and the agents (crossflow_ctl.demo.
-    prometheus)."""
+    """Also run a real Prometheus scraping the broker, the agents and the gateway
+    (crossflow_ctl.demo.prometheus)."""
     port: int = 0
     """The broker's port on 127.0.0.1 (0: a free one)."""
     connect: Callable[[str], tuple[str, str]] | None = None
     """Called with the broker's address once it serves: (the crossflowctl command to try, a
     note on how it reaches the broker). The CLI writes a crossflowctl context there; without
     it the command names ``--server``."""
-
-
-PREFILL_CHUNK_TOKENS = LeaseSettings().prefill_chunk_tokens
-"""The fake prefill engines' chunk: what the prefill agents model their servers' rate with, and
-the router's model prices the normal path at."""
-
-
-def prefill_rate_tps(opts: DemoOptions, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> float:
-    """What one fake prefill engine processes per second with no cached prefix (same roofline
-    as the engine)."""
-    dt = step_time_s(
-        MODEL_PRESETS[opts.model], NODE_PRESETS[opts.node], StepShape(prefill_tokens=chunk_tokens)
-    )
-    return chunk_tokens / (dt * opts.prefill_slowdown)
-
-
-def model_params(opts: DemoOptions) -> ModelParams:
-    """The router's model of the cluster: the same split, engines and roofline."""
-    return ModelParams(
-        prefill_servers=opts.prefill,
-        decode_servers=opts.decode,
-        prefill_rate_tps=prefill_rate_tps(opts),
-        roof=roofline(MODEL_PRESETS[opts.model], NODE_PRESETS[opts.node]),
-        prefill_chunk_tokens=PREFILL_CHUNK_TOKENS,
-        prefill_slowdown=opts.prefill_slowdown,
-    )
 
 
 async def forget_namespace(redis_url: str, namespace: str) -> None:
@@ -146,20 +129,6 @@ async def check_redis(redis_url: str, timeout_s: float = 3.0) -> None:
         await client.aclose()
 
 
-DEMO_ITL_BUCKETS_MS = (
-    *(2, 4, 6, 8, 10, 15, 20, 25, 30, 35, 40),
-    *(45, 50),  # the agents' step budget (slo 50 x margin 0.9) and their ITL SLO
-    *(60, 80, 100, 200, 400, 600, 800, 1000, 2000, 5000),
-)
-"""The decode engines' ITL histogram bounds: SGLang's default ``--bucket-inter-token-latency``
-with bounds at the agents' step budget and SLO added.
-
-The decode engines size borrowed chunks to the agents' budget (45 ms), as the lease prices
-them. The agent reads the window's p99 by interpolating inside a bucket, so on SGLang's bounds
-(40, 60 ms) each such step read as up to 60 ms, over the SLO: the ITL guard zeroed the lease,
-cleared it after three quiet periods, and zeroed it again, about once a second."""
-
-
 def demo_log_dir(chosen: Path | None) -> Path:
     """``chosen`` (created if missing) or a new ``crossflow-demo-*`` folder under the system
     temp dir; never deleted by the demo."""
@@ -175,7 +144,7 @@ class Demo:
         self.out = out
         self.stop = asyncio.Event()
         self.children: Children | None = None
-        self.obs = Observations()
+        self.cluster: Cluster | None = None
         self.interrupted = False
         self.exit_code = 0
         """128 + the signal that stopped the run (130 for Ctrl-C), else 0."""
@@ -183,6 +152,7 @@ class Demo:
         self.hint = ""
         self.namespace = opts.redis_namespace or f"crossflow-demo-{uuid.uuid4().hex[:8]}"
         self.prometheus: DemoPrometheus | None = None
+        self._http: aiohttp.ClientSession | None = None
 
     def _interrupt(self, sig: signal.Signals) -> None:
         """Signal handler: only sets the stop event (the run shuts down in order)."""
@@ -215,10 +185,12 @@ class Demo:
         if self.opts.prometheus:
             self.prometheus = DemoPrometheus(log_dir)
         self.children = Children(log_dir)
+        self._http = aiohttp.ClientSession()
         try:
             return await self._run()
         finally:
             await self.children.stop()
+            await self._http.close()
             # kept: the logs are what an operator reads when the demo misbehaved
             if self.opts.redis_url:
                 await forget_namespace(self.opts.redis_url, self.namespace)
@@ -233,7 +205,13 @@ class Demo:
             f"crossflow demo: {split} on loopback, trace {o.trace.name} "
             f"({o.trace.requests} requests), logs in {self.children.log_dir}"
         )
-        broker = await self._start_broker()
+        spec = ClusterSpec(
+            prefill=o.prefill, decode=o.decode, model=o.model, node=o.node,
+            period_ms=o.period_ms, redis_url=o.redis_url, namespace=self.namespace,
+            port=o.port, max_hold_ms=o.max_hold_ms,
+        )  # fmt: skip
+        cluster = self.cluster = Cluster(spec, self.children, self.prometheus)
+        broker = await cluster.start_broker()
         command, note = (
             o.connect(broker)
             if o.connect is not None
@@ -243,52 +221,76 @@ class Demo:
         linger = "" if o.duration_s is not None else "--duration-s S keeps the cluster up S s"
         extra = "; ".join(x for x in (note, linger) if x)
         self.say(f"broker on {broker}: try `{command}`" + (f" ({extra})" if extra else ""))
-        prefill, decode = await self._start_engines()
-        await self._start_agents(broker, prefill, decode)
+        await cluster.start_engines()
+        await self._slow_prefill()
+        _, gateway = await asyncio.gather(
+            cluster.start_agents(), cluster.start_gateway(broker=True)
+        )
+        self.say(
+            f"gateway on {gateway} (asks the broker): try `curl -s {gateway}/v1/completions "
+            """-d '{"prompt": "hello there", "max_tokens": 5}'` and its /metrics"""
+        )
         if self.prometheus is not None:
+            self.prometheus.add_gateway(gateway.removeprefix("http://"))
             url = await self.prometheus.start(self.children)
             self.say(
                 f"prometheus on {url}: try {url}/graph?g0.expr="
                 "max%20by%20(state)%20(crossflow_broker_decode_nodes) and its /alerts"
             )
         async with AdminClient(broker, timeout_s=2.0) as admin:
-            await self._wait_ready(admin, len(prefill), len(decode))
+            await self._wait_ready(admin)
             self.share = (await admin.get_policy()).policy.shares
             if self.stop.is_set():
                 self.say("interrupted before the cluster was ready: nothing was replayed")
                 return self.exit_code
-            params = model_params(o)
-            async with AdmissionClient(broker, timeout_s=1.0, fail_closed=True) as admission:
-                router = Router(
-                    o.trace,
-                    admission,
-                    prefill,
-                    decode,
-                    params,
-                    speed=o.speed,
-                    max_hold_ms=o.max_hold_ms,
-                )
-                started = time.monotonic()
-                await self._replay(router, admin, started)
-                elapsed = time.monotonic() - started
-            static = replay_static(o.trace, params, speed=o.speed)
+            leases = await self._measure("leases", admin, salt="a", linger=True)
+            leases.reservations_left = await self._drained(admin)
+            await cluster.stop_gateway()
+            static: RunResult | None = None
+            if o.static_run and not self.stop.is_set():
+                # Same port: the URL said above (and Prometheus's target) stays right.
+                await cluster.start_gateway(broker=False, port=cluster.gateway_port)
+                self.say(f"static run: the same trace through {gateway} with --no-broker")
+                static = await self._measure("static", admin, salt="b", linger=False)
+                await cluster.stop_gateway()
         await self.children.stop()  # the simulator below should not compete with them
         if self.interrupted:
-            self.say(f"interrupted after {elapsed:.1f} s: the summary covers what ran so far")
-        self.say(summary(o.trace.name, split, elapsed, router.stats, static, self.obs))
-        sim = await self._simulate(params, split) if o.simulate and not self.interrupted else None
+            ran = leases.elapsed_s + (static.elapsed_s if static is not None else 0.0)
+            self.say(f"interrupted after {ran:.1f} s: the summary covers what ran so far")
+        capped = (
+            f" max_tokens capped at {o.max_output_tokens} (--max-output-tokens)."
+            if o.max_output_tokens is not None
+            else ""
+        )
+        engines = (
+            f"the fake engines' step model of {o.model} on {o.node} decides when each token "
+            f"comes, in real time.{capped}"
+        )
+        self.say(summary(o.trace.name, split, leases, static, engines))
+        sim = await self._simulate(split) if o.simulate and not self.interrupted else None
         if o.summary_json is not None:
-            data = summary_data(router.stats, static, self.obs) | {
-                "elapsed_s": elapsed,
+            data = summary_data(leases, static) | {
+                "elapsed_s": leases.elapsed_s,
                 "interrupted": self.interrupted,
                 "trace": o.trace.name,
                 "split": split,
+                "gateway_url": gateway,
                 "simulator": {k: v.model_dump(mode="json") for k, v in (sim or {}).items()},
             }
             o.summary_json.write_text(json.dumps(data, indent=2))
         return self.exit_code
 
-    async def _simulate(self, params: ModelParams, split: str) -> dict[str, Summary] | None:
+    async def _slow_prefill(self) -> None:
+        assert self.cluster is not None and self._http is not None
+        if self.opts.prefill_slowdown == 1.0:
+            return
+        for e in self.cluster.prefill:
+            async with self._http.post(
+                f"{e.url}/control", json={"slowdown": self.opts.prefill_slowdown}
+            ) as resp:
+                resp.raise_for_status()
+
+    async def _simulate(self, split: str) -> dict[str, Summary] | None:
         """The simulator's static and leases runs of the trace, printed; None when Ctrl-C
         stopped it. It computes without awaiting, so the signal handlers that only set the
         stop event would wait for it to finish: Ctrl-C raises KeyboardInterrupt meanwhile."""
@@ -297,7 +299,9 @@ class Demo:
         o = self.opts
         self._handle_signals(False)
         try:
-            sim = await simulate_both(o.trace, params, o.model, o.node, o.speed)
+            sim = await simulate_both(
+                o.trace, o.prefill, o.decode, o.model, o.node, o.speed, o.max_output_tokens
+            )
         except KeyboardInterrupt:
             self.interrupted, self.exit_code = True, 128 + signal.SIGINT.value
             self.say("interrupted: simulator comparison skipped")
@@ -310,115 +314,10 @@ class Demo:
         )
         return sim
 
-    async def _start_broker(self) -> str:
-        assert self.children is not None
-        argv = [executable("crossflow-broker"), "serve", "--listen", f"127.0.0.1:{self.opts.port}"]
-        if self.opts.redis_url:
-            argv += ["--redis-url", self.opts.redis_url, "--redis-namespace", self.namespace]
-        else:
-            argv += ["--embedded-store"]
-        if self.prometheus is not None:
-            argv += self.prometheus.broker_args()
-        child = await self.children.spawn(
-            "broker", argv, "listening on ", START_TIMEOUT_S, stage=BROKER
-        )
-        return child.address
-
-    async def _start_engines(self) -> tuple[list[Engine], list[Engine]]:
-        assert self.children is not None
-        o = self.opts
-        names = [(f"prefill-{i + 1}", NodeRole.PREFILL) for i in range(o.prefill)]
-        names += [(f"decode-{i + 1}", NodeRole.DECODE) for i in range(o.decode)]
-        argv = [
-            executable("crossflow-agent"),
-            "fake-engine",
-            "--port",
-            "0",
-            "--model",
-            o.model,
-            "--node",
-            o.node,
-        ]
-        # Decode engines size borrowed chunks within the agents' ITL budget, as their leases
-        # price them; prefill engines run the chunk their agents and the router's model assume.
-        by_role = {
-            NodeRole.DECODE: [
-                *("--itl-budget-ms", f"{LeaseSettings().budget_s * 1000.0:g}"),
-                *("--itl-buckets-ms", ",".join(map(str, DEMO_ITL_BUCKETS_MS))),
-            ],
-            NodeRole.PREFILL: ["--chunk-tokens", str(PREFILL_CHUNK_TOKENS)],
-        }
-        spawned = await asyncio.gather(
-            *(
-                self.children.spawn(
-                    f"engine-{name}",
-                    [*argv, "--model-name", name, *by_role[role]],
-                    "fake engine serving ",
-                    START_TIMEOUT_S,
-                    stage=ENGINES,
-                )
-                for name, role in names
-            )
-        )
-        engines = [
-            (Engine(name, child.address.removesuffix("/metrics")), role)
-            for (name, role), child in zip(names, spawned, strict=True)
-        ]
-        prefill = [e for e, role in engines if role is NodeRole.PREFILL]
-        if o.prefill_slowdown != 1.0:
-            import httpx
-
-            async with httpx.AsyncClient(timeout=5.0) as http:
-                for e in prefill:
-                    resp = await http.post(
-                        f"{e.url}/control", json={"slowdown": o.prefill_slowdown}
-                    )
-                    resp.raise_for_status()
-        return prefill, [e for e, role in engines if role is NodeRole.DECODE]
-
-    async def _start_agents(self, broker: str, prefill: list[Engine], decode: list[Engine]) -> None:
-        assert self.children is not None
-        o = self.opts
-        base = [
-            executable("crossflow-agent"),
-            "run",
-            "--broker",
-            broker,
-            "--source",
-            "sglang",
-            "--model",
-            o.model,
-            "--node",
-            o.node,
-            "--period-ms",
-            str(o.period_ms),
-            "--log-level",
-            "warning",
-        ]
-        jobs = []
-        for role, engines in ((NodeRole.PREFILL, prefill), (NodeRole.DECODE, decode)):
-            for e in engines:
-                argv = [
-                    *base,
-                    "--node-id",
-                    e.node_id,
-                    "--role",
-                    role.value,
-                    "--metrics-url",
-                    f"{e.url}/metrics",
-                ]
-                if self.prometheus is not None:
-                    argv += self.prometheus.agent_args(e.node_id)
-                jobs.append(
-                    self.children.spawn(
-                        f"agent-{e.node_id}", argv, "", START_TIMEOUT_S, stage=AGENTS
-                    )
-                )
-        await asyncio.gather(*jobs)
-
-    async def _wait_ready(self, admin: AdminClient, prefill: int, decode: int) -> None:
+    async def _wait_ready(self, admin: AdminClient) -> None:
         """Until every decode node has a lease and every prefill server reports load."""
         assert self.children is not None
+        prefill, decode = self.opts.prefill, self.opts.decode
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.stop.is_set():
             dead = self.children.dead()
@@ -446,11 +345,84 @@ class Demo:
                 )
             await asyncio.sleep(0.2)
 
-    async def _replay(self, router: Router, admin: AdminClient, started: float) -> None:
-        """Replay the trace with the live view; with ``duration_s``, stop there, or keep the
-        cluster up (agents leasing, view refreshing) after a trace that ends sooner."""
+    # -- one replay ----------------------------------------------------------------------
+
+    async def _measure(
+        self, label: str, admin: AdminClient, *, salt: str, linger: bool
+    ) -> RunResult:
+        """Replay the trace through the gateway now serving; what it measured."""
+        assert self.cluster is not None
         o = self.opts
-        replay = asyncio.create_task(router.run(self.stop))
+        router = Router(
+            o.trace,
+            self.cluster.gateway_url,
+            salt=salt,
+            speed=o.speed,
+            max_output_tokens=o.max_output_tokens,
+        )
+        result = RunResult(label, stats=router.stats, obs=Observations())
+        before = await self._engine_counts()
+        started = time.monotonic()
+        try:
+            await self._replay(router, admin, started, result, linger)
+        finally:
+            result.elapsed_s = time.monotonic() - started
+            with contextlib.suppress(Exception):  # a summary, even of a broken run
+                result.gateway = await self._gateway_counted(result.stats.finished)
+                after = await self._engine_counts()
+                slo = result.obs.itl_slo_ms() or LeaseSettings().itl_slo_ms
+                decode = [e.node_id for e in self.cluster.decode]
+                result.engines = EngineTotals.of(after, before, decode, slo)
+        return result
+
+    async def _engine_counts(self) -> dict[str, EngineCounts]:
+        assert self.cluster is not None and self._http is not None
+        out = {}
+        for e in self.cluster.engines:
+            out[e.node_id] = EngineCounts.read(await fetch(self._http, f"{e.url}/metrics"))
+        return out
+
+    async def _gateway_figures(self) -> GatewayFigures:
+        assert self.cluster is not None and self._http is not None
+        return GatewayFigures.read(await fetch(self._http, f"{self.cluster.gateway_url}/metrics"))
+
+    async def _gateway_counted(self, finished: int) -> GatewayFigures:
+        """The gateway's figures once they count the ``finished`` requests (it counts one as
+        its handler returns, a moment after the client read the last byte), or after 2 s."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            figures = await self._gateway_figures()
+            counted = sum(v for k, v in figures.requests.items() if k != "error")
+            if counted >= finished or time.monotonic() > deadline:
+                return figures
+            await asyncio.sleep(0.1)
+
+    async def _drained(self, admin: AdminClient) -> int | None:
+        """Reservations still open at the broker once the run's releases had time to land
+        (up to DRAIN_S); None when the broker could not be asked."""
+        deadline = time.monotonic() + DRAIN_S
+        while True:
+            try:
+                left = len(await admin.list_reservations())
+            except Exception:
+                return None
+            if left == 0 or time.monotonic() > deadline:
+                return left
+            await asyncio.sleep(0.2)
+
+    async def _replay(
+        self,
+        router: Router,
+        admin: AdminClient,
+        started: float,
+        result: RunResult,
+        linger: bool,
+    ) -> None:
+        """Replay the trace with the live view; with ``duration_s``, stop there, or (``linger``)
+        keep the cluster up (agents leasing, view refreshing) after a trace that ends sooner."""
+        o = self.opts
+        halt = asyncio.Event()
+        replay = asyncio.create_task(router.run(halt))
         stopping = asyncio.create_task(self.stop.wait())
         frames = 0
         lingering = False
@@ -464,8 +436,8 @@ class Demo:
                 )
                 elapsed = time.monotonic() - started
                 if o.duration_s is not None and elapsed >= o.duration_s:
-                    self.stop.set()
-                if self.stop.is_set() or (replay.done() and not self._linger(replay)):
+                    break
+                if self.stop.is_set() or (replay.done() and not self._linger(replay, linger)):
                     break
                 if replay.done() and not lingering:
                     lingering = True
@@ -476,22 +448,25 @@ class Demo:
                 assert self.children is not None
                 dead = self.children.dead()
                 if dead:
-                    self.stop.set()
+                    halt.set()
                     await replay
                     raise DemoError(f"{dead[0].name} exited during the run: {dead[0].log_tail()}")
-                await self._tick(router, admin, elapsed, frames)
+                await self._tick(router, admin, result, elapsed, frames)
                 frames += 1
         finally:
-            self.stop.set()
+            halt.set()
             stopping.cancel()
             await replay
 
-    def _linger(self, replay: asyncio.Task[None]) -> bool:
-        """Whether to keep the cluster up after the replay ended: only when ``duration_s``
-        asks for it, and the replay ended without an error."""
-        return self.opts.duration_s is not None and replay.exception() is None
+    def _linger(self, replay: asyncio.Task[None], linger: bool) -> bool:
+        """Whether to keep the cluster up after the replay ended: only for a run that may
+        (``linger``), when ``duration_s`` asks for it, and the replay ended without an error."""
+        return linger and self.opts.duration_s is not None and replay.exception() is None
 
-    async def _tick(self, router: Router, admin: AdminClient, elapsed: float, frames: int) -> None:
+    async def _tick(
+        self, router: Router, admin: AdminClient, result: RunResult, elapsed: float, frames: int
+    ) -> None:
+        obs = result.obs
         try:
             reservations = await admin.list_reservations()  # before the leases: see check_grants
             nodes = await admin.list_nodes()
@@ -506,23 +481,34 @@ class Demo:
         except Exception as exc:  # the view must not end the demo
             self.say(f"(live view: admin call failed: {exc})")
             return
-        self.obs.check_grants(reservations, history, self.share)
+        obs.check_grants(reservations, history, self.share)
         for node_id in decode:
-            self.obs.record(node_id, history[node_id])
+            obs.record(node_id, history[node_id])
         at_ms = int(time.time() * 1000)
-        self.obs.observe(nodes, at_ms)
+        obs.observe(nodes, at_ms)
         if self.opts.quiet:
             return
+        figures = None
+        with contextlib.suppress(Exception):
+            figures = await self._gateway_figures()
+        assert self.cluster is not None
+        title = (
+            "crossflow demo, leases run"
+            if result.label == "leases"
+            else "crossflow demo, static run (gateway --no-broker)"
+        )
         text = frame(
-            "crossflow demo",
+            title,
             elapsed,
             router.stats,
             nodes,
             pools,
-            self.obs,
+            obs,
             self.opts.trace.requests,
             at_ms,
             hint=self.hint,
+            gateway=self.cluster.gateway_url,
+            figures=figures,
         )
         if self.opts.live:
             self.out.write(CLEAR + text + "\n")

@@ -2,15 +2,15 @@
 
 ``crossflow_ctl.sim`` runs the real admission policy, store and lease rules on a modelled
 cluster; the demo asks it for the same split on static P/D and with leases, so the summary shows
-a like-for-like comparison (TTFT, ITL, borrowed share, over-commits) next to the live run's.
+the model's like-for-like comparison (TTFT, ITL, borrowed share, over-commits) next to the two
+measured runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from crossflow_ctl.demo.model import ModelParams, first_releases
-from crossflow_ctl.demo.trace import Trace
+from crossflow_ctl.demo.trace import Trace, first_releases
 from crossflow_ctl.sim.cluster import simulate
 from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.metrics import Summary, summarize
@@ -18,16 +18,20 @@ from crossflow_ctl.sim.traces import Trace as SimTrace
 from crossflow_ctl.sim.traces import TraceRequest
 
 
-def to_sim_trace(trace: Trace, params: ModelParams, speed: float = 1.0) -> SimTrace:
-    """Sessions as the simulator's closed-loop requests (same start times as the demo's)."""
-    starts = {r.session.session_id: r.at_s for r in first_releases(trace, params, speed)}
+def to_sim_trace(
+    trace: Trace, speed: float = 1.0, max_output_tokens: int | None = None
+) -> SimTrace:
+    """Sessions as the simulator's closed-loop requests (same start times and output caps as
+    the demo's)."""
+    cap = max_output_tokens or 2**31
+    starts = {r.session.session_id: r.at_s for r in first_releases(trace, speed)}
     reqs: list[TraceRequest] = []
     for session in trace.sessions:
         for i, turn in enumerate(session.turns):
             prompt = max(1, turn.uncached_tokens + turn.cached_tokens)
             base = TraceRequest(
                 input_tokens=prompt,
-                output_tokens=max(1, turn.output_tokens),
+                output_tokens=max(1, min(cap, turn.output_tokens)),
                 cached_tokens=min(turn.cached_tokens, prompt - 1),
                 session=session.session_id,
             )
@@ -39,17 +43,23 @@ def to_sim_trace(trace: Trace, params: ModelParams, speed: float = 1.0) -> SimTr
 
 
 async def simulate_both(
-    trace: Trace, params: ModelParams, model: str, hardware: str, speed: float = 1.0
+    trace: Trace,
+    prefill: int,
+    decode: int,
+    model: str,
+    hardware: str,
+    speed: float = 1.0,
+    max_output_tokens: int | None = None,
 ) -> dict[str, Summary]:
     """Static and leases on the demo's split, same trace."""
-    sim_trace = to_sim_trace(trace, params, speed)
+    sim_trace = to_sim_trace(trace, speed, max_output_tokens)
     out = {}
     for policy in (PolicyKind.STATIC, PolicyKind.LEASES):
         config = SimConfig(
             model=model,
             hardware=hardware,
-            prefill_nodes=params.prefill_servers,
-            decode_nodes=params.decode_servers,
+            prefill_nodes=prefill,
+            decode_nodes=decode,
             policy=policy,
         )
         out[policy.value] = summarize(await simulate(sim_trace, config))

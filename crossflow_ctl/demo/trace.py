@@ -1,9 +1,9 @@
 """Traces the demo replays: a bundled synthetic agentic trace, and readers for trace files.
 
 Everything is turned into sessions of turns. A session starts at ``start_s`` (open-loop traces),
-at its parent's start + ``offset_s`` (sub-agents), or at a time the replayer draws (top-level
-sessions of session traces). Turn k is released when turn k-1 has finished plus ``think_s``
-(closed loop), so bursts come from the traffic itself.
+at its parent's start + ``offset_s`` (sub-agents), or at a time drawn here (top-level sessions
+of session traces: :func:`first_releases`). Turn k is released when turn k-1 has finished plus
+``think_s`` (closed loop), so bursts come from the traffic itself.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ BLOCK_TOKENS = 512
 """Mooncake ``hash_ids`` granularity."""
 MAX_TURNS = 12
 """Turns kept per session of a session trace, so a short demo sees many sessions."""
+SESSION_RATE_PER_S = 2.0
+"""Start rate of top-level sessions that carry no start time (session traces)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,56 @@ def _turns(
         turns.append(Turn(uncached, context, output, round(think, 3)))
         context += uncached + output
     return tuple(turns)
+
+
+@dataclass(frozen=True)
+class Release:
+    """Turn ``index`` of ``session`` becoming ready at ``at_s`` (seconds into the replay)."""
+
+    at_s: float
+    session: Session
+    index: int
+
+    @property
+    def turn(self) -> Turn:
+        return self.session.turns[self.index]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(session id, turn index): the same request in every replay of the trace."""
+        return (self.session.session_id, self.index)
+
+    def next(self, finished_s: float, speed: float = 1.0) -> Release | None:
+        """The session's next turn, released ``think_s`` (/ ``speed``) after this one
+        finished at ``finished_s``; None after the last turn."""
+        if self.index + 1 >= len(self.session.turns):
+            return None
+        think = self.session.turns[self.index + 1].think_s
+        return Release(finished_s + think / speed, self.session, self.index + 1)
+
+
+def first_releases(
+    trace: Trace, speed: float = 1.0, session_rate_per_s: float = SESSION_RATE_PER_S
+) -> list[Release]:
+    """Start times of sessions: their own, their parent's + offset, or a Poisson draw (seeded:
+    every replay of a trace starts its sessions at the same times); all divided by ``speed``
+    (time compression: more load on the same servers)."""
+    rng = random.Random(1)
+    starts: dict[str, float] = {}
+    t = 0.0
+    out = []
+    for s in trace.sessions:
+        if s.start_s is not None:
+            start = s.start_s
+        elif s.parent_id is not None and s.parent_id in starts:
+            start = starts[s.parent_id] + s.offset_s
+        else:
+            t += rng.expovariate(session_rate_per_s)
+            start = t
+        starts[s.session_id] = start
+        out.append(Release(start, s, 0))
+    base = min((r.at_s for r in out), default=0.0)
+    return [Release((r.at_s - base) / speed, r.session, 0) for r in out]
 
 
 # -- readers ---------------------------------------------------------------------------------

@@ -15,7 +15,10 @@
    answers at all and decode engines can prefill (vLLM), a decode engine prefills it
    (``fallback``): slower for it, but the request is served.
 
-No request is lost to the control plane: without a broker every request takes step 4.
+No request is lost to the control plane: without a broker every request takes step 4. A relayed
+answer says how it went in two headers: ``X-Crossflow-Path`` (``borrowed``, ``normal`` or
+``fallback``, as ``crossflow_gateway_requests_total{path}`` counts it) and ``X-Crossflow-Node``
+(the decode engine that answered).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ _propagator = TraceContextTextMapPropagator()
 Route = Literal["completions", "chat"]
 PATHS: dict[Route, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 UNREACHABLE = frozenset({Reason.BROKER_UNAVAILABLE, Reason.TIMEOUT, Reason.STORE_UNAVAILABLE})
+PATH_HEADER = "X-Crossflow-Path"
+NODE_HEADER = "X-Crossflow-Node"
 
 
 def openai_error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -246,6 +251,10 @@ class Gateway:
         _propagator.inject(headers)
         return headers
 
+    def _answer_headers(self, job: Job, engine: Engine) -> dict[str, str]:
+        """How the request went, for the client (set once its path is final)."""
+        return {PATH_HEADER: job.path_taken, NODE_HEADER: engine.node_id}
+
     def _sent(self, job: Job) -> None:
         self.metrics.overhead.observe(max(0.0, time.perf_counter() - job.arrived - job.held_s))
 
@@ -287,7 +296,9 @@ class Gateway:
                 async with upstream:
                     self.prefix.record(engine.node_id, job.hashes)
                     done = self._first_byte(job, lambda: reservations.release(rid, "finished"))
-                    return await relay(request, engine, upstream, done)
+                    return await relay(
+                        request, engine, upstream, done, self._answer_headers(job, engine)
+                    )
         except EngineFailed as exc:
             self._engine_failed(exc)
             reservations.release(rid, "failed")
@@ -333,7 +344,10 @@ class Gateway:
             )
             async with upstream:
                 self.prefix.record(decode.node_id, job.hashes)
-                return await relay(request, decode, upstream, self._first_byte(job))
+                return await relay(
+                    request, decode, upstream, self._first_byte(job),
+                    self._answer_headers(job, decode),
+                )  # fmt: skip
         finally:
             decode.inflight -= 1
 
@@ -373,7 +387,10 @@ class Gateway:
                 async with upstream:
                     self.prefix.record(prefill.node_id, job.hashes)
                     self.prefix.record(decode.node_id, job.hashes)
-                    return await relay(request, decode, upstream, self._first_byte(job))
+                    return await relay(
+                        request, decode, upstream, self._first_byte(job),
+                        self._answer_headers(job, decode),
+                    )  # fmt: skip
         finally:
             prefill_done()
             decode.inflight -= 1

@@ -7,7 +7,7 @@ go elsewhere. A 4xx is the client's fault and is relayed as it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -70,8 +70,10 @@ async def relay(
     engine: Engine,
     upstream: aiohttp.ClientResponse,
     on_first_byte: Callable[[], None],
+    extra_headers: Mapping[str, str] | None = None,
 ) -> web.StreamResponse:
-    """Stream ``upstream``'s body to the client chunk by chunk as it arrives (SSE or not).
+    """Stream ``upstream``'s body to the client chunk by chunk as it arrives (SSE or not),
+    with ``extra_headers`` added to the engine's.
     ``on_first_byte`` runs when the first bytes arrive from the engine, before they are sent
     on: for a streamed completion that is the first token, so the prompt's prefill is done.
     An engine failing before its first byte raises EngineFailed; after it, the client's
@@ -80,6 +82,7 @@ async def relay(
     for name in RELAYED_HEADERS:
         if name in upstream.headers:
             headers[name] = upstream.headers[name]
+    headers.update(extra_headers or {})
     response = web.StreamResponse(status=upstream.status, headers=headers)
     chunks = upstream.content.iter_any()
     try:

@@ -140,3 +140,23 @@ def test_vllm_exposition_is_read_by_the_vllm_reader() -> None:
     ):
         assert (expo.total(name) or 0) > 0, name
     assert 'model_name="synthetic"' in text and "vllm:request_prompt_tokens_bucket" in text
+
+
+def test_vllm_counts_prompts_not_yet_given_a_chunk_as_waiting() -> None:
+    """vLLM v1 keeps a request in its waiting queue until the scheduler first gives it tokens.
+    The fake admitted every prompt that fit at once and counted them all running, so a prefill
+    server's queue read as empty however long it was: its agent reported no prompt work
+    outstanding, and the broker saw no Demand (the demo on vLLM metrics answered no_demand
+    to 128 of its 175 prompts)."""
+    e, mono = engine(EngineScript(chunk_tokens=2048))
+    for _ in range(3):
+        e.submit(EngineRequest(prompt_tokens=8000, output_tokens=1))
+    reader, window = VLLMReader(), Window()
+    snap = read_text(reader, window, e.render("vllm"), 0, mono.now)
+    assert (snap.running_requests, snap.queued_requests) == (0, 3)  # no chunk has ended yet
+    due = e.next_due_s()
+    assert due is not None
+    mono.now = due
+    e.advance()  # the first chunk of the first prompt is done
+    snap = read_text(reader, window, e.render("vllm"), 1000, mono.now)
+    assert (snap.running_requests, snap.queued_requests) == (1, 2)

@@ -2,7 +2,8 @@
 
 The import-linter layers allow the CLI and the demo to import anything below them; this test
 narrows that: not the transport, the service, the store or the agent (the simulator's commands
-go through ``crossflow_ctl.sim``, which owns its store)."""
+go through ``crossflow_ctl.sim``, which owns its store), and not the gateway: the demo runs
+``crossflow-gateway`` as a child process and speaks to it over HTTP, as a user would."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ FORBIDDEN = (
     "crossflow_ctl.broker",
     "crossflow_ctl.service",
     "crossflow_ctl.store",
+    "crossflow_ctl.gateway",
     "crossflow_agent",
 )
 OWN = sorted(list((PACKAGE / "cli").glob("*.py")) + list((PACKAGE / "demo").glob("*.py")))
@@ -36,4 +38,6 @@ def _imports(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", OWN, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_no_broker_store_or_agent_internals(path: Path) -> None:
     bad = [n for n in _imports(path) if n.startswith(FORBIDDEN)]
-    assert bad == [], f"{path.name} imports {bad}: use crossflow_ctl.client (or a subprocess)"
+    assert bad == [], (
+        f"{path.name} imports {bad}: use crossflow_ctl.client, or a subprocess and HTTP"
+    )

@@ -1,5 +1,7 @@
-"""``crossflow demo`` end to end: the real binary starts a broker, fake engines and agents as
-processes on loopback, replays a short synthetic trace, and stops everything it started."""
+"""``crossflow demo`` end to end: the real binary starts a broker, fake vLLM engines, agents and
+the gateway as processes on loopback, sends a short synthetic trace through the gateway as real
+streamed completions, then again through a gateway with no broker, and stops everything it
+started."""
 
 from __future__ import annotations
 
@@ -83,16 +85,21 @@ def _check_summary(
     data: dict[str, Any] = json.loads(path.read_text())
     assert data["decode_nodes_leasing"] == 2
     assert data["lease_versions_seen"] >= 4, "leases flowed from the agents through the broker"
-    assert data["borrowed"] > 0, data["reasons"]
+    assert data["reasons"].get("borrowed", 0) > 0, data["reasons"]
     assert data["over_commits"] == []
     if require_checks:
         assert data["over_commit_checks"] > 0, "the check ran on nodes with open grants"
-    assert data["admit_errors"] == 0 and data["engine_errors"] == 0
-    # Every prompt went through the admission queue and got one outcome (a prompt whose first
-    # Admit was still in flight when the run stopped has none yet).
+    assert data["lost"] == 0, data["lost_reasons"]
+    # The path each request took is the gateway's word: its headers (counted by the client)
+    # and its own counters agree, and the decode engines prefilled the borrowed prompts.
+    paths = data["gateway"]["requests"]
+    assert paths.get("borrowed", 0) == data["borrowed"], paths
+    assert sum(paths.values()) == data["finished"], paths
+    assert data["decode_prompt_tokens"]["borrowed"] > 0 or data["borrowed"] == 0
+    assert data["reservations_left_open"] == 0
+    # Every prompt the gateway asked about got one late-binding outcome.
     outcomes = data["late_binding"]["dispatch"]
     assert data["finished"] <= sum(outcomes.values()) <= data["requests"], outcomes
-    assert data["late_binding"]["held"] <= sum(outcomes.values())
     sim = data["simulator"]
     if not simulated:  # interrupted: the summary of what ran, no simulator runs after it
         assert sim == {}
@@ -108,7 +115,7 @@ def test_demo_runs_and_exits_0_on_its_own(tmp_path: Path) -> None:
             _binary(),
             *ARGS,
             "--duration-s",
-            "6",
+            "10",
             "--summary-json",
             str(summary),
             "--log-dir",
@@ -120,16 +127,27 @@ def test_demo_runs_and_exits_0_on_its_own(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "cluster ready: 2 decode nodes leasing, 1 prefill servers reporting" in proc.stdout
+    assert "gateway on http://127.0.0.1:" in proc.stdout
+    assert "static run: the same trace through http://127.0.0.1:" in proc.stdout
     assert "Summary: synthetic-agentic(seed=7) on 1P2D" in proc.stdout
     assert "over-commits seen: none" in proc.stdout
     assert "late binding: " in proc.stdout
     assert "(each lease's p99 over its agent's period): SLO 50 ms, over it in " in proc.stdout
     data = _check_summary(summary)
+    assert data["borrowed"] > 0, data["reasons"]  # and some of them finished by the cut
     assert data["itl_slo_ms"] == 50.0 and set(data["itl_over_slo"]) == {"decode-1", "decode-2"}
     assert not data["interrupted"]
+    # The static run: the same trace (cut at the same point) through a gateway that asks no
+    # broker, measured on the same engines: nothing borrowed, nothing lost.
+    static = data["static"]
+    assert static["finished"] > 0 and static["lost"] == 0, static["lost_reasons"]
+    assert static["borrowed"] == 0 and set(static["gateway"]["requests"]) == {"normal"}
+    assert static["decode_prompt_tokens"]["borrowed"] == 0
+    assert data["compared_requests"] > 0
     logs = tmp_path / "logs"
     assert f"logs kept in {logs}" in proc.stdout
     assert (logs / "broker.log").is_file(), sorted(p.name for p in logs.iterdir())
+    assert (logs / "gateway.yaml").is_file() and (logs / "gateway-static.log").is_file()
     # Agents stop before the broker: each decode agent's last zero lease reaches it, and no
     # agent warns of a broker gone ("Connection refused") at shutdown.
     broker_log = (logs / "broker.log").read_text()
@@ -179,7 +197,7 @@ def test_demo_on_redis_stops_everything_on_sigint(
             if line.startswith("borrowed ") and not line.startswith("borrowed 0 "):
                 break
         children = _children(proc.pid)
-        assert len(children) == 1 + 3 + 3  # broker, 3 engines, 3 agents
+        assert len(children) == 1 + 3 + 3 + 1  # broker, 3 engines, 3 agents, the gateway
         said = "".join(lines)
         assert f"broker on 127.0.0.1:{port}: try `crossflowctl get nodes -w` (context " in said
         got = _ctl("get", "nodes", "-o", "json")
@@ -198,7 +216,7 @@ def test_demo_on_redis_stops_everything_on_sigint(
     # Interrupted right after the first borrowing frame, the run may end before any frame found
     # a grant still open, so only the full run above must have checked over-commit.
     data = _check_summary(summary, require_checks=False, simulated=False)
-    assert data["interrupted"]
+    assert data["interrupted"] and data["static"] is None  # no static run after Ctrl-C
     assert not [pid for pid in children if _alive(pid)], "every child process was stopped"
     keys = redis.Redis.from_url(redis_url)
     try:
@@ -215,7 +233,7 @@ def test_duration_longer_than_the_trace_keeps_the_cluster_up(tmp_path: Path) -> 
     proc = subprocess.run(
         [
             _binary(), "demo", "--prefill", "1", "--decode", "1", "--sessions", "1",
-            "--view", "plain", "--no-sim", "--duration-s", str(duration_s),
+            "--view", "plain", "--no-sim", "--no-static-run", "--duration-s", str(duration_s),
             "--summary-json", str(summary),
         ],
         capture_output=True,
@@ -226,10 +244,10 @@ def test_duration_longer_than_the_trace_keeps_the_cluster_up(tmp_path: Path) -> 
     assert "the cluster stays up until --duration-s 12 s" in proc.stdout, proc.stdout
     data = json.loads(summary.read_text())
     assert data["elapsed_s"] >= duration_s and not data["interrupted"]
-    assert data["finished"] == data["requests"]
+    assert data["finished"] == data["requests"] and data["static"] is None
     # Lingering refreshes once a refresh period (1 s; a plain frame every third): a wait on the
     # finished replay returned at once and printed frames by the thousand.
-    frames = proc.stdout.count("crossflow demo   t=")
+    frames = proc.stdout.count("crossflow demo, leases run   t=")
     assert frames <= data["elapsed_s"] / 3 + 3, frames
 
 

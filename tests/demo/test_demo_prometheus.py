@@ -1,5 +1,6 @@
 """``crossflow demo --prometheus``: a real Prometheus beside the demo's cluster, scraping the
-broker and every agent, with the chart's alert rules loaded; a clear refusal without one."""
+broker, every agent and the gateway, with the chart's alert rules loaded; a clear refusal
+without one."""
 
 from __future__ import annotations
 
@@ -98,12 +99,14 @@ def test_demo_with_prometheus_scrapes_its_processes(tmp_path: Path) -> None:
             # Every registered decode node, whatever its lease says at that moment.
             nodes = _get(url, "/api/v1/query", query="sum(crossflow_broker_decode_nodes)")
             counted = [float(r["value"][1]) for r in nodes["result"]]
-            if (len(up) == 4 and counted == [2.0]) or time.monotonic() > deadline:
+            if (len(up) == 5 and counted == [2.0]) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         components = sorted(r["metric"]["crossflow_component"] for r in up)
-        assert components == ["agent", "agent", "agent", "broker"]
+        assert components == ["agent", "agent", "agent", "broker", "gateway"]
         assert {r["metric"].get("node") for r in up} == {"decode-1", "decode-2", "prefill-1", None}
+        served = _get(url, "/api/v1/query", query="crossflow_gateway_engine_up")["result"]
+        assert {r["metric"]["node"] for r in served} == {"decode-1", "decode-2", "prefill-1"}
         assert counted == [2.0]
         groups = _get(url, "/api/v1/rules")["groups"]
         loaded = {r["name"] for g in groups for r in g["rules"]}

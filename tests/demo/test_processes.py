@@ -43,3 +43,20 @@ async def test_agents_stop_before_the_broker(tmp_path: Path) -> None:
     assert sorted(said[:4]) == ["agent-1 exit", "agent-1 term", "agent-2 exit", "agent-2 term"]
     assert said[4:] == ["engine term", "engine exit", "broker term", "broker exit"], said
     assert all(c.proc.returncode == 0 for c in children.started)
+
+
+async def test_a_child_stopped_on_purpose_is_not_dead(tmp_path: Path) -> None:
+    """The demo stops the leases run's gateway before the static run: that exit is no failure
+    (the run loop ends the demo when a child is dead)."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    children = Children(tmp_path)
+    for name in ("gateway", "broker"):
+        argv = [sys.executable, str(script), name, str(tmp_path / "journal")]
+        await children.spawn(name, argv, "ready", timeout_s=60)
+    await children.stop(["gateway"])
+    assert children.started[0].proc.returncode == 0 and children.dead() == []
+    children.started[1].proc.kill()
+    await children.started[1].proc.wait()
+    assert [c.name for c in children.dead()] == ["broker"]
+    await children.stop()

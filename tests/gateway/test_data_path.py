@@ -34,7 +34,12 @@ async def test_a_borrowed_prompt_is_prefilled_on_the_granted_decode_engine(
         async with s.post(f"{cluster.url}/v1/completions", json=body) as resp:
             assert resp.status == 200
             answer = await resp.json()
+            # the answer says how it went: borrowed, on the decode engine that prefilled it
+            assert resp.headers["X-Crossflow-Path"] == "borrowed"
+            node = resp.headers["X-Crossflow-Node"]
         assert answer["usage"]["completion_tokens"] == 8
+        (granted,) = [d for d in cluster.decode if d.node_id == node]
+        assert await by_source(s, granted.url, "local_compute") >= 200
         assert answer["choices"][0]["text"]
         local = [await by_source(s, d.url, "local_compute") for d in cluster.decode]
         assert sum(local) >= 200  # prefilled on a decode engine
@@ -54,6 +59,8 @@ async def test_without_demand_the_normal_path_runs_vllms_two_hops(
         async with s.post(f"{cluster.url}/v1/completions", json=body) as resp:
             assert resp.status == 200
             answer = await resp.json()
+            assert resp.headers["X-Crossflow-Path"] == "normal"
+            assert resp.headers["X-Crossflow-Node"] in {d.node_id for d in cluster.decode}
         assert answer["usage"]["completion_tokens"] == 5
         assert await by_source(s, cluster.prefill[0].url, "local_compute") >= 120
         moved = [await by_source(s, d.url, "external_kv_transfer") for d in cluster.decode]

@@ -4,8 +4,10 @@ Both are rendered with prometheus_client from custom collectors over the engine'
 histograms, with the metric names, labels and help texts the real engines use, so the real
 readers (:mod:`crossflow_agent.sources.sglang`, :mod:`crossflow_agent.sources.vllm`) parse them.
 
-vLLM format: gauges ``vllm:num_requests_running`` (prefilling + decoding),
-``vllm:num_requests_waiting`` (queued + receiving KV), ``vllm:num_requests_waiting_by_reason``
+vLLM format: gauges ``vllm:num_requests_running`` (decoding, and prefilling once a chunk of
+the prompt was scheduled), ``vllm:num_requests_waiting`` (queued, receiving KV, or admitted but
+not yet given a prefill chunk: vLLM v1 keeps a request in its waiting queue until the scheduler
+first gives it tokens), ``vllm:num_requests_waiting_by_reason``
 (``capacity``: queued for a slot or KV room; ``deferred``: waiting for remote KV),
 ``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info`` (``block_size`` 16,
 ``num_gpu_blocks`` = KV tokens // 16); counters ``vllm:prompt_tokens_total``,
@@ -275,16 +277,20 @@ class _VLLMCollector(Collector):
 
     def _gauges(self, keys: list[str], values: list[str]) -> Iterator[Metric]:
         e = self.e
+        # Prompts admitted but not given a chunk yet are still in vLLM's waiting queue: counted
+        # running, a prefill server's queue read as empty however long it was, and the agent
+        # reported no prompt work outstanding (no Demand) under any load.
+        started = sum(1 for r in e.prefilling if r.prefilled > 0)
         for name, doc, value in (
             (
                 "num_requests_running",
                 "Number of requests in model execution batches.",
-                len(e.running) + len(e.prefilling),
+                len(e.running) + started,
             ),
             (
                 "num_requests_waiting",
                 "Number of requests waiting to be processed.",
-                len(e.waiting) + len(e.transferring),
+                len(e.waiting) + len(e.transferring) + len(e.prefilling) - started,
             ),
             (
                 "kv_cache_usage_perc",

@@ -1,4 +1,5 @@
-"""The demo's trace readers and its router model, on hand-checkable cases."""
+"""The demo's trace readers, its release times and the prompts it sends, on hand-checkable
+cases."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from crossflow_ctl.demo.model import ClusterModel, ModelParams, first_releases, replay_static
-from crossflow_ctl.demo.trace import Session, Trace, Turn, load_trace, synthetic_agentic
+from crossflow_ctl.demo.prompts import MARK_WORDS, Prompts
+from crossflow_ctl.demo.trace import (
+    Release,
+    Session,
+    Trace,
+    Turn,
+    first_releases,
+    load_trace,
+    synthetic_agentic,
+)
 from crossflow_ctl.domain.errors import InvalidArgument
 
 
@@ -82,53 +91,41 @@ def test_mooncake_prefix_cache_and_azure_reader(tmp_path: Path) -> None:
         load_trace(csv)
 
 
-def test_model_normal_and_borrowed_paths_by_hand() -> None:
-    p = ModelParams(
-        prefill_servers=1,
-        prefill_rate_tps=10_000.0,
-        kv_bytes_per_token=1000,
-        kv_transfer_bytes_per_s=1e9,
-    )
-    model = ClusterModel(p)
-    # 5000 tokens at 10k/s = 0.5 s, + 5000 x 1000 B / 1 GB/s = 5 ms of transfer
-    assert model.normal(0.0, Turn(5000, 0, 10))[1] == pytest.approx(0.505)
-    # the next prompt queues behind it
-    assert model.normal(0.1, Turn(1000, 0, 10))[1] == pytest.approx(0.4 + 0.1 + 0.001)
-    assert model.borrowed(0.0, "d1", 0.2, queue_wait_s=0.05) == pytest.approx(0.25)
-    assert model.borrowed(0.0, "d1", 0.2) == pytest.approx(0.45)
-
-
-def test_model_prices_the_normal_path_on_the_engines_roofline() -> None:
-    """The router's model priced a prompt's prefill at a flat rate, its cached prefix free,
-    while the fake prefill engines (and so the agents' reports the broker judged Demand and
-    Benefit by) paid for the prefix: the broker borrowed prompts it expected to wait ~1.2 s on
-    the normal path that the model put at ~0.1 s, and the demo's TTFT p50 came out worse with
-    leases than static. The model now takes the engines' own time."""
-    from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, prefill_time_s, roofline
-
-    roof = roofline(MODEL_PRESETS["gpt-oss-120b"], NODE_PRESETS["h200"])
-    p = ModelParams(prefill_servers=1, roof=roof, prefill_chunk_tokens=8192, prefill_slowdown=2.0)
-    short, long = Turn(2000, 0, 10), Turn(2000, 30_000, 10)
-    assert p.prefill_s(long) == pytest.approx(2.0 * prefill_time_s(roof, 2000, 30_000, 8192))
-    assert p.prefill_s(long) > 1.5 * p.prefill_s(short)
-    done = ClusterModel(p).normal(0.0, long)[1]
-    transfer = 32_000 * p.kv_bytes_per_token / p.kv_transfer_bytes_per_s
-    assert done == pytest.approx(p.prefill_s(long) + transfer)
-
-
-def test_static_replay_is_closed_loop() -> None:
-    s = Session("s", (Turn(10_000, 0, 100), Turn(10_000, 0, 100, think_s=1.0)), start_s=0.0)
-    p = ModelParams(
-        prefill_servers=1, prefill_rate_tps=10_000.0, kv_transfer_bytes_per_s=1e13, itl_ms=10.0
-    )
-    result = replay_static(Trace("t", (s,)), p)
-    # turn 0: TTFT 1 s, decode 1 s, think 1 s -> turn 1 released at 3 s, TTFT 1 s, done at 5 s
-    assert result.requests == 2
-    assert result.ttft_ms == pytest.approx([1000.0, 1000.0], rel=1e-3)
-    assert result.makespan_s == pytest.approx(5.0, rel=1e-3)
+def test_releases_are_closed_loop_and_the_same_every_replay() -> None:
+    s = Session("s", (Turn(10, 0, 5), Turn(10, 15, 5, think_s=1.0)), start_s=0.0)
     sub = Session("s.0", (Turn(1, 0, 1),), parent_id="s", offset_s=2.0)
-    starts = [r.at_s for r in first_releases(Trace("t", (s, sub)), p)]
-    assert starts == [0.0, 2.0]
+    top = Session("t", (Turn(1, 0, 1),))  # no start time: drawn, the same draw every time
+    trace = Trace("t", (s, sub, top))
+    first = first_releases(trace)
+    assert [r.at_s for r in first[:2]] == [0.0, 2.0]
+    assert first == first_releases(trace)
+    assert [r.at_s for r in first_releases(trace, speed=2.0)[:2]] == [0.0, 1.0]
+    # turn 1 comes its think time after turn 0 finished (at 3 s), compressed by speed
+    nxt = first[0].next(finished_s=3.0, speed=2.0)
+    assert nxt == Release(3.5, s, 1) and nxt.key == ("s", 1) and nxt.turn.cached_tokens == 15
+    assert nxt.next(finished_s=9.0) is None
+
+
+def test_prompts_have_the_turns_lengths_and_share_the_sessions_prefix() -> None:
+    """One word a token (the fake engines' tokenizer); turn k+1 starts with turn k's prompt,
+    top-level sessions share their first turn's cached words (a system prompt) and part after
+    it; another replay's salt shares nothing."""
+    a = Session("a", (Turn(100, 64, 5), Turn(40, 169, 5)), start_s=0.0)
+    b = Session("b b", (Turn(50, 64, 5),), start_s=0.0)
+    sub = Session("a.0", (Turn(30, 0, 5),), parent_id="a")
+    prompts = Prompts("x")
+    a0, a1 = prompts.text(a, 0).split(), prompts.text(a, 1).split()
+    b0, sub0 = prompts.text(b, 0).split(), prompts.text(sub, 0).split()
+    assert (len(a0), len(a1), len(b0), len(sub0)) == (164, 209, 114, 30)
+    assert a1[: len(a0)] == a0
+    assert a0[:64] == b0[:64] and a0[64] != b0[64]  # the system prompt, then each its own
+    assert len(set(a0[64 : 64 + MARK_WORDS]) & set(b0)) == 0
+    assert all(" " not in w for w in b0)  # a session id with a space stays one word each
+    assert sub0[0] != a0[0]
+    other = Prompts("y").text(a, 0).split()
+    assert len(other) == 164 and other[0] != a0[0]
+    prompts.forget(a)
+    assert prompts.text(a, 1).split() == a1  # rebuilt the same
 
 
 def test_default_log_dir_is_new_and_left_in_place(tmp_path) -> None:
