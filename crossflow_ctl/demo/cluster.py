@@ -35,6 +35,10 @@ KV_TRANSFER_GB_S = 25.0
 """How fast the normal path's KV moves from a prefill to a decode engine (an RDMA link's
 order): a decode engine waits the prompt's KV bytes over this before it decodes."""
 
+VLLM_SCRAPE_TIMEOUT_MS = 3_000
+"""The agents' scrape timeout with real vLLM engines (the default 500 ms timed out every few
+seconds with three engines on 2 shared cores)."""
+
 DEMO_ITL_BUCKETS_MS = (
     *(2, 4, 6, 8, 10, 15, 20, 25, 30, 35, 40),
     *(45, 50),  # the agents' step budget (slo 50 x margin 0.9) and their ITL SLO
@@ -75,6 +79,11 @@ class ClusterSpec:
     namespace: str
     port: int
     max_hold_ms: int
+    engine: str = "fake"
+    """``fake`` (crossflow-agent fake-engine) or ``vllm`` (real vLLM CPU engines)."""
+    vllm_venv: Path | None = None
+    itl_slo_ms: float | None = None
+    """The agents' ITL SLO (None: their default)."""
 
 
 class Cluster:
@@ -112,6 +121,9 @@ class Cluster:
         return self.broker
 
     async def start_engines(self) -> None:
+        if self.spec.engine == "vllm":
+            await self._start_vllm()
+            return
         s = self.spec
         names = [(f"prefill-{i + 1}", NodeRole.PREFILL) for i in range(s.prefill)]
         names += [(f"decode-{i + 1}", NodeRole.DECODE) for i in range(s.decode)]
@@ -152,6 +164,20 @@ class Cluster:
         self.prefill = [e for e in engines if e.role is NodeRole.PREFILL]
         self.decode = [e for e in engines if e.role is NodeRole.DECODE]
 
+    async def _start_vllm(self) -> None:
+        from crossflow_ctl.demo import vllm_engines
+
+        s = self.spec
+        names = [f"prefill-{i + 1}" for i in range(s.prefill)]
+        names += [f"decode-{i + 1}" for i in range(s.decode)]
+        urls = await vllm_engines.start_engines(
+            self.children, names, s.vllm_venv or vllm_engines.DEFAULT_VENV, ENGINES
+        )
+        self.prefill = [Engine(n, urls[n], NodeRole.PREFILL) for n in names[: s.prefill]]
+        self.decode = [Engine(n, urls[n], NodeRole.DECODE) for n in names[s.prefill :]]
+        for p in self.prefill:
+            await asyncio.gather(*(vllm_engines.warm_up(p.url, d.url) for d in self.decode))
+
     async def start_agents(self) -> None:
         s = self.spec
         base = [
@@ -159,6 +185,13 @@ class Cluster:
             "--model", s.model, "--node", s.node, "--period-ms", str(s.period_ms),
             "--log-level", "warning",
         ]  # fmt: skip
+        if s.itl_slo_ms is not None:
+            base += ["--slo-ms", f"{s.itl_slo_ms:g}"]
+        if s.engine == "vllm":
+            # a busy real engine answers /metrics in seconds at times, not in 0.5 s
+            config = self.children.log_dir / "agent.yaml"
+            config.write_text(yaml.safe_dump({"scrape_timeout_ms": VLLM_SCRAPE_TIMEOUT_MS}))
+            base += ["--config", str(config)]
         jobs = []
         for e in self.engines:
             argv = [

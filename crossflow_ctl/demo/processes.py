@@ -4,14 +4,17 @@ Each child runs in its own session (so a terminal's Ctrl-C reaches only the demo
 stops them in order), logs to a file in the demo's log folder, and is stopped with SIGTERM, then
 SIGKILL after a grace period, a stage at a time: the children of the last stage started (the
 agents) are stopped, and waited for, before the next (the engines, then the broker), so an
-agent sends its last zero lease to a broker still there rather than finding it gone. Ports are
-chosen by the children themselves (port 0) and read back from the line each prints once serving.
+agent sends its last zero lease to a broker still there rather than finding it gone. The
+signals go to the child's process group (its session: it and what it started, such as a vLLM
+engine's core and worker processes). Ports are chosen by the children themselves (port 0) and
+read back from the line each prints once serving, or given to them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
 import sys
@@ -49,6 +52,8 @@ class Child:
     """Children stop by stage, the highest first (the order they depend on each other)."""
     stopped: bool = False
     """Stopped on purpose (its exit is no failure)."""
+    grace_s: float = STOP_GRACE_S
+    """How long it gets after SIGTERM before SIGKILL."""
 
     def log_tail(self, lines: int = 5) -> str:
         try:
@@ -67,18 +72,31 @@ class Children:
     _drains: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def spawn(
-        self, name: str, argv: list[str], ready_prefix: str, timeout_s: float, stage: int = 0
+        self,
+        name: str,
+        argv: list[str],
+        ready_prefix: str,
+        timeout_s: float,
+        stage: int = 0,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        grace_s: float = STOP_GRACE_S,
     ) -> Child:
+        """Start ``argv``; with ``ready_prefix``, wait for the stdout line that starts with it
+        (the rest is the child's address). ``env``: its whole environment (None: this one's)."""
         log_path = self.log_dir / f"{name}.log"
         with log_path.open("wb") as log:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdout=asyncio.subprocess.PIPE if ready_prefix else log,
-                stderr=log,
+                stderr=log if ready_prefix else asyncio.subprocess.STDOUT,
                 stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True,
+                env=env,
+                cwd=cwd,
             )
-        child = Child(name, proc, log_path, stage=stage)
+        child = Child(name, proc, log_path, stage=stage, grace_s=grace_s)
         self.started.append(child)
         if not ready_prefix:
             return child
@@ -113,19 +131,25 @@ class Children:
             self._drains.clear()
 
 
+def _signal_group(child: Child, sig: signal.Signals) -> None:
+    """``sig`` to the child's process group (its own session: its pid is the group's id)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.proc.pid, sig)
+
+
 async def _stop_all(children: list[Child]) -> None:
     for child in children:
         if child.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                child.proc.send_signal(signal.SIGTERM)
+            _signal_group(child, signal.SIGTERM)
     for child in children:
         try:
-            async with asyncio.timeout(STOP_GRACE_S):
+            async with asyncio.timeout(child.grace_s):
                 await child.proc.wait()
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                child.proc.kill()
+            _signal_group(child, signal.SIGKILL)
             await child.proc.wait()
+        # what it started may outlive it (a worker that ignored SIGTERM)
+        _signal_group(child, signal.SIGKILL)
 
 
 async def _drain(stream: asyncio.StreamReader, log_path: Path) -> None:

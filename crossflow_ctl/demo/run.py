@@ -41,7 +41,7 @@ from crossflow_ctl.demo.trace import Trace
 from crossflow_ctl.demo.view import CLEAR, RunResult, frame, summary, summary_data
 from crossflow_ctl.domain.errors import Unavailable
 from crossflow_ctl.domain.lease_credits import LeaseSettings
-from crossflow_ctl.domain.models import NodeRole, Share
+from crossflow_ctl.domain.models import NodeRole, ReservationState, Share
 
 if TYPE_CHECKING:  # the simulator is imported when it runs
     from crossflow_ctl.sim.metrics import Summary
@@ -88,6 +88,12 @@ class DemoOptions:
     (crossflow_ctl.demo.prometheus)."""
     port: int = 0
     """The broker's port on 127.0.0.1 (0: a free one)."""
+    engine: str = "fake"
+    """``fake``: crossflow-agent fake-engine speaking vLLM; ``vllm``: real vLLM CPU engines
+    (crossflow_ctl.demo.vllm_engines)."""
+    vllm_venv: Path | None = None
+    itl_slo_ms: float | None = None
+    """The agents' ITL SLO (None: their default, 50 ms)."""
     connect: Callable[[str], tuple[str, str]] | None = None
     """Called with the broker's address once it serves: (the crossflowctl command to try, a
     note on how it reaches the broker). The CLI writes a crossflowctl context there; without
@@ -178,6 +184,10 @@ class Demo:
         Ctrl-C) when one stopped it, after the summary of what ran so far."""
         if self.opts.prometheus and prometheus_binary() is None:
             raise DemoError(f"--prometheus: {INSTALL_HINT}")
+        if self.opts.engine == "vllm":
+            from crossflow_ctl.demo.vllm_engines import DEFAULT_VENV, vllm_python
+
+            vllm_python(self.opts.vllm_venv or DEFAULT_VENV)  # says how to install it
         if self.opts.redis_url:
             await check_redis(self.opts.redis_url)
         self._handle_signals(True)
@@ -208,7 +218,8 @@ class Demo:
         spec = ClusterSpec(
             prefill=o.prefill, decode=o.decode, model=o.model, node=o.node,
             period_ms=o.period_ms, redis_url=o.redis_url, namespace=self.namespace,
-            port=o.port, max_hold_ms=o.max_hold_ms,
+            port=o.port, max_hold_ms=o.max_hold_ms, engine=o.engine, vllm_venv=o.vllm_venv,
+            itl_slo_ms=o.itl_slo_ms,
         )  # fmt: skip
         cluster = self.cluster = Cluster(spec, self.children, self.prometheus)
         broker = await cluster.start_broker()
@@ -221,6 +232,8 @@ class Demo:
         linger = "" if o.duration_s is not None else "--duration-s S keeps the cluster up S s"
         extra = "; ".join(x for x in (note, linger) if x)
         self.say(f"broker on {broker}: try `{command}`" + (f" ({extra})" if extra else ""))
+        if o.engine == "vllm":
+            self.say("starting real vLLM engines (45-90 s on 2 cores; logs engine-*.log)")
         await cluster.start_engines()
         await self._slow_prefill()
         _, gateway = await asyncio.gather(
@@ -262,10 +275,17 @@ class Demo:
             if o.max_output_tokens is not None
             else ""
         )
-        engines = (
-            f"the fake engines' step model of {o.model} on {o.node} decides when each token "
-            f"comes, in real time.{capped}"
-        )
+        if o.engine == "vllm":
+            engines = (
+                "real vLLM 0.32 CPU engines (a tiny random Llama, NixlConnector between them) "
+                f"made the tokens; the agents price leases on the {o.model}/{o.node} preset, "
+                f"not a model of this CPU.{capped}"
+            )
+        else:
+            engines = (
+                f"the fake engines' step model of {o.model} on {o.node} decides when each "
+                f"token comes, in real time.{capped}"
+            )
         self.say(summary(o.trace.name, split, leases, static, engines))
         sim = await self._simulate(split) if o.simulate and not self.interrupted else None
         if o.summary_json is not None:
@@ -398,12 +418,14 @@ class Demo:
             await asyncio.sleep(0.1)
 
     async def _drained(self, admin: AdminClient) -> int | None:
-        """Reservations still open at the broker once the run's releases had time to land
-        (up to DRAIN_S); None when the broker could not be asked."""
+        """Reservations still open (held or committed) at the broker once the run's releases
+        had time to land (up to DRAIN_S); None when the broker could not be asked. A released
+        one is listed until a later lease of its node arrives: it is not open."""
         deadline = time.monotonic() + DRAIN_S
         while True:
             try:
-                left = len(await admin.list_reservations())
+                listed = await admin.list_reservations()
+                left = sum(r.state is not ReservationState.RELEASED for r in listed)
             except Exception:
                 return None
             if left == 0 or time.monotonic() > deadline:

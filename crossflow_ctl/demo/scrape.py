@@ -141,7 +141,10 @@ class EngineTotals:
     """The engines' counters over one replay, summed."""
 
     borrowed_prompt_tokens: float = 0.0
-    """Prefilled on a decode engine (computed or from its own prefix cache)."""
+    """Computed on a decode engine: borrowed prompts (and fallbacks)."""
+    decode_cached_prompt_tokens: float = 0.0
+    """Found in a decode engine's own prefix cache (a real vLLM decode engine looks there
+    before it pulls the rest of a prompt's KV)."""
     transferred_prompt_tokens: float = 0.0
     """Prefilled on the prefill pool, KV moved to the decode engine."""
     computed_prompt_tokens: float = 0.0
@@ -161,7 +164,7 @@ class EngineTotals:
         slo_ms: float,
     ) -> EngineTotals:
         decode = set(decode)
-        borrowed = moved = computed = cached = over = seen = 0.0
+        borrowed = decode_cached = moved = computed = cached = over = seen = 0.0
         for node, counts in after.items():
             d = counts.minus(before.get(node, EngineCounts()))
             computed += d.prompt_tokens.get("local_compute", 0.0)
@@ -169,8 +172,8 @@ class EngineTotals:
             if node not in decode:
                 continue  # a prefill engine's one token a request is no ITL
             borrowed += d.prompt_tokens.get("local_compute", 0.0)
-            borrowed += d.prompt_tokens.get("local_cache_hit", 0.0)
+            decode_cached += d.prompt_tokens.get("local_cache_hit", 0.0)
             moved += d.prompt_tokens.get("external_kv_transfer", 0.0)
             o, n = d.tokens_over(slo_ms)
             over, seen = over + o, seen + n
-        return cls(borrowed, moved, computed, cached, over, seen)
+        return cls(borrowed, decode_cached, moved, computed, cached, over, seen)

@@ -109,6 +109,28 @@ def _turns(
     return tuple(turns)
 
 
+def fit_prompts(trace: Trace, max_prompt_tokens: int) -> Trace:
+    """The trace with every prompt scaled by one factor so the longest has at most
+    ``max_prompt_tokens`` (cached and uncached alike, at least 1 token a turn); output tokens
+    and times unchanged. For engines with a short context (the real-engine demo's tiny model
+    takes 2048 tokens)."""
+    longest = max((t.cached_tokens + t.uncached_tokens for s in trace.sessions for t in s.turns),
+                  default=0)  # fmt: skip
+    if longest <= max_prompt_tokens:
+        return trace
+    k = max_prompt_tokens / longest
+
+    def turn(t: Turn) -> Turn:
+        return Turn(max(1, int(t.uncached_tokens * k)), int(t.cached_tokens * k),
+                    t.output_tokens, t.think_s)  # fmt: skip
+
+    sessions = tuple(
+        Session(s.session_id, tuple(map(turn, s.turns)), s.start_s, s.parent_id, s.offset_s)
+        for s in trace.sessions
+    )
+    return Trace(f"{trace.name} x{k:.3g} tokens", sessions)
+
+
 @dataclass(frozen=True)
 class Release:
     """Turn ``index`` of ``session`` becoming ready at ``at_s`` (seconds into the replay)."""

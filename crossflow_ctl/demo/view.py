@@ -177,6 +177,7 @@ def _run_data(run: RunResult, keys: list[Key]) -> dict[str, Any]:
         "reservations_left_open": run.reservations_left,
         "decode_prompt_tokens": {
             "borrowed": d.borrowed_prompt_tokens,
+            "own_cache": d.decode_cached_prompt_tokens,
             "transferred": d.transferred_prompt_tokens,
         },
         "engine_prompt_tokens": {
@@ -246,12 +247,14 @@ def _itl_tokens(d: EngineTotals) -> str:
 
 
 def _prompt_sources(d: EngineTotals) -> str:
-    whole = d.borrowed_prompt_tokens + d.transferred_prompt_tokens
+    whole = d.borrowed_prompt_tokens + d.decode_cached_prompt_tokens + d.transferred_prompt_tokens
     if not whole:
         return "none"
+    cached = d.decode_cached_prompt_tokens
     return (
-        f"{_pct(d.borrowed_prompt_tokens / whole)} prefilled there (borrowed), "
-        f"{_pct(d.transferred_prompt_tokens / whole)} by KV transfer from prefill"
+        f"{_pct(d.borrowed_prompt_tokens / whole)} computed there (borrowed), "
+        + (f"{_pct(cached / whole)} from their own prefix cache, " if cached else "")
+        + f"{_pct(d.transferred_prompt_tokens / whole)} by KV transfer from prefill"
     )
 
 

@@ -166,7 +166,7 @@ def test_summary_compares_the_two_measured_runs_by_the_gateways_path() -> None:
     assert "  p50, borrowed (1)" in text and "-66.7%" in text, text
     assert "TTFT mean (ms)             255" in text, text
     assert "gateway paths: borrowed 1 (TTFT 290 ms), normal 3; static: normal 4" in text, text
-    assert "25.0% prefilled there (borrowed), 75.0% by KV transfer from prefill" in text
+    assert "25.0% computed there (borrowed), 75.0% by KV transfer from prefill" in text
     assert "requests lost: 0 (static run 0); reservations left open after the leases run: 0" in (
         text
     )
@@ -205,7 +205,8 @@ def test_engine_counters_give_where_prompts_were_prefilled_and_itl_over_the_slo(
     }
     totals = EngineTotals.of(after, before, ["d1"], slo_ms=50.0)
     assert totals == EngineTotals(
-        borrowed_prompt_tokens=120.0,
+        borrowed_prompt_tokens=100.0,
+        decode_cached_prompt_tokens=20.0,
         transferred_prompt_tokens=300.0,
         computed_prompt_tokens=2100.0,
         cached_prompt_tokens=420.0,
