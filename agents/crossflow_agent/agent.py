@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
+from collections.abc import Callable
 
 import structlog
 
@@ -94,7 +96,10 @@ class Agent:
         metrics: AgentMetrics | None = None,
         clock: Clock | None = None,
         epoch: int | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``monotonic``: seconds, for the deadband's renewal (never the wall clock: one that
+        stepped back would hold a lease past its TTL)."""
         self.settings = settings
         self.source = source
         self.model, self.node = model, node
@@ -123,10 +128,13 @@ class Agent:
         state is said once the broker accepts it (a lease on no stream lends nothing)."""
         self._broker_lease: tuple[LeaseSettings, LeaseSettings] | None = None
         """The local lease settings and their copy with the broker's horizon (lease_settings)."""
+        self._monotonic = monotonic
         self.deadband = Deadband(settings.deadband_bits)
         """Which computed leases go (:mod:`crossflow_ctl.domain.deadband`)."""
         self._sent: tuple[Lease, float, int] | None = None
         """The last lease sent, when (monotonic ms) and on which session (its count)."""
+        self._itls: deque[tuple[float, float]] = deque()
+        """(monotonic ms, ITL) read over the last half TTL (Deadband.low_itl)."""
         self.sent = 0
         self.held = 0
         """Leases sent, and computed but held back by the deadband."""
@@ -309,7 +317,10 @@ class Agent:
         self.guard = decision.guard
         self._capacity = decision.capacity
         lease = self.deadband.shape(self.lease_for(decision, seq))
-        now = time.monotonic() * 1000.0
+        now = self._monotonic() * 1000.0
+        if self.deadband.enabled and lease.itl_ms > 0:
+            lease = self.deadband.low_itl(lease, self._low_itl(now, lease))
+
         sessions = self.stream.state.sessions
         sent = self._sent if self._sent is not None and self._sent[2] == sessions else None
         going = self.deadband.to_send(
@@ -329,6 +340,14 @@ class Agent:
         else:
             self._say_unsent(lease)
         return lease
+
+    def _low_itl(self, now_ms: float, lease: Lease) -> float:
+        """The lowest ITL read over the last half TTL, this period's included."""
+        itls = self._itls
+        itls.append((now_ms, lease.itl_ms))
+        while itls[0][0] < now_ms - lease.ttl_ms / 2:
+            itls.popleft()
+        return min(itl for _, itl in itls)
 
     def _acked(self, epoch: int, version: int, accepted: bool) -> None:
         """A lease ack: the state of an accepted lease is the node's state at the broker.

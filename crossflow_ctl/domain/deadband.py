@@ -14,7 +14,9 @@ highest significant bits (a loss under ``2**-(bits-1)`` of it, exact below ``2**
   (a rise within that band is not worth a message, and the band keeps a value that sits on a grid
   line from flapping);
 * the pricing it states (borrowed-prefill rate and coefficients, SLO, horizon) moved by more
-  than one grid step, or its queue wait or ITL moved by more than a quarter (and 1 ms);
+  than one grid step, its queue wait by more than a quarter (and 1 ms), or its ITL fell by more
+  than a quarter (a grant's output debit is priced at it: a lower ITL debits more, so a rise is
+  held; the agent states the lowest ITL it read over the last half TTL, :meth:`Deadband.low_itl`);
 * half its TTL has passed since the last one sent (a renewal: the stored one never expires while
   the agent lives; a renewal within the band renews the credits sent, which are at most this
   period's, so noise about a grid line does not send again at the next period).
@@ -92,6 +94,15 @@ class Deadband:
             return lease
         return lease.model_copy(update={"credits": credits})
 
+    @staticmethod
+    def low_itl(lease: Lease, low_ms: float) -> Lease:
+        """``lease`` stating ``low_ms`` (the lowest ITL read over the last half TTL, this
+        period's included) when that is lower: a window's p99 swings period to period, and the
+        lower ITL is the safe side of the output debit."""
+        if 0.0 < low_ms < lease.itl_ms:
+            return lease.model_copy(update={"itl_ms": low_ms})
+        return lease
+
     def to_send(
         self, lease: Lease, sent: Lease | None, now_ms: float, sent_at_ms: float
     ) -> Lease | None:
@@ -125,5 +136,9 @@ class Deadband:
             or _moved(sent.prefill_s_per_token, lease.prefill_s_per_token, grid)
             or _moved(sent.prefill_s_per_token_context, lease.prefill_s_per_token_context, grid)
             or _moved(sent.queue_wait_ms, lease.queue_wait_ms, 0.25, 1.0)
-            or _moved(sent.itl_ms, lease.itl_ms, 0.25, 1.0)
+            # the broker prices a grant's output over the horizon at the lease's ITL: a lower
+            # one debits more, so a fall goes (the debit must not shrink) and a rise is held
+            # (a window's p99 swings: a 15 ms / 57 ms flip sent every period); an ITL that
+            # nears the SLO zeroes the lease, which goes at once
+            or lease.itl_ms < sent.itl_ms * 0.75 - 1.0
         )
