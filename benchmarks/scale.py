@@ -4,10 +4,10 @@
                                [--seconds 3] [--cluster] [--trace DIR] [--no-pin]
 
 Without ``--redis-url`` the run starts its own redis-server (so its CPU per lease is this run's
-alone). The broker and the no-op floor run on CPU 0 (``taskset``), the fleet and that Redis on
-the others. The streams speak as agents do now (Hello.refusal_acks: acks for refusals only, a
-cumulative ack on each heartbeat answer, a heartbeat per 2 leases at the largest fleet), and so
-does the no-op floor. After the table: broker CPU per lease over that floor, Redis CPU per
+alone). The broker and the no-op floor run on CPU 0 (``taskset``), the fleet on the others.
+The streams speak as agents do now (Hello.refusal_acks: acks for refusals only, a cumulative ack
+on each heartbeat answer, a heartbeat per 2 leases at the largest fleet), and so does the no-op
+floor. After the table: broker CPU per lease over that floor, Redis CPU per
 lease, the lease messages a real Agent sends per second before and after the deadband
 (synthetic engine, time stepped by hand), and the cores a fleet of ``--fleet-nodes`` steady
 nodes needs at those rates.
@@ -212,9 +212,12 @@ class Stream:
             await self._window.acquire()
             if self.ended:
                 return
-            for _ in range(self._batch):
-                await self._call.write(self._lease())
-            await self._call.write(HEARTBEAT)
+            try:
+                for _ in range(self._batch):
+                    await self._call.write(self._lease())
+                await self._call.write(HEARTBEAT)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                return  # the broker ended the stream (counted as ended by the reader)
 
 
 async def fleet(addr: str, nodes: int, prefix: str) -> None:
@@ -337,8 +340,8 @@ async def start_broker(args: argparse.Namespace, namespace: str) -> tuple[Any, s
 
 
 def pinned(args: argparse.Namespace, broker: bool = False) -> list[str]:
-    """``taskset`` for a child: the broker (and the no-op floor) on CPU 0, the fleet and a
-    private Redis on the others, so the fleet does not take the broker's core; nothing with
+    """``taskset`` for a child: the broker (and the no-op floor) on CPU 0, the fleet on the
+    others, so the fleet does not take the broker's core (Redis is not pinned); nothing with
     ``--no-pin`` or one CPU."""
     cpus = os.cpu_count() or 1
     if args.no_pin or cpus < 2 or shutil.which("taskset") is None:

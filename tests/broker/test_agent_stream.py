@@ -16,6 +16,7 @@ from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.broker.streams import _batch_response, _End, _Out
 from crossflow_ctl.client import AdmissionClient
 from crossflow_ctl.domain.admission import Decision
+from tests.broker.agents import FakeAgent
 from tests.broker.conftest import target
 
 LEASES = 30
@@ -157,7 +158,7 @@ async def test_without_refusal_acks_every_lease_is_acked_as_before(cluster, agen
     assert (await _beat(decode)).acked_version == 1
 
 
-async def _beat(agent) -> lease_pb2.Heartbeat:  # type: ignore[no-untyped-def]
+async def _beat(agent: FakeAgent) -> lease_pb2.Heartbeat:
     await agent.write_heartbeat()
     async with asyncio.timeout(5):
         return await agent.heartbeats.get()

@@ -30,7 +30,7 @@ def lease(version: int, credits: Credits, **kw: object) -> Lease:
         "itl_slo_ms": 50.0,
     }
     fields.update(kw)
-    return Lease(**fields)  # type: ignore[arg-type]
+    return Lease.model_validate(fields)
 
 
 @given(st.integers(min_value=0, max_value=2**62), st.integers(min_value=1, max_value=20))
