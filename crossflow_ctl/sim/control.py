@@ -215,11 +215,18 @@ class ControlPlane:
             return
         agent: DecodeAgent | PrefillAgent
         agent = self.decode_agents[target] if kind == EV_AGENT else self.prefill_agents[target]
-        if await agent.tick(self.broker, t, self.sync(t)):
+        now_ms = self.sync(t)
+        held = bool(self.queue.held)
+        ticked = (
+            await agent.tick(self.broker, t, now_ms, eager=held)
+            if isinstance(agent, DecodeAgent)
+            else await agent.tick(self.broker, t, now_ms)
+        )
+        if ticked:
             self.events.push(agent.schedule.next_s, kind, target)
         else:
             self._sleeping[agent] = None
-        if kind == EV_AGENT and self.queue.held and not self.decode_agents[target].zero:
+        if kind == EV_AGENT and held and not self.decode_agents[target].zero:
             await self._room(t)
 
     async def stir(self, agent: DecodeAgent | PrefillAgent, t: float) -> None:
