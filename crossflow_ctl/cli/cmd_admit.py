@@ -186,6 +186,7 @@ def admission_text(a: Admission, explain: bool, asked: Sequence[str] = ()) -> st
         rows = [
             {
                 **c.model_dump(mode="json"),
+                "detail": c.text(a.plan.normal_ms),
                 "verdict": _verdict(c, a),
                 # a node without a live lease was never priced: no 0.0 ms prediction
                 "predicted_ttft_ms": None if c.verdict is Reason.NO_LEASES else c.predicted_ttft_ms,
@@ -302,6 +303,7 @@ def admit(
             candidate_node_ids=nodes,
             dry_run=dry_run,
             pool=st.pool(pool),
+            explain=True,  # the conditions (--explain, and -o json/yaml's "conditions")
         )
     except InvalidArgument as exc:
         raise CliError(f"{_flag_of(exc.field)}: {exc.message}", ExitCode.USAGE) from None
