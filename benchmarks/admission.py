@@ -466,6 +466,7 @@ async def unary_phases(
     channels: tuple[grpc.aio.Channel, grpc.aio.Channel],
     request: admission_pb2.AdmitRequest,
     notices: tuple[dict[str, int], dict[str, int]],
+    agent: Any,
 ) -> float:
     """Admit and its floors (the module docstring), printed; returns Admit's rate with
     ``--concurrency`` callers. ``procs``, ``channels`` and ``notices``: the broker's, then the
@@ -529,6 +530,13 @@ async def unary_phases(
         ),
         "floor: grpc.aio Admit + grant relay": relay_floor,
     }
+    # Last, as the node's agent stream is closed for it: Admit on a replica that relays no
+    # grant (the node's stream held elsewhere), what an Admit costs without the relay.
+    agent.cancel()
+    await asyncio.sleep(0.5)  # the broker closes the stream and its relay
+    rows["admit, no agent stream (no relay)"] = await measure(
+        admit, args.seconds, args.concurrency, proc.pid
+    )
     store = "Redis Cluster (3 masters)" if args.cluster else "standalone Redis"
     print(
         f"loopback, {store}, broker pid {proc.pid}, {args.seconds:.1f} s per phase, "
@@ -549,7 +557,8 @@ async def unary_phases(
     trips = rows["floor: grpc.aio + 1 EVALSHA inside"]
     # Issue 32's targets, against the floor of Admit's one round trip in a grpc.aio handler:
     # a handler doing one EVALSHA and nothing else, in the same run.
-    for name, m in (("admit", admitted), ("admit retry", retried)):
+    unrelayed = rows["admit, no agent stream (no relay)"]
+    for name, m in (("admit", admitted), ("admit retry", retried), ("admit, no relay", unrelayed)):
         print(
             f"{name} over grpc.aio + 1 EVALSHA: p50 {m['p50_ms'] / trips['p50_ms']:.2f}x "
             f"(target <= 1.3x), p99 {m['p99_ms'] / trips['p99_ms']:.2f}x (target <= 2x), "
@@ -668,6 +677,7 @@ async def main(args: argparse.Namespace) -> None:
                 (channel, floor_channel),
                 request,
                 (counts, floor_counts),
+                feeds[0],
             )
         if not args.only_unary:
             await stream_phases(args, proc.pid, channel, floor_channel, request, addr, admit_ops)
