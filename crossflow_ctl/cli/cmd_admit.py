@@ -208,6 +208,8 @@ def admission_data(a: Admission, asked: Sequence[str] = ()) -> dict[str, Any]:
     data["would_borrow"] = would_borrow(a)
     if a.plan is not None:
         data["conditions"] = conditions(a.plan, asked)
+        for node, check in zip(data["plan"]["nodes"], a.plan.nodes, strict=True):
+            node["detail"] = check.text(a.plan.normal_ms)  # as on the wire
     return data
 
 
