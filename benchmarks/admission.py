@@ -5,7 +5,10 @@
 
 ``--cluster`` starts a 3-master Redis Cluster on free loopback ports (as the tests do:
 ``redis-server --cluster-enabled yes``, joined by ``redis-cli --cluster create``), runs the
-broker with ``--redis-cluster`` and every floor on it, and stops it afterwards.
+broker with ``--redis-cluster`` and every floor on it, and stops it afterwards; ``--own-redis``
+a standalone redis-server of its own. On either, "Redis cmds" (commands Redis ran per
+sequential call, every client's, commands run inside scripts included) counts this run's
+alone; on a shared Redis it counts whatever else runs there too.
 
 Every Admit carries a new request id (``attempt`` 0), as the client library's
 ``AdmissionClient.admit`` sends one; ``admit (retry)`` sends each with ``attempt`` 1, a retry
@@ -132,6 +135,27 @@ def redis_cluster() -> Iterator[str]:
                 proc.terminate()
             for proc in procs:
                 proc.wait(timeout=10)
+
+
+@contextmanager
+def own_redis() -> Iterator[str]:
+    """A standalone redis-server of this run's own on a free loopback port (no other client's
+    commands in its counts); yields its URL."""
+    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if server is None or cli is None:
+        raise SystemExit("--own-redis needs redis-server and redis-cli on PATH")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for(lambda: _ping(cli, port, "PING") == "PONG", f"redis-server on {port}")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def _ping(cli: str, port: int, *command: str) -> str:
@@ -353,13 +377,19 @@ def cpu_seconds(pid: int | None) -> float:
 
 
 async def measure(
-    call: Callable[[], Awaitable[Any]], seconds: float, concurrency: int, pid: int | None = None
-) -> dict[str, float]:
-    """Sequential latency (and ``pid``'s CPU per sequential call: the serving process's), then
-    throughput with ``concurrency`` callers."""
+    call: Callable[[], Awaitable[Any]],
+    seconds: float,
+    concurrency: int,
+    pid: int | None = None,
+    r: Any = None,
+) -> dict[str, Any]:
+    """Sequential latency (and ``pid``'s CPU per sequential call: the serving process's, and
+    with ``r`` the Redis commands per sequential call, every client's), then throughput with
+    ``concurrency`` callers."""
     for _ in range(WARM_UP):
         await call()
     latencies: list[float] = []
+    stats_before = await command_stats(r) if r is not None else {}
     cpu_before = cpu_seconds(pid)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -367,6 +397,12 @@ async def measure(
         await call()
         latencies.append(time.perf_counter() - t0)
     cpu_per_call = (cpu_seconds(pid) - cpu_before) / len(latencies)
+    stats_after = await command_stats(r) if r is not None else {}
+    per_call = {
+        name.removeprefix("cmdstat_"): (calls - stats_before.get(name, (0, 0))[0]) / len(latencies)
+        for name, (calls, _) in stats_after.items()
+        if name != "cmdstat_info"
+    }
     done = 0
 
     async def worker(stop: float) -> None:
@@ -385,19 +421,30 @@ async def measure(
         "n": len(latencies),
         "ops_per_s": done / elapsed,
         "cpu_us": cpu_per_call * 1e6,
+        "commands": sum(per_call.values()) if r is not None else math.nan,
+        "by_command": per_call,
     }
+
+
+async def command_stats(r: Any) -> dict[str, tuple[int, int]]:
+    """Calls and microseconds inside Redis so far, per command (INFO commandstats), summed
+    over every master of a Cluster."""
+    if isinstance(r, aioredis.RedisCluster):
+        info = await r.info("commandstats", target_nodes=aioredis.RedisCluster.PRIMARIES)
+        per_node = list(info.values())
+    else:
+        per_node = [await r.info("commandstats")]
+    out: dict[str, tuple[int, int]] = {}
+    for node in per_node:
+        for name, stats in node.items():
+            calls, usec = out.get(name, (0, 0))
+            out[name] = (calls + int(stats["calls"]), usec + int(stats["usec"]))
+    return out
 
 
 async def evalsha_stats(r: Any) -> tuple[int, int]:
     """EVALSHA calls and microseconds inside Redis so far (INFO commandstats)."""
-    info = await r.info("commandstats")
-    # a Cluster client answers the default node's (keyed by node when it asks several)
-    per_node = [info] if "cmdstat_evalsha" in info or not info else list(info.values())
-    calls = usec = 0
-    for node in per_node:
-        stats = node.get("cmdstat_evalsha", {}) if isinstance(node, dict) else {}
-        calls, usec = calls + int(stats.get("calls", 0)), usec + int(stats.get("usec", 0))
-    return calls, usec
+    return (await command_stats(r)).get("cmdstat_evalsha", (0, 0))
 
 
 async def stream_rate(
@@ -511,14 +558,14 @@ async def unary_phases(
 
     calls0, usec0 = await evalsha_stats(r)
     notices0 = counts["notices"]  # the warm-up's notices count too (calls() counts them)
-    admitted = await measure(admit, args.seconds, args.concurrency, proc.pid)
+    admitted = await measure(admit, args.seconds, args.concurrency, proc.pid, r)
     calls1, usec1 = await evalsha_stats(r)
     admit_notices = counts["notices"] - notices0
     # The previous phase's burst of grants expires (hold TTL) and is relayed: let it pass, so
     # this phase's sequential CPU per call counts its own calls' work only.
     settle_s = args.hold_ttl_ms / 1000.0 + 0.5
     await asyncio.sleep(settle_s)
-    retried = await measure(retry, args.seconds, args.concurrency, proc.pid)
+    retried = await measure(retry, args.seconds, args.concurrency, proc.pid, r)
     await asyncio.sleep(settle_s)
     relay_floor = await measure(admit_floor, args.seconds, args.concurrency, floor_proc.pid)
     await asyncio.sleep(settle_s)  # the last grants' messages
@@ -530,7 +577,7 @@ async def unary_phases(
         ),
         "floor: Redis EVALSHA 'return 1'": await measure(evalsha, args.seconds, args.concurrency),
         "floor: grpc.aio + 1 EVALSHA inside": await measure(
-            check_one_evalsha, args.seconds, args.concurrency, floor_proc.pid
+            check_one_evalsha, args.seconds, args.concurrency, floor_proc.pid, r
         ),
         "floor: grpc.aio Admit + grant relay": relay_floor,
     }
@@ -539,7 +586,7 @@ async def unary_phases(
     agent.cancel()
     await asyncio.sleep(settle_s)  # the broker closes the stream and its relay
     rows["admit, no agent stream (no relay)"] = await measure(
-        admit, args.seconds, args.concurrency, proc.pid
+        admit, args.seconds, args.concurrency, proc.pid, r
     )
     store = "Redis Cluster (3 masters)" if args.cluster else "standalone Redis"
     print(
@@ -547,12 +594,22 @@ async def unary_phases(
         f"throughput with {args.concurrency} concurrent callers, hold TTL {args.hold_ttl_ms} ms, "
         f"a new request id per Admit"
     )
-    print(f"{'call':36} {'p50 ms':>8} {'p99 ms':>8} {'seq n':>7} {'ops/s':>9} {'srv CPU us':>10}")
+    print(
+        f"{'call':36} {'p50 ms':>8} {'p99 ms':>8} {'seq n':>7} {'ops/s':>9} {'srv CPU us':>10} "
+        f"{'Redis cmds':>10}"
+    )
     for name, m in rows.items():
         cpu = "-" if math.isnan(m["cpu_us"]) else f"{m['cpu_us']:.0f}"
+        cmds = "-" if math.isnan(m["commands"]) else f"{m['commands']:.2f}"
         print(
             f"{name:36} {m['p50_ms']:8.3f} {m['p99_ms']:8.3f} {m['n']:7.0f} "
-            f"{m['ops_per_s']:9.0f} {cpu:>10}"
+            f"{m['ops_per_s']:9.0f} {cpu:>10} {cmds:>10}"
+        )
+    for name in ("admit (gRPC + Redis)", "admit, retry (attempt 1)"):
+        top = sorted(rows[name]["by_command"].items(), key=lambda kv: -kv[1])
+        print(
+            f"Redis per sequential {name.split(' (')[0]}, by command (scripts' own commands "
+            f"counted too): " + ", ".join(f"{k} {v:.2f}" for k, v in top if v >= 0.05)
         )
     grpc, redis_floor = (
         rows["floor: grpc.aio health Check"],
@@ -728,6 +785,12 @@ if __name__ == "__main__":
         help="start a 3-master Redis Cluster on loopback and run on it (--redis-url ignored)",
     )
     parser.add_argument(
+        "--own-redis",
+        action="store_true",
+        help="start a standalone redis-server of this run's own (--redis-url ignored): "
+        "Redis commands per call then count this run's only",
+    )
+    parser.add_argument(
         "--hold-ttl-ms",
         type=int,
         default=100,
@@ -742,6 +805,10 @@ if __name__ == "__main__":
         )
     elif parsed.cluster:
         with redis_cluster() as url:
+            parsed.redis_url = url
+            asyncio.run(main(parsed))
+    elif parsed.own_redis:
+        with own_redis() as url:
             parsed.redis_url = url
             asyncio.run(main(parsed))
     else:
