@@ -232,9 +232,9 @@ async def floor_server(redis_url: str, key: str, evalshas: int, cluster: bool = 
     design floor with its grant relay). Prints ``listening on HOST:PORT`` like the broker; runs
     until terminated."""
     r = (
-        aioredis.RedisCluster.from_url(redis_url, socket_timeout=1.0)
+        aioredis.RedisCluster.from_url(redis_url, socket_timeout=5.0)
         if cluster
-        else aioredis.Redis.from_url(redis_url, socket_timeout=1.0)
+        else aioredis.Redis.from_url(redis_url, socket_timeout=5.0)
     )
     script = r.register_script("return 1")
     grant = r.register_script(FLOOR_GRANT)
