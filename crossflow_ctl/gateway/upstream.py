@@ -75,7 +75,8 @@ async def relay(
     """Stream ``upstream``'s body to the client chunk by chunk as it arrives (SSE or not),
     with ``extra_headers`` added to the engine's.
     ``on_first_byte(status)`` runs when the first bytes arrive from the engine, before they
-    are sent on with ``status``: for a streamed completion that is the first token, so the prompt's prefill is done.
+    are sent on with ``status``: for a streamed completion that is the first token, so the
+    prompt's prefill is done.
     An engine failing before its first byte raises EngineFailed; after it, the client's
     response is cut (nothing else can be done: part of the answer is already out)."""
     headers = CIMultiDict[str]()
