@@ -427,6 +427,7 @@ MIRRORS: dict[str, tuple[Converter, Converter]] = {
     "crossflow.v1.Credits": (c.credits_to_proto, c.credits_from_proto),
     "crossflow.v1.Lease": (c.lease_to_proto, c.lease_from_proto),
     "crossflow.v1.PoolLoad": (c.pool_load_to_proto, c.pool_load_from_proto),
+    "crossflow.v1.StepModel": (c.step_model_to_proto, c.step_model_from_proto),
     "crossflow.v1.Notice": (c.notice_to_proto, c.notice_from_proto),
     "crossflow.v1.SessionSettings": (c.session_settings_to_proto, c.session_settings_from_proto),
     "crossflow.v1.Reservation": (c.reservation_to_proto, c.reservation_from_proto),
