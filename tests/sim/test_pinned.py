@@ -17,20 +17,20 @@ from crossflow_ctl.sim.traces import load_mooncake
 
 PINNED: dict[str, Any] = {
     "completed": 400,
-    "borrowed": 280,
+    "borrowed": 275,
     "overcommits": 0,
-    "held": 195,
-    "reoffers": 167,
-    "leases": 1552,
-    "outcomes": {"borrowed": 185, "borrowed_late": 95, "not_held": 10, "prefill_room": 110},
-    "admit_reasons": {"pool_load_missing": 10, "borrowed": 280, "no_benefit": 106, "no_room": 171},
-    "zero_reasons": {"itl_over_slo": 25, "no_capacity": 4},
+    "held": 191,
+    "reoffers": 148,
+    "leases": 1514,
+    "outcomes": {"borrowed": 188, "borrowed_late": 87, "not_held": 10, "prefill_room": 115},
+    "admit_reasons": {"pool_load_missing": 10, "borrowed": 275, "no_benefit": 96, "no_room": 167},
+    "zero_reasons": {"no_capacity": 3},
     "tokens": (5_710_530, 146_073),
-    "lease_chunk_sum": 963_584,
-    "lease_compute_sum": 124_791_576,
-    "ttft_mean_ms": 10_577.394,
-    "ttft_p99_ms": 33_333.835,
-    "itl_p99_ms": 46.9,
+    "lease_chunk_sum": 941_824,
+    "lease_compute_sum": 111_716_639,
+    "ttft_mean_ms": 10_584.725,
+    "ttft_p99_ms": 33_770.355,
+    "itl_p99_ms": 45.0,
 }
 
 
