@@ -15,7 +15,11 @@ from typing import Literal
 import click
 
 from crossflow_ctl.client.holding import QueueConfig
-from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
+from crossflow_ctl.domain.capacity import (
+    MODEL_PRESETS,
+    NODE_PRESETS,
+    decode_kv_capacity_tokens,
+)
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import MAX_HORIZON_MS
@@ -32,7 +36,7 @@ from crossflow_ctl.sim.metrics import RunRecord, summarize
 from crossflow_ctl.sim.prefix_cache import CacheScope
 from crossflow_ctl.sim.ratios import trace_ratios
 from crossflow_ctl.sim.report import write_report
-from crossflow_ctl.sim.sweep import plan_runs, run_sweep, run_sweep_on_redis
+from crossflow_ctl.sim.sweep import plan_runs, run_sweep, run_sweep_on_redis, sweep_failures
 from crossflow_ctl.sim.synthetic import AgenticSpec, generate_agentic
 from crossflow_ctl.sim.traces import Trace, load_trace
 
@@ -127,10 +131,10 @@ def _quiet_logs() -> None:
 )
 @click.option(
     "--kv-capacity-tokens",
-    type=click.IntRange(1, 1_000_000_000),
-    default=1_000_000,
+    default="auto",
     show_default=True,
-    help="KV cache of each decode server, in tokens.",
+    help="KV cache of each decode server, in tokens; auto: sized from the hardware's HBM and "
+    "the model (weights, a 10% reserve, sliding-window layers; docs/capacity.md).",
 )
 @click.option(
     "--itl-slo-ms",
@@ -220,6 +224,13 @@ def _quiet_logs() -> None:
     "--redis", "redis_url", metavar="URL", help="Run on a RedisStore at this URL (one job)."
 )
 @click.option(
+    "--check/--no-check",
+    default=True,
+    show_default=True,
+    help="Exit 1 when a leases run breaks the ITL SLO, over-commits, or is worse than static "
+    "on its own split in mean TTFT or drain-inclusive tokens/s (the report is written first).",
+)
+@click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
     help="Output folder (default ./reports/sim-<UTC time>).",
@@ -236,7 +247,7 @@ def sim(
     limit: int | None,
     model: str,
     hardware: str,
-    kv_capacity_tokens: int,
+    kv_capacity_tokens: str,
     itl_slo_ms: float,
     horizon_ms: int,
     borrow_share: float,
@@ -251,6 +262,7 @@ def sim(
     seed: int,
     jobs: int,
     redis_url: str | None,
+    check: bool,
     out: Path | None,
 ) -> None:
     """Replay traces through a simulated P/D cluster; write a markdown report with plots."""
@@ -261,6 +273,7 @@ def sim(
     scales = _floats(loads, "--load")
     split_list, borrow_list = _splits(splits, "--splits"), _splits(borrow_splits, "--borrow-splits")
     policy_list = _policies(policies)
+    kv_tokens = _kv_tokens(kv_capacity_tokens, model, hardware)
     loaded: list[Trace] = []
     for path in traces:
         try:
@@ -287,7 +300,7 @@ def sim(
     base = SimConfig(
         model=model,
         hardware=hardware,
-        kv_capacity_tokens=kv_capacity_tokens,
+        kv_capacity_tokens=kv_tokens,
         cache_scope=CacheScope(cache_scope),
         seed=seed,
         lease=LeaseSettings(itl_slo_ms=itl_slo_ms, horizon_ms=horizon_ms),
@@ -327,6 +340,33 @@ def sim(
             f"over-commit {s.overcommits}"
         )
     click.echo(f"report: {path} ({len(runs)} runs in {wall:.1f} s)")
+    failures = sweep_failures([summarize(r) for r in records], itl_slo_ms)
+    if failures and check:
+        raise click.ClickException(
+            f"{len(failures)} sweep check(s) failed (see the report's Checks):\n"
+            + "\n".join(failures)
+        )
+
+
+def _kv_tokens(text: str, model: str, hardware: str) -> int:
+    """``--kv-capacity-tokens``: a count, or ``auto`` (sized from the hardware and the model)."""
+    if text.strip().lower() == "auto":
+        tokens = decode_kv_capacity_tokens(
+            MODEL_PRESETS[model], NODE_PRESETS[hardware], SimConfig().max_batch
+        )
+        if tokens <= 0:
+            raise InvalidArgument(
+                f"{model}'s weights leave no KV room on one {hardware} server: give a count",
+                field="--kv-capacity-tokens",
+            )
+        return tokens
+    try:
+        tokens = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise InvalidArgument("give a token count or auto", field="--kv-capacity-tokens") from None
+    if not 1 <= tokens <= 1_000_000_000:
+        raise InvalidArgument("give 1 to 1,000,000,000 tokens", field="--kv-capacity-tokens")
+    return tokens
 
 
 def _check_measured(records: Sequence[RunRecord], warmup_s: float) -> None:

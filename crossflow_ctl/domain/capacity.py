@@ -99,6 +99,20 @@ class ModelSpec(Frozen):
         """K and V, every layer, every KV head (what a token's cache entry occupies)."""
         return int(2 * self.layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes)
 
+    @property
+    def kv_layer_bytes_per_token(self) -> int:
+        """K and V of one token in one layer."""
+        return int(2 * self.kv_heads * self.head_dim * self.kv_dtype_bytes)
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of all weights as served (dense at ``param_bytes``, experts at
+        ``expert_param_bytes``)."""
+        experts = self.expert_params if self.experts else 0.0
+        return (self.total_params - experts) * self.param_bytes + experts * (
+            self.expert_param_bytes or self.param_bytes
+        )
+
 
 class NodeProfile(Frozen):
     """What one GPU server achieves (not its datasheet peak). Calibration writes this."""
@@ -121,6 +135,8 @@ class NodeProfile(Frozen):
     """Host work per request in the step."""
     gemm_tile_rows: Annotated[int, Field(ge=1, le=1024)] = 1
     """Rows a GEMM computes at least per weight matrix it touches (tensor-core M tile)."""
+    hbm_capacity_bytes: NonNegative = 0.0
+    """HBM on the GPU (the datasheet's GB, 1e9 bytes); 0: not known (KV cannot be sized)."""
 
 
 class StepShape(Frozen):
@@ -387,15 +403,24 @@ _HOPPER = {
 }
 NODE_PRESETS: dict[str, NodeProfile] = {
     "h100": NodeProfile(
-        name="h100", flops_per_s=0.7 * 989e12, hbm_bytes_per_s=0.85 * 3.35e12, **_HOPPER
+        name="h100",
+        flops_per_s=0.7 * 989e12,
+        hbm_bytes_per_s=0.85 * 3.35e12,
+        hbm_capacity_bytes=80e9,
+        **_HOPPER,
     ),
     "h200": NodeProfile(
-        name="h200", flops_per_s=0.7 * 989e12, hbm_bytes_per_s=0.85 * 4.8e12, **_HOPPER
+        name="h200",
+        flops_per_s=0.7 * 989e12,
+        hbm_bytes_per_s=0.85 * 4.8e12,
+        hbm_capacity_bytes=141e9,
+        **_HOPPER,
     ),
     "gb300": NodeProfile(
         name="gb300",
         flops_per_s=0.7 * 2.5e15,
         hbm_bytes_per_s=0.85 * 8e12,
+        hbm_capacity_bytes=288e9,
         network_bytes_per_s=100e9,
         overlap_penalty=1.0,
         gemm_tile_rows=128,
@@ -404,6 +429,29 @@ NODE_PRESETS: dict[str, NodeProfile] = {
         step_overhead_s=0.0005,
     ),
 }
+
+
+KV_MEMORY_RESERVE = 0.10
+"""Share of HBM an engine leaves to activations, CUDA graphs and the allocator: vLLM's
+``gpu_memory_utilization`` defaults to 0.9 (docs/capacity.md)."""
+
+
+def decode_kv_capacity_tokens(
+    model: ModelSpec, node: NodeProfile, max_batch: int, reserve: float = KV_MEMORY_RESERVE
+) -> int:
+    """KV tokens one decode server holds: HBM less the reserve and the weights, less the
+    sliding-window layers' KV (at most ``window`` tokens per request, for a full batch of
+    ``max_batch``), over the bytes a token takes on the full-attention layers. 0 when the node's
+    HBM is not known or the weights leave no room."""
+    if node.hbm_capacity_bytes <= 0:
+        return 0
+    per_layer = model.kv_layer_bytes_per_token
+    windows = model.sliding_layers * model.sliding_window_tokens * per_layer * max_batch
+    free = node.hbm_capacity_bytes * (1.0 - reserve) - model.weight_bytes - windows
+    per_token = (model.layers - model.sliding_layers) * per_layer
+    if free <= 0 or per_token <= 0:
+        return 0
+    return int(free // per_token)
 
 
 def prefill_time_s(roof: Roofline, uncached: int, cached: int, chunk_tokens: int) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 
 from crossflow_ctl.sim.config import SimConfig
 from crossflow_ctl.sim.metrics import RunRecord, Summary, summarize
-from crossflow_ctl.sim.sweep import Comparison, rel
+from crossflow_ctl.sim.sweep import Comparison, rel, sweep_failures
 
 
 def _f(x: float, digits: int = 0) -> str:
@@ -103,6 +103,20 @@ def verdict(summaries: Sequence[Summary]) -> list[str]:
     if lost:
         text += f"; it lost on {len(lost)} (worst {_pct(lost[0][0])} at {lost[0][1]})"
     return [text + ".", ""]
+
+
+def checks_section(failures: Sequence[str]) -> list[str]:
+    """The sweep's checks (:func:`~crossflow_ctl.sim.sweep.sweep_failures`): held, or each
+    failure on its own line."""
+    lines = ["## Checks", ""]
+    if not failures:
+        return [
+            *lines,
+            "Every check held: leases' ITL p99 within the SLO, no over-commit, and no leases run"
+            " worse than static on its own split in mean TTFT or drain-inclusive tokens/s.",
+            "",
+        ]
+    return [*lines, f"**{len(failures)} FAILED**:", "", *(f"- {f}" for f in failures), ""]
 
 
 def targets_table(summaries: Sequence[Summary]) -> list[str]:
@@ -252,6 +266,7 @@ def write_report(
     ]
     total_oc = sum(s.overcommits for s in summaries)
     lines += [f"Over-commit count over all runs: **{total_oc}** (must be 0).", ""]
+    lines += checks_section(sweep_failures(summaries, config.lease.itl_slo_ms))
     reasons = [r for r in records if r.admit_reasons]
     if reasons:
         lines += ["## Admission reasons (leases runs)", ""]

@@ -147,3 +147,24 @@ def test_the_inlined_step_time_is_the_costed_one(model, node, batch, ctx, chunk,
     assert r.step_s(batch, ctx, chunk, prefix) == pytest.approx(
         r.cost(batch, ctx, chunk, prefix).step_s, rel=1e-12, abs=1e-15
     )
+
+
+def test_decode_kv_is_sized_from_hbm_less_weights_and_reserve_over_full_layer_bytes() -> None:
+    """Issue 33 item 3: GPT-OSS-120B on an H200 (141 GB): 90 % of HBM, less 65.0 GB of weights
+    and the 18 sliding layers' 128-token windows for 256 requests, over 18 full layers x 2 x 8
+    heads x 64 x 2 bytes a token; an unknown HBM or weights that do not fit give 0."""
+    from crossflow_ctl.domain.capacity import decode_kv_capacity_tokens
+
+    gpt, h200 = MODEL_PRESETS["gpt-oss-120b"], NODE_PRESETS["h200"]
+    assert gpt.weight_bytes == pytest.approx(2.1e9 * 2 + 114.7e9 * 0.53)
+    windows = 18 * 128 * 2048 * 256
+    expected = int((141e9 * 0.9 - gpt.weight_bytes - windows) // (18 * 2048))
+    assert decode_kv_capacity_tokens(gpt, h200, 256) == expected
+    assert 1_600_000 < expected < 1_700_000
+    # a token on a sliding layer is not a token of capacity: all-full attention holds fewer
+    full = gpt.model_copy(update={"sliding_layers": 0, "sliding_window_tokens": 0})
+    assert decode_kv_capacity_tokens(full, h200, 256) == int(
+        (141e9 * 0.9 - gpt.weight_bytes) // (36 * 2048)
+    )
+    assert decode_kv_capacity_tokens(gpt, h200.model_copy(update={"hbm_capacity_bytes": 0}), 8) == 0
+    assert decode_kv_capacity_tokens(MODEL_PRESETS["glm-4.5"], h200, 256) == 0
