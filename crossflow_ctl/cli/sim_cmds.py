@@ -36,7 +36,14 @@ from crossflow_ctl.sim.metrics import RunRecord, summarize
 from crossflow_ctl.sim.prefix_cache import CacheScope
 from crossflow_ctl.sim.ratios import trace_ratios
 from crossflow_ctl.sim.report import write_report
-from crossflow_ctl.sim.sweep import plan_runs, run_sweep, run_sweep_on_redis, sweep_failures
+from crossflow_ctl.sim.saturation import saturating_load, saturation_lines
+from crossflow_ctl.sim.sweep import (
+    RunSpec,
+    plan_runs,
+    run_sweep,
+    run_sweep_on_redis,
+    sweep_failures,
+)
 from crossflow_ctl.sim.synthetic import AgenticSpec, generate_agentic
 from crossflow_ctl.sim.traces import Trace, load_trace
 
@@ -93,7 +100,9 @@ def _quiet_logs() -> None:
     "loads",
     default="1,4,16",
     show_default=True,
-    help="Time compressions to run, comma-separated (4: four times the arrival rate).",
+    help="Time compressions to run, comma-separated (4: four times the arrival rate); auto: "
+    "per trace, the load at which the best static split falls 10% short of the offered input "
+    "tokens/s, and 2x and 4x it.",
 )
 @click.option(
     "--splits",
@@ -270,7 +279,8 @@ def sim(
         raise click.UsageError("give --trace FILE and/or --synthetic")
     _quiet_logs()
     # the flags first: a typo is refused before a large trace is read
-    scales = _floats(loads, "--load")
+    auto = loads.strip().lower() == "auto"
+    scales = [] if auto else _floats(loads, "--load")
     split_list, borrow_list = _splits(splits, "--splits"), _splits(borrow_splits, "--borrow-splits")
     policy_list = _policies(policies)
     kv_tokens = _kv_tokens(kv_capacity_tokens, model, hardware)
@@ -314,7 +324,11 @@ def sim(
         ),
         prefill_room_ms=prefill_room_ms,
     )
-    runs = plan_runs(loaded, scales, base, split_list, borrow_list, policy_list)
+    notes: list[str] = []
+    if auto:
+        runs = _auto_runs(loaded, base, split_list, borrow_list, policy_list, jobs, notes)
+    else:
+        runs = plan_runs(loaded, scales, base, split_list, borrow_list, policy_list)
     out_dir = out or Path("reports") / datetime.now(UTC).strftime("sim-%Y%m%d-%H%M%S")
     started = time.perf_counter()
     total = sum(len(r.trace.requests) for r in runs)
@@ -331,7 +345,7 @@ def sim(
     wall = time.perf_counter() - started
     _check_measured(records, warmup_s)
     command = "crossflowctl " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    path = write_report(out_dir, records, base, command=command, show_wall=True)
+    path = write_report(out_dir, records, base, command=command, show_wall=True, notes=notes)
     for s in (summarize(r) for r in records):
         click.echo(
             f"{s.trace} {s.scale:g}x {s.label}: TTFT mean {s.ttft_mean_ms:.0f} ms, "
@@ -346,6 +360,28 @@ def sim(
             f"{len(failures)} sweep check(s) failed (see the report's Checks):\n"
             + "\n".join(failures)
         )
+
+
+def _auto_runs(
+    traces: Sequence[Trace],
+    base: SimConfig,
+    splits: Sequence[tuple[int, int]],
+    borrow_splits: Sequence[tuple[int, int]],
+    policies: Sequence[PolicyKind],
+    jobs: int,
+    notes: list[str],
+) -> list[RunSpec]:
+    """``--load auto``: per trace, its saturating load and 2x and 4x it (how each was found is
+    added to ``notes`` and echoed)."""
+    runs: list[RunSpec] = []
+    for trace in traces:
+        found, probes = saturating_load(trace, base, splits, jobs=jobs)
+        lines = saturation_lines(trace.name, found, probes)
+        notes += lines
+        click.echo(lines[-2], err=True)
+        loads = [found, 2 * found, 4 * found]
+        runs += plan_runs([trace], loads, base, splits, borrow_splits, policies)
+    return runs
 
 
 def _kv_tokens(text: str, model: str, hardware: str) -> int:

@@ -232,8 +232,10 @@ def write_report(
     command: str = "",
     show_wall: bool = False,
     plots: bool = True,
+    notes: Sequence[str] = (),
 ) -> Path:
-    """Write ``report.md`` (and PNGs) into ``out_dir``; returns the report's path."""
+    """Write ``report.md`` (and PNGs) into ``out_dir``; returns the report's path. ``notes``:
+    markdown lines placed before the verdict (how ``--load auto`` chose its loads)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(r) for r in records]
     lines = [f"# {title}", ""]
@@ -248,6 +250,7 @@ def write_report(
         f"prefix cache {config.cache_scope.value} ({config.cache_capacity_tokens:,} tokens); "
         f"router queue {queue_words(config)}; seed {config.seed}.",
         "",
+        *notes,
         *verdict(summaries),
         "## Leases and the heuristic against the best static split",
         "",
