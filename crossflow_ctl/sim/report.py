@@ -202,8 +202,9 @@ DEFINITIONS = """\
 Definitions: TTFT is release to first token (the request joins a decode batch); ITL is per
 token (step times weighted by the batch), after the warm-up; throughput is tokens of measured
 requests over the span from the first measured release to the last measured finish (the drain
-included); steady is the tokens of requests that finished between the end of the warm-up and the
-last release, over that window (offered load still arriving, no drain); SLO ok is
+included); steady is the tokens worked through between the end of the warm-up and the last
+release (input of prompts prefilled in it, output decoded in it, whichever requests they belong
+to), over that window (offered load still arriving, no drain); SLO ok is
 the share of requests with TTFT <= the TTFT SLO and mean ITL <= the ITL SLO; stranded is the
 share of server-seconds not spent stepping; borrowed is the share of prompts prefilled on a
 decode node; KV waits counts borrowed prompts that waited for KV room on their node, in the
