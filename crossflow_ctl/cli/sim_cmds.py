@@ -19,6 +19,7 @@ from crossflow_ctl.domain.capacity import (
     MODEL_PRESETS,
     NODE_PRESETS,
     decode_kv_capacity_tokens,
+    server_profile,
 )
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.lease_credits import LeaseSettings
@@ -139,6 +140,14 @@ def _quiet_logs() -> None:
     "--hardware", type=click.Choice(sorted(NODE_PRESETS)), default="h200", show_default=True
 )
 @click.option(
+    "--gpus-per-server",
+    type=click.IntRange(1, 72),
+    default=1,
+    show_default=True,
+    help="GPUs of --hardware in each prefill and decode server, one model replica across them "
+    "(glm-5.2's 744 GB of weights need 4 GB300s).",
+)
+@click.option(
     "--kv-capacity-tokens",
     default="auto",
     show_default=True,
@@ -256,6 +265,7 @@ def sim(
     limit: int | None,
     model: str,
     hardware: str,
+    gpus_per_server: int,
     kv_capacity_tokens: str,
     itl_slo_ms: float,
     horizon_ms: int,
@@ -283,7 +293,7 @@ def sim(
     scales = [] if auto else _floats(loads, "--load")
     split_list, borrow_list = _splits(splits, "--splits"), _splits(borrow_splits, "--borrow-splits")
     policy_list = _policies(policies)
-    kv_tokens = _kv_tokens(kv_capacity_tokens, model, hardware)
+    kv_tokens = _kv_tokens(kv_capacity_tokens, model, hardware, gpus_per_server)
     loaded: list[Trace] = []
     for path in traces:
         try:
@@ -310,6 +320,7 @@ def sim(
     base = SimConfig(
         model=model,
         hardware=hardware,
+        gpus_per_server=gpus_per_server,
         kv_capacity_tokens=kv_tokens,
         cache_scope=CacheScope(cache_scope),
         seed=seed,
@@ -384,15 +395,15 @@ def _auto_runs(
     return runs
 
 
-def _kv_tokens(text: str, model: str, hardware: str) -> int:
+def _kv_tokens(text: str, model: str, hardware: str, gpus: int) -> int:
     """``--kv-capacity-tokens``: a count, or ``auto`` (sized from the hardware and the model)."""
     if text.strip().lower() == "auto":
-        tokens = decode_kv_capacity_tokens(
-            MODEL_PRESETS[model], NODE_PRESETS[hardware], SimConfig().max_batch
-        )
+        node = server_profile(NODE_PRESETS[hardware], gpus)
+        tokens = decode_kv_capacity_tokens(MODEL_PRESETS[model], node, SimConfig().max_batch)
         if tokens <= 0:
             raise InvalidArgument(
-                f"{model}'s weights leave no KV room on one {hardware} server: give a count",
+                f"{model}'s weights leave no KV room on a server of {gpus} {hardware}: give a"
+                " count or more --gpus-per-server",
                 field="--kv-capacity-tokens",
             )
         return tokens

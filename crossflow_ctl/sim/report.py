@@ -243,8 +243,9 @@ def write_report(
     if command:
         lines += ["```", command, "```", ""]
     lines += [
-        f"Model {config.model} on {config.hardware}; decode KV {config.kv_capacity_tokens:,} "
-        f"tokens per server; ITL SLO {config.lease.itl_slo_ms:g} ms, TTFT SLO "
+        f"Model {config.model} on {config.node_profile.name}; decode KV "
+        f"{config.kv_capacity_tokens:,} tokens per server; ITL SLO "
+        f"{config.lease.itl_slo_ms:g} ms, TTFT SLO "
         f"{config.ttft_slo_ms:g} ms; agent period {config.agent_period_ms} ms; "
         f"borrow horizon {config.lease.horizon_ms} ms, borrow share "
         f"{config.broker_policy.borrow_share:g} (KV {config.broker_policy.borrow_kv_share:g}); "

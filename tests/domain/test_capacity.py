@@ -168,3 +168,35 @@ def test_decode_kv_is_sized_from_hbm_less_weights_and_reserve_over_full_layer_by
     )
     assert decode_kv_capacity_tokens(gpt, h200.model_copy(update={"hbm_capacity_bytes": 0}), 8) == 0
     assert decode_kv_capacity_tokens(MODEL_PRESETS["glm-4.5"], h200, 256) == 0
+
+
+def test_glm_5_2_caches_an_mla_latent_and_attends_to_a_top_k_of_past_tokens() -> None:
+    """Issue 33 item 5: GLM-5.2 caches 576 latent values (bf16) and a 132-byte indexer key per
+    token per layer, 78 layers; its attention reads at most 2,048 past tokens' latents a query
+    while its indexer reads every past token's key, so a decode step grows with context far
+    more slowly than a dense-attention model of the same cache would."""
+    from crossflow_ctl.domain.capacity import decode_kv_capacity_tokens, server_profile
+
+    glm = MODEL_PRESETS["glm-5.2"]
+    assert glm.kv_bytes_per_token == 78 * (576 * 2 + 132)
+    assert glm.weight_bytes == pytest.approx(744e9)
+    gb300 = NODE_PRESETS["gb300"]
+    assert decode_kv_capacity_tokens(glm, gb300, 256) == 0  # 744 GB do not fit 288 GB
+    four = server_profile(gb300, 4)
+    assert four.hbm_capacity_bytes == 4 * 288e9 and four.flops_per_s == 4 * gb300.flops_per_s
+    assert server_profile(gb300, 4) is four and server_profile(gb300, 1) is gb300
+    assert decode_kv_capacity_tokens(glm, four, 256) == int(
+        (4 * 288e9 * 0.9 - 744e9) // (78 * (576 * 2 + 132))
+    )
+    r = roofline(glm, four)
+    dense = roofline(glm.model_copy(update={"sparse_topk_tokens": 0}), four)
+    short, long = 8 * 2_048, 8 * 100_000
+    assert r.step_s(8, short) == pytest.approx(dense.step_s(8, short))  # nothing past top-k
+    assert r.step_s(8, long) - r.step_s(8, short) < 0.5 * (
+        dense.step_s(8, long) - dense.step_s(8, short)
+    )
+    # the indexer is not free: its reads grow with every past token
+    no_indexer = roofline(glm.model_copy(update={"indexer_heads": 0}), four)
+    assert r.step_s(8, long) > no_indexer.step_s(8, long)
+    cost = r.cost(8, long, 512, 50_000)
+    assert cost.step_s == pytest.approx(r.step_s(8, long, 512, 50_000))
