@@ -274,8 +274,8 @@ def prefill_coefficients(
     """``a`` and ``b`` at the current decode load: the line through the engine's per-token time
     with no prefix and with ``FAR_PREFIX_TOKENS`` of prefix, each run in its own best chunk (as
     :class:`ChunkSizer` does, below the grid when no grid chunk fits; one grid step when nothing
-    fits the budget); and the best
-    chunk over the far prefix (0: none fits, or no line: ``chunk`` is 0).
+    fits the budget); and the best grid chunk over the far prefix (0: none fits, or no line:
+    ``chunk`` is 0).
 
     ``chunk`` / ``chunk_s`` are the best chunk with no prefix and its step time; ``far_guess``:
     a likely best chunk over the far prefix (the last one), which changes nothing but the work
