@@ -11,7 +11,10 @@ Per period (fixed schedule on the monotonic clock; a late tick skips missed ones
    :mod:`crossflow_ctl.domain.online_calibration`; the fit runs off the event loop);
 3. decode role: apply the zero-lease rules and the capacity model
    (:func:`crossflow_ctl.domain.leasing.decide`), stamp node, epoch, next version, TTL and the
-   notice sequence, and send it; prefill role: send the pool load and a heartbeat.
+   notice sequence, round its credits down and send it when the deadband says so (a change
+   beyond it, a new notice sequence, a zero reason, a new session, a refusal, or half the TTL
+   since the last one: :mod:`crossflow_ctl.domain.deadband`); prefill role: send the pool load
+   and a heartbeat.
 
 A cordon/uncordon directive or a new session wakes the loop at once. On stop, a last zero lease
 (SHUTTING_DOWN) is sent if connected and the stream is closed.
@@ -22,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
+from collections.abc import Callable
 
 import structlog
 
@@ -33,6 +38,7 @@ from crossflow_ctl.aio import wait_any
 from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps, roofline
 from crossflow_ctl.domain.clock import Clock, SystemClock
+from crossflow_ctl.domain.deadband import Deadband
 from crossflow_ctl.domain.lease_credits import CapacityBreakdown, LeaseSettings
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseDecision, decide, pool_load
 from crossflow_ctl.domain.models import MAX_HORIZON_MS, Credits, Lease, NodeRole, ZeroReason
@@ -65,6 +71,7 @@ def hello_request(
         last_notice_seq=last_notice_seq,
         agent_version=AGENT_VERSION,
         notice_batches=True,  # stream.py reads ConnectResponse.notices
+        refusal_acks=True,  # stream.py takes the cumulative ack on heartbeat answers
     )
     return lease_pb2.ConnectRequest(hello=hello)
 
@@ -89,7 +96,10 @@ class Agent:
         metrics: AgentMetrics | None = None,
         clock: Clock | None = None,
         epoch: int | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``monotonic``: seconds, for the deadband's renewal (never the wall clock: one that
+        stepped back would hold a lease past its TTL)."""
         self.settings = settings
         self.source = source
         self.model, self.node = model, node
@@ -118,6 +128,16 @@ class Agent:
         state is said once the broker accepts it (a lease on no stream lends nothing)."""
         self._broker_lease: tuple[LeaseSettings, LeaseSettings] | None = None
         """The local lease settings and their copy with the broker's horizon (lease_settings)."""
+        self._monotonic = monotonic
+        self.deadband = Deadband(settings.deadband_bits)
+        """Which computed leases go (:mod:`crossflow_ctl.domain.deadband`)."""
+        self._sent: tuple[Lease, float, int] | None = None
+        """The last lease sent, when (monotonic ms) and on which session (its count)."""
+        self._itls: deque[tuple[float, float]] = deque()
+        """(monotonic ms, ITL) read over the last half TTL (Deadband.low_itl)."""
+        self.sent = 0
+        self.held = 0
+        """Leases sent, and computed but held back by the deadband."""
         self._wake = asyncio.Event()
         self.stream = LeaseStream(
             endpoints=settings.brokers,
@@ -296,8 +316,23 @@ class Agent:
         )
         self.guard = decision.guard
         self._capacity = decision.capacity
-        lease = self.lease_for(decision, seq)
+        lease = self.deadband.shape(self.lease_for(decision, seq))
+        now = self._monotonic() * 1000.0
+        if self.deadband.enabled and lease.itl_ms > 0:
+            lease = self.deadband.low_itl(lease, self._low_itl(now, lease))
+
+        sessions = self.stream.state.sessions
+        sent = self._sent if self._sent is not None and self._sent[2] == sessions else None
+        going = self.deadband.to_send(
+            lease, sent[0] if sent else None, now, sent[1] if sent else 0.0
+        )
+        if going is None:
+            self.held += 1
+            return lease
+        lease = going
         if self.stream.send(lease_request(lease)):
+            self._sent = (lease, now, sessions)
+            self.sent += 1
             self.metrics.record_lease_sent(lease.credits, lease.zero_reason)
             self._unacked[(lease.epoch, lease.version)] = (lease.zero_reason, lease.zero_detail)
             if len(self._unacked) > OUTBOX_SIZE * 2:  # acks lost with a session
@@ -306,13 +341,28 @@ class Agent:
             self._say_unsent(lease)
         return lease
 
+    def _low_itl(self, now_ms: float, lease: Lease) -> float:
+        """The lowest ITL read over the last half TTL, this period's included."""
+        itls = self._itls
+        itls.append((now_ms, lease.itl_ms))
+        while itls[0][0] < now_ms - lease.ttl_ms / 2:
+            itls.popleft()
+        return min(itl for _, itl in itls)
+
     def _acked(self, epoch: int, version: int, accepted: bool) -> None:
-        """A lease ack: the state of an accepted lease is the node's state at the broker."""
-        sent = self._unacked.pop((epoch, version), None)
-        for key in [k for k in self._unacked if k < (epoch, version)]:
-            del self._unacked[key]  # older, never acked: replaced in the outbox, or lost
-        if accepted and sent is not None:
-            self._say_lease_state(*sent)
+        """A lease ack: the state of an accepted lease is the node's state at the broker.
+
+        Accepted, it acks every lease sent up to it and not refused (a broker answering
+        refusal acks acks cumulatively, on a heartbeat answer): their states are said in order,
+        so a state the node passed through between two answers is said too. Refused: that
+        lease only, and the next period sends one whatever the deadband says."""
+        key = (epoch, version)
+        if not accepted:
+            self._unacked.pop(key, None)
+            self._sent = None
+            return
+        for older in sorted(k for k in self._unacked if k <= key):
+            self._say_lease_state(*self._unacked.pop(older))
 
     def _say_unsent(self, lease: Lease) -> None:
         """A lease computed with no broker session to send it on: said once until a broker

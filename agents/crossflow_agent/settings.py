@@ -19,6 +19,7 @@ from pydantic_settings import SettingsConfigDict
 
 from crossflow_agent.sources.synthetic import EngineScript
 from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
+from crossflow_ctl.domain.deadband import DEFAULT_BITS
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import ID_PATTERN, MAX_ID_LEN, NodeRole
 from crossflow_ctl.domain.online_calibration import CalibrationSettings
@@ -75,8 +76,14 @@ class AgentSettings(LayeredSettings):
     URI must name this node), or a bearer token file."""
     period_ms: Annotated[int, Field(ge=20, le=10_000)] = 200
     """Lease period: one scrape and one lease (or pool load) per period."""
-    ttl_periods: Annotated[int, Field(ge=2, le=50)] = 3
-    """Lease time-to-live in periods."""
+    ttl_periods: Annotated[int, Field(ge=2, le=50)] = 6
+    """Lease time-to-live in periods. A steady lease is renewed at half of it (the deadband
+    holds back the rest), so 6 sends a steady node's lease every 3 periods; a lease that falls,
+    turns zero or stamps a new notice goes at once whatever it says."""
+    deadband_bits: Annotated[int, Field(ge=0, le=30)] = DEFAULT_BITS
+    """Credits are rounded down to this many significant bits (under 1/16 less at 5) and a
+    lease goes only on a change beyond that deadband (``crossflow_ctl.domain.deadband``); 0
+    sends every period's lease with its credits as computed."""
     lease: LeaseSettings = LeaseSettings()
     connect_timeout_ms: Annotated[int, Field(ge=50, le=60_000)] = 1_000
     backoff_initial_ms: Annotated[int, Field(ge=10, le=60_000)] = 100

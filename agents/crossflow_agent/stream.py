@@ -5,7 +5,11 @@ token: crossflow_ctl.security). One session at a time: Hello (node, role, epoch,
 seen) -> Welcome, then a writer drains the outbox (leases / pool load / heartbeats, newest kept
 when the outbox is full) while a reader takes acks and notices. A session ends when the broker
 closes the stream, the call fails, or nothing has come back for ``stall_timeout_s`` while writes
-went unanswered (the broker acks every lease and echoes every heartbeat). Then the next endpoint of
+went unanswered. The agent asks for refusal-only acks (``Hello.refusal_acks``): the broker acks a
+refused lease at once and answers each heartbeat with the newest lease it accepted, so a session
+with writes unanswered for a third of ``stall_timeout_s`` sends a heartbeat (one in flight at a
+time), whose answer is both the liveness check and the cumulative ack of the leases before it (a
+broker that predates the flag acks every lease; both are understood). Then the next endpoint of
 the list is tried after a jittered exponential backoff; a session that had a lease accepted resets
 the backoff (one that is welcomed and then fails at once, say on a broken store, keeps backing
 off).
@@ -49,6 +53,9 @@ _DEBIT_KINDS = {
     lease_pb2.NOTICE_KIND_RELEASE: NoticeKind.RELEASE,
     lease_pb2.NOTICE_KIND_EXPIRE: NoticeKind.EXPIRE,
 }
+
+
+_HEARTBEAT = lease_pb2.ConnectRequest(heartbeat=lease_pb2.Heartbeat())
 
 
 class SessionError(Exception):
@@ -140,6 +147,10 @@ class LeaseStream:
         self._outbox: asyncio.Queue[lease_pb2.ConnectRequest] | None = None
         self._closing = asyncio.Event()
         self._unanswered_since: float | None = None
+        self._beat_pending = False
+        """A heartbeat this stream sent for liveness is not answered yet."""
+        self._cumulative: tuple[int, int] = (0, 0)
+        """The newest (epoch, version) a heartbeat answer acked on this session."""
         self._await_ack: tuple[int, int] | None = None
         self._acked = asyncio.Event()
         self._failures = 0
@@ -166,7 +177,7 @@ class LeaseStream:
         if final is not None and final.WhichOneof("body") == "lease":
             self._await_ack = (final.lease.epoch, final.lease.version)
             self._acked.clear()
-            if self.send(final):
+            if self.send(final) and self.send(_HEARTBEAT):  # its answer acks the final lease
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(grace_s):
                         await self._acked.wait()
@@ -266,6 +277,8 @@ class LeaseStream:
             s.last_notice_seq = welcome.notice_seq
         s.sessions += 1
         self._unanswered_since = None
+        self._beat_pending = False
+        self._cumulative = (0, 0)
         self._outbox = asyncio.Queue(maxsize=OUTBOX_SIZE)
         self._metrics.stream_connected()
         log.info(
@@ -326,14 +339,33 @@ class LeaseStream:
             elif body == "settings":
                 self._settings(response.settings)
             elif body == "heartbeat":
-                self.state.acked += 1
+                self._heartbeat(response.heartbeat)
 
     async def _watchdog(self) -> None:
+        """Ends a session whose writes went unanswered for ``stall_timeout_s``; after a third
+        of it, asks with a heartbeat (accepted leases get no ack of their own)."""
         while True:
-            await asyncio.sleep(self._stall_s / 4)
+            await asyncio.sleep(self._stall_s / 8)
             since = self._unanswered_since
-            if since is not None and time.monotonic() - since > self._stall_s:
+            if since is None:
+                continue
+            waited = time.monotonic() - since
+            if waited > self._stall_s:
                 raise SessionError(f"no answer from the broker for {self._stall_s:g} s")
+            if waited >= self._stall_s / 3 and not self._beat_pending:
+                self._beat_pending = self.send(_HEARTBEAT)
+
+    def _heartbeat(self, beat: lease_pb2.Heartbeat) -> None:
+        """A heartbeat answered; with refusal acks it acks every lease accepted before it."""
+        self._beat_pending = False
+        self.state.acked += 1
+        acked = (beat.acked_epoch, beat.acked_version)
+        if acked <= self._cumulative:
+            return
+        self._cumulative = acked
+        self._on_ack(acked[0], acked[1], True)
+        if self._await_ack is not None and acked >= self._await_ack:
+            self._acked.set()
 
     def _notice(self, notice: lease_pb2.Notice) -> None:
         s = self.state

@@ -5,7 +5,11 @@ must be the node named by the caller's identity (PERMISSION_DENIED otherwise, no
 every lease and pool load on the stream must name that same node. The node is registered and
 answered with a Welcome.
 Then, concurrently: a reader acks each lease (ACCEPTED, STALE with the stored epoch/version, or
-INVALID naming the field; the stream stays up), stores pool load and echoes heartbeats; a
+INVALID naming the field; the stream stays up), stores pool load and echoes heartbeats. An agent
+that said ``Hello.refusal_acks`` gets acks for refused leases only (it acts on nothing else) and
+each heartbeat's answer names the newest lease accepted on the stream: a cumulative ack, which
+keeps liveness and lets the agent say when a lease took, at one message per heartbeat instead of
+one per lease; a
 relay reads the node's notices from the STORE (after the agent's ``last_notice_seq``) and sends
 them down, so a notice written by any replica reaches the agent wherever it streams (§6): one
 message per read to an agent that set ``Hello.notice_batches``, one per notice otherwise; and a
@@ -74,6 +78,16 @@ class _Out:
     def end(self, how: _End) -> None:
         if not self.ended.done():
             self.ended.set_result(how)
+
+
+class _Accepted:
+    """The newest (epoch, version) accepted on one stream: what a heartbeat's answer acks."""
+
+    __slots__ = ("epoch", "version")
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.version = 0
 
 
 class StreamRegistry:
@@ -169,7 +183,9 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         after = min(hello.last_notice_seq, info.notice_seq)
         with structlog.contextvars.bound_contextvars(node_id=node_id):
             log.info("stream.open", epoch=hello.epoch, resume_after=after)
-            reader = asyncio.create_task(self._read(request_iterator, info, out))
+            reader = asyncio.create_task(
+                self._read(request_iterator, info, out, refusal_acks=hello.refusal_acks)
+            )
             relay = asyncio.create_task(
                 self._relay(node_id, after, out, batches=hello.notice_batches)
             )
@@ -194,24 +210,32 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         requests: AsyncIterator[lease_pb2.ConnectRequest],
         info: NodeInfo,
         out: _Out,
+        refusal_acks: bool = False,
     ) -> None:
+        """Acks each lease, or with ``refusal_acks`` (the agent said ``Hello.refusal_acks``)
+        only the refused ones, and answers each heartbeat with the newest lease accepted on
+        this stream so far: requests are handled in order, so that answer acks every lease
+        sent before the heartbeat and not refused (a cumulative ack)."""
         node_id = info.node_id
         attrs = {"crossflow.node_id": node_id}
         traced = spans_recorded()  # once per stream, not per lease (see spans_recorded)
+        accepted = _Accepted()
         try:
             async for req in requests:
                 body = req.WhichOneof("body")
                 if body == "lease":
                     if traced:
                         with span("crossflow.lease_batch", attrs):
-                            await out.send(await self._ack(req.lease, info))
+                            await self._lease(req.lease, info, out, accepted, refusal_acks)
                     else:
-                        await out.send(await self._ack(req.lease, info))
+                        await self._lease(req.lease, info, out, accepted, refusal_acks)
                 elif body == "pool_load":
                     await self._pool_load(req.pool_load, info)
                 elif body == "heartbeat":
                     now = self._broker.clock.now_ms()
-                    hb = lease_pb2.Heartbeat(sent_unix_ms=now)
+                    hb = lease_pb2.Heartbeat(
+                        sent_unix_ms=now, acked_epoch=accepted.epoch, acked_version=accepted.version
+                    )
                     await out.send(lease_pb2.ConnectResponse(heartbeat=hb))
                 elif body == "hello":
                     out.end(_End(grpc.StatusCode.INVALID_ARGUMENT, "hello: sent twice"))
@@ -229,6 +253,17 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         except Exception as exc:  # the agent went away mid-read or mid-write
             log.info("stream.read_ended", error=repr(exc))
             out.end(_End())
+
+    async def _lease(
+        self, msg: Any, info: NodeInfo, out: _Out, accepted: _Accepted, refusal_acks: bool
+    ) -> None:
+        response = await self._ack(msg, info)
+        ack = response.lease_ack
+        if ack.result == lease_pb2.LEASE_RESULT_ACCEPTED:
+            accepted.epoch, accepted.version = ack.epoch, ack.version
+            if refusal_acks:
+                return
+        await out.send(response)
 
     async def _ack(self, msg: Any, info: NodeInfo) -> lease_pb2.ConnectResponse:
         response = lease_pb2.ConnectResponse()

@@ -270,6 +270,22 @@ def decide(
     )
 
 
+def next_guard(
+    snapshot: EngineSnapshot | None, *, now_ms: int, settings: LeaseSettings, guard: ItlGuard
+) -> ItlGuard:
+    """The ITL guard :func:`decide` returns on these inputs, without the capacity model: an
+    agent that builds its lease only when something needs it still advances its guard every
+    period (the guard moves only on fresh, plausible snapshots, as in :func:`decide`)."""
+    if (
+        snapshot is None
+        or now_ms - snapshot.taken_at_ms > settings.stale_after_ms
+        or implausibility(snapshot)
+    ):
+        return guard
+    itl = observed_itl_ms(snapshot, settings)
+    return guard.observe(itl, settings, idle=snapshot.running_requests == 0)
+
+
 def pool_load(
     snapshot: EngineSnapshot | None,
     *,

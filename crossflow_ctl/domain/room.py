@@ -225,3 +225,11 @@ def material_change(prev: RoomView | None, cur: RoomView, min_change: float) -> 
             if abs(now - was) > min_change * max(was, 1):
                 return True
     return False
+
+
+def update_due(material: bool, since_sent_s: float, min_gap_s: float, heartbeat_s: float) -> bool:
+    """Whether a room watch sends the newest view now: a material change (:func:`material_change`)
+    once ``min_gap_s`` (one over the watch's rate) has passed since the last update it sent, or
+    anything once ``heartbeat_s`` has. The broker's watches and the simulator's router use this
+    one rule."""
+    return (material and since_sent_s >= min_gap_s) or since_sent_s >= heartbeat_s

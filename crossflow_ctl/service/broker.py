@@ -70,8 +70,8 @@ from crossflow_ctl.service.policy_keeper import PolicyKeeper, refresh_forever
 from crossflow_ctl.service.requests import (
     OrphanDebits,
     admit_once,
-    admit_record,
     record_ttl_ms,
+    recorded_apart,
     run_once,
 )
 from crossflow_ctl.service.room import NodeRooms, RoomWatches
@@ -210,11 +210,7 @@ class Broker:
         its debit cannot write (a retry, or a store that does not fold records) goes through
         :meth:`admit`'s exactly-once path; it still joins the same group commit."""
         policy = self.policy
-        alone = {
-            i
-            for i, r in enumerate(requests)
-            if r.request_id and not r.dry_run and admit_record(self.store, r, policy) is None
-        }
+        alone = {i for i, r in enumerate(requests) if recorded_apart(self.store, r, policy)}
         if not alone:
             return await self._admitter.admit_many(requests, owner)
         together = [r for i, r in enumerate(requests) if i not in alone]

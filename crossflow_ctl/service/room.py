@@ -35,6 +35,7 @@ from crossflow_ctl.domain.room import (
     material_change,
     node_room,
     unknown_room,
+    update_due,
 )
 from crossflow_ctl.service.config import RoomWatchSettings
 
@@ -71,6 +72,13 @@ class NodeRooms:
             self._kept.clear()  # nodes come and go (a sampled view): start afresh
         self._kept[node_id] = (node, share, expired, room)
         return room
+
+
+def watch_gaps(request: RoomWatchRequest, settings: RoomWatchSettings) -> tuple[float, float]:
+    """A watch's least gap between two updates (one over its rate, capped by the broker's) and
+    its heartbeat interval, in seconds."""
+    rate = min(request.max_updates_per_s or settings.max_updates_per_s, settings.max_updates_per_s)
+    return 1.0 / rate, (request.heartbeat_ms or settings.heartbeat_ms) / 1000.0
 
 
 class _Feed:
@@ -132,8 +140,7 @@ class RoomWatches:
     # -- one watch -------------------------------------------------------------------------------
     async def _watch(self, request: RoomWatchRequest) -> AsyncIterator[RoomUpdate]:
         s = self.settings
-        rate = min(request.max_updates_per_s or s.max_updates_per_s, s.max_updates_per_s)
-        min_gap_s, heartbeat_s = 1.0 / rate, (request.heartbeat_ms or s.heartbeat_ms) / 1000.0
+        min_gap_s, heartbeat_s = watch_gaps(request, s)
         feed = self._join(request)
         self.active += 1
         try:
@@ -150,9 +157,7 @@ class RoomWatches:
                     continue
                 material = material_change(sent, view, s.min_change)
                 now_s = time.monotonic()
-                if (material and now_s - last_sent_s >= min_gap_s) or (
-                    now_s - last_sent_s >= heartbeat_s
-                ):
+                if update_due(material, now_s - last_sent_s, min_gap_s, heartbeat_s):
                     seq += 1
                     yield RoomUpdate(
                         seq=seq, at_ms=self._clock.now_ms(), heartbeat=not material, view=view

@@ -47,12 +47,19 @@ import contextlib
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile, prefill_rate_tps, roofline
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.lease_credits import CapacityBreakdown, LeaseSettings
-from crossflow_ctl.domain.leasing import NO_CREDITS, ItlGuard, LeaseDecision, decide, pool_load
+from crossflow_ctl.domain.leasing import (
+    NO_CREDITS,
+    ItlGuard,
+    LeaseDecision,
+    decide,
+    next_guard,
+    pool_load,
+)
 from crossflow_ctl.domain.lending import ChunkSizer, OpenDebits
 from crossflow_ctl.domain.models import (
     CREDIT_NAMES,
@@ -68,6 +75,25 @@ from crossflow_ctl.service import Broker
 from crossflow_ctl.sim.servers import DecodeServer, PrefillServer
 
 P = TypeVar("P")
+
+STORED_LEASE_FIGURES = ("leases", "zero_reasons", "lease_credit_sums", "lease_chunk_sum")
+"""The run's lease figures (:class:`~crossflow_ctl.sim.metrics.RunRecord`): counted over the
+leases stored, so they change with what is stored (fast-forward, deferred storing) while no
+decision does."""
+
+
+class Tick(NamedTuple):
+    """What one period of a decode agent decides its lease from, kept until the lease is built
+    (:meth:`DecodeAgent.lease_of`); the agent's open debits cannot change before then (only
+    the next tick reads notices, and it stores or drops this one first)."""
+
+    snapshot: EngineSnapshot
+    now_ms: int
+    guard: ItlGuard
+    """The guard before this period (:func:`decide` advances it as :func:`next_guard` did)."""
+    version: int
+    last_notice_seq: int
+    t: float
 
 
 class Period:
@@ -230,9 +256,9 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         self._sync: Callable[[float], int] | None = None
         self._capacity: CapacityBreakdown | None = None
         """The last tick's capacity (it seeds the next one's search; no result depends on it)."""
-        self._pending: tuple[LeaseDecision, int, int, float] | None = None
-        """Deferred publishing (:meth:`defer`): the last tick's decision, lease version, notice
-        sequence and time, not stored yet."""
+        self._pending: tuple[Tick, LeaseDecision | None] | None = None
+        """Deferred publishing (:meth:`defer`): the last tick's inputs and, when it was needed
+        then, its decision; not stored yet."""
 
     def snapshot(self, t: float, now_ms: int) -> EngineSnapshot:
         s = self.server
@@ -281,8 +307,11 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         notice sequence in the store, so a tick with nothing new skips the read."""
         self._due, self._sync, self._notice_seq = due, sync, notice_seq
 
-    async def tick(self, broker: Broker, t: float, now_ms: int) -> bool:
-        """One period; False when the agent went dormant (schedule no next tick)."""
+    async def tick(self, broker: Broker, t: float, now_ms: int, eager: bool = True) -> bool:
+        """One period; False when the agent went dormant (schedule no next tick). With
+        ``eager`` False and deferred storing, the lease is decided only once something stores
+        it (:meth:`flush`, or going dormant): ``zero`` is then not updated (the simulator
+        reads it only while prompts are held, and ticks eagerly then)."""
         if self._pending is not None:
             due = self._due
             if due is not None and not due(self.node_id, now_ms):
@@ -300,36 +329,54 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         snapshot = self.snapshot(t, now_ms)
         self._calibrate(t)
         guard = self.guard
-        decision = decide(
-            snapshot,
-            now_ms=now_ms,
-            model=self.model,
-            node=self.node,
-            settings=self.settings,
-            guard=self.guard,
-            open_debits=self.open_debits,
-            previous=self._capacity,
-        )
-        self.guard = decision.guard
-        self._capacity = decision.capacity
+        self.guard = next_guard(snapshot, now_ms=now_ms, settings=self.settings, guard=guard)
         self.version += 1
-        zero_reason = decision.zero_reason
-        chunk = decision.capacity.chunk_tokens if decision.capacity is not None else 0
-        self._count(decision.credits if zero_reason is None else NO_CREDITS, zero_reason, chunk, 1)
-        self.zero = zero_reason is not None
-        pending = (decision, self.version, self.last_notice_seq, t)
+        inputs = Tick(snapshot, now_ms, guard, self.version, self.last_notice_seq, t)
+        decision: LeaseDecision | None = None
+        if eager or self._due is None or self.calibrator is not None:
+            decision = self._decide(inputs)
+            self.zero = decision.zero_reason is not None
         lease: Lease | None = None
         if self._due is None:
-            lease = _lease_of(self, *pending[:3])
+            lease, chunk = self._stored(inputs, decision)
             await broker.ingest_lease(lease)
         else:
-            self._pending = pending
-        steady = not notices and self.open_borrows == 0 and decision.guard == guard
+            self._pending = (inputs, decision)
+        steady = not notices and self.open_borrows == 0 and self.guard == guard
         steady = steady and self.calibrator is None  # a calibrating agent never sleeps
         if not self._settle(snapshot, steady, None):
             return True
-        self._fixed = (lease if lease is not None else _lease_of(self, *pending[:3]), chunk)
+        if lease is None:  # it goes on publishing the deferred lease: decide it now
+            decision = decision or self._decide(inputs)
+            self._pending = (inputs, decision)
+            chunk = decision.capacity.chunk_tokens if decision.capacity is not None else 0
+            lease = _lease_of(self, decision, inputs.version, inputs.last_notice_seq)
+        self._fixed = (lease, chunk)
         return False
+
+    def _decide(self, inputs: Tick) -> LeaseDecision:
+        """The lease decision of the period ``inputs`` were taken in (the agent's rules)."""
+        decision = decide(
+            inputs.snapshot,
+            now_ms=inputs.now_ms,
+            model=self.model,
+            node=self.node,
+            settings=self.settings,
+            guard=inputs.guard,
+            open_debits=self.open_debits,
+            previous=self._capacity,
+        )
+        self._capacity = decision.capacity
+        return decision
+
+    def _stored(self, inputs: Tick, decision: LeaseDecision | None) -> tuple[Lease, int]:
+        """The lease of ``inputs``' period, about to be stored, counted in the run's figures
+        (which are over stored leases); and its sized chunk."""
+        decision = decision or self._decide(inputs)
+        zero_reason = decision.zero_reason
+        chunk = decision.capacity.chunk_tokens if decision.capacity is not None else 0
+        self._count(decision.credits if zero_reason is None else NO_CREDITS, zero_reason, chunk, 1)
+        return _lease_of(self, decision, inputs.version, inputs.last_notice_seq), chunk
 
     def _calibrate(self, t: float) -> None:
         """Feed the server's step counters to the calibration; a changed profile prices the
@@ -360,8 +407,10 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
             return
         sync = self._sync
         assert sync is not None  # set with ``due`` by :meth:`defer`
-        sync(pending[3])
-        await broker.ingest_lease(_lease_of(self, *pending[:3]))
+        inputs, decision = pending
+        lease, _ = self._stored(inputs, decision)
+        sync(inputs.t)
+        await broker.ingest_lease(lease)
         sync(t)
 
     def _count(self, credits: Credits, zero_reason: ZeroReason | None, chunk: int, n: int) -> None:
@@ -399,7 +448,7 @@ class DecodeAgent(FixedPoint[tuple[Lease, int]]):
         lease, chunk = fixed
         self.version += n
         lease = lease.model_copy(update={"version": self.version})
-        self._count(lease.credits, lease.zero_reason, chunk, n)
+        self._count(lease.credits, lease.zero_reason, chunk, 1)
         sync(last_s)
         await broker.ingest_lease(lease)
         sync(t)

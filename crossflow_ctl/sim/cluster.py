@@ -15,7 +15,7 @@ from collections.abc import Callable
 from crossflow_ctl.domain.capacity import prefill_rate_tps
 from crossflow_ctl.sim.agents import DecodeAgent
 from crossflow_ctl.sim.config import PolicyKind, SimConfig
-from crossflow_ctl.sim.control import EV_AGENT, EV_POOL, EV_QUEUE, ControlPlane
+from crossflow_ctl.sim.control import EV_AGENT, EV_POOL, EV_QUEUE, EV_ROOM, ControlPlane
 from crossflow_ctl.sim.metrics import RunRecord, ttft_phases
 from crossflow_ctl.sim.prefix_cache import CacheScope, PrefixCacheModel
 from crossflow_ctl.sim.servers import (
@@ -125,7 +125,7 @@ class Simulation:
             t, kind, target, payload = self.events.pop()
             self.now = t
             events += 1
-            if control is not None and kind in (EV_AGENT, EV_POOL, EV_QUEUE):
+            if control is not None and kind in (EV_AGENT, EV_POOL, EV_QUEUE, EV_ROOM):
                 await control.on_event(kind, target, t)
             else:
                 await self._server_event(kind, target, payload, t)

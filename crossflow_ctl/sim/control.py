@@ -7,9 +7,13 @@ live router uses it, with the broker in-process as its :class:`Admitter`:
 
 * a released prompt is submitted once; BORROW goes to its decode node, NORMAL to prefill, and a
   NORMAL for want of room while the prefill pool is behind is *held*;
-* held prompts are re-offered on a room update, read from the store (``Broker.room_view``) after
-  every non-zero decode lease while anything is held (a release frees room only once a later
-  lease of its node arrives, DESIGN.md §5.4, so the lease is the signal);
+* held prompts are re-offered on a room update. The room is read from the store
+  (``Broker.room_view``, the read a broker's ``WatchRoom`` feed makes) when a non-zero decode
+  lease arrives while anything is held (a release frees room only once a later lease of its
+  node arrives, DESIGN.md §5.4, so the lease is the signal), and it reaches the queue through
+  the watch's own filter and rate (:func:`~crossflow_ctl.domain.room.update_due` with the
+  broker's ``room`` settings): a material change at most once per gap (one over the rate; a
+  lease inside the gap has the view read again when it ends), anything once a heartbeat is due;
 * a held prompt goes to prefill when the prefill pool has room (its estimated wait is at or
   below the policy's demand threshold: asked on every room update and prefill completion), when
   its hold deadline passes, or when Demand stops holding.
@@ -26,6 +30,7 @@ test_deferred_leases.py`` holds whole runs to storing every tick.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 
 from crossflow_ctl.client.queue import AdmissionQueue, Outcome
@@ -33,9 +38,16 @@ from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision
 from crossflow_ctl.domain.clock import ManualClock
 from crossflow_ctl.domain.errors import CrossflowError
 from crossflow_ctl.domain.models import NodeRole
-from crossflow_ctl.domain.room import RoomUpdate, RoomWatchRequest
+from crossflow_ctl.domain.room import (
+    RoomUpdate,
+    RoomView,
+    RoomWatchRequest,
+    material_change,
+    update_due,
+)
 from crossflow_ctl.domain.safety import over_committed
 from crossflow_ctl.service import Broker, BrokerSettings
+from crossflow_ctl.service.room import watch_gaps
 from crossflow_ctl.sim.agents import DecodeAgent, PrefillAgent
 from crossflow_ctl.sim.config import SimConfig
 from crossflow_ctl.sim.metrics import RunRecord
@@ -46,6 +58,10 @@ from crossflow_ctl.store.memory import MemoryStore
 EV_AGENT = 6
 EV_POOL = 7
 EV_QUEUE = 8
+EV_ROOM = 9
+GAP_ROUNDING_S = 1e-9
+"""A read queued for the end of a watch's gap (last update + gap) may find ``t - last`` a
+rounding below the gap: that much short still counts as the gap over."""
 
 CLOCK_BASE_MS = 1_700_000_000_000
 ADMIT_TIMEOUT_MAX_MS = 10_000
@@ -100,7 +116,8 @@ class ControlPlane:
         self.clock = ManualClock(CLOCK_BASE_MS)
         self.store: Store = store if store is not None else MemoryStore(seed=config.seed)
         # The queue's Admits, one at a time (nothing else calls the broker here).
-        self.broker = Broker(self.store, self.clock, _sim_settings(config), "sim", sequential=True)
+        settings = _sim_settings(config)
+        self.broker = Broker(self.store, self.clock, settings, "sim", sequential=True)
         self.decode_ids = tuple(f"decode-{s.idx}" for s in decode)
         self._index = {node_id: i for i, node_id in enumerate(self.decode_ids)}
         period = config.agent_period_ms / 1000.0
@@ -155,6 +172,13 @@ class ControlPlane:
         pass that sends several held prompts to prefill sees each one it already sent."""
         self._watch = RoomWatchRequest(candidate_node_ids=self.decode_ids)
         self._room_seq = 0
+        self._min_change = settings.room.min_change
+        self._min_gap_s, self._heartbeat_s = watch_gaps(self._watch, settings.room)
+        self._sent: RoomView | None = None
+        """The last view the watch sent (what the next one is judged against)."""
+        self._sent_s = -math.inf
+        self._room_later = False
+        """A read is due when the gap after the last update ends (an EV_ROOM is queued)."""
 
     # -- clock and agents ----------------------------------------------------------------------
     def sync(self, t: float) -> int:
@@ -184,13 +208,25 @@ class ControlPlane:
             self.sync(t)
             await self._handle(await self.queue.tick(), t)
             return
+        if kind == EV_ROOM:
+            self._room_later = False
+            if self.queue.held:
+                await self._room(t)
+            return
         agent: DecodeAgent | PrefillAgent
         agent = self.decode_agents[target] if kind == EV_AGENT else self.prefill_agents[target]
-        if await agent.tick(self.broker, t, self.sync(t)):
+        now_ms = self.sync(t)
+        held = bool(self.queue.held)
+        ticked = (
+            await agent.tick(self.broker, t, now_ms, eager=held)
+            if isinstance(agent, DecodeAgent)
+            else await agent.tick(self.broker, t, now_ms)
+        )
+        if ticked:
             self.events.push(agent.schedule.next_s, kind, target)
         else:
             self._sleeping[agent] = None
-        if kind == EV_AGENT and self.queue.held and not self.decode_agents[target].zero:
+        if kind == EV_AGENT and held and not self.decode_agents[target].zero:
             await self._room(t)
 
     async def stir(self, agent: DecodeAgent | PrefillAgent, t: float) -> None:
@@ -318,11 +354,26 @@ class ControlPlane:
             self._bound_tokens += outcome.request.uncached_prompt_tokens
 
     async def _room(self, t: float) -> None:
+        """The room may have changed: the watch reads it and sends it on if its filter and rate
+        let it (see the module doc)."""
+        since_s = t - self._sent_s
+        if since_s < self._min_gap_s - GAP_ROUNDING_S:
+            if not self._room_later:  # read again when the gap ends (the newest view then)
+                self._room_later = True
+                self.events.push(self._sent_s + self._min_gap_s, EV_ROOM, 0)
+            return
         await self._catch_up(t)
         self.sync(t)
         view = await self.broker.room_view(self._watch)
+        material = material_change(self._sent, view, self._min_change)
+        since_s = max(since_s, self._min_gap_s)  # the gap is over (``t`` may round below it)
+        if not update_due(material, since_s, self._min_gap_s, self._heartbeat_s):
+            return
+        self._sent, self._sent_s = view, t
         self._room_seq += 1
-        update = RoomUpdate(seq=self._room_seq, at_ms=self.clock.now_ms(), view=view)
+        update = RoomUpdate(
+            seq=self._room_seq, at_ms=self.clock.now_ms(), heartbeat=not material, view=view
+        )
         await self._handle(await self.queue.on_room(update), t)
 
     async def _handle(self, outcomes: list[Outcome], t: float) -> None:

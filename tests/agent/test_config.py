@@ -39,7 +39,7 @@ def test_sources_in_priority_order(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         150,
         ["a:1", "b:2"],
     )
-    assert s.lease.itl_slo_ms == 30 and s.lease.horizon_ms == 3000 and s.ttl_ms == 450
+    assert s.lease.itl_slo_ms == 30 and s.lease.horizon_ms == 3000 and s.ttl_ms == 900
     monkeypatch.setenv("CROSSFLOW_AGENT_PERIOD_MS", "120")
     monkeypatch.setenv("CROSSFLOW_AGENT_LEASE__ITL_SLO_MS", "40")
     s = load_settings(yaml_file)

@@ -127,7 +127,7 @@ async def test_leases_reach_the_broker_and_cordon_zeroes_them(brokers, metrics_s
 
         first = await eventually(live_credit, "a lease with credit")
         assert first.epoch == run.agent.epoch and first.zero_reason is None
-        assert first.itl_slo_ms == 50.0 and first.ttl_ms == 150
+        assert first.itl_slo_ms == 50.0 and first.ttl_ms == 300
 
         await admin.cordon("n1", reason="test")
 
@@ -496,7 +496,7 @@ async def test_a_prefill_agent_reports_pool_load(brokers, metrics_server) -> Non
 
             [report] = await eventually(reported, "a pool load report")
             assert report.node_id == "p1" and report.queued_requests == 3 + 1 + 1
-            assert report.ttl_ms == 150
+            assert report.ttl_ms == 300
             view = await admin.get_node("p1")
             assert view.node.state.lease is None  # prefill agents send no leases
     finally:

@@ -55,6 +55,7 @@ class FakeAgent:
         last_notice_seq: int = 0,
         credentials: ClientCredentials | None = None,
         notice_batches: bool = False,
+        refusal_acks: bool = False,
     ) -> None:
         self.node_id = node_id
         self.epoch = epoch
@@ -67,6 +68,7 @@ class FakeAgent:
             labels=labels or {},
             last_notice_seq=last_notice_seq,
             notice_batches=notice_batches,
+            refusal_acks=refusal_acks,
         )
         self._channel = open_channel(target, credentials)
         self._stub = lease_pb2_grpc.LeaseServiceStub(self._channel)

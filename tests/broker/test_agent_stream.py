@@ -16,6 +16,7 @@ from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.broker.streams import _batch_response, _End, _Out
 from crossflow_ctl.client import AdmissionClient
 from crossflow_ctl.domain.admission import Decision
+from tests.broker.agents import FakeAgent
 from tests.broker.conftest import target
 
 LEASES = 30
@@ -117,3 +118,47 @@ def test_a_batch_response_is_the_batch_in_a_connect_response(count: int) -> None
     assert response.SerializeToString() == expected.SerializeToString()
     batch.notices.add(seq=99)
     assert len(response.notices.notices) == count
+
+
+async def test_refusal_acks_ack_refused_leases_only_and_heartbeats_ack_the_rest(
+    cluster, agents
+) -> None:
+    """An agent that says Hello.refusal_acks hears of refused leases only; each heartbeat's
+    answer names the newest lease accepted before it (a cumulative ack)."""
+    server = await cluster.start()
+    decode = await agents(server, "d1", refusal_acks=True)
+    before = await _beat(decode)
+    assert (before.acked_epoch, before.acked_version) == (0, 0)
+    for _ in range(5):
+        await decode.write_lease(credits={"slots": 1})
+    beat = await _beat(decode)
+    assert (beat.acked_epoch, beat.acked_version) == (1, 5)
+    assert decode.acks.empty(), "accepted leases are not acked one by one"
+    decode.version = 2  # a stale one: refused, acked with the stored version
+    await decode.write_lease(credits={"slots": 1})
+    async with asyncio.timeout(5):
+        refused = await decode.acks.get()
+    assert refused.result == lease_pb2.LEASE_RESULT_STALE
+    assert (refused.version, refused.stored_version) == (3, 5)
+    beat = await _beat(decode)
+    assert beat.acked_version == 5, "the refused lease is not acked as accepted"
+    decode.version = 9
+    await decode.write_lease(credits={"slots": 2})
+    assert (await _beat(decode)).acked_version == 10
+    assert decode.acks.empty()
+    assert decode.ended is None
+
+
+async def test_without_refusal_acks_every_lease_is_acked_as_before(cluster, agents) -> None:
+    """An agent that predates refusal acks still gets an ack per lease."""
+    server = await cluster.start()
+    decode = await agents(server, "d1")
+    ack = await decode.send_lease(credits={"slots": 1})
+    assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
+    assert (await _beat(decode)).acked_version == 1
+
+
+async def _beat(agent: FakeAgent) -> lease_pb2.Heartbeat:
+    await agent.write_heartbeat()
+    async with asyncio.timeout(5):
+        return await agent.heartbeats.get()

@@ -11,6 +11,7 @@ import statistics
 from crossflow_ctl.domain.capacity import NODE_PRESETS, roofline
 from crossflow_ctl.domain.online_calibration import CalibrationSettings
 from crossflow_ctl.domain.step_fit import FitStatus
+from crossflow_ctl.sim.agents import STORED_LEASE_FIGURES
 from crossflow_ctl.sim.cluster import Simulation
 from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.metrics import RunRecord, summarize
@@ -77,7 +78,7 @@ async def test_agents_from_a_slower_preset_calibrate_and_lend_again() -> None:
 def _fields(rec: RunRecord) -> dict[str, object]:
     """Every figure of a run but its wall time and its count of events (the prefill agents
     still sleep with fast-forward, so fewer events run)."""
-    skip = ("wall_s", "sim_events")
+    skip = ("wall_s", "sim_events", *STORED_LEASE_FIGURES)
     return {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec) if f.name not in skip}
 
 

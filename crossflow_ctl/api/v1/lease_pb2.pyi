@@ -96,6 +96,7 @@ class Hello(_message.Message):
     LAST_NOTICE_SEQ_FIELD_NUMBER: _builtins.int
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
     NOTICE_BATCHES_FIELD_NUMBER: _builtins.int
+    REFUSAL_ACKS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     role: _common_pb2.NodeRole.ValueType
     epoch: _builtins.int
@@ -107,6 +108,12 @@ class Hello(_message.Message):
     notice_batches: _builtins.bool
     """The agent takes ConnectResponse.notices (all the notices one read found, in one message);
     without it the broker sends each notice in its own ConnectResponse.notice.
+    """
+    refusal_acks: _builtins.bool
+    """The agent takes refusal-only acks: the broker sends a LeaseAck only for a refused lease
+    (STALE or INVALID) and answers each Heartbeat with the newest lease it accepted on this
+    stream (Heartbeat.acked_epoch/acked_version), a cumulative ack of every lease sent before
+    that heartbeat and not refused. Without it the broker acks every lease.
     """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
@@ -121,10 +128,11 @@ class Hello(_message.Message):
         last_notice_seq: _builtins.int = ...,
         agent_version: _builtins.str = ...,
         notice_batches: _builtins.bool = ...,
+        refusal_acks: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "epoch", b"epoch", "labels", b"labels", "last_notice_seq", b"last_notice_seq", "node_id", b"node_id", "notice_batches", b"notice_batches", "pool", b"pool", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "epoch", b"epoch", "labels", b"labels", "last_notice_seq", b"last_notice_seq", "node_id", b"node_id", "notice_batches", b"notice_batches", "pool", b"pool", "refusal_acks", b"refusal_acks", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -135,15 +143,24 @@ class Heartbeat(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SENT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    ACKED_EPOCH_FIELD_NUMBER: _builtins.int
+    ACKED_VERSION_FIELD_NUMBER: _builtins.int
     sent_unix_ms: _builtins.int
+    acked_epoch: _builtins.int
+    """Broker to agent only: the newest (epoch, version) the broker accepted on this stream before
+    answering this heartbeat (0, 0: none yet). Set for an agent that said Hello.refusal_acks.
+    """
+    acked_version: _builtins.int
     def __init__(
         self,
         *,
         sent_unix_ms: _builtins.int = ...,
+        acked_epoch: _builtins.int = ...,
+        acked_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sent_unix_ms", b"sent_unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_epoch", b"acked_epoch", "acked_version", b"acked_version", "sent_unix_ms", b"sent_unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -50,7 +50,9 @@ class LeaseServiceServicer:
         """The agent sends a Hello first, then leases (decode role) or pool load
         (prefill role) and heartbeats. The broker answers with a Welcome, an ack
         per lease, notices (grants, releases, directives) for the node, and new
-        SessionSettings when the shared policy changes them.
+        SessionSettings when the shared policy changes them. An agent that says
+        Hello.refusal_acks gets acks for refused leases only, and a cumulative ack on each
+        heartbeat answer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -37,7 +37,9 @@ class LeaseServiceStub:
     """The agent sends a Hello first, then leases (decode role) or pool load
     (prefill role) and heartbeats. The broker answers with a Welcome, an ack
     per lease, notices (grants, releases, directives) for the node, and new
-    SessionSettings when the shared policy changes them.
+    SessionSettings when the shared policy changes them. An agent that says
+    Hello.refusal_acks gets acks for refused leases only, and a cumulative ack on each
+    heartbeat answer.
     """
 
 @_typing.type_check_only
@@ -49,7 +51,9 @@ class LeaseServiceAsyncStub(LeaseServiceStub):
     """The agent sends a Hello first, then leases (decode role) or pool load
     (prefill role) and heartbeats. The broker answers with a Welcome, an ack
     per lease, notices (grants, releases, directives) for the node, and new
-    SessionSettings when the shared policy changes them.
+    SessionSettings when the shared policy changes them. An agent that says
+    Hello.refusal_acks gets acks for refused leases only, and a cumulative ack on each
+    heartbeat answer.
     """
 
 class LeaseServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -64,7 +68,9 @@ class LeaseServiceServicer(metaclass=_abc_1.ABCMeta):
         """The agent sends a Hello first, then leases (decode role) or pool load
         (prefill role) and heartbeats. The broker answers with a Welcome, an ack
         per lease, notices (grants, releases, directives) for the node, and new
-        SessionSettings when the shared policy changes them.
+        SessionSettings when the shared policy changes them. An agent that says
+        Hello.refusal_acks gets acks for refused leases only, and a cumulative ack on each
+        heartbeat answer.
         """
 
 def add_LeaseServiceServicer_to_server(servicer: LeaseServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
