@@ -15,7 +15,12 @@ from typing import Literal
 import click
 
 from crossflow_ctl.client.holding import QueueConfig
-from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS
+from crossflow_ctl.domain.capacity import (
+    MODEL_PRESETS,
+    NODE_PRESETS,
+    decode_kv_capacity_tokens,
+    server_profile,
+)
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import MAX_HORIZON_MS
@@ -32,7 +37,14 @@ from crossflow_ctl.sim.metrics import RunRecord, summarize
 from crossflow_ctl.sim.prefix_cache import CacheScope
 from crossflow_ctl.sim.ratios import trace_ratios
 from crossflow_ctl.sim.report import write_report
-from crossflow_ctl.sim.sweep import plan_runs, run_sweep, run_sweep_on_redis
+from crossflow_ctl.sim.saturation import saturating_load, saturation_lines
+from crossflow_ctl.sim.sweep import (
+    RunSpec,
+    plan_runs,
+    run_sweep,
+    run_sweep_on_redis,
+    sweep_failures,
+)
 from crossflow_ctl.sim.synthetic import AgenticSpec, generate_agentic
 from crossflow_ctl.sim.traces import Trace, load_trace
 
@@ -89,7 +101,9 @@ def _quiet_logs() -> None:
     "loads",
     default="1,4,16",
     show_default=True,
-    help="Time compressions to run, comma-separated (4: four times the arrival rate).",
+    help="Time compressions to run, comma-separated (4: four times the arrival rate); auto: "
+    "per trace, the load at which the best static split falls 10% short of the offered input "
+    "tokens/s, and 2x and 4x it.",
 )
 @click.option(
     "--splits",
@@ -126,11 +140,19 @@ def _quiet_logs() -> None:
     "--hardware", type=click.Choice(sorted(NODE_PRESETS)), default="h200", show_default=True
 )
 @click.option(
-    "--kv-capacity-tokens",
-    type=click.IntRange(1, 1_000_000_000),
-    default=1_000_000,
+    "--gpus-per-server",
+    type=click.IntRange(1, 72),
+    default=1,
     show_default=True,
-    help="KV cache of each decode server, in tokens.",
+    help="GPUs of --hardware in each prefill and decode server, one model replica across them "
+    "(glm-5.2's 744 GB of weights need 4 GB300s).",
+)
+@click.option(
+    "--kv-capacity-tokens",
+    default="auto",
+    show_default=True,
+    help="KV cache of each decode server, in tokens; auto: sized from the hardware's HBM and "
+    "the model (weights, a 10% reserve, sliding-window layers; docs/capacity.md).",
 )
 @click.option(
     "--itl-slo-ms",
@@ -220,6 +242,13 @@ def _quiet_logs() -> None:
     "--redis", "redis_url", metavar="URL", help="Run on a RedisStore at this URL (one job)."
 )
 @click.option(
+    "--check/--no-check",
+    default=True,
+    show_default=True,
+    help="Exit 1 when a leases run breaks the ITL SLO, over-commits, or is worse than static "
+    "on its own split in mean TTFT or drain-inclusive tokens/s (the report is written first).",
+)
+@click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
     help="Output folder (default ./reports/sim-<UTC time>).",
@@ -236,7 +265,8 @@ def sim(
     limit: int | None,
     model: str,
     hardware: str,
-    kv_capacity_tokens: int,
+    gpus_per_server: int,
+    kv_capacity_tokens: str,
     itl_slo_ms: float,
     horizon_ms: int,
     borrow_share: float,
@@ -251,6 +281,7 @@ def sim(
     seed: int,
     jobs: int,
     redis_url: str | None,
+    check: bool,
     out: Path | None,
 ) -> None:
     """Replay traces through a simulated P/D cluster; write a markdown report with plots."""
@@ -258,9 +289,11 @@ def sim(
         raise click.UsageError("give --trace FILE and/or --synthetic")
     _quiet_logs()
     # the flags first: a typo is refused before a large trace is read
-    scales = _floats(loads, "--load")
+    auto = loads.strip().lower() == "auto"
+    scales = [] if auto else _floats(loads, "--load")
     split_list, borrow_list = _splits(splits, "--splits"), _splits(borrow_splits, "--borrow-splits")
     policy_list = _policies(policies)
+    kv_tokens = _kv_tokens(kv_capacity_tokens, model, hardware, gpus_per_server)
     loaded: list[Trace] = []
     for path in traces:
         try:
@@ -287,7 +320,8 @@ def sim(
     base = SimConfig(
         model=model,
         hardware=hardware,
-        kv_capacity_tokens=kv_capacity_tokens,
+        gpus_per_server=gpus_per_server,
+        kv_capacity_tokens=kv_tokens,
         cache_scope=CacheScope(cache_scope),
         seed=seed,
         lease=LeaseSettings(itl_slo_ms=itl_slo_ms, horizon_ms=horizon_ms),
@@ -301,7 +335,11 @@ def sim(
         ),
         prefill_room_ms=prefill_room_ms,
     )
-    runs = plan_runs(loaded, scales, base, split_list, borrow_list, policy_list)
+    notes: list[str] = []
+    if auto:
+        runs = _auto_runs(loaded, base, split_list, borrow_list, policy_list, jobs, notes)
+    else:
+        runs = plan_runs(loaded, scales, base, split_list, borrow_list, policy_list)
     out_dir = out or Path("reports") / datetime.now(UTC).strftime("sim-%Y%m%d-%H%M%S")
     started = time.perf_counter()
     total = sum(len(r.trace.requests) for r in runs)
@@ -318,7 +356,7 @@ def sim(
     wall = time.perf_counter() - started
     _check_measured(records, warmup_s)
     command = "crossflowctl " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    path = write_report(out_dir, records, base, command=command, show_wall=True)
+    path = write_report(out_dir, records, base, command=command, show_wall=True, notes=notes)
     for s in (summarize(r) for r in records):
         click.echo(
             f"{s.trace} {s.scale:g}x {s.label}: TTFT mean {s.ttft_mean_ms:.0f} ms, "
@@ -327,6 +365,55 @@ def sim(
             f"over-commit {s.overcommits}"
         )
     click.echo(f"report: {path} ({len(runs)} runs in {wall:.1f} s)")
+    failures = sweep_failures([summarize(r) for r in records], itl_slo_ms)
+    if failures and check:
+        raise click.ClickException(
+            f"{len(failures)} sweep check(s) failed (see the report's Checks):\n"
+            + "\n".join(failures)
+        )
+
+
+def _auto_runs(
+    traces: Sequence[Trace],
+    base: SimConfig,
+    splits: Sequence[tuple[int, int]],
+    borrow_splits: Sequence[tuple[int, int]],
+    policies: Sequence[PolicyKind],
+    jobs: int,
+    notes: list[str],
+) -> list[RunSpec]:
+    """``--load auto``: per trace, its saturating load and 2x and 4x it (how each was found is
+    added to ``notes`` and echoed)."""
+    runs: list[RunSpec] = []
+    for trace in traces:
+        found, probes = saturating_load(trace, base, splits, jobs=jobs)
+        lines = saturation_lines(trace.name, found, probes)
+        notes += lines
+        click.echo(lines[-2], err=True)
+        loads = [found, 2 * found, 4 * found]
+        runs += plan_runs([trace], loads, base, splits, borrow_splits, policies)
+    return runs
+
+
+def _kv_tokens(text: str, model: str, hardware: str, gpus: int) -> int:
+    """``--kv-capacity-tokens``: a count, or ``auto`` (sized from the hardware and the model)."""
+    if text.strip().lower() == "auto":
+        node = server_profile(NODE_PRESETS[hardware], gpus)
+        tokens = decode_kv_capacity_tokens(MODEL_PRESETS[model], node, SimConfig().max_batch)
+        if tokens <= 0:
+            raise InvalidArgument(
+                f"{model}'s weights leave no KV room on a server of {gpus} {hardware}: give a"
+                " count or more --gpus-per-server",
+                field="--kv-capacity-tokens",
+            )
+        return tokens
+    try:
+        tokens = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise InvalidArgument("give a token count or auto", field="--kv-capacity-tokens") from None
+    if not 1 <= tokens <= 1_000_000_000:
+        raise InvalidArgument("give 1 to 1,000,000,000 tokens", field="--kv-capacity-tokens")
+    return tokens
 
 
 def _check_measured(records: Sequence[RunRecord], warmup_s: float) -> None:

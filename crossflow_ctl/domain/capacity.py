@@ -81,6 +81,20 @@ class ModelSpec(Frozen):
     sliding_window_tokens: Annotated[int, Field(ge=0, le=10_000_000)] = 0
     sliding_layers: Annotated[int, Field(ge=0, le=1000)] = 0
     """Layers that attend only to the last ``sliding_window_tokens`` tokens."""
+    kv_latent_dim: Annotated[int, Field(ge=0, le=65_536)] = 0
+    """MLA: values cached per token per layer (the compressed KV latent plus the decoupled rope
+    key); 0: K and V of every KV head (``2 * kv_heads * head_dim``)."""
+    attention_dim: Annotated[int, Field(ge=0, le=65_536)] = 0
+    """Per query head, the dims of the QK and the PV products summed (MLA with absorbed
+    weights: latent + rope, plus latent); 0: ``2 * head_dim``."""
+    sparse_topk_tokens: Annotated[int, Field(ge=0, le=10_000_000)] = 0
+    """DeepSeek-style sparse attention: each query attends to at most this many past tokens
+    (chosen by an indexer), on every layer; every token stays cached. 0: dense attention."""
+    indexer_heads: Annotated[int, Field(ge=0, le=1024)] = 0
+    indexer_head_dim: Annotated[int, Field(ge=0, le=4096)] = 0
+    """The sparse attention's indexer, which scores every past token for every query."""
+    indexer_kv_bytes: NonNegative = 0.0
+    """Bytes per token per layer of the indexer's key cache."""
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
@@ -92,12 +106,36 @@ class ModelSpec(Frozen):
             raise ValueError("sliding_layers must not exceed layers")
         if self.sliding_layers and not self.sliding_window_tokens:
             raise ValueError("sliding_layers needs sliding_window_tokens")
+        if self.sparse_topk_tokens and self.sliding_layers:
+            raise ValueError("sparse_topk_tokens and sliding_layers do not combine")
         return self
 
     @property
+    def attention_kv_bytes(self) -> float:
+        """Bytes the attention reads per cached token per layer (K and V, or the MLA latent)."""
+        values = self.kv_latent_dim or 2 * self.kv_heads * self.head_dim
+        return values * self.kv_dtype_bytes
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V, every layer, every KV head (what a token's cache entry occupies)."""
-        return int(2 * self.layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes)
+        """Every layer's cache entry for one token (what it occupies, and what a transfer
+        moves)."""
+        return int(self.layers * self.kv_layer_bytes_per_token)
+
+    @property
+    def kv_layer_bytes_per_token(self) -> int:
+        """One token's cache entry in one layer: K and V (or the MLA latent), and the sparse
+        attention indexer's key."""
+        return int(self.attention_kv_bytes + self.indexer_kv_bytes)
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of all weights as served (dense at ``param_bytes``, experts at
+        ``expert_param_bytes``)."""
+        experts = self.expert_params if self.experts else 0.0
+        return (self.total_params - experts) * self.param_bytes + experts * (
+            self.expert_param_bytes or self.param_bytes
+        )
 
 
 class NodeProfile(Frozen):
@@ -121,6 +159,8 @@ class NodeProfile(Frozen):
     """Host work per request in the step."""
     gemm_tile_rows: Annotated[int, Field(ge=1, le=1024)] = 1
     """Rows a GEMM computes at least per weight matrix it touches (tensor-core M tile)."""
+    hbm_capacity_bytes: NonNegative = 0.0
+    """HBM on the GPU (the datasheet's GB, 1e9 bytes); 0: not known (KV cannot be sized)."""
 
 
 class StepShape(Frozen):
@@ -185,6 +225,11 @@ class Roofline:
     full_layers: float
     window_layers: float
     window: float
+    index_flops: float = 0.0
+    """Indexer FLOPs per (query, key) pair per layer, over every past token (0: no indexer)."""
+    index_bytes: float = 0.0
+    """Indexer key bytes read per past token per layer."""
+    index_layers: float = 0.0
     gemm_s: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
     """GPU time of the dense and expert groups by tokens in the step (a function of that count
     alone), as :meth:`step_s` meets each count: the lease arithmetic asks for the same few."""
@@ -194,6 +239,18 @@ class Roofline:
         expert_params = model.expert_params if model.experts else 0.0
         dense_params = model.total_params - expert_params
         experts = float(model.experts)
+        # sparse attention attends to at most top-k tokens a query: a window's cost on every
+        # layer (the tokens chosen are not the last ones, but as many); its indexer reads all
+        full_layers, window_layers, window = (
+            (0.0, float(model.layers), float(model.sparse_topk_tokens))
+            if model.sparse_topk_tokens
+            else (
+                float(model.layers - model.sliding_layers),
+                float(model.sliding_layers),
+                float(model.sliding_window_tokens),
+            )
+        )
+        indexed = model.indexer_heads * model.indexer_head_dim
         return cls(
             inv_flops=1.0 / node.flops_per_s,
             inv_bw=1.0 / node.hbm_bytes_per_s,
@@ -209,11 +266,14 @@ class Roofline:
             keep=1.0 - model.experts_per_token / experts if experts else 1.0,
             expert_bytes=expert_params * (model.expert_param_bytes or model.param_bytes),
             expert_flops_per_row=2.0 * expert_params / experts if experts else 0.0,
-            attn_flops=4.0 * model.q_heads * model.head_dim,
-            kv_layer_bytes=2.0 * model.kv_heads * model.head_dim * model.kv_dtype_bytes,
-            full_layers=float(model.layers - model.sliding_layers),
-            window_layers=float(model.sliding_layers),
-            window=float(model.sliding_window_tokens),
+            attn_flops=2.0 * model.q_heads * (model.attention_dim or 2 * model.head_dim),
+            kv_layer_bytes=model.attention_kv_bytes,
+            full_layers=full_layers,
+            window_layers=window_layers,
+            window=window,
+            index_flops=2.0 * indexed,
+            index_bytes=model.indexer_kv_bytes,
+            index_layers=float(model.layers) if indexed else 0.0,
         )
 
     def groups(
@@ -238,8 +298,12 @@ class Roofline:
             windowed = min(context, batch * w)
             pairs += self.window_layers * (windowed + chunk * min(chunk / 2.0 + prefix, w))
             read += self.window_layers * (windowed + min(prefix, w) + chunk)
-        attention = (self.attn_flops * pairs, self.kv_layer_bytes * read)
-        return dense, expert, attention
+        flops, nbytes = self.attn_flops * pairs, self.kv_layer_bytes * read
+        if self.index_layers:
+            every = self.index_layers
+            flops += self.index_flops * every * (context + chunk * (chunk / 2.0 + prefix))
+            nbytes += self.index_bytes * every * (context + prefix + chunk)
+        return dense, expert, (flops, nbytes)
 
     def cost(self, batch: int, context: int, chunk: int = 0, prefix: int = 0) -> StepCost:
         if batch == 0 and chunk == 0:
@@ -274,6 +338,10 @@ class Roofline:
             read += self.window_layers * (windowed + (prefix if prefix < w else w) + chunk)
         t_c = self.attn_flops * pairs * inv_f
         t_m = self.kv_layer_bytes * read * inv_b
+        if self.index_layers:  # sparse attention's indexer: every past token, every layer
+            every = self.index_layers
+            t_c += self.index_flops * every * (context + chunk * (chunk / 2.0 + prefix)) * inv_f
+            t_m += self.index_bytes * every * (context + prefix + chunk) * inv_b
         gpu += t_c + pen * t_m if t_c > t_m else t_m + pen * t_c
         host = self.host_s + self.host_req_s * (batch + 1 if chunk else batch)
         return (gpu if gpu > host else host) + self.overhead_s
@@ -365,6 +433,35 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         experts_per_token=8,
         expert_params=340e9,
     ),
+    # GLM-5.2 (GlmMoeDsaForCausalLM): no config.json of GLM-5.2 itself was found in public
+    # sources; its family's (GLM-5, GLM-5.1, the same architecture) is used, matching what issue
+    # 33 states: 78 layers (3 dense, 75 MoE), hidden 6144, 64 heads, MLA (q_lora 2048, kv_lora
+    # 512, rope 64, qk 192, v 256), 256 routed experts of 2048 top-8 plus 1 shared, DSA indexer
+    # 32 heads x 128 over a top-2048 of past tokens, 744B parameters, FP8 weights
+    # (docs/capacity.md).
+    # Expert params: 75 layers x 256 x 3 x 6144 x 2048. Assumed: bf16 latent KV, an fp8 indexer
+    # key with a 4-byte scale.
+    "glm-5.2": ModelSpec(
+        name="glm-5.2",
+        layers=78,
+        q_heads=64,
+        kv_heads=1,
+        head_dim=192,
+        active_params=40e9,
+        total_params=744e9,
+        param_bytes=1.0,
+        kv_dtype_bytes=2.0,
+        experts=256,
+        experts_per_token=8,
+        expert_params=75 * 256 * 3 * 6144 * 2048,
+        expert_param_bytes=1.0,
+        kv_latent_dim=512 + 64,
+        attention_dim=(512 + 64) + 512,
+        sparse_topk_tokens=2048,
+        indexer_heads=32,
+        indexer_head_dim=128,
+        indexer_kv_bytes=128 + 4,
+    ),
     "llama-3.1-8b": ModelSpec(
         name="llama-3.1-8b",
         layers=32,
@@ -387,15 +484,24 @@ _HOPPER = {
 }
 NODE_PRESETS: dict[str, NodeProfile] = {
     "h100": NodeProfile(
-        name="h100", flops_per_s=0.7 * 989e12, hbm_bytes_per_s=0.85 * 3.35e12, **_HOPPER
+        name="h100",
+        flops_per_s=0.7 * 989e12,
+        hbm_bytes_per_s=0.85 * 3.35e12,
+        hbm_capacity_bytes=80e9,
+        **_HOPPER,
     ),
     "h200": NodeProfile(
-        name="h200", flops_per_s=0.7 * 989e12, hbm_bytes_per_s=0.85 * 4.8e12, **_HOPPER
+        name="h200",
+        flops_per_s=0.7 * 989e12,
+        hbm_bytes_per_s=0.85 * 4.8e12,
+        hbm_capacity_bytes=141e9,
+        **_HOPPER,
     ),
     "gb300": NodeProfile(
         name="gb300",
         flops_per_s=0.7 * 2.5e15,
         hbm_bytes_per_s=0.85 * 8e12,
+        hbm_capacity_bytes=288e9,
         network_bytes_per_s=100e9,
         overlap_penalty=1.0,
         gemm_tile_rows=128,
@@ -404,6 +510,48 @@ NODE_PRESETS: dict[str, NodeProfile] = {
         step_overhead_s=0.0005,
     ),
 }
+
+
+@lru_cache(maxsize=64)
+def server_profile(node: NodeProfile, gpus: int) -> NodeProfile:
+    """One server of ``gpus`` GPUs like ``node`` serving one model replica (tensor and expert
+    parallel across them): FLOP/s, HBM bandwidth and capacity and network scale with the GPUs,
+    ideally (no collective cost: optimistic for both pools alike); the engine's host work does
+    not. Models whose weights exceed one GPU (glm-5.2: 744 GB) need it."""
+    if gpus <= 1:
+        return node
+    return node.model_copy(
+        update={
+            "name": f"{node.name}x{gpus}",
+            "flops_per_s": node.flops_per_s * gpus,
+            "hbm_bytes_per_s": node.hbm_bytes_per_s * gpus,
+            "hbm_capacity_bytes": node.hbm_capacity_bytes * gpus,
+            "network_bytes_per_s": node.network_bytes_per_s * gpus,
+        }
+    )
+
+
+KV_MEMORY_RESERVE = 0.10
+"""Share of HBM an engine leaves to activations, CUDA graphs and the allocator: vLLM's
+``gpu_memory_utilization`` defaults to 0.9 (docs/capacity.md)."""
+
+
+def decode_kv_capacity_tokens(
+    model: ModelSpec, node: NodeProfile, max_batch: int, reserve: float = KV_MEMORY_RESERVE
+) -> int:
+    """KV tokens one decode server holds: HBM less the reserve and the weights, less the
+    sliding-window layers' KV (at most ``window`` tokens per request, for a full batch of
+    ``max_batch``), over the bytes a token takes on the full-attention layers. 0 when the node's
+    HBM is not known or the weights leave no room."""
+    if node.hbm_capacity_bytes <= 0:
+        return 0
+    per_layer = model.kv_layer_bytes_per_token
+    windows = model.sliding_layers * model.sliding_window_tokens * per_layer * max_batch
+    free = node.hbm_capacity_bytes * (1.0 - reserve) - model.weight_bytes - windows
+    per_token = (model.layers - model.sliding_layers) * per_layer
+    if free <= 0 or per_token <= 0:
+        return 0
+    return int(free // per_token)
 
 
 def prefill_time_s(roof: Roofline, uncached: int, cached: int, chunk_tokens: int) -> float:

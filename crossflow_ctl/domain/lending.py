@@ -190,11 +190,38 @@ def best_chunk(
     return best * step, t_of(best)
 
 
+FINE_STEPS = 16
+"""Below one grid step, chunks are sized in ``step // FINE_STEPS`` pieces (16 tokens for the
+256-token grid: vLLM's KV block)."""
+
+
+def fine_chunk(
+    roof: Roofline,
+    budget_s: float,
+    batch: int,
+    context: int,
+    prefix: int,
+    step: int,
+    base_s: float | None = None,
+) -> tuple[int, float]:
+    """(the best chunk below one grid ``step``, in ``step // FINE_STEPS`` pieces, within the
+    budget, its t); (0, 0.0) when not even one piece fits. Asked only when no grid chunk fits:
+    over a long prefix (agent contexts past 80k tokens) with a padded MoE, one grid step alone
+    can outlast the budget while a few pieces still fit."""
+    fine = max(1, step // FINE_STEPS)
+    if fine >= step:
+        return 0, 0.0
+    return best_chunk(roof, budget_s, batch, context, prefix, fine, step - fine, base_s)
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkSizer:
     """An engine's borrowed-chunk rule: the best-rate grid chunk that keeps the step within the
-    ITL budget for this prompt's prefix at the current decode load (at least one grid step, so
-    work in hand always progresses)."""
+    ITL budget for this prompt's prefix at the current decode load; when no grid chunk fits, the
+    best smaller one (:func:`fine_chunk`); when none fits at all, no chunk (0: the step decodes
+    only and the prompt waits for a lighter batch). The budget is never broken for borrowed
+    work: with no decode request running there is no ITL to break, and the smallest piece runs,
+    so work in hand always progresses."""
 
     roof: Roofline
     budget_s: float
@@ -202,13 +229,19 @@ class ChunkSizer:
     max_chunk: int
 
     def chunk(self, batch: int, context: int, prefix: int, guess: int = 0) -> int:
-        """The chunk for a prompt over ``prefix`` at this decode load; ``guess``: a likely one
-        (the prompt's last), which changes nothing but the work (:func:`best_chunk`)."""
+        """The chunk for a prompt over ``prefix`` at this decode load (0: not this step);
+        ``guess``: a likely one (the prompt's last), which changes nothing but the work
+        (:func:`best_chunk`)."""
         size, _ = best_chunk(
             self.roof, self.budget_s, batch, context, prefix, self.step, self.max_chunk,
             guess=guess,
         )  # fmt: skip
-        return size or self.step
+        if size:
+            return size
+        size, _ = fine_chunk(self.roof, self.budget_s, batch, context, prefix, self.step)
+        if size or batch > 0:
+            return size
+        return max(1, self.step // FINE_STEPS)
 
 
 class PrefillCoefficients(NamedTuple):
@@ -240,8 +273,9 @@ def prefill_coefficients(
 ) -> tuple[PrefillCoefficients, int]:
     """``a`` and ``b`` at the current decode load: the line through the engine's per-token time
     with no prefix and with ``FAR_PREFIX_TOKENS`` of prefix, each run in its own best chunk (as
-    :class:`ChunkSizer` does; the smallest grid chunk when none fits the budget); and the best
-    chunk over the far prefix (0: none fits, or no line: ``chunk`` is 0).
+    :class:`ChunkSizer` does, below the grid when no grid chunk fits; one grid step when nothing
+    fits the budget); and the best grid chunk over the far prefix (0: none fits, or no line:
+    ``chunk`` is 0).
 
     ``chunk`` / ``chunk_s`` are the best chunk with no prefix and its step time; ``far_guess``:
     a likely best chunk over the far prefix (the last one), which changes nothing but the work
@@ -256,6 +290,8 @@ def prefill_coefficients(
         roof, budget_s, batch, context, FAR_PREFIX_TOKENS, step, max_chunk, base_s, far_guess
     )
     far = best
+    if far == 0:  # as the engine would run it: a smaller chunk, or one grid step at worst
+        far, t_far = fine_chunk(roof, budget_s, batch, context, FAR_PREFIX_TOKENS, step, base_s)
     if far == 0:
         far, t_far = step, roof.step_s(batch, context, step, FAR_PREFIX_TOKENS)
     slope = max(0.0, (t_far / far - s0) / FAR_PREFIX_TOKENS)

@@ -77,7 +77,8 @@ class Simulation:
         self.record = RunRecord(label=config.label, trace=trace.name, scale=trace.scale)
         self.window_s = config.window_s / trace.scale
         self._win: dict[int, list[float]] = {}
-        self._finishes: list[tuple[float, int, int]] = []
+        self._finishes: list[tuple[float, int, int, float, float]] = []
+        """(finish, input tokens, output tokens, prefill end, first token) of every request."""
         """(finish, input, output tokens) of every served request, for the steady-state window."""
         self.control = (
             ControlPlane(
@@ -280,7 +281,10 @@ class Simulation:
         win[2] += req.borrowed
         win[3] += ttft
         win[4] += 1
-        self._finishes.append((req.finish_s, req.input_tokens, req.output_tokens))
+        prefilled = req.prefilled_s if req.prefilled_s >= 0.0 else req.first_token_s
+        self._finishes.append(
+            (req.finish_s, req.input_tokens, req.output_tokens, prefilled, req.first_token_s)
+        )
         if not req.measured:
             return
         rec.measured += 1
@@ -303,9 +307,9 @@ class Simulation:
         end = max((r.release_s for r in self.reqs.values()), default=0.0)
         if end > start:
             rec.steady_s = end - start
-            inside = [f for f in self._finishes if start <= f[0] <= end]
-            rec.steady_input_tokens = sum(f[1] for f in inside)
-            rec.steady_output_tokens = sum(f[2] for f in inside)
+            rec.steady_input_tokens, rec.steady_output_tokens = work_inside(
+                self._finishes, start, end
+            )
         end = self.now
         rec.busy_s = sum(p.busy_until(end) for p in self.prefill) + sum(
             d.busy_until(end) for d in self.decode
@@ -326,6 +330,28 @@ class Simulation:
         ]
         rec.sim_events = events
         rec.wall_s = wall_s
+
+
+def work_inside(
+    requests: list[tuple[float, int, int, float, float]], start: float, end: float
+) -> tuple[int, int]:
+    """(input, output) tokens the cluster worked through inside ``[start, end]``, whoever they
+    belong to: a prompt's input tokens when its prefill ended inside, and its output tokens
+    pro rata of its decode time inside (all of them when it decoded one token inside). Every
+    policy is judged on the work of the same window, not on the requests that happened to
+    finish in it: counting finished requests favoured the policy that finishes small prompts
+    first (issue 33: a steady output/input ratio of 2.55 % against 0.79 % over all requests)."""
+    tokens_in, tokens_out = 0, 0.0
+    for finish, inp, out, prefilled, first in requests:
+        if start <= prefilled <= end:
+            tokens_in += inp
+        if finish > first:
+            inside = min(finish, end) - max(first, start)
+            if inside > 0:
+                tokens_out += out * inside / (finish - first)
+        elif start <= first <= end:
+            tokens_out += out
+    return tokens_in, round(tokens_out)
 
 
 async def simulate(

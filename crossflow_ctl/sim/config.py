@@ -9,7 +9,13 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from crossflow_ctl.client.holding import QueueConfig
-from crossflow_ctl.domain.capacity import MODEL_PRESETS, NODE_PRESETS, ModelSpec, NodeProfile
+from crossflow_ctl.domain.capacity import (
+    MODEL_PRESETS,
+    NODE_PRESETS,
+    ModelSpec,
+    NodeProfile,
+    server_profile,
+)
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.lease_credits import LeaseSettings
 from crossflow_ctl.domain.models import Frozen
@@ -40,6 +46,9 @@ class SimConfig(Frozen):
     agent_calibration: CalibrationSettings = CalibrationSettings(enabled=False)
     """The agents' online calibration from their servers' step counters (off by default: the
     agents price with ``agent_hardware``'s profile, or the truth)."""
+    gpus_per_server: Annotated[int, Field(ge=1, le=72)] = 1
+    """GPUs of ``hardware`` in each server, one model replica across them
+    (:func:`~crossflow_ctl.domain.capacity.server_profile`)."""
     prefill_nodes: Annotated[int, Field(ge=1, le=512)] = 2
     decode_nodes: Annotated[int, Field(ge=1, le=512)] = 4
     policy: PolicyKind = PolicyKind.STATIC
@@ -122,7 +131,7 @@ class SimConfig(Frozen):
     @property
     def node_profile(self) -> NodeProfile:
         try:
-            return NODE_PRESETS[self.hardware]
+            return server_profile(NODE_PRESETS[self.hardware], self.gpus_per_server)
         except KeyError:
             raise InvalidArgument(
                 f"unknown hardware {self.hardware!r}; one of {sorted(NODE_PRESETS)}",
@@ -135,7 +144,7 @@ class SimConfig(Frozen):
         if self.agent_hardware is None:
             return self.node_profile
         try:
-            return NODE_PRESETS[self.agent_hardware]
+            return server_profile(NODE_PRESETS[self.agent_hardware], self.gpus_per_server)
         except KeyError:
             raise InvalidArgument(
                 f"unknown hardware {self.agent_hardware!r}; one of {sorted(NODE_PRESETS)}",

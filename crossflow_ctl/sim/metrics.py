@@ -71,7 +71,8 @@ class RunRecord:
     """Length of the steady-state window (end of warm-up to last release), simulated seconds."""
     steady_input_tokens: int = 0
     steady_output_tokens: int = 0
-    """Tokens of the requests that finished inside the steady-state window."""
+    """Tokens the cluster worked through inside the steady-state window: input tokens of the
+    prompts whose prefill ended in it, output tokens decoded in it (``cluster.work_inside``)."""
     busy_s: float = 0.0
     capacity_s: float = 0.0
     overcommits: int = 0

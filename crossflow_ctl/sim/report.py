@@ -16,7 +16,7 @@ from typing import Any
 
 from crossflow_ctl.sim.config import SimConfig
 from crossflow_ctl.sim.metrics import RunRecord, Summary, summarize
-from crossflow_ctl.sim.sweep import Comparison, rel
+from crossflow_ctl.sim.sweep import Comparison, rel, sweep_failures
 
 
 def _f(x: float, digits: int = 0) -> str:
@@ -105,6 +105,20 @@ def verdict(summaries: Sequence[Summary]) -> list[str]:
     return [text + ".", ""]
 
 
+def checks_section(failures: Sequence[str]) -> list[str]:
+    """The sweep's checks (:func:`~crossflow_ctl.sim.sweep.sweep_failures`): held, or each
+    failure on its own line."""
+    lines = ["## Checks", ""]
+    if not failures:
+        return [
+            *lines,
+            "Every check held: leases' ITL p99 within the SLO, no over-commit, and no leases run"
+            " worse than static on its own split in mean TTFT or drain-inclusive tokens/s.",
+            "",
+        ]
+    return [*lines, f"**{len(failures)} FAILED**:", "", *(f"- {f}" for f in failures), ""]
+
+
 def targets_table(summaries: Sequence[Summary]) -> list[str]:
     """Per trace and load: the best static split, then leases and the heuristic on 2P4D and
     4P2D, in absolute figures (the issue's targets are read off this table)."""
@@ -188,8 +202,9 @@ DEFINITIONS = """\
 Definitions: TTFT is release to first token (the request joins a decode batch); ITL is per
 token (step times weighted by the batch), after the warm-up; throughput is tokens of measured
 requests over the span from the first measured release to the last measured finish (the drain
-included); steady is the tokens of requests that finished between the end of the warm-up and the
-last release, over that window (offered load still arriving, no drain); SLO ok is
+included); steady is the tokens worked through between the end of the warm-up and the last
+release (input of prompts prefilled in it, output decoded in it, whichever requests they belong
+to), over that window (offered load still arriving, no drain); SLO ok is
 the share of requests with TTFT <= the TTFT SLO and mean ITL <= the ITL SLO; stranded is the
 share of server-seconds not spent stepping; borrowed is the share of prompts prefilled on a
 decode node; KV waits counts borrowed prompts that waited for KV room on their node, in the
@@ -218,22 +233,26 @@ def write_report(
     command: str = "",
     show_wall: bool = False,
     plots: bool = True,
+    notes: Sequence[str] = (),
 ) -> Path:
-    """Write ``report.md`` (and PNGs) into ``out_dir``; returns the report's path."""
+    """Write ``report.md`` (and PNGs) into ``out_dir``; returns the report's path. ``notes``:
+    markdown lines placed before the verdict (how ``--load auto`` chose its loads)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(r) for r in records]
     lines = [f"# {title}", ""]
     if command:
         lines += ["```", command, "```", ""]
     lines += [
-        f"Model {config.model} on {config.hardware}; decode KV {config.kv_capacity_tokens:,} "
-        f"tokens per server; ITL SLO {config.lease.itl_slo_ms:g} ms, TTFT SLO "
+        f"Model {config.model} on {config.node_profile.name}; decode KV "
+        f"{config.kv_capacity_tokens:,} tokens per server; ITL SLO "
+        f"{config.lease.itl_slo_ms:g} ms, TTFT SLO "
         f"{config.ttft_slo_ms:g} ms; agent period {config.agent_period_ms} ms; "
         f"borrow horizon {config.lease.horizon_ms} ms, borrow share "
         f"{config.broker_policy.borrow_share:g} (KV {config.broker_policy.borrow_kv_share:g}); "
         f"prefix cache {config.cache_scope.value} ({config.cache_capacity_tokens:,} tokens); "
         f"router queue {queue_words(config)}; seed {config.seed}.",
         "",
+        *notes,
         *verdict(summaries),
         "## Leases and the heuristic against the best static split",
         "",
@@ -252,6 +271,7 @@ def write_report(
     ]
     total_oc = sum(s.overcommits for s in summaries)
     lines += [f"Over-commit count over all runs: **{total_oc}** (must be 0).", ""]
+    lines += checks_section(sweep_failures(summaries, config.lease.itl_slo_ms))
     reasons = [r for r in records if r.admit_reasons]
     if reasons:
         lines += ["## Admission reasons (leases runs)", ""]

@@ -363,17 +363,20 @@ class DecodeServer:
         head = self.borrow_q[0] if self.borrow_q else None
         b = self.batch
         ctx = self.ctx_base + b * self.steps_done
+        p = 0
         if head is not None:
             prefix = head.cached_tokens + head.prefilled
-            if self.sizer is not None:
-                size = self.sized = self.sizer.chunk(b, ctx, prefix, self.sized)
-            else:
-                size = self.borrow_chunk
+            size = self.borrow_chunk
+            if self.sizer is not None:  # 0: no chunk fits the budget; decode, and try again
+                size = self.sizer.chunk(b, ctx, prefix, self.sized)
+                self.sized = size or self.sized
             p = min(size, head.uncached_tokens - head.prefilled)
+        if p > 0:
+            assert head is not None
             if head.start_s < 0.0:
                 head.start_s = t
             self.chunk_now, self.k = p, 1
-            self.dt = self.steps.step_s(b, ctx, p, prefix)
+            self.dt = self.steps.step_s(b, ctx, p, head.cached_tokens + head.prefilled)
         elif b:
             self.chunk_now = 0
             self.k = min(self.max_macro, self.finish_heap[0][0] - self.steps_done)

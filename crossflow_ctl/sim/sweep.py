@@ -159,3 +159,57 @@ async def run_sweep_on_redis(
     finally:
         await client.aclose()
     return records
+
+
+# -- checks -------------------------------------------------------------------------------------
+
+NEVER_WORSE_TOLERANCE = 0.005
+"""How much worse than static on the same split a leases cell may read before the check fails:
+0.5 % of the static figure. Closed-loop session traces deliver the same tokens on every split,
+and the drain-inclusive rate then differs by a few tokens/s of tens of thousands with the last
+finish (53,084 against 53,085 in one agentic cell); a real loss is far past this."""
+
+
+def sweep_failures(
+    summaries: Sequence[Summary],
+    itl_slo_ms: float,
+    tolerance: float = NEVER_WORSE_TOLERANCE,
+) -> list[str]:
+    """What a sweep must never show, one line each (empty: every check held), for every
+    borrowing run (leases, and the heuristic only for over-commits, which it cannot have):
+
+    * a leases run whose ITL p99 is past the agents' ITL SLO: leases exist so that borrowing
+      never costs decode its SLO;
+    * a granted debit that over-committed a node;
+    * a leases run worse than the static policy on its own split (issue 33: never worse than
+      doing nothing) on mean TTFT, or on drain-inclusive input or output tokens/s, by more than
+      ``tolerance`` of the static figure."""
+    failures: list[str] = []
+    by_key = {(s.trace, s.scale, s.label): s for s in summaries}
+    for s in summaries:
+        cell = f"{s.trace} {s.scale:g}x {s.label}"
+        if s.overcommits:
+            failures.append(f"{cell}: {s.overcommits} over-commits (must be 0)")
+        if not s.label.endswith("/leases"):
+            continue
+        if s.itl_p99_ms > itl_slo_ms:
+            failures.append(f"{cell}: ITL p99 {s.itl_p99_ms:.1f} ms past the {itl_slo_ms:g} ms SLO")
+        split = s.label.rsplit("/", 1)[0]
+        static = by_key.get((s.trace, s.scale, f"{split}/static"))
+        if static is None:
+            continue
+        if s.ttft_mean_ms > static.ttft_mean_ms * (1.0 + tolerance):
+            failures.append(
+                f"{cell}: mean TTFT {s.ttft_mean_ms:,.0f} ms worse than {split}/static's"
+                f" {static.ttft_mean_ms:,.0f} ms"
+            )
+        for name, mine, theirs in (
+            ("input", s.input_tps, static.input_tps),
+            ("output", s.output_tps, static.output_tps),
+        ):
+            if mine < theirs * (1.0 - tolerance):
+                failures.append(
+                    f"{cell}: drain-inclusive {name} {mine:,.0f} tok/s worse than {split}/static's"
+                    f" {theirs:,.0f} tok/s ({rel(mine, theirs) * 100:+.1f} %)"
+                )
+    return failures

@@ -25,7 +25,7 @@ from crossflow_ctl.domain.leasing import (
     modelled_queue_wait_ms,
     pool_load,
 )
-from crossflow_ctl.domain.lending import FAR_PREFIX_TOKENS, OpenDebits
+from crossflow_ctl.domain.lending import FAR_PREFIX_TOKENS, OpenDebits, fine_chunk
 from crossflow_ctl.domain.models import ZeroReason
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 
@@ -80,15 +80,19 @@ def test_a_quiet_node_offers_every_credit() -> None:
 
 
 def test_no_far_chunk_when_none_fits_over_the_far_prefix() -> None:
-    """A load where a chunk fits with no prefix but none over the far prefix: the line's far
-    point is the smallest grid chunk's time, and the breakdown says none fits (review rT)."""
+    """A load where a chunk fits with no prefix but no grid chunk over the far prefix: the
+    line's far point is the chunk the engine runs there instead, the best below one grid step
+    (issue 33: one grid step broke the budget), and the breakdown says no grid chunk fits
+    (review rT)."""
     tight = compute_capacity(snap(running=32, context=32 * 4000), MODEL, NODE, LS)
     assert tight.chunk_tokens > 0 and tight.far_chunk_tokens == 0
     step = LS.chunk_step_tokens
-    t_step = roofline(MODEL, NODE).step_s(32, 32 * 4000, step, FAR_PREFIX_TOKENS)
-    assert t_step > LS.budget_s
+    roof = roofline(MODEL, NODE)
+    assert roof.step_s(32, 32 * 4000, step, FAR_PREFIX_TOKENS) > LS.budget_s
+    fine, t_fine = fine_chunk(roof, LS.budget_s, 32, 32 * 4000, FAR_PREFIX_TOKENS, step)
+    assert 0 < fine < step and t_fine <= LS.budget_s
     a, b = tight.coefficients
-    assert b == max(0.0, (t_step / step - a) / FAR_PREFIX_TOKENS)
+    assert b == max(0.0, (t_fine / fine - a) / FAR_PREFIX_TOKENS)
 
 
 def test_lease_terms_follow_each_settings_object() -> None:

@@ -147,3 +147,56 @@ def test_the_inlined_step_time_is_the_costed_one(model, node, batch, ctx, chunk,
     assert r.step_s(batch, ctx, chunk, prefix) == pytest.approx(
         r.cost(batch, ctx, chunk, prefix).step_s, rel=1e-12, abs=1e-15
     )
+
+
+def test_decode_kv_is_sized_from_hbm_less_weights_and_reserve_over_full_layer_bytes() -> None:
+    """Issue 33 item 3: GPT-OSS-120B on an H200 (141 GB): 90 % of HBM, less 65.0 GB of weights
+    and the 18 sliding layers' 128-token windows for 256 requests, over 18 full layers x 2 x 8
+    heads x 64 x 2 bytes a token; an unknown HBM or weights that do not fit give 0."""
+    from crossflow_ctl.domain.capacity import decode_kv_capacity_tokens
+
+    gpt, h200 = MODEL_PRESETS["gpt-oss-120b"], NODE_PRESETS["h200"]
+    assert gpt.weight_bytes == pytest.approx(2.1e9 * 2 + 114.7e9 * 0.53)
+    windows = 18 * 128 * 2048 * 256
+    expected = int((141e9 * 0.9 - gpt.weight_bytes - windows) // (18 * 2048))
+    assert decode_kv_capacity_tokens(gpt, h200, 256) == expected
+    assert 1_600_000 < expected < 1_700_000
+    # a token on a sliding layer is not a token of capacity: all-full attention holds fewer
+    full = gpt.model_copy(update={"sliding_layers": 0, "sliding_window_tokens": 0})
+    assert decode_kv_capacity_tokens(full, h200, 256) == int(
+        (141e9 * 0.9 - gpt.weight_bytes) // (36 * 2048)
+    )
+    assert decode_kv_capacity_tokens(gpt, h200.model_copy(update={"hbm_capacity_bytes": 0}), 8) == 0
+    assert decode_kv_capacity_tokens(MODEL_PRESETS["glm-4.5"], h200, 256) == 0
+
+
+def test_glm_5_2_caches_an_mla_latent_and_attends_to_a_top_k_of_past_tokens() -> None:
+    """Issue 33 item 5: GLM-5.2 caches 576 latent values (bf16) and a 132-byte indexer key per
+    token per layer, 78 layers; its attention reads at most 2,048 past tokens' latents a query
+    while its indexer reads every past token's key, so a decode step grows with context far
+    more slowly than a dense-attention model of the same cache would."""
+    from crossflow_ctl.domain.capacity import decode_kv_capacity_tokens, server_profile
+
+    glm = MODEL_PRESETS["glm-5.2"]
+    assert glm.kv_bytes_per_token == 78 * (576 * 2 + 132)
+    assert glm.weight_bytes == pytest.approx(744e9)
+    gb300 = NODE_PRESETS["gb300"]
+    assert decode_kv_capacity_tokens(glm, gb300, 256) == 0  # 744 GB do not fit 288 GB
+    four = server_profile(gb300, 4)
+    assert four.hbm_capacity_bytes == 4 * 288e9 and four.flops_per_s == 4 * gb300.flops_per_s
+    assert server_profile(gb300, 4) is four and server_profile(gb300, 1) is gb300
+    assert decode_kv_capacity_tokens(glm, four, 256) == int(
+        (4 * 288e9 * 0.9 - 744e9) // (78 * (576 * 2 + 132))
+    )
+    r = roofline(glm, four)
+    dense = roofline(glm.model_copy(update={"sparse_topk_tokens": 0}), four)
+    short, long = 8 * 2_048, 8 * 100_000
+    assert r.step_s(8, short) == pytest.approx(dense.step_s(8, short))  # nothing past top-k
+    assert r.step_s(8, long) - r.step_s(8, short) < 0.5 * (
+        dense.step_s(8, long) - dense.step_s(8, short)
+    )
+    # the indexer is not free: its reads grow with every past token
+    no_indexer = roofline(glm.model_copy(update={"indexer_heads": 0}), four)
+    assert r.step_s(8, long) > no_indexer.step_s(8, long)
+    cost = r.cost(8, long, 512, 50_000)
+    assert cost.step_s == pytest.approx(r.step_s(8, long, 512, 50_000))

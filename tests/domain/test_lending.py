@@ -75,6 +75,43 @@ def test_a_longer_prefix_gets_a_smaller_chunk_within_the_same_budget() -> None:
         assert sizer.chunk(16, 64_000, 8_192, guess) == short
 
 
+def test_over_a_long_prefix_the_engine_runs_a_smaller_chunk_or_none_never_one_over_budget() -> None:
+    """Issue 33: on h200 a 256-token chunk over an 85k-token prefix with four decode requests
+    took 50.1 ms (every expert's padded tile), past the 50 ms SLO; the old rule ran it anyway
+    ("at least one grid step"). Now the best chunk below the grid that fits runs, and with a
+    batch so heavy that no piece fits, none: the step decodes only."""
+    sizer = ChunkSizer(roofline(GPT_OSS, H200), 0.045, 256, 16_384)
+    r = sizer.roof
+    assert r.step_s(4, 107_701, 256, 85_184) > 0.050
+    p = sizer.chunk(4, 107_701, 85_184)
+    assert 0 < p < 256 and p % 16 == 0
+    assert r.step_s(4, 107_701, p, 85_184) <= 0.045 < r.step_s(4, 107_701, p + 16, 85_184)
+    heavy = 2_000_000  # a decode batch whose own step is near the budget
+    assert r.step_s(32, heavy) <= 0.045 < r.step_s(32, heavy, 16, 85_184)
+    assert sizer.chunk(32, heavy, 85_184) == 0
+    assert sizer.chunk(0, 0, 900_000) > 0  # nothing decoding: no ITL to break, work progresses
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    model=models,
+    node=nodes,
+    batch=st.integers(0, 256),
+    context=st.integers(0, 4_000_000),
+    prefix=st.integers(0, 400_000),
+)
+def test_a_sized_chunk_never_breaks_the_budget_while_requests_decode(  # type: ignore[no-untyped-def]
+    model, node, batch, context, prefix
+) -> None:
+    context = context if batch else 0
+    sizer = ChunkSizer(roofline(MODEL_PRESETS[model], NODE_PRESETS[node]), 0.045, 256, 16_384)
+    p = sizer.chunk(batch, context, prefix)
+    if batch:
+        assert p == 0 or sizer.roof.step_s(batch, context, p, prefix) <= 0.045
+    else:
+        assert p > 0
+
+
 def _capacity(node=GB300, ledger=None, **snap):  # type: ignore[no-untyped-def]
     base = {"taken_at_ms": 1, "running_requests": 16, "decode_context_tokens": 64_000,
             "kv_used_tokens": 64_000, "kv_total_tokens": 1_000_000}  # fmt: skip

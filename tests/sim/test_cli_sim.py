@@ -218,3 +218,27 @@ def test_sim_refusals_name_the_flag_and_flags_are_checked_before_traces(tmp_path
         assert result.returncode == 2, (args, result.stderr)
         assert result.stderr.startswith(said), (args, result.stderr)
     assert not (tmp_path / "x").exists()
+
+
+def test_sim_exits_1_when_a_sweep_check_fails_after_writing_the_report(
+    mooncake_sample: Path, tmp_path: Path
+) -> None:
+    """Issue 33: a leases run past the ITL SLO fails the sweep loudly. With a 1 ms SLO no
+    decode step can keep it, so the leases run breaks it; ``--no-check`` writes the same report
+    and exits 0."""
+    args = (
+        "sim", "--trace", str(mooncake_sample), "--limit", "40", "--load", "4",
+        "--splits", "2P4D", "--borrow-splits", "2P4D", "--policies", "static,leases",
+        "--warmup-s", "0", "--jobs", "1", "--itl-slo-ms", "1",
+    )  # fmt: skip
+    failed = _ctl(*args, "--out", str(tmp_path / "a"))
+    assert failed.returncode == 1, failed.stderr
+    assert "sweep check(s) failed" in failed.stderr
+    assert "2P4D/leases: ITL p99" in failed.stderr and "past the 1 ms SLO" in failed.stderr
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "FAILED" in report
+    # --kv-capacity-tokens auto (the default): sized from the h200's HBM and GPT-OSS-120B
+    assert "decode KV 1,646,621 tokens per server" in report
+    passed = _ctl(*args, "--no-check", "--out", str(tmp_path / "b"))
+    assert passed.returncode == 0, passed.stderr
+    assert "FAILED" in (tmp_path / "b" / "report.md").read_text()

@@ -17,20 +17,20 @@ from crossflow_ctl.sim.traces import load_mooncake
 
 PINNED: dict[str, Any] = {
     "completed": 400,
-    "borrowed": 280,
+    "borrowed": 276,
     "overcommits": 0,
-    "held": 188,
-    "reoffers": 117,
-    "leases": 968,
-    "outcomes": {"borrowed": 188, "borrowed_late": 92, "not_held": 10, "prefill_room": 110},
-    "admit_reasons": {"pool_load_missing": 10, "borrowed": 280, "no_benefit": 58, "no_room": 169},
-    "zero_reasons": {"itl_over_slo": 31, "no_capacity": 9},
+    "held": 194,
+    "reoffers": 118,
+    "leases": 985,
+    "outcomes": {"borrowed": 183, "borrowed_late": 93, "not_held": 10, "prefill_room": 114},
+    "admit_reasons": {"pool_load_missing": 10, "borrowed": 276, "no_benefit": 59, "no_room": 173},
+    "zero_reasons": {"no_capacity": 6},
     "tokens": (5_710_530, 146_073),
-    "lease_chunk_sum": 428_544,
-    "lease_compute_sum": 61_738_961,
-    "ttft_mean_ms": 10_460.137,
-    "ttft_p99_ms": 33_903.848,
-    "itl_p99_ms": 47.0,
+    "lease_chunk_sum": 445_952,
+    "lease_compute_sum": 54_970_864,
+    "ttft_mean_ms": 10_589.082,
+    "ttft_p99_ms": 33_609.103,
+    "itl_p99_ms": 45.0,
 }
 
 

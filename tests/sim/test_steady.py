@@ -1,4 +1,5 @@
-"""Steady-state throughput: tokens finished between the warm-up and the last release, per second."""
+"""Steady-state throughput: the tokens worked through between the warm-up and the last release
+(input of prompts prefilled in it, output decoded in it), per second."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from crossflow_ctl.sim.cluster import Simulation, simulate
+from crossflow_ctl.sim.cluster import Simulation, simulate, work_inside
 from crossflow_ctl.sim.config import PolicyKind, SimConfig
 from crossflow_ctl.sim.metrics import summarize
 from crossflow_ctl.sim.report import write_report
@@ -17,8 +18,9 @@ from crossflow_ctl.sim.traces import Trace, TraceRequest
 CFG = SimConfig(prefill_nodes=1, decode_nodes=1)
 
 
-async def test_steady_window_counts_only_requests_finished_inside_it() -> None:
-    """Warm-up 2 s, last release at 8 s: only the request that finished in [2, 8] counts."""
+async def test_steady_window_counts_only_work_done_inside_it() -> None:
+    """Warm-up 2 s, last release at 8 s: only the request prefilled and decoded in [2, 8]
+    counts (the first was done before it, the last prefilled after it)."""
     reqs = (
         TraceRequest(2_000, 5, arrival_s=0.0, cached_tokens=0),
         TraceRequest(3_000, 7, arrival_s=3.0, cached_tokens=0),
@@ -44,10 +46,25 @@ async def test_saturated_run_steady_rate_excludes_the_drain() -> None:
     rec = await sim.run()
     last_release = max(r.release_s for r in sim.reqs.values())
     assert max(r.finish_s for r in sim.reqs.values()) > 2 * last_release
-    inside = [r for r in sim.reqs.values() if r.finish_s <= last_release]
+    prefilled = [r for r in sim.reqs.values() if r.prefilled_s <= last_release]
     s = summarize(rec)
-    assert s.steady_input_tps == pytest.approx(sum(r.input_tokens for r in inside) / last_release)
-    assert 0 < len(inside) < len(reqs)
+    assert s.steady_input_tps == pytest.approx(
+        sum(r.input_tokens for r in prefilled) / last_release
+    )
+    assert 0 < len(prefilled) < len(reqs)
+
+
+def test_the_window_counts_work_not_the_requests_that_finished_in_it() -> None:
+    """Issue 33 item 2: a long prompt prefilled inside the window whose decode runs past it
+    counts its input and the output decoded inside; counting finished requests dropped it, and
+    favoured the policy that finishes small prompts first."""
+    long_one = (30.0, 100_000, 200, 5.0, 10.0)  # prefilled at 5, decodes 10 -> 30
+    small = (6.0, 1_000, 20, 2.0, 4.0)  # prefilled at 2, decodes 4 -> 6
+    before = (1.0, 9_000, 9, 0.5, 0.6)  # all before the window
+    assert work_inside([long_one, small, before], 1.5, 20.0) == (101_000, 20 + 100)
+    one_token = (7.0, 500, 1, 7.0, 7.0)
+    assert work_inside([one_token], 1.5, 20.0) == (500, 1)
+    assert work_inside([one_token], 8.0, 20.0) == (0, 0)
 
 
 async def test_no_release_after_the_warm_up_gives_no_steady_figure() -> None:
