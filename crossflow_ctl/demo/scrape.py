@@ -41,9 +41,14 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     )
 
 
-def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+def by_label(
+    samples: Samples, name: str, label: str, unless: tuple[str, str] | None = None
+) -> dict[str, float]:
+    """``name``'s samples summed by ``label``; ``unless=(label, value)`` leaves those out."""
     out: dict[str, float] = {}
     for have, value in samples.get(name, []):
+        if unless is not None and have.get(unless[0]) == unless[1]:
+            continue
         key = have.get(label, "")
         out[key] = out.get(key, 0.0) + value
     return out
@@ -64,7 +69,8 @@ class GatewayFigures:
     """The gateway's counters (a fresh gateway per replay: its totals are the replay's)."""
 
     requests: dict[str, float] = field(default_factory=dict)
-    """By path (``borrowed``, ``normal``, ``fallback``, ``error``), every status."""
+    """By path (``borrowed``, ``normal``, ``fallback``, ``error``), every status but 499 (the
+    client left before the whole answer: the replay's requests cancelled when it stopped)."""
     ttft_sum_s: dict[str, float] = field(default_factory=dict)
     ttft_count: dict[str, float] = field(default_factory=dict)
     reasons: dict[str, float] = field(default_factory=dict)
@@ -88,7 +94,9 @@ class GatewayFigures:
     @classmethod
     def read(cls, samples: Samples) -> GatewayFigures:
         return cls(
-            requests=by_label(samples, "crossflow_gateway_requests_total", "path"),
+            requests=by_label(
+                samples, "crossflow_gateway_requests_total", "path", unless=("code", "499")
+            ),
             ttft_sum_s=by_label(samples, "crossflow_gateway_ttft_seconds_sum", "path"),
             ttft_count=by_label(samples, "crossflow_gateway_ttft_seconds_count", "path"),
             reasons=by_label(samples, "crossflow_gateway_admissions_total", "reason"),

@@ -2,8 +2,8 @@
 
 ``crossflow_gateway_requests_total{path,code}``: requests by the path they took (``borrowed``,
 ``normal``, ``fallback``: no prefill engine answered and a decode engine prefilled it, or
-``error``) and the HTTP status sent (``499`` when the client left before one was; a client
-that hangs up mid-answer or right after its last byte is counted with the status it got).
+``error``) and the HTTP status sent; ``499`` when the client left before it had the whole
+answer (a client that hangs up right after a stream's ``[DONE]`` was served: its status).
 ``crossflow_gateway_ttft_seconds{path}``: from the request's arrival to the engine's first
 byte. ``crossflow_gateway_overhead_seconds``: from arrival to the first engine hop being sent
 (tokenizing, Admit, Commit, the held time excluded).

@@ -85,6 +85,11 @@ class Job:
     path_taken: str = "normal"
     status: int | None = None
     """The HTTP status sent to the client, once the answer's headers went out."""
+    whole: bool = False
+    """The client has been sent the whole answer (a stream's ``[DONE]``, or the body's end)."""
+
+    def answered(self) -> None:
+        self.whole = True
 
     @property
     def uncached_tokens(self) -> int:
@@ -146,10 +151,12 @@ class Gateway:
             try:
                 response = await self._serve(request, job)
             except asyncio.CancelledError:
-                # The client hung up (aiohttp cancels the handler), perhaps right after the
-                # last byte it wanted: count the request with the status it was sent (499,
-                # nginx's "client closed request", when nothing was) before unwinding.
-                self.metrics.requests.labels(job.path_taken, str(job.status or 499)).inc()
+                # The client hung up (aiohttp cancels the handler). Right after the whole
+                # answer (a stream's [DONE] read, the engine's end not yet seen) it was
+                # served: count it with its status. Before that it was cut short: 499,
+                # nginx's "client closed request".
+                code = job.status if job.whole and job.status is not None else 499
+                self.metrics.requests.labels(job.path_taken, str(code)).inc()
                 raise
             span.set_attribute("crossflow.path", job.path_taken)
             span.set_attribute("http.status_code", response.status)
@@ -309,8 +316,9 @@ class Gateway:
                     self.prefix.record(engine.node_id, job.hashes)
                     done = self._first_byte(job, lambda: reservations.release(rid, "finished"))
                     return await relay(
-                        request, engine, upstream, done, self._answer_headers(job, engine)
-                    )
+                        request, engine, upstream, done, self._answer_headers(job, engine),
+                        job.answered,
+                    )  # fmt: skip
         except EngineFailed as exc:
             self._engine_failed(exc)
             reservations.release(rid, "failed")
@@ -358,7 +366,7 @@ class Gateway:
                 self.prefix.record(decode.node_id, job.hashes)
                 return await relay(
                     request, decode, upstream, self._first_byte(job),
-                    self._answer_headers(job, decode),
+                    self._answer_headers(job, decode), job.answered,
                 )  # fmt: skip
         finally:
             decode.inflight -= 1
@@ -401,7 +409,7 @@ class Gateway:
                     self.prefix.record(decode.node_id, job.hashes)
                     return await relay(
                         request, decode, upstream, self._first_byte(job),
-                        self._answer_headers(job, decode),
+                        self._answer_headers(job, decode), job.answered,
                     )  # fmt: skip
         finally:
             prefill_done()

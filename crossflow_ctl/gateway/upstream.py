@@ -71,12 +71,14 @@ async def relay(
     upstream: aiohttp.ClientResponse,
     on_first_byte: Callable[[int], None],
     extra_headers: Mapping[str, str] | None = None,
+    on_whole: Callable[[], None] = lambda: None,
 ) -> web.StreamResponse:
     """Stream ``upstream``'s body to the client chunk by chunk as it arrives (SSE or not),
     with ``extra_headers`` added to the engine's.
     ``on_first_byte(status)`` runs when the first bytes arrive from the engine, before they
     are sent on with ``status``: for a streamed completion that is the first token, so the
-    prompt's prefill is done.
+    prompt's prefill is done. ``on_whole()`` runs once the client has been sent the whole
+    answer: a streamed answer's ``data: [DONE]`` event, or the engine's end of body.
     An engine failing before its first byte raises EngineFailed; after it, the client's
     response is cut (nothing else can be done: part of the answer is already out)."""
     headers = CIMultiDict[str]()
@@ -94,10 +96,20 @@ async def relay(
     await response.prepare(request)
     if first:
         await response.write(first)
+        if _ends_stream(first):
+            on_whole()
     async for chunk in chunks:
         await response.write(chunk)
+        if _ends_stream(chunk):
+            on_whole()
+    on_whole()
     await response.write_eof()
     return response
+
+
+def _ends_stream(chunk: bytes) -> bool:
+    """A chunk that ends an OpenAI stream (its last event is ``data: [DONE]``)."""
+    return chunk.rstrip().endswith(b"data: [DONE]")
 
 
 async def _text(resp: aiohttp.ClientResponse) -> str:

@@ -30,6 +30,8 @@ class StubEngine:
     streamed decode answer held open after ``[DONE]`` until ``finish`` is set."""
 
     finish: asyncio.Event = field(default_factory=asyncio.Event)
+    send_done: asyncio.Event = field(default_factory=asyncio.Event)
+    """``[DONE]`` is written once this is set (set from the start unless a test clears it)."""
     decode_closed: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -44,6 +46,7 @@ class StubEngine:
             for text in ("a", "b"):
                 chunk = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
                 await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await self.send_done.wait()
             await response.write(b"data: [DONE]\n\n")
             await self.finish.wait()
             await response.write_eof()
@@ -58,6 +61,7 @@ class StubEngine:
 @pytest.fixture
 async def stub() -> AsyncIterator[tuple[StubEngine, str]]:
     engine = StubEngine()
+    engine.send_done.set()
     app = web.Application()
     app.router.add_post("/v1/completions", engine.completions)
     app.router.add_get("/health", engine.health)
@@ -105,5 +109,44 @@ async def test_a_client_hanging_up_after_done_is_counted(stub: tuple[StubEngine,
                 "the request counted in crossflow_gateway_requests_total",
             )
             assert count == 1
+    finally:
+        await gateway.close()
+
+
+async def test_a_client_hanging_up_mid_answer_is_counted_as_499(
+    stub: tuple[StubEngine, str],
+) -> None:
+    """Cut short before ``[DONE]``: not a served answer, whatever status its headers had."""
+    engine, url = stub
+    engine.send_done.clear()  # the engine streams its tokens and stalls before [DONE]
+    settings = GatewaySettings(
+        listen="127.0.0.1:0",
+        broker=None,
+        model=MODEL,
+        prefill=[{"node_id": "prefill-1", "url": url}],
+        decode=[{"node_id": "decode-1", "url": url}],
+        health_period_s=0.2,
+    )
+    gateway = GatewayServer(settings)
+    await gateway.start()
+    try:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "stream": True}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{gateway.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                assert await resp.content.readany(), "a first chunk"
+                resp.close()  # hang up before [DONE]
+            await asyncio.wait_for(engine.decode_closed.wait(), timeout=30)
+            count = await eventually(
+                lambda: metric(
+                    s, gateway.url, "crossflow_gateway_requests_total", path="normal", code="499"
+                ),
+                "the request counted as 499 in crossflow_gateway_requests_total",
+            )
+            assert count == 1
+            served = await metric(
+                s, gateway.url, "crossflow_gateway_requests_total", path="normal", code="200"
+            )
+            assert not served
     finally:
         await gateway.close()
