@@ -146,7 +146,12 @@ class BrokerServer:
         store: Store,
         clock: Clock | None = None,
         metrics: BrokerMetrics | None = None,
+        *,
+        reuse_port: bool = False,
     ) -> None:
+        """``reuse_port``: bind with SO_REUSEPORT, sharing the port with the other workers of
+        ``serve --workers N`` (:mod:`.workers`); off otherwise, so a second broker started on
+        a port in use fails instead of silently taking half its connections."""
         self.settings = settings
         self.store = store
         broker_id = settings.broker_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -169,7 +174,7 @@ class BrokerServer:
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", 1 if reuse_port else 0),
                 # Find agents that vanished without closing their stream (node crash, partition).
                 ("grpc.keepalive_time_ms", 20_000),
                 ("grpc.keepalive_timeout_ms", 10_000),

@@ -87,6 +87,21 @@ def metrics_app(registry: CollectorRegistry) -> web.Application:
     return app
 
 
+async def serve_registry(registry: CollectorRegistry, host: str, port: int) -> web.AppRunner:
+    """Serve ``registry`` on ``http://host:port/metrics`` (:func:`metrics_app`) until the
+    returned runner's ``cleanup``; ConfigError naming ``metrics_listen`` when it cannot bind."""
+    runner = web.AppRunner(metrics_app(registry), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError(
+            f"cannot serve metrics on {host}:{port}: {exc}", field="metrics_listen"
+        ) from None
+    return runner
+
+
 async def setup_metrics(
     host: str = "0.0.0.0",
     port: int = 9464,
@@ -106,16 +121,11 @@ async def setup_metrics(
     provider = MeterProvider(
         metric_readers=[reader], resource=Resource.create({SERVICE_NAME: service_name})
     )
-    runner = web.AppRunner(metrics_app(registry), access_log=None, handle_signals=False)
-    await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
-    except OSError as exc:
-        await runner.cleanup()
+        runner = await serve_registry(registry, host, port)
+    except ConfigError:
         provider.shutdown()
-        raise ConfigError(
-            f"cannot serve metrics on {host}:{port}: {exc}", field="metrics_listen"
-        ) from None
+        raise
     if set_global and not _global_provider_installed:
         otel_metrics.set_meter_provider(provider)
         _global_provider_installed = True
