@@ -94,6 +94,8 @@ async def start_broker(
         redis_url,
         "--redis-namespace",
         namespace,
+        "--workers",
+        "1",  # one process, whose CPU is measured
         env=env,
         stdout=asyncio.subprocess.PIPE,
     )
