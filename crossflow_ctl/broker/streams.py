@@ -368,19 +368,19 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         linger_s = self._broker.settings.notice_linger_ms / 1000.0
         while True:
             try:
-                batch = await self._broker.read_notice_batch(node_id, after_seq, block_ms)
+                rows = await self._broker.read_notice_rows(node_id, after_seq, block_ms)
             except CrossflowError as exc:
                 log.warning("relay.read_failed", error=str(exc))
                 await asyncio.sleep(RELAY_RETRY_S)
                 continue
-            notices = batch.notices
-            if not notices:
+            if not rows:
                 continue
-            after_seq = notices[-1].seq
+            after_seq = rows[-1].seq
+            batch = c.notice_rows_to_proto(rows)
             if batches:
                 await out.send(_batch_response(batch))
             else:
-                for notice in notices:
+                for notice in batch.notices:
                     await out.send(lease_pb2.ConnectResponse(notice=notice))
             if linger_s > 0:
                 await asyncio.sleep(linger_s)
