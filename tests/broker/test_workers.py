@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -191,3 +192,24 @@ def test_cgroup_quota_caps_the_cpus(tmp_path: Path) -> None:
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
     assert cgroup_cpus(tmp_path) == 3
+
+
+async def test_a_port_the_workers_cannot_bind_stops_the_broker_with_a_usage_error(
+    tmp_path: Path,
+) -> None:
+    """A worker that fails on a setting before it serves is not restarted forever: the broker
+    exits 2 naming the setting, as a lone broker does."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["serve", "--listen", f"127.0.0.1:{port}", "--redis-url", "redis://127.0.0.1:1/0"]
+        with (tmp_path / "broker.log").open("w") as log:
+            proc = _spawn([*args, "--workers", "2"], {**os.environ}, log)
+        code = await asyncio.to_thread(proc.wait, 120)
+    if proc.stdout:
+        proc.stdout.close()
+    text = (tmp_path / "broker.log").read_text()
+    assert code == 2, text[-2000:]
+    assert "listen: cannot listen on" in text
+    assert '"stopping the broker"' in text
