@@ -187,13 +187,19 @@ async def _serve(settings: BrokerSettings, worker: int | None = None) -> None:
     endpoint = None
     if settings.metrics_listen:
         host, port = parse_listen(settings.metrics_listen)
-        endpoint = await setup_metrics(host, port, service_name="crossflow-broker")
+        endpoint = await setup_metrics(
+            host, port, service_name="crossflow-broker", announce=worker is None
+        )
         if worker is not None:
             click.echo(f"{METRICS_ON}{endpoint.host}:{endpoint.port}")
     try:
         metrics = BrokerMetrics(endpoint.meter_provider) if endpoint else None
         server = BrokerServer(
-            settings, make_store(settings), metrics=metrics, reuse_port=worker is not None
+            settings,
+            make_store(settings),
+            metrics=metrics,
+            reuse_port=worker is not None,
+            node_gauges=not worker,  # the store's node state: from one worker of the pod
         )
         await server.start()
         tune_for_fleet()

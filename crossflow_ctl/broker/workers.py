@@ -14,8 +14,9 @@ supervisor exits when they have. Workers die with the supervisor (``PR_SET_PDEAT
 Metrics: only the supervisor serves ``metrics_listen``. Each worker serves its own on a
 loopback port it picks (``metrics on HOST:PORT`` on its stdout), and the supervisor's /metrics
 is every worker's exposition merged, each series labelled ``worker="i"`` (Prometheus sums
-them as it sums replicas), plus ``crossflow_broker_worker_restarts_total``. So the chart and
-its ServiceMonitor keep one metrics port whatever N is.
+them as it sums replicas), plus ``crossflow_broker_worker_restarts_total``. The node state
+gauges, read from the store (the same for every worker), come from worker 0 alone. So the
+chart and its ServiceMonitor keep one metrics port whatever N is.
 
 ``workers`` unset: the pod's CPUs (the cgroup CPU quota rounded up, else the CPUs this process
 may run on), one on the embedded store (it lives in one process: more is refused).
@@ -284,6 +285,9 @@ async def supervise(settings: BrokerSettings, count: int, argv: list[str]) -> in
         registry.register(WorkerMetrics(supervisor))
         host, port = parse_listen(settings.metrics_listen)
         endpoint = await serve_registry(registry, host, port)
+        bound = endpoint.addresses[0]
+        where = f"[{bound[0]}]" if ":" in str(bound[0]) else str(bound[0])
+        log.info("metrics endpoint serving", url=f"http://{where}:{bound[1]}/metrics")
     ready = asyncio.Event()
     announce = asyncio.create_task(_announce(ready, listen, count))
     try:

@@ -108,10 +108,12 @@ async def setup_metrics(
     *,
     service_name: str = "crossflow",
     set_global: bool = True,
+    announce: bool = True,
 ) -> MetricsEndpoint:
     """Start the Prometheus endpoint; the process's global MeterProvider becomes its provider.
 
-    ``set_global`` installs the provider as OpenTelemetry's global one, which the API allows
+    ``announce`` logs ``metrics endpoint serving`` with the URL (which tests and the demo
+    read). ``set_global`` installs the provider as OpenTelemetry's global one, which the API allows
     once per process; later calls (tests start several) keep the first and only serve their own
     provider, which callers then pass to :class:`BrokerMetrics` / :class:`AgentMetrics`.
     """
@@ -130,5 +132,6 @@ async def setup_metrics(
         otel_metrics.set_meter_provider(provider)
         _global_provider_installed = True
     endpoint = MetricsEndpoint(provider, registry, runner)
-    log.info("metrics endpoint serving", url=endpoint.url)
+    if announce:  # not a broker worker's own (its supervisor serves the pod's: broker.workers)
+        log.info("metrics endpoint serving", url=endpoint.url)
     return endpoint
