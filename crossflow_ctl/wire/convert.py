@@ -147,16 +147,17 @@ class LeaseDecoder:
     __slots__ = ("_credits", "_last")
 
     def __init__(self) -> None:
-        self._last = common_pb2.Credits()
+        self._last: tuple[int, ...] = ()
         self._credits: Credits | None = None
 
     def __call__(self, msg: common_pb2.Lease, field: str = "lease") -> Lease:
+        c = msg.credits
+        amounts = (c.compute_tokens, c.kv_tokens, c.kv_transfer_bytes, c.output_tokens, c.slots)
         known = self._credits
-        if known is not None and msg.credits == self._last:
+        if known is not None and amounts == self._last:
             return _lease_from_proto(msg, field, known)
-        lease = _lease_from_proto(msg, field, credits_fields(msg.credits))
-        self._last.CopyFrom(msg.credits)
-        self._credits = lease.credits
+        lease = _lease_from_proto(msg, field, credits_fields(c))
+        self._last, self._credits = amounts, lease.credits
         return lease
 
 
