@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from math import copysign
 from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
@@ -172,10 +173,12 @@ def float_text(value: float) -> str:
     """``repr(value)`` (reads back exactly), remembered for nonzero values: a node's model
     constants (rate, prefill costs, ITL SLO) repeat in every lease it sends, and formatting a
     float cost more than looking it up. Zero is not remembered (0.0 and -0.0 are one key but
-    two texts), nor is anything but a float (1, 1.0 and True are one key but three texts). The
-    map starts over when full."""
+    two texts: answered by their sign instead), nor is anything but a float (1, 1.0 and True
+    are one key but three texts). The map starts over when full."""
     if type(value) is not float:
         return repr(value)
+    if not value:  # 0.0 or -0.0 (nan is true): no dict miss and no repr, unset fields are zero
+        return "0.0" if copysign(1.0, value) > 0 else "-0.0"
     text = _FLOAT_TEXT.get(value)
     if text is None:
         text = repr(value)
