@@ -204,6 +204,8 @@ async def start_broker(
         "--redis-namespace",
         namespace,
         *(["--redis-cluster"] if cluster else []),
+        "--workers",
+        "1",  # one process, whose CPU is measured
         env=env,
         stdout=asyncio.subprocess.PIPE,
     )

@@ -333,6 +333,7 @@ async def start_broker(args: argparse.Namespace, namespace: str) -> tuple[Any, s
     cmd = [*pinned(args, broker=True), sys.executable, "-m", "crossflow_ctl.broker", "serve"]
     cmd += ["--listen", "127.0.0.1:0"]
     cmd += ["--redis-url", args.redis_url, "--redis-namespace", namespace]
+    cmd += ["--workers", "1"]  # one process: the CPU per lease measured is one worker's
     if args.cluster:
         cmd.append("--redis-cluster")
     proc = await child(*cmd, env=env)

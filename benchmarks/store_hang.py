@@ -101,7 +101,8 @@ async def start_broker(redis_url: str, breaker: bool) -> Broker:
     }
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "crossflow_ctl.broker", "serve", "--listen", "127.0.0.1:0",
-        "--redis-url", redis_url, "--redis-namespace", f"hang-{uuid.uuid4().hex[:8]}", env=env,
+        "--redis-url", redis_url, "--redis-namespace", f"hang-{uuid.uuid4().hex[:8]}",
+        "--workers", "1", env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None

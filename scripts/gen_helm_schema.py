@@ -28,6 +28,7 @@ SCHEMA_FILE = CHART / "values.schema.json"
 # Keys of the settings files that the chart computes itself (ports, Redis, observability).
 BROKER_MANAGED: tuple[str, ...] = ("listen", "redis_url", "metrics_listen", "otlp_endpoint")
 BROKER_MANAGED += ("log_level", "log_json", "redis_namespace", "broker_id", "redis_ca_file")
+BROKER_MANAGED += ("workers",)
 AGENT_MANAGED: tuple[str, ...] = ("brokers", "node_id", "role", "source", "metrics_url")
 AGENT_MANAGED += ("metrics_listen", "otlp_endpoint", "log_level", "log_json")
 # kubernetes: rendered from gateway.discovery, which also makes the Role the gateway lists pods by.
@@ -164,6 +165,8 @@ class Broker(Values):
     """gRPC port."""
     metricsPort: Port = 9464
     """Prometheus /metrics port."""
+    workers: Annotated[int, Field(ge=0, le=256)] = 1
+    """Worker processes per pod sharing the gRPC port; 0: the pod's CPUs."""
     config: dict[str, Any] = {}
     """BrokerSettings, less the keys the chart sets."""
     resources: Resources = Resources(

@@ -1,6 +1,6 @@
 """``crossflow-broker serve [--config FILE] [--listen ADDR] [--redis-url URL [--redis-cluster] |
---embedded-store]`` and ``crossflow-broker hash-token ROLE/NAME`` (a token-file line for the
-token on stdin).
+--embedded-store] [--workers N]`` and ``crossflow-broker hash-token ROLE/NAME`` (a token-file
+line for the token on stdin).
 
 The entry point: the only place that configures logging and installs signal handlers (which
 only set the stop event). Prints ``listening on HOST:PORT`` once serving, so a supervisor or a
@@ -21,6 +21,7 @@ import click
 
 from crossflow_ctl.broker.gc_policy import tune_for_fleet
 from crossflow_ctl.broker.server import BrokerServer, make_store
+from crossflow_ctl.broker.workers import METRICS_ON, supervise, worker_count
 from crossflow_ctl.domain.errors import ConfigError
 from crossflow_ctl.observability import (
     BrokerMetrics,
@@ -50,6 +51,7 @@ def overrides_from(
     redis_namespace: str | None,
     redis_cluster: bool = False,
     insecure: bool = False,
+    workers: int | None = None,
 ) -> dict[str, Any]:
     """The settings the flags given override (flags beat env, file and defaults)."""
     if redis_url and embedded_store:
@@ -68,6 +70,8 @@ def overrides_from(
         out["redis_cluster"] = True
     if insecure:
         out["auth"] = {"insecure": True}
+    if workers is not None:
+        out["workers"] = workers
     return out
 
 
@@ -103,17 +107,40 @@ def overrides_from(
     help="Serve beyond loopback without authenticating callers (or with bearer tokens over "
     "plaintext): only when something else guards the port (auth.insecure).",
 )
-def serve(config_file: Path | None, **flags: Any) -> None:
-    """Run one broker replica until SIGINT/SIGTERM."""
+@click.option(
+    "--workers",
+    type=int,
+    help="Worker processes sharing the port (SO_REUSEPORT), each a replica; default the "
+    "pod's CPUs (cgroup quota), 1 on the embedded store.",
+)
+@click.option("--worker-index", type=int, hidden=True)
+def serve(config_file: Path | None, worker_index: int | None, **flags: Any) -> None:
+    """Run the broker (one replica per worker process) until SIGINT/SIGTERM."""
     try:
         settings = load_settings(config_file, overrides_from(**flags))
+        count = worker_count(settings)
     except ConfigError as exc:
         raise click.UsageError(f"invalid configuration: {exc}") from None
     setup_logging(json=settings.log_json, level=settings.log_level)
     try:
-        asyncio.run(_serve(settings))
+        if worker_index is None and count > 1:
+            sys.exit(asyncio.run(supervise(settings, count, worker_argv(config_file, flags))))
+        asyncio.run(_serve(settings, worker_index))
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def worker_argv(config_file: Path | None, flags: dict[str, Any]) -> list[str]:
+    """``serve``'s flags as given, for its workers (:mod:`.workers` adds ``--listen`` and
+    ``--worker-index``); ``--workers 1``: a worker never starts workers of its own."""
+    argv = ["--config", str(config_file)] if config_file is not None else []
+    for name in ("redis_url", "redis_namespace"):
+        if flags.get(name):
+            argv += [f"--{name.replace('_', '-')}", str(flags[name])]
+    for name in ("embedded_store", "redis_cluster", "insecure"):
+        if flags.get(name):
+            argv.append(f"--{name.replace('_', '-')}")
+    return [*argv, "--workers", "1"]
 
 
 @cli.command("hash-token")
@@ -141,7 +168,17 @@ def schema() -> None:
     click.echo(json.dumps(BrokerSettings.model_json_schema(), indent=2))
 
 
-async def _serve(settings: BrokerSettings) -> None:
+async def _serve(settings: BrokerSettings, worker: int | None = None) -> None:
+    """One replica; as worker ``worker`` of ``serve --workers N`` (:mod:`.workers`) it shares
+    the port, names itself apart from its siblings, and serves its metrics on a loopback port
+    of its own that it prints (the supervisor merges them on ``metrics_listen``)."""
+    if worker is not None:
+        changes: dict[str, Any] = {}
+        if settings.broker_id:
+            changes["broker_id"] = f"{settings.broker_id}-w{worker}"
+        if settings.metrics_listen:
+            changes["metrics_listen"] = "127.0.0.1:0"
+        settings = settings.model_copy(update=changes)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -150,10 +187,20 @@ async def _serve(settings: BrokerSettings) -> None:
     endpoint = None
     if settings.metrics_listen:
         host, port = parse_listen(settings.metrics_listen)
-        endpoint = await setup_metrics(host, port, service_name="crossflow-broker")
+        endpoint = await setup_metrics(
+            host, port, service_name="crossflow-broker", announce=worker is None
+        )
+        if worker is not None:
+            click.echo(f"{METRICS_ON}{endpoint.host}:{endpoint.port}")
     try:
         metrics = BrokerMetrics(endpoint.meter_provider) if endpoint else None
-        server = BrokerServer(settings, make_store(settings), metrics=metrics)
+        server = BrokerServer(
+            settings,
+            make_store(settings),
+            metrics=metrics,
+            reuse_port=worker is not None,
+            node_gauges=not worker,  # the store's node state: from one worker of the pod
+        )
         await server.start()
         tune_for_fleet()
         host = settings.listen.rpartition(":")[0]

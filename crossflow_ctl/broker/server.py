@@ -146,7 +146,16 @@ class BrokerServer:
         store: Store,
         clock: Clock | None = None,
         metrics: BrokerMetrics | None = None,
+        *,
+        reuse_port: bool = False,
+        node_gauges: bool = True,
     ) -> None:
+        """``reuse_port``: bind with SO_REUSEPORT, sharing the port with the other workers of
+        ``serve --workers N`` (:mod:`.workers`); off otherwise, so a second broker started on
+        a port in use fails instead of silently taking half its connections. ``node_gauges``:
+        poll the store for the node state gauges (with metrics on); one worker of a pod does,
+        the same figures from the others would only be counted twice."""
+        self._node_gauges = node_gauges
         self.settings = settings
         self.store = store
         broker_id = settings.broker_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -169,7 +178,7 @@ class BrokerServer:
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", 1 if reuse_port else 0),
                 # Find agents that vanished without closing their stream (node crash, partition).
                 ("grpc.keepalive_time_ms", 20_000),
                 ("grpc.keepalive_timeout_ms", 10_000),
@@ -221,7 +230,7 @@ class BrokerServer:
             self.supervisor.spawn(
                 "node-expiry", self.broker.expire_nodes_forever(self._stop_policy)
             )
-        if self._metrics_enabled:
+        if self._metrics_enabled and self._node_gauges:
             broker = self.broker
             gauges = NodeGauges(broker.metrics, broker.clock.now_ms, lambda: broker.policy.shares)
             interval_s = self.settings.metrics_refresh_ms / 1000.0

@@ -25,7 +25,7 @@ cleanly.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -42,7 +42,7 @@ from crossflow_ctl.domain.errors import (
     StaleLease,
     StoreUnavailable,
 )
-from crossflow_ctl.domain.models import NodeInfo, NodeRole
+from crossflow_ctl.domain.models import Lease, NodeInfo, NodeRole
 from crossflow_ctl.domain.session import SessionSettings
 from crossflow_ctl.observability import span, spans_recorded
 from crossflow_ctl.service.broker import Broker
@@ -220,15 +220,16 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         attrs = {"crossflow.node_id": node_id}
         traced = spans_recorded()  # once per stream, not per lease (see spans_recorded)
         accepted = _Accepted()
+        decode = c.LeaseDecoder()
         try:
             async for req in requests:
                 body = req.WhichOneof("body")
                 if body == "lease":
                     if traced:
                         with span("crossflow.lease_batch", attrs):
-                            await self._lease(req.lease, info, out, accepted, refusal_acks)
+                            await self._lease(req.lease, info, out, accepted, refusal_acks, decode)
                     else:
-                        await self._lease(req.lease, info, out, accepted, refusal_acks)
+                        await self._lease(req.lease, info, out, accepted, refusal_acks, decode)
                 elif body in ("pool_load", "step_model"):
                     await self._report(req, info)
                 elif body == "heartbeat":
@@ -255,9 +256,15 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             out.end(_End())
 
     async def _lease(
-        self, msg: Any, info: NodeInfo, out: _Out, accepted: _Accepted, refusal_acks: bool
+        self,
+        msg: Any,
+        info: NodeInfo,
+        out: _Out,
+        accepted: _Accepted,
+        refusal_acks: bool,
+        decode: Callable[[Any], Lease],
     ) -> None:
-        response = await self._ack(msg, info)
+        response = await self._ack(msg, info, decode)
         ack = response.lease_ack
         if ack.result == lease_pb2.LEASE_RESULT_ACCEPTED:
             accepted.epoch, accepted.version = ack.epoch, ack.version
@@ -265,12 +272,15 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                 return
         await out.send(response)
 
-    async def _ack(self, msg: Any, info: NodeInfo) -> lease_pb2.ConnectResponse:
+    async def _ack(
+        self, msg: Any, info: NodeInfo, decode: Callable[[Any], Lease]
+    ) -> lease_pb2.ConnectResponse:
+        """The lease's ack; ``decode``: the stream's :class:`.convert.LeaseDecoder`."""
         response = lease_pb2.ConnectResponse()
         ack = response.lease_ack  # filled in place: no message built and then copied in
         ack.epoch, ack.version = msg.epoch, msg.version
         try:
-            lease = c.lease_from_proto(msg)
+            lease = decode(msg)
             if lease.node_id != info.node_id:
                 raise InvalidArgument(
                     f"{lease.node_id!r} is not this stream's node {info.node_id!r}",
@@ -381,19 +391,19 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         linger_s = self._broker.settings.notice_linger_ms / 1000.0
         while True:
             try:
-                batch = await self._broker.read_notice_batch(node_id, after_seq, block_ms)
+                rows = await self._broker.read_notice_rows(node_id, after_seq, block_ms)
             except CrossflowError as exc:
                 log.warning("relay.read_failed", error=str(exc))
                 await asyncio.sleep(RELAY_RETRY_S)
                 continue
-            notices = batch.notices
-            if not notices:
+            if not rows:
                 continue
-            after_seq = notices[-1].seq
+            after_seq = rows[-1].seq
+            batch = c.notice_rows_to_proto(rows)
             if batches:
                 await out.send(_batch_response(batch))
             else:
-                for notice in notices:
+                for notice in batch.notices:
                     await out.send(lease_pb2.ConnectResponse(notice=notice))
             if linger_s > 0:
                 await asyncio.sleep(linger_s)

@@ -633,6 +633,33 @@ class Notice(Frozen):
     ``kv_transfer_bytes`` in the unit it was priced in (None: not told, a broker before it)."""
 
 
+class NoticeRow(NamedTuple):
+    """One notice as an agent stream relays it: :class:`Notice`'s values without the model (the
+    relay runs for every grant and expiry, so a store may read its entries straight into rows,
+    checking what the model would: ``redis_codec.notice_rows``), encoded by the transport
+    (``wire.convert.notice_rows_to_proto``)."""
+
+    seq: int
+    kind: NoticeKind
+    reservation_id: str
+    debit: tuple[int, int, int, int, int] | None
+    """The debit's amounts (``Credits.as_tuple``: validated as a Notice's debit is); None: none
+    stored (the message still carries an empty one, as a zero debit)."""
+    at_ms: int
+    pulled_tokens: int | None
+
+    @classmethod
+    def of(cls, notice: Notice) -> NoticeRow:
+        return cls(
+            notice.seq,
+            notice.kind,
+            notice.reservation_id,
+            notice.debit.as_tuple(),
+            notice.at_ms,
+            notice.pulled_tokens,
+        )
+
+
 def check_epoch(epoch: int, now_ms: int, field: str = "lease.epoch") -> None:
     """InvalidArgument when ``epoch`` is more than MAX_EPOCH_LEAD_MS ahead of ``now_ms``."""
     if epoch > now_ms + MAX_EPOCH_LEAD_MS:

@@ -87,16 +87,33 @@ def metrics_app(registry: CollectorRegistry) -> web.Application:
     return app
 
 
+async def serve_registry(registry: CollectorRegistry, host: str, port: int) -> web.AppRunner:
+    """Serve ``registry`` on ``http://host:port/metrics`` (:func:`metrics_app`) until the
+    returned runner's ``cleanup``; ConfigError naming ``metrics_listen`` when it cannot bind."""
+    runner = web.AppRunner(metrics_app(registry), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError(
+            f"cannot serve metrics on {host}:{port}: {exc}", field="metrics_listen"
+        ) from None
+    return runner
+
+
 async def setup_metrics(
     host: str = "0.0.0.0",
     port: int = 9464,
     *,
     service_name: str = "crossflow",
     set_global: bool = True,
+    announce: bool = True,
 ) -> MetricsEndpoint:
     """Start the Prometheus endpoint; the process's global MeterProvider becomes its provider.
 
-    ``set_global`` installs the provider as OpenTelemetry's global one, which the API allows
+    ``announce`` logs ``metrics endpoint serving`` with the URL (which tests and the demo
+    read). ``set_global`` installs the provider as OpenTelemetry's global one, which the API allows
     once per process; later calls (tests start several) keep the first and only serve their own
     provider, which callers then pass to :class:`BrokerMetrics` / :class:`AgentMetrics`.
     """
@@ -106,19 +123,15 @@ async def setup_metrics(
     provider = MeterProvider(
         metric_readers=[reader], resource=Resource.create({SERVICE_NAME: service_name})
     )
-    runner = web.AppRunner(metrics_app(registry), access_log=None, handle_signals=False)
-    await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
-    except OSError as exc:
-        await runner.cleanup()
+        runner = await serve_registry(registry, host, port)
+    except ConfigError:
         provider.shutdown()
-        raise ConfigError(
-            f"cannot serve metrics on {host}:{port}: {exc}", field="metrics_listen"
-        ) from None
+        raise
     if set_global and not _global_provider_installed:
         otel_metrics.set_meter_provider(provider)
         _global_provider_installed = True
     endpoint = MetricsEndpoint(provider, registry, runner)
-    log.info("metrics endpoint serving", url=endpoint.url)
+    if announce:  # not a broker worker's own (its supervisor serves the pod's: broker.workers)
+        log.info("metrics endpoint serving", url=endpoint.url)
     return endpoint

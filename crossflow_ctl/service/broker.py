@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 import structlog
 
 from crossflow_ctl.aio import within
-from crossflow_ctl.api.v1 import lease_pb2
 from crossflow_ctl.domain.admission import (
     Admission,
     AdmissionRequest,
@@ -40,6 +39,8 @@ from crossflow_ctl.domain.models import (
     NodeRole,
     NodeState,
     Notice,
+    NoticeKind,
+    NoticeRow,
     PoolLoad,
     PoolSnapshot,
     Reservation,
@@ -79,7 +80,6 @@ from crossflow_ctl.service.room import NodeRooms, RoomWatches
 from crossflow_ctl.service.store_breaker import StoreBreaker
 from crossflow_ctl.store.base import LeaseOutcome, NodeEvent, Store
 
-_EXPIRE = lease_pb2.NOTICE_KIND_EXPIRE
 log = structlog.get_logger()
 T = TypeVar("T")
 
@@ -439,20 +439,21 @@ class Broker:
             node_id, after_seq, self.settings.notice_batch, block_ms
         )
 
-    async def read_notice_batch(
+    async def read_notice_rows(
         self, node_id: str, after_seq: int, block_ms: int
-    ) -> lease_pb2.NoticeBatch:
-        """:meth:`read_notices` as the message the node's agent stream relays (built by the
-        store without the Notice models in between: the relay runs for every grant). Counts
-        the EXPIRE notices in it: each node's notices are relayed by the one replica holding
-        its agent's stream, so the replicas' counts add up to the fleet's expiries."""
-        batch = await self.store.read_notice_batch(
+    ) -> list[NoticeRow]:
+        """:meth:`read_notices` as the rows the node's agent stream relays (read by the store
+        without the Notice models in between: the relay runs for every grant; the transport
+        encodes them). Counts the EXPIRE notices in it: each node's notices are relayed by the
+        one replica holding its agent's stream, so the replicas' counts add up to the fleet's
+        expiries."""
+        rows = await self.store.read_notice_rows(
             node_id, after_seq, self.settings.notice_batch, block_ms
         )
-        expired = sum(1 for n in batch.notices if n.kind == _EXPIRE)
+        expired = sum(1 for row in rows if row.kind is NoticeKind.EXPIRE)
         if expired:
             self.metrics.record_reservation_event("expire", expired)
-        return batch
+        return rows
 
     # -- operators -------------------------------------------------------------------------------
     async def list_nodes(self, role: NodeRole | None = None, selector: str = "") -> list[NodeState]:

@@ -126,6 +126,11 @@ class BrokerSettings(LayeredSettings):
     open reservation is removed from the store; 0 keeps nodes until deleted by hand."""
     node_sweep_s: Annotated[float, Field(gt=0.0, le=86_400)] = 60.0
     """How often a replica looks for expired nodes (when ``node_expiry_s`` > 0)."""
+    workers: Annotated[int, Field(ge=1, le=256)] | None = None
+    """Broker worker processes sharing ``listen`` (SO_REUSEPORT), each a replica of its own;
+    None: the pod's CPUs (its cgroup CPU quota rounded up, else the CPUs it may run on), and
+    one on the embedded store, which lives in one process (more is refused). See
+    ``crossflow_ctl/broker/workers.py`` for restarts and how /metrics merges the workers'."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_json: bool = True
     metrics_listen: str | None = None

@@ -38,7 +38,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple
 
 from crossflow_ctl.aio import wait_settled
-from crossflow_ctl.api.v1 import lease_pb2
 from crossflow_ctl.domain.errors import FailedPrecondition, InvalidArgument
 from crossflow_ctl.domain.models import (
     CREDIT_NAMES,
@@ -51,6 +50,7 @@ from crossflow_ctl.domain.models import (
     NodeRole,
     NodeState,
     Notice,
+    NoticeRow,
     PoolLoad,
     PoolSnapshot,
     Reservation,
@@ -60,7 +60,6 @@ from crossflow_ctl.domain.models import (
 )
 from crossflow_ctl.domain.online_calibration import StepModelReport
 from crossflow_ctl.domain.policy import VersionedPolicy
-from crossflow_ctl.wire.convert import notice_to_proto
 
 
 def check_debit_args(
@@ -427,14 +426,14 @@ class Store(abc.ABC):
         or raises StoreUnavailable, within about block_ms plus one call's timeout (callers
         arm no timer of their own)."""
 
-    async def read_notice_batch(
+    async def read_notice_rows(
         self, node_id: str, after_seq: int, limit: int, block_ms: int = 0
-    ) -> lease_pb2.NoticeBatch:
-        """:meth:`read_notices` as the message an agent stream relays, each notice converted
-        by ``notice_to_proto``. A store may build it without the Notice models in between
-        (the Redis store decodes its stream entries straight into the message)."""
+    ) -> list[NoticeRow]:
+        """:meth:`read_notices` as the rows an agent stream relays (``NoticeRow.of`` each). A
+        store may read them without the Notice models in between (the Redis store reads its
+        stream entries straight into rows: ``redis_codec.notice_rows``)."""
         notices = await self.read_notices(node_id, after_seq, limit, block_ms)
-        return lease_pb2.NoticeBatch(notices=[notice_to_proto(n) for n in notices])
+        return [NoticeRow.of(n) for n in notices]
 
     # -- policy -----------------------------------------------------------------------------
     @abc.abstractmethod

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from math import copysign
 from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
-from crossflow_ctl.api.v1 import common_pb2, lease_pb2
 from crossflow_ctl.domain.errors import StoreUnavailable
 from crossflow_ctl.domain.models import (
     CREDIT_NAMES,
@@ -27,6 +27,7 @@ from crossflow_ctl.domain.models import (
     NodeState,
     Notice,
     NoticeKind,
+    NoticeRow,
     PoolLoad,
     Reservation,
     ReservationState,
@@ -35,7 +36,6 @@ from crossflow_ctl.domain.models import (
     known_fields,
 )
 from crossflow_ctl.store.base import NodeEvent
-from crossflow_ctl.wire.convert import credits_to_proto, enum_to_proto, notice_to_proto
 
 Raw = bytes | str
 K = TypeVar("K", bound=Hashable)
@@ -173,10 +173,12 @@ def float_text(value: float) -> str:
     """``repr(value)`` (reads back exactly), remembered for nonzero values: a node's model
     constants (rate, prefill costs, ITL SLO) repeat in every lease it sends, and formatting a
     float cost more than looking it up. Zero is not remembered (0.0 and -0.0 are one key but
-    two texts), nor is anything but a float (1, 1.0 and True are one key but three texts). The
-    map starts over when full."""
+    two texts: answered by their sign instead), nor is anything but a float (1, 1.0 and True
+    are one key but three texts). The map starts over when full."""
     if type(value) is not float:
         return repr(value)
+    if not value:  # 0.0 or -0.0 (nan is true): no dict miss and no repr, unset fields are zero
+        return "0.0" if copysign(1.0, value) > 0 else "-0.0"
     text = _FLOAT_TEXT.get(value)
     if text is None:
         text = repr(value)
@@ -432,32 +434,30 @@ def entry_seq(entry_id: Raw) -> int:
     return int(entry_id.split("-", 1)[0])
 
 
-_NOTICE_KIND_NUMBERS: dict[Raw, int] = {
-    raw: enum_to_proto(kind, lease_pb2.NoticeKind, "NOTICE_KIND_")
-    for kind in NoticeKind
-    for raw in (kind.value, kind.value.encode())
+_NOTICE_KINDS: dict[Raw, NoticeKind] = {
+    raw: kind for kind in NoticeKind for raw in (kind.value, kind.value.encode())
 }
-"""A stored ``k`` field (bytes or str) -> its ``lease_pb2.NoticeKind`` number."""
+"""A stored ``k`` field (bytes or str) -> its kind."""
+
+notice_debit_memo: Memo[Raw, tuple[int, int, int, int, int]] = Memo(
+    lambda stored: notice_debit(stored).as_tuple()
+)
+"""A notice's ``d`` field as its amounts, validated as the Notice's debit is (a node's grants
+repeat a few debits)."""
 
 
-def _notice_debit_proto(stored: Raw) -> common_pb2.Credits:
-    return credits_to_proto(notice_debit(stored))  # validated as the Notice's debit would be
+_new_row: Callable[[type[NoticeRow], tuple[Any, ...]], NoticeRow] = tuple.__new__
+"""``NoticeRow(*values)`` without the named tuple's own ``__new__`` (a Python call per row)."""
 
 
-notice_debit_proto: Memo[Raw, common_pb2.Credits] = Memo(_notice_debit_proto)
-"""A notice's ``d`` field as the message (never modified: copied into each notice)."""
-
-
-def notice_entries_to_proto(
-    node_id: str, entries: Sequence[tuple[Raw, Mapping[Raw, Raw]]], batch: lease_pb2.NoticeBatch
-) -> None:
-    """Append notice stream entries to ``batch`` as messages, field for field what
-    ``notice_to_proto(notice_from(...))`` makes, without the Notice in between: the relay of
-    every grant and expiry to its agent was a sixth of a busy broker's CPU (issue 13). An entry
-    that is not plainly valid (an unknown kind, pulled tokens out of range) takes that slow path,
-    which refuses it as before."""
-    add = batch.notices.add
-    kinds = _NOTICE_KIND_NUMBERS
+def notice_rows(node_id: str, entries: Sequence[tuple[Raw, Mapping[Raw, Raw]]]) -> list[NoticeRow]:
+    """Notice stream entries as the relay's rows, value for value what ``NoticeRow.of(
+    notice_from(...))`` makes, without the Notice in between: the relay of every grant and
+    expiry to its agent was a sixth of a busy broker's CPU (issue 13). An entry that is not
+    plainly valid (an unknown kind, pulled tokens out of range) takes that slow path, which
+    refuses it as before."""
+    rows: list[NoticeRow] = []
+    kinds = _NOTICE_KINDS
     for entry_id, fields in entries:
         get = fields.get  # read field by field: a generator per entry cost more than its reads
         k = get(b"k")
@@ -468,20 +468,18 @@ def notice_entries_to_proto(
         kind = kinds.get(k) if k is not None else None
         pulled = int(p) if p is not None else None
         if kind is None or (pulled is not None and not 0 <= pulled <= MAX_TOKENS):
-            add().CopyFrom(notice_to_proto(notice_from(node_id, entry_id, fields)))
+            rows.append(NoticeRow.of(notice_from(node_id, entry_id, fields)))
             continue
-        debit = notice_debit_proto(d) if d is not None else None
-        notice = add(
-            seq=entry_seq(entry_id),
-            kind=kind,
-            reservation_id=(r.decode() if isinstance(r, bytes) else r) if r is not None else "",
-            at_unix_ms=int(t) if t is not None else 0,
-            pulled_tokens=pulled,
+        row = (
+            entry_seq(entry_id),
+            kind,
+            (r.decode() if isinstance(r, bytes) else r) if r is not None else "",
+            notice_debit_memo(d) if d is not None else None,
+            int(t) if t is not None else 0,
+            pulled,
         )
-        if debit is not None:
-            notice.debit.CopyFrom(debit)  # present even when zero, as notice_to_proto sets it
-        else:
-            notice.debit.SetInParent()
+        rows.append(_new_row(NoticeRow, row))
+    return rows
 
 
 def event_from(raw: Raw) -> NodeEvent:

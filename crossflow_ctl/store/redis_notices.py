@@ -373,7 +373,7 @@ class NoticeReader:
         self, node_id: str, after_seq: int, limit: int, block_ms: int
     ) -> list[Entry]:
         """:meth:`read`'s stream entries as Redis returned them, not yet decoded (the relay
-        turns them straight into messages: ``codec.notice_entries_to_proto``)."""
+        reads them straight into rows: ``codec.notice_rows``)."""
         if block_ms <= 0:
             return await self._range(node_id, after_seq, limit)
         hub = self.hub

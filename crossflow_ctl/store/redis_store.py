@@ -39,7 +39,6 @@ from redis.asyncio import Redis, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
-from crossflow_ctl.api.v1 import lease_pb2
 from crossflow_ctl.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -55,6 +54,7 @@ from crossflow_ctl.domain.models import (
     NodeRole,
     NodeState,
     Notice,
+    NoticeRow,
     PoolLoad,
     PoolSnapshot,
     Reservation,
@@ -526,16 +526,15 @@ class RedisStore(Store):
             return []
         return await self._notices.read(node_id, after_seq, limit, block_ms)
 
-    async def read_notice_batch(
+    async def read_notice_rows(
         self, node_id: str, after_seq: int, limit: int, block_ms: int = 0
-    ) -> lease_pb2.NoticeBatch:
+    ) -> list[NoticeRow]:
         if not is_node_id(node_id):
             raise NotFound(f"unknown node {node_id!r}", field="node_id")
-        batch = lease_pb2.NoticeBatch()
-        if limit > 0:
-            entries = await self._notices.read_entries(node_id, after_seq, limit, block_ms)
-            codec.notice_entries_to_proto(node_id, entries, batch)
-        return batch
+        if limit <= 0:
+            return []
+        entries = await self._notices.read_entries(node_id, after_seq, limit, block_ms)
+        return codec.notice_rows(node_id, entries)
 
     # -- policy -----------------------------------------------------------------------------
     async def get_policy(self) -> VersionedPolicy | None:

@@ -56,7 +56,10 @@ class FakeAgent:
         credentials: ClientCredentials | None = None,
         notice_batches: bool = False,
         refusal_acks: bool = False,
+        own_connection: bool = False,
     ) -> None:
+        """``own_connection``: a TCP connection of its own, not the one gRPC shares between
+        channels to the same target (so streams spread over the workers of one port)."""
         self.node_id = node_id
         self.epoch = epoch
         self.version = 0
@@ -70,7 +73,8 @@ class FakeAgent:
             notice_batches=notice_batches,
             refusal_acks=refusal_acks,
         )
-        self._channel = open_channel(target, credentials)
+        options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else []
+        self._channel = open_channel(target, credentials, options)
         self._stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
         self.acks: asyncio.Queue[lease_pb2.LeaseAck] = asyncio.Queue()
         self.heartbeats: asyncio.Queue[lease_pb2.Heartbeat] = asyncio.Queue()

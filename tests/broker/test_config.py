@@ -16,6 +16,7 @@ from crossflow_ctl.service.config import BrokerSettings, load_settings
 def _flags(*argv: str) -> tuple[Path | None, dict[str, object]]:
     """What ``crossflow-broker serve ARGV`` parses: the config file and the flag overrides."""
     params = serve.make_context("serve", list(argv)).params
+    params.pop("worker_index")  # set by the supervisor for its workers: no setting
     return params.pop("config_file"), overrides_from(**params)
 
 

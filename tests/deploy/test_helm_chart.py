@@ -713,3 +713,20 @@ def test_a_map_value_set_to_null_renders(key: str) -> None:
         assert ds["nodeSelector"] == {"crossflow.io/role": "decode"}
     assert "spiffe://" in notes(f"{key}=null", "security.tokenHashesSecret=h",
                                 "security.agentCredentials.tokenSecret=t")  # fmt: skip
+
+
+@needs_helm
+def test_broker_workers_reach_the_broker_settings(tmp_path: Path) -> None:
+    from crossflow_ctl.service.config import load_settings
+
+    def workers(*args: str) -> int | None:
+        docs = render(*args)
+        config = tmp_path / "broker.yaml"
+        config.write_text(
+            find(docs, "ConfigMap", "cf-crossflow-broker")["data"]["broker.yaml"], encoding="utf-8"
+        )
+        return load_settings(config, {"redis_url": "redis://127.0.0.1:6379/0"}).workers
+
+    assert workers() == 1  # the chart's default: one process per pod
+    assert workers("--set", "broker.workers=3") == 3
+    assert workers("--set", "broker.workers=0") is None  # the pod's CPUs (its CPU limit)

@@ -21,6 +21,7 @@ from crossflow_ctl.domain.models import (
     Lease,
     NodeRole,
     NoticeKind,
+    NoticeRow,
     PoolLoad,
     ReservationState,
     Shares,
@@ -29,7 +30,7 @@ from crossflow_ctl.domain.models import (
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.domain.safety import over_committed
 from crossflow_ctl.store.base import DebitRequest, RequestRecord, Store
-from crossflow_ctl.wire.convert import notice_to_proto
+from crossflow_ctl.wire.convert import notice_rows_to_proto, notice_to_proto
 from tests.store.helpers import MAX_TTL, NOW, credits, lease, register
 
 
@@ -435,9 +436,10 @@ async def test_a_grant_notice_carries_the_pulled_tokens_of_its_own_debit(store: 
 
 
 async def test_a_notice_batch_is_the_notices_as_the_relay_sends_them(store: Store) -> None:
-    """``read_notice_batch`` (the agent stream's relay) equals ``read_notices`` converted by
-    ``notice_to_proto``, field for field and byte for byte: grants with and without pulled
-    tokens, a release, expiries, a cordon; resumed, limited, blocking, and refused alike."""
+    """``read_notice_rows`` encoded by the transport (the agent stream's relay) equals
+    ``read_notices`` converted by ``notice_to_proto``, field for field and byte for byte:
+    grants with and without pulled tokens, a release, expiries, a cordon; resumed, limited,
+    blocking, and refused alike."""
     await register(store, "d1", "d2")
     await store.upsert_lease(lease(), NOW, MAX_TTL)
     told = await store.try_debit("d1", credits(3), 1.0, NOW, 1_000, pulled_tokens=4_000)
@@ -453,7 +455,9 @@ async def test_a_notice_batch_is_the_notices_as_the_relay_sends_them(store: Stor
 
     async def same(after: int, limit: int, block_ms: int = 0) -> int:
         notices = await store.read_notices("d1", after, limit, block_ms)
-        batch = await store.read_notice_batch("d1", after, limit, block_ms)
+        rows = await store.read_notice_rows("d1", after, limit, block_ms)
+        assert rows == [NoticeRow.of(n) for n in notices]
+        batch = notice_rows_to_proto(rows)
         expected = lease_pb2.NoticeBatch(notices=[notice_to_proto(n) for n in notices])
         assert batch == expected
         assert batch.SerializeToString(deterministic=True) == expected.SerializeToString(
@@ -469,9 +473,9 @@ async def test_a_notice_batch_is_the_notices_as_the_relay_sends_them(store: Stor
     assert await same(total, 10) == 0
     assert await same(total, 10, block_ms=20) == 0
     assert await same(0, 0) == 0
-    assert len((await store.read_notice_batch("d2", 0, 10)).notices) == 0
+    assert await store.read_notice_rows("d2", 0, 10) == []
     with pytest.raises(NotFound):
-        await store.read_notice_batch("ghost", 0, 10)
+        await store.read_notice_rows("ghost", 0, 10)
 
 
 async def test_blocking_read_wakes_on_a_new_notice(store: Store) -> None:

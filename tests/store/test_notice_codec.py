@@ -1,6 +1,7 @@
-"""The relay's fast notice conversion (``redis_codec.notice_entries_to_proto``) against the
-path it replaces, ``notice_to_proto(notice_from(...))``: for any stream entry, the same message
-field for field and byte for byte, or a refusal where that path refuses (issue 13)."""
+"""The relay's fast notice path (the store's ``redis_codec.notice_rows``, then the transport's
+``wire.convert.notice_rows_to_proto``) against the path it replaces,
+``notice_to_proto(notice_from(...))``: for any stream entry, the same message field for field
+and byte for byte, or a refusal where that path refuses (issue 13)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from crossflow_ctl.api.v1 import lease_pb2
 from crossflow_ctl.domain.models import MAX_TOKENS, NoticeKind
 from crossflow_ctl.store import redis_codec as codec
-from crossflow_ctl.wire.convert import notice_to_proto
+from crossflow_ctl.wire.convert import notice_rows_to_proto, notice_to_proto
 
 # Hypothesis's failure report touches mypy_extensions.TypedDict; with warnings as errors that
 # warning would replace the falsifying example by an INTERNALERROR.
@@ -73,9 +74,8 @@ def old_way(entry: tuple[Any, dict[Any, Any]]) -> lease_pb2.Notice | type[Except
 
 
 def new_way(entry: tuple[Any, dict[Any, Any]]) -> lease_pb2.Notice | type[Exception]:
-    batch = lease_pb2.NoticeBatch()
     try:
-        codec.notice_entries_to_proto("d1", [entry], batch)
+        batch = notice_rows_to_proto(codec.notice_rows("d1", [entry]))
     except ValueError:
         return ValueError
     (notice,) = batch.notices
@@ -101,17 +101,19 @@ def test_a_batch_keeps_the_entries_order(batch_entries: list[tuple[Any, Any]]) -
     olds = [old_way(e) for e in batch_entries]
     if any(isinstance(o, type) for o in olds):
         return  # a refused entry refuses the read: covered entry by entry above
-    batch = lease_pb2.NoticeBatch()
-    codec.notice_entries_to_proto("d1", batch_entries, batch)
+    batch = notice_rows_to_proto(codec.notice_rows("d1", batch_entries))
     assert list(batch.notices) == olds
 
 
 def test_a_debit_message_is_shared_never_modified() -> None:
     """The memoized debit message is copied into each notice: changing one notice's debit
     changes neither the memo nor the next notice."""
-    entry = (b"1-0", {b"k": b"grant", b"r": b"r1", b"d": b"1,2,3,4,5", b"t": b"7"})
-    batch = lease_pb2.NoticeBatch()
-    codec.notice_entries_to_proto("d1", [entry, entry], batch)
+    entry: tuple[Any, dict[Any, Any]] = (
+        b"1-0",
+        {b"k": b"grant", b"r": b"r1", b"d": b"1,2,3,4,5", b"t": b"7"},
+    )
+    batch = notice_rows_to_proto(codec.notice_rows("d1", [entry, entry]))
     batch.notices[0].debit.slots = 99
     assert batch.notices[1].debit.slots == 5
-    assert codec.notice_debit_proto(b"1,2,3,4,5").slots == 5
+    again = notice_rows_to_proto(codec.notice_rows("d1", [entry]))
+    assert again.notices[0].debit.slots == 5
