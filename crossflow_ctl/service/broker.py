@@ -243,6 +243,17 @@ class Broker:
             detail = f"store slower than {limit_ms} ms" if isinstance(exc, TimeoutError) else exc
             log.warning("room_view.failed", error=repr(exc))
             return unknown_room(request.pool, f"room unknown: {detail}")
+        return self.room_of(request, pool, nodes, policy, now)
+
+    def room_of(
+        self,
+        request: RoomWatchRequest,
+        pool: PoolSnapshot | None,
+        nodes: list[NodeState],
+        policy: PolicySettings,
+        now: int,
+    ) -> RoomView:
+        """The room for ``request`` on an admission view read at ``now``."""
         sent = self._admitter.sent.unreported(pool) if pool is not None else Unreported()
         kept = self._room_demand
         if kept is None or kept[0] is not pool or kept[1] is not policy or kept[2] != sent:
