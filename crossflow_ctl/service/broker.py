@@ -377,6 +377,17 @@ class Broker:
         this replica's borrow horizon (:func:`~crossflow_ctl.domain.session.within_horizon`), so
         one sized over an older horizon (an agent that has not adopted a policy push yet, or
         ignores it) offers no more than the horizon allows, whichever path brought it."""
+        lease, now_ms = self._lease_to_store(lease, role)
+        # No timer per lease: the store bounds its own batches (RedisStore: op timeout).
+        outcome = await timed(
+            self.metrics,
+            "admin",
+            self.store.upsert_lease(lease, now_ms, self.policy.max_lease_ttl_ms),
+        )
+        return self._lease_stored(lease, outcome)
+
+    def _lease_to_store(self, lease: Lease, role: NodeRole) -> tuple[Lease, int]:
+        """:meth:`ingest_lease`'s checks: the lease as it is stored now, and now."""
         if role is not NodeRole.DECODE:
             raise FailedPrecondition(
                 f"node {lease.node_id!r} is a {role.value} node: only decode nodes lease",
@@ -384,13 +395,10 @@ class Broker:
             )
         now_ms = self.clock.now_ms()
         check_epoch(lease.epoch, now_ms)
-        lease = within_horizon(lease, self.policy.borrow_horizon_ms)
-        # No timer per lease: the store bounds its own batches (RedisStore: op timeout).
-        outcome = await timed(
-            self.metrics,
-            "admin",
-            self.store.upsert_lease(lease, now_ms, self.policy.max_lease_ttl_ms),
-        )
+        return within_horizon(lease, self.policy.borrow_horizon_ms), now_ms
+
+    def _lease_stored(self, lease: Lease, outcome: LeaseOutcome) -> LeaseOutcome:
+        """:meth:`ingest_lease`'s answer to the store's ``outcome`` of ``lease``."""
         if not outcome.accepted:
             raise StaleLease(
                 f"lease ({lease.epoch}, {lease.version}) is not newer than the stored "

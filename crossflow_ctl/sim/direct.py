@@ -14,8 +14,8 @@ shorter path to the same rules:
   deadline (``within``: simulated time does not pass during a call), the store breaker (the
   in-process store never fails), the debit argument checks (the broker's own policy) and the
   metrics, logs and trace annotations.
-* room reads, commits and releases: the same store calls, without the admin deadline, the
-  exactly-once wrapper (no request id here) and the timing.
+* room reads, commits, releases and leases: the same store calls and checks, without the
+  admin deadline, the exactly-once wrapper (no request id here) and the timing.
 
 What it decides is the service's decision, request by request: ``tests/sim/test_direct.py``
 runs short traces both ways (``SimConfig.direct_control``) and requires identical decision
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Reason
 from crossflow_ctl.domain.clock import Clock
-from crossflow_ctl.domain.models import Reservation
+from crossflow_ctl.domain.models import Lease, NodeRole, Reservation
 from crossflow_ctl.domain.room import RoomView, RoomWatchRequest
 from crossflow_ctl.service import Broker, BrokerSettings
 from crossflow_ctl.service.admission import (
@@ -35,6 +35,7 @@ from crossflow_ctl.service.admission import (
     debit_request,
     no_room,
 )
+from crossflow_ctl.store.base import LeaseOutcome
 from crossflow_ctl.store.memory import MemoryStore
 
 
@@ -103,3 +104,8 @@ class DirectBroker(Broker):
         res = await self.memory.release(reservation_id, self.clock.now_ms(), owner)
         self.rooms.poke()
         return res
+
+    async def ingest_lease(self, lease: Lease, role: NodeRole = NodeRole.DECODE) -> LeaseOutcome:
+        lease, now_ms = self._lease_to_store(lease, role)
+        outcome = await self.memory.upsert_lease(lease, now_ms, self.policy.max_lease_ttl_ms)
+        return self._lease_stored(lease, outcome)
