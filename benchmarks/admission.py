@@ -1,7 +1,18 @@
 """Admission latency and throughput over gRPC with Redis, next to two floors from the same run.
 
     python benchmarks/admission.py [--redis-url redis://127.0.0.1:6379/0] [--seconds 2]
-                                   [--only-unary | --only-stream]
+                                   [--only-unary | --only-stream] [--cluster]
+
+``--cluster`` starts a 3-master Redis Cluster on free loopback ports (as the tests do:
+``redis-server --cluster-enabled yes``, joined by ``redis-cli --cluster create``), runs the
+broker with ``--redis-cluster`` and every floor on it, and stops it afterwards; ``--own-redis``
+a standalone redis-server of its own. On either, "Redis cmds" (commands Redis ran per
+sequential call, every client's, commands run inside scripts included) counts this run's
+alone; on a shared Redis it counts whatever else runs there too.
+
+Every Admit carries a new request id (``attempt`` 0), as the client library's
+``AdmissionClient.admit`` sends one; ``admit (retry)`` sends each with ``attempt`` 1, a retry
+whose first call never reached the broker.
 
 Starts one ``crossflow-broker serve`` process on a loopback port over Redis (its own key
 namespace, deleted afterwards), streams one decode lease and one prefill pool load to it, then
@@ -18,11 +29,11 @@ measures, each sequentially (latency) and with ``--concurrency`` callers (throug
   (the wake, then one XRANGE, then one message per grant): Admit's design floor including the
   grant relay DESIGN.md §5.4 and §6 require, with no admission work at all
 
-and prints admit's p50 and p99 over the floors' sum (issue 13's targets: p50 <= 1.25x, p99 <= 2x)
-and its throughput with ``--concurrency`` callers over the bare grpc.aio call's (target >= 70%),
-and, where Linux's /proc allows, each serving process's CPU per sequential call (the broker's
-per Admit and per health Check, the floor server's) with the debit script's time inside Redis:
-on a shared machine CPU per call says more than wall time.
+and prints admit's p50, p99, broker CPU per call and throughput with ``--concurrency`` callers
+over the ``grpc.aio + 1 EVALSHA`` floor's (issue 32's targets: p50 <= 1.3x, p99 <= 2x, CPU per
+call <= 1.5x, throughput >= 80%), and, where Linux's /proc allows, each serving process's CPU
+per sequential call (the broker's per Admit and per health Check, the floor server's) with the
+debit script's time inside Redis: on a shared machine CPU per call says more than wall time.
 A warm Admit is ONE Redis round trip (the atomic debit): the plan uses the replica's cached view
 (pool load, lender draw, node states; refreshed by each debit's reply).
 
@@ -40,11 +51,16 @@ import argparse
 import asyncio
 import math
 import os
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -71,8 +87,101 @@ compute to rate x borrow horizon (``domain.session.within_horizon``) leaves its 
 tokens whole, so admission always finds room and every phase measures grants."""
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def redis_cluster() -> Iterator[str]:
+    """A 3-master Redis Cluster on loopback (``redis-server --cluster-enabled yes``, joined by
+    ``redis-cli --cluster create``), as the tests start theirs; yields one master's URL."""
+    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if server is None or cli is None:
+        raise SystemExit("--cluster needs redis-server and redis-cli on PATH")
+    ports: list[int] = []
+    while len(ports) < 6:
+        if (port := _free_port()) not in ports:
+            ports.append(port)
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as workdir:
+        try:
+            for port, bus in zip(ports[:3], ports[3:], strict=True):
+                os.mkdir(node_dir := os.path.join(workdir, str(port)))
+                procs.append(
+                    subprocess.Popen(
+                        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                         "--appendonly", "no", "--cluster-enabled", "yes",
+                         "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus)],
+                        cwd=node_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    )
+                )  # fmt: skip
+            for port in ports[:3]:
+                _wait_for(lambda p=port: _ping(cli, p, "PING") == "PONG", f"node {port} to start")
+            subprocess.run(
+                [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports[:3]),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=60, check=True,
+            )  # fmt: skip
+            for port in ports[:3]:
+                _wait_for(
+                    lambda p=port: "cluster_state:ok" in _ping(cli, p, "CLUSTER", "INFO"),
+                    f"node {port} to join the cluster",
+                )
+            yield f"redis://127.0.0.1:{ports[0]}/0"
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(timeout=10)
+
+
+@contextmanager
+def own_redis() -> Iterator[str]:
+    """A standalone redis-server of this run's own on a free loopback port (no other client's
+    commands in its counts); yields its URL."""
+    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if server is None or cli is None:
+        raise SystemExit("--own-redis needs redis-server and redis-cli on PATH")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for(lambda: _ping(cli, port, "PING") == "PONG", f"redis-server on {port}")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _ping(cli: str, port: int, *command: str) -> str:
+    done = subprocess.run(
+        [cli, "-p", str(port), *command], capture_output=True, timeout=5, check=False
+    )
+    return done.stdout.decode(errors="replace").strip()
+
+
+def _wait_for(condition: Callable[[], bool], what: str, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def redis_client(redis_url: str, cluster: bool) -> Any:
+    """The benchmark's own client of the store (a cluster client on a Cluster)."""
+    if cluster:
+        return aioredis.RedisCluster.from_url(redis_url)
+    return aioredis.Redis.from_url(redis_url)
+
+
 async def start_broker(
-    redis_url: str, namespace: str, hold_ttl_ms: int
+    redis_url: str, namespace: str, hold_ttl_ms: int, cluster: bool = False
 ) -> tuple[asyncio.subprocess.Process, str]:
     env = {
         **os.environ,
@@ -94,6 +203,7 @@ async def start_broker(
         redis_url,
         "--redis-namespace",
         namespace,
+        *(["--redis-cluster"] if cluster else []),
         env=env,
         stdout=asyncio.subprocess.PIPE,
     )
@@ -112,7 +222,7 @@ return seq
 """The floor's grant: one stream entry and its wake (the debit script's ``cf_notice``, no debit)."""
 
 
-async def floor_server(redis_url: str, key: str, evalshas: int) -> None:
+async def floor_server(redis_url: str, key: str, evalshas: int, cluster: bool = False) -> None:
     """A bare grpc.aio server (no broker code) whose health Check first runs ``evalshas``
     EVALSHAs of ``return 1`` one after another (Admit's transport floor: its round trips with no
     work), whose AdmitStream echoes each message's items as NORMAL results (AdmitStream's
@@ -121,10 +231,14 @@ async def floor_server(redis_url: str, key: str, evalshas: int) -> None:
     subscription to the wake channel, one XRANGE per wake, one message per grant (Admit's
     design floor with its grant relay). Prints ``listening on HOST:PORT`` like the broker; runs
     until terminated."""
-    r = aioredis.Redis.from_url(redis_url, socket_timeout=1.0)
+    r = (
+        aioredis.RedisCluster.from_url(redis_url, socket_timeout=5.0)
+        if cluster
+        else aioredis.Redis.from_url(redis_url, socket_timeout=5.0)
+    )
     script = r.register_script("return 1")
     grant = r.register_script(FLOOR_GRANT)
-    notices, wakes = f"{key}:notices", f"{key}:wakes"
+    notices, wakes = f"{{{key}}}:notices", f"{{{key}}}:wakes"  # one slot on a Cluster
 
     class Servicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # untyped stubs
         async def Check(self, request: Any, context: Any) -> Any:
@@ -175,7 +289,7 @@ async def floor_server(redis_url: str, key: str, evalshas: int) -> None:
 
 
 async def start_floor_server(
-    redis_url: str, key: str, evalshas: int
+    redis_url: str, key: str, evalshas: int, cluster: bool = False
 ) -> tuple[asyncio.subprocess.Process, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -186,6 +300,7 @@ async def start_floor_server(
         key,
         "--redis-url",
         redis_url,
+        *(["--floor-cluster"] if cluster else []),
         stdout=asyncio.subprocess.PIPE,
     )
     assert proc.stdout is not None
@@ -262,13 +377,19 @@ def cpu_seconds(pid: int | None) -> float:
 
 
 async def measure(
-    call: Callable[[], Awaitable[Any]], seconds: float, concurrency: int, pid: int | None = None
-) -> dict[str, float]:
-    """Sequential latency (and ``pid``'s CPU per sequential call: the serving process's), then
-    throughput with ``concurrency`` callers."""
+    call: Callable[[], Awaitable[Any]],
+    seconds: float,
+    concurrency: int,
+    pid: int | None = None,
+    r: Any = None,
+) -> dict[str, Any]:
+    """Sequential latency (and ``pid``'s CPU per sequential call: the serving process's, and
+    with ``r`` the Redis commands per sequential call, every client's), then throughput with
+    ``concurrency`` callers."""
     for _ in range(WARM_UP):
         await call()
     latencies: list[float] = []
+    stats_before = await command_stats(r) if r is not None else {}
     cpu_before = cpu_seconds(pid)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -276,6 +397,12 @@ async def measure(
         await call()
         latencies.append(time.perf_counter() - t0)
     cpu_per_call = (cpu_seconds(pid) - cpu_before) / len(latencies)
+    stats_after = await command_stats(r) if r is not None else {}
+    per_call = {
+        name.removeprefix("cmdstat_"): (calls - stats_before.get(name, (0, 0))[0]) / len(latencies)
+        for name, (calls, _) in stats_after.items()
+        if name != "cmdstat_info"
+    }
     done = 0
 
     async def worker(stop: float) -> None:
@@ -294,13 +421,30 @@ async def measure(
         "n": len(latencies),
         "ops_per_s": done / elapsed,
         "cpu_us": cpu_per_call * 1e6,
+        "commands": sum(per_call.values()) if r is not None else math.nan,
+        "by_command": per_call,
     }
 
 
-async def evalsha_stats(r: aioredis.Redis) -> tuple[int, int]:
+async def command_stats(r: Any) -> dict[str, tuple[int, int]]:
+    """Calls and microseconds inside Redis so far, per command (INFO commandstats), summed
+    over every master of a Cluster."""
+    if isinstance(r, aioredis.RedisCluster):
+        info = await r.info("commandstats", target_nodes=aioredis.RedisCluster.PRIMARIES)
+        per_node = list(info.values())
+    else:
+        per_node = [await r.info("commandstats")]
+    out: dict[str, tuple[int, int]] = {}
+    for node in per_node:
+        for name, stats in node.items():
+            calls, usec = out.get(name, (0, 0))
+            out[name] = (calls + int(stats["calls"]), usec + int(stats["usec"]))
+    return out
+
+
+async def evalsha_stats(r: Any) -> tuple[int, int]:
     """EVALSHA calls and microseconds inside Redis so far (INFO commandstats)."""
-    stats = (await r.info("commandstats")).get("cmdstat_evalsha", {})
-    return int(stats.get("calls", 0)), int(stats.get("usec", 0))
+    return (await command_stats(r)).get("cmdstat_evalsha", (0, 0))
 
 
 async def stream_rate(
@@ -364,11 +508,12 @@ async def helper_rate(addr: str, seconds: float, callers: int) -> tuple[float, f
 async def unary_phases(
     args: argparse.Namespace,
     procs: tuple[asyncio.subprocess.Process, asyncio.subprocess.Process],
-    r: aioredis.Redis,
+    r: Any,
     namespace: str,
     channels: tuple[grpc.aio.Channel, grpc.aio.Channel],
     request: admission_pb2.AdmitRequest,
     notices: tuple[dict[str, int], dict[str, int]],
+    agent: Any,
 ) -> float:
     """Admit and its floors (the module docstring), printed; returns Admit's rate with
     ``--concurrency`` callers. ``procs``, ``channels`` and ``notices``: the broker's, then the
@@ -379,9 +524,19 @@ async def unary_phases(
     admission = admission_pb2_grpc.AdmissionServiceStub(channel)
     health = health_pb2_grpc.HealthStub(channel)
 
-    async def admit() -> None:
-        reply = await admission.Admit(request, timeout=5)
+    async def admit_with(attempt: int) -> None:
+        # A new request id per call, as AdmissionClient.admit sends (uuid4().hex).
+        one = admission_pb2.AdmitRequest()
+        one.CopyFrom(request)
+        one.request_id, one.attempt = uuid.uuid4().hex, attempt
+        reply = await admission.Admit(one, timeout=5)
         assert reply.decision == admission_pb2.DECISION_BORROW, reply.message
+
+    async def admit() -> None:
+        await admit_with(0)
+
+    async def retry() -> None:
+        await admit_with(1)
 
     async def check() -> None:
         await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -403,72 +558,89 @@ async def unary_phases(
 
     calls0, usec0 = await evalsha_stats(r)
     notices0 = counts["notices"]  # the warm-up's notices count too (calls() counts them)
-    admitted = await measure(admit, args.seconds, args.concurrency, proc.pid)
+    admitted = await measure(admit, args.seconds, args.concurrency, proc.pid, r)
     calls1, usec1 = await evalsha_stats(r)
     admit_notices = counts["notices"] - notices0
+    # The previous phase's burst of grants expires (hold TTL) and is relayed: let it pass, so
+    # this phase's sequential CPU per call counts its own calls' work only.
+    settle_s = args.hold_ttl_ms / 1000.0 + 0.5
+    await asyncio.sleep(settle_s)
+    retried = await measure(retry, args.seconds, args.concurrency, proc.pid, r)
+    await asyncio.sleep(settle_s)
     relay_floor = await measure(admit_floor, args.seconds, args.concurrency, floor_proc.pid)
-    await asyncio.sleep(0.2)  # the last grants' messages
-    rows = [
-        ("admit (gRPC + Redis)", admitted),
-        (
-            "floor: grpc.aio health Check",
-            await measure(check, args.seconds, args.concurrency, proc.pid),
+    await asyncio.sleep(settle_s)  # the last grants' messages
+    rows = {
+        "admit (gRPC + Redis)": admitted,
+        "admit, retry (attempt 1)": retried,
+        "floor: grpc.aio health Check": await measure(
+            check, args.seconds, args.concurrency, proc.pid
         ),
-        (
-            "floor: Redis EVALSHA 'return 1'",
-            await measure(evalsha, args.seconds, args.concurrency),
+        "floor: Redis EVALSHA 'return 1'": await measure(evalsha, args.seconds, args.concurrency),
+        "floor: grpc.aio + 1 EVALSHA inside": await measure(
+            check_one_evalsha, args.seconds, args.concurrency, floor_proc.pid, r
         ),
-        (
-            "floor: grpc.aio + 1 EVALSHA inside",
-            await measure(check_one_evalsha, args.seconds, args.concurrency, floor_proc.pid),
-        ),
-        ("floor: grpc.aio Admit + grant relay", relay_floor),
-    ]
-    print(
-        f"loopback, broker pid {proc.pid}, {args.seconds:.1f} s per phase, "
-        f"throughput with {args.concurrency} concurrent callers, hold TTL {args.hold_ttl_ms} ms"
+        "floor: grpc.aio Admit + grant relay": relay_floor,
+    }
+    # Last, as the node's agent stream is closed for it: Admit on a replica that relays no
+    # grant (the node's stream held elsewhere), what an Admit costs without the relay.
+    agent.cancel()
+    await asyncio.sleep(settle_s)  # the broker closes the stream and its relay
+    rows["admit, no agent stream (no relay)"] = await measure(
+        admit, args.seconds, args.concurrency, proc.pid, r
     )
-    print(f"{'call':34} {'p50 ms':>8} {'p99 ms':>8} {'seq n':>7} {'ops/s':>9} {'srv CPU us':>10}")
-    for name, m in rows:
+    store = "Redis Cluster (3 masters)" if args.cluster else "standalone Redis"
+    print(
+        f"loopback, {store}, broker pid {proc.pid}, {args.seconds:.1f} s per phase, "
+        f"throughput with {args.concurrency} concurrent callers, hold TTL {args.hold_ttl_ms} ms, "
+        f"a new request id per Admit"
+    )
+    print(
+        f"{'call':36} {'p50 ms':>8} {'p99 ms':>8} {'seq n':>7} {'ops/s':>9} {'srv CPU us':>10} "
+        f"{'Redis cmds':>10}"
+    )
+    for name, m in rows.items():
         cpu = "-" if math.isnan(m["cpu_us"]) else f"{m['cpu_us']:.0f}"
+        cmds = "-" if math.isnan(m["commands"]) else f"{m['commands']:.2f}"
         print(
-            f"{name:34} {m['p50_ms']:8.3f} {m['p99_ms']:8.3f} {m['n']:7.0f} "
-            f"{m['ops_per_s']:9.0f} {cpu:>10}"
+            f"{name:36} {m['p50_ms']:8.3f} {m['p99_ms']:8.3f} {m['n']:7.0f} "
+            f"{m['ops_per_s']:9.0f} {cpu:>10} {cmds:>10}"
         )
-    admit_p50, grpc_p50, redis_p50, trips_p50, relay_p50 = (m["p50_ms"] for _, m in rows)
-    admit_p99, grpc_p99, redis_p99, _, relay_p99 = (m["p99_ms"] for _, m in rows)
-    admit_ops, grpc_ops = rows[0][1]["ops_per_s"], rows[1][1]["ops_per_s"]
-    print(
-        f"admit p50 over floors: {admit_p50 / grpc_p50:.1f}x gRPC, "
-        f"{admit_p50 / redis_p50:.1f}x EVALSHA, "
-        f"{admit_p50 / (grpc_p50 + redis_p50):.2f}x their sum (target: <= 1.25x)"
+    for name in ("admit (gRPC + Redis)", "admit, retry (attempt 1)"):
+        top = sorted(rows[name]["by_command"].items(), key=lambda kv: -kv[1])
+        print(
+            f"Redis per sequential {name.split(' (')[0]}, by command (scripts' own commands "
+            f"counted too): " + ", ".join(f"{k} {v:.2f}" for k, v in top if v >= 0.05)
+        )
+    grpc, redis_floor = (
+        rows["floor: grpc.aio health Check"],
+        rows["floor: Redis EVALSHA 'return 1'"],
     )
+    trips = rows["floor: grpc.aio + 1 EVALSHA inside"]
+    # Issue 32's targets, against the floor of Admit's one round trip in a grpc.aio handler:
+    # a handler doing one EVALSHA and nothing else, in the same run.
+    unrelayed = rows["admit, no agent stream (no relay)"]
+    for name, m in (("admit", admitted), ("admit retry", retried), ("admit, no relay", unrelayed)):
+        print(
+            f"{name} over grpc.aio + 1 EVALSHA: p50 {m['p50_ms'] / trips['p50_ms']:.2f}x "
+            f"(target <= 1.3x), p99 {m['p99_ms'] / trips['p99_ms']:.2f}x (target <= 2x), "
+            f"CPU per call {m['cpu_us']:.0f} vs {trips['cpu_us']:.0f} us "
+            f"{m['cpu_us'] / trips['cpu_us']:.2f}x (target <= 1.5x), {args.concurrency} callers "
+            f"{m['ops_per_s']:.0f} vs {trips['ops_per_s']:.0f}/s "
+            f"{m['ops_per_s'] / trips['ops_per_s']:.0%} (target >= 80%)"
+        )
     print(
-        f"admit p99 over the floors' p99 sum: {admit_p99 / (grpc_p99 + redis_p99):.2f}x "
-        f"(target: <= 2x)"
-    )
-    print(
-        f"admit throughput with {args.concurrency} callers: {admit_ops:.0f}/s = "
-        f"{admit_ops / grpc_ops:.0%} of the bare grpc.aio call's {grpc_ops:.0f}/s "
-        f"(target: >= 70%)"
-    )
-    # Admit makes one Redis round trip (the atomic debit) inside a grpc.aio handler: with no
-    # work at all it could not beat that floor.
-    print(
-        f"admit p50 over grpc.aio + 1 EVALSHA inside (its round trip, no work): "
-        f"{admit_p50 / trips_p50:.2f}x; that floor is "
-        f"{trips_p50 / (grpc_p50 + redis_p50):.2f}x the floors' sum"
+        f"that floor is {trips['p50_ms'] / (grpc['p50_ms'] + redis_floor['p50_ms']):.2f}x the "
+        f"sum of the bare grpc.aio call's and the bare EVALSHA's p50"
     )
     # CPU is what a busy broker runs out of: the serving process's CPU per sequential call
     # (all its threads), the debit script's time inside Redis, and what Admit adds to a
     # bare unary call on the same broker and to the floor of its design.
-    admit_cpu, check_cpu, trips_cpu = (rows[i][1]["cpu_us"] for i in (0, 1, 3))
     script_us = (usec1 - usec0) / max(1, calls1 - calls0)
     print(
-        f"CPU per sequential call: broker {admit_cpu:.0f} us per Admit, {check_cpu:.0f} us "
-        f"per health Check (Admit adds {admit_cpu - check_cpu:.0f} us); the grpc.aio + 1 "
-        f"EVALSHA server {trips_cpu:.0f} us; inside Redis {script_us:.1f} us per EVALSHA "
-        f"during the Admit phase"
+        f"CPU per sequential call: broker {admitted['cpu_us']:.0f} us per Admit, "
+        f"{grpc['cpu_us']:.0f} us per health Check (Admit adds "
+        f"{admitted['cpu_us'] - grpc['cpu_us']:.0f} us); inside Redis {script_us:.1f} us per "
+        f"EVALSHA during the Admit phase{' (the seed node only)' if args.cluster else ''}"
     )
 
     # The grant relay is part of Admit's design (DESIGN.md §5.4, §6): every BORROW writes a
@@ -477,16 +649,16 @@ async def unary_phases(
         return WARM_UP + m["n"] + m["ops_per_s"] * args.seconds
 
     print(
-        f"admit over its design floor with the grant relay (grpc.aio Admit, 1 EVALSHA that "
+        f"admit over the floor with the grant relay (grpc.aio Admit, 1 EVALSHA that "
         f"XADDs + PUBLISHes, relayed by XRANGE, 1 message per grant): p50 "
-        f"{admit_p50 / relay_p50:.2f}x, p99 {admit_p99 / relay_p99:.2f}x, CPU per call "
-        f"{admit_cpu:.0f} us vs {relay_floor['cpu_us']:.0f} us "
-        f"({admit_cpu / relay_floor['cpu_us']:.2f}x, Admit adds "
-        f"{admit_cpu - relay_floor['cpu_us']:.0f} us); notices relayed per call: broker "
+        f"{admitted['p50_ms'] / relay_floor['p50_ms']:.2f}x, p99 "
+        f"{admitted['p99_ms'] / relay_floor['p99_ms']:.2f}x, CPU per call "
+        f"{admitted['cpu_us']:.0f} us vs {relay_floor['cpu_us']:.0f} us "
+        f"({admitted['cpu_us'] / relay_floor['cpu_us']:.2f}x); notices relayed per call: broker "
         f"{admit_notices / calls(admitted):.2f} (grant + expiry), floor "
         f"{floor_counts['notices'] / calls(relay_floor):.2f}"
     )
-    return float(admit_ops)
+    return float(admitted["ops_per_s"])
 
 
 async def stream_phases(
@@ -528,9 +700,11 @@ async def stream_phases(
 
 async def main(args: argparse.Namespace) -> None:
     namespace = f"bench-{uuid.uuid4().hex[:10]}"
-    proc, addr = await start_broker(args.redis_url, namespace, args.hold_ttl_ms)
-    floor_proc, floor_addr = await start_floor_server(args.redis_url, f"{namespace}:floor", 1)
-    r = aioredis.Redis.from_url(args.redis_url)
+    proc, addr = await start_broker(args.redis_url, namespace, args.hold_ttl_ms, args.cluster)
+    floor_proc, floor_addr = await start_floor_server(
+        args.redis_url, f"{namespace}:floor", 1, args.cluster
+    )
+    r = redis_client(args.redis_url, args.cluster)
     channel = grpc.aio.insecure_channel(addr)
     floor_channel = grpc.aio.insecure_channel(floor_addr)
     feeds: list[Any] = []
@@ -564,6 +738,7 @@ async def main(args: argparse.Namespace) -> None:
                 (channel, floor_channel),
                 request,
                 (counts, floor_counts),
+                feeds[0],
             )
         if not args.only_unary:
             await stream_phases(args, proc.pid, channel, floor_channel, request, addr, admit_ops)
@@ -577,8 +752,8 @@ async def main(args: argparse.Namespace) -> None:
             process.terminate()
             await process.wait()
         keys = [k async for k in r.scan_iter(match=f"{namespace}*", count=1000)]
-        if keys:
-            await r.delete(*keys)
+        for key in keys:  # one by one: a Cluster refuses a DEL across slots
+            await r.delete(key)
         await r.aclose()
 
 
@@ -603,6 +778,18 @@ if __name__ == "__main__":
     )
     parser.add_argument("--floor-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--floor-key", default="bench-floor", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-cluster", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="start a 3-master Redis Cluster on loopback and run on it (--redis-url ignored)",
+    )
+    parser.add_argument(
+        "--own-redis",
+        action="store_true",
+        help="start a standalone redis-server of this run's own (--redis-url ignored): "
+        "Redis commands per call then count this run's only",
+    )
     parser.add_argument(
         "--hold-ttl-ms",
         type=int,
@@ -611,6 +798,18 @@ if __name__ == "__main__":
     )
     parsed = parser.parse_args()
     if parsed.floor_server is not None:
-        asyncio.run(floor_server(parsed.redis_url, parsed.floor_key, parsed.floor_server))
+        asyncio.run(
+            floor_server(
+                parsed.redis_url, parsed.floor_key, parsed.floor_server, parsed.floor_cluster
+            )
+        )
+    elif parsed.cluster:
+        with redis_cluster() as url:
+            parsed.redis_url = url
+            asyncio.run(main(parsed))
+    elif parsed.own_redis:
+        with own_redis() as url:
+            parsed.redis_url = url
+            asyncio.run(main(parsed))
     else:
         asyncio.run(main(parsed))

@@ -96,15 +96,20 @@ def _scalar(field: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
     raise AssertionError(f"no strategy for {field.full_name} (type {field.type})")
 
 
-def _map_entries(field: FieldDescriptor) -> st.SearchStrategy[dict[str, str]]:
+def _map_entries(field: FieldDescriptor, depth: int) -> st.SearchStrategy[dict[str, Any]]:
     keys = st.sampled_from(POLICY_KEYS) if field.name == "updates" else st.text(max_size=20)
-    values = st.sampled_from(JSONISH) | st.text(max_size=30)
+    value = field.message_type.fields_by_name["value"]
+    values: st.SearchStrategy[Any] = (
+        st.sampled_from(JSONISH) | st.text(max_size=30)
+        if value.type == _T.TYPE_STRING
+        else _scalar(value, depth)
+    )
     return st.dictionaries(keys, values, max_size=6)
 
 
 def _field(field: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
     if field.message_type is not None and field.message_type.GetOptions().map_entry:
-        return _map_entries(field)
+        return _map_entries(field, depth)
     if field.is_repeated:
         return st.lists(_scalar(field, depth), max_size=4)
     return _scalar(field, depth)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from crossflow_ctl.api.v1 import admin_pb2, admission_pb2, common_pb2, lease_pb2
 from crossflow_ctl.domain.admission import (
     Admission,
@@ -14,6 +16,7 @@ from crossflow_ctl.domain.admission import (
     check_demand,
     plan_admission,
 )
+from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.domain.models import (
     Credits,
     Lease,
@@ -29,6 +32,7 @@ from crossflow_ctl.domain.models import (
     StoredLease,
     ZeroReason,
 )
+from crossflow_ctl.domain.online_calibration import StepModelReport, Using
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.room import (
     NodeRoom,
@@ -39,6 +43,7 @@ from crossflow_ctl.domain.room import (
     unknown_room,
 )
 from crossflow_ctl.domain.session import SessionSettings
+from crossflow_ctl.domain.step_fit import FitStatus
 from crossflow_ctl.wire import convert as c
 from crossflow_ctl.wire import convert_admission as ca
 from crossflow_ctl.wire import convert_room as cr
@@ -284,3 +289,31 @@ def test_room_round_trips() -> None:
         assert cr.room_update_from_proto(cr.room_update_to_proto(update)) == update
     unspecified = cr.room_update_from_proto(admission_pb2.WatchRoomResponse(seq=1))
     assert unspecified.view.status is RoomStatus.UNKNOWN and not unspecified.view.has_room
+
+
+def test_a_step_model_round_trips_and_a_bad_one_is_refused() -> None:
+    before = StepModelReport(using=Using.PRIOR, prior={"host_step_s": 0.002})
+    report = StepModelReport(
+        using=Using.FITTED, fit_status=FitStatus.FITTED, fit_error=0.02, prior_error=0.5,
+        windows=9, periods=12, prior_name="h100", prior={"flops_per_s": 9.9e14},
+        fitted={"flops_per_s": 3e11}, active={"flops_per_s": 3e11}, detail="", at_unix_ms=NOW,
+    )  # fmt: skip
+    for r in (before, report):
+        assert c.step_model_from_proto(c.step_model_to_proto(r)) == r
+    assert c.step_model_from_proto(c.step_model_to_proto(before)).fit_status is None
+    for field, change in (
+        ("step_model.using", {"using": "guessing"}),
+        ("step_model.fit_status", {"fit_status": "great"}),
+        ("step_model.fit_error", {"fit_error": float("nan")}),
+        ("step_model.windows", {"windows": -1}),
+    ):
+        msg = c.step_model_to_proto(report)
+        for name, value in change.items():
+            setattr(msg, name, value)
+        with pytest.raises(InvalidArgument) as refused:
+            c.step_model_from_proto(msg)
+        assert refused.value.field == field
+    msg = c.step_model_to_proto(report)
+    msg.active["flops_per_s"] = -1.0
+    with pytest.raises(InvalidArgument, match="flops_per_s"):
+        c.step_model_from_proto(msg)

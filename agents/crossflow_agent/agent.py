@@ -42,10 +42,19 @@ from crossflow_ctl.domain.deadband import Deadband
 from crossflow_ctl.domain.lease_credits import CapacityBreakdown, LeaseSettings
 from crossflow_ctl.domain.leasing import ItlGuard, LeaseDecision, decide, pool_load
 from crossflow_ctl.domain.models import MAX_HORIZON_MS, Credits, Lease, NodeRole, ZeroReason
-from crossflow_ctl.domain.online_calibration import CalibrationState, OnlineCalibrator
+from crossflow_ctl.domain.online_calibration import (
+    CalibrationState,
+    OnlineCalibrator,
+    StepModelReport,
+)
 from crossflow_ctl.domain.telemetry import EngineSnapshot
 from crossflow_ctl.observability import AgentMetrics
-from crossflow_ctl.wire.convert import lease_to_proto, pool_load_to_proto, role_to_proto
+from crossflow_ctl.wire.convert import (
+    lease_to_proto,
+    pool_load_to_proto,
+    role_to_proto,
+    step_model_to_proto,
+)
 
 log = structlog.get_logger()
 
@@ -110,6 +119,9 @@ class Agent:
             else None
         )
         self._calibration_said = ""
+        self._step_model: StepModelReport | None = None
+        self._step_model_sent = (-1, -1)
+        """(stream session, calibration period) of the step model last sent to a broker."""
         self.metrics = metrics or AgentMetrics.noop()
         self.clock = clock or SystemClock()
         self.epoch = epoch if epoch is not None else self.clock.now_ms()
@@ -209,6 +221,20 @@ class Agent:
         state = cal.state()
         self.metrics.set_calibration(state)
         self._say_calibration(state)
+        self._step_model = StepModelReport.of(state, self.clock.now_ms())
+
+    def send_step_model(self) -> None:
+        """Tell the broker the calibration (for describe): after each period, and once more on
+        each new stream session (a broker that restarted, or another replica)."""
+        report = self._step_model
+        if report is None:
+            return
+        sent = (self.stream.state.sessions, report.periods)
+        if sent == self._step_model_sent or not self.stream.state.connected:
+            return
+        message = lease_pb2.ConnectRequest(step_model=step_model_to_proto(report))
+        if self.stream.send(message):
+            self._step_model_sent = sent
 
     def _say_calibration(self, state: CalibrationState) -> None:
         """Log the calibration's state at info when it changes (prior, moving, fitted, and why
@@ -317,6 +343,7 @@ class Agent:
         self.guard = decision.guard
         self._capacity = decision.capacity
         lease = self.deadband.shape(self.lease_for(decision, seq))
+        self.send_step_model()
         now = self._monotonic() * 1000.0
         if self.deadband.enabled and lease.itl_ms > 0:
             lease = self.deadband.low_itl(lease, self._low_itl(now, lease))

@@ -25,7 +25,11 @@ from crossflow_ctl.api.v1 import admission_pb2
 from crossflow_ctl.domain.admission import AdmissionRequest
 from crossflow_ctl.domain.errors import InvalidArgument
 from crossflow_ctl.service.broker import Broker
-from crossflow_ctl.wire.convert_admission import admission_into_proto, admit_request_from_proto
+from crossflow_ctl.wire.convert_admission import (
+    admission_into_proto,
+    admit_request_from_proto,
+    explains,
+)
 
 MAX_BATCH = 64
 """Items decided together: small enough that planning them (CPU) stays well inside the
@@ -55,7 +59,7 @@ async def decide(
             ids.append(item.id)
     answers = await broker.admit_many(requests, owner)
     for item_id, request, answer in zip(ids, requests, answers, strict=True):
-        admission_into_proto(answer, add(id=item_id).decision, explain=request.dry_run)
+        admission_into_proto(answer, add(id=item_id).decision, explain=explains(request))
     return response
 
 

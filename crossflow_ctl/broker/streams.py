@@ -229,8 +229,8 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                             await self._lease(req.lease, info, out, accepted, refusal_acks)
                     else:
                         await self._lease(req.lease, info, out, accepted, refusal_acks)
-                elif body == "pool_load":
-                    await self._pool_load(req.pool_load, info)
+                elif body in ("pool_load", "step_model"):
+                    await self._report(req, info)
                 elif body == "heartbeat":
                     now = self._broker.clock.now_ms()
                     hb = lease_pb2.Heartbeat(
@@ -296,6 +296,13 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             log.warning("lease.invalid", error=str(exc))
         return response
 
+    async def _report(self, req: lease_pb2.ConnectRequest, info: NodeInfo) -> None:
+        """A message with no ack: a prefill node's load or a decode agent's step model."""
+        if req.WhichOneof("body") == "pool_load":
+            await self._pool_load(req.pool_load, info)
+        else:
+            await self._step_model(req.step_model, info)
+
     async def _pool_load(self, msg: Any, info: NodeInfo) -> None:
         """Store a pool load report; a refused one is logged (pool load has no ack)."""
         try:
@@ -316,6 +323,22 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
             if _node_gone(exc):
                 raise  # _read ends the stream
             log.warning("pool_load.refused", error=str(exc))
+
+    async def _step_model(self, msg: Any, info: NodeInfo) -> None:
+        """Keep the agent's online calibration for describe; a refused one is logged (it has no
+        ack, and admission never reads it)."""
+        try:
+            report = c.step_model_from_proto(msg)
+            if not await self._broker.ingest_step_model(info.node_id, report):
+                raise FailedPrecondition(
+                    f"node {info.node_id!r} is not registered", field="node_id"
+                )
+        except StoreUnavailable:
+            raise
+        except CrossflowError as exc:
+            if _node_gone(exc):
+                raise  # _read ends the stream
+            log.warning("step_model.refused", error=str(exc))
 
     async def _push_settings(self, announced: SessionSettings, out: _Out) -> None:
         """Send the policy-derived settings again each time the policy version this replica

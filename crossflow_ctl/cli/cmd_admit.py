@@ -186,6 +186,7 @@ def admission_text(a: Admission, explain: bool, asked: Sequence[str] = ()) -> st
         rows = [
             {
                 **c.model_dump(mode="json"),
+                "detail": c.text(a.plan.normal_ms),
                 "verdict": _verdict(c, a),
                 # a node without a live lease was never priced: no 0.0 ms prediction
                 "predicted_ttft_ms": None if c.verdict is Reason.NO_LEASES else c.predicted_ttft_ms,
@@ -207,6 +208,8 @@ def admission_data(a: Admission, asked: Sequence[str] = ()) -> dict[str, Any]:
     data["would_borrow"] = would_borrow(a)
     if a.plan is not None:
         data["conditions"] = conditions(a.plan, asked)
+        for node, check in zip(data["plan"]["nodes"], a.plan.nodes, strict=True):
+            node["detail"] = check.text(a.plan.normal_ms)  # as on the wire
     return data
 
 
@@ -302,6 +305,7 @@ def admit(
             candidate_node_ids=nodes,
             dry_run=dry_run,
             pool=st.pool(pool),
+            explain=True,  # the conditions (--explain, and -o json/yaml's "conditions")
         )
     except InvalidArgument as exc:
         raise CliError(f"{_flag_of(exc.field)}: {exc.message}", ExitCode.USAGE) from None

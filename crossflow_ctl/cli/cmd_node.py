@@ -26,6 +26,7 @@ from crossflow_ctl.cli.views import (
 )
 from crossflow_ctl.client import NodeDetailView, reporting_nodes
 from crossflow_ctl.domain.models import CREDIT_NAMES, NodeRole, PoolLoad, PoolSnapshot
+from crossflow_ctl.domain.online_calibration import StepModelReport
 
 CREDIT_COLUMNS = [
     Column("CREDIT", "credit"),
@@ -47,6 +48,50 @@ EVENT_COLUMNS = [
     Column("KIND", "kind"),
     Column("MESSAGE", "message"),
 ]
+STEP_MODEL_COLUMNS = [
+    Column("CONSTANT", "constant"),
+    Column("PRIOR", "prior", text=lambda row: _number(row["prior"])),
+    Column("FITTED", "fitted", text=lambda row: _number(row["fitted"])),
+    Column("IN-USE", "active", text=lambda row: _number(row["active"])),
+    Column("FITTED/PRIOR", "ratio", text=lambda row: _number(row["ratio"], "{:.3g}x")),
+]
+
+
+def _number(value: float | None, fmt: str = "{:.4g}") -> str:
+    return "<none>" if value is None else fmt.format(value)
+
+
+def step_model_rows(report: StepModelReport) -> list[dict[str, Any]]:
+    """One row per constant: the prior's, the last fit's and the one leases use now."""
+    rows = []
+    for name in sorted({*report.prior, *report.fitted, *report.active}):
+        prior, fitted = report.prior.get(name), report.fitted.get(name)
+        ratio = fitted / prior if fitted is not None and prior else None
+        rows.append(
+            {"constant": name, "prior": prior, "fitted": fitted,
+             "active": report.active.get(name), "ratio": ratio}
+        )  # fmt: skip
+    return rows
+
+
+def _step_model_text(report: StepModelReport | None, at: int) -> str:
+    """A decode node's online calibration, as its agent last told the broker."""
+    if report is None:
+        return "Step model:  <none> (the node's agent sent no calibration)"
+    status = report.fit_status.value if report.fit_status is not None else "<no fit yet>"
+    head = key_values(
+        [
+            ("Using", report.using.value),
+            ("Prior", report.prior_name or "<unnamed>"),
+            ("Fit", status + (f": {report.detail}" if report.detail else "")),
+            ("Fit error", f"{report.fit_error:.1%} (prior's {report.prior_error:.1%})"),
+            ("Windows / periods", f"{report.windows} / {report.periods}"),
+            ("Reported", f"{age(report.at_unix_ms, at)} ago" if report.at_unix_ms else "<none>"),
+        ],
+        indent=2,
+    )
+    rows = table(step_model_rows(report), STEP_MODEL_COLUMNS, wide=False)
+    return "Step model:\n" + head + "\n" + _indent(rows)
 
 
 def load_report(detail: NodeDetailView, pools: Sequence[PoolSnapshot]) -> PoolLoad | None:
@@ -87,6 +132,9 @@ def detail_data(
             {"at_ms": e.at_ms, "age_s": age_s(e.at_ms, at), "kind": e.kind, "message": e.message}
             for e in detail.events
         ],
+        "step_model": (
+            detail.step_model.model_dump(mode="json") if detail.step_model is not None else None
+        ),
     }
 
 
@@ -141,6 +189,7 @@ def describe_text(detail: NodeDetailView, at: int, pools: Sequence[PoolSnapshot]
                 indent=2,
             )
         )
+    parts.append(_step_model_text(detail.step_model, at))
     parts.append("Credits:\n" + _indent(table(data["credits"], CREDIT_COLUMNS, wide=False)))
     res_rows = data["reservations"]
     parts.append(

@@ -58,6 +58,9 @@ class AdminClient(BrokerClient):
                 NodeEventView(at_ms=e.at_unix_ms, kind=e.kind, message=e.message)
                 for e in msg.events
             ),
+            step_model=(
+                c.step_model_from_proto(msg.step_model) if msg.HasField("step_model") else None
+            ),
         )
 
     async def list_reservations(self, node_id: str | None = None) -> list[Reservation]:

@@ -68,11 +68,13 @@ class AdmissionClient(BrokerClient):
     async def _retried(self, method: Any, request: Any) -> Any:
         """``method(request)``, again (same request id, ``attempt`` counting) after UNAVAILABLE
         or a deadline, all attempts within the one ``timeout_s``: a fail-closed Admit answers by
-        its deadline, retries included."""
+        its deadline, retries included. A request the caller already marks as a retry
+        (``attempt`` > 0) keeps counting from there."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
+        first = request.attempt
         for attempt in range(self.retries + 1):
-            request.attempt = attempt
+            request.attempt = first + attempt
             try:
                 return await method(request, timeout=max(0.0, deadline - loop.time()))
             except grpc.aio.AioRpcError as exc:

@@ -11,6 +11,7 @@ from crossflow_ctl.domain.models import (
     PoolSnapshot,
     Reservation,
 )
+from crossflow_ctl.domain.online_calibration import StepModelReport
 
 
 class NodeView(Frozen):
@@ -59,6 +60,8 @@ class NodeDetailView(Frozen):
     reservations: tuple[Reservation, ...] = ()
     recent_leases: tuple[Lease, ...] = ()
     events: tuple[NodeEventView, ...] = ()
+    step_model: StepModelReport | None = None
+    """The node agent's online calibration (None: it sent none, or an older broker)."""
 
 
 class CommitResult(Frozen):

@@ -55,6 +55,9 @@ class Reason(StrEnum):
     """A fail-closed client could not reach the broker (never answered by a broker)."""
 
 
+NOTHING_TO_PREFILL = "no uncached prompt tokens: nothing to prefill"
+"""A node check's ``detail`` for a prompt with no uncached tokens (no Benefit anywhere)."""
+
 MAX_REQUEST_ID_LEN = 256
 MAX_CANDIDATES = 1_024
 MAX_ATTEMPT = 1_000
@@ -81,6 +84,9 @@ class AdmissionRequest(Frozen):
     """The prefill server the router would send the prompt to on the normal path: Demand and
     Benefit then use that server's own wait when the pool reports waits in time
     (``PoolSnapshot.estimated_wait_ms``). None: the router picks the least-loaded server."""
+    explain: bool = False
+    """Answer with the explanation (the plan's numbers and texts on the wire). Dry runs carry
+    it whatever this says; other answers leave it out unless asked: it is built per answer."""
 
 
 class DemandCheck(Frozen):
@@ -126,6 +132,8 @@ class NodeCheck(Frozen):
     verdict: Reason
     """BORROWED when this node passes Benefit and Safety, else why it does not."""
     detail: str = ""
+    """Why the node was not priced (no usable lease) or has nothing to prefill; "" where the
+    check's numbers say it (:meth:`text`, built only for an explanation, not per check)."""
     queue_wait_ms: float = 0.0
     """The lease's wait plus that of the broker's open debits on the node (``lending``)."""
     service_ms: float = 0.0
@@ -143,6 +151,19 @@ class NodeCheck(Frozen):
     @property
     def predicted_ttft_ms(self) -> float:
         return self.queue_wait_ms + self.service_ms
+
+    def text(self, normal_ms: float) -> str:
+        """The check in words: its ``detail``, else what its numbers say against the normal
+        path's total (``normal_ms``: ``Plan.normal_path``'s)."""
+        if self.detail:
+            return self.detail
+        if self.verdict is Reason.BORROWED:
+            return f"predicted {self.predicted_ttft_ms:.1f} ms"
+        if self.verdict is Reason.NO_BENEFIT:
+            return f"predicted {self.predicted_ttft_ms:.1f} ms >= normal {normal_ms:.1f} ms"
+        if self.verdict is Reason.NO_ROOM:
+            return "short on " + ", ".join(self.short_credits)
+        return ""
 
 
 class Plan(Frozen):
@@ -178,6 +199,11 @@ class Plan(Frozen):
         if d.prefill_node_id is not None and d.timed:
             wait += f" on {d.prefill_node_id}"
         return f"demand fails: prefill wait {wait} <= threshold {d.threshold_ms:.1f} ms"
+
+    @property
+    def normal_ms(self) -> float:
+        """The normal path's total (0 when none was estimated)."""
+        return self.normal_path.total_ms if self.normal_path is not None else 0.0
 
 
 class Admission(Frozen):
@@ -500,17 +526,17 @@ def _check_node(
     has_work = uncached > 0
     benefit = has_work and predicted + settings.benefit_margin_ms < normal_ms
     safe = not short
+    # The texts that follow from the numbers are left to ``NodeCheck.text``: built only when
+    # an explanation is asked for, not per node of every Admit.
+    detail = ""
     if benefit and safe:  # the common answer first
-        verdict, detail = Reason.BORROWED, f"predicted {predicted:.1f} ms"
+        verdict = Reason.BORROWED
     elif not has_work:
-        verdict, detail = Reason.NO_BENEFIT, "no uncached prompt tokens: nothing to prefill"
+        verdict, detail = Reason.NO_BENEFIT, NOTHING_TO_PREFILL
     elif not benefit:
-        verdict, detail = (
-            Reason.NO_BENEFIT,
-            f"predicted {predicted:.1f} ms >= normal {normal_ms:.1f} ms",
-        )
+        verdict = Reason.NO_BENEFIT
     else:
-        verdict, detail = Reason.NO_ROOM, "short on " + ", ".join(short)
+        verdict = Reason.NO_ROOM
     # Every field computed here, of its declared type: built without validation (``trusted``,
     # in field order), as Admit plans every candidate node of every request.
     return NodeCheck.trusted(

@@ -24,11 +24,12 @@ simulator's broker see only the lease, as without calibration.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from crossflow_ctl.domain.capacity import ModelSpec, NodeProfile
 from crossflow_ctl.domain.models import Frozen
@@ -36,7 +37,9 @@ from crossflow_ctl.domain.step_fit import (
     CONSTANTS,
     FitSettings,
     FitStatus,
+    NonNegative,
     StepFit,
+    constants_of,
     fit_step_constants,
 )
 from crossflow_ctl.domain.step_windows import (
@@ -93,6 +96,61 @@ class CalibrationState(Frozen):
     """Busy windows retained."""
     idle_windows: Annotated[int, Field(ge=0)]
     """Windows dropped as idle or broken so far."""
+
+
+MAX_DETAIL = 512
+
+
+Constants = Annotated[dict[str, float], Field(max_length=len(CONSTANTS))]
+
+
+class StepModelReport(Frozen):
+    """What an agent tells the broker of its calibration (``StepModel`` on the wire), for
+    ``crossflowctl describe node``: fitted against prior constants and the fit's error. The
+    broker stores the latest per node; admission never reads it."""
+
+    using: Using
+    fit_status: FitStatus | None = None
+    """None before the first period."""
+    fit_error: NonNegative = 0.0
+    prior_error: NonNegative = 0.0
+    windows: Annotated[int, Field(ge=0, lt=2**31)] = 0
+    periods: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    prior_name: Annotated[str, Field(max_length=256)] = ""
+    prior: Constants = Field(default_factory=dict)
+    fitted: Constants = Field(default_factory=dict)
+    active: Constants = Field(default_factory=dict)
+    detail: Annotated[str, Field(max_length=MAX_DETAIL)] = ""
+    at_unix_ms: Annotated[int, Field(ge=0, lt=2**63)] = 0
+
+    @field_validator("prior", "fitted", "active")
+    @classmethod
+    def _known_constants(cls, values: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(values) - set(CONSTANTS))
+        if unknown:
+            raise ValueError(f"unknown constant(s) {', '.join(unknown)}")
+        for name, value in values.items():
+            if not math.isfinite(value) or value < 0.0:
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+        return values
+
+    @classmethod
+    def of(cls, state: CalibrationState, at_unix_ms: int) -> StepModelReport:
+        fit = state.fit
+        return cls(
+            using=state.using,
+            fit_status=None if fit is None else fit.status,
+            fit_error=0.0 if fit is None else fit.error,
+            prior_error=0.0 if fit is None else fit.prior_error,
+            windows=state.windows,
+            periods=state.periods,
+            prior_name=state.prior.name[:256],
+            prior=constants_of(state.prior),
+            fitted=constants_of(fit.profile) if fit is not None else {},
+            active=constants_of(state.active),
+            detail=("" if fit is None else fit.detail)[:MAX_DETAIL],
+            at_unix_ms=at_unix_ms,
+        )
 
 
 def toward(active: NodeProfile, target: NodeProfile, ratio: float) -> NodeProfile:

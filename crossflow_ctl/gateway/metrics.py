@@ -2,9 +2,11 @@
 
 ``crossflow_gateway_requests_total{path,code}``: requests by the path they took (``borrowed``,
 ``normal``, ``fallback``: no prefill engine answered and a decode engine prefilled it, or
-``error``) and the HTTP status sent. ``crossflow_gateway_ttft_seconds{path}``: from the
-request's arrival to the engine's first byte. ``crossflow_gateway_overhead_seconds``: from
-arrival to the first engine hop being sent (tokenizing, Admit, Commit, the held time excluded).
+``error``) and the HTTP status sent (``499`` when the client left before one was; a client
+that hangs up mid-answer or right after its last byte is counted with the status it got).
+``crossflow_gateway_ttft_seconds{path}``: from the request's arrival to the engine's first
+byte. ``crossflow_gateway_overhead_seconds``: from arrival to the first engine hop being sent
+(tokenizing, Admit, Commit, the held time excluded).
 ``crossflow_gateway_held_seconds``: time a prompt was held by late binding.
 ``crossflow_gateway_admissions_total{decision,reason,dispatch}``.
 ``crossflow_gateway_reservations_open``; ``crossflow_gateway_releases_total{outcome}``.

@@ -83,6 +83,8 @@ class Job:
     cached: dict[str, int] = field(default_factory=dict)
     held_s: float = 0.0
     path_taken: str = "normal"
+    status: int | None = None
+    """The HTTP status sent to the client, once the answer's headers went out."""
 
     @property
     def uncached_tokens(self) -> int:
@@ -141,7 +143,14 @@ class Gateway:
             "gateway.request", context=ctx, kind=SpanKind.SERVER
         ) as span:
             span.set_attribute("crossflow.request_id", job.request_id)
-            response = await self._serve(request, job)
+            try:
+                response = await self._serve(request, job)
+            except asyncio.CancelledError:
+                # The client hung up (aiohttp cancels the handler), perhaps right after the
+                # last byte it wanted: count the request with the status it was sent (499,
+                # nginx's "client closed request", when nothing was) before unwinding.
+                self.metrics.requests.labels(job.path_taken, str(job.status or 499)).inc()
+                raise
             span.set_attribute("crossflow.path", job.path_taken)
             span.set_attribute("http.status_code", response.status)
         return self._done(job.path_taken, response)
@@ -258,8 +267,11 @@ class Gateway:
     def _sent(self, job: Job) -> None:
         self.metrics.overhead.observe(max(0.0, time.perf_counter() - job.arrived - job.held_s))
 
-    def _first_byte(self, job: Job, then: Callable[[], None] | None = None) -> Callable[[], None]:
-        def fire() -> None:
+    def _first_byte(
+        self, job: Job, then: Callable[[], None] | None = None
+    ) -> Callable[[int], None]:
+        def fire(status: int) -> None:
+            job.status = status
             self.metrics.ttft.labels(job.path_taken).observe(time.perf_counter() - job.arrived)
             if then is not None:
                 then()

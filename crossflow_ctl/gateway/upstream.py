@@ -69,13 +69,14 @@ async def relay(
     request: web.Request,
     engine: Engine,
     upstream: aiohttp.ClientResponse,
-    on_first_byte: Callable[[], None],
+    on_first_byte: Callable[[int], None],
     extra_headers: Mapping[str, str] | None = None,
 ) -> web.StreamResponse:
     """Stream ``upstream``'s body to the client chunk by chunk as it arrives (SSE or not),
     with ``extra_headers`` added to the engine's.
-    ``on_first_byte`` runs when the first bytes arrive from the engine, before they are sent
-    on: for a streamed completion that is the first token, so the prompt's prefill is done.
+    ``on_first_byte(status)`` runs when the first bytes arrive from the engine, before they
+    are sent on with ``status``: for a streamed completion that is the first token, so the
+    prompt's prefill is done.
     An engine failing before its first byte raises EngineFailed; after it, the client's
     response is cut (nothing else can be done: part of the answer is already out)."""
     headers = CIMultiDict[str]()
@@ -89,7 +90,7 @@ async def relay(
         first = await anext(chunks, b"")
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise EngineFailed(engine, f"failed before its first byte: {exc}") from None
-    on_first_byte()
+    on_first_byte(upstream.status)
     await response.prepare(request)
     if first:
         await response.write(first)

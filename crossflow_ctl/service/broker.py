@@ -47,6 +47,7 @@ from crossflow_ctl.domain.models import (
     check_epoch,
     validated,
 )
+from crossflow_ctl.domain.online_calibration import StepModelReport
 from crossflow_ctl.domain.pending import Unreported
 from crossflow_ctl.domain.policy import PolicySettings, VersionedPolicy
 from crossflow_ctl.domain.room import (
@@ -70,8 +71,8 @@ from crossflow_ctl.service.policy_keeper import PolicyKeeper, refresh_forever
 from crossflow_ctl.service.requests import (
     OrphanDebits,
     admit_once,
-    admit_record,
     record_ttl_ms,
+    recorded_apart,
     run_once,
 )
 from crossflow_ctl.service.room import NodeRooms, RoomWatches
@@ -90,6 +91,8 @@ class NodeDetail(Frozen):
     reservations: tuple[Reservation, ...] = ()
     recent_leases: tuple[StoredLease, ...] = ()
     events: tuple[NodeEvent, ...] = ()
+    step_model: StepModelReport | None = None
+    """The node agent's latest online calibration (None: it sent none)."""
 
 
 class Broker:
@@ -210,11 +213,7 @@ class Broker:
         its debit cannot write (a retry, or a store that does not fold records) goes through
         :meth:`admit`'s exactly-once path; it still joins the same group commit."""
         policy = self.policy
-        alone = {
-            i
-            for i, r in enumerate(requests)
-            if r.request_id and not r.dry_run and admit_record(self.store, r, policy) is None
-        }
+        alone = {i for i, r in enumerate(requests) if recorded_apart(self.store, r, policy)}
         if not alone:
             return await self._admitter.admit_many(requests, owner)
         together = [r for i, r in enumerate(requests) if i not in alone]
@@ -445,6 +444,12 @@ class Broker:
         )
         return registered
 
+    async def ingest_step_model(self, node_id: str, report: StepModelReport) -> bool:
+        """Keep a decode agent's online calibration for ``describe node``; returns whether the
+        node is registered (``Store.put_step_model``). Admission never reads it."""
+        stored: bool = await self._admin_call(self.store.put_step_model(node_id, report))
+        return stored
+
     async def read_notices(self, node_id: str, after_seq: int, block_ms: int) -> list[Notice]:
         """The node's notices after ``after_seq``; waits in the store up to ``block_ms``. The
         store bounds the wait and its calls (``Store.read_notices``): a timer here would be one
@@ -485,11 +490,13 @@ class Broker:
         reservations = await self._admin_call(self.store.list_reservations(node_id, now))
         leases = await self._admin_call(self.store.lease_history(node_id, 10))
         events = await self._admin_call(self.store.node_events(node_id, 20))
+        step_model = await self._admin_call(self.store.step_model(node_id))
         return NodeDetail(
             state=state,
             reservations=tuple(reservations),
             recent_leases=tuple(leases),
             events=tuple(events),
+            step_model=step_model,
         )
 
     async def list_reservations(self, node_id: str = "") -> list[Reservation]:

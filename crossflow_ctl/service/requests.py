@@ -9,12 +9,15 @@ For router authors (also in docs/late-binding.md):
   answers, so a first call still in flight that borrows later finds the retry's answer
   recorded, answers that, and debits nothing (or releases its own debit). Of any calls with
   one id, exactly one outcome wins, and no debit is left that no router knows of.
-* Cost: on a store that ``folds_request_records`` (standalone Redis) a first call's record
-  rides in its debit's atomic script: a BORROW with a request id is ONE round trip, and a
-  record already there is answered without debiting. Elsewhere (Redis Cluster: the record and
-  the node lie in different slots) the BORROW is recorded after its debit (``SET NX``, one
-  more round trip) and a debit that lost the race is released. Retries (``attempt`` > 0) take
-  the second path everywhere.
+* Cost: on a store that ``folds_request_records`` (standalone Redis) the record rides in the
+  debit's atomic script, for first calls and retries alike: a BORROW with a request id is ONE
+  round trip, and a record already there is answered without debiting. A retry that answers
+  NORMAL by policy records its answer with ``SET NX GET`` (one round trip, which hands back an
+  earlier record instead); one that answers NORMAL because the store failed or was slow
+  records nothing (its debit, should it land, is released and its record deleted, as a first
+  call's). Elsewhere (Redis Cluster: the record and the node lie in different slots) a retry
+  first reads the record, and the BORROW is recorded after its debit (``SET NX``, one more
+  round trip); a debit that lost the race is released.
 * An Admit the broker answers NORMAL because the store was slow may still see its debit land
   later: the broker waits for that debit in the background and releases it (deleting its
   record first, when it was recorded with the debit, so a retry decides afresh).
@@ -63,6 +66,10 @@ async def run_once(
     return result
 
 
+FAILED = frozenset((Reason.TIMEOUT, Reason.STORE_UNAVAILABLE))
+"""NORMAL answers given for want of the store, not by policy: a debit may still land (and be
+released), so a retry answering one records nothing (nor replays a record that debit wrote)."""
+
 GRANT_FACTS = frozenset({"reservation_id", "expires_at_ms", "lease_epoch", "lease_version"})
 """An answer's fields a store adds to a record it writes with the debit (``RequestRecord``)."""
 
@@ -83,14 +90,23 @@ def record_ttl_ms(policy: PolicySettings) -> int:
     return policy.commit_ttl_ms + policy.hold_ttl_ms
 
 
+def recorded_apart(store: Store, request: AdmissionRequest, policy: PolicySettings) -> bool:
+    """Whether ``request``'s answer needs :func:`admit_once` (a record read or written apart
+    from its debit): a retry (its NORMAL answer is recorded too), or a first call whose record
+    its debit cannot write; not a call without a request id, nor a dry run."""
+    if not request.request_id or request.dry_run:
+        return False
+    return request.attempt > 0 or admit_record(store, request, policy) is None
+
+
 def admit_record(
     store: Store, request: AdmissionRequest, policy: PolicySettings
 ) -> tuple[str, int] | None:
-    """The key and TTL of the record a first call's debit writes itself (a store that
+    """The key and TTL of the record a debit writes itself (a store that
     ``folds_request_records``); None when the record, if any, is written after the debit."""
-    if not (store.folds_request_records and request.request_id and request.attempt == 0):
+    if not (store.folds_request_records and request.request_id) or request.dry_run:
         return None
-    return None if request.dry_run else admit_record_key(request, policy)
+    return admit_record_key(request, policy)
 
 
 def borrow_record(key: str, ttl_ms: int, answer: Admission) -> RequestRecord:
@@ -115,7 +131,7 @@ async def admit_once(
     key, ttl = admit_record_key(request, policy)
     folded = admit_record(store, request, policy) is not None
     limit_s = policy.admit_timeout_ms / 1000.0
-    if request.attempt > 0:
+    if request.attempt > 0 and not folded:  # folded: the debit's script, or SET NX GET, tells
         try:
             stored = await within(store.read_request(key), limit_s)
         except TimeoutError:
@@ -129,8 +145,12 @@ async def admit_once(
         if stored is not None:
             return replay_admission(stored)
     answer = await decide(request)
-    if folded or (answer.decision is not Decision.BORROW and request.attempt == 0):
-        return answer  # recorded with its debit (or replayed), or NORMAL on a first call
+    if answer.replayed or (folded and answer.decision is Decision.BORROW):
+        return answer  # recorded with its debit, or an earlier call's record
+    if answer.decision is not Decision.BORROW and (
+        request.attempt == 0 or (folded and answer.reason in FAILED)
+    ):
+        return answer  # NORMAL on a first call, or (folded) for want of the store: unrecorded
     try:
         stored = await within(store.record_request(key, encode_admission(answer), ttl), limit_s)
     except (TimeoutError, StoreUnavailable) as exc:  # unrecorded: the answer still stands

@@ -58,6 +58,7 @@ from crossflow_ctl.domain.models import (
     Shares,
     StoredLease,
 )
+from crossflow_ctl.domain.online_calibration import StepModelReport
 from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.wire.convert import notice_to_proto
 
@@ -247,6 +248,16 @@ class Store(abc.ABC):
         itself, so every replica orders the pool's reports alike. Returns whether the node is
         registered (a deleted one's report is stored, to expire, but its stream should end so
         its agent registers it again, as a decode node's next lease does)."""
+
+    @abc.abstractmethod
+    async def put_step_model(self, node_id: str, report: StepModelReport) -> bool:
+        """Keep ``report`` as the node's latest step model (informational, for describe; it
+        goes with the node). False, and nothing stored, when the node is not registered."""
+
+    @abc.abstractmethod
+    async def step_model(self, node_id: str) -> StepModelReport | None:
+        """The node's latest step model; None when its agent sent none. NotFound for an
+        unknown node."""
 
     # -- admission --------------------------------------------------------------------------
     @abc.abstractmethod

@@ -41,6 +41,7 @@ from crossflow_ctl.domain.models import (
     StoredPoolLoad,
     validated,
 )
+from crossflow_ctl.domain.online_calibration import StepModelReport
 from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.domain.safety import short_credits
 from crossflow_ctl.store.base import (
@@ -117,6 +118,7 @@ class MemoryStore(Store):
         self._policy: VersionedPolicy | None = None
         self._requests: dict[str, tuple[str, float]] = {}
         """Request records: key -> (outcome, expiry on the monotonic clock)."""
+        self._step_models: dict[str, StepModelReport] = {}
         self._seen: dict[str, int] = {}
         """Node -> when it was last heard of (registration, accepted lease or pool load), ms."""
         self._snapshots: dict[str, _Snapshot] = {}
@@ -231,6 +233,17 @@ class MemoryStore(Store):
                 return False
             self._seen[load.node_id] = now_ms
             return True
+
+    async def put_step_model(self, node_id: str, report: StepModelReport) -> bool:
+        async with self._lock:
+            if node_id not in self._nodes:
+                return False
+            self._step_models[node_id] = report
+            return True
+
+    async def step_model(self, node_id: str) -> StepModelReport | None:
+        self._node(node_id)
+        return self._step_models.get(node_id)
 
     # -- admission --------------------------------------------------------------------------
     def _snapshot(self, pool: str, now_ms: int) -> PoolSnapshot:
@@ -448,6 +461,7 @@ class MemoryStore(Store):
                 field="force",
             )
         del self._nodes[node_id]
+        self._step_models.pop(node_id, None)
         self._lenders.pop(node_id, None)
         self._seen.pop(node_id, None)
         return open_count

@@ -121,6 +121,19 @@ class RedisAdmin:
             for p, raw in zip(pools, out, strict=True)
         ]
 
+    async def node_field(self, node_id: str, field: str) -> Any:
+        """One field of the node's info hash (None when unset); NotFound for an unknown node."""
+        if not is_node_id(node_id):
+            raise _unknown(node_id)
+        info = self._k.node(node_id).info
+        pipe = self._r.pipeline(transaction=False)
+        pipe.exists(info)
+        pipe.hget(info, field)
+        exists, value = await pipe.execute()
+        if not exists:
+            raise _unknown(node_id)
+        return value
+
     async def node_list(self, node_id: str, key: str, limit: int) -> list[Any]:
         """The node's ``history`` or ``events`` list, newest first."""
         if not is_node_id(node_id):

@@ -39,6 +39,7 @@ STANDALONE = (
     "put_pool_load",
     "delete_node",
     "touch_node",
+    "put_step_model",
     "set_policy",
     "forget_request",
     "draw_lenders",

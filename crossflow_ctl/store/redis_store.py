@@ -64,6 +64,7 @@ from crossflow_ctl.domain.models import (
     is_node_id,
     validated,
 )
+from crossflow_ctl.domain.online_calibration import StepModelReport
 from crossflow_ctl.domain.policy import VersionedPolicy
 from crossflow_ctl.store import redis_codec as codec
 from crossflow_ctl.store.base import (
@@ -307,6 +308,22 @@ class RedisStore(Store):
             registered = await self._run("touch_node", [self._k.node(load.node_id).info], [now_ms])
         self._pools.drop(load.pool)
         return bool(int(registered))
+
+    async def put_step_model(self, node_id: str, report: StepModelReport) -> bool:
+        info = self._k.node(node_id).info
+        async with self._backend("put_step_model"):
+            out = await self._run("put_step_model", [info], [report.model_dump_json()])
+        return bool(int(out))
+
+    async def step_model(self, node_id: str) -> StepModelReport | None:
+        async with self._backend("read_list"):
+            raw = await self._admin.node_field(node_id, "stepmodel")
+        if raw is None:
+            return None
+        try:
+            return StepModelReport.model_validate_json(raw)
+        except ValueError as exc:
+            raise StoreUnavailable(f"stored step model is corrupt: {exc}") from None
 
     # -- admission --------------------------------------------------------------------------
     async def admission_view(

@@ -33,6 +33,7 @@ from crossflow_ctl.domain.models import (
     ZeroReason,
     validated_from,
 )
+from crossflow_ctl.domain.online_calibration import StepModelReport
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.domain.session import SessionSettings
 
@@ -177,6 +178,34 @@ def pool_load_from_proto(msg: common_pb2.PoolLoad, field: str = "pool_load") -> 
         ttl_ms=msg.ttl_ms,
         queued_requests=msg.queued_requests,
         queue_wait_ms=msg.queue_wait_ms if msg.HasField("queue_wait_ms") else None,
+    )
+    return result
+
+
+def step_model_to_proto(report: StepModelReport) -> common_pb2.StepModel:
+    data = report.model_dump(mode="json")
+    data["fit_status"] = data["fit_status"] or ""
+    return common_pb2.StepModel(**data)
+
+
+def step_model_from_proto(msg: common_pb2.StepModel, field: str = "step_model") -> StepModelReport:
+    """A StepModel as the domain report; InvalidArgument naming the field when it is not one
+    (an unknown ``using``, ``fit_status`` or constant, a negative or non-finite value)."""
+    result: StepModelReport = _validated(
+        StepModelReport,
+        field,
+        using=msg.using,
+        fit_status=msg.fit_status or None,
+        fit_error=msg.fit_error,
+        prior_error=msg.prior_error,
+        windows=msg.windows,
+        periods=msg.periods,
+        prior_name=msg.prior_name,
+        prior=dict(msg.prior),
+        fitted=dict(msg.fitted),
+        active=dict(msg.active),
+        detail=msg.detail,
+        at_unix_ms=msg.at_unix_ms,
     )
     return result
 

@@ -86,6 +86,7 @@ def admit_request_to_proto(req: AdmissionRequest) -> admission_pb2.AdmitRequest:
         attempt=req.attempt,
         held_ahead_tokens=req.held_ahead_tokens,
         prefill_node_id=req.prefill_node_id or "",
+        explain=req.explain,
     )
 
 
@@ -125,6 +126,7 @@ def admit_request_from_proto(msg: admission_pb2.AdmitRequest) -> AdmissionReques
             attempt=attempt,
             held_ahead_tokens=held,
             prefill_node_id=prefill or None,
+            explain=msg.explain,
         )
     return admit_request_validated(msg)
 
@@ -146,6 +148,7 @@ def admit_request_validated(msg: admission_pb2.AdmitRequest) -> AdmissionRequest
         attempt=msg.attempt,
         held_ahead_tokens=msg.held_ahead_tokens,
         prefill_node_id=msg.prefill_node_id or None,
+        explain=msg.explain,
     )
     return result
 
@@ -197,11 +200,11 @@ def _demand_from_proto(msg: admission_pb2.DemandCheck) -> DemandCheck:
     )
 
 
-def _node_check_fields(n: NodeCheck) -> dict[str, Any]:
+def _node_check_fields(n: NodeCheck, normal_ms: float) -> dict[str, Any]:
     return {
         "node_id": n.node_id,
         "verdict": _REASON_NUMBERS[n.verdict],
-        "detail": n.detail,
+        "detail": n.text(normal_ms),
         "queue_wait_ms": n.queue_wait_ms,
         "service_ms": n.service_ms,
         "predicted_ttft_ms": n.predicted_ttft_ms,
@@ -216,15 +219,23 @@ def _node_check_fields(n: NodeCheck) -> dict[str, Any]:
     }
 
 
-def _node_check_to_proto(n: NodeCheck) -> admission_pb2.NodeCheck:
-    return admission_pb2.NodeCheck(**_node_check_fields(n))
+def _node_check_to_proto(n: NodeCheck, normal_ms: float = 0.0) -> admission_pb2.NodeCheck:
+    return admission_pb2.NodeCheck(**_node_check_fields(n, normal_ms))
 
 
-def _node_check_from_proto(msg: admission_pb2.NodeCheck) -> NodeCheck:
+def _node_check_from_proto(msg: admission_pb2.NodeCheck, normal_ms: float = 0.0) -> NodeCheck:
+    """The check; its ``detail`` left empty where the wire's text is what its numbers say
+    (``NodeCheck.text`` against ``normal_ms``), as the policy leaves it."""
+    check = _node_check_numbers(msg)
+    if msg.detail and msg.detail != check.text(normal_ms):
+        return check.replaced(detail=msg.detail)
+    return check
+
+
+def _node_check_numbers(msg: admission_pb2.NodeCheck) -> NodeCheck:
     return NodeCheck(
         node_id=msg.node_id,
         verdict=reason_from_proto(msg.verdict),
-        detail=msg.detail,
         queue_wait_ms=msg.queue_wait_ms,
         service_ms=msg.service_ms,
         benefit=msg.benefit,
@@ -241,9 +252,10 @@ def _node_check_from_proto(msg: admission_pb2.NodeCheck) -> NodeCheck:
 def _explanation_fields(plan: Plan) -> dict[str, Any]:
     """The explanation as nested fields, for a message built in one go (not part by part and
     copied in)."""
+    normal_ms = plan.normal_ms
     fields: dict[str, Any] = {
         "demand": _demand_fields(plan.demand),
-        "nodes": [_node_check_fields(n) for n in plan.nodes],
+        "nodes": [_node_check_fields(n, normal_ms) for n in plan.nodes],
         "summary": plan.summary(),
     }
     if plan.normal_path is not None:
@@ -264,7 +276,8 @@ def plan_to_proto(plan: Plan) -> admission_pb2.Explanation:
 
 def plan_from_proto(msg: admission_pb2.Explanation, plan_reason: Reason) -> Plan:
     """The plan behind an explanation; ``ranked`` is rebuilt from the BORROWED verdicts."""
-    nodes = tuple(_node_check_from_proto(n) for n in msg.nodes)
+    normal_ms = msg.normal_path.total_ms if msg.HasField("normal_path") else 0.0
+    nodes = tuple(_node_check_from_proto(n, normal_ms) for n in msg.nodes)
     ranked = tuple(
         sorted(
             (n for n in nodes if n.verdict is Reason.BORROWED),
@@ -290,7 +303,8 @@ def plan_from_proto(msg: admission_pb2.Explanation, plan_reason: Reason) -> Plan
 
 
 def admission_to_proto(a: Admission, explain: bool = True) -> admission_pb2.AdmitResponse:
-    """``explain=False`` leaves the explanation out (AdmitStream's decisions, but dry runs)."""
+    """``explain=False`` leaves the explanation out: an Admit that did not ask for it
+    (:func:`explains`) gets none, and none is built."""
     # Nested fields as a dict (the stubs know messages only): the message is built in one go.
     explanation: Any = _explanation_fields(a.plan) if a.plan is not None and explain else None
     return admission_pb2.AdmitResponse(
@@ -309,6 +323,12 @@ def admission_to_proto(a: Admission, explain: bool = True) -> admission_pb2.Admi
         explanation=explanation,
         debit=c.credits_to_proto(a.debit) if a.debit is not None else None,
     )
+
+
+def explains(request: admission_pb2.AdmitRequest | AdmissionRequest) -> bool:
+    """Whether the answer to ``request`` (on the wire or not) carries its explanation: asked
+    for, or a dry run."""
+    return request.explain or request.dry_run
 
 
 def admission_into_proto(
@@ -407,6 +427,7 @@ MIRRORS: dict[str, tuple[Converter, Converter]] = {
     "crossflow.v1.Credits": (c.credits_to_proto, c.credits_from_proto),
     "crossflow.v1.Lease": (c.lease_to_proto, c.lease_from_proto),
     "crossflow.v1.PoolLoad": (c.pool_load_to_proto, c.pool_load_from_proto),
+    "crossflow.v1.StepModel": (c.step_model_to_proto, c.step_model_from_proto),
     "crossflow.v1.Notice": (c.notice_to_proto, c.notice_from_proto),
     "crossflow.v1.SessionSettings": (c.session_settings_to_proto, c.session_settings_from_proto),
     "crossflow.v1.Reservation": (c.reservation_to_proto, c.reservation_from_proto),

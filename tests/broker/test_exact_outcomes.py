@@ -16,11 +16,12 @@ import pytest
 
 from crossflow_ctl.api.v1 import admission_pb2, admission_pb2_grpc, common_pb2, lease_pb2
 from crossflow_ctl.client import AdminClient, AdmissionClient, AdmissionStream
-from crossflow_ctl.domain.admission import AdmissionRequest, Decision, Reason
+from crossflow_ctl.domain.admission import Admission, AdmissionRequest, Decision, Reason
 from crossflow_ctl.domain.errors import FailedPrecondition
 from crossflow_ctl.domain.models import ReservationState
 from crossflow_ctl.domain.policy import PolicySettings
 from crossflow_ctl.store.base import Store
+from crossflow_ctl.wire.convert_admission import admission_from_proto
 from tests.broker.conftest import TEST_POLICY, target
 from tests.conftest import eventually
 
@@ -226,3 +227,56 @@ async def test_commit_and_release_replay_their_recorded_outcome(cluster, agents)
         for attempt in (0, 1):
             with pytest.raises(FailedPrecondition):
                 await client.commit(rid, request_id=f"c-2-{attempt}")
+
+
+async def test_a_retry_reads_no_record_apart_where_its_debit_writes_it(cluster, agents) -> None:
+    """Where the record rides in the debit's script (standalone Redis), a retry is one round
+    trip, as a first call: no read of the record before deciding, none written after a
+    BORROW; the script answers an existing record instead of debiting, and a retry answering
+    NORMAL by policy records it with SET NX GET, which hands back an earlier record. Elsewhere
+    a retry reads the record first. The outcomes are the same on every store."""
+    server, _, slow = await _lending_cluster(cluster, agents)
+    calls: dict[str, int] = {"read_request": 0, "record_request": 0}
+    for name in calls:
+        inner = getattr(slow, name)
+
+        async def counted(*args: Any, _inner: Any = inner, _name: str = name) -> Any:
+            calls[_name] += 1
+            return await _inner(*args)
+
+        setattr(slow, name, counted)
+    folds = server.store.folds_request_records
+
+    async with grpc.aio.insecure_channel(target(server)) as channel:
+        stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+
+        async def admit(rid: str, attempt: int, *nodes: str) -> Admission:
+            # On the wire, as the client does not send an attempt of its caller's choosing.
+            request = admission_pb2.AdmitRequest(
+                request_id=rid, uncached_prompt_tokens=100, attempt=attempt
+            )
+            request.candidate_node_ids.extend(nodes)
+            return admission_from_proto(await stub.Admit(request, timeout=5))
+
+        first = await admit("f-1", 1)  # a retry whose first call never came
+        assert first.decision is Decision.BORROW and not first.replayed
+        assert calls == ({"read_request": 0, "record_request": 0} if folds else
+                         {"read_request": 1, "record_request": 1})  # fmt: skip
+        again = await admit("f-1", 2)  # plans BORROW: the record answers
+        unknown = await admit("f-1", 3, "nosuch")  # plans NORMAL (no such node)
+        for answer in (again, unknown):
+            assert answer.replayed and answer.reservation_id == first.reservation_id
+        # A retry answering NORMAL by policy is recorded; a later one replays it, not borrows.
+        normal = await admit("n-1", 1, "nosuch")
+        assert normal.decision is Decision.NORMAL and not normal.replayed
+        later = await admit("n-1", 2)
+        assert later.replayed and later.decision is Decision.NORMAL
+        assert later.reason is normal.reason
+    # Standalone: every BORROW plan went to the script (4), which debited only the first;
+    # elsewhere the reads answered before any debit but the first.
+    assert slow.debits == (3 if folds else 1)
+    assert calls == ({"read_request": 0, "record_request": 2} if folds else
+                     {"read_request": 5, "record_request": 2})  # fmt: skip
+    async with AdminClient(target(server)) as admin:
+        held = [r.reservation_id for r in await admin.list_reservations()]
+    assert held == [first.reservation_id]

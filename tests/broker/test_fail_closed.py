@@ -182,7 +182,7 @@ async def test_missing_pool_load_fails_closed(cluster, agents) -> None:
     decode = await agents(server, "d1")
     await decode.send_lease()
     async with AdmissionClient(target(server), timeout_s=5) as client:
-        adm = await client.admit(uncached_prompt_tokens=1_000)
+        adm = await client.admit(uncached_prompt_tokens=1_000, explain=True)
         assert adm.decision is Decision.NORMAL and adm.reason is Reason.POOL_LOAD_MISSING
         assert adm.plan is not None and adm.plan.demand.pool_wait_ms is None
 
@@ -195,7 +195,7 @@ async def test_shadow_mode_decides_records_and_debits_nothing(cluster, agents) -
     ):
         await admin.set_policy({"shadow_mode": True})
         for _ in range(3):
-            adm = await client.admit(uncached_prompt_tokens=1_000)
+            adm = await client.admit(uncached_prompt_tokens=1_000, explain=True)
             assert adm.decision is Decision.NORMAL and adm.reason is Reason.SHADOW_MODE
             assert adm.shadow_decision is Decision.BORROW
             assert adm.plan is not None and adm.plan.ranked[0].node_id == "d1"

@@ -45,7 +45,7 @@ async def test_admit_commit_release_with_notices(cluster, agents) -> None:
         )
         assert adm.decision is Decision.BORROW, adm.message
         assert adm.node_id == "d1" and adm.reservation_id
-        assert adm.plan is not None and adm.plan.ranked[0].node_id == "d1"
+        assert adm.plan is None  # no explanation unless asked for (AdmitRequest.explain)
         grant = await decode.wait_notice(lambda n: n.kind == lease_pb2.NOTICE_KIND_GRANT)
         assert grant.reservation_id == adm.reservation_id
         assert grant.debit.compute_tokens == 1_000 and grant.debit.slots == 1
@@ -65,6 +65,16 @@ async def test_admit_commit_release_with_notices(cluster, agents) -> None:
         assert [n.state.info.node_id for n in nodes] == ["d1", "p1"]
         pools = await admin.list_pools()
         assert pools[0].outstanding_uncached_tokens == 200_000
+
+        explained = await client.admit(
+            request_id="r2", uncached_prompt_tokens=1_000, expected_output_tokens=100, explain=True
+        )
+        assert explained.plan is not None and explained.plan.ranked[0].node_id == "d1"
+        # its node's text is built from the check's numbers, on the wire and back
+        check = explained.plan.ranked[0]
+        assert check.detail == "" and check.text(explained.plan.normal_ms) == (
+            f"predicted {check.predicted_ttft_ms:.1f} ms"
+        )
 
 
 async def test_stale_lease_is_refused_and_changes_nothing(cluster, agents) -> None:  # §5.1
@@ -128,7 +138,9 @@ async def test_expired_lease_counts_as_zero(cluster, agents, clock) -> None:  # 
         clock.advance(2_001)
         await prefill.send_pool_load()
         await prefill.sync()
-        adm = await client.admit(uncached_prompt_tokens=500, candidate_node_ids=["d1"])
+        adm = await client.admit(
+            uncached_prompt_tokens=500, candidate_node_ids=["d1"], explain=True
+        )
         assert adm.decision is Decision.NORMAL and adm.reason is Reason.NO_LEASES
         assert adm.plan is not None and adm.plan.nodes[0].detail == "lease expired"
 
@@ -153,8 +165,11 @@ async def test_zero_lease_and_cordon_stop_borrowing(cluster, agents) -> None:
             zero_reason=common_pb2.ZERO_REASON_ITL_OVER_SLO,
         )
         assert ack.result == lease_pb2.LEASE_RESULT_ACCEPTED
-        adm = await client.admit(uncached_prompt_tokens=500, candidate_node_ids=["d1"])
-        assert adm.reason is Reason.NO_LEASES and "itl_over_slo" in adm.plan.nodes[0].detail
+        adm = await client.admit(
+            uncached_prompt_tokens=500, candidate_node_ids=["d1"], explain=True
+        )
+        assert adm.plan is not None and adm.reason is Reason.NO_LEASES
+        assert "itl_over_slo" in adm.plan.nodes[0].detail
 
         await decode.send_lease()
         assert (await client.admit(uncached_prompt_tokens=500)).decision is Decision.BORROW

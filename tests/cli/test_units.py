@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from crossflow_ctl.cli.cmd_admit import admission_text, conditions
+from crossflow_ctl.cli.cmd_admit import admission_data, admission_text, conditions
 from crossflow_ctl.cli.config import Context, CtlConfig, load_config, save_config
 from crossflow_ctl.cli.exit_codes import CliError, ExitCode, exit_code_for, one_line
 from crossflow_ctl.cli.output import Column, OutputFormat, render_list, table
@@ -510,3 +510,32 @@ def test_a_refused_identity_is_named_and_a_missing_one_asked_for() -> None:
     assert "authenticates callers: give --token-file FILE" in _identity_hint(bare)
     token = Target(server="b:50051", credentials=ClientCredentials(token_file=Path("/t")))
     assert "refused the identity given (--token-file /t)" in _identity_hint(token)
+
+
+def test_admit_shows_node_texts_the_policy_leaves_to_the_numbers() -> None:
+    """The policy no longer writes a passing (or Benefit- or Safety-failing) node's text per
+    Admit; ``admit --explain`` and ``-o json`` still show it, made from the check's numbers."""
+    normal = NormalPath(wait_ms=50.0, prefill_ms=40.0, kv_transfer_ms=2.5)
+    plan = Plan(
+        reason=Reason.BORROWED,
+        demand=_DEMAND,
+        normal_path=normal,
+        nodes=(
+            _check("decode-1", verdict="borrowed", queue_wait_ms=3.0, service_ms=9.5, safe=True,
+                   benefit=True),
+            _check("decode-2", verdict="no_benefit", queue_wait_ms=90.0, service_ms=9.0),
+            _check("decode-3", verdict="no_room", benefit=True, short_credits=("kv_tokens",)),
+            _check("decode-4", verdict="no_leases", detail="cordoned"),
+        ),
+    )  # fmt: skip
+    granted = Admission(
+        decision=Decision.BORROW, reason=Reason.BORROWED, node_id="decode-1", plan=plan
+    )
+    want = ["predicted 12.5 ms", "predicted 99.0 ms >= normal 92.5 ms", "short on kv_tokens",
+            "cordoned"]  # fmt: skip
+    data = admission_data(granted)
+    assert [n["detail"] for n in data["plan"]["nodes"]] == want
+    assert [c.detail for c in plan.nodes] == ["", "", "", "cordoned"]  # the model keeps none
+    text = admission_text(granted, explain=True)
+    for line in want:
+        assert line in text, text

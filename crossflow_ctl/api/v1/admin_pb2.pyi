@@ -310,6 +310,7 @@ class GetNodeResponse(_message.Message):
     RESERVATIONS_FIELD_NUMBER: _builtins.int
     RECENT_LEASES_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    STEP_MODEL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def node(self) -> Global___NodeStatus: ...
     @_builtins.property
@@ -318,6 +319,10 @@ class GetNodeResponse(_message.Message):
     def recent_leases(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Lease]: ...
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeaseEvent]: ...
+    @_builtins.property
+    def step_model(self) -> _common_pb2.StepModel:
+        """The node agent's latest online calibration (decode nodes); absent when it sent none."""
+
     def __init__(
         self,
         *,
@@ -325,10 +330,11 @@ class GetNodeResponse(_message.Message):
         reservations: _abc.Iterable[Global___Reservation] | None = ...,
         recent_leases: _abc.Iterable[_common_pb2.Lease] | None = ...,
         events: _abc.Iterable[Global___LeaseEvent] | None = ...,
+        step_model: _common_pb2.StepModel | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "step_model", b"step_model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "node", b"node", "recent_leases", b"recent_leases", "reservations", b"reservations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "node", b"node", "recent_leases", b"recent_leases", "reservations", b"reservations", "step_model", b"step_model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -137,6 +137,7 @@ class AdmitRequest(_message.Message):
     ATTEMPT_FIELD_NUMBER: _builtins.int
     HELD_AHEAD_TOKENS_FIELD_NUMBER: _builtins.int
     PREFILL_NODE_ID_FIELD_NUMBER: _builtins.int
+    EXPLAIN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     uncached_prompt_tokens: _builtins.int
     cached_prefix_tokens: _builtins.int
@@ -160,6 +161,11 @@ class AdmitRequest(_message.Message):
     path: Demand and Benefit then use that server's own wait when the pool reports waits in
     time. Empty: the router picks the least-loaded server.
     """
+    explain: _builtins.bool
+    """Answer with the explanation (AdmitResponse.explanation: Demand, the normal path, every
+    node's check and their texts). Built only when asked: a router that does not read it sets
+    nothing. Dry runs carry it whatever this says. Brokers before this field always sent it.
+    """
     @_builtins.property
     def candidate_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -176,10 +182,11 @@ class AdmitRequest(_message.Message):
         attempt: _builtins.int = ...,
         held_ahead_tokens: _builtins.int = ...,
         prefill_node_id: _builtins.str = ...,
+        explain: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_prefix_node_id", b"cached_prefix_node_id", "cached_prefix_tokens", b"cached_prefix_tokens", "candidate_node_ids", b"candidate_node_ids", "dry_run", b"dry_run", "expected_output_tokens", b"expected_output_tokens", "held_ahead_tokens", b"held_ahead_tokens", "pool", b"pool", "prefill_node_id", b"prefill_node_id", "request_id", b"request_id", "uncached_prompt_tokens", b"uncached_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_prefix_node_id", b"cached_prefix_node_id", "cached_prefix_tokens", b"cached_prefix_tokens", "candidate_node_ids", b"candidate_node_ids", "dry_run", b"dry_run", "expected_output_tokens", b"expected_output_tokens", "explain", b"explain", "held_ahead_tokens", b"held_ahead_tokens", "pool", b"pool", "prefill_node_id", b"prefill_node_id", "request_id", b"request_id", "uncached_prompt_tokens", b"uncached_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -399,7 +406,9 @@ class AdmitResponse(_message.Message):
     request_id (a retry), not a new decision.
     """
     @_builtins.property
-    def explanation(self) -> Global___Explanation: ...
+    def explanation(self) -> Global___Explanation:
+        """Only when the request asked for it (AdmitRequest.explain) or was a dry run."""
+
     @_builtins.property
     def debit(self) -> _common_pb2.Credits:
         """BORROW: the credits the reservation took from node_id (what the store debited), so a router

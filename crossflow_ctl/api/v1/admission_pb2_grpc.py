@@ -78,7 +78,8 @@ class AdmissionServiceServicer:
         """Admit for high-QPS routers: requests in, decisions out, on one stream. Each item carries a
         client-chosen id and its result comes back with that id (batched, in any order). Every
         item is answered: a decision (NORMAL on any doubt, as Admit) or, for a bad item, an error
-        for that item alone; the stream stays up. Decisions carry an explanation for dry runs only.
+        for that item alone; the stream stays up. Decisions carry an explanation only when the
+        item asks for one (AdmitRequest.explain) or is a dry run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

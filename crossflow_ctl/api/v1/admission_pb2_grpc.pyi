@@ -40,7 +40,8 @@ class AdmissionServiceStub:
     """Admit for high-QPS routers: requests in, decisions out, on one stream. Each item carries a
     client-chosen id and its result comes back with that id (batched, in any order). Every
     item is answered: a decision (NORMAL on any doubt, as Admit) or, for a bad item, an error
-    for that item alone; the stream stays up. Decisions carry an explanation for dry runs only.
+    for that item alone; the stream stays up. Decisions carry an explanation only when the
+    item asks for one (AdmitRequest.explain) or is a dry run.
     """
     Commit: _grpc.UnaryUnaryMultiCallable[_admission_pb2.CommitRequest, _admission_pb2.CommitResponse]
     Release: _grpc.UnaryUnaryMultiCallable[_admission_pb2.ReleaseRequest, _admission_pb2.ReleaseResponse]
@@ -64,7 +65,8 @@ class AdmissionServiceAsyncStub(AdmissionServiceStub):
     """Admit for high-QPS routers: requests in, decisions out, on one stream. Each item carries a
     client-chosen id and its result comes back with that id (batched, in any order). Every
     item is answered: a decision (NORMAL on any doubt, as Admit) or, for a bad item, an error
-    for that item alone; the stream stays up. Decisions carry an explanation for dry runs only.
+    for that item alone; the stream stays up. Decisions carry an explanation only when the
+    item asks for one (AdmitRequest.explain) or is a dry run.
     """
     Commit: _aio.UnaryUnaryMultiCallable[_admission_pb2.CommitRequest, _admission_pb2.CommitResponse]  # type: ignore[assignment]
     Release: _aio.UnaryUnaryMultiCallable[_admission_pb2.ReleaseRequest, _admission_pb2.ReleaseResponse]  # type: ignore[assignment]
@@ -97,7 +99,8 @@ class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
         """Admit for high-QPS routers: requests in, decisions out, on one stream. Each item carries a
         client-chosen id and its result comes back with that id (batched, in any order). Every
         item is answered: a decision (NORMAL on any doubt, as Admit) or, for a bad item, an error
-        for that item alone; the stream stays up. Decisions carry an explanation for dry runs only.
+        for that item alone; the stream stays up. Decisions carry an explanation only when the
+        item asks for one (AdmitRequest.explain) or is a dry run.
         """
 
     @_abc_1.abstractmethod

@@ -24,21 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rossflow/v1/common.proto\x12\x0c\x63rossflow.v1\"u\n\x07\x43redits\x12\x16\n\x0e\x63ompute_tokens\x18\x01 \x01(\x03\x12\x11\n\tkv_tokens\x18\x02 \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x03 \x01(\x03\x12\x15\n\routput_tokens\x18\x04 \x01(\x03\x12\r\n\x05slots\x18\x05 \x01(\x03\"\x9b\x03\n\x05Lease\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x03\x12&\n\x07\x63redits\x18\x05 \x01(\x0b\x32\x15.crossflow.v1.Credits\x12-\n\x0bzero_reason\x18\x06 \x01(\x0e\x32\x18.crossflow.v1.ZeroReason\x12\x13\n\x0bzero_detail\x18\x07 \x01(\t\x12\x15\n\rqueue_wait_ms\x18\x08 \x01(\x01\x12!\n\x19\x62orrowed_prefill_rate_tps\x18\t \x01(\x01\x12\x0e\n\x06itl_ms\x18\n \x01(\x01\x12\x12\n\nitl_slo_ms\x18\x0b \x01(\x01\x12\x17\n\x0flast_notice_seq\x18\x0c \x01(\x04\x12\x18\n\x10snapshot_unix_ms\x18\r \x01(\x03\x12\x1b\n\x13prefill_s_per_token\x18\x0e \x01(\x01\x12#\n\x1bprefill_s_per_token_context\x18\x0f \x01(\x01\x12\x12\n\nhorizon_ms\x18\x10 \x01(\x03\"\xdc\x01\n\x08PoolLoad\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12#\n\x1boutstanding_uncached_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13processing_rate_tps\x18\x04 \x01(\x01\x12\x18\n\x10prefill_rate_tps\x18\x05 \x01(\x01\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\x03\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\x03\x12\x1a\n\rqueue_wait_ms\x18\x08 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_queue_wait_ms*R\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_ROLE_DECODE\x10\x01\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x02*\xbc\x02\n\nZeroReason\x12\x1b\n\x17ZERO_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14ZERO_REASON_STARTING\x10\x01\x12!\n\x1dZERO_REASON_TELEMETRY_MISSING\x10\x02\x12\x1f\n\x1bZERO_REASON_TELEMETRY_STALE\x10\x03\x12%\n!ZERO_REASON_TELEMETRY_IMPLAUSIBLE\x10\x04\x12\x1c\n\x18ZERO_REASON_ITL_OVER_SLO\x10\x05\x12\x18\n\x14ZERO_REASON_CORDONED\x10\x06\x12\x18\n\x14ZERO_REASON_DRAINING\x10\x07\x12\x1d\n\x19ZERO_REASON_SHUTTING_DOWN\x10\x08\x12\x1b\n\x17ZERO_REASON_NO_CAPACITY\x10\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rossflow/v1/common.proto\x12\x0c\x63rossflow.v1\"u\n\x07\x43redits\x12\x16\n\x0e\x63ompute_tokens\x18\x01 \x01(\x03\x12\x11\n\tkv_tokens\x18\x02 \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x03 \x01(\x03\x12\x15\n\routput_tokens\x18\x04 \x01(\x03\x12\r\n\x05slots\x18\x05 \x01(\x03\"\x9b\x03\n\x05Lease\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x03\x12&\n\x07\x63redits\x18\x05 \x01(\x0b\x32\x15.crossflow.v1.Credits\x12-\n\x0bzero_reason\x18\x06 \x01(\x0e\x32\x18.crossflow.v1.ZeroReason\x12\x13\n\x0bzero_detail\x18\x07 \x01(\t\x12\x15\n\rqueue_wait_ms\x18\x08 \x01(\x01\x12!\n\x19\x62orrowed_prefill_rate_tps\x18\t \x01(\x01\x12\x0e\n\x06itl_ms\x18\n \x01(\x01\x12\x12\n\nitl_slo_ms\x18\x0b \x01(\x01\x12\x17\n\x0flast_notice_seq\x18\x0c \x01(\x04\x12\x18\n\x10snapshot_unix_ms\x18\r \x01(\x03\x12\x1b\n\x13prefill_s_per_token\x18\x0e \x01(\x01\x12#\n\x1bprefill_s_per_token_context\x18\x0f \x01(\x01\x12\x12\n\nhorizon_ms\x18\x10 \x01(\x03\"\xdc\x01\n\x08PoolLoad\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12#\n\x1boutstanding_uncached_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13processing_rate_tps\x18\x04 \x01(\x01\x12\x18\n\x10prefill_rate_tps\x18\x05 \x01(\x01\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\x03\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\x03\x12\x1a\n\rqueue_wait_ms\x18\x08 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_queue_wait_ms\"\xd9\x03\n\tStepModel\x12\r\n\x05using\x18\x01 \x01(\t\x12\x12\n\nfit_status\x18\x02 \x01(\t\x12\x11\n\tfit_error\x18\x03 \x01(\x01\x12\x13\n\x0bprior_error\x18\x04 \x01(\x01\x12\x0f\n\x07windows\x18\x05 \x01(\x03\x12\x0f\n\x07periods\x18\x06 \x01(\x03\x12\x12\n\nprior_name\x18\x07 \x01(\t\x12\x31\n\x05prior\x18\x08 \x03(\x0b\x32\".crossflow.v1.StepModel.PriorEntry\x12\x33\n\x06\x66itted\x18\t \x03(\x0b\x32#.crossflow.v1.StepModel.FittedEntry\x12\x33\n\x06\x61\x63tive\x18\n \x03(\x0b\x32#.crossflow.v1.StepModel.ActiveEntry\x12\x0e\n\x06\x64\x65tail\x18\x0b \x01(\t\x12\x12\n\nat_unix_ms\x18\x0c \x01(\x03\x1a,\n\nPriorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0b\x46ittedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0b\x41\x63tiveEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*R\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_ROLE_DECODE\x10\x01\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x02*\xbc\x02\n\nZeroReason\x12\x1b\n\x17ZERO_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14ZERO_REASON_STARTING\x10\x01\x12!\n\x1dZERO_REASON_TELEMETRY_MISSING\x10\x02\x12\x1f\n\x1bZERO_REASON_TELEMETRY_STALE\x10\x03\x12%\n!ZERO_REASON_TELEMETRY_IMPLAUSIBLE\x10\x04\x12\x1c\n\x18ZERO_REASON_ITL_OVER_SLO\x10\x05\x12\x18\n\x14ZERO_REASON_CORDONED\x10\x06\x12\x18\n\x14ZERO_REASON_DRAINING\x10\x07\x12\x1d\n\x19ZERO_REASON_SHUTTING_DOWN\x10\x08\x12\x1b\n\x17ZERO_REASON_NO_CAPACITY\x10\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crossflow.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODEROLE']._serialized_start=799
-  _globals['_NODEROLE']._serialized_end=881
-  _globals['_ZEROREASON']._serialized_start=884
-  _globals['_ZEROREASON']._serialized_end=1200
+  _globals['_STEPMODEL_PRIORENTRY']._loaded_options = None
+  _globals['_STEPMODEL_PRIORENTRY']._serialized_options = b'8\001'
+  _globals['_STEPMODEL_FITTEDENTRY']._loaded_options = None
+  _globals['_STEPMODEL_FITTEDENTRY']._serialized_options = b'8\001'
+  _globals['_STEPMODEL_ACTIVEENTRY']._loaded_options = None
+  _globals['_STEPMODEL_ACTIVEENTRY']._serialized_options = b'8\001'
+  _globals['_NODEROLE']._serialized_start=1275
+  _globals['_NODEROLE']._serialized_end=1357
+  _globals['_ZEROREASON']._serialized_start=1360
+  _globals['_ZEROREASON']._serialized_end=1676
   _globals['_CREDITS']._serialized_start=43
   _globals['_CREDITS']._serialized_end=160
   _globals['_LEASE']._serialized_start=163
   _globals['_LEASE']._serialized_end=574
   _globals['_POOLLOAD']._serialized_start=577
   _globals['_POOLLOAD']._serialized_end=797
+  _globals['_STEPMODEL']._serialized_start=800
+  _globals['_STEPMODEL']._serialized_end=1273
+  _globals['_STEPMODEL_PRIORENTRY']._serialized_start=1135
+  _globals['_STEPMODEL_PRIORENTRY']._serialized_end=1179
+  _globals['_STEPMODEL_FITTEDENTRY']._serialized_start=1181
+  _globals['_STEPMODEL_FITTEDENTRY']._serialized_end=1226
+  _globals['_STEPMODEL_ACTIVEENTRY']._serialized_start=1228
+  _globals['_STEPMODEL_ACTIVEENTRY']._serialized_end=1273
 # @@protoc_insertion_point(module_scope)

@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
@@ -251,3 +253,137 @@ class PoolLoad(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__queue_wait_ms) -> _WhichOneofReturnType__queue_wait_ms | None: ...
 
 Global___PoolLoad: _TypeAlias = PoolLoad  # noqa: Y015
+
+@_typing.final
+class StepModel(_message.Message):
+    """A decode agent's online calibration of its step-time model (the constants its leases are
+    priced with), as it stood at the end of its last calibration period. Informational: the
+    broker stores the latest per node and shows it (crossflowctl describe node); admission never
+    reads it. Constants are keyed by their NodeProfile field names (seconds, seconds per token,
+    tokens per second, as each is defined there).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class PriorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class FittedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class ActiveEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    USING_FIELD_NUMBER: _builtins.int
+    FIT_STATUS_FIELD_NUMBER: _builtins.int
+    FIT_ERROR_FIELD_NUMBER: _builtins.int
+    PRIOR_ERROR_FIELD_NUMBER: _builtins.int
+    WINDOWS_FIELD_NUMBER: _builtins.int
+    PERIODS_FIELD_NUMBER: _builtins.int
+    PRIOR_NAME_FIELD_NUMBER: _builtins.int
+    PRIOR_FIELD_NUMBER: _builtins.int
+    FITTED_FIELD_NUMBER: _builtins.int
+    ACTIVE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    using: _builtins.str
+    """"prior" (leases use the prior), "moving" (on the way to the fit, bounded per period) or
+    "fitted".
+    """
+    fit_status: _builtins.str
+    """The last fit's status ("fitted", or why it was refused); empty before the first period."""
+    fit_error: _builtins.float
+    """Relative RMS error of the fitted constants over the fit's windows, and of the prior's."""
+    prior_error: _builtins.float
+    windows: _builtins.int
+    """Busy telemetry windows in the fit, and calibration periods run."""
+    periods: _builtins.int
+    prior_name: _builtins.str
+    """The prior's name (a preset or profile file) and its constants."""
+    detail: _builtins.str
+    at_unix_ms: _builtins.int
+    """Agent wall clock when the period ended."""
+    @_builtins.property
+    def prior(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    @_builtins.property
+    def fitted(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """The last fit's constants (the prior's where refused)."""
+
+    @_builtins.property
+    def active(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """The constants leases are priced with now."""
+
+    def __init__(
+        self,
+        *,
+        using: _builtins.str = ...,
+        fit_status: _builtins.str = ...,
+        fit_error: _builtins.float = ...,
+        prior_error: _builtins.float = ...,
+        windows: _builtins.int = ...,
+        periods: _builtins.int = ...,
+        prior_name: _builtins.str = ...,
+        prior: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        fitted: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        active: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        detail: _builtins.str = ...,
+        at_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "at_unix_ms", b"at_unix_ms", "detail", b"detail", "fit_error", b"fit_error", "fit_status", b"fit_status", "fitted", b"fitted", "periods", b"periods", "prior", b"prior", "prior_error", b"prior_error", "prior_name", b"prior_name", "using", b"using", "windows", b"windows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepModel: _TypeAlias = StepModel  # noqa: Y015

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from crossflow_ctl.api.v1 import common_pb2 as crossflow_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63rossflow/v1/lease.proto\x12\x0c\x63rossflow.v1\x1a\x19\x63rossflow/v1/common.proto\"\x99\x02\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.crossflow.v1.NodeRole\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12/\n\x06labels\x18\x05 \x03(\x0b\x32\x1f.crossflow.v1.Hello.LabelsEntry\x12\x17\n\x0flast_notice_seq\x18\x06 \x01(\x04\x12\x15\n\ragent_version\x18\x07 \x01(\t\x12\x16\n\x0enotice_batches\x18\x08 \x01(\x08\x12\x14\n\x0crefusal_acks\x18\t \x01(\x08\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\tHeartbeat\x12\x14\n\x0csent_unix_ms\x18\x01 \x01(\x03\x12\x13\n\x0b\x61\x63ked_epoch\x18\x02 \x01(\x04\x12\x15\n\racked_version\x18\x03 \x01(\x04\"\xbf\x01\n\x0e\x43onnectRequest\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.crossflow.v1.HelloH\x00\x12$\n\x05lease\x18\x02 \x01(\x0b\x32\x13.crossflow.v1.LeaseH\x00\x12+\n\tpool_load\x18\x03 \x01(\x0b\x32\x16.crossflow.v1.PoolLoadH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.crossflow.v1.HeartbeatH\x00\x42\x06\n\x04\x62ody\"\x93\x01\n\x07Welcome\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\x18\n\x10max_lease_ttl_ms\x18\x02 \x01(\x03\x12\x19\n\x11\x62orrow_horizon_ms\x18\x03 \x01(\x03\x12\x10\n\x08\x63ordoned\x18\x04 \x01(\x08\x12\x12\n\nnotice_seq\x18\x05 \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x06 \x01(\x03\"z\n\x0fSessionSettings\x12\x18\n\x10max_lease_ttl_ms\x18\x01 \x01(\x03\x12\x19\n\x11\x62orrow_horizon_ms\x18\x02 \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\"\x94\x01\n\x08LeaseAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12)\n\x06result\x18\x03 \x01(\x0e\x32\x19.crossflow.v1.LeaseResult\x12\x14\n\x0cstored_epoch\x18\x04 \x01(\x04\x12\x16\n\x0estored_version\x18\x05 \x01(\x04\x12\x0f\n\x07message\x18\x06 \x01(\t\"\xbd\x01\n\x06Notice\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.crossflow.v1.NoticeKind\x12\x16\n\x0ereservation_id\x18\x03 \x01(\t\x12$\n\x05\x64\x65\x62it\x18\x04 \x01(\x0b\x32\x15.crossflow.v1.Credits\x12\x12\n\nat_unix_ms\x18\x05 \x01(\x03\x12\x1a\n\rpulled_tokens\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_pulled_tokens\"4\n\x0bNoticeBatch\x12%\n\x07notices\x18\x01 \x03(\x0b\x32\x14.crossflow.v1.Notice\"\xa7\x02\n\x0f\x43onnectResponse\x12(\n\x07welcome\x18\x01 \x01(\x0b\x32\x15.crossflow.v1.WelcomeH\x00\x12+\n\tlease_ack\x18\x02 \x01(\x0b\x32\x16.crossflow.v1.LeaseAckH\x00\x12&\n\x06notice\x18\x03 \x01(\x0b\x32\x14.crossflow.v1.NoticeH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.crossflow.v1.HeartbeatH\x00\x12,\n\x07notices\x18\x05 \x01(\x0b\x32\x19.crossflow.v1.NoticeBatchH\x00\x12\x31\n\x08settings\x18\x06 \x01(\x0b\x32\x1d.crossflow.v1.SessionSettingsH\x00\x42\x06\n\x04\x62ody*x\n\x0bLeaseResult\x12\x1c\n\x18LEASE_RESULT_UNSPECIFIED\x10\x00\x12\x19\n\x15LEASE_RESULT_ACCEPTED\x10\x01\x12\x16\n\x12LEASE_RESULT_STALE\x10\x02\x12\x18\n\x14LEASE_RESULT_INVALID\x10\x03*\xbb\x01\n\nNoticeKind\x12\x1b\n\x17NOTICE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11NOTICE_KIND_GRANT\x10\x01\x12\x16\n\x12NOTICE_KIND_COMMIT\x10\x02\x12\x17\n\x13NOTICE_KIND_RELEASE\x10\x03\x12\x16\n\x12NOTICE_KIND_EXPIRE\x10\x04\x12\x16\n\x12NOTICE_KIND_CORDON\x10\x05\x12\x18\n\x14NOTICE_KIND_UNCORDON\x10\x06\x32Z\n\x0cLeaseService\x12J\n\x07\x43onnect\x12\x1c.crossflow.v1.ConnectRequest\x1a\x1d.crossflow.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63rossflow/v1/lease.proto\x12\x0c\x63rossflow.v1\x1a\x19\x63rossflow/v1/common.proto\"\x99\x02\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.crossflow.v1.NodeRole\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12/\n\x06labels\x18\x05 \x03(\x0b\x32\x1f.crossflow.v1.Hello.LabelsEntry\x12\x17\n\x0flast_notice_seq\x18\x06 \x01(\x04\x12\x15\n\ragent_version\x18\x07 \x01(\t\x12\x16\n\x0enotice_batches\x18\x08 \x01(\x08\x12\x14\n\x0crefusal_acks\x18\t \x01(\x08\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\tHeartbeat\x12\x14\n\x0csent_unix_ms\x18\x01 \x01(\x03\x12\x13\n\x0b\x61\x63ked_epoch\x18\x02 \x01(\x04\x12\x15\n\racked_version\x18\x03 \x01(\x04\"\xee\x01\n\x0e\x43onnectRequest\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.crossflow.v1.HelloH\x00\x12$\n\x05lease\x18\x02 \x01(\x0b\x32\x13.crossflow.v1.LeaseH\x00\x12+\n\tpool_load\x18\x03 \x01(\x0b\x32\x16.crossflow.v1.PoolLoadH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.crossflow.v1.HeartbeatH\x00\x12-\n\nstep_model\x18\x05 \x01(\x0b\x32\x17.crossflow.v1.StepModelH\x00\x42\x06\n\x04\x62ody\"\x93\x01\n\x07Welcome\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\x18\n\x10max_lease_ttl_ms\x18\x02 \x01(\x03\x12\x19\n\x11\x62orrow_horizon_ms\x18\x03 \x01(\x03\x12\x10\n\x08\x63ordoned\x18\x04 \x01(\x08\x12\x12\n\nnotice_seq\x18\x05 \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x06 \x01(\x03\"z\n\x0fSessionSettings\x12\x18\n\x10max_lease_ttl_ms\x18\x01 \x01(\x03\x12\x19\n\x11\x62orrow_horizon_ms\x18\x02 \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\"\x94\x01\n\x08LeaseAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12)\n\x06result\x18\x03 \x01(\x0e\x32\x19.crossflow.v1.LeaseResult\x12\x14\n\x0cstored_epoch\x18\x04 \x01(\x04\x12\x16\n\x0estored_version\x18\x05 \x01(\x04\x12\x0f\n\x07message\x18\x06 \x01(\t\"\xbd\x01\n\x06Notice\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.crossflow.v1.NoticeKind\x12\x16\n\x0ereservation_id\x18\x03 \x01(\t\x12$\n\x05\x64\x65\x62it\x18\x04 \x01(\x0b\x32\x15.crossflow.v1.Credits\x12\x12\n\nat_unix_ms\x18\x05 \x01(\x03\x12\x1a\n\rpulled_tokens\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_pulled_tokens\"4\n\x0bNoticeBatch\x12%\n\x07notices\x18\x01 \x03(\x0b\x32\x14.crossflow.v1.Notice\"\xa7\x02\n\x0f\x43onnectResponse\x12(\n\x07welcome\x18\x01 \x01(\x0b\x32\x15.crossflow.v1.WelcomeH\x00\x12+\n\tlease_ack\x18\x02 \x01(\x0b\x32\x16.crossflow.v1.LeaseAckH\x00\x12&\n\x06notice\x18\x03 \x01(\x0b\x32\x14.crossflow.v1.NoticeH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.crossflow.v1.HeartbeatH\x00\x12,\n\x07notices\x18\x05 \x01(\x0b\x32\x19.crossflow.v1.NoticeBatchH\x00\x12\x31\n\x08settings\x18\x06 \x01(\x0b\x32\x1d.crossflow.v1.SessionSettingsH\x00\x42\x06\n\x04\x62ody*x\n\x0bLeaseResult\x12\x1c\n\x18LEASE_RESULT_UNSPECIFIED\x10\x00\x12\x19\n\x15LEASE_RESULT_ACCEPTED\x10\x01\x12\x16\n\x12LEASE_RESULT_STALE\x10\x02\x12\x18\n\x14LEASE_RESULT_INVALID\x10\x03*\xbb\x01\n\nNoticeKind\x12\x1b\n\x17NOTICE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11NOTICE_KIND_GRANT\x10\x01\x12\x16\n\x12NOTICE_KIND_COMMIT\x10\x02\x12\x17\n\x13NOTICE_KIND_RELEASE\x10\x03\x12\x16\n\x12NOTICE_KIND_EXPIRE\x10\x04\x12\x16\n\x12NOTICE_KIND_CORDON\x10\x05\x12\x18\n\x14NOTICE_KIND_UNCORDON\x10\x06\x32Z\n\x0cLeaseService\x12J\n\x07\x43onnect\x12\x1c.crossflow.v1.ConnectRequest\x1a\x1d.crossflow.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HELLO_LABELSENTRY']._loaded_options = None
   _globals['_HELLO_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_LEASERESULT']._serialized_start=1595
-  _globals['_LEASERESULT']._serialized_end=1715
-  _globals['_NOTICEKIND']._serialized_start=1718
-  _globals['_NOTICEKIND']._serialized_end=1905
+  _globals['_LEASERESULT']._serialized_start=1642
+  _globals['_LEASERESULT']._serialized_end=1762
+  _globals['_NOTICEKIND']._serialized_start=1765
+  _globals['_NOTICEKIND']._serialized_end=1952
   _globals['_HELLO']._serialized_start=70
   _globals['_HELLO']._serialized_end=351
   _globals['_HELLO_LABELSENTRY']._serialized_start=306
@@ -45,19 +45,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEAT']._serialized_start=353
   _globals['_HEARTBEAT']._serialized_end=430
   _globals['_CONNECTREQUEST']._serialized_start=433
-  _globals['_CONNECTREQUEST']._serialized_end=624
-  _globals['_WELCOME']._serialized_start=627
-  _globals['_WELCOME']._serialized_end=774
-  _globals['_SESSIONSETTINGS']._serialized_start=776
-  _globals['_SESSIONSETTINGS']._serialized_end=898
-  _globals['_LEASEACK']._serialized_start=901
-  _globals['_LEASEACK']._serialized_end=1049
-  _globals['_NOTICE']._serialized_start=1052
-  _globals['_NOTICE']._serialized_end=1241
-  _globals['_NOTICEBATCH']._serialized_start=1243
-  _globals['_NOTICEBATCH']._serialized_end=1295
-  _globals['_CONNECTRESPONSE']._serialized_start=1298
-  _globals['_CONNECTRESPONSE']._serialized_end=1593
-  _globals['_LEASESERVICE']._serialized_start=1907
-  _globals['_LEASESERVICE']._serialized_end=1997
+  _globals['_CONNECTREQUEST']._serialized_end=671
+  _globals['_WELCOME']._serialized_start=674
+  _globals['_WELCOME']._serialized_end=821
+  _globals['_SESSIONSETTINGS']._serialized_start=823
+  _globals['_SESSIONSETTINGS']._serialized_end=945
+  _globals['_LEASEACK']._serialized_start=948
+  _globals['_LEASEACK']._serialized_end=1096
+  _globals['_NOTICE']._serialized_start=1099
+  _globals['_NOTICE']._serialized_end=1288
+  _globals['_NOTICEBATCH']._serialized_start=1290
+  _globals['_NOTICEBATCH']._serialized_end=1342
+  _globals['_CONNECTRESPONSE']._serialized_start=1345
+  _globals['_CONNECTRESPONSE']._serialized_end=1640
+  _globals['_LEASESERVICE']._serialized_start=1954
+  _globals['_LEASESERVICE']._serialized_end=2044
 # @@protoc_insertion_point(module_scope)

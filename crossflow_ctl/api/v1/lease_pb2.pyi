@@ -174,6 +174,7 @@ class ConnectRequest(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     POOL_LOAD_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    STEP_MODEL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
     @_builtins.property
@@ -182,6 +183,12 @@ class ConnectRequest(_message.Message):
     def pool_load(self) -> _common_pb2.PoolLoad: ...
     @_builtins.property
     def heartbeat(self) -> Global___Heartbeat: ...
+    @_builtins.property
+    def step_model(self) -> _common_pb2.StepModel:
+        """A decode agent's online calibration, sent after each calibration period that changed
+        it and once per session (a broker before it ignores it).
+        """
+
     def __init__(
         self,
         *,
@@ -189,12 +196,13 @@ class ConnectRequest(_message.Message):
         lease: _common_pb2.Lease | None = ...,
         pool_load: _common_pb2.PoolLoad | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
+        step_model: _common_pb2.StepModel | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "hello", b"hello", "lease", b"lease", "pool_load", b"pool_load"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "hello", b"hello", "lease", b"lease", "pool_load", b"pool_load", "step_model", b"step_model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "hello", b"hello", "lease", b"lease", "pool_load", b"pool_load"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "hello", b"hello", "lease", b"lease", "pool_load", b"pool_load", "step_model", b"step_model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "lease", "pool_load", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "lease", "pool_load", "heartbeat", "step_model"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 

@@ -40,8 +40,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.GetNodeRequest, context: Ctx
     ) -> admin_pb2.GetNodeResponse:
         d = await self._broker.get_node(request.node_id)
+        step_model = c.step_model_to_proto(d.step_model) if d.step_model is not None else None
         return admin_pb2.GetNodeResponse(
             node=self._status(d.state),
+            step_model=step_model,
             reservations=[c.reservation_to_proto(r) for r in d.reservations],
             recent_leases=[c.lease_to_proto(s.lease) for s in d.recent_leases],
             events=[

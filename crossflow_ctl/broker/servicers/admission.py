@@ -16,6 +16,7 @@ from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.wire.convert_admission import (
     admission_to_proto,
     admit_request_from_proto,
+    explains,
     release_outcome_from_proto,
 )
 from crossflow_ctl.wire.convert_room import room_update_to_proto, watch_request_from_proto
@@ -33,7 +34,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         # No turn for others to join a lone one: another RPC's handler rarely starts in the same
         # turn (Admitter.admit_many), so that turn was nearly always a loop iteration for nothing.
         admission = await self._broker.admit(admit_request_from_proto(request), owner, join=False)
-        return admission_to_proto(admission)
+        return admission_to_proto(admission, explain=explains(request))
 
     @maps_stream_errors
     async def AdmitStream(
