@@ -3,8 +3,10 @@
 The broker is the real service class (:class:`crossflow_ctl.service.broker.Broker`) over the
 in-process :class:`MemoryStore` (or a given store), on a :class:`ManualClock` the simulator
 moves; on the in-process store, by default, its per-prompt calls take the direct path of
-:class:`~crossflow_ctl.sim.direct.DirectBroker` to the same rules (``SimConfig.direct_control``). The router is the client library's :class:`AdmissionQueue` (late binding), exactly as a
-live router uses it, with the broker in-process as its :class:`Admitter`:
+:class:`~crossflow_ctl.sim.direct.DirectBroker` to the same rules
+(``SimConfig.direct_control``). The router is the client library's :class:`AdmissionQueue`
+(late binding), exactly as a live router uses it, with the broker in-process as its
+:class:`Admitter`:
 
 * a released prompt is submitted once; BORROW goes to its decode node, NORMAL to prefill, and a
   NORMAL for want of room while the prefill pool is behind is *held*;
