@@ -769,5 +769,16 @@ class NodeState(Frozen):
         if credits.is_zero():
             return credits
         rate = self.lease.lease.borrowed_prefill_rate_tps
-        compute = self.open_compute.tokens_at(self.open_debits.compute_tokens, rate)
-        return credits.minus(self.open_debits.model_copy(update={"compute_tokens": compute}))
+        opened = self.open_debits
+        compute = self.open_compute.tokens_at(opened.compute_tokens, rate)
+        # ``credits.minus`` of the open debits with their compute in the lease's unit, on their
+        # amounts (no model copied per node room).
+        return Credits.from_tuple(
+            (
+                credits.compute_tokens - compute,
+                credits.kv_tokens - opened.kv_tokens,
+                credits.kv_transfer_bytes - opened.kv_transfer_bytes,
+                credits.output_tokens - opened.output_tokens,
+                credits.slots - opened.slots,
+            )
+        )

@@ -63,7 +63,7 @@ from crossflow_ctl.store.base import (
 log = structlog.get_logger()
 T = TypeVar("T")
 
-_View = tuple[PoolSnapshot | None, list[NodeState], tuple[Room | None, ...], float]
+AdmissionView = tuple[PoolSnapshot | None, list[NodeState], tuple[Room | None, ...], float]
 """A batch's view of one pool and candidate list: the pool, the nodes, their rooms and the
 pool's per-request prefill rate (each computed once for every request planned on it)."""
 
@@ -405,7 +405,7 @@ class Admitter:
         now = self.clock.now_ms()
         answers: list[Admission | None] = [None] * len(requests)
         pending: list[tuple[int, Plan]] = []
-        views: dict[tuple[str, tuple[str, ...]], _View] = {}
+        views: dict[tuple[str, tuple[str, ...]], AdmissionView] = {}
         for i, request in enumerate(requests):
             key = (request.pool, request.candidate_node_ids)  # one view per kind in a batch
             if key not in views:
@@ -416,24 +416,36 @@ class Admitter:
                         request.pool, request.candidate_node_ids, policy.candidate_sample, now
                     ),
                 )
-                rate = pool_prefill_rate(pool)
-                views[key] = (pool, nodes, self._rooms(nodes, policy.shares), rate)
-            pool, nodes, rooms, rate = views[key]
-            demand, unreported = self._demand(pool, policy, request, self._unreported(pool))
-            plan = plan_admission(
-                request, pool, nodes, policy, now, demand, rooms, unreported, rate
-            )
-            answer = self._without_debit(request, plan, policy)
+                views[key] = self.view_of(pool, nodes, policy)
+            plan, answer = self.plan(request, policy, now, views[key])
             if answer is None:
                 pending.append((i, plan))
             else:
                 answers[i] = answer
-                if sent_to_pool(request, answer):  # later requests of the batch see it
-                    self.sent.record(
-                        request.pool, request.uncached_prompt_tokens, request.prefill_node_id
-                    )
         await self._debit_rounds(requests, owners, policy, now, pending, answers, fate)
         return [a for a in answers if a is not None]
+
+    def view_of(
+        self, pool: PoolSnapshot | None, nodes: list[NodeState], policy: PolicySettings
+    ) -> AdmissionView:
+        """An admission view read from the store, with its nodes' rooms and the pool's
+        per-request prefill rate (computed once for every request planned on it)."""
+        return (pool, nodes, self._rooms(nodes, policy.shares), pool_prefill_rate(pool))
+
+    def plan(
+        self, request: AdmissionRequest, policy: PolicySettings, now: int, view: AdmissionView
+    ) -> tuple[Plan, Admission | None]:
+        """``request``'s plan on ``view`` (Demand, Benefit, Safety: ``plan_admission``), and
+        its answer when no debit is due (None: debit ``plan.ranked`` in order). A prompt this
+        answers to the prefill pool is counted as sent (later requests see it). The one
+        planning step of every Admit, here and in the simulator's direct path."""
+        pool, nodes, rooms, rate = view
+        demand, unreported = self._demand(pool, policy, request, self._unreported(pool))
+        plan = plan_admission(request, pool, nodes, policy, now, demand, rooms, unreported, rate)
+        answer = self._without_debit(request, plan, policy)
+        if answer is not None and sent_to_pool(request, answer):
+            self.sent.record(request.pool, request.uncached_prompt_tokens, request.prefill_node_id)
+        return plan, answer
 
     async def _debit_rounds(
         self,
@@ -462,33 +474,21 @@ class Admitter:
             if not tries:
                 break
             debits = [
-                DebitRequest(
-                    c.node_id,
-                    c.debit,
-                    requests[i].request_id,
-                    owners[i],
-                    _record(records.get(i), plan, c),
-                    c.debit_us,
-                    pulled_tokens(requests[i], c.node_id),
-                )
+                debit_request(requests[i], owners[i], c, _record(records.get(i), plan, c))
                 for i, plan, c in tries
             ]
             outcomes = await self._debit(debits, policy, now, fate)
             for (i, plan, check), outcome in zip(tries, outcomes, strict=True):
                 if outcome.granted:
                     fate.granted.append(outcome)
-                    answers[i] = _borrowed(plan, check, outcome)
+                    answers[i] = borrowed_answer(plan, check, outcome)
                 elif outcome.recorded is not None:  # an earlier call's: nothing debited
                     answers[i] = replay_admission(outcome.recorded)
                 else:
                     refusals.setdefault(i, []).append(f"{check.node_id}: {outcome.refusal}")
             pending = [(i, plan) for i, plan in pending if answers[i] is None]
         for i, plan in pending:
-            answers[i] = Admission.normal(
-                Reason.NO_ROOM,
-                "room taken by concurrent admissions (" + "; ".join(refusals.get(i, ())) + ")",
-                plan,
-            )
+            answers[i] = no_room(plan, refusals.get(i, ()))
 
     def _unreported(self, pool: PoolSnapshot | None) -> Unreported:
         """The tokens this replica sent to ``pool`` that its reports do not show yet."""
@@ -650,7 +650,33 @@ def _borrow(
     )
 
 
-def _borrowed(plan: Plan, check: NodeCheck, outcome: DebitOutcome) -> Admission:
+def debit_request(
+    request: AdmissionRequest, owner: str, check: NodeCheck, record: RequestRecord | None = None
+) -> DebitRequest:
+    """The debit of ``request`` on ``check``'s node (with the request record it writes, if
+    any)."""
+    return DebitRequest(
+        check.node_id,
+        check.debit,
+        request.request_id,
+        owner,
+        record,
+        check.debit_us,
+        pulled_tokens(request, check.node_id),
+    )
+
+
+def no_room(plan: Plan, refusals: Sequence[str]) -> Admission:
+    """The NORMAL answer of a planned borrow every debit tried was refused (``refusals``:
+    ``node: why`` each)."""
+    return Admission.normal(
+        Reason.NO_ROOM,
+        "room taken by concurrent admissions (" + "; ".join(refusals) + ")",
+        plan,
+    )
+
+
+def borrowed_answer(plan: Plan, check: NodeCheck, outcome: DebitOutcome) -> Admission:
     """The BORROW answer of a granted debit (:func:`_borrow` with the grant's facts)."""
     res = outcome.reservation
     assert res is not None  # a granted outcome carries its reservation

@@ -242,6 +242,17 @@ class Broker:
             detail = f"store slower than {limit_ms} ms" if isinstance(exc, TimeoutError) else exc
             log.warning("room_view.failed", error=repr(exc))
             return unknown_room(request.pool, f"room unknown: {detail}")
+        return self.room_of(request, pool, nodes, policy, now)
+
+    def room_of(
+        self,
+        request: RoomWatchRequest,
+        pool: PoolSnapshot | None,
+        nodes: list[NodeState],
+        policy: PolicySettings,
+        now: int,
+    ) -> RoomView:
+        """The room for ``request`` on an admission view read at ``now``."""
         sent = self._admitter.sent.unreported(pool) if pool is not None else Unreported()
         kept = self._room_demand
         if kept is None or kept[0] is not pool or kept[1] is not policy or kept[2] != sent:
@@ -365,6 +376,17 @@ class Broker:
         this replica's borrow horizon (:func:`~crossflow_ctl.domain.session.within_horizon`), so
         one sized over an older horizon (an agent that has not adopted a policy push yet, or
         ignores it) offers no more than the horizon allows, whichever path brought it."""
+        lease, now_ms = self._lease_to_store(lease, role)
+        # No timer per lease: the store bounds its own batches (RedisStore: op timeout).
+        outcome = await timed(
+            self.metrics,
+            "admin",
+            self.store.upsert_lease(lease, now_ms, self.policy.max_lease_ttl_ms),
+        )
+        return self._lease_stored(lease, outcome)
+
+    def _lease_to_store(self, lease: Lease, role: NodeRole) -> tuple[Lease, int]:
+        """:meth:`ingest_lease`'s checks: the lease as it is stored now, and now."""
         if role is not NodeRole.DECODE:
             raise FailedPrecondition(
                 f"node {lease.node_id!r} is a {role.value} node: only decode nodes lease",
@@ -372,13 +394,10 @@ class Broker:
             )
         now_ms = self.clock.now_ms()
         check_epoch(lease.epoch, now_ms)
-        lease = within_horizon(lease, self.policy.borrow_horizon_ms)
-        # No timer per lease: the store bounds its own batches (RedisStore: op timeout).
-        outcome = await timed(
-            self.metrics,
-            "admin",
-            self.store.upsert_lease(lease, now_ms, self.policy.max_lease_ttl_ms),
-        )
+        return within_horizon(lease, self.policy.borrow_horizon_ms), now_ms
+
+    def _lease_stored(self, lease: Lease, outcome: LeaseOutcome) -> LeaseOutcome:
+        """:meth:`ingest_lease`'s answer to the store's ``outcome`` of ``lease``."""
         if not outcome.accepted:
             raise StaleLease(
                 f"lease ({lease.epoch}, {lease.version}) is not newer than the stored "

@@ -9,8 +9,10 @@ threshold policies itself and moves the servers.
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from crossflow_ctl.domain.capacity import prefill_rate_tps
 from crossflow_ctl.sim.agents import DecodeAgent
@@ -114,6 +116,10 @@ class Simulation:
 
     # -- run --------------------------------------------------------------------------------
     async def run(self, progress: Callable[[int, int], None] | None = None) -> RunRecord:
+        with collector_for_runs():
+            return await self._run(progress)
+
+    async def _run(self, progress: Callable[[int, int], None] | None) -> RunRecord:
         started = time.perf_counter()
         self._load_trace()
         control = self.control
@@ -352,6 +358,31 @@ def work_inside(
         elif start <= first <= end:
             tokens_out += out
     return tokens_in, round(tokens_out)
+
+
+@contextmanager
+def collector_for_runs() -> Iterator[None]:
+    """The garbage collector's settings while a run lasts, restored after it: the objects that
+    exist when it starts (the trace, the cluster, the modules) frozen out of every collection,
+    and young collections at most once per ``RUN_YOUNG_THRESHOLD`` allocations, as the broker's
+    (:mod:`crossflow_ctl.broker.gc_policy`): an event's short-lived objects die by reference
+    count first, and full collections no longer walk the trace. Cycles are still collected;
+    results do not depend on when (the golden runs are unchanged)."""
+    threshold = gc.get_threshold()
+    freeze = gc.get_freeze_count() == 0  # else the process froze its own: left as they are
+    if freeze:
+        gc.freeze()
+    gc.set_threshold(RUN_YOUNG_THRESHOLD, threshold[1], threshold[2])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        if freeze:
+            gc.unfreeze()
+
+
+RUN_YOUNG_THRESHOLD = 20_000
+"""Allocations (net of frees) between young collections during a run (CPython's default: 700)."""
 
 
 async def simulate(

@@ -95,6 +95,10 @@ class SimConfig(Frozen):
     behind) and holds the rest for leases."""
     fast_forward_agents: bool = True
     """Agents at a fixed point sleep until their node changes (exact; see sim/agents.py)."""
+    direct_control: bool = True
+    """Leases policy: the broker's per-prompt calls take the direct path to the same rules
+    (sim/direct.py: no service plumbing); False runs the real service path, which
+    ``tests/sim/test_direct.py`` holds it to."""
     agent_period_ms: Annotated[int, Field(gt=0, le=60_000)] = 200
     lease_ttl_ms: Annotated[int, Field(gt=0, le=60_000)] = 600
 

@@ -2,8 +2,11 @@
 
 The broker is the real service class (:class:`crossflow_ctl.service.broker.Broker`) over the
 in-process :class:`MemoryStore` (or a given store), on a :class:`ManualClock` the simulator
-moves. The router is the client library's :class:`AdmissionQueue` (late binding), exactly as a
-live router uses it, with the broker in-process as its :class:`Admitter`:
+moves; on the in-process store, by default, its per-prompt calls take the direct path of
+:class:`~crossflow_ctl.sim.direct.DirectBroker` to the same rules
+(``SimConfig.direct_control``). The router is the client library's :class:`AdmissionQueue`
+(late binding), exactly as a live router uses it, with the broker in-process as its
+:class:`Admitter`:
 
 * a released prompt is submitted once; BORROW goes to its decode node, NORMAL to prefill, and a
   NORMAL for want of room while the prefill pool is behind is *held*;
@@ -50,6 +53,7 @@ from crossflow_ctl.service import Broker, BrokerSettings
 from crossflow_ctl.service.room import watch_gaps
 from crossflow_ctl.sim.agents import DecodeAgent, PrefillAgent
 from crossflow_ctl.sim.config import SimConfig
+from crossflow_ctl.sim.direct import DirectBroker
 from crossflow_ctl.sim.metrics import RunRecord
 from crossflow_ctl.sim.servers import DecodeServer, EventQueue, PrefillServer, Req
 from crossflow_ctl.store.base import Store
@@ -117,7 +121,11 @@ class ControlPlane:
         self.store: Store = store if store is not None else MemoryStore(seed=config.seed)
         # The queue's Admits, one at a time (nothing else calls the broker here).
         settings = _sim_settings(config)
-        self.broker = Broker(self.store, self.clock, settings, "sim", sequential=True)
+        self.broker = (
+            DirectBroker(self.store, self.clock, settings)
+            if config.direct_control and isinstance(self.store, MemoryStore)
+            else Broker(self.store, self.clock, settings, "sim", sequential=True)
+        )
         self.decode_ids = tuple(f"decode-{s.idx}" for s in decode)
         self._index = {node_id: i for i, node_id in enumerate(self.decode_ids)}
         period = config.agent_period_ms / 1000.0

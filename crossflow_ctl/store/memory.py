@@ -279,6 +279,13 @@ class MemoryStore(Store):
     async def admission_view(
         self, pool: str, node_ids: Sequence[str], sample: int, now_ms: int
     ) -> tuple[PoolSnapshot | None, list[NodeState]]:
+        return self.view_now(pool, node_ids, sample, now_ms)
+
+    def view_now(
+        self, pool: str, node_ids: Sequence[str], sample: int, now_ms: int
+    ) -> tuple[PoolSnapshot | None, list[NodeState]]:
+        """:meth:`admission_view` for a caller on this store's own thread, without a
+        coroutine (the simulator's direct control plane, once per Admit or room read)."""
         snapshot = self._snapshot(pool, now_ms)
         chosen = list(dict.fromkeys(node_ids)) if node_ids else self._sample(sample, now_ms)
         states = [self._nodes[n].state(now_ms) for n in chosen if n in self._nodes]
@@ -327,6 +334,16 @@ class MemoryStore(Store):
         self.check_debits(debits, share, hold_ttl_ms)
         async with self._lock:
             return [self._debit(d, share, now_ms, hold_ttl_ms) for d in debits]
+
+    def debit_now(
+        self, item: DebitRequest, share: Share, now_ms: int, hold_ttl_ms: int
+    ) -> DebitOutcome:
+        """One debit, checked and recorded at once, for a caller on this store's own thread
+        that passes arguments ``check_debits`` accepts (the simulator's direct control plane:
+        the broker's own policy and plans). No coroutine: atomic as long as no other
+        caller holds the lock, which a lone in-process caller never finds held."""
+        assert not self._lock.locked(), "debit_now while another call holds the store"
+        return self._debit(item, share, now_ms, hold_ttl_ms)
 
     def _debit(
         self, item: DebitRequest, share: Share, now_ms: int, hold_ttl_ms: int
