@@ -318,6 +318,7 @@ class ControlPlane:
             attempt=0,
             held_ahead_tokens=0,
             prefill_node_id=None,
+            explain=False,
         )
         ticket = await self.queue.submit(request)
         if ticket.outcome is not None:
