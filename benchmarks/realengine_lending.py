@@ -58,6 +58,7 @@ from crossflow_ctl.demo.cluster import (
     ClusterSpec,
 )
 from crossflow_ctl.demo.processes import Children, executable
+from crossflow_ctl.demo.scrape import parse, total
 
 ITL = "vllm:inter_token_latency_seconds"
 REQUESTS = "crossflow_gateway_requests_total"
@@ -107,12 +108,8 @@ def histogram(text: str, name: str) -> list[tuple[float, float]]:
 
 
 def counter(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+    """``name``'s samples in a /metrics text whose labels include ``labels``, summed."""
+    return total(parse(text), name, **labels)
 
 
 def quantile(

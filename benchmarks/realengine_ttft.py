@@ -41,12 +41,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from crossflow_ctl.client import AdminClient
 from crossflow_ctl.demo import vllm_engines
 from crossflow_ctl.demo.cluster import Cluster, ClusterSpec
 from crossflow_ctl.demo.processes import Children
+from crossflow_ctl.demo.scrape import parse, total
 from crossflow_ctl.domain.models import ReservationState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,12 +70,8 @@ class Result:
 
 
 def counter(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+    """``name``'s samples in a /metrics text whose labels include ``labels``, summed."""
+    return total(parse(text), name, **labels)
 
 
 async def metrics(url: str) -> str:

@@ -307,23 +307,17 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         return response
 
     async def _report(self, req: lease_pb2.ConnectRequest, info: NodeInfo) -> None:
-        """A message with no ack: a prefill node's load or a decode agent's step model."""
-        if req.WhichOneof("body") == "pool_load":
-            await self._pool_load(req.pool_load, info)
-        else:
-            await self._step_model(req.step_model, info)
-
-    async def _pool_load(self, msg: Any, info: NodeInfo) -> None:
-        """Store a pool load report; a refused one is logged (pool load has no ack)."""
+        """A message with no ack (a prefill node's load, a decode agent's step model): stored,
+        or refused with a log line; a node deleted meanwhile ends the stream (``_read``) so the
+        agent says Hello again and the node is listed, as a decode node's next lease does."""
+        body = req.WhichOneof("body")
         try:
-            load = c.pool_load_from_proto(msg)
-            if load.node_id != info.node_id:
-                raise InvalidArgument(
-                    f"{load.node_id!r} is not this stream's node", field="pool_load.node_id"
-                )
-            if not await self._broker.ingest_pool_load(load, info.role, info.pool):
-                # deleted while the agent streamed: end the stream (_read) so the agent says
-                # Hello again and the node is listed, as a decode node's next lease does
+            if body == "pool_load":
+                stored = await self._pool_load(req.pool_load, info)
+            else:
+                report = c.step_model_from_proto(req.step_model)
+                stored = await self._broker.ingest_step_model(info.node_id, report)
+            if not stored:
                 raise FailedPrecondition(
                     f"node {info.node_id!r} is not registered", field="node_id"
                 )
@@ -332,23 +326,16 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         except CrossflowError as exc:
             if _node_gone(exc):
                 raise  # _read ends the stream
-            log.warning("pool_load.refused", error=str(exc))
+            log.warning(f"{body}.refused", error=str(exc))
 
-    async def _step_model(self, msg: Any, info: NodeInfo) -> None:
-        """Keep the agent's online calibration for describe; a refused one is logged (it has no
-        ack, and admission never reads it)."""
-        try:
-            report = c.step_model_from_proto(msg)
-            if not await self._broker.ingest_step_model(info.node_id, report):
-                raise FailedPrecondition(
-                    f"node {info.node_id!r} is not registered", field="node_id"
-                )
-        except StoreUnavailable:
-            raise
-        except CrossflowError as exc:
-            if _node_gone(exc):
-                raise  # _read ends the stream
-            log.warning("step_model.refused", error=str(exc))
+    async def _pool_load(self, msg: Any, info: NodeInfo) -> bool:
+        """Store a pool load report (False: the node is not registered)."""
+        load = c.pool_load_from_proto(msg)
+        if load.node_id != info.node_id:
+            raise InvalidArgument(
+                f"{load.node_id!r} is not this stream's node", field="pool_load.node_id"
+            )
+        return await self._broker.ingest_pool_load(load, info.role, info.pool)
 
     async def _push_settings(self, announced: SessionSettings, out: _Out) -> None:
         """Send the policy-derived settings again each time the policy version this replica

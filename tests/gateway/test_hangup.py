@@ -77,8 +77,8 @@ async def stub() -> AsyncIterator[tuple[StubEngine, str]]:
         await runner.cleanup()
 
 
-async def test_a_client_hanging_up_after_done_is_counted(stub: tuple[StubEngine, str]) -> None:
-    engine, url = stub
+async def _gateway(url: str) -> GatewayServer:
+    """A gateway without a broker in front of the stub (both pools)."""
     settings = GatewaySettings(
         listen="127.0.0.1:0",
         broker=None,
@@ -89,6 +89,12 @@ async def test_a_client_hanging_up_after_done_is_counted(stub: tuple[StubEngine,
     )
     gateway = GatewayServer(settings)
     await gateway.start()
+    return gateway
+
+
+async def test_a_client_hanging_up_after_done_is_counted(stub: tuple[StubEngine, str]) -> None:
+    engine, url = stub
+    gateway = await _gateway(url)
     try:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "stream": True}
         async with aiohttp.ClientSession() as s:
@@ -119,16 +125,7 @@ async def test_a_client_hanging_up_mid_answer_is_counted_as_499(
     """Cut short before ``[DONE]``: not a served answer, whatever status its headers had."""
     engine, url = stub
     engine.send_done.clear()  # the engine streams its tokens and stalls before [DONE]
-    settings = GatewaySettings(
-        listen="127.0.0.1:0",
-        broker=None,
-        model=MODEL,
-        prefill=[{"node_id": "prefill-1", "url": url}],
-        decode=[{"node_id": "decode-1", "url": url}],
-        health_period_s=0.2,
-    )
-    gateway = GatewayServer(settings)
-    await gateway.start()
+    gateway = await _gateway(url)
     try:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "stream": True}
         async with aiohttp.ClientSession() as s:
