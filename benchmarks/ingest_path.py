@@ -33,7 +33,6 @@ from crossflow_ctl.service.broker import Broker
 from crossflow_ctl.service.config import BrokerSettings
 from crossflow_ctl.store.base import LeaseOutcome
 from crossflow_ctl.store.redis_store import RedisStore
-from crossflow_ctl.wire import convert as c
 
 BIG = common_pb2.Credits(
     compute_tokens=10**9,
@@ -64,7 +63,6 @@ async def _drive(
     leases: int,
     credits_move: bool,
     version0: int,
-    memo: bool = True,
 ) -> int:
     out = _NoOut()
     per_stream = leases // len(infos)
@@ -79,12 +77,11 @@ async def _drive(
             borrowed_prefill_rate_tps=2e8,
         )
         accepted = _Accepted()
-        decode = c.LeaseDecoder() if memo else c.lease_from_proto
         for v in range(version0 + 1, version0 + per_stream + 1):
             msg.version = v
             if credits_move:
                 msg.credits.compute_tokens = 10**9 - v
-            await servicer._lease(msg, info, out, accepted, True, decode)  # type: ignore[arg-type]
+            await servicer._lease(msg, info, out, accepted, True)  # type: ignore[arg-type]
 
     await asyncio.gather(*(stream(info) for info in infos))
     assert out.sent == 0, f"{out.sent} leases refused"
@@ -116,13 +113,13 @@ async def main(args: argparse.Namespace) -> None:
                 accepted=True, stored_epoch=lease.epoch, stored_version=lease.version
             )
 
-        async def phase(memo: bool, write: bool) -> tuple[float, float, float, float]:
+        async def phase(write: bool) -> tuple[float, float, float, float]:
             """CPU per lease (us), Redis CPU per lease (us), leases/s, leases per pipeline."""
             nonlocal version
             store.upsert_lease = real_upsert if write else no_store  # type: ignore[method-assign]
             b0 = store._ingest.batches
             r0, c0, w0 = await _redis_cpu(probe), time.process_time(), time.perf_counter()
-            n = await _drive(servicer, infos, args.leases, args.credits_move, version, memo)
+            n = await _drive(servicer, infos, args.leases, args.credits_move, version)
             cpu, wall = time.process_time() - c0, time.perf_counter() - w0
             redis_us = (await _redis_cpu(probe) - r0) / n * 1e6
             version += args.leases
@@ -133,15 +130,13 @@ async def main(args: argparse.Namespace) -> None:
             f"ingest path: {args.streams} streams, {args.leases} leases a phase, credits "
             f"{'move' if args.credits_move else 'fixed'}; us of CPU per lease"
         )
-        print(" round  floor(no write)  plain decode  LeaseDecoder  redis  leases/pipeline")
+        print(" round  floor(no write)  path  redis  leases/pipeline")
         for rnd in range(args.rounds):
-            floor_us = (await phase(False, False))[0]
-            plain_us, _, _, _ = await phase(False, True)
-            memo_us, redis_us, _, per_pipe = await phase(True, True)
+            floor_us = (await phase(False))[0]
+            path_us, redis_us, _, per_pipe = await phase(True)
             print(
-                f" {rnd:5d}  {floor_us:15.1f}  {plain_us:12.1f}  {memo_us:12.1f}  "
-                f"{redis_us:5.1f}  {per_pipe:15.1f}   store path {plain_us - floor_us:.1f}, "
-                f"decoder/plain {memo_us / plain_us:.3f}"
+                f" {rnd:5d}  {floor_us:15.1f}  {path_us:4.1f}  {redis_us:5.1f}  "
+                f"{per_pipe:15.1f}   store path {path_us - floor_us:.1f}"
             )
         if args.profile:
             store.upsert_lease = real_upsert  # type: ignore[method-assign]

@@ -25,7 +25,7 @@ cleanly.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -42,7 +42,7 @@ from crossflow_ctl.domain.errors import (
     StaleLease,
     StoreUnavailable,
 )
-from crossflow_ctl.domain.models import Lease, NodeInfo, NodeRole
+from crossflow_ctl.domain.models import NodeInfo, NodeRole
 from crossflow_ctl.domain.session import SessionSettings
 from crossflow_ctl.observability import span, spans_recorded
 from crossflow_ctl.service.broker import Broker
@@ -220,16 +220,15 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         attrs = {"crossflow.node_id": node_id}
         traced = spans_recorded()  # once per stream, not per lease (see spans_recorded)
         accepted = _Accepted()
-        decode = c.LeaseDecoder()
         try:
             async for req in requests:
                 body = req.WhichOneof("body")
                 if body == "lease":
                     if traced:
                         with span("crossflow.lease_batch", attrs):
-                            await self._lease(req.lease, info, out, accepted, refusal_acks, decode)
+                            await self._lease(req.lease, info, out, accepted, refusal_acks)
                     else:
-                        await self._lease(req.lease, info, out, accepted, refusal_acks, decode)
+                        await self._lease(req.lease, info, out, accepted, refusal_acks)
                 elif body in ("pool_load", "step_model"):
                     await self._report(req, info)
                 elif body == "heartbeat":
@@ -262,9 +261,8 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
         out: _Out,
         accepted: _Accepted,
         refusal_acks: bool,
-        decode: Callable[[Any], Lease],
     ) -> None:
-        response = await self._ack(msg, info, decode)
+        response = await self._ack(msg, info)
         ack = response.lease_ack
         if ack.result == lease_pb2.LEASE_RESULT_ACCEPTED:
             accepted.epoch, accepted.version = ack.epoch, ack.version
@@ -272,15 +270,13 @@ class LeaseStreamServicer(lease_pb2_grpc.LeaseServiceServicer):
                 return
         await out.send(response)
 
-    async def _ack(
-        self, msg: Any, info: NodeInfo, decode: Callable[[Any], Lease]
-    ) -> lease_pb2.ConnectResponse:
-        """The lease's ack; ``decode``: the stream's :class:`.convert.LeaseDecoder`."""
+    async def _ack(self, msg: Any, info: NodeInfo) -> lease_pb2.ConnectResponse:
+        """The lease's ack."""
         response = lease_pb2.ConnectResponse()
         ack = response.lease_ack  # filled in place: no message built and then copied in
         ack.epoch, ack.version = msg.epoch, msg.version
         try:
-            lease = decode(msg)
+            lease = c.lease_from_proto(msg)
             if lease.node_id != info.node_id:
                 raise InvalidArgument(
                     f"{lease.node_id!r} is not this stream's node {info.node_id!r}",

@@ -137,31 +137,6 @@ def lease_from_proto(msg: common_pb2.Lease, field: str = "lease") -> Lease:
     return _lease_from_proto(msg, field, credits_fields(msg.credits))
 
 
-class LeaseDecoder:
-    """:func:`lease_from_proto` for one agent stream: a lease whose credits equal the last
-    decoded lease's takes that lease's validated Credits (pydantic does not validate a model
-    instance again), so only its own fields are validated. A node's leases repeat their
-    credits (renewals, and every lease within the agent's deadband): about a fifth of a
-    lease's validation. Credits that differ are validated with the rest of the lease, as
-    :func:`lease_from_proto` does, so a bad lease is refused naming the same field."""
-
-    __slots__ = ("_credits", "_last")
-
-    def __init__(self) -> None:
-        self._last: tuple[int, ...] = ()
-        self._credits: Credits | None = None
-
-    def __call__(self, msg: common_pb2.Lease, field: str = "lease") -> Lease:
-        c = msg.credits
-        amounts = (c.compute_tokens, c.kv_tokens, c.kv_transfer_bytes, c.output_tokens, c.slots)
-        known = self._credits
-        if known is not None and amounts == self._last:
-            return _lease_from_proto(msg, field, known)
-        lease = _lease_from_proto(msg, field, credits_fields(c))
-        self._last, self._credits = amounts, lease.credits
-        return lease
-
-
 def _lease_from_proto(
     msg: common_pb2.Lease, field: str, credits: Credits | dict[str, int]
 ) -> Lease:
